@@ -1,0 +1,46 @@
+"""Shared test plumbing.
+
+Tests that need real QEMU, root or network namespaces use the `need_vm` / `need_netns` fixtures.
+Outside CI a missing capability skips the test; with CI=true it fails, because CI runs real VMs and
+a silent skip there would hide a broken setup.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+EXTERNAL = SHARED / "external"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, why: str) -> None:
+    """Skip locally, fail in CI, when a test's real dependency is missing."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and {why}: CI must run this test for real", pytrace=False)
+    pytest.skip(why)
+
+
+@pytest.fixture
+def need_root() -> None:
+    require(os.geteuid() == 0, "not running as root")
+
+
+@pytest.fixture
+def need_netns(need_root) -> None:
+    require(shutil.which("ip") is not None, "iproute2 is not installed")
+    require(shutil.which("iptables-restore") is not None, "iptables is not installed")
+    require(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing")
+
+
+@pytest.fixture
+def external() -> Path:
+    require(EXTERNAL.is_dir(), f"{EXTERNAL} is missing")
+    return EXTERNAL
