@@ -1,0 +1,27 @@
+"""Egress policy for microvm-check guests: YAML in, iptables documents out.
+
+Public API (everything else is internal):
+
+- `load_policy(source, source_name=None) -> Policy`: `source` is a `Path` (a file) or `str` (YAML
+  text); raises `PolicyError` (a list of `Problem(file, line, column, message)`) for anything wrong.
+- `Policy(version, mode, rules)`, `Rule(ports, protocol, host=None, network=None)`: frozen and
+  normalised; `Policy.digest()` is the `sha256:...` recorded in job records,
+  `Policy.rules_for_host(name)` is what the DNS resolver asks before allowing an answer.
+- `intersect(a, *more) -> Policy`: the effective policy of several layers (never wider than any).
+- `PolicyStore(directory).for_repository("owner/repo")` and `.for_job(repository, job_yaml)`.
+- `render(policy, RenderContext(...), OperatorAllowances(...)) -> RenderedRules(ipv4, ipv6)`;
+  `dns_allow_rule(ip, ports, protocol)` is the rule shape the resolver appends to `MVC-DNS-ALLOW`.
+"""
+
+from policy.compose import intersect
+from policy.load import PolicyError, Problem, load_policy
+from policy.model import DENY_ALL, Policy, Rule
+from policy.render import (DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules,
+                           dns_allow_rule, render)
+from policy.store import PolicyStore
+
+__all__ = [
+    "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
+    "Problem", "RenderContext", "RenderedRules", "Rule", "dns_allow_rule", "intersect",
+    "load_policy", "render",
+]

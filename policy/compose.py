@@ -1,0 +1,86 @@
+"""Combining policies: the effective policy of a job is the intersection of every layer.
+
+Layers are the org default, the repository's file (both from the operator's trusted store) and
+optionally the job's own policy. Intersection, never union, is what keeps a pull request from
+widening its own egress: whatever a job brings, the result allows no connection that any layer
+forbids.
+
+Precisely, for policies A and B, `intersect(A, B)` holds the pairwise intersection of their rules:
+
+- destinations:
+  - two host patterns: equal names give that name; an exact name and a wildcard that matches it
+    give the exact name; two wildcards give the narrower one when one lies under the other
+    (`*.files.example.org` under `*.example.org`), and nothing otherwise;
+  - two networks: they overlap only when one contains the other, and give the smaller one;
+    an IPv4 and an IPv6 network never overlap;
+  - a host pattern and a network give *nothing*. "Name matches and address lies in the network"
+    cannot be expressed as one rule; dropping the pair keeps the result narrower than both sides,
+    which is the safe side. Write both layers in the same terms when they must combine.
+- protocols must be equal; ports are the set intersection and must not be empty.
+- mode: block if either side is block, audit only when both are. A job asking for audit on a
+  block policy therefore still gets block.
+
+The result is never wider than either side, for every connection (see the property tests).
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+from policy.model import Network, Policy, Rule
+
+
+def intersect(first: Policy, *others: Policy) -> Policy:
+    """The policy allowing exactly what every given policy's rules allow (see the module doc)."""
+    return reduce(_intersect_two, others, first)
+
+
+def _intersect_two(a: Policy, b: Policy) -> Policy:
+    rules = [rule for left in a.rules for right in b.rules
+             if (rule := intersect_rules(left, right)) is not None]
+    mode = "audit" if a.mode == b.mode == "audit" else "block"
+    return Policy(version=a.version, mode=mode, rules=tuple(rules))
+
+
+def intersect_rules(a: Rule, b: Rule) -> Rule | None:
+    """The rule allowing what both rules allow, or None when they share nothing."""
+    if a.protocol != b.protocol:
+        return None
+    ports = a.ports & b.ports
+    if not ports:
+        return None
+    if a.host is not None and b.host is not None:
+        host = intersect_hosts(a.host, b.host)
+        return None if host is None else Rule(ports=ports, protocol=a.protocol, host=host)
+    if a.network is not None and b.network is not None:
+        network = intersect_networks(a.network, b.network)
+        return None if network is None else Rule(ports=ports, protocol=a.protocol, network=network)
+    return None
+
+
+def intersect_hosts(a: str, b: str) -> str | None:
+    """The host pattern admitting exactly the names both patterns admit, if any."""
+    if _host_within(a, b):
+        return a
+    if _host_within(b, a):
+        return b
+    return None
+
+
+def _host_within(inner: str, outer: str) -> bool:
+    """Whether every name `inner` admits is admitted by `outer`."""
+    if inner == outer:
+        return True
+    if not outer.startswith("*."):
+        return False
+    return inner.endswith(outer[1:])
+
+
+def intersect_networks(a: Network, b: Network) -> Network | None:
+    if a.version != b.version:
+        return None
+    if a.subnet_of(b):
+        return a
+    if b.subnet_of(a):
+        return b
+    return None

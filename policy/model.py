@@ -1,0 +1,140 @@
+"""The egress policy as data: what a guest may reach, independent of YAML and of iptables.
+
+Everything here is immutable and normalised on construction, so two policies that allow the
+same thing compare equal and have the same digest, whatever order or grouping their files used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
+from typing import Literal, Union
+
+Network = Union[IPv4Network, IPv6Network]
+Address = Union[IPv4Address, IPv6Address]
+Mode = Literal["block", "audit"]
+Protocol = Literal["tcp", "udp"]
+
+MODES: tuple[str, ...] = ("block", "audit")
+PROTOCOLS: tuple[str, ...] = ("tcp", "udp")
+SUPPORTED_VERSION = 1
+
+
+def host_matches(pattern: str, name: str) -> bool:
+    """Whether a host pattern admits a DNS name.
+
+    An exact pattern admits only itself. `*.example.org` admits every name with at least one more
+    label in front (`a.example.org`, `b.a.example.org`), never `example.org` itself: the usual
+    meaning for CDN-style sub-domains, and the one that makes wildcard subsumption a plain suffix test.
+    """
+    name = name.lower().rstrip(".")
+    if pattern.startswith("*."):
+        return name.endswith(pattern[1:])
+    return name == pattern
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One allowed destination: a host pattern or a network, on some ports of one protocol."""
+
+    ports: frozenset[int]
+    protocol: Protocol = "tcp"
+    host: str | None = None
+    network: Network | None = None
+
+    def __post_init__(self) -> None:
+        if (self.host is None) == (self.network is None):
+            raise ValueError("a Rule needs exactly one of host or network")
+        if not self.ports or not all(1 <= port <= 65535 for port in self.ports):
+            raise ValueError(f"a Rule needs ports in 1..65535, got {sorted(self.ports)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        object.__setattr__(self, "ports", frozenset(self.ports))
+
+    @property
+    def destination(self) -> str:
+        return self.host if self.host is not None else str(self.network)
+
+    def allows(self, port: int, protocol: str, *, name: str | None = None,
+               address: Address | str | None = None) -> bool:
+        """Whether this rule admits a connection; a host rule looks at the name the resolver
+        handed out, a network rule at the address actually dialled."""
+        if port not in self.ports or protocol != self.protocol:
+            return False
+        if self.host is not None:
+            return name is not None and host_matches(self.host, name)
+        if address is None:
+            return False
+        address = ip_address(address)
+        return address.version == self.network.version and address in self.network
+
+    def canonical(self) -> dict[str, object]:
+        kind = "host" if self.host is not None else "cidr"
+        return {kind: self.destination, "ports": sorted(self.ports), "protocol": self.protocol}
+
+    def sort_key(self) -> tuple:
+        if self.host is not None:
+            return (0, 0, self.host, b"", 0, self.protocol)
+        network = self.network
+        return (1, network.version, "", network.network_address.packed, network.prefixlen,
+                self.protocol)
+
+
+def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """Merge rules for the same destination and protocol and sort them, so equal meaning gives
+    equal objects and equal digests."""
+    merged: dict[tuple, Rule] = {}
+    for rule in rules:
+        key = rule.sort_key()
+        if key in merged:
+            rule = Rule(merged[key].ports | rule.ports, rule.protocol, rule.host, rule.network)
+        merged[key] = rule
+    return tuple(merged[key] for key in sorted(merged))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a job's guest may reach. `mode="audit"` lets everything through but records what
+    `block` would have stopped; the rules still say what is meant to be allowed."""
+
+    version: int = SUPPORTED_VERSION
+    mode: Mode = "block"
+    rules: tuple[Rule, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "rules", _normalise(tuple(self.rules)))
+
+    @property
+    def host_rules(self) -> tuple[Rule, ...]:
+        return tuple(rule for rule in self.rules if rule.host is not None)
+
+    @property
+    def network_rules(self) -> tuple[Rule, ...]:
+        return tuple(rule for rule in self.rules if rule.network is not None)
+
+    def rules_for_host(self, name: str) -> tuple[Rule, ...]:
+        """The host rules a DNS answer for `name` falls under: what the resolver asks before it
+        adds the answer's addresses to the VM's allow chain (see `policy.render.dns_allow_rule`)."""
+        return tuple(rule for rule in self.host_rules if host_matches(rule.host, name))
+
+    def allows(self, port: int, protocol: str, *, name: str | None = None,
+               address: Address | str | None = None) -> bool:
+        """Whether the rules admit a connection, ignoring mode (audit lets everything through)."""
+        return any(rule.allows(port, protocol, name=name, address=address) for rule in self.rules)
+
+    def canonical(self) -> dict[str, object]:
+        return {"version": self.version, "mode": self.mode,
+                "allow": [rule.canonical() for rule in self.rules]}
+
+    def digest(self) -> str:
+        """`sha256:<hex>` of the canonical JSON form: stable across runs, file layout and rule
+        order, so a job record names exactly the egress its VM had."""
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+DENY_ALL = Policy(version=SUPPORTED_VERSION, mode="block", rules=())

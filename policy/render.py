@@ -1,0 +1,209 @@
+"""Rendering a policy to the `iptables-restore` / `ip6tables-restore` documents of one VM.
+
+The documents fill the `filter` table of the VM's own network namespace, where the guest's tap
+(`guest_iface`) and the uplink veth (`uplink_iface`) meet. Order in FORWARD, first match wins:
+
+1. replies to connections already allowed; invalid packets dropped;
+2. anything not entering from the guest dropped (nothing may open a connection *to* the guest),
+   anything not leaving by the uplink dropped, and anti-spoofing: only `guest_ip` with `guest_mac`;
+3. the DNS service, then the operator's allowances (`OperatorAllowances`);
+4. the always-denied destinations (see `policy.reserved`, plus the host's addresses and the gateway)
+   dropped, which *clips* every rule below, including addresses a DNS answer points at;
+5. the policy's CIDR rules, then a jump to the per-VM chain `MVC-DNS-ALLOW` that the DNS resolver
+   fills at run time with the addresses it handed out for permitted names (`dns_allow_rule`);
+6. NFLOG of what is left, then the verdict, which is the chain's last rule: REJECT in block mode
+   (TCP reset, else ICMP admin-prohibited, so a denied client fails at once instead of timing
+   out), ACCEPT in audit mode.
+
+NFLOG rather than LOG: the service needs what was blocked as data (`blocked_egress` in the job
+record), which NFLOG hands to a netlink listener inside the VM's namespace, tagged with the job's
+prefix; LOG writes to the kernel ring buffer, where the kernel drops it for non-initial namespaces
+unless `nf_log_all_netns` is set, and from where it would have to be scraped back out.
+
+INPUT (the namespace itself: gateway and resolver) admits only the DNS port (UDP and TCP) and the
+operator's allowances from the guest. IPv6 is dropped outright unless the guest has an IPv6
+address and an IPv6 network rule (the policy's or the operator's) exists; then the same order applies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
+from typing import Iterable
+
+import jinja2
+
+from policy.model import PROTOCOLS, Address, Network, Policy, Rule
+from policy.reserved import always_denied
+
+DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
+MULTIPORT_SLOTS = 15  # iptables' multiport limit; a range a:b takes two slots
+
+_IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+_MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
+_PREFIX = re.compile(r"[A-Za-z0-9_.:=/-]{1,63}")
+
+_templates = jinja2.Environment(
+    loader=jinja2.PackageLoader("policy", "templates"),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderContext:
+    """Where one VM's rules apply. Every field ends up inside an iptables document, so each is
+    validated here rather than trusted."""
+
+    guest_ip: IPv4Address | str
+    guest_mac: str
+    gateway_ip: IPv4Address | str
+    dns_ip: IPv4Address | str
+    guest_iface: str = "tap0"
+    uplink_iface: str = "veth0"
+    dns_port: int = 53
+    host_addresses: tuple[Address | str, ...] = ()
+    log_prefix: str = "mvc"
+    nflog_group: int = 1
+    guest_ip6: IPv6Address | str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("guest_ip", "gateway_ip", "dns_ip"):
+            object.__setattr__(self, name, _ipv4(name, getattr(self, name)))
+        if self.guest_ip6 is not None:
+            object.__setattr__(self, "guest_ip6", _ipv6("guest_ip6", self.guest_ip6))
+        object.__setattr__(self, "host_addresses", tuple(ip_address(a) for a in self.host_addresses))
+        object.__setattr__(self, "guest_mac", self.guest_mac.lower())
+        _check(_MAC.fullmatch(self.guest_mac), f"guest_mac {self.guest_mac!r} is not a MAC like 52:54:00:12:34:56")
+        for name in ("guest_iface", "uplink_iface"):
+            _check(_IFACE.fullmatch(getattr(self, name)), f"{name} {getattr(self, name)!r} is not an interface name")
+        _check(self.guest_iface != self.uplink_iface, "guest_iface and uplink_iface must differ")
+        _check(1 <= self.dns_port <= 65535, f"dns_port {self.dns_port} is out of range 1..65535")
+        _check(_PREFIX.fullmatch(self.log_prefix),
+               f"log_prefix {self.log_prefix!r} must be 1..63 of A-Z a-z 0-9 _ . : = / -")
+        _check(0 <= self.nflog_group <= 65535, f"nflog_group {self.nflog_group} is out of range 0..65535")
+
+
+@dataclass(frozen=True)
+class OperatorAllowances:
+    """Network rules from the runner operator's own config: rendered before the always-denied
+    destinations, so they are the only way to open e.g. the metadata service, a host address or a
+    service on the gateway. Never built from a repository's or a job's policy."""
+
+    rules: tuple[Rule, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for rule in self.rules:
+            _check(rule.network is not None, f"operator allowance {rule.destination} must be a network, not a host name")
+
+
+@dataclass(frozen=True)
+class RenderedRules:
+    ipv4: str  # for iptables-restore
+    ipv6: str  # for ip6tables-restore
+
+
+@dataclass(frozen=True)
+class _Accept:
+    """One rule as the templates print it: destination, protocol and port groups."""
+
+    destination: str
+    protocol: str
+    port_groups: tuple[str, ...]
+
+
+def render(policy: Policy, context: RenderContext,
+           allowances: OperatorAllowances = OperatorAllowances()) -> RenderedRules:
+    """Both documents for one VM (see the module doc for the order and its reasons)."""
+    ipv6_enabled = context.guest_ip6 is not None and any(
+        rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
+    common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN}
+    ipv4 = _templates.get_template("filter4.rules.j2").render(
+        **common, **_family_view(4, policy, context, allowances))
+    ipv6 = _templates.get_template("filter6.rules.j2").render(
+        **common, **_family_view(6, policy, context, allowances), enabled=ipv6_enabled)
+    return RenderedRules(ipv4=ipv4, ipv6=ipv6)
+
+
+def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> str:
+    """The rule(s) the DNS resolver appends to `MVC-DNS-ALLOW` after answering a permitted name.
+
+    Returns one `-A MVC-DNS-ALLOW -d <ip>/<32|128> -p <proto> -m multiport --dports <ports> -j ACCEPT`
+    line per 15-slot port group (newline-separated). Each line is valid both inside an
+    `iptables-restore --noflush` document (`*filter` ... `COMMIT`) and, split on whitespace, as the
+    arguments of `iptables`/`ip6tables` (use `ip6tables` when the address is IPv6). The address is
+    parsed here, so a hostile DNS answer cannot inject options; addresses in always-denied ranges
+    are harmless because the chain is consulted only after those are dropped.
+    """
+    address = ip_address(ip)
+    _check(protocol in PROTOCOLS, f"protocol {protocol!r} must be one of {PROTOCOLS}")
+    port_set = frozenset(ports)
+    _check(bool(port_set) and all(isinstance(p, int) and 1 <= p <= 65535 for p in port_set),
+           f"ports {sorted(port_set)} must be a non-empty set of 1..65535")
+    accept = _accept_for(ip_network(address), protocol, port_set)
+    return "\n".join(f"-A {DNS_ALLOW_CHAIN} -d {accept.destination} -p {protocol} -m multiport "
+                     f"--dports {group} -j ACCEPT" for group in accept.port_groups)
+
+
+def _family_view(version: int, policy: Policy, context: RenderContext,
+                 allowances: OperatorAllowances) -> dict[str, object]:
+    denied = [str(reserved.network) for reserved in always_denied(version)]
+    denied += [str(ip_network(a)) for a in context.host_addresses if a.version == version]
+    if version == 4:
+        denied.append(str(ip_network(context.gateway_ip)))
+    return {
+        "operator": [_accept(rule) for rule in allowances.rules if rule.network.version == version],
+        "denied": list(dict.fromkeys(denied)),
+        "accepts": [_accept(rule) for rule in policy.network_rules if rule.network.version == version],
+    }
+
+
+def _accept(rule: Rule) -> _Accept:
+    return _accept_for(rule.network, rule.protocol, rule.ports)
+
+
+def _accept_for(network: Network, protocol: str, ports: frozenset[int]) -> _Accept:
+    return _Accept(str(network), protocol, tuple(port_groups(ports)))
+
+
+def port_groups(ports: Iterable[int]) -> list[str]:
+    """`--dports` arguments covering `ports`, consecutive ports folded into ranges, each within
+    multiport's 15-slot limit."""
+    ranges: list[list[int]] = []
+    for port in sorted(set(ports)):
+        if ranges and ranges[-1][1] == port - 1:
+            ranges[-1][1] = port
+        else:
+            ranges.append([port, port])
+    groups: list[list[str]] = [[]]
+    used = 0
+    for low, high in ranges:
+        item, slots = (str(low), 1) if low == high else (f"{low}:{high}", 2)
+        if used + slots > MULTIPORT_SLOTS:
+            groups.append([])
+            used = 0
+        groups[-1].append(item)
+        used += slots
+    return [",".join(group) for group in groups if group]
+
+
+def _ipv4(name: str, value: IPv4Address | str) -> IPv4Address:
+    address = ip_address(value)
+    _check(isinstance(address, IPv4Address), f"{name} {value} must be an IPv4 address")
+    return address
+
+
+def _ipv6(name: str, value: IPv6Address | str) -> IPv6Address:
+    address = ip_address(value)
+    _check(isinstance(address, IPv6Address), f"{name} {value} must be an IPv6 address")
+    return address
+
+
+def _check(condition: object, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,83 @@
+"""The operator's trusted policy store: an org default and per-repository files on the host.
+
+Layout under the store directory:
+
+    _org.yml              the org default (optional)
+    <owner>/<repo>.yml    one repository's policy (optional)
+
+Files are read on every call, so an operator's edit applies to the next job without a restart.
+Repository names come from webhooks and job specs, so they are validated before they become
+paths: nothing outside the store directory can be named. GitHub treats names case-insensitively,
+and so does the lookup.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from policy.compose import intersect
+from policy.load import load_policy
+from policy.model import DENY_ALL, Policy
+
+ORG_FILE = "_org.yml"
+_OWNER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})")
+_REPO = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+
+@dataclass(frozen=True)
+class PolicyStore:
+    directory: Path
+
+    def for_repository(self, repository: str) -> Policy:
+        """The repository's file intersected with the org default; the org default alone when the
+        repository has no file; deny-all when neither exists. Raises `PolicyError` when a store file
+        is invalid (the job must not run with a policy nobody meant) and `ValueError` for a name
+        that is not `owner/repo`."""
+        owner, repo = split_repository(repository)
+        layers = [load_policy(path) for path in (self._org_file(), self._repository_file(owner, repo))
+                  if path is not None]
+        return intersect(*layers) if layers else DENY_ALL
+
+    def for_job(self, repository: str, job_policy: str | None) -> Policy:
+        """The effective policy of one job: the repository's, narrowed by the YAML the job brought
+        (the JobSpec's `policy` field). The job's text can only narrow, never widen."""
+        policy = self.for_repository(repository)
+        if job_policy is None:
+            return policy
+        return intersect(policy, load_policy(job_policy, "job policy"))
+
+    def _org_file(self) -> Path | None:
+        path = self.directory / ORG_FILE
+        return path if path.is_file() else None
+
+    def _repository_file(self, owner: str, repo: str) -> Path | None:
+        owner_dir = _find_casefold(self.directory, owner, want_dir=True)
+        if owner_dir is None:
+            return None
+        return _find_casefold(owner_dir, f"{repo}.yml", want_dir=False)
+
+
+def split_repository(repository: str) -> tuple[str, str]:
+    """`owner`, `repo` from `owner/repo`, refusing anything that could escape the store."""
+    owner, _, repo = repository.partition("/")
+    if not _OWNER.fullmatch(owner) or not _REPO.fullmatch(repo) or repo in (".", ".."):
+        raise ValueError(f"{repository[:200]!r} is not a repository name; expected 'owner/repo' "
+                         "with GitHub's characters")
+    return owner, repo
+
+
+def _find_casefold(directory: Path, name: str, *, want_dir: bool) -> Path | None:
+    exact = directory / name
+    if (exact.is_dir() if want_dir else exact.is_file()):
+        return exact
+    try:
+        candidates = sorted(directory.iterdir())
+    except OSError:
+        return None
+    for candidate in candidates:
+        if candidate.name.casefold() == name.casefold():
+            if candidate.is_dir() if want_dir else candidate.is_file():
+                return candidate
+    return None
