@@ -1,0 +1,157 @@
+"""`microvm-check register | deregister | runners | guard`: the host's side of the GitHub org."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from runner.github import guard, runners
+from runner.github.app import GitHubApp
+from runner.github.client import GitHubClient
+from runner.github.config import DEFAULT_CONFIG_PATH, GitHubSettings, load_settings
+from runner.github.errors import GitHubError
+
+GUARD_RULES_ENV = "MICROVM_CHECK_GUARD_RULES"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    config_help = f"GitHub App settings (YAML; default {DEFAULT_CONFIG_PATH} or $MICROVM_CHECK_GITHUB_CONFIG)"
+
+    cmd = subparsers.add_parser("register", help="register this host's runner with the org")
+    _common(cmd, config_help)
+    cmd.add_argument("--labels", help="comma-separated runner labels (default: the config's labels)")
+    cmd.add_argument("--runner-group", help="runner group: its ID with --jit, its name for config.sh")
+    cmd.add_argument("--runner-dir", type=Path, help="actions/runner directory: run config.sh/run.sh there")
+    cmd.add_argument("--jit", action="store_true", help="use a just-in-time (single job) runner config")
+    cmd.add_argument("--name", default=socket.gethostname(), help="runner name (default: the host name)")
+    cmd.add_argument("--show-token", action="store_true", help="print the token instead of <redacted>")
+    cmd.set_defaults(func=cmd_register)
+
+    cmd = subparsers.add_parser("deregister", help="remove this host's runner from the org")
+    _common(cmd, config_help)
+    cmd.add_argument("--runner-dir", type=Path, help="actions/runner directory: run `config.sh remove` there")
+    cmd.add_argument("--name", default=socket.gethostname(), help="runner to delete (default: the host name)")
+    cmd.add_argument("--show-token", action="store_true", help="print the token instead of <redacted>")
+    cmd.set_defaults(func=cmd_deregister)
+
+    cmd = subparsers.add_parser("runners", help="list the org's runners, ours marked by label")
+    _common(cmd, config_help)
+    cmd.add_argument("--labels", help="comma-separated labels that mark our runners (default: the config's)")
+    cmd.set_defaults(func=cmd_runners)
+
+    cmd = subparsers.add_parser("guard", help="job-started hook: refuse untrusted fork workflows")
+    cmd.add_argument("--config", type=Path, help=config_help)
+    cmd.add_argument("--rules", type=Path, help=f"per-repository guard rules (YAML; default ${GUARD_RULES_ENV})")
+    cmd.set_defaults(func=cmd_guard)
+
+
+def _common(cmd: argparse.ArgumentParser, config_help: str) -> None:
+    cmd.add_argument("--config", type=Path, help=config_help)
+    cmd.add_argument("--org", help="organisation login (default: the config's org)")
+
+
+def _setup(args: argparse.Namespace) -> tuple[GitHubSettings, GitHubApp, str]:
+    settings = load_settings(args.config)
+    org = args.org or settings.org
+    if not org:
+        raise GitHubError("no organisation: pass --org or set org in the GitHub config")
+    app = GitHubApp(settings.credentials(), api_url=settings.api_url)
+    return settings, app, org
+
+
+def _labels(args: argparse.Namespace, settings: GitHubSettings) -> list[str]:
+    if not getattr(args, "labels", None):
+        return list(settings.labels)
+    labels = [label.strip() for label in args.labels.split(",") if label.strip()]
+    if not labels:
+        raise GitHubError("--labels must name at least one label")
+    return labels
+
+
+def web_url(api_url: str) -> str:
+    """github.com for the public API, the server itself for GitHub Enterprise Server (`/api/v3`)."""
+    api_url = api_url.rstrip("/")
+    if api_url == "https://api.github.com":
+        return "https://github.com"
+    return api_url.removesuffix("/api/v3")
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    settings, app, org = _setup(args)
+    admin = runners.RunnerAdmin(app.as_installation, org)
+    labels = _labels(args, settings)
+    if args.jit:
+        group = _group_id(args.runner_group)
+        jit = admin.jit_config(args.name, labels, group)
+        print(f"runner {jit.runner.name} (id {jit.runner.id}) registered just in time with labels {', '.join(labels)}")
+        command = runners.jit_run_command(jit)
+    else:
+        token = admin.registration_token()
+        command = runners.config_command(f"{web_url(settings.api_url)}/{org}", token, args.name, labels, args.runner_group)
+        print(f"registration token for org {org} expires at {token.expires_at}")
+    return _run_or_print(command, args.runner_dir, args.show_token)
+
+
+def cmd_deregister(args: argparse.Namespace) -> int:
+    _, app, org = _setup(args)
+    admin = runners.RunnerAdmin(app.as_installation, org)
+    if args.runner_dir:
+        return _run_or_print(runners.remove_command(admin.remove_token()), args.runner_dir, args.show_token)
+    runner = admin.find(args.name)
+    if runner is None:
+        raise GitHubError(f"org {org} has no runner named {args.name!r}: see `microvm-check runners`")
+    admin.delete(runner.id)
+    print(f"deleted runner {runner.name} (id {runner.id}) from org {org}")
+    return 0
+
+
+def cmd_runners(args: argparse.Namespace) -> int:
+    settings, app, org = _setup(args)
+    labels = _labels(args, settings)
+    found = runners.RunnerAdmin(app.as_installation, org).list()
+    for runner in found:
+        mark = "*" if runner.is_ours(labels) else " "
+        state = f"{runner.status}{', busy' if runner.busy else ''}"
+        print(f"{mark} {runner.id:>8}  {runner.name:<30} {state:<14} {', '.join(runner.labels)}")
+    print(f"{len(found)} runner(s) in org {org}; * = ours (labels {', '.join(labels)})")
+    return 0
+
+
+def cmd_guard(args: argparse.Namespace) -> int:
+    """Exit 0 to let the job run; 1 with `::error::` lines (shown in the job log) to refuse it."""
+    rules_path = args.rules or (Path(os.environ[GUARD_RULES_ENV]) if os.environ.get(GUARD_RULES_ENV) else None)
+    try:
+        job = guard.job_context(os.environ)
+        rules = guard.load_rules(rules_path).for_repository(job.repository)
+        verdict = guard.evaluate(job, rules, lambda: _installation_client(args.config))
+    except GitHubError as exc:
+        verdict = guard.Verdict(False, (f"the guard could not check this job ({exc}), so it refuses it.",))
+    for line in guard.error_lines(verdict):
+        print(line, flush=True)
+    if verdict.allowed:
+        print("microvm-check guard: job allowed", file=sys.stderr)
+    return 0 if verdict.allowed else 1
+
+
+def _installation_client(config: Path | None) -> GitHubClient:
+    settings = load_settings(config)
+    return GitHubApp(settings.credentials(), api_url=settings.api_url).as_installation
+
+
+def _group_id(value: str | None) -> int:
+    if value is None:
+        return runners.DEFAULT_RUNNER_GROUP_ID
+    if not value.isdigit():
+        raise GitHubError(f"--runner-group must be the group's numeric ID with --jit, not {value!r}")
+    return int(value)
+
+
+def _run_or_print(command: runners.RunnerCommand, runner_dir: Path | None, show_token: bool) -> int:
+    if runner_dir is None:
+        print("run this in the actions/runner directory:")
+        print(f"  {command.display(show_token)}")
+        return 0
+    return command.run(runner_dir)

@@ -1,0 +1,90 @@
+"""Reading one file of a repository at one ref through the contents API.
+
+Both the policy source and the fork guard need "this path, at this exact ref, in this repository"
+and nothing looser: a directory, a submodule, an unresolvable symlink or a file too large to be
+inlined is an error here, never something to guess around.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import requests
+
+from runner.github.client import GitHubClient
+from runner.github.errors import GitHubError, NotFound
+
+SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1 or SHA-256 object names
+PATH_RE = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f]{1,1024}$")
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """A file's identity at a ref; `content` is None for metadata-only reads or 304 answers."""
+
+    repository: str
+    path: str
+    ref: str
+    sha: str
+    size: int
+    content: bytes | None = None
+    etag: str | None = None
+
+
+def check_path(path: str) -> str:
+    """A repository-relative path with no `..`, `.` or leading slash, so a ref cannot redirect it."""
+    if not PATH_RE.match(path):
+        raise GitHubError(f"refusing repository path {path!r}: it must be relative, without '.' or '..' parts")
+    return path
+
+
+def get_file(
+    client: GitHubClient, repository: str, path: str, ref: str, *, decode: bool = True, etag: str | None = None
+) -> RepoFile | None:
+    """The file at `path` on `ref`, or None when it does not exist there.
+
+    With `etag`, GitHub may answer 304 (free of rate limit): the result then has `content=None`
+    and the caller reuses what it cached for that ETag.
+    """
+    url = f"/repos/{repository}/contents/{quote(check_path(path))}"
+    try:
+        response = client.request(
+            "GET", url, params={"ref": ref}, headers={"If-None-Match": etag} if etag else None
+        )
+    except NotFound:
+        return None
+    if response.status_code == 304:
+        return RepoFile(repository, path, ref, sha="", size=0, content=None, etag=etag)
+    return _parse(response, repository, path, ref, decode)
+
+
+def _parse(response: requests.Response, repository: str, path: str, ref: str, decode: bool) -> RepoFile:
+    where = f"{repository}:{path}@{ref}"
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise GitHubError(f"GitHub's answer for {where} is not JSON") from exc
+    if not isinstance(body, dict) or body.get("type") != "file":
+        kind = body.get("type") if isinstance(body, dict) else "directory"
+        raise GitHubError(f"{where} is a {kind}, not a file: it must be a regular file")
+    sha, size = body.get("sha"), body.get("size")
+    if not isinstance(sha, str) or not SHA_RE.match(sha) or not isinstance(size, int):
+        raise GitHubError(f"GitHub's answer for {where} lacks a valid sha or size")
+    content = _decode(body, where) if decode else None
+    return RepoFile(repository, path, ref, sha, size, content, etag=response.headers.get("ETag"))
+
+
+def _decode(body: dict, where: str) -> bytes:
+    if body.get("encoding") != "base64" or not isinstance(body.get("content"), str):
+        raise GitHubError(f"{where} is too large to be read through the contents API (over 1 MB)")
+    try:
+        data = base64.b64decode("".join(body["content"].split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise GitHubError(f"GitHub sent {where} with invalid base64 content") from exc
+    if len(data) != body["size"]:
+        raise GitHubError(f"GitHub sent {where} with {len(data)} bytes but announced {body['size']}")
+    return data

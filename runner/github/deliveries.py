@@ -1,0 +1,152 @@
+"""Each webhook delivery is acted on once, and failed deliveries are asked for again.
+
+GitHub does not retry a failed delivery by itself, and it may send a delivery twice (our own
+redelivery requests, or a manual one from the App's settings). `DeliveryLog` remembers recent
+delivery GUIDs (bounded in count and age, so a flood cannot grow it); `RedeliverySweep` uses the
+App's delivery list to redeliver what failed while the service was down or busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from runner.github.app import parse_timestamp
+from runner.github.client import Clock, GitHubClient
+from runner.github.errors import GitHubError
+
+log = logging.getLogger(__name__)
+
+
+class DeliveryLog:
+    """A bounded set of GUIDs seen within `ttl` seconds, oldest forgotten first."""
+
+    def __init__(self, capacity: int = 10_000, ttl: float = 24 * 3600, clock: Clock = time.monotonic) -> None:
+        self.capacity = capacity
+        self.ttl = ttl
+        self.clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def claim(self, guid: str) -> bool:
+        """True the first time a GUID is seen (the caller processes it), False for a repeat."""
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            if guid in self._seen:
+                return False
+            self._seen[guid] = now
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+            return True
+
+    def release(self, guid: str) -> None:
+        """Forget a GUID whose processing failed, so its redelivery is processed."""
+        with self._lock:
+            self._seen.pop(guid, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _expire(self, now: float) -> None:
+        while self._seen:
+            guid, seen_at = next(iter(self._seen.items()))
+            if now - seen_at < self.ttl:
+                return
+            del self._seen[guid]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One row of `GET /app/hook/deliveries` (GitHub's `hook-delivery-item`)."""
+
+    id: int
+    guid: str
+    delivered_at: float
+    redelivery: bool
+    status_code: int
+    event: str
+
+    @property
+    def succeeded(self) -> bool:
+        return 200 <= self.status_code < 300
+
+
+def _delivery(item: dict) -> Delivery | None:
+    try:
+        return Delivery(
+            id=int(item["id"]),
+            guid=str(item["guid"]),
+            delivered_at=parse_timestamp(str(item["delivered_at"])),
+            redelivery=bool(item.get("redelivery", False)),
+            status_code=int(item.get("status_code") or 0),
+            event=str(item.get("event", "")),
+        )
+    except (KeyError, TypeError, ValueError, GitHubError):
+        log.warning("ignoring an unreadable webhook delivery record: %r", item)
+        return None
+
+
+class RedeliverySweep:
+    """Redeliver failed deliveries younger than `window` that nobody has redelivered yet.
+
+    A GUID counts as handled when any of its deliveries succeeded or any is already a redelivery
+    (GitHub keeps the GUID across redeliveries), so a delivery that keeps failing is retried once
+    per GUID, not on every sweep.
+    """
+
+    def __init__(
+        self,
+        app_client: GitHubClient,
+        *,
+        window: float = 3 * 3600,
+        max_per_sweep: int = 50,
+        clock: Clock = time.time,
+    ) -> None:
+        self.client = app_client
+        self.window = window
+        self.max_per_sweep = max_per_sweep
+        self.clock = clock
+        self._requested: set[str] = set()
+
+    def sweep(self) -> list[int]:
+        """One pass; returns the delivery ids it asked GitHub to redeliver."""
+        by_guid: dict[str, list[Delivery]] = {}
+        for delivery in self._recent():
+            by_guid.setdefault(delivery.guid, []).append(delivery)
+        redelivered: list[int] = []
+        for guid, deliveries in by_guid.items():
+            if len(redelivered) >= self.max_per_sweep:
+                break
+            if guid in self._requested or any(d.succeeded or d.redelivery for d in deliveries):
+                continue
+            latest = max(deliveries, key=lambda d: d.delivered_at)
+            self.client.post(f"/app/hook/deliveries/{latest.id}/attempts")
+            self._requested.add(guid)
+            redelivered.append(latest.id)
+        return redelivered
+
+    def run(self, stop: threading.Event, interval: float = 300.0) -> None:
+        """Sweep every `interval` seconds until `stop` is set; a failed sweep is logged, not fatal."""
+        while not stop.wait(interval):
+            try:
+                ids = self.sweep()
+                if ids:
+                    log.info("asked GitHub to redeliver %d failed webhook deliveries", len(ids))
+            except GitHubError as exc:
+                log.warning("webhook redelivery sweep failed: %s", exc)
+
+    def _recent(self) -> Iterator[Delivery]:
+        """Deliveries newest first (GitHub's order), stopping at the first one older than the window."""
+        oldest = self.clock() - self.window
+        for item in self.client.paginate("/app/hook/deliveries", key=None):
+            delivery = _delivery(item) if isinstance(item, dict) else None
+            if delivery is None:
+                continue
+            if delivery.delivered_at < oldest:
+                return
+            yield delivery

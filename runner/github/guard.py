@@ -1,0 +1,245 @@
+"""The host runner's job-started hook: refuse untrusted workflows before any step runs.
+
+A `pull_request` job runs the workflow file as the pull request has it. From a fork, that file is
+written by a stranger, who could drop `uses: org/microvm-check@v1` and run commands straight on this
+host. The guard therefore refuses a fork's `pull_request` job whose workflow file differs from the
+base branch's (compared by blob sha at the base and head commits), and, per repository, jobs from
+untrusted triggers or authors. Every value read from the event file or the environment is checked
+before use; anything unreadable refuses the job (the guard fails closed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.github.client import GitHubClient
+from runner.github.contents import SHA_RE, get_file
+from runner.github.errors import GitHubError
+from runner.github.jobs import REPOSITORY_RE
+
+MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
+PR_EVENTS = frozenset({"pull_request", "pull_request_review", "pull_request_review_comment"})
+WORKFLOW_REF_RE = re.compile(r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)$")
+SAFE_PATH_RE = re.compile(r"^\.github/workflows/(?!.*\.\.)[A-Za-z0-9_./ -]{1,255}$")
+HOW_TO_RUN_SAFELY = (
+    "To run checks for fork pull requests on this host, trigger the workflow with `on: pull_request_target`, "
+    "check out the PR head with actions/checkout (`ref: ${{ github.event.pull_request.head.sha }}`, "
+    "`persist-credentials: false`) and run its commands only through `uses: org/microvm-check@v1`, "
+    "which runs them in a disposable VM."
+)
+
+
+class GuardError(GitHubError):
+    """The job's context could not be read or checked: the guard refuses rather than guesses."""
+
+
+@dataclass(frozen=True)
+class RepoRules:
+    """Per-repository requirements; empty tuples mean "no requirement"."""
+
+    trusted_triggers: tuple[str, ...] = ()
+    author_associations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GuardRules:
+    repositories: Mapping[str, RepoRules] = field(default_factory=dict)
+    default: RepoRules = RepoRules()
+
+    def for_repository(self, repository: str) -> RepoRules:
+        lowered = {name.lower(): rules for name, rules in self.repositories.items()}
+        return lowered.get(repository.lower(), self.default)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    number: int
+    head_repo: str | None  # None when the fork was deleted
+    base_repo: str
+    head_sha: str
+    base_sha: str
+    author_association: str
+
+    @property
+    def from_fork(self) -> bool:
+        return self.head_repo is None or self.head_repo.lower() != self.base_repo.lower()
+
+
+@dataclass(frozen=True)
+class JobContext:
+    event_name: str
+    repository: str
+    workflow_path: str | None
+    pull_request: PullRequest | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    reasons: tuple[str, ...] = ()
+
+
+def load_rules(path: Path | None) -> GuardRules:
+    """Rules file: `default:` and `repositories: {owner/repo: {...}}`, each with optional
+    `trusted_triggers` and `author_associations` lists. No file means no extra rules."""
+    if path is None:
+        return GuardRules()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise GuardError(f"cannot read guard rules {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise GuardError(f"guard rules {path} are not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict) or not set(raw) <= {"default", "repositories"}:
+        raise GuardError(f"guard rules {path} must be a mapping with 'default' and/or 'repositories'")
+    repos = raw.get("repositories") or {}
+    if not isinstance(repos, dict):
+        raise GuardError(f"'repositories' in {path} must map owner/repo to rules")
+    return GuardRules(
+        repositories={str(name): _repo_rules(value, f"{path}: {name}") for name, value in repos.items()},
+        default=_repo_rules(raw.get("default") or {}, f"{path}: default"),
+    )
+
+
+def _repo_rules(raw: Any, where: str) -> RepoRules:
+    if not isinstance(raw, dict) or not set(raw) <= {"trusted_triggers", "author_associations"}:
+        raise GuardError(f"{where} must be a mapping with trusted_triggers and/or author_associations")
+    lists = {}
+    for key in ("trusted_triggers", "author_associations"):
+        value = raw.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+            raise GuardError(f"{where}: {key} must be a list of names")
+        lists[key] = tuple(item.upper() if key == "author_associations" else item for item in value)
+    return RepoRules(**lists)
+
+
+def job_context(env: Mapping[str, str]) -> JobContext:
+    """The job's identity from the runner's environment and event file, validated."""
+    event_name = env.get("GITHUB_EVENT_NAME", "")
+    repository = env.get("GITHUB_REPOSITORY", "")
+    if not re.fullmatch(r"[a-z_]{1,64}", event_name):
+        raise GuardError(f"GITHUB_EVENT_NAME {event_name[:64]!r} is missing or malformed")
+    if not REPOSITORY_RE.match(repository):
+        raise GuardError(f"GITHUB_REPOSITORY {repository[:200]!r} is missing or malformed")
+    event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
+    pull_request = _pull_request(event, repository) if event_name in PR_EVENTS else None
+    return JobContext(event_name, repository, _workflow_path(env.get("GITHUB_WORKFLOW_REF", ""), repository), pull_request)
+
+
+def _read_event(path: str) -> dict[str, Any]:
+    if not path:
+        raise GuardError("GITHUB_EVENT_PATH is not set: the guard must run as the runner's job-started hook")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_EVENT_BYTES + 1)
+    except OSError as exc:
+        raise GuardError(f"cannot read the event file {path}: {exc.strerror}") from exc
+    if len(data) > MAX_EVENT_BYTES:
+        raise GuardError(f"the event file {path} is larger than {MAX_EVENT_BYTES} bytes")
+    try:
+        event = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GuardError(f"the event file {path} is not JSON") from exc
+    if not isinstance(event, dict):
+        raise GuardError(f"the event file {path} is not a JSON object")
+    return event
+
+
+def _pull_request(event: dict[str, Any], repository: str) -> PullRequest:
+    pr = event.get("pull_request")
+    if not isinstance(pr, dict):
+        raise GuardError("the pull request event has no pull_request object")
+    head, base = pr.get("head"), pr.get("base")
+    if not isinstance(head, dict) or not isinstance(base, dict):
+        raise GuardError("the pull request event lacks head or base")
+    head_repo = _repo_name(head.get("repo"), allow_missing=True)
+    base_repo = _repo_name(base.get("repo"), allow_missing=False) or repository
+    if base_repo.lower() != repository.lower():
+        raise GuardError(f"the pull request's base {base_repo} is not the job's repository {repository}")
+    number = pr.get("number")
+    association = pr.get("author_association", "")
+    fields = (head.get("sha"), base.get("sha"))
+    if not all(isinstance(sha, str) and SHA_RE.match(sha) for sha in fields):
+        raise GuardError("the pull request's head or base sha is missing or malformed")
+    if not isinstance(number, int) or isinstance(number, bool) or not isinstance(association, str):
+        raise GuardError("the pull request's number or author_association is malformed")
+    return PullRequest(number, head_repo, base_repo, head["sha"], base["sha"], association.upper()[:64])
+
+
+def _repo_name(repo: Any, *, allow_missing: bool) -> str | None:
+    if repo is None and allow_missing:
+        return None
+    name = repo.get("full_name") if isinstance(repo, dict) else None
+    if not isinstance(name, str) or not REPOSITORY_RE.match(name):
+        raise GuardError("a repository in the pull request event is malformed")
+    return name
+
+
+def _workflow_path(workflow_ref: str, repository: str) -> str | None:
+    """The workflow file's path, when GITHUB_WORKFLOW_REF names a workflow of this repository.
+
+    For a reusable workflow called from another repository the path is that repository's; the
+    fork check only compares files of the job's own repository, so it answers None then.
+    """
+    match = WORKFLOW_REF_RE.match(workflow_ref)
+    if not match:
+        return None
+    if match["repo"].lower() != repository.lower():
+        return None
+    path = match["path"]
+    if not SAFE_PATH_RE.match(path):
+        raise GuardError(f"the workflow path {path[:255]!r} is malformed")
+    return path
+
+
+def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClient]) -> Verdict:
+    """Every reason to refuse the job; an empty list allows it. `client` is only called when the
+    job needs GitHub (a fork pull request), so most jobs need no credentials at all."""
+    reasons = []
+    if rules.trusted_triggers and job.event_name not in rules.trusted_triggers:
+        reasons.append(
+            f"{job.repository} only allows jobs triggered by {', '.join(rules.trusted_triggers)}, "
+            f"and this job was triggered by {job.event_name}."
+        )
+    pr = job.pull_request
+    if pr and rules.author_associations and pr.author_association not in rules.author_associations:
+        reasons.append(
+            f"{job.repository} only runs pull requests from authors who are {', '.join(rules.author_associations)}, "
+            f"and the author of #{pr.number} is {pr.author_association or 'unknown'}."
+        )
+    if pr and pr.from_fork:
+        reasons.extend(_fork_workflow_reasons(job, pr, client))
+    return Verdict(allowed=not reasons, reasons=tuple(reasons))
+
+
+def _fork_workflow_reasons(job: JobContext, pr: PullRequest, client: Callable[[], GitHubClient]) -> list[str]:
+    source = pr.head_repo or "a deleted fork"
+    if job.workflow_path is None:
+        return [f"this {job.event_name} job from {source} runs a workflow the guard cannot identify."]
+    api = client()
+    # Fork commits are reachable from the base repository (GitHub keeps refs/pull/N/head there).
+    base = get_file(api, pr.base_repo, job.workflow_path, pr.base_sha, decode=False)
+    head = get_file(api, pr.base_repo, job.workflow_path, pr.head_sha, decode=False)
+    if base is not None and head is not None and base.sha == head.sha:
+        return []
+    change = "is new in" if base is None else "was changed by"
+    return [
+        f"this {job.event_name} job comes from the fork {source}, and its workflow {job.workflow_path} "
+        f"{change} pull request #{pr.number}, so it could run anything on this host."
+    ]
+
+
+def escape_data(text: str) -> str:
+    """Workflow-command escaping, so untrusted text cannot end the line or start a new command."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def error_lines(verdict: Verdict) -> list[str]:
+    return [f"::error title=microvm-check guard::{escape_data(reason + ' ' + HOW_TO_RUN_SAFELY)}" for reason in verdict.reasons]

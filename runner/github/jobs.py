@@ -1,0 +1,108 @@
+"""What the webhook tells the job service: a job for our labels is queued, or a job has completed.
+
+Payloads come from the network and vary with their age (old deliveries lack `run_attempt`, new ones
+carry fields we have never seen), so parsing reads only the fields we need, checks their types, and
+answers None rather than raising for anything it cannot use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+SELF_HOSTED = "self-hosted"
+REPOSITORY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
+MAX_NAME = 1024
+MAX_LABELS = 100
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    repository: str
+    run_id: int
+    run_attempt: int
+    job_id: int
+    job_name: str
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CompletedJob:
+    repository: str
+    run_id: int
+    run_attempt: int
+    job_id: int
+    job_name: str
+    labels: tuple[str, ...]
+    conclusion: str | None
+    runner_name: str | None
+
+
+class JobHooks(Protocol):
+    """Implemented by the job service: warm a VM for a queued job; release whatever a completed
+    (or cancelled) job left, including a pre-warmed VM nobody claimed."""
+
+    def prewarm(self, job: QueuedJob) -> None: ...
+
+    def job_completed(self, job: CompletedJob) -> None: ...
+
+
+def is_ours(job_labels: Iterable[str], our_labels: Iterable[str]) -> bool:
+    """True when every label the job asks for is one of ours (or `self-hosted`), case-insensitively
+    as GitHub matches them: exactly the jobs GitHub may hand to our runner. A job asking for any
+    other label would go elsewhere, and warming a VM for it would waste one."""
+    ours = {label.lower() for label in our_labels} | {SELF_HOSTED}
+    wanted = {label.lower() for label in job_labels}
+    return bool(wanted) and wanted <= ours
+
+
+def queued_job(payload: Mapping[str, Any]) -> QueuedJob | None:
+    fields = _job_fields(payload)
+    return QueuedJob(**fields) if fields else None
+
+
+def completed_job(payload: Mapping[str, Any]) -> CompletedJob | None:
+    fields = _job_fields(payload)
+    if not fields:
+        return None
+    job = payload["workflow_job"]
+    return CompletedJob(
+        **fields,
+        conclusion=_short_str(job.get("conclusion")),
+        runner_name=_short_str(job.get("runner_name")),
+    )
+
+
+def _job_fields(payload: Mapping[str, Any]) -> dict[str, Any] | None:
+    job = payload.get("workflow_job")
+    repo = payload.get("repository")
+    if not isinstance(job, dict) or not isinstance(repo, dict):
+        return None
+    repository = repo.get("full_name")
+    labels = job.get("labels")
+    run_attempt = job.get("run_attempt", 1)  # absent from pre-2022 deliveries; attempts start at 1
+    ids = (job.get("run_id"), run_attempt, job.get("id"))
+    if not (isinstance(repository, str) and REPOSITORY_RE.match(repository)):
+        return None
+    if not all(_positive_int(value) for value in ids):
+        return None
+    if not isinstance(labels, list) or len(labels) > MAX_LABELS or not all(_short_str(x) for x in labels):
+        return None
+    return {
+        "repository": repository,
+        "run_id": job["run_id"],
+        "run_attempt": run_attempt,
+        "job_id": job["id"],
+        "job_name": _short_str(job.get("name")) or "",
+        "labels": tuple(labels),
+    }
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _short_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME else None

@@ -1,0 +1,131 @@
+"""Where a repository's egress policy is read from: places the pull request cannot write to.
+
+A pull request (from a fork above all) must not be able to widen its own egress, so the policy is
+either the service's own policy store or `.github/microvm-check.yml` on the repository's default
+branch as GitHub reports it. There is deliberately no parameter for a ref: no caller can ask for
+the PR head by mistake. Files are cached by blob sha (and their ETag, so an unchanged file costs a
+304 that does not count against the rate limit).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from runner.github.client import Clock, GitHubClient
+from runner.github.contents import RepoFile, get_file
+from runner.github.errors import GitHubError, NotFound
+from runner.github.jobs import REPOSITORY_RE
+
+POLICY_PATH = ".github/microvm-check.yml"
+MAX_POLICY_BYTES = 256 * 1024  # the policy loader's own limit; anything larger is refused here already
+BRANCH_TTL = 300.0  # a renamed default branch is picked up within five minutes
+
+
+class PolicyStoreLike(Protocol):
+    """The service's policy store (`policy.PolicyStore`): a repository's policy, or None if it has none."""
+
+    def for_repository(self, repository: str) -> Any | None: ...
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a policy came from, for the job record and for error messages."""
+
+    repository: str
+    ref: str
+    sha: str | None
+    source: str  # "store" or "github"
+
+    def describe(self) -> str:
+        if self.source == "store":
+            return f"the service's policy store entry for {self.repository}"
+        return f"{self.repository}:{POLICY_PATH}@{self.ref} (blob {self.sha})"
+
+
+@dataclass(frozen=True)
+class TrustedPolicy:
+    """Either a policy object from the store or YAML text from the default branch, never both."""
+
+    provenance: Provenance
+    text: str | None = None
+    policy: Any | None = None
+
+
+class PolicySource:
+    def __init__(
+        self,
+        client: GitHubClient,
+        store: PolicyStoreLike | None = None,
+        *,
+        cache_size: int = 1024,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.store = store
+        self.clock = clock
+        self.cache_size = cache_size
+        self._texts: OrderedDict[str, str] = OrderedDict()  # blob sha -> decoded YAML
+        self._latest: dict[tuple[str, str], tuple[str | None, str]] = {}  # (repo, branch) -> (etag, sha)
+        self._branches: dict[str, tuple[str, float]] = {}  # repo -> (default branch, fetched at)
+
+    def for_repository(self, repository: str) -> TrustedPolicy | None:
+        """The repository's trusted policy, or None when neither place has one (the caller then
+        applies its default, which blocks everything)."""
+        if not REPOSITORY_RE.match(repository):
+            raise GitHubError(f"{repository!r} is not an owner/repo name")
+        if self.store is not None:
+            stored = self.store.for_repository(repository)
+            if stored is not None:
+                return TrustedPolicy(Provenance(repository, "", None, "store"), policy=stored)
+        branch = self.default_branch(repository)
+        return self._from_branch(repository, branch)
+
+    def default_branch(self, repository: str) -> str:
+        cached = self._branches.get(repository)
+        if cached and self.clock() - cached[1] < BRANCH_TTL:
+            return cached[0]
+        try:
+            body = self.client.get(f"/repos/{repository}")
+        except NotFound as exc:
+            raise NotFound(
+                f"repository {repository} is not visible to the App: install the App on it to use its policy"
+            ) from exc
+        branch = body.get("default_branch") if isinstance(body, dict) else None
+        if not isinstance(branch, str) or not branch:
+            raise GitHubError(f"GitHub did not report a default branch for {repository}")
+        self._branches[repository] = (branch, self.clock())
+        return branch
+
+    def _from_branch(self, repository: str, branch: str) -> TrustedPolicy | None:
+        key = (repository, branch)
+        etag, sha = self._latest.get(key, (None, None))
+        found = get_file(self.client, repository, POLICY_PATH, branch, etag=etag if sha in self._texts else None)
+        if found is None:
+            self._latest.pop(key, None)
+            return None
+        if found.content is not None:  # not a 304: GitHub sent the current file
+            sha = found.sha
+            self._latest[key] = (found.etag, sha)
+            if sha not in self._texts:
+                self._remember(sha, self._text(found))
+        assert sha is not None  # a 304 is only possible for an ETag we stored with its sha
+        self._texts.move_to_end(sha)
+        return TrustedPolicy(Provenance(repository, branch, sha, "github"), text=self._texts[sha])
+
+    def _text(self, found: RepoFile) -> str:
+        where = f"{found.repository}:{found.path}@{found.ref}"
+        assert found.content is not None
+        if len(found.content) > MAX_POLICY_BYTES:
+            raise GitHubError(f"{where} is {len(found.content)} bytes; a policy may be at most {MAX_POLICY_BYTES}")
+        try:
+            return found.content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise GitHubError(f"{where} is not UTF-8 text: a policy is YAML text") from exc
+
+    def _remember(self, sha: str, text: str) -> None:
+        self._texts[sha] = text
+        while len(self._texts) > self.cache_size:
+            self._texts.popitem(last=False)
