@@ -1,0 +1,208 @@
+"""Entry point of the GitHub action: `python -I -m action`, run by action.yml on the runner host.
+
+One job, start to end: submit the JobSpec, stream the checkout, relay the logs live, fetch the record
+and the artifacts, report (annotations, summary, outputs) and exit with the guest's exit code.
+Cancelling the step (the runner sends SIGINT, then SIGTERM) cancels the job through the API first,
+so the VM is destroyed instead of running on after the workflow gave up on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, extract
+from action.inputs import Inputs, job_spec, read_inputs
+from action.junit import JUnitError, Totals, looks_like_junit, read_report
+from action.logs import LogRelay
+from action.pack import PackError, pack_checkout
+from action.summary import Result, annotations, exit_code_of, markdown, outputs
+from action.workflow import annotation, append_file, format_outputs, safe_text
+from runner.cli import UserError
+
+TERMINAL = ("finished", "failed", "cancelled", "timed_out")
+LOG_RETRIES = 5
+
+
+class Interrupted(Exception):
+    """The runner asked the step to stop (SIGINT/SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    # Only the first signal interrupts; later ones must not break the cancel and cleanup under way.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+class JobRun:
+    """Drives one job through a JobClient (runner/service/client.py)."""
+
+    def __init__(self, client: Any, inputs: Inputs, workspace: Path, out: TextIO,
+                 environ: Mapping[str, str], api_errors: tuple[type[Exception], ...] = (OSError,)) -> None:
+        self.client = client
+        self.api_errors = api_errors
+        self.inputs = inputs
+        self.workspace = workspace
+        self.out = out
+        self.environ = environ
+        self.job_id: str | None = None
+
+    def run(self, spec: dict[str, Any]) -> int:
+        try:
+            return self._run(spec)
+        except Interrupted as exc:
+            return self._cancel(exc)
+
+    def _run(self, spec: dict[str, Any]) -> int:
+        self.job_id = str(self.client.submit(spec)["id"])
+        self._say(f"job {self.job_id} submitted; packing {self.workspace}")
+        try:
+            chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
+        except PackError as exc:
+            self.client.cancel(self.job_id)
+            raise UserError(f"checkout refused: {exc}") from exc
+        self.client.upload_checkout(self.job_id, chunks)
+        dropped = self._relay_logs()
+        record = self.client.get(self.job_id)
+        extraction = self._artifacts()
+        junit = self._junit(extraction)
+        result = Result(record=record, exit_code=exit_code_of(record), junit=junit,
+                        artifacts=extraction.files, refused_artifacts=extraction.refused,
+                        log_dropped_bytes=dropped)
+        self._report(result)
+        return result.exit_code
+
+    def _relay_logs(self) -> int:
+        """Relay until the job ends; a dropped stream resumes after the last sequence number seen."""
+        after, failures = 0, 0
+        title = f"microvm-check: {self.inputs.run.strip().splitlines()[0][:100]}"
+        with LogRelay(self.out, title) as relay:
+            while True:
+                try:
+                    for entry in self.client.logs(self.job_id, after=after):
+                        relay.feed(str(entry.stream), bytes(entry.data))
+                        after = max(after, int(entry.seq))
+                except self.api_errors as exc:
+                    failures += 1
+                    if failures > LOG_RETRIES:
+                        raise UserError(f"lost the log stream of job {self.job_id}: {exc}") from exc
+                if self.client.get(self.job_id).get("state") in TERMINAL:
+                    return relay.dropped_bytes
+                failures += 1
+                if failures > LOG_RETRIES:
+                    raise UserError(f"the log stream of job {self.job_id} keeps ending before the job does")
+                time.sleep(1)
+
+    def _artifacts(self) -> Extraction:
+        if not self.inputs.artifacts:
+            return Extraction()
+        dest = self._artifact_dir()
+        limits = ArtifactLimits()
+        with tempfile.TemporaryFile(dir=self.environ.get("RUNNER_TEMP") or None) as spool:
+            try:
+                self.client.artifacts(self.job_id, BoundedWriter(spool, limits.max_total_bytes + 64 * 1024 * 1024))
+                spool.seek(0)
+                return extract(spool, dest, self.inputs.artifacts, limits)
+            except ArtifactError as exc:
+                self.out.write(annotation("warning", f"artifacts: {exc}") + "\n")
+                return Extraction()
+
+    def _artifact_dir(self) -> Path:
+        dest = (self.workspace / self.inputs.working_directory).resolve()
+        root = self.workspace.resolve()
+        if dest != root and root not in dest.parents:
+            raise UserError(f"working-directory {self.inputs.working_directory} leaves the workspace")
+        dest.mkdir(parents=True, exist_ok=True)
+        return dest
+
+    def _junit(self, extraction: Extraction) -> Totals | None:
+        dest = self._artifact_dir() if extraction.files else None
+        totals: Totals | None = None
+        for name, _size in extraction.files:
+            path = dest / name
+            if not name.endswith(".xml") or not looks_like_junit(path):
+                continue
+            try:
+                report = read_report(path)
+            except JUnitError as exc:
+                self.out.write(annotation("warning", f"JUnit report {name}: {exc}") + "\n")
+                continue
+            totals = totals or Totals()
+            totals.add(report)
+        return totals
+
+    def _report(self, result: Result) -> None:
+        record = result.record
+        prefix = "" if self.inputs.working_directory == "." else self.inputs.working_directory.rstrip("/") + "/"
+        for line in annotations(result.junit.failures if result.junit else [], prefix):
+            self.out.write(line + "\n")
+        if record.get("state") == "timed_out":
+            self.out.write(annotation("error", f"job timed out after {self.inputs.timeout_minutes:g} minutes") + "\n")
+        elif record.get("error"):
+            self.out.write(annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
+        elif result.exit_code:
+            self.out.write(annotation("error", f"command exited with {result.exit_code}") + "\n")
+        for name, why in result.refused_artifacts:
+            self.out.write(annotation("warning", f"artifact {name} not copied: {why}") + "\n")
+        self.out.flush()
+        append_file("GITHUB_STEP_SUMMARY", markdown(result), self.environ)
+        append_file("GITHUB_OUTPUT", format_outputs(outputs(result)), self.environ)
+
+    def _cancel(self, exc: Interrupted) -> int:
+        self._say(f"{exc}: cancelling job {self.job_id or '(not submitted yet)'}")
+        if self.job_id is not None:
+            try:
+                self.client.cancel(self.job_id)
+            except self.api_errors as cancel_exc:  # the step ends either way; say why the VM may linger
+                self.out.write(annotation("warning", f"could not cancel job {self.job_id}: {cancel_exc}") + "\n")
+        append_file("GITHUB_OUTPUT", format_outputs({"exit-code": str(128 + exc.signum)}), self.environ)
+        self.out.flush()
+        return 128 + exc.signum
+
+    def _say(self, text: str) -> None:
+        self.out.write(f"[microvm-check] {safe_text(text)}\n")
+        self.out.flush()
+
+
+def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[microvm-check] %(message)s")
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    from runner.service.client import JobAPIError, JobClient
+
+    job: JobRun | None = None
+    try:
+        inputs = read_inputs(environ)
+        workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
+        spec = job_spec(inputs, environ, workspace)
+        job = JobRun(JobClient(socket=inputs.socket), inputs, workspace, out, environ,
+                     api_errors=(JobAPIError, OSError))
+        return job.run(spec)
+    except Interrupted as exc:
+        return 128 + exc.signum
+    except (UserError, JobAPIError, OSError) as exc:
+        out.write(annotation("error", f"microvm-check: {exc}") + "\n")
+        if job is not None and job.job_id is not None and not isinstance(exc, UserError):
+            try:
+                job.client.cancel(job.job_id)
+            except (JobAPIError, OSError) as cancel_exc:
+                out.write(annotation("warning", f"could not cancel job {job.job_id}: {cancel_exc}") + "\n")
+        return 1
+
+
+if __name__ == "__main__":
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8", errors="replace")
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The action's inputs and the JobSpec built from them and from the GitHub Actions environment.
+
+action.yml hands every input over as an `INPUT_<NAME>` variable (never by pasting `${{ inputs.* }}`
+into the script, which would let input text become shell code). Values are checked here, where the
+user gets a message naming the input, instead of as a 400 from the service later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from action.artifacts import ArtifactLimits, clean_name
+from runner.cli import UserError
+
+DEFAULT_SOCKET = "/run/microvm-check/api.sock"
+MAX_POLICY_BYTES = 64 * 1024
+MAX_TIMEOUT_MINUTES = 24 * 60
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The runner's own credentials: never meant for user code, and fatal in a fork's hands.
+_FORBIDDEN_ENV = re.compile(r"ACTIONS_.*|GITHUB_TOKEN|RUNNER_.*", re.IGNORECASE)
+_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    run: str
+    working_directory: str
+    policy: str
+    artifacts: list[str]
+    timeout_minutes: float
+    template: str
+    env_names: list[str]
+    socket: str
+    include_git: bool
+
+
+def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
+    return environ.get(f"INPUT_{name.upper().replace('-', '_')}", default).strip()
+
+
+def read_inputs(environ: Mapping[str, str]) -> Inputs:
+    run = environ.get("INPUT_RUN", "")
+    if not run.strip():
+        raise UserError("input 'run' is required: the command to run in the VM, e.g. `run: pytest -q`")
+    return Inputs(
+        run=run,
+        working_directory=_working_directory(_get(environ, "working-directory", ".") or "."),
+        policy=environ.get("INPUT_POLICY", ""),
+        artifacts=_artifact_globs(_get(environ, "artifacts")),
+        timeout_minutes=_timeout(_get(environ, "timeout-minutes", "10") or "10"),
+        template=_template(_get(environ, "template", "base") or "base"),
+        env_names=_env_names(_get(environ, "env")),
+        socket=_get(environ, "socket", DEFAULT_SOCKET) or DEFAULT_SOCKET,
+        include_git=_boolean("include-git", _get(environ, "include-git", "false") or "false"),
+    )
+
+
+def _working_directory(value: str) -> str:
+    path = PurePosixPath(value)
+    if path.is_absolute() or ".." in path.parts or "\0" in value:
+        raise UserError(f"input 'working-directory' must be a relative path inside the checkout, got {value!r}")
+    return str(path)
+
+
+def _artifact_globs(value: str) -> list[str]:
+    globs = [line.strip() for line in value.splitlines() if line.strip()]
+    for glob in globs:
+        try:
+            clean_name(glob, ArtifactLimits())
+        except ValueError as exc:
+            raise UserError(f"input 'artifacts': {glob!r} is not a relative glob inside the checkout ({exc})") from None
+    return globs
+
+
+def _timeout(value: str) -> float:
+    try:
+        minutes = float(value)
+    except ValueError:
+        raise UserError(f"input 'timeout-minutes' must be a number, got {value!r}") from None
+    if not 0 < minutes <= MAX_TIMEOUT_MINUTES:
+        raise UserError(f"input 'timeout-minutes' must be between 0 and {MAX_TIMEOUT_MINUTES}, got {value}")
+    return minutes
+
+
+def _template(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+        raise UserError(f"input 'template' must be a template name (letters, digits, '.', '_', '-'), got {value!r}")
+    return value
+
+
+def _env_names(value: str) -> list[str]:
+    names = [name for name in re.split(r"[\s,]+", value) if name]
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise UserError(f"input 'env': {name!r} is not a variable name")
+        if _FORBIDDEN_ENV.fullmatch(name):
+            raise UserError(f"input 'env': {name} is the runner's own credential or setting and never "
+                            "enters the VM; pass a narrower secret under another name if the job needs one")
+    return names
+
+
+def _boolean(name: str, value: str) -> bool:
+    if value.lower() in ("true", "yes", "1"):
+        return True
+    if value.lower() in ("false", "no", "0"):
+        return False
+    raise UserError(f"input '{name}' must be true or false, got {value!r}")
+
+
+def policy_text(value: str, workspace: Path) -> str | None:
+    """The policy input: inline YAML, or the path of a file in the checkout (which may only narrow)."""
+    if not value.strip():
+        return None
+    if "\n" in value.strip() or ":" in value:
+        return value
+    root = workspace.resolve()
+    path = (root / value.strip()).resolve()
+    if root not in path.parents or not path.is_file():
+        raise UserError(f"input 'policy': {value.strip()} is neither YAML nor a file inside the checkout")
+    if path.stat().st_size > MAX_POLICY_BYTES:
+        raise UserError(f"input 'policy': {value.strip()} is larger than {MAX_POLICY_BYTES} bytes")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _event(environ: Mapping[str, str]) -> dict[str, Any]:
+    path = environ.get("GITHUB_EVENT_PATH")
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            event = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+def head_sha(environ: Mapping[str, str]) -> str:
+    """The pull request's head commit when there is one (checks attach to it), else GITHUB_SHA."""
+    pull = _event(environ).get("pull_request")
+    sha = pull.get("head", {}).get("sha") if isinstance(pull, dict) else None
+    if isinstance(sha, str) and _SHA.fullmatch(sha):
+        return sha
+    return environ.get("GITHUB_SHA", "")
+
+
+def _required(environ: Mapping[str, str], name: str) -> str:
+    value = environ.get(name, "")
+    if not value:
+        raise UserError(f"{name} is not set: run this action in a GitHub Actions job "
+                        "(or set the GITHUB_* variables yourself)")
+    return value
+
+
+def _number(environ: Mapping[str, str], name: str, default: str) -> int:
+    value = environ.get(name, default) or default
+    if not value.isdigit():
+        raise UserError(f"{name} must be a number, got {value!r}")
+    return int(value)
+
+
+def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> dict[str, Any]:
+    """The JobSpec of docs/job-api.md for this step."""
+    missing = [name for name in inputs.env_names if name not in environ]
+    if missing:
+        raise UserError(f"input 'env' names {', '.join(missing)}, not set in this step's environment: "
+                        "set them with `env:` on the step")
+    return {
+        "repository": _required(environ, "GITHUB_REPOSITORY"),
+        "sha": head_sha(environ) or _required(environ, "GITHUB_SHA"),
+        "ref": environ.get("GITHUB_REF", ""),
+        "event": environ.get("GITHUB_EVENT_NAME", ""),
+        "run_id": _number(environ, "GITHUB_RUN_ID", "0"),
+        "run_attempt": _number(environ, "GITHUB_RUN_ATTEMPT", "1"),
+        "job_name": environ.get("GITHUB_JOB", ""),
+        "command": inputs.run,
+        "working_directory": inputs.working_directory,
+        "env": {name: environ[name] for name in inputs.env_names},
+        "artifacts": inputs.artifacts,
+        "timeout_seconds": int(inputs.timeout_minutes * 60),
+        "template": inputs.template,
+        "policy": policy_text(inputs.policy, workspace),
+    }

@@ -1,0 +1,151 @@
+"""Reads JUnit XML reports the guest produced, which are hostile input.
+
+defusedxml is not available, so the tree is built by `xml.etree.ElementTree.TreeBuilder` fed from a
+raw expat parser whose DOCTYPE, entity-declaration and external-entity handlers refuse the document:
+without a DTD there is no entity expansion (billion laughs) and no external fetch. Files are size-
+bounded before parsing, and all text taken from them is length-bounded.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from xml.parsers import expat
+
+MAX_REPORT_BYTES = 32 * 1024 * 1024
+MAX_TEXT = 4000
+_LOCATION = re.compile(r"^([^\s:][^:\n]*):(\d+):", re.MULTILINE)
+
+
+class JUnitError(Exception):
+    """A report could not be read; the message names the file and the reason."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    suite: str
+    name: str
+    classname: str
+    kind: str  # "failure" or "error"
+    message: str
+    text: str
+    file: str | None
+    line: int | None
+
+
+@dataclass
+class Totals:
+    tests: int = 0
+    failed: int = 0  # failures and errors
+    skipped: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def passed(self) -> int:
+        return self.tests - self.failed - self.skipped
+
+    def add(self, other: Totals) -> None:
+        self.tests += other.tests
+        self.failed += other.failed
+        self.skipped += other.skipped
+        self.failures.extend(other.failures)
+
+
+def _refuse(what: str):
+    def handler(*_args: object) -> None:
+        raise JUnitError(f"{what} are not allowed in JUnit reports")
+    return handler
+
+
+def parse_xml(data: bytes) -> ET.Element:
+    """Parse a bounded document with DTDs and entities refused."""
+    if len(data) > MAX_REPORT_BYTES:
+        raise JUnitError(f"report is {len(data)} bytes, over the {MAX_REPORT_BYTES}-byte limit")
+    builder = ET.TreeBuilder()
+    parser = expat.ParserCreate()
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+    parser.StartDoctypeDeclHandler = _refuse("DOCTYPE declarations")
+    parser.EntityDeclHandler = _refuse("entity declarations")
+    parser.ExternalEntityRefHandler = _refuse("external entities")
+    parser.StartElementHandler = builder.start
+    parser.EndElementHandler = builder.end
+    parser.CharacterDataHandler = builder.data
+    parser.buffer_text = True
+    try:
+        parser.Parse(data, True)
+    except expat.ExpatError as exc:
+        raise JUnitError(f"not well-formed XML: {exc}") from exc
+    return builder.close()
+
+
+def read_report(path: Path) -> Totals:
+    """Totals and failures of one JUnit file (`<testsuites>` or a bare `<testsuite>`)."""
+    size = path.stat().st_size
+    if size > MAX_REPORT_BYTES:
+        raise JUnitError(f"{path.name}: {size} bytes, over the {MAX_REPORT_BYTES}-byte limit")
+    try:
+        root = parse_xml(path.read_bytes())
+    except JUnitError as exc:
+        raise JUnitError(f"{path.name}: {exc}") from exc
+    if root.tag not in ("testsuites", "testsuite"):
+        raise JUnitError(f"{path.name}: root element is <{_clip(root.tag, 80)}>, not <testsuites>/<testsuite>")
+    totals = Totals()
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    for suite in suites:
+        totals.add(_suite(suite))
+    return totals
+
+
+def looks_like_junit(path: Path) -> bool:
+    """Cheap sniff so that non-JUnit XML artifacts are not reported as broken reports."""
+    with path.open("rb") as handle:
+        head = handle.read(4096)
+    return b"<testsuite" in head
+
+
+def _suite(suite: ET.Element) -> Totals:
+    totals = Totals()
+    suite_name = _clip(suite.get("name", ""), 200)
+    for case in suite.findall("testcase"):
+        totals.tests += 1
+        outcome = next((child for child in case if child.tag in ("failure", "error")), None)
+        if outcome is not None:
+            totals.failed += 1
+            totals.failures.append(_failure(suite_name, case, outcome))
+        elif case.find("skipped") is not None:
+            totals.skipped += 1
+    return totals
+
+
+def _failure(suite: str, case: ET.Element, outcome: ET.Element) -> Failure:
+    text = _clip(outcome.text or "", MAX_TEXT)
+    file, line = case.get("file"), _int(case.get("line"))
+    if line is None:
+        found = _LOCATION.findall(text)
+        if found:
+            found_file, found_line = found[-1]
+            if file is None or found_file.endswith(file) or file.endswith(found_file):
+                file, line = found_file, _int(found_line)
+    return Failure(
+        suite=suite,
+        name=_clip(case.get("name", ""), 300),
+        classname=_clip(case.get("classname", ""), 300),
+        kind=outcome.tag,
+        message=_clip(outcome.get("message", ""), MAX_TEXT),
+        text=text,
+        file=_clip(file, 500) if file else None,
+        line=line,
+    )
+
+
+def _int(value: str | None) -> int | None:
+    if value is None or not re.fullmatch(r"[0-9]{1,8}", value.strip()):
+        return None
+    number = int(value)
+    return number if 0 < number < 10_000_000 else None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

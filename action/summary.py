@@ -1,0 +1,175 @@
+"""The step's results for people (`$GITHUB_STEP_SUMMARY`, annotations) and for later steps (outputs).
+
+The job record carries guest-derived text (blocked DNS names, artifact and test names, error text), and
+the summary is rendered as GitHub-flavoured Markdown with HTML, so every such value is escaped before it
+goes in: a guest must not be able to inject links, images or fake table rows into the summary.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from action.junit import Failure, Totals
+from action.workflow import annotation
+
+MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
+MAX_ROWS = 50
+MAX_CELL = 200
+
+STATE_WORDS = {
+    "finished": "finished",
+    "failed": "failed before the command finished",
+    "cancelled": "cancelled",
+    "timed_out": "timed out",
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """Everything the action reports about one job."""
+
+    record: Mapping[str, Any]
+    exit_code: int
+    junit: Totals | None
+    artifacts: list[tuple[str, int]]
+    refused_artifacts: list[tuple[str, str]]
+    log_dropped_bytes: int = 0
+
+
+def exit_code_of(record: Mapping[str, Any]) -> int:
+    """The step's exit status: the guest's, bounded to 0-255; 1 when the job failed without one."""
+    code = record.get("exit_code")
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+        return 124 if record.get("state") == "timed_out" else 1
+    if code == 0 and record.get("state") not in ("finished", None):
+        return 1
+    return code
+
+
+def cell(value: object, limit: int = MAX_CELL) -> str:
+    """A value safe inside a Markdown table cell: HTML-escaped, no pipes, backticks or newlines."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    text = html.escape(text, quote=True)
+    for char, repl in (("|", "&#124;"), ("`", "&#96;"), ("[", "&#91;"), ("]", "&#93;"),
+                       ("*", "&#42;"), ("_", "&#95;"), ("\\", "&#92;"), ("!", "&#33;")):
+        text = text.replace(char, repl)
+    return " ".join(text.split())
+
+
+def _seconds(timings: Mapping[str, Any], start: str, end: str) -> str:
+    a, b = timings.get(start), timings.get(end)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and b and b >= a:
+        return f"{b - a:.1f} s"
+    return "–"
+
+
+def markdown(result: Result) -> str:
+    record = result.record
+    timings = record.get("timings") or {}
+    state = str(record.get("state", "unknown"))
+    icon = "✅" if result.exit_code == 0 else "❌"
+    ready = timings.get("vm_ready_ms")
+    lines = [
+        f"### {icon} microvm-check: {cell(STATE_WORDS.get(state, state))}, exit code {result.exit_code}",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| job | `{cell(record.get('id', '?'))}` |",
+        f"| queued | {_seconds(timings, 'queued_at', 'started_at')} |",
+        f"| ran | {_seconds(timings, 'started_at', 'finished_at')} |",
+        f"| VM ready | {f'{ready:.0f} ms' if isinstance(ready, (int, float)) else '–'}"
+        f"{' (warm)' if record.get('warm') else ''} |",
+        f"| policy | `{cell(record.get('policy_digest') or '–')}` |",
+    ]
+    if record.get("error"):
+        lines.append(f"| error | {cell(record['error'], 1000)} |")
+    if result.junit is not None:
+        j = result.junit
+        lines.append(f"| tests | {j.passed} passed, {j.failed} failed, {j.skipped} skipped |")
+    if result.log_dropped_bytes:
+        lines.append(f"| log | truncated, {result.log_dropped_bytes} bytes not shown |")
+    lines += _blocked(record.get("blocked_egress") or [])
+    lines += _failures(result.junit.failures if result.junit else [])
+    lines += _artifacts(result.artifacts, result.refused_artifacts)
+    return "\n".join(lines) + "\n"
+
+
+def _blocked(blocked: list[Any]) -> list[str]:
+    if not blocked:
+        return []
+    rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count |",
+            "| --- | --- | --- | --- | --- |"]
+    for item in blocked[:MAX_ROWS]:
+        item = item if isinstance(item, dict) else {}
+        rows.append(f"| {cell(item.get('dest', ''))} | {cell(item.get('port', ''))} | "
+                    f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} |")
+    if len(blocked) > MAX_ROWS:
+        rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | |")
+    return rows
+
+
+def _failures(failures: list[Failure]) -> list[str]:
+    if not failures:
+        return []
+    rows = ["", "#### Failed tests", "", "| test | message |", "| --- | --- |"]
+    for f in failures[:MAX_ROWS]:
+        name = f"{f.classname}.{f.name}" if f.classname else f.name
+        rows.append(f"| {cell(name)} | {cell(_headline(f))} |")
+    if len(failures) > MAX_ROWS:
+        rows.append(f"| … {len(failures) - MAX_ROWS} more | |")
+    return rows
+
+
+def _headline(failure: Failure) -> str:
+    if failure.message:
+        return failure.message
+    lines = failure.text.strip().splitlines()
+    return lines[0] if lines else failure.kind
+
+
+def _artifacts(files: list[tuple[str, int]], refused: list[tuple[str, str]]) -> list[str]:
+    rows: list[str] = []
+    if files:
+        rows += ["", "#### Artifacts", "", "| path | bytes |", "| --- | --- |"]
+        rows += [f"| {cell(name)} | {size} |" for name, size in files[:MAX_ROWS]]
+    if refused:
+        rows += ["", "#### Refused artifacts", "", "| path | why |", "| --- | --- |"]
+        rows += [f"| {cell(name)} | {cell(why)} |" for name, why in refused[:MAX_ROWS]]
+    return rows
+
+
+def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
+    """`::error` lines for failed tests; `prefix` maps guest paths to repository paths."""
+    lines = []
+    for f in failures[:MAX_ANNOTATIONS]:
+        title = f"{f.classname}.{f.name}" if f.classname else f.name
+        message = f.message or f.text or f.kind
+        file = f"{prefix}{f.file}" if f.file and not f.file.startswith("/") else f.file
+        lines.append(annotation("error", message[:4000], file=file, line=f.line, title=title[:300]))
+    if len(failures) > MAX_ANNOTATIONS:
+        lines.append(annotation("error", f"{len(failures) - MAX_ANNOTATIONS} more failed tests: see the job summary"))
+    return lines
+
+
+def outputs(result: Result) -> dict[str, str]:
+    junit = result.junit
+    payload = {
+        "record": dict(result.record),
+        "exit_code": result.exit_code,
+        "junit": None if junit is None else {"tests": junit.tests, "passed": junit.passed,
+                                             "failed": junit.failed, "skipped": junit.skipped},
+        "artifacts": [{"path": name, "size": size} for name, size in result.artifacts],
+        "refused_artifacts": [{"path": name, "why": why} for name, why in result.refused_artifacts],
+    }
+    return {
+        "exit-code": str(result.exit_code),
+        "junit-passed": "" if junit is None else str(junit.passed),
+        "junit-failed": "" if junit is None else str(junit.failed),
+        "result-json": json.dumps(payload, sort_keys=True),
+    }
