@@ -1,0 +1,368 @@
+"""The job API over HTTP/1.1: a Unix socket (group-restricted) and, when configured, TCP with a token.
+
+Standard library only (`http.server` with a thread per connection, bounded in number). Bodies are
+streamed both ways: a checkout goes straight from the socket to the job's spool file, logs are a
+chunked NDJSON stream copied from the job's log file, artifacts are copied from disk in chunks. See
+docs/job-api.md for the routes.
+"""
+
+from __future__ import annotations
+
+import grp
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import threading
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import parse_qs, urlsplit
+
+from runner.service.jobqueue import QueueClosed, QueueFull
+from runner.service.service import JobError, JobService
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_BODY = 1024 * 1024
+MAX_CONNECTIONS = 64
+IO_TIMEOUT_SECONDS = 120
+_CHUNK = 1024 * 1024
+_MAX_CHUNK_LINE = 1024
+_ROUTE = re.compile(r"^/v1/jobs/(?P<id>[^/]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?$")
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def read_chunked(rfile: Any) -> Iterator[bytes]:
+    """Decode a chunked request body (RFC 9112 7.1), bounded line by line."""
+    while True:
+        line = rfile.readline(_MAX_CHUNK_LINE + 1)
+        if len(line) > _MAX_CHUNK_LINE or not line.endswith(b"\n"):
+            raise _BadRequest("malformed chunk size line")
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise _BadRequest("malformed chunk size") from None
+        if size < 0:
+            raise _BadRequest("negative chunk size")
+        if size == 0:
+            break
+        left = size
+        while left:
+            data = rfile.read(min(left, _CHUNK))
+            if not data:
+                raise _BadRequest("the body ended inside a chunk")
+            left -= len(data)
+            yield data
+        if rfile.readline(_MAX_CHUNK_LINE + 1).strip():
+            raise _BadRequest("missing CRLF after a chunk")
+    for _ in range(64):  # trailers
+        line = rfile.readline(_MAX_CHUNK_LINE + 1)
+        if line in (b"\r\n", b"\n", b""):
+            return
+    raise _BadRequest("too many trailer lines")
+
+
+def read_sized(rfile: Any, length: int) -> Iterator[bytes]:
+    left = length
+    while left:
+        data = rfile.read(min(left, _CHUNK))
+        if not data:
+            raise _BadRequest("the body ended before Content-Length bytes")
+        left -= len(data)
+        yield data
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "microvm-check"
+    timeout = IO_TIMEOUT_SECONDS
+    server: Any
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+        log.debug("api: " + format, *args)
+
+    def address_string(self) -> str:
+        return str(self.client_address[0]) if self.client_address else "unix"
+
+    @property
+    def service(self) -> JobService:
+        return self.server.service
+
+    def _body(self) -> Iterator[bytes]:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return read_chunked(self.rfile)
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return iter(())
+        if not length.isdigit():
+            raise _BadRequest("invalid Content-Length")
+        return read_sized(self.rfile, int(length))
+
+    def _json_body(self) -> Any:
+        data = bytearray()
+        for chunk in self._body():
+            data += chunk
+            if len(data) > MAX_JSON_BODY:
+                self.close_connection = True
+                raise JobError(413, f"the request body is larger than {MAX_JSON_BODY} bytes")
+        try:
+            return json.loads(data or b"null")
+        except ValueError as exc:
+            raise JobError(400, f"the body is not valid JSON: {exc}") from exc
+
+    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(obj).encode() + b"\n"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self._send_json(status, {"error": message}, headers)
+
+    def _authorized(self) -> bool:
+        token = self.server.token
+        if token is None:
+            return True
+        offered = self.headers.get("Authorization", "")
+        scheme, _, value = offered.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+    def _dispatch(self, method: str) -> None:
+        expects_body = method in ("POST", "PUT")
+        try:
+            if not self._authorized():
+                self.close_connection = True
+                return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
+                                   {"WWW-Authenticate": "Bearer"})
+            self._route(method)
+        except JobError as exc:
+            if expects_body:
+                self.close_connection = True  # the body may be unread; the connection cannot be reused
+            self._error(exc.status, str(exc))
+        except QueueFull as exc:
+            self.close_connection = True
+            self._error(429, str(exc), {"Retry-After": str(exc.retry_after)})
+        except QueueClosed as exc:
+            self._error(503, str(exc))
+        except _BadRequest as exc:
+            self.close_connection = True
+            self._error(400, f"bad request: {exc}")
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        except Exception:
+            log.exception("api: %s %s failed", method, self.path)
+            self.close_connection = True
+            self._error(500, "internal error in the job service; see its log")
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    # -- routes -----------------------------------------------------------------------------
+
+    def _route(self, method: str) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/v1/health" and method == "GET":
+            return self._send_json(200, self.service.health())
+        if url.path == "/v1/jobs":
+            if method == "POST":
+                record = self.service.submit(self._json_body())
+                return self._send_json(201, {"id": record.id, "state": record.state})
+            if method == "GET":
+                limit = _int_param(query, "limit", 50, 1, 1000)
+                return self._send_json(200, {"jobs": [r.to_json() for r in self.service.list(limit)]})
+        match = _ROUTE.match(url.path)
+        if not match:
+            raise JobError(404, f"no route {method} {url.path}; see docs/job-api.md")
+        job_id, rest = match.group("id"), match.group("rest") or ""
+        handler = {
+            ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_json()),
+            ("PUT", "/checkout"): lambda: self._checkout(job_id),
+            ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, 2**62)),
+            ("GET", "/artifacts"): lambda: self._artifacts(job_id),
+            ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_json()),
+        }.get((method, rest))
+        if handler is None:
+            raise JobError(405, f"{method} is not allowed on {url.path}")
+        handler()
+
+    def _checkout(self, job_id: str) -> None:
+        record = self.service.put_checkout(job_id, self._body())
+        self._send_json(202, {"id": record.id, "state": record.state})
+
+    def _logs(self, job_id: str, after: int) -> None:
+        job_log = self.service.log_of(job_id)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for line in job_log.follow(after):
+            self._chunk(line)
+        end = {"end": True, "job": self.service.get(job_id).to_json()}
+        self._chunk(json.dumps(end).encode() + b"\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _artifacts(self, job_id: str) -> None:
+        path = self.service.artifacts_path(job_id)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-tar")
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            left = size
+            while left:
+                data = f.read(min(left, _CHUNK))
+                if not data:
+                    raise OSError(f"{path} shrank while being sent")
+                self.wfile.write(data)
+                left -= len(data)
+
+
+def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, high: int) -> int:
+    values = query.get(name)
+    if not values:
+        return default
+    value = values[-1]
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise JobError(400, f"query parameter {name}: expected an integer between {low} and {high}, got {value!r}")
+    return int(value)
+
+
+class _BoundedThreading(socketserver.ThreadingMixIn):
+    """A thread per connection, at most MAX_CONNECTIONS at once: more are answered 503 and closed."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class UnixApiServer(_BoundedThreading, socketserver.UnixStreamServer):
+    def __init__(self, path: str, service: JobService, group: str | None = None) -> None:
+        self.service, self.token = service, None
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        _prepare_socket_path(Path(path))
+        old = os.umask(0o117)  # created 0660 from the start: no window where others could connect
+        try:
+            super().__init__(path, Handler)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o660)
+        if group:
+            try:
+                os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            except KeyError:
+                self.server_close()
+                raise ValueError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
+
+    def server_close(self) -> None:
+        super().server_close()
+        try:
+            os.unlink(self.server_address)
+        except (FileNotFoundError, TypeError):
+            pass
+
+
+class TcpApiServer(_BoundedThreading, socketserver.TCPServer):
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], service: JobService, token: str) -> None:
+        self.service, self.token = service, token
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, Handler)
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory; remove a stale socket, but never one a live service answers on."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"socket: {path} exists and is not a socket; move it away or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: a previous service died without cleaning up
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"socket: another service already listens on {path}")
+
+
+class ApiServers:
+    """The Unix server and the optional TCP server, each serving in its own thread."""
+
+    def __init__(self, service: JobService) -> None:
+        config = service.config
+        self.servers: list[socketserver.BaseServer] = [UnixApiServer(config.socket, service, config.socket_group)]
+        if config.listen:
+            assert config.token  # the config refuses a listen address without one
+            self.servers.append(TcpApiServer(config.listen, service, config.token))
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        for server in self.servers:
+            if isinstance(server, TcpApiServer):
+                return server.server_address[:2]
+        return None
+
+    def start(self) -> None:
+        for server in self.servers:
+            thread = threading.Thread(target=server.serve_forever, name=f"api-{type(server).__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        for thread in self._threads:
+            thread.join()
+

@@ -1,0 +1,268 @@
+"""The service's YAML configuration.
+
+Every limit the service enforces against hostile guests and clients lives here, so an operator can
+read in one file what a job may cost the host. Errors name the file and the key, because a service
+that refuses to start must say exactly what to fix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_SOCKET = "/run/microvm-check/api.sock"
+DEFAULT_STATE_DIR = "/var/lib/microvm-check"
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+class ConfigError(ValueError):
+    """A configuration the service refuses to start with; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    vcpus: int | None = None
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class ArtifactLimits:
+    max_count: int = 1000
+    max_total_bytes: int = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class LogLimits:
+    max_bytes: int = 16 * 1024**2  # per job; beyond it output is dropped with a system note
+    max_entry_bytes: int = 64 * 1024  # larger chunks are split so no single entry is huge
+
+
+@dataclass(frozen=True)
+class Retention:
+    days: float = 14.0
+    max_records: int = 10000
+
+
+@dataclass(frozen=True)
+class Prewarm:
+    max_vms: int = 2
+    expire_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    socket: str = DEFAULT_SOCKET
+    socket_group: str | None = None
+    listen: tuple[str, int] | None = None
+    token: str | None = None
+    state_dir: Path = Path(DEFAULT_STATE_DIR)
+    templates: tuple[str, ...] = ("base",)
+    resources: Resources = field(default_factory=Resources)
+    max_concurrent_jobs: int = 2
+    max_queued_jobs: int = 32
+    checkout_max_bytes: int = 1024**3
+    checkout_wait_seconds: float = 600.0  # a submitted job whose checkout never comes is dropped
+    default_timeout_seconds: int = 3600
+    max_timeout_seconds: int = 6 * 3600
+    artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
+    logs: LogLimits = field(default_factory=LogLimits)
+    policy_dir: Path | None = None
+    retention: Retention = field(default_factory=Retention)
+    prewarm: Prewarm = field(default_factory=Prewarm)
+    shutdown_grace_seconds: float = 30.0
+    env_allowlist: tuple[str, ...] = ("CI", "GITHUB_*", "RUNNER_*")
+    webhook: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def default_template(self) -> str:
+        return self.templates[0]
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    @property
+    def records_path(self) -> Path:
+        return self.state_dir / "jobs.sqlite"
+
+
+def parse_size(value: Any, where: str) -> int:
+    """Accept `1048576`, `"512MiB"`, `"1G"`: operators write sizes by hand."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a size like 512MiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{where}: must not be negative")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ConfigError(f"{where}: expected a size like 512MiB or 1G, got {value!r}")
+    unit = (match.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+class _Reader:
+    """Pulls typed values out of one mapping and remembers which keys it consumed."""
+
+    def __init__(self, data: dict[str, Any], where: str) -> None:
+        self.data = data
+        self.where = where
+        self.seen: set[str] = set()
+
+    def _get(self, key: str) -> Any:
+        self.seen.add(key)
+        return self.data.get(key)
+
+    def at(self, key: str) -> str:
+        return f"{self.where}{key}"
+
+    def string(self, key: str, default: str | None) -> str | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{self.at(key)}: expected a non-empty string, got {value!r}")
+        return value
+
+    def number(self, key: str, default: float, minimum: float, kind: type = int) -> Any:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ConfigError(f"{self.at(key)}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if value < minimum:
+            raise ConfigError(f"{self.at(key)}: must be at least {minimum}, got {value}")
+        return kind(value)
+
+    def size(self, key: str, default: int) -> int:
+        value = self._get(key)
+        return default if value is None else parse_size(value, self.at(key))
+
+    def section(self, key: str) -> _Reader:
+        value = self._get(key)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.at(key)}: expected a mapping, got {type(value).__name__}")
+        return _Reader(value, f"{self.at(key)}.")
+
+    def string_list(self, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{self.at(key)}: expected a non-empty list of strings, got {value!r}")
+        return tuple(value)
+
+    def check_unknown(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            raise ConfigError(f"{self.where}{unknown[0]}: unknown setting (a typo?)")
+
+
+def _listen(value: str | None, where: str) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: expected HOST:PORT like 127.0.0.1:8470, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _token(top: _Reader, listen: tuple[str, int] | None, base: Path) -> str | None:
+    token = top.string("token", None)
+    token_file = top.string("token_file", None)
+    if token and token_file:
+        raise ConfigError(f"{top.at('token')}: set either token or token_file, not both")
+    if token_file:
+        path = (base / token_file).resolve()
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{top.at('token_file')}: cannot read {path}: {exc.strerror}") from exc
+    if listen and (not token or len(token) < 16):
+        raise ConfigError(f"{top.at('listen')}: TCP needs a bearer token of at least 16 characters (token or token_file)")
+    return token
+
+
+def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path(".")) -> ServiceConfig:
+    """Build a validated config; `where` prefixes error messages (the file name), `base` resolves relative paths."""
+    top = _Reader(data, where)
+    listen = _listen(top.string("listen", None), top.at("listen"))
+    resources = top.section("resources")
+    artifacts = top.section("artifacts")
+    logs = top.section("logs")
+    retention = top.section("retention")
+    prewarm = top.section("prewarm")
+    policy_dir = top.string("policy_dir", None)
+    webhook = top._get("webhook") or {}
+    if not isinstance(webhook, dict):
+        raise ConfigError(f"{top.at('webhook')}: expected a mapping, got {type(webhook).__name__}")
+    config = ServiceConfig(
+        socket=top.string("socket", DEFAULT_SOCKET),
+        socket_group=top.string("socket_group", None),
+        listen=listen,
+        token=_token(top, listen, base),
+        state_dir=(base / top.string("state_dir", DEFAULT_STATE_DIR)).resolve(),
+        templates=top.string_list("templates", ("base",)),
+        resources=Resources(
+            vcpus=resources.number("vcpus", None, 1),
+            memory_mib=resources.number("memory_mib", None, 64),
+        ),
+        max_concurrent_jobs=top.number("max_concurrent_jobs", 2, 1),
+        max_queued_jobs=top.number("max_queued_jobs", 32, 1),
+        checkout_max_bytes=top.size("checkout_max_bytes", 1024**3),
+        checkout_wait_seconds=top.number("checkout_wait_seconds", 600.0, 1, float),
+        default_timeout_seconds=top.number("default_timeout_seconds", 3600, 1),
+        max_timeout_seconds=top.number("max_timeout_seconds", 6 * 3600, 1),
+        artifacts=ArtifactLimits(
+            max_count=artifacts.number("max_count", 1000, 0),
+            max_total_bytes=artifacts.size("max_total_bytes", 512 * 1024**2),
+        ),
+        logs=LogLimits(
+            max_bytes=logs.size("max_bytes", 16 * 1024**2),
+            max_entry_bytes=logs.size("max_entry_bytes", 64 * 1024),
+        ),
+        policy_dir=(base / policy_dir).resolve() if policy_dir else None,
+        retention=Retention(
+            days=retention.number("days", 14.0, 0, float),
+            max_records=retention.number("max_records", 10000, 1),
+        ),
+        prewarm=Prewarm(
+            max_vms=prewarm.number("max_vms", 2, 0),
+            expire_seconds=prewarm.number("expire_seconds", 300.0, 1, float),
+        ),
+        shutdown_grace_seconds=top.number("shutdown_grace_seconds", 30.0, 0, float),
+        env_allowlist=top.string_list("env_allowlist", ("CI", "GITHUB_*", "RUNNER_*")),
+        webhook=dict(webhook),
+    )
+    for reader in (top, resources, artifacts, logs, retention, prewarm):
+        reader.check_unknown()
+    if config.default_timeout_seconds > config.max_timeout_seconds:
+        raise ConfigError(f"{top.at('default_timeout_seconds')}: larger than max_timeout_seconds")
+    if config.logs.max_entry_bytes < 1:
+        raise ConfigError(f"{logs.at('max_entry_bytes')}: must be at least 1")
+    return config
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    return config_from_mapping(data, where=f"{path}: ", base=path.parent)

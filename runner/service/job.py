@@ -1,0 +1,228 @@
+"""One job's life in a VM: checkout in, command, logs out, artifacts validated, VM destroyed.
+
+The VM is destroyed on every path out of `JobRun.execute` (success, failure, timeout, cancel, an
+engine error, service shutdown): `finally` owns it, and `cancel` from another thread destroys it
+at once so a blocked `exec` returns instead of running on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from runner.service.config import ServiceConfig
+from runner.service.joblog import JobLog
+from runner.service.records import JobRecord
+from runner.service.safetar import ArchiveError, TarLimits, copy_validated
+from runner.service.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+EXIT_TIMEOUT = 124
+EXIT_CANCELLED = 130
+MAX_BLOCKED_RECORDS = 1000
+_TTL_MARGIN_SECONDS = 120  # the engine's own hard limit, past the job's timeout, in case we die
+
+CHECKOUT = "checkout.tar"
+ARTIFACTS = "artifacts.tar"
+LOG = "log.ndjson"
+
+
+class Sandbox(Protocol):
+    """What a job needs of `runner.sandbox.Sandbox`."""
+
+    id: str
+    ready_ms: float
+
+    def put_tar(self, stream: Any, dest: str = "/workspace") -> None: ...
+    def exec(self, command: str, **kwargs: Any) -> Any: ...
+    def get_tar(self, guest_paths: list[str], out: Any, max_bytes: int) -> int: ...
+    def blocked_egress(self) -> list[dict]: ...
+    def destroy(self) -> None: ...
+
+
+SandboxFactory = Callable[..., Sandbox]
+
+
+@dataclass
+class JobRun:
+    """A job between submit and its final record; shared between its worker and the API threads."""
+
+    record: JobRecord
+    spec: JobSpec
+    dir: Path
+    log: JobLog
+    save: Callable[[JobRecord], None]
+    policy: Any = None
+    warm: Sandbox | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sandbox: Sandbox | None = None
+    cancel_reason: str | None = None
+    uploading: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def checkout_path(self) -> Path:
+        return self.dir / CHECKOUT
+
+    def update(self, **changes: Any) -> None:
+        with self.lock:
+            if self.record.final:
+                return  # cancelled meanwhile: the final record stands
+            for key, value in changes.items():
+                target = self.record.timings if hasattr(self.record.timings, key) else self.record
+                setattr(target, key, value)
+            self.save(self.record)
+
+    def cancel(self, reason: str) -> bool:
+        """Ask the job to stop; destroys its VM now. False when it had already finished."""
+        with self.lock:
+            if self.record.final or self.cancel_reason:
+                return False
+            self.cancel_reason = reason
+            sandbox = self.sandbox
+        self.log.system(f"cancelling: {reason}")
+        if sandbox is not None:
+            _destroy(sandbox)
+        return True
+
+    def finish(self, state: str, exit_code: int | None = None, error: str | None = None) -> None:
+        """The final record; the job's log ends with it, so live followers see the end."""
+        with self.lock:
+            if self.record.final:
+                return
+            self.record.state = state
+            self.record.exit_code = exit_code
+            self.record.error = error
+            self.record.timings.finished_at = time.time()
+            self.save(self.record)
+        _remove(self.checkout_path)
+        self.log.close()
+        self.done.set()
+
+    def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
+        """Run the job to its final state; never raises."""
+        sandbox = None
+        try:
+            sandbox = self._start_vm(create, config)
+            if sandbox is None:
+                return self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
+            self._put_checkout(sandbox)
+            result = self._run_command(sandbox)
+            if self.cancel_reason:
+                return self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
+            error = self._collect_artifacts(sandbox, config)
+            self.record.blocked_egress = _bounded_blocked(sandbox.blocked_egress())
+            if result.timed_out:
+                return self.finish("timed_out", EXIT_TIMEOUT, f"the command ran longer than {self.spec.timeout_seconds} s")
+            exit_code = _exit_code(result.exit_code)
+            self.finish("finished" if error is None else "failed", exit_code, error)
+        except Exception as exc:  # an engine error, a hostile guest: the job fails, the service goes on
+            if self.cancel_reason:
+                self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
+            else:
+                log.warning("job %s failed", self.record.id, exc_info=True)
+                self.log.system(f"job failed: {exc}")
+                self.finish("failed", None, f"{type(exc).__name__}: {exc}")
+        finally:
+            if sandbox is not None:
+                _destroy(sandbox)
+            self.finish("failed", None, "the job ended without a result")  # no-op unless a path above forgot
+
+    def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> Sandbox | None:
+        self.update(state="starting")
+        begin = time.monotonic()
+        sandbox = self.warm
+        if sandbox is None:
+            sandbox = create(
+                template=self.spec.template,
+                ttl_seconds=self.spec.timeout_seconds + _TTL_MARGIN_SECONDS,
+                vcpus=config.resources.vcpus,
+                memory_mib=config.resources.memory_mib,
+                network=True,
+                policy=self.policy,
+                job_id=self.record.id,
+            )
+        with self.lock:
+            self.sandbox = sandbox
+            cancelled = self.cancel_reason is not None
+        if cancelled:
+            _destroy(sandbox)
+            return None
+        ready_ms = (time.monotonic() - begin) * 1000
+        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3))
+        self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.warm else ''}")
+        return sandbox
+
+    def _put_checkout(self, sandbox: Sandbox) -> None:
+        with open(self.checkout_path, "rb") as checkout:
+            sandbox.put_tar(checkout, "/workspace")
+
+    def _run_command(self, sandbox: Sandbox) -> Any:
+        self.update(state="running", started_at=time.time())
+        env = {"CI": "true", **self.spec.env, "MICROVM_CHECK_JOB_ID": self.record.id}
+        return sandbox.exec(
+            "sh -c " + shlex.quote(self.spec.command),
+            timeout_seconds=self.spec.timeout_seconds,
+            env=env,
+            cwd=self.spec.workdir,
+            on_output=self.log.append,
+        )
+
+    def _collect_artifacts(self, sandbox: Sandbox, config: ServiceConfig) -> str | None:
+        """Validated artifacts into the job dir; the error to record if the guest's tar was refused."""
+        if not self.spec.artifacts:
+            return None
+        limits = TarLimits(config.artifacts.max_count, config.artifacts.max_total_bytes)
+        raw, clean = self.dir / "artifacts.raw", self.dir / ARTIFACTS
+        paths = [f"{self.spec.workdir}/{glob}" for glob in self.spec.artifacts]
+        # Headers and padding take at most 1.5 KiB a member plus the end blocks.
+        budget = limits.max_total_bytes + 1536 * (limits.max_count + 2) + 10240
+        try:
+            with open(raw, "wb") as out:
+                sandbox.get_tar(paths, out, budget)
+            with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
+                members = copy_validated(src, dst, limits, strip_prefix=self.spec.workdir)
+            os.replace(f"{clean}.part", clean)
+        except ArchiveError as exc:
+            _remove(Path(f"{clean}.part"))
+            self.log.system(f"artifacts rejected: {exc}")
+            return f"artifacts rejected: {exc}"
+        finally:
+            _remove(raw)
+        self.record.artifacts = [m.to_json() for m in members]
+        self.log.system(f"collected {len(members)} artifact file(s)")
+        return None
+
+
+def _exit_code(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -255 <= value <= 255:
+        raise ValueError(f"the guest reported an impossible exit code {value!r}")
+    return value
+
+
+def _bounded_blocked(entries: Any) -> list[dict[str, Any]]:
+    if not isinstance(entries, list):
+        return []
+    kept = [e for e in entries[:MAX_BLOCKED_RECORDS] if isinstance(e, dict)]
+    return [{k: v for k, v in e.items() if isinstance(v, (str, int, float)) and len(str(v)) <= 256} for e in kept]
+
+
+def _destroy(sandbox: Sandbox) -> None:
+    try:
+        sandbox.destroy()
+    except Exception:
+        log.exception("destroying VM %s failed", getattr(sandbox, "id", "?"))
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

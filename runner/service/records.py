@@ -1,0 +1,164 @@
+"""Job records in SQLite: the durable answer to "what ran, where, with which policy, and how did it end".
+
+One connection guarded by a lock: the service writes from worker and API threads, and SQLite's own
+locking across connections would only add busy-retry handling for no gain in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+ACTIVE_STATES = ("awaiting_checkout", "queued", "starting", "running")
+FINAL_STATES = ("finished", "failed", "cancelled", "timed_out")
+
+
+@dataclass
+class Timings:
+    queued_at: float | None = None
+    vm_ready_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    vm_ready_ms: float | None = None
+
+
+@dataclass
+class JobRecord:
+    id: str
+    state: str
+    repository: str
+    sha: str
+    run_id: int | None
+    run_attempt: int | None
+    job_name: str
+    created_at: float = field(default_factory=time.time)
+    vm_id: str | None = None
+    policy_digest: str | None = None
+    warm: bool = False
+    exit_code: int | None = None
+    error: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    blocked_egress: list[dict[str, Any]] = field(default_factory=list)
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_COLUMNS = (
+    "id TEXT PRIMARY KEY",
+    "state TEXT NOT NULL",
+    "repository TEXT NOT NULL",
+    "sha TEXT NOT NULL",
+    "run_id INTEGER",
+    "run_attempt INTEGER",
+    "job_name TEXT NOT NULL",
+    "created_at REAL NOT NULL",
+    "vm_id TEXT",
+    "policy_digest TEXT",
+    "warm INTEGER NOT NULL",
+    "exit_code INTEGER",
+    "error TEXT",
+    "queued_at REAL",
+    "vm_ready_at REAL",
+    "started_at REAL",
+    "finished_at REAL",
+    "vm_ready_ms REAL",
+    "blocked_egress TEXT NOT NULL",
+    "artifacts TEXT NOT NULL",
+)
+_NAMES = tuple(c.split()[0] for c in _COLUMNS)
+_TIMING_NAMES = tuple(f.name for f in fields(Timings))
+
+
+def _to_row(rec: JobRecord) -> tuple[Any, ...]:
+    values = asdict(rec)
+    values.update(values.pop("timings"))
+    values["warm"] = int(rec.warm)
+    values["blocked_egress"] = json.dumps(rec.blocked_egress)
+    values["artifacts"] = json.dumps(rec.artifacts)
+    return tuple(values[name] for name in _NAMES)
+
+
+def _from_row(row: sqlite3.Row) -> JobRecord:
+    values = dict(zip(_NAMES, row))
+    timings = Timings(**{name: values.pop(name) for name in _TIMING_NAMES})
+    values["warm"] = bool(values["warm"])
+    values["blocked_egress"] = json.loads(values["blocked_egress"])
+    values["artifacts"] = json.loads(values["artifacts"])
+    return JobRecord(timings=timings, **values)
+
+
+class RecordStore:
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"CREATE TABLE IF NOT EXISTS jobs ({', '.join(_COLUMNS)})")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def put(self, rec: JobRecord) -> None:
+        marks = ", ".join("?" for _ in _NAMES)
+        with self._lock:
+            self._db.execute(f"INSERT OR REPLACE INTO jobs ({', '.join(_NAMES)}) VALUES ({marks})", _to_row(rec))
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {', '.join(_NAMES)} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _from_row(row) if row else None
+
+    def list(self, limit: int = 50) -> list[JobRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_NAMES)} FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def in_states(self, states: tuple[str, ...]) -> Iterator[JobRecord]:
+        marks = ", ".join("?" for _ in states)
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_NAMES)} FROM jobs WHERE state IN ({marks})", states).fetchall()
+        return iter([_from_row(r) for r in rows])
+
+    def fail_unfinished(self, error: str, now: float | None = None) -> list[str]:
+        """Mark every non-final job failed: called at start, when no job of ours can still be alive."""
+        now = time.time() if now is None else now
+        failed = []
+        for rec in self.in_states(ACTIVE_STATES):
+            rec.state = "failed"
+            rec.error = error
+            rec.timings.finished_at = now
+            self.put(rec)
+            failed.append(rec.id)
+        return failed
+
+    def prune(self, older_than: float, keep: int) -> list[str]:
+        """Delete final records created before `older_than`, and any beyond the newest `keep`; returns their ids."""
+        final = ", ".join("?" for _ in FINAL_STATES)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT id FROM jobs WHERE state IN ({final}) AND (created_at < ? OR id NOT IN "
+                f"(SELECT id FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?))",
+                (*FINAL_STATES, older_than, keep),
+            ).fetchall()
+            ids = [r[0] for r in rows]
+            self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in ids])
+        return ids
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM jobs")}

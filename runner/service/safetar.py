@@ -1,0 +1,162 @@
+"""Validation of tar streams that came out of a guest.
+
+The guest is hostile, so its artifact tar is never handed to anyone as it is: every member is checked
+(a plain relative path, a regular file or directory, bounded count and size) and the survivors are
+re-written into a fresh tar with neutral metadata. A single bad member rejects the whole archive,
+because a partial set of artifacts would silently look like a complete one.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import tarfile
+from dataclasses import dataclass
+from typing import BinaryIO
+
+MAX_NAME_BYTES = 1024
+_COPY_CHUNK = 1024 * 1024
+
+
+class ArchiveError(ValueError):
+    """A tar stream the host refuses; the message names the offending member."""
+
+
+@dataclass(frozen=True)
+class TarLimits:
+    max_count: int
+    max_total_bytes: int
+
+
+@dataclass(frozen=True)
+class Member:
+    path: str
+    size: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size}
+
+
+def clean_name(raw: str, strip_prefix: str = "") -> str:
+    """A member name as a safe relative path, or ArchiveError saying why it is not one."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise ArchiveError(f"member {raw!r}: control characters in the name")
+    try:
+        encoded = raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ArchiveError(f"member {raw!r}: the name is not valid UTF-8") from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise ArchiveError(f"member {raw[:80]!r}...: name longer than {MAX_NAME_BYTES} bytes")
+    if raw.startswith("/"):
+        raise ArchiveError(f"member {raw!r}: absolute path")
+    if "\\" in raw:
+        raise ArchiveError(f"member {raw!r}: backslash in the name")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ArchiveError(f"member {raw!r}: '..' in the path")
+    name = "/".join(parts)
+    prefix = strip_prefix.strip("/")
+    if prefix:
+        if name == prefix:
+            return ""
+        if not name.startswith(prefix + "/"):
+            raise ArchiveError(f"member {raw!r}: outside {prefix}/")
+        name = name[len(prefix) + 1 :]
+    return name
+
+
+def _check_type(info: tarfile.TarInfo) -> None:
+    if info.issym() or info.islnk():
+        raise ArchiveError(f"member {info.name!r}: links are not allowed (link to {info.linkname!r})")
+    if info.ischr() or info.isblk() or info.isfifo():
+        raise ArchiveError(f"member {info.name!r}: device or fifo")
+    if info.issparse():
+        raise ArchiveError(f"member {info.name!r}: sparse files are not allowed")
+    if not (info.isreg() or info.isdir()):
+        raise ArchiveError(f"member {info.name!r}: unsupported type {info.type!r}")
+
+
+def _copy_exact(src: BinaryIO, dst: tarfile.TarFile, info: tarfile.TarInfo) -> None:
+    """addfile() trusts the size; a short source would corrupt the output, so check it ourselves."""
+    dst.addfile(info, _ExactReader(src, info.size, info.name))
+
+
+class _ExactReader:
+    def __init__(self, src: BinaryIO, size: int, name: str) -> None:
+        self.src, self.left, self.name = src, size, name
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.src.read(n) if n else b""
+        if len(data) < n:
+            raise ArchiveError(f"member {self.name!r}: truncated data")
+        self.left -= len(data)
+        return data
+
+
+def copy_validated(src: BinaryIO, dst: BinaryIO, limits: TarLimits, strip_prefix: str = "") -> list[Member]:
+    """Read a tar stream from `src`, write a clean tar of its files and directories to `dst`.
+
+    Returns the regular files written. Raises ArchiveError on the first member that is not a plain
+    file or directory under a safe relative path, on duplicate names, or when the count or total size
+    goes over `limits`; `dst` then holds garbage and the caller discards it.
+    """
+    files: list[Member] = []
+    seen: set[str] = set()
+    file_names: set[str] = set()
+    total = 0
+    count = 0
+    try:
+        source = tarfile.open(fileobj=src, mode="r|", errorlevel=2)
+    except tarfile.TarError as exc:
+        raise ArchiveError(f"not a tar stream: {exc}") from exc
+    with source, tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as out:
+        try:
+            for info in source:
+                _check_type(info)
+                name = clean_name(info.name, strip_prefix)
+                if not name:
+                    continue  # the prefix directory itself
+                if name in seen:
+                    raise ArchiveError(f"member {name!r}: appears twice")
+                seen.add(name)
+                count += 1
+                if count > limits.max_count:
+                    raise ArchiveError(f"more than {limits.max_count} members")
+                if _parent_is_file(name, file_names):
+                    raise ArchiveError(f"member {name!r}: its parent is a file")
+                clean = tarfile.TarInfo(name)
+                clean.mtime = max(0, min(int(info.mtime), 2**33))
+                if info.isdir():
+                    clean.type, clean.mode = tarfile.DIRTYPE, 0o755
+                    out.addfile(clean)
+                    continue
+                total += info.size
+                if total > limits.max_total_bytes:
+                    raise ArchiveError(f"member {name!r}: artifacts larger than {limits.max_total_bytes} bytes in total")
+                clean.size, clean.mode = info.size, 0o755 if info.mode & 0o111 else 0o644
+                data = source.extractfile(info)
+                assert data is not None  # a regular file always has a reader
+                _copy_exact(data, out, clean)
+                files.append(Member(name, info.size))
+                file_names.add(name)
+        except tarfile.TarError as exc:
+            raise ArchiveError(f"corrupt tar stream: {exc}") from exc
+    return files
+
+
+def _parent_is_file(name: str, file_names: set[str]) -> bool:
+    parent = posixpath.dirname(name)
+    while parent:
+        if parent in file_names:
+            return True
+        parent = posixpath.dirname(parent)
+    return False
+
+
+def check_tar(src: BinaryIO) -> int:
+    """Walk a tar stream's headers to reject garbage before a VM is spent on it; returns the member count."""
+    try:
+        with tarfile.open(fileobj=src, mode="r:", errorlevel=2) as tar:
+            return sum(1 for _ in tar)
+    except tarfile.TarError as exc:
+        raise ArchiveError(f"not a valid tar archive: {exc}") from exc

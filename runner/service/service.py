@@ -1,0 +1,334 @@
+"""The job service: admission, the worker pool, records, pre-warming and shutdown.
+
+The HTTP layer (`runner.service.api`) and the in-process `microvm-check run` both drive this class;
+it never speaks HTTP itself. It also implements the GitHub webhook's `JobHooks` protocol
+(`prewarm`, `job_completed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from runner.service.config import ServiceConfig
+from runner.service.egress import EgressPolicies, EgressPolicyError
+from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory
+from runner.service.joblog import JobLog
+from runner.service.jobqueue import JobQueue, QueueClosed
+from runner.service.records import JobRecord, RecordStore
+from runner.service.safetar import ArchiveError, check_tar
+from runner.service.spec import SpecError, parse_spec
+from runner.service.warm import RunKey, WarmPool
+
+log = logging.getLogger(__name__)
+
+JOB_ID = re.compile(r"^j[0-9a-f]{16}$")
+_REAP_SECONDS = 5.0
+_PRUNE_SECONDS = 3600.0
+
+
+class JobError(Exception):
+    """A request the service refuses; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def default_sandbox_factory() -> SandboxFactory:
+    from runner.sandbox import Sandbox  # imported late: the engine needs root and QEMU, the CLI does not
+
+    return Sandbox.create
+
+
+class JobService:
+    def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory | None = None,
+                 policies: EgressPolicies | None = None) -> None:
+        self.config = config
+        self._create = create_sandbox or default_sandbox_factory()
+        self.policies = policies or EgressPolicies(config.policy_dir)
+        config.jobs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.records = RecordStore(config.records_path)
+        self.queue = JobQueue(config.max_queued_jobs)
+        self.warm = WarmPool(config.prewarm.max_vms, config.prewarm.expire_seconds)
+        self.accel: str | None = None
+        self._runs: dict[str, JobRun] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._reaper: threading.Thread | None = None
+        self._last_prune = 0.0
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Recover from a predecessor that died, then start workers and the reaper."""
+        failed = self.records.fail_unfinished("the service stopped while this job was active")
+        if failed:
+            log.warning("marked %d job(s) left active by a previous service failed", len(failed))
+        self._sweep_job_dirs()
+        self.prune()
+        for n in range(self.config.max_concurrent_jobs):
+            worker = threading.Thread(target=self._work, name=f"job-worker-{n}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        self._reaper = threading.Thread(target=self._reap, name="job-reaper", daemon=True)
+        self._reaper.start()
+
+    def shutdown(self, grace_seconds: float | None = None) -> None:
+        """Stop taking jobs; give running ones `grace_seconds` to finish, then cancel them; destroy every VM."""
+        grace = self.config.shutdown_grace_seconds if grace_seconds is None else grace_seconds
+        self._stopping.set()
+        for job_id in self.queue.close():
+            run = self._run(job_id)
+            if run:
+                self._end(run, "cancelled", "the service shut down before the job started")
+        deadline = time.monotonic() + grace
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for run in self._active_runs():
+            run.cancel("the service is shutting down")
+        for worker in self._workers:
+            worker.join()
+        for run in self._active_runs():  # awaiting checkout, never queued
+            self._end(run, "cancelled", "the service shut down before the job started")
+        self.warm.close()
+        if self._reaper:
+            self._reaper.join()
+        self.records.close()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    # -- the job API -------------------------------------------------------------------------
+
+    def submit(self, data: Any) -> JobRecord:
+        if self.stopping:
+            raise JobError(503, "the service is shutting down; submit the job again later")
+        try:
+            spec = parse_spec(data, self.config)
+            policy = self.policies.effective(spec.repository, spec.policy)
+        except (SpecError, EgressPolicyError) as exc:
+            raise JobError(400, f"invalid job: {exc}") from exc
+        job_id = "j" + secrets.token_hex(8)
+        self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
+        job_dir = self.config.jobs_dir / job_id
+        job_dir.mkdir(mode=0o700)
+        record = JobRecord(
+            id=job_id, state="awaiting_checkout", repository=spec.repository, sha=spec.sha,
+            run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
+            policy_digest=policy.digest(),
+        )
+        run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
+        with self._lock:
+            self._runs[job_id] = run
+        self.records.put(record)
+        return record
+
+    def put_checkout(self, job_id: str, chunks: Iterable[bytes]) -> JobRecord:
+        """Spool the checkout tar into the job's directory, bounded, then queue the job."""
+        run = self._need_run(job_id)
+        with run.lock:
+            if run.record.state != "awaiting_checkout" or run.uploading or run.cancel_reason:
+                raise JobError(409, f"job {job_id} is {run.record.state}: its checkout was already uploaded or it ended")
+            run.uploading = True  # only this request writes the checkout
+        try:
+            self._spool(run, chunks)
+        finally:
+            run.uploading = False
+        with run.lock:
+            if run.record.final or run.cancel_reason:
+                raise JobError(409, f"job {job_id} was {run.record.state} while its checkout was uploading")
+            run.record.state = "queued"
+            run.record.timings.queued_at = time.time()
+            self.records.put(run.record)
+        try:
+            self.queue.put(job_id)
+        except (KeyError, QueueClosed):
+            self._end(run, "cancelled", run.cancel_reason or "the service shut down before the job started")
+        return run.record
+
+    def _spool(self, run: JobRun, chunks: Iterable[bytes]) -> None:
+        part = run.dir / f"{CHECKOUT}.part"
+        limit = self.config.checkout_max_bytes
+        written = 0
+        try:
+            with open(part, "wb") as out:
+                for chunk in chunks:
+                    written += len(chunk)
+                    if written > limit:
+                        raise JobError(413, f"the checkout is larger than the service's limit of {limit} bytes; "
+                                            f"leave build outputs out or ask the operator to raise checkout_max_bytes")
+                    out.write(chunk)
+            with open(part, "rb") as check:
+                check_tar(check)
+            os.replace(part, run.checkout_path)
+        except ArchiveError as exc:
+            raise JobError(400, f"checkout: {exc}") from exc
+        finally:
+            if part.exists():
+                part.unlink()
+
+    def cancel(self, job_id: str, reason: str = "cancelled by the client") -> JobRecord:
+        run = self._run(job_id)
+        if run is None:
+            return self.get(job_id)  # already final: cancel is idempotent
+        run.cancel(reason)
+        if self.queue.discard(job_id):  # it never reached a worker
+            self._end(run, "cancelled", reason)
+        return run.record
+
+    def get(self, job_id: str) -> JobRecord:
+        run = self._run(job_id)
+        if run:
+            return run.record
+        record = self.records.get(job_id) if JOB_ID.match(job_id) else None
+        if record is None:
+            raise JobError(404, f"no job {job_id!r} (records are kept {self.config.retention.days:g} days)")
+        return record
+
+    def list(self, limit: int = 50) -> list[JobRecord]:
+        return self.records.list(limit)
+
+    def log_of(self, job_id: str) -> JobLog:
+        run = self._run(job_id)
+        if run:
+            return run.log
+        self.get(job_id)  # 404 for unknown ids
+        return JobLog.finished(self.config.jobs_dir / job_id / LOG)
+
+    def artifacts_path(self, job_id: str) -> Path:
+        record = self.get(job_id)
+        if not record.final:
+            raise JobError(409, f"job {job_id} is {record.state}: artifacts are ready once it has ended")
+        path = self.config.jobs_dir / job_id / ARTIFACTS
+        if not path.exists():
+            raise JobError(404, f"job {job_id} has no artifacts (none were asked for, matched, or they were rejected)")
+        return path
+
+    def health(self) -> dict[str, Any]:
+        queued, _ = self.queue.counts()
+        running = sum(1 for run in self._active_runs() if run.record.state in ("starting", "running"))
+        return {"ok": not self.stopping, "accel": self.accel, "running": running, "queued": queued,
+                "warm": self.warm.count()}
+
+    # -- JobHooks (runner.github.jobs) ----------------------------------------------------------
+
+    def prewarm(self, job: Any) -> None:
+        """Restore a VM for a queued GitHub job ahead of its submit (best effort, bounded)."""
+        if self.stopping:
+            return
+        template = self.config.default_template
+        try:
+            policy = self.policies.effective(job.repository, None)
+        except EgressPolicyError:
+            log.warning("not pre-warming for %s: its policy does not load", job.repository, exc_info=True)
+            return
+        key = RunKey(job.repository, job.run_id, job.run_attempt)
+        self.warm.prewarm(key, job.job_id, template, policy.digest(), lambda: self._create_vm(
+            template=template, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
+            vcpus=self.config.resources.vcpus, memory_mib=self.config.resources.memory_mib,
+            network=True, policy=policy, job_id=f"warm-{job.job_id}",
+        ))
+
+    def job_completed(self, job: Any) -> None:
+        """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
+        key = RunKey(job.repository, job.run_id, job.run_attempt)
+        self.warm.discard_job(key, job.job_id)
+        for run in self._active_runs():
+            r = run.record
+            if (r.repository, r.run_id, r.run_attempt or 1, r.job_name) == (job.repository, job.run_id, job.run_attempt, job.job_name):
+                self.cancel(r.id, f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})")
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _create_vm(self, **kwargs: Any) -> Any:
+        sandbox = self._create(**kwargs)
+        self.accel = getattr(sandbox, "accel", self.accel)
+        return sandbox
+
+    def _work(self) -> None:
+        while True:
+            job_id = self.queue.get()
+            if job_id is None:
+                return
+            run = self._run(job_id)
+            if run is None:
+                continue
+            spec = run.spec
+            if spec.run_id is not None:
+                key = RunKey(spec.repository, spec.run_id, spec.run_attempt or 1)
+                run.warm = self.warm.claim(key, spec.template, run.record.policy_digest or "")
+                if run.warm is not None:
+                    run.update(warm=True)
+            run.execute(self._create_vm, self.config)
+            with self._lock:
+                self._runs.pop(job_id, None)
+
+    def _end(self, run: JobRun, state: str, reason: str) -> None:
+        """Finish a job no worker holds (it never started)."""
+        run.finish(state, None, reason)
+        with self._lock:
+            self._runs.pop(run.record.id, None)
+
+    def _run(self, job_id: str) -> JobRun | None:
+        with self._lock:
+            return self._runs.get(job_id)
+
+    def _need_run(self, job_id: str) -> JobRun:
+        run = self._run(job_id)
+        if run is None:
+            self.get(job_id)
+            raise JobError(409, f"job {job_id} has already ended")
+        return run
+
+    def _active_runs(self) -> list[JobRun]:
+        with self._lock:
+            return list(self._runs.values())
+
+    def _reap(self) -> None:
+        while not self._stopping.wait(_REAP_SECONDS):
+            self.reap()
+
+    def reap(self, now: float | None = None) -> None:
+        """Expire unclaimed warm VMs and checkouts that never came; prune old records now and then."""
+        now = time.time() if now is None else now
+        self.warm.expire()
+        for run in self._active_runs():
+            if run.record.state == "awaiting_checkout" and now - run.record.created_at > self.config.checkout_wait_seconds:
+                if self.queue.discard(run.record.id):
+                    self._end(run, "failed", f"no checkout was uploaded within {self.config.checkout_wait_seconds:g} s")
+        if now - self._last_prune > _PRUNE_SECONDS:
+            self.prune(now)
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Apply the retention settings to records and job directories."""
+        now = time.time() if now is None else now
+        self._last_prune = now
+        retention = self.config.retention
+        pruned = self.records.prune(now - retention.days * 86400, retention.max_records)
+        for job_id in pruned:
+            shutil.rmtree(self.config.jobs_dir / job_id, ignore_errors=True)
+        return pruned
+
+    def _sweep_job_dirs(self) -> None:
+        """Remove job directories no record knows (a crash between mkdir and insert) and stale spools."""
+        known = self.records.ids()
+        for entry in self.config.jobs_dir.iterdir():
+            if entry.name not in known or not entry.is_dir() or entry.is_symlink():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                continue
+            for leftover in (CHECKOUT, f"{CHECKOUT}.part", "artifacts.raw", f"{ARTIFACTS}.part"):
+                (entry / leftover).unlink(missing_ok=True)
+

@@ -1,0 +1,133 @@
+"""Pre-warmed VMs: restored when GitHub says a job is queued, claimed when its submit arrives.
+
+A warm VM is bound to one (repository, run_id, run_attempt), its template and the policy it was
+created with: a submit may only claim it if its effective policy has the same digest, since a VM's
+egress is fixed at creation. Unclaimed VMs expire and are destroyed; the pool is bounded, counting
+VMs still being restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunKey:
+    repository: str
+    run_id: int
+    run_attempt: int
+
+
+@dataclass
+class WarmVM:
+    key: RunKey
+    github_job_id: int
+    template: str
+    policy_digest: str
+    expires_at: float
+    sandbox: Any = None  # None while it is being restored
+    claimed: bool = False
+    discarded: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class WarmPool:
+    def __init__(self, max_vms: int, expire_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_vms = max_vms
+        self.expire_seconds = expire_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._vms: list[WarmVM] = []
+        self._closed = False
+
+    def prewarm(self, key: RunKey, github_job_id: int, template: str, policy_digest: str,
+                create: Callable[[], Any]) -> bool:
+        """Start restoring a VM with `create()` in the background; False when the pool is full or closed."""
+        with self._lock:
+            if self._closed or len(self._vms) >= self.max_vms:
+                return False
+            if any(vm.github_job_id == github_job_id and vm.key == key for vm in self._vms):
+                return False  # GitHub redelivers webhooks; one VM per job is enough
+            vm = WarmVM(key, github_job_id, template, policy_digest, self._clock() + self.expire_seconds)
+            self._vms.append(vm)
+        threading.Thread(target=self._restore, args=(vm, create), name=f"prewarm-{github_job_id}", daemon=True).start()
+        return True
+
+    def _restore(self, vm: WarmVM, create: Callable[[], Any]) -> None:
+        try:
+            sandbox = create()
+        except Exception:
+            log.warning("pre-warming a VM for %s failed", vm.key, exc_info=True)
+            with self._lock:
+                self._forget(vm)
+            vm.ready.set()
+            return
+        with self._lock:
+            vm.sandbox = sandbox
+            unwanted = vm.discarded or self._closed
+            if unwanted:
+                self._forget(vm)
+        vm.ready.set()
+        if unwanted:
+            _destroy(sandbox)
+
+    def claim(self, key: RunKey, template: str, policy_digest: str) -> Any:
+        """A ready VM for this run with the same template and policy, now owned by the caller; or None."""
+        with self._lock:
+            for vm in self._vms:
+                if (vm.key == key and vm.template == template and vm.policy_digest == policy_digest
+                        and vm.sandbox is not None and not vm.claimed):
+                    vm.claimed = True
+                    self._forget(vm)
+                    return vm.sandbox
+        return None
+
+    def discard_job(self, key: RunKey, github_job_id: int) -> int:
+        """Destroy the unclaimed VMs warmed for one GitHub job (it completed or was cancelled)."""
+        return self._discard(lambda vm: vm.key == key and vm.github_job_id == github_job_id)
+
+    def expire(self) -> int:
+        now = self._clock()
+        return self._discard(lambda vm: vm.expires_at <= now)
+
+    def close(self, wait_seconds: float = 30.0) -> None:
+        """Destroy every unclaimed VM, including those still being restored once they are."""
+        with self._lock:
+            self._closed = True
+            pending = [vm for vm in self._vms if vm.sandbox is None]
+        self._discard(lambda vm: True)
+        for vm in pending:
+            vm.ready.wait(wait_seconds)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._vms)
+
+    def _discard(self, match: Callable[[WarmVM], bool]) -> int:
+        with self._lock:
+            chosen = [vm for vm in self._vms if match(vm) and not vm.claimed]
+            ready = [vm.sandbox for vm in chosen if vm.sandbox is not None]
+            for vm in chosen:
+                vm.discarded = True  # one still restoring is destroyed by _restore when it is ready
+                if vm.sandbox is not None:
+                    self._forget(vm)
+        for sandbox in ready:
+            _destroy(sandbox)
+        return len(chosen)
+
+    def _forget(self, vm: WarmVM) -> None:
+        if vm in self._vms:
+            self._vms.remove(vm)
+
+
+def _destroy(sandbox: Any) -> None:
+    try:
+        sandbox.destroy()
+    except Exception:
+        log.exception("destroying pre-warmed VM %s failed", getattr(sandbox, "id", "?"))
