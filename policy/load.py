@@ -130,7 +130,7 @@ def _parse_policy(text: str, problems: _Problems) -> Policy | None:
     node = _compose(text, problems)
     if problems.items:
         return None
-    if node is None:
+    if node is None or _is_null(node):
         problems.add(yaml.Mark("", 0, 0, 0, None, None),
                      f"the policy is empty; write {EXAMPLE}")
         return None
@@ -172,10 +172,13 @@ def _compose(text: str, problems: _Problems) -> yaml.Node | None:
     return None
 
 
-def _mapping(node: yaml.Node, known: tuple[str, ...], what: str,
-             problems: _Problems) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-    """A mapping's entries by key, reporting non-string, unknown and duplicate keys."""
-    entries: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+def _mapping(node: yaml.MappingNode, known: tuple[str, ...], what: str,
+             problems: _Problems) -> tuple[dict[str, yaml.Node], list[tuple[str, yaml.Node]]]:
+    """A mapping's values by key, and the values of repeated keys (to be checked too, so that
+    every problem is reported), reporting non-string, unknown and duplicate keys."""
+    values: dict[str, yaml.Node] = {}
+    first_lines: dict[str, int] = {}
+    duplicates: list[tuple[str, yaml.Node]] = []
     for key_node, value_node in node.value:
         if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != STR_TAG:
             problems.at(key_node, f"{what} keys must be plain names; known keys: {', '.join(known)}")
@@ -183,13 +186,14 @@ def _mapping(node: yaml.Node, known: tuple[str, ...], what: str,
         key = key_node.value
         if key not in known:
             problems.at(key_node, _unknown_key(key, known, what))
-        elif key in entries:
-            first = entries[key][0].start_mark.line + 1
-            problems.at(key_node, f"duplicate key {_quote(key)} (first on line {first}); YAML would "
-                                  "silently keep only the last one: merge them into one")
+        elif key in values:
+            problems.at(key_node, f"duplicate key {_quote(key)} (first on line {first_lines[key]}); YAML "
+                                  "would silently keep only the last one: merge them into one")
+            duplicates.append((key, value_node))
         else:
-            entries[key] = (key_node, value_node)
-    return entries
+            values[key] = value_node
+            first_lines[key] = key_node.start_mark.line + 1
+    return values, duplicates
 
 
 def _unknown_key(key: str, known: tuple[str, ...], what: str) -> str:
@@ -216,20 +220,24 @@ def _policy(node: yaml.Node, problems: _Problems) -> Policy | None:
         problems.at(node, f"the policy must be a mapping with keys version, mode and allow, "
                           f"not {_kind(node)}; write {EXAMPLE}")
         return None
-    entries = _mapping(node, TOP_KEYS, "the policy", problems)
-    version = _version(entries.get("version"), node, problems)
-    mode = _mode(entries.get("mode"), problems)
-    rules = _rules(entries.get("allow"), problems)
+    values, duplicates = _mapping(node, TOP_KEYS, "the policy", problems)
+    checks = {
+        "version": lambda value: _version(value, node, problems),
+        "mode": lambda value: _mode(value, problems),
+        "allow": lambda value: _rules(value, problems),
+    }
+    for key, value in duplicates:
+        checks[key](value)
+    version, mode, rules = (checks[key](values.get(key)) for key in ("version", "mode", "allow"))
     if version is None or mode is None or rules is None:
         return None
     return Policy(version=version, mode=mode, rules=tuple(rules))
 
 
-def _version(entry: tuple[yaml.Node, yaml.Node] | None, top: yaml.Node, problems: _Problems) -> int | None:
-    if entry is None:
+def _version(node: yaml.Node | None, top: yaml.Node, problems: _Problems) -> int | None:
+    if node is None:
         problems.at(top, f"missing 'version'; add 'version: {SUPPORTED_VERSION}' at the top")
         return None
-    node = entry[1]
     value = _int(node)
     if value is None:
         problems.at(node, f"version: {_kind(node)} is not a version; use version: {SUPPORTED_VERSION} (a number)")
@@ -239,20 +247,18 @@ def _version(entry: tuple[yaml.Node, yaml.Node] | None, top: yaml.Node, problems
     return value
 
 
-def _mode(entry: tuple[yaml.Node, yaml.Node] | None, problems: _Problems) -> str | None:
-    if entry is None:
+def _mode(node: yaml.Node | None, problems: _Problems) -> str | None:
+    if node is None:
         return "block"
-    node = entry[1]
     if isinstance(node, yaml.ScalarNode) and node.tag == STR_TAG and node.value in MODES:
         return node.value
     problems.at(node, f"mode: {_kind(node)} is not a mode; use block or audit")
     return None
 
 
-def _rules(entry: tuple[yaml.Node, yaml.Node] | None, problems: _Problems) -> list[Rule] | None:
-    if entry is None or (isinstance(entry[1], yaml.ScalarNode) and entry[1].tag == NULL_TAG):
+def _rules(node: yaml.Node | None, problems: _Problems) -> list[Rule] | None:
+    if node is None or _is_null(node):
         return []
-    node = entry[1]
     if not isinstance(node, yaml.SequenceNode):
         problems.at(node, "allow must be a list of entries such as '- host: pypi.org' with 'ports: [443]'")
         return None
@@ -270,21 +276,33 @@ def _rule(node: yaml.Node, problems: _Problems) -> Rule | None:
                           f"not {_kind(node)}")
         return None
     before = len(problems.items)
-    entries = _mapping(node, RULE_KEYS, "an allow entry", problems)
+    values, duplicates = _mapping(node, RULE_KEYS, "an allow entry", problems)
+    checks = {
+        "host": lambda value: _host(value, problems),
+        "cidr": lambda value: _cidr(value, problems),
+        "ports": lambda value: _ports(value, node, problems),
+        "protocol": lambda value: _protocol(value, problems),
+    }
+    for key, value in duplicates:
+        checks[key](value)
     host = network = None
-    if "host" in entries and "cidr" in entries:
+    if "host" in values and "cidr" in values:
         problems.at(node, "an allow entry has both 'host' and 'cidr'; split it into two entries")
-    elif "host" in entries:
-        host = _host(entries["host"][1], problems)
-    elif "cidr" in entries:
-        network = _cidr(entries["cidr"][1], problems)
+    elif "host" in values:
+        host = checks["host"](values["host"])
+    elif "cidr" in values:
+        network = checks["cidr"](values["cidr"])
     else:
         problems.at(node, "an allow entry needs 'host' (a DNS name) or 'cidr' (a network)")
-    ports = _ports(entries.get("ports"), node, problems)
-    protocol = _protocol(entries.get("protocol"), problems)
+    ports = checks["ports"](values.get("ports"))
+    protocol = checks["protocol"](values.get("protocol"))
     if len(problems.items) != before or ports is None or (host is None and network is None):
         return None
     return Rule(ports=ports, protocol=protocol, host=host, network=network)
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.ScalarNode) and node.tag == NULL_TAG
 
 
 def _int(node: yaml.Node) -> int | None:
@@ -373,12 +391,10 @@ def _cidr_error(value: str) -> str:
         return f"{_quote(value)} is not a network; write one like 10.20.0.0/16 or 2001:db8::/32"
 
 
-def _ports(entry: tuple[yaml.Node, yaml.Node] | None, rule: yaml.Node,
-           problems: _Problems) -> frozenset[int] | None:
-    if entry is None:
+def _ports(node: yaml.Node | None, rule: yaml.Node, problems: _Problems) -> frozenset[int] | None:
+    if node is None:
         problems.at(rule, "an allow entry needs 'ports', e.g. ports: [443]")
         return None
-    node = entry[1]
     if not isinstance(node, yaml.SequenceNode):
         hint = f"ports: [{node.value}]" if _int(node) is not None else "ports: [443]"
         problems.at(node, f"ports must be a list; write {hint}")
@@ -405,10 +421,9 @@ def _port(node: yaml.Node, problems: _Problems) -> int | None:
     return value
 
 
-def _protocol(entry: tuple[yaml.Node, yaml.Node] | None, problems: _Problems) -> str:
-    if entry is None:
+def _protocol(node: yaml.Node | None, problems: _Problems) -> str:
+    if node is None:
         return "tcp"
-    node = entry[1]
     value = _string(node)
     if value not in PROTOCOLS:
         problems.at(node, f"protocol: {_kind(node)} is not supported; use tcp or udp")

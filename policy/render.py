@@ -68,7 +68,7 @@ class RenderContext:
     dns_port: int = 53
     host_addresses: tuple[Address | str, ...] = ()
     log_prefix: str = "mvc"
-    nflog_group: int = 1
+    nflog_group: int = 100  # runner.net.addresses.AUDIT_NFLOG_GROUP reads this group
     guest_ip6: IPv6Address | str | None = None
 
     def __post_init__(self) -> None:
