@@ -1,0 +1,163 @@
+"""Guest log relaying: nothing the guest prints may act as a workflow command on the host job."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from action.logs import LogLimits, LogRelay
+from action.workflow import ZWSP, neutralise_line, safe_text
+from gha_runner_model import RunnerModel
+
+HOSTILE_LINES = [
+    "::set-output name=exit-code::0",
+    "::add-mask::secret",
+    "::add-path::/tmp/evil",
+    "::set-env name=LD_PRELOAD::/tmp/evil.so",
+    "::stop-commands::guess",
+    "::echo::on",
+    "::SET-OUTPUT name=x::1",
+    "   ::save-state name=x::1",
+    "\t::error file=a.py,line=1::forged annotation",
+    "\u00a0::add-mask::nbsp-led",
+    "\u3000\u2028::add-path::ideographic",
+    "\x85::set-output name=y::nel",
+    "prefix ##[set-output name=legacy;]value",
+    "##[add-mask]legacy",
+    "::group::fake group",
+    "::endgroup::",
+]
+
+
+def relay(chunks: list[tuple[str, bytes]], limits: LogLimits = LogLimits()) -> tuple[str, LogRelay]:
+    out = io.StringIO()
+    with LogRelay(out, "check", limits) as r:
+        for stream, data in chunks:
+            r.feed(stream, data)
+    return out.getvalue(), r
+
+
+def only_our_commands(output: str) -> RunnerModel:
+    model = RunnerModel()
+    model.feed(output)
+    names = [name for name, _ in model.executed]
+    assert names == ["group", "stop-commands", "resume", "endgroup"], model.executed
+    assert model.executed[0] == ("group", "check")
+    return model
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES)
+def test_each_workflow_command_is_inert_inside_the_relay(line: str) -> None:
+    output, _ = relay([("stdout", (line + "\n").encode())])
+    only_our_commands(output)
+    assert line.split("::")[-1] in output.replace(ZWSP, "")  # still readable
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES)
+def test_each_line_is_inert_even_without_stop_commands(line: str) -> None:
+    model = RunnerModel()
+    model.feed(safe_text(line) + "\n")
+    assert model.executed == []
+
+
+def test_the_model_does_execute_the_raw_lines() -> None:
+    # Guards the tests above: the runner model recognises every hostile line when not neutralised.
+    for line in HOSTILE_LINES:
+        model = RunnerModel()
+        model.feed(line + "\n")
+        assert model.executed, line
+
+
+def test_commands_split_across_chunks_byte_by_byte() -> None:
+    data = "".join(line + "\n" for line in HOSTILE_LINES).encode()
+    output, _ = relay([("stdout", data[i : i + 1]) for i in range(len(data))])
+    only_our_commands(output)
+
+
+def test_carriage_return_starts_a_new_line_for_the_runner() -> None:
+    output, _ = relay([("stdout", b"progress 10%\r::set-output name=exit-code::0\rdone\n")])
+    only_our_commands(output)
+    assert "progress 10%" in output and "done" in output
+
+
+def test_crlf_split_across_chunks_is_one_line_break() -> None:
+    output, _ = relay([("stdout", b"a\r"), ("stdout", b"\nb\n")])
+    lines = output.splitlines()
+    assert lines[2:4] == ["a", "b"]
+
+
+def test_a_guest_printing_the_resume_token_cannot_resume() -> None:
+    out = io.StringIO()
+    with LogRelay(out, "check") as r:
+        token = out.getvalue().splitlines()[1].split("::")[2]
+        r.feed("stdout", f"::{token}::\n::set-output name=x::1\n##[{token}]\n::add-mask::x\n".encode())
+    only_our_commands(out.getvalue())
+
+
+def test_invalid_utf8_and_split_multibyte_characters() -> None:
+    e_acute = "é".encode()
+    output, _ = relay([("stdout", b"bad \xff\xfe bytes\n"), ("stdout", b"caf" + e_acute[:1]),
+                       ("stdout", e_acute[1:] + b"\n"), ("stderr", b"\x00\x1b[31mred\x1b[0m\n")])
+    assert "bad \ufffd\ufffd bytes" in output
+    assert "café" in output
+    assert "\x00" not in output and "\x1b[31mred" in output
+
+
+def test_streams_keep_their_own_partial_lines() -> None:
+    output, _ = relay([("stdout", b"out-"), ("stderr", b"err-"), ("stdout", b"line\n"), ("stderr", b"line\n")])
+    assert "out-line" in output and "err-line" in output
+
+
+def test_partial_last_line_is_flushed_at_the_end() -> None:
+    output, _ = relay([("stdout", b"no newline ::set-output name=a::b")])
+    only_our_commands(output)
+    assert "no newline" in output
+
+
+def test_flood_is_bounded_and_commands_still_resume() -> None:
+    limits = LogLimits(max_bytes=10_000, max_lines=100, max_line_chars=50)
+    chunks = [("stdout", b"x" * 1000 + b"\n::add-mask::y\n")] * 1000
+    output, r = relay(chunks, limits)
+    only_our_commands(output)
+    assert len(output) < 20_000
+    assert r.dropped_bytes > 900_000
+    assert "log truncated" in output
+
+
+def test_long_lines_are_wrapped_and_each_piece_neutralised() -> None:
+    limits = LogLimits(max_line_chars=10)
+    output, _ = relay([("stdout", b"0123456789::set-output name=a::b\n")], limits)
+    only_our_commands(output)
+    assert max(len(line) for line in output.splitlines()[2:-2]) <= 11
+
+
+def test_relay_resumes_commands_when_interrupted() -> None:
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        with LogRelay(out, "check") as r:
+            r.feed("stdout", b"half a line")
+            raise KeyboardInterrupt
+    only_our_commands(out.getvalue())
+
+
+def test_neutralised_text_keeps_ordinary_lines_unchanged() -> None:
+    for line in ("std::vector<int> v;", "ok 1 - test", "http://[::1]:80/"):
+        assert neutralise_line(line) == line
+
+
+PIECES = ["::", "##[", "]", "\r", "\n", " ", "\t", "\u00a0", "\u3000", "\x85", "set-output", "add-mask",
+          "stop-commands", "echo", "name=x", "on", "x", "é", ","]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=60), cuts=st.lists(st.integers(0, 400), max_size=8),
+       raw=st.binary(max_size=20))
+def test_no_mix_of_command_fragments_executes(pieces: list[str], cuts: list[int], raw: bytes) -> None:
+    data = "".join(pieces).encode() + raw
+    bounds = sorted({0, len(data), *[c % (len(data) + 1) for c in cuts]})
+    chunks = [("stdout", data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    output, _ = relay(chunks)
+    only_our_commands(output)
