@@ -98,7 +98,7 @@ class GitHubApp:
         claims = {"iat": now - JWT_BACKDATE, "exp": now + JWT_LIFETIME, "iss": self.credentials.issuer}
         try:
             return jwt.encode(claims, self.credentials.private_key_pem, algorithm="RS256")
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, jwt.PyJWTError) as exc:
             raise GitHubError(
                 f"the GitHub App private key is not a usable RSA PEM key ({exc}): download a new key "
                 "from the App's settings page"

@@ -1,0 +1,86 @@
+"""Fakes of GitHub built from the reference material in /work/shared/external.
+
+The example bodies come from GitHub's own OpenAPI description (via examples-by-operation.json) and the
+request bodies our code sends are validated against the request schemas of the same fragments, so
+these tests fail if our shapes drift from GitHub's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+API = "https://api.github.com"
+EXTERNAL = Path(__file__).resolve().parents[2].parent / "shared" / "external"
+REST = EXTERNAL / "rest-api"
+WEBHOOKS = EXTERNAL / "webhooks"
+INSTALLATION_ID = 3456996  # the installation in octokit's workflow_job examples
+TOKEN_OP = "POST /app/installations/{installation_id}/access_tokens"
+CONTENTS_OP = "GET /repos/{owner}/{repo}/contents/{path}"
+CONTENTS_FILE = "application/json:response-if-content-is-a-file"
+
+
+def load_operations() -> dict[str, Any]:
+    return json.loads((REST / "examples-by-operation.json").read_text())
+
+
+def example(operations: dict[str, Any], operation: str, status: str, name: str | None = None) -> Any:
+    """A deep copy of one documented example response body."""
+    examples = operations[operation]["responses"][status]["examples"]
+    key = name or next(iter(examples))
+    return copy.deepcopy(examples[key])
+
+
+def request_schema(fragment: str, path: str, method: str) -> dict[str, Any]:
+    """The documented request body schema, with the fragment's components so `$ref`s resolve."""
+    document = json.loads((REST / "openapi-fragments" / fragment).read_text())
+    body = document["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+    return {**body, "components": document["components"]}
+
+
+def assert_valid_request(body: bytes | str | None, fragment: str, path: str, method: str) -> dict[str, Any]:
+    parsed = json.loads(body) if body else {}
+    jsonschema.validate(parsed, request_schema(fragment, path, method))
+    return parsed
+
+
+class FakeClock:
+    """Time that moves only when a test (or a retry's sleep) moves it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def webhook_payloads() -> list[Path]:
+    """Every payload under webhooks/: octokit's examples (incl. the deleted `started`) and the real ones."""
+    examples = sorted((WEBHOOKS / "octokit-webhooks-payload-examples").glob("*/*"))
+    captured = sorted((WEBHOOKS / "real-captured").glob("*.json"))
+    return examples + captured
+
+
+def event_name(path: Path) -> str:
+    """The `X-GitHub-Event` a payload file was delivered with (its folder, or its name for captures)."""
+    if path.parent.name != "real-captured":
+        return path.parent.name
+    for event in ("workflow_job", "pull_request", "check_run"):
+        if f".{event}." in path.name or path.name.endswith(f".{event}.json"):
+            return event
+    raise AssertionError(f"unknown event for {path.name}")
+
+
+def load_payload(name: str) -> dict[str, Any]:
+    matches = [path for path in webhook_payloads() if path.name.startswith(name)]
+    assert len(matches) == 1, f"{name} matches {matches}"
+    return json.loads(matches[0].read_text())
