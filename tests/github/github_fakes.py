@@ -84,3 +84,22 @@ def load_payload(name: str) -> dict[str, Any]:
     matches = [path for path in webhook_payloads() if path.name.startswith(name)]
     assert len(matches) == 1, f"{name} matches {matches}"
     return json.loads(matches[0].read_text())
+
+
+def run_cli(argv: list[str]) -> int:
+    """`microvm-check ARGS` with only this area's commands, as `runner.cli.main` runs them, so these
+    tests do not depend on other areas importing cleanly."""
+    import argparse
+    import sys
+
+    from runner.cli import UserError
+    from runner.github import cli
+
+    parser = argparse.ArgumentParser(prog="microvm-check")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"microvm-check: {exc}", file=sys.stderr)
+        return 1
