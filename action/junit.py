@@ -122,12 +122,13 @@ def _suite(suite: ET.Element) -> Totals:
 def _failure(suite: str, case: ET.Element, outcome: ET.Element) -> Failure:
     text = _clip(outcome.text or "", MAX_TEXT)
     file, line = case.get("file"), _int(case.get("line"))
-    if line is None:
-        found = _LOCATION.findall(text)
-        if found:
-            found_file, found_line = found[-1]
-            if file is None or found_file.endswith(file) or file.endswith(found_file):
-                file, line = found_file, _int(found_line)
+    # The traceback's last `path:line:` is where the failure happened; a `line` attribute is only
+    # where the test starts (and pytest's xunit1 writes it 0-based), so the traceback wins.
+    found = _LOCATION.findall(text)
+    if found:
+        found_file, found_line = found[-1]
+        if file is None or found_file.endswith(file) or file.endswith(found_file):
+            file, line = found_file, _int(found_line)
     return Failure(
         suite=suite,
         name=_clip(case.get("name", ""), 300),
