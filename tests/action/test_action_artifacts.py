@@ -1,0 +1,134 @@
+"""Artifact extraction from the service's tar stream: escapes, links, bombs, workspace traps."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, extract, glob_regex, matches
+
+
+def tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|", format=tarfile.PAX_FORMAT) as archive:
+        for info, data in members:
+            archive.addfile(info, io.BytesIO(data) if data is not None else None)
+    buf.seek(0)
+    return buf
+
+
+def file(name: str, data: bytes = b"data") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info, None
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    return ws
+
+
+def test_matching_files_and_dirs_are_extracted(workspace: Path) -> None:
+    stream = tar(special("dist", tarfile.DIRTYPE), file("dist/a.whl", b"wheel"), file("report.xml", b"<x/>"),
+                 file("secret.txt"))
+    result = extract(stream, workspace, ["report.xml", "dist/*.whl"])
+    assert sorted(result.files) == [("dist/a.whl", 5), ("report.xml", 4)]
+    assert (workspace / "dist" / "a.whl").read_bytes() == b"wheel"
+    assert not (workspace / "secret.txt").exists()
+    assert ("secret.txt", "does not match any requested artifact glob") in result.refused
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/evil", "a/../../escape", "a\\..\\escape"])
+def test_escaping_names_are_refused(workspace: Path, name: str) -> None:
+    result = extract(tar(file(name)), workspace, ["**"])
+    assert result.files == [] and result.refused[0][0] == name
+    assert not (workspace.parent / "escape").exists()
+
+
+@pytest.mark.parametrize("kind,linkname", [(tarfile.SYMTYPE, "/etc/passwd"), (tarfile.LNKTYPE, "/etc/passwd"),
+                                           (tarfile.CHRTYPE, ""), (tarfile.FIFOTYPE, "")])
+def test_links_and_devices_are_never_extracted(workspace: Path, kind: bytes, linkname: str) -> None:
+    result = extract(tar(special("out", kind, linkname)), workspace, ["out"])
+    assert result.files == [] and not os.path.lexists(workspace / "out")
+    assert "not a regular file" in result.refused[0][1]
+
+
+def test_symlink_already_in_the_workspace_is_not_followed(workspace: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (workspace / "out").symlink_to(outside)
+    (workspace / "report.xml").symlink_to(outside / "target")
+    result = extract(tar(file("out/planted"), file("report.xml")), workspace, ["out/*", "report.xml"])
+    assert result.files == []
+    assert list(outside.iterdir()) == []
+    assert len(result.refused) == 2
+
+
+def test_hard_link_in_the_workspace_is_replaced_not_written_through(workspace: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"keep")
+    os.link(outside, workspace / "report.xml")
+    extract(tar(file("report.xml", b"new")), workspace, ["report.xml"])
+    assert outside.read_bytes() == b"keep"
+    assert (workspace / "report.xml").read_bytes() == b"new"
+
+
+def test_count_bomb_stops_with_an_error_and_keeps_what_was_extracted(workspace: Path) -> None:
+    stream = tar(*[file(f"f{i}") for i in range(20)])
+    with pytest.raises(ArtifactError, match="more than 5"):
+        extract(stream, workspace, ["*"], ArtifactLimits(max_files=5))
+    assert len(list(workspace.iterdir())) == 5
+
+
+def test_size_bomb_stops_with_an_error(workspace: Path) -> None:
+    stream = tar(file("a", b"x" * 600), file("b", b"x" * 600))
+    with pytest.raises(ArtifactError, match="1000 bytes in total"):
+        extract(stream, workspace, ["*"], ArtifactLimits(max_total_bytes=1000))
+    assert (workspace / "a").exists() and not (workspace / "b").exists()
+
+
+def test_oversized_single_file_is_refused(workspace: Path) -> None:
+    result = extract(tar(file("big", b"x" * 100), file("small")), workspace, ["*"],
+                     ArtifactLimits(max_file_bytes=50))
+    assert result.files == [("small", 4)] and result.refused[0][0] == "big"
+
+
+def test_truncated_stream_is_an_error_and_leaves_no_partial_file(workspace: Path) -> None:
+    data = tar(file("a", b"x" * 5000)).getvalue()[:2048]
+    with pytest.raises(ArtifactError):
+        extract(io.BytesIO(data), workspace, ["*"])
+    assert list(workspace.iterdir()) == []
+
+
+def test_not_a_tar_is_an_error(workspace: Path) -> None:
+    with pytest.raises(ArtifactError, match="not a valid tar"):
+        extract(io.BytesIO(b"garbage" * 200), workspace, ["*"])
+
+
+def test_bounded_writer_stops_a_download() -> None:
+    writer = BoundedWriter(io.BytesIO(), 10)
+    writer.write(b"x" * 10)
+    with pytest.raises(ArtifactError):
+        writer.write(b"y")
+
+
+@pytest.mark.parametrize("pattern,name,expected", [
+    ("*.xml", "report.xml", True), ("*.xml", "sub/report.xml", False), ("**/*.xml", "sub/deep/r.xml", True),
+    ("**/*.xml", "r.xml", True), ("dist/*.whl", "dist/a.whl", True), ("htmlcov", "htmlcov/index.html", True),
+    ("r?.txt", "r1.txt", True), ("[ab].txt", "c.txt", False), ("[!ab].txt", "c.txt", True),
+])
+def test_globs(pattern: str, name: str, expected: bool) -> None:
+    assert matches(name, [glob_regex(pattern)]) is expected
