@@ -21,7 +21,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from runner.github import jobs, signature
+from runner.github.config import GitHubSettings
 from runner.github.deliveries import DeliveryLog
+from runner.github.errors import GitHubError
 from runner.github.jobs import JobHooks
 
 log = logging.getLogger(__name__)
@@ -190,8 +192,11 @@ class WebhookServer:
     def port(self) -> int:
         return int(self.httpd.server_address[1])
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="github-webhooks", daemon=True)
+    def start(self, poll_interval: float = 0.5) -> None:
+        """Serve on a thread; `poll_interval` is how long `stop()` may wait for it to notice."""
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, args=(poll_interval,), name="github-webhooks", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -199,3 +204,22 @@ class WebhookServer:
         self.httpd.server_close()
         if self._thread:
             self._thread.join()
+
+
+def server_from_settings(settings: GitHubSettings, hooks: JobHooks) -> WebhookServer | None:
+    """The configured endpoint (not yet started), or None when `webhook.listen` is not set."""
+    webhook = settings.webhook
+    if not webhook.listen:
+        return None
+    host, _, port = webhook.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise GitHubError(f"webhook.listen {webhook.listen!r} must be HOST:PORT, e.g. 127.0.0.1:8088")
+    assert webhook.secret_path is not None  # load_settings requires it with listen
+    try:
+        secret = webhook.secret_path.read_bytes().strip()
+    except OSError as exc:
+        raise GitHubError(f"cannot read the webhook secret {webhook.secret_path}: {exc.strerror}") from exc
+    if not secret:
+        raise GitHubError(f"the webhook secret file {webhook.secret_path} is empty")
+    config = WebhookConfig(secret=secret, labels=settings.labels, max_body=webhook.max_body)
+    return WebhookServer(WebhookReceiver(config, hooks), host.strip("[]"), int(port))

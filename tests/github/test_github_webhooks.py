@@ -1,0 +1,315 @@
+"""The webhook endpoint over a real loopback socket, fed every stored payload."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+from github_fakes import event_name, load_payload, webhook_payloads
+
+from runner.github.jobs import CompletedJob, QueuedJob
+from runner.github.signature import sign
+from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer
+
+SECRET = b"webhook-secret-for-tests"
+MAX_BODY = 512 * 1024
+
+
+@dataclass
+class RecordingHooks:
+    queued: list[QueuedJob] = field(default_factory=list)
+    completed: list[CompletedJob] = field(default_factory=list)
+    fail_next: bool = False
+
+    def prewarm(self, job: QueuedJob) -> None:
+        self._maybe_fail()
+        self.queued.append(job)
+
+    def job_completed(self, job: CompletedJob) -> None:
+        self._maybe_fail()
+        self.completed.append(job)
+
+    def _maybe_fail(self) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("job service unavailable")
+
+
+@dataclass
+class Reply:
+    status: int
+    message: str
+    headers: dict[str, str]
+
+
+@pytest.fixture
+def hooks() -> RecordingHooks:
+    return RecordingHooks()
+
+
+@pytest.fixture
+def make_server(hooks):
+    servers = []
+
+    def make(labels: tuple[str, ...] = ("microvm",)) -> WebhookServer:
+        receiver = WebhookReceiver(WebhookConfig(secret=SECRET, labels=labels, max_body=MAX_BODY), hooks)
+        server = WebhookServer(receiver, "127.0.0.1", 0)
+        server.start(poll_interval=0.02)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(make_server) -> WebhookServer:
+    return make_server()
+
+
+def send(server: WebhookServer, body: bytes, *, method: str = "POST", path: str = "/github/webhook",
+         headers: dict[str, str] | None = None, send_body: bool = True) -> Reply:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in (headers or {}).items():
+            connection.putheader(name, value)
+        connection.endheaders(body if send_body else None)
+        response = connection.getresponse()
+        text = response.read()
+        return Reply(response.status, json.loads(text)["message"], dict(response.getheaders()))
+    finally:
+        connection.close()
+
+
+def github_headers(body: bytes, event: str, delivery: str | None = None) -> dict[str, str]:
+    """The headers GitHub sends (see the WEBHOOKS OpenAPI fragment), correctly signed."""
+    return {
+        "User-Agent": "GitHub-Hookshot/123abc",
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        "X-GitHub-Event": event,
+        "X-GitHub-Delivery": delivery or str(uuid.uuid4()),
+        "X-GitHub-Hook-ID": "123",
+        "X-GitHub-Hook-Installation-Target-Type": "integration",
+        "X-GitHub-Hook-Installation-Target-ID": "42",
+        "X-Hub-Signature-256": sign(SECRET, body),
+    }
+
+
+def deliver(server: WebhookServer, payload: dict | bytes, event: str = "workflow_job", delivery: str | None = None) -> Reply:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return send(server, body, headers=github_headers(body, event, delivery))
+
+
+# What each stored payload must lead to with our labels ("microvm"): only these call the hooks.
+EXPECTED_QUEUED = {
+    "github-aws-runners.workflow_job.queued.self-hosted.json": QueuedJob(
+        repository="github-aws-runners/terraform-aws-github-runner", run_id=1068820843, run_attempt=1,
+        job_id=3169272040, job_name="build", labels=("self-hosted",),
+    ),
+}
+EXPECTED_COMPLETED = {
+    "completed.failure.with-organization.payload.json": CompletedJob(
+        repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
+        job_name="linters", labels=("ubuntu-latest",), conclusion="failure", runner_name="GitHub Actions 5",
+    ),
+    "completed.success.with-organization.payload.json": CompletedJob(
+        repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
+        job_name="linters", labels=("ubuntu-latest",), conclusion="success", runner_name="GitHub Actions 5",
+    ),
+    "tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json": CompletedJob(
+        repository="tarantool/tarantool", run_id=2934728824, run_attempt=1, job_id=8039369388,
+        job_name="osx_11_lto", labels=("macos-11",), conclusion="failure", runner_name="tntmac06",
+    ),
+}
+
+
+@pytest.mark.parametrize("path", webhook_payloads(), ids=lambda path: path.name)
+def test_every_stored_payload_is_accepted_and_routed(server, hooks, path) -> None:
+    reply = deliver(server, path.read_bytes(), event_name(path))
+    assert reply.status == 200, reply.message
+    assert hooks.queued == ([EXPECTED_QUEUED[path.name]] if path.name in EXPECTED_QUEUED else [])
+    assert hooks.completed == ([EXPECTED_COMPLETED[path.name]] if path.name in EXPECTED_COMPLETED else [])
+
+
+def test_octokit_queued_example_prewarms_when_its_labels_are_ours(make_server, hooks) -> None:
+    server = make_server(labels=("Ubuntu-Latest",))  # GitHub matches labels case-insensitively
+    assert deliver(server, load_payload("queued.payload.json")).status == 200
+    assert hooks.queued == [
+        QueuedJob(repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
+                  job_name="update", labels=("ubuntu-latest",)),
+    ]
+
+
+def test_queued_for_self_hosted_plus_a_foreign_label_is_not_ours(make_server, hooks) -> None:
+    server = make_server(labels=("k8s-other",))
+    assert deliver(server, load_payload("queued.with-deployment.payload.json")).status == 200
+    assert hooks.queued == []
+    server = make_server(labels=("k8s",))
+    assert deliver(server, load_payload("queued.with-deployment.payload.json")).status == 200
+    assert [job.labels for job in hooks.queued] == [("self-hosted", "k8s")]
+
+
+@pytest.mark.parametrize("action", ["in_progress", "waiting", "started", "a_future_action", None])
+def test_other_actions_are_accepted_and_ignored(make_server, hooks, action) -> None:
+    server = make_server(labels=("ubuntu-latest",))
+    payload = load_payload("queued.payload.json")
+    payload["action"] = action
+    reply = deliver(server, payload)
+    assert reply.status == 200 and "ignored" in reply.message
+    assert hooks.queued == [] and hooks.completed == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda p: p["workflow_job"].pop("labels"),
+        lambda p: p["workflow_job"].update(labels="ubuntu-latest"),
+        lambda p: p["workflow_job"].update(run_id="2202229078"),
+        lambda p: p["workflow_job"].update(id=-1),
+        lambda p: p["repository"].update(full_name="../../etc"),
+        lambda p: p.pop("repository"),
+        lambda p: p.update(workflow_job=None),
+    ],
+)
+def test_malformed_jobs_are_accepted_and_ignored(make_server, hooks, mutate) -> None:
+    server = make_server(labels=("ubuntu-latest",))
+    payload = load_payload("queued.payload.json")
+    mutate(payload)
+    reply = deliver(server, payload)
+    assert reply.status == 200 and "ignored" in reply.message
+    assert hooks.queued == []
+
+
+def test_missing_run_attempt_defaults_to_the_first(make_server, hooks) -> None:
+    server = make_server(labels=("ubuntu-latest",))
+    payload = load_payload("queued.payload.json")
+    del payload["workflow_job"]["run_attempt"]
+    payload["an_extra_field"] = {"from": "the future"}
+    assert deliver(server, payload).status == 200
+    assert hooks.queued[0].run_attempt == 1
+
+
+def test_each_delivery_is_processed_once(server, hooks) -> None:
+    payload = load_payload("completed.success.with-organization.payload.json")
+    delivery = str(uuid.uuid4())
+    assert deliver(server, payload, delivery=delivery).status == 200
+    second = deliver(server, payload, delivery=delivery)
+    assert second.status == 200 and "already processed" in second.message
+    assert len(hooks.completed) == 1
+    assert deliver(server, payload).status == 200  # a new delivery of the same event is processed
+    assert len(hooks.completed) == 2
+
+
+def test_a_failed_delivery_is_processed_when_redelivered(server, hooks) -> None:
+    payload = load_payload("completed.failure.with-organization.payload.json")
+    delivery = str(uuid.uuid4())
+    hooks.fail_next = True
+    failed = deliver(server, payload, delivery=delivery)
+    assert failed.status == 500 and "job service" not in failed.message  # no internals leak
+    assert deliver(server, payload, delivery=delivery).status == 200
+    assert len(hooks.completed) == 1
+
+
+BODY = json.dumps(load_payload("queued.payload.json")).encode()
+
+
+def test_missing_signature_is_403(server, hooks) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    del headers["X-Hub-Signature-256"]
+    reply = send(server, BODY, headers=headers)
+    assert reply.status == 403 and "missing" in reply.message
+
+
+def test_wrong_signature_is_403(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["X-Hub-Signature-256"] = sign(b"another secret", BODY)
+    reply = send(server, BODY, headers=headers)
+    assert reply.status == 403 and "wrong" in reply.message
+
+
+def test_signature_of_another_body_is_403(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    tampered = BODY.replace(b"Hello-World", b"Hello-Xorld")
+    assert send(server, tampered, headers=headers).status == 403
+
+
+def test_non_post_is_405(server) -> None:
+    reply = send(server, b"", method="GET", headers={})
+    assert reply.status == 405 and reply.headers["Allow"] == "POST"
+
+
+def test_other_paths_are_404(server) -> None:
+    assert send(server, BODY, path="/", headers=github_headers(BODY, "workflow_job")).status == 404
+
+
+def test_form_encoded_body_is_415(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["Content-Type"] = "application/x-www-form-urlencoded"
+    reply = send(server, BODY, headers=headers)
+    assert reply.status == 415 and "application/json" in reply.message
+
+
+def test_json_with_charset_is_accepted(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["Content-Type"] = "application/json; charset=utf-8"
+    assert send(server, BODY, headers=headers).status == 200
+
+
+def test_oversize_body_is_413_before_it_is_sent(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["Content-Length"] = str(MAX_BODY + 1)
+    reply = send(server, b"", headers=headers, send_body=False)  # the server must not wait for the body
+    assert reply.status == 413 and reply.headers["Connection"] == "close"
+
+
+def test_missing_content_length_is_411(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    del headers["Content-Length"]
+    assert send(server, b"", headers=headers, send_body=False).status == 411
+
+
+def test_missing_delivery_id_is_400(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    del headers["X-GitHub-Delivery"]
+    assert send(server, BODY, headers=headers).status == 400
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_signed_but_unreadable_body_is_400(server, hooks, body) -> None:
+    assert send(server, body, headers=github_headers(body, "workflow_job")).status == 400
+
+
+def test_ping_is_answered(server) -> None:
+    reply = deliver(server, {"zen": "Keep it logically awesome.", "hook_id": 1}, event="ping")
+    assert reply.status == 200 and reply.message == "pong"
+
+
+def test_pull_request_events_are_ignored(server, hooks) -> None:
+    reply = deliver(server, load_payload("listendev-lstn.pull_request.opened.from-fork.json"), event="pull_request")
+    assert reply.status == 200 and "ignored" in reply.message
+
+
+def test_server_from_settings_is_off_unless_configured(tmp_path, hooks) -> None:
+    from runner.github.config import GitHubSettings, WebhookSettings
+    from runner.github.webhooks import server_from_settings
+
+    assert server_from_settings(GitHubSettings(private_key_path=tmp_path / "k", app_id=1), hooks) is None
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET + b"\n")
+    settings = GitHubSettings(
+        private_key_path=tmp_path / "k", app_id=1, labels=("microvm",),
+        webhook=WebhookSettings(listen="127.0.0.1:0", secret_path=secret),
+    )
+    server = server_from_settings(settings, hooks)
+    server.start(poll_interval=0.02)
+    try:
+        assert deliver(server, load_payload("github-aws-runners.workflow_job.queued.self-hosted.json")).status == 200
+        assert len(hooks.queued) == 1  # the trailing newline of the secret file was not part of the key
+    finally:
+        server.stop()
