@@ -115,9 +115,13 @@ class JobRun:
                 self.client.artifacts(self.job_id, BoundedWriter(spool, limits.max_total_bytes + 64 * 1024 * 1024))
                 spool.seek(0)
                 return extract(spool, dest, self.inputs.artifacts, limits)
+            except self.api_errors as exc:
+                if getattr(exc, "status", None) == 404:  # nothing matched: the record says why
+                    return Extraction()
+                self.out.write(annotation("warning", f"artifacts not copied: {exc}") + "\n")
             except ArtifactError as exc:
                 self.out.write(annotation("warning", f"artifacts: {exc}") + "\n")
-                return Extraction()
+        return Extraction()
 
     def _artifact_dir(self) -> Path:
         dest = (self.workspace / self.inputs.working_directory).resolve()

@@ -125,8 +125,8 @@ def extract(stream: BinaryIO, dest: Path, globs: list[str],
     dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         with tarfile.open(fileobj=stream, mode="r|") as archive:
-            for member in archive:
-                _check_bounds(result, member, limits)
+            for count, member in enumerate(archive, start=1):
+                _check_bounds(result, member, count, limits)
                 _extract_member(archive, member, dest_fd, patterns, limits, result)
     except tarfile.TarError as exc:
         raise ArtifactError(f"artifact stream is not a valid tar: {exc}") from exc
@@ -135,8 +135,8 @@ def extract(stream: BinaryIO, dest: Path, globs: list[str],
     return result
 
 
-def _check_bounds(result: Extraction, member: tarfile.TarInfo, limits: ArtifactLimits) -> None:
-    if len(result.files) + len(result.refused) >= limits.max_files:
+def _check_bounds(result: Extraction, member: tarfile.TarInfo, count: int, limits: ArtifactLimits) -> None:
+    if count > limits.max_files:
         raise ArtifactError(f"more than {limits.max_files} artifact entries: stopped extracting")
     if member.isfile() and result.total_bytes + member.size > limits.max_total_bytes:
         raise ArtifactError(f"artifacts exceed {limits.max_total_bytes} bytes in total: stopped extracting")
@@ -149,14 +149,16 @@ def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, dest_fd: 
     except ValueError as exc:
         result.refused.append((member.name[:300], str(exc)))
         return
-    if not matches(name, patterns):
-        result.refused.append((name, "does not match any requested artifact glob"))
-        return
     if member.isdir():
+        if not matches(name, patterns):
+            return  # a parent of matching files: created on demand, not reported
         try:
             os.close(_open_dirs(dest_fd, name.split("/")))
         except OSError as exc:
             result.refused.append((name, _why(exc)))
+        return
+    if not matches(name, patterns):
+        result.refused.append((name, "does not match any requested artifact glob"))
         return
     if not member.isfile() or member.issparse():
         result.refused.append((name, "not a regular file or directory (links are never extracted)"))

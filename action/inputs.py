@@ -23,7 +23,7 @@ MAX_POLICY_BYTES = 64 * 1024
 MAX_TIMEOUT_MINUTES = 24 * 60
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The runner's own credentials: never meant for user code, and fatal in a fork's hands.
-_FORBIDDEN_ENV = re.compile(r"ACTIONS_.*|GITHUB_TOKEN|RUNNER_.*", re.IGNORECASE)
+_FORBIDDEN_ENV = re.compile(r"ACTIONS_.*|GITHUB_TOKEN", re.IGNORECASE)
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
