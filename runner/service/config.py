@@ -170,7 +170,7 @@ def _listen(value: str | None, where: str) -> tuple[str, int] | None:
     if value is None:
         return None
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"{where}: expected HOST:PORT like 127.0.0.1:8470, got {value!r}")
     return host.strip("[]"), int(port)
 

@@ -99,16 +99,15 @@ class JobLog:
         self._size = self._file.tell()
         self._cond.notify_all()
 
-    def follow(self, after: int = 0, poll_seconds: float = 1.0, stop: threading.Event | None = None) -> Iterator[bytes]:
-        """Yield NDJSON lines (with their newline) with seq > `after`, live, until the log is closed.
-
-        Waking every `poll_seconds` lets a caller notice `stop` (service shutdown) even when the guest is quiet.
-        """
+    def follow(self, after: int = 0, poll_seconds: float = 1.0) -> Iterator[bytes]:
+        """Yield NDJSON lines (with their newline) with seq > `after`, live, until the log is closed."""
         seq = 0
+        if self._closed and not self.path.exists():
+            return  # a job that ended before it wrote anything, or whose directory was pruned
         with open(self.path, "rb") as f:
             while True:
                 with self._cond:
-                    while f.tell() >= self._size and not self._closed and not (stop and stop.is_set()):
+                    while f.tell() >= self._size and not self._closed:
                         self._cond.wait(poll_seconds)
                     size, closed = self._size, self._closed
                 while f.tell() < size:
@@ -118,7 +117,7 @@ class JobLog:
                     seq += 1
                     if seq > after:
                         yield line
-                if closed or (stop and stop.is_set()) or f.tell() < size:
+                if closed or f.tell() < size:
                     return
 
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 JOB_ID = re.compile(r"^j[0-9a-f]{16}$")
 _REAP_SECONDS = 5.0
 _PRUNE_SECONDS = 3600.0
+_CANCEL_WAIT_SECONDS = 10.0
 
 
 class JobError(Exception):
@@ -184,6 +185,7 @@ class JobService:
         run.cancel(reason)
         if self.queue.discard(job_id):  # it never reached a worker
             self._end(run, "cancelled", reason)
+        run.done.wait(_CANCEL_WAIT_SECONDS)  # its VM is already destroyed; the worker only writes the record
         return run.record
 
     def get(self, job_id: str) -> JobRecord:

@@ -1,0 +1,170 @@
+"""A stand-in for the VM engine's Sandbox, for tests of the service's own logic (queueing, cancel,
+limits, hostile tars) that must run everywhere. It keeps the engine's contract: `destroy()` is
+idempotent and makes a blocked `exec` raise; output arrives through `on_output` while exec runs.
+What the "guest" does is a program the test chooses by the job's command. Real-VM tests live in
+test_vm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import shlex
+import tarfile
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeSandboxError(Exception):
+    pass
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    duration_ms: float = 0.0
+    timed_out: bool = False
+
+
+Program = Callable[["FakeSandbox", Callable[[str, bytes], None], float], ExecResult]
+
+
+@dataclass
+class FakeEngine:
+    programs: dict[str, Program] = field(default_factory=dict)
+    artifacts_tar: bytes | None = None
+    created: list["FakeSandbox"] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: int = 0
+    max_live: int = 0
+    fail_create: bool = False
+    counter: itertools.count = field(default_factory=itertools.count)
+
+    def create(self, **kwargs: Any) -> "FakeSandbox":
+        if self.fail_create:
+            raise FakeSandboxError("the template could not be restored")
+        with self.lock:
+            sbx = FakeSandbox(self, f"vm{next(self.counter)}", kwargs)
+            self.created.append(sbx)
+            self.live += 1
+            self.max_live = max(self.max_live, self.live)
+        return sbx
+
+    def alive(self) -> list["FakeSandbox"]:
+        with self.lock:
+            return [s for s in self.created if not s.destroyed.is_set()]
+
+
+class FakeSandbox:
+    accel = "tcg"
+    ready_ms = 1.0
+
+    def __init__(self, engine: FakeEngine, vm_id: str, kwargs: dict[str, Any]) -> None:
+        self.engine, self.id, self.kwargs = engine, vm_id, kwargs
+        self.files: dict[str, bytes] = {}
+        self.destroyed = threading.Event()
+        self.exec_calls: list[dict[str, Any]] = []
+
+    def put_tar(self, stream: Any, dest: str = "/workspace") -> None:
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for info in tar:
+                if info.isfile():
+                    self.files[f"{dest}/{info.name}"] = tar.extractfile(info).read()
+
+    def exec(self, command: str, timeout_seconds: float = 0, env: dict | None = None, cwd: str = "/",
+             user: str | None = None, on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+        self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
+        argv = shlex.split(command)
+        assert argv[:2] == ["sh", "-c"], command
+        program = self.engine.programs[argv[2]]
+        result = program(self, on_output or (lambda s, d: None), timeout_seconds)
+        if self.destroyed.is_set():
+            raise FakeSandboxError(f"VM {self.id} was destroyed")
+        return result
+
+    def get_tar(self, guest_paths: list[str], out: Any, max_bytes: int) -> int:
+        data = self.engine.artifacts_tar or b""
+        if len(data) > max_bytes:
+            raise FakeSandboxError(f"the artifact tar is larger than {max_bytes} bytes")
+        out.write(data)
+        return len(data)
+
+    def blocked_egress(self) -> list[dict]:
+        return [{"dest": "192.0.2.7", "port": 443, "proto": "tcp", "name": "blocked.example", "count": 2}]
+
+    def destroy(self) -> None:
+        with self.engine.lock:
+            if self.destroyed.is_set():
+                return
+            self.destroyed.set()
+            self.engine.live -= 1
+
+
+# -- programs: what the fake guest does for a given command --------------------------------
+
+
+def prints(text: bytes, exit_code: int = 0) -> Program:
+    def run(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -> ExecResult:
+        out("stdout", text)
+        return ExecResult(exit_code, stdout=text)
+    return run
+
+
+def waits(release: threading.Event | None = None) -> Program:
+    """Runs until `release` is set (exit 0), the VM is destroyed, or the timeout passes."""
+    def run(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -> ExecResult:
+        out("stdout", b"started\n")
+        deadline_hit = True
+        for _ in range(int(timeout * 100)):
+            if sbx.destroyed.wait(0.01) or (release is not None and release.is_set()):
+                deadline_hit = False
+                break
+        return ExecResult(124 if deadline_hit else 0, timed_out=deadline_hit)
+    return run
+
+
+def floods(total: int, chunk: int = 65536) -> Program:
+    def run(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -> ExecResult:
+        block = b"x" * chunk
+        for _ in range(total // chunk):
+            out("stdout", block)
+        return ExecResult(0)
+    return run
+
+
+def tar_of(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info
+
+
+def spec(command: str = "true", **fields: Any) -> dict[str, Any]:
+    return {"repository": "octo/hello", "sha": SHA, "job_name": "test", "command": command, **fields}
+
+
+def checkout_tar(files: dict[str, bytes] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (files or {"README": b"hello\n"}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

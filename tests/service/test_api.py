@@ -1,0 +1,173 @@
+"""The job API over a real Unix socket (and TCP with a token): status codes, streaming, auth."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import stat
+import tarfile
+import threading
+from typing import Callable
+
+import pytest
+from service_fakes import FakeEngine, checkout_tar, member, prints, spec, tar_of, waits
+
+from runner.service.api import ApiServers, UnixApiServer
+from runner.service.client import JobAPIError, JobClient, Transport
+
+TOKEN = "a-long-enough-test-token-1234"
+
+
+def status_of(call: Callable[[], object]) -> int | None:
+    with pytest.raises(JobAPIError) as err:
+        call()
+    return err.value.status
+
+
+def raw(path: str, request: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+
+def test_socket_is_group_only(api) -> None:
+    service, client = api()
+    mode = os.stat(service.config.socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o660
+    assert client.health()["ok"] is True
+
+
+def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
+    engine.programs["make"] = prints(b"building\n", 2)
+    engine.artifacts_tar = tar_of([(member("workspace/out/report.xml"), b"<testsuite/>")])
+    service, client = api()
+    job = client.submit(spec("make", artifacts=["out/*.xml"]))
+    assert job["state"] == "awaiting_checkout"
+    assert client.upload_checkout(job["id"], io.BytesIO(checkout_tar()))["state"] == "queued"
+    entries = list(client.logs(job["id"]))
+    assert b"building\n" in [e.data for e in entries if e.stream == "stdout"]
+    assert [e.seq for e in entries] == list(range(1, len(entries) + 1))
+    rec = client.get(job["id"])
+    assert (rec["state"], rec["exit_code"], rec["artifacts"]) == ("finished", 2, [{"path": "out/report.xml", "size": 12}])
+    out = io.BytesIO()
+    assert client.artifacts(job["id"], out) == len(out.getvalue()) > 0
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
+        assert tar.extractfile("out/report.xml").read() == b"<testsuite/>"
+    assert [r["id"] for r in client.list(limit=5)] == [job["id"]]
+    later = list(client.logs(job["id"], after=entries[-2].seq))
+    assert later == entries[-1:]
+
+
+def test_chunked_checkout_upload(api, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service, client = api()
+    job = client.submit(spec("ok"))
+    data = checkout_tar({"a": b"x" * 300000})
+    client.upload_checkout(job["id"], (data[i:i + 7000] for i in range(0, len(data), 7000)))
+    list(client.logs(job["id"]))
+    assert engine.created[0].files["/workspace/a"] == b"x" * 300000
+
+
+def test_error_statuses(api, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs["block"] = waits(release)
+    service, client = api(max_queued_jobs=2, max_concurrent_jobs=1, checkout_max_bytes="64KiB")
+    assert status_of(lambda: client.submit({"repository": "x"})) == 400
+    assert status_of(lambda: client.get("j0123456789abcdef")) == 404
+    assert status_of(lambda: client.get("no-such-job")) == 404
+    assert status_of(lambda: client.cancel("j0123456789abcdef")) == 404
+    job = client.submit(spec("block", timeout_seconds=600))["id"]
+    assert status_of(lambda: client.artifacts(job, io.BytesIO())) == 409
+    assert status_of(lambda: client.upload_checkout(job, b"\0" * 100000)) == 413
+    assert status_of(lambda: client.upload_checkout(job, b"garbage" * 2000)) == 400
+    client.upload_checkout(job, checkout_tar())
+    assert status_of(lambda: client.upload_checkout(job, checkout_tar())) == 409
+    client.submit(spec("block"))
+    client.submit(spec("block"))
+    with pytest.raises(JobAPIError) as full:
+        for _ in range(3):
+            client.submit(spec("block"))
+    assert full.value.status == 429 and full.value.retry_after == 5
+    assert client.cancel(job)["state"] == "cancelled"
+    assert status_of(lambda: client.artifacts(job, io.BytesIO())) == 404
+    release.set()
+
+
+def test_protocol_errors(api) -> None:
+    service, _ = api()
+    path = service.config.socket
+    assert raw(path, b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 404")
+    assert raw(path, b"DELETE /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 501")
+    assert raw(path, b"PUT /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 404")
+    bad_json = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\n{nope"
+    answer = raw(path, bad_json)
+    assert answer.startswith(b"HTTP/1.1 400") and b"not valid JSON" in answer
+    job = JobClient(socket=path).submit(spec())["id"]
+    bad_chunk = (f"PUT /v1/jobs/{job}/checkout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 "zz\r\nabc\r\n0\r\n\r\n").encode()
+    assert raw(path, bad_chunk).startswith(b"HTTP/1.1 400")
+    bad_query = f"GET /v1/jobs/{job}/logs?after=-1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    assert raw(path, bad_query).startswith(b"HTTP/1.1 400")
+    huge = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n" + b" " * 2000000
+    assert raw(path, huge).startswith(b"HTTP/1.1 413")
+
+
+def test_tcp_needs_the_token(make_service) -> None:
+    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN))
+    servers.start()
+    try:
+        host, port = servers.tcp_address
+        url = f"http://{host}:{port}"
+        assert status_of(lambda: JobClient(url=url).health()) == 401
+        assert status_of(lambda: JobClient(url=url, token=TOKEN + "x").health()) == 401
+        assert JobClient(url=url, token=TOKEN).health()["ok"] is True
+    finally:
+        servers.stop()
+
+
+def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> None:
+    service, client = api()
+    with pytest.raises(ValueError, match="already listens"):
+        UnixApiServer(service.config.socket, service)
+    client.health()
+    path = service.config.socket + ".stale"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()
+    server = UnixApiServer(path, service)
+    server.server_close()
+    assert not os.path.exists(path)
+
+
+def test_unreachable_service_is_a_clear_error(short_dir) -> None:
+    client = JobClient(socket=str(short_dir / "nobody.sock"))
+    with pytest.raises(JobAPIError, match="cannot reach the job service") as err:
+        client.health()
+    assert err.value.status is None
+
+
+def test_transport_refuses_ambiguous_targets() -> None:
+    with pytest.raises(ValueError):
+        Transport(socket_path="/x", url="http://y")
+    with pytest.raises(ValueError):
+        Transport(url="ftp://y")
+
+
+def test_log_end_line_carries_the_record(api, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"hi\n")
+    service, client = api()
+    job = client.submit(spec("ok"))["id"]
+    client.upload_checkout(job, checkout_tar())
+    list(client.logs(job))
+    answer = raw(service.config.socket, f"GET /v1/jobs/{job}/logs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    assert b"Transfer-Encoding: chunked" in answer
+    lines = [line for line in answer.split(b"\r\n") if line.startswith(b"{")]
+    end = json.loads(lines[-1])
+    assert end["end"] is True and end["job"]["id"] == job and end["job"]["state"] == "finished"

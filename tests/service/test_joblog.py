@@ -1,0 +1,102 @@
+"""The job log: live followers, bounded size with an honest note, survival across restarts."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+
+from runner.service.config import LogLimits
+from runner.service.joblog import JobLog
+
+
+def entries(lines: list[bytes]) -> list[tuple[int, str, bytes]]:
+    out = []
+    for line in lines:
+        obj = json.loads(line)
+        out.append((obj["seq"], obj["stream"], base64.b64decode(obj["data"])))
+    return out
+
+
+def test_follow_replays_then_ends_on_close(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits())
+    log.append("stdout", b"one\n")
+    log.append("stderr", b"two\n")
+    log.system("note")
+    log.close()
+    assert entries(list(log.follow())) == [(1, "stdout", b"one\n"), (2, "stderr", b"two\n"), (3, "system", b"note")]
+    assert entries(list(log.follow(after=2))) == [(3, "system", b"note")]
+
+
+def test_follower_sees_live_output(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits())
+    seen: list[bytes] = []
+    first = threading.Event()
+
+    def follow() -> None:
+        for line in log.follow(poll_seconds=0.05):
+            seen.append(line)
+            first.set()
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    log.append("stdout", b"early")
+    assert first.wait(10)
+    log.append("stdout", b"late")
+    log.close()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert [e[2] for e in entries(seen)] == [b"early", b"late"]
+
+
+def test_flood_is_truncated_with_notes(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits(max_bytes=1000, max_entry_bytes=300))
+    for _ in range(50):
+        log.append("stdout", b"y" * 100)
+    log.append("stdout", b"z" * 10**6)
+    log.close()
+    got = entries(list(log.follow()))
+    kept = b"".join(data for _, stream, data in got if stream == "stdout")
+    assert kept == b"y" * 1000
+    notes = [data for _, stream, data in got if stream == "system"]
+    assert notes[0].startswith(b"log limit of 1000 bytes reached")
+    assert notes[-1] == f"{50 * 100 - 1000 + 10**6} bytes of output were dropped".encode()
+    assert log.dropped_bytes == 4000 + 10**6
+    assert (tmp_path / "log").stat().st_size < 4000
+
+
+def test_large_chunks_are_split(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits(max_bytes=10**6, max_entry_bytes=1000))
+    log.append("stdout", bytes(range(256)) * 10)
+    log.close()
+    got = entries(list(log.follow()))
+    assert [len(d) for _, _, d in got] == [1000, 1000, 560]
+    assert b"".join(d for _, _, d in got) == bytes(range(256)) * 10
+
+
+def test_finished_log_is_readable_after_a_restart(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits())
+    log.append("stdout", b"kept")
+    log.close()
+    again = JobLog.finished(tmp_path / "log")
+    assert entries(list(again.follow())) == [(1, "stdout", b"kept")]
+    assert list(JobLog.finished(tmp_path / "missing").follow()) == []
+
+
+def test_reopened_log_continues_its_sequence(tmp_path: Path) -> None:
+    first = JobLog(tmp_path / "log", LogLimits())
+    first.append("stdout", b"a")
+    first.close()
+    second = JobLog(tmp_path / "log", LogLimits())
+    second.append("stdout", b"b")
+    second.close()
+    assert [e[0] for e in entries(list(second.follow()))] == [1, 2]
+
+
+def test_appends_after_close_are_ignored(tmp_path: Path) -> None:
+    log = JobLog(tmp_path / "log", LogLimits())
+    log.close()
+    log.append("stdout", b"late")
+    log.system("late")
+    assert list(log.follow()) == []

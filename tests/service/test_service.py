@@ -1,0 +1,307 @@
+"""The service's own logic against a stand-in engine: every path ends in a final record and a destroyed VM."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
+
+from runner.service.jobqueue import QueueFull
+from runner.service.records import RecordStore
+from runner.service.service import JobError, JobService
+
+
+def run(service: JobService, command: str, **fields) -> str:
+    record = service.submit(spec(command, **fields))
+    service.put_checkout(record.id, [checkout_tar()])
+    return record.id
+
+
+def wait_started(service: JobService, job_id: str):
+    """Follow the log until the guest program has written "started"; returns the rest of the stream."""
+    follow = service.log_of(job_id).follow()
+    for line in follow:
+        if base64.b64decode(json.loads(line)["data"]) == b"started\n":
+            return follow
+    raise AssertionError(f"job {job_id} ended before its command started")
+
+
+def wait_final(service: JobService, job_id: str) -> None:
+    for _ in service.log_of(job_id).follow():
+        pass
+
+
+def test_success_and_failure_exit_codes(make_service: Callable[..., JobService], engine: FakeEngine) -> None:
+    engine.programs.update({"ok": prints(b"fine\n", 0), "bad": prints(b"oops\n", 3)})
+    service = make_service()
+    ok, bad = run(service, "ok"), run(service, "bad")
+    wait_final(service, ok)
+    wait_final(service, bad)
+    assert (service.get(ok).state, service.get(ok).exit_code) == ("finished", 0)
+    assert (service.get(bad).state, service.get(bad).exit_code) == ("finished", 3)
+    assert engine.alive() == []
+    sbx = engine.created[0]
+    assert sbx.files == {"/workspace/README": b"hello\n"}
+    call = sbx.exec_calls[0]
+    assert call["cwd"] == "/workspace" and call["env"]["CI"] == "true"
+    rec = service.get(ok)
+    assert rec.blocked_egress[0]["name"] == "blocked.example"
+    assert rec.policy_digest.startswith("sha256:")
+    t = rec.timings
+    assert t.queued_at <= t.vm_ready_at <= t.started_at <= t.finished_at
+    assert not (service.config.jobs_dir / ok / "checkout.tar").exists()
+
+
+def test_command_runs_in_the_working_directory_with_the_env(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    job = run(service, "ok", working_directory="sub/dir", env={"GITHUB_SHA": "abc"}, timeout_seconds=42)
+    wait_final(service, job)
+    call = engine.created[0].exec_calls[0]
+    assert call["cwd"] == "/workspace/sub/dir"
+    assert call["env"]["GITHUB_SHA"] == "abc" and call["timeout"] == 42
+    assert engine.created[0].kwargs["ttl_seconds"] > 42
+
+
+def test_timeout(make_service, engine: FakeEngine) -> None:
+    engine.programs["sleep"] = waits()
+    service = make_service()
+    job = run(service, "sleep", timeout_seconds=1)
+    wait_final(service, job)
+    rec = service.get(job)
+    assert (rec.state, rec.exit_code) == ("timed_out", 124)
+    assert engine.alive() == []
+
+
+def test_cancel_running_destroys_the_vm(make_service, engine: FakeEngine) -> None:
+    engine.programs["sleep"] = waits()
+    service = make_service()
+    job = run(service, "sleep", timeout_seconds=600)
+    follow = wait_started(service, job)
+    service.cancel(job)
+    list(follow)
+    rec = service.get(job)
+    assert (rec.state, rec.exit_code, rec.error) == ("cancelled", 130, "cancelled by the client")
+    assert engine.alive() == []
+    assert service.cancel(job).state == "cancelled"  # idempotent
+
+
+def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs.update({"block": waits(release), "ok": prints(b"")})
+    service = make_service(max_concurrent_jobs=1)
+    first = run(service, "block", timeout_seconds=600)
+    queued = run(service, "ok")
+    waiting = service.submit(spec("ok")).id
+    assert service.cancel(queued).state == "cancelled"
+    assert service.cancel(waiting).state == "cancelled"
+    with pytest.raises(JobError) as err:
+        service.put_checkout(waiting, [checkout_tar()])
+    assert err.value.status == 409
+    release.set()
+    wait_final(service, first)
+    assert service.get(first).state == "finished"
+    assert len(engine.created) == 1  # the cancelled jobs never got a VM
+
+
+def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
+    engine.programs["flood"] = floods(8 * 1024 * 1024)
+    service = make_service(logs={"max_bytes": "64KiB"})
+    job = run(service, "flood")
+    wait_final(service, job)
+    assert service.get(job).state == "finished"
+    assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 200 * 1024
+
+
+def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    engine.artifacts_tar = tar_of([(member("workspace/dist/a.whl"), b"wheel")])
+    service = make_service()
+    job = run(service, "ok", artifacts=["dist/*.whl"])
+    wait_final(service, job)
+    rec = service.get(job)
+    assert (rec.state, rec.artifacts) == ("finished", [{"path": "dist/a.whl", "size": 5}])
+    with tarfile.open(service.artifacts_path(job)) as tar:
+        assert tar.extractfile("dist/a.whl").read() == b"wheel"
+
+
+def test_hostile_artifacts_fail_the_job_and_keep_its_result(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"made a link\n", 0)
+    engine.artifacts_tar = tar_of([(member("workspace/ok"), b"1"),
+                                   (member("workspace/evil", tarfile.SYMTYPE, "/etc/shadow"), None)])
+    service = make_service()
+    job = run(service, "ok", artifacts=["*"])
+    wait_final(service, job)
+    rec = service.get(job)
+    assert rec.state == "failed" and rec.exit_code == 0
+    assert "artifacts rejected" in rec.error and "links are not allowed" in rec.error
+    assert rec.artifacts == []
+    assert sorted(p.name for p in (service.config.jobs_dir / job).iterdir()) == ["log.ndjson"]
+    with pytest.raises(JobError):
+        service.artifacts_path(job)
+
+
+def test_engine_failure_fails_the_job_cleanly(make_service, engine: FakeEngine) -> None:
+    engine.fail_create = True
+    service = make_service()
+    job = run(service, "ok")
+    wait_final(service, job)
+    rec = service.get(job)
+    assert rec.state == "failed" and "could not be restored" in rec.error
+
+
+def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs["work"] = waits(release)
+    service = make_service(max_concurrent_jobs=2, max_queued_jobs=8)
+    jobs = [run(service, "work", timeout_seconds=600) for _ in range(8)]
+    with pytest.raises(QueueFull):
+        for _ in range(9):  # the 8 submitted jobs minus those already taken by workers, then full
+            service.submit(spec("work"))
+    release.set()
+    for job in jobs:
+        wait_final(service, job)
+    assert engine.max_live == 2
+    assert [service.get(j).state for j in jobs] == ["finished"] * 8
+
+
+def test_bad_checkout_is_refused(make_service) -> None:
+    service = make_service(checkout_max_bytes="16KiB")
+    job = service.submit(spec()).id
+    with pytest.raises(JobError) as err:
+        service.put_checkout(job, [b"\0" * 10000, b"\0" * 10000])
+    assert err.value.status == 413
+    with pytest.raises(JobError) as err:
+        service.put_checkout(job, [b"not a tar" * 10])
+    assert err.value.status == 400
+    service.put_checkout(job, [checkout_tar()])  # the job is still waiting for a good one
+
+
+def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engine: FakeEngine) -> None:
+    engine.programs["sleep"] = waits()
+    service = make_service(max_concurrent_jobs=1)
+    running = run(service, "sleep", timeout_seconds=600)
+    wait_started(service, running)
+    queued = run(service, "sleep", timeout_seconds=600)
+    waiting = service.submit(spec("sleep")).id
+    service.shutdown(grace_seconds=0)
+    store = RecordStore(service.config.records_path)
+    assert store.get(running).state == "cancelled"
+    assert store.get(queued).state == "cancelled"
+    assert store.get(waiting).state == "cancelled"
+    assert engine.alive() == []
+
+
+def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEngine) -> None:
+    config = make_config()
+    crashed = JobService(config, engine.create)
+    job = crashed.submit(spec()).id
+    crashed.put_checkout(job, [checkout_tar()])  # queued, never run: no workers were started
+    orphan = config.jobs_dir / "j00000000000000ff"
+    orphan.mkdir()
+    (orphan / "junk").write_bytes(b"x")
+    crashed.records.close()
+    service = JobService(config, engine.create)
+    service.start()
+    try:
+        rec = service.get(job)
+        assert rec.state == "failed" and "service stopped" in rec.error
+        assert not orphan.exists()
+        assert not (config.jobs_dir / job / "checkout.tar").exists()
+    finally:
+        service.shutdown(0)
+
+
+@dataclass(frozen=True)
+class GitHubJob:  # the fields of runner.github.jobs.QueuedJob / CompletedJob the hooks read
+    repository: str = "octo/hello"
+    run_id: int = 77
+    run_attempt: int = 1
+    job_id: int = 501
+    job_name: str = "test"
+    labels: tuple[str, ...] = ("microvm",)
+    conclusion: str | None = "cancelled"
+
+
+def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    service.prewarm(GitHubJob())
+    warm_vm = _wait_warm(service, engine)
+    other = run(service, "ok", run_id=78, run_attempt=1)
+    job = run(service, "ok", run_id=77, run_attempt=1)
+    wait_final(service, other)
+    wait_final(service, job)
+    rec = service.get(job)
+    assert rec.warm is True and rec.vm_id == warm_vm.id
+    assert service.get(other).warm is False
+    assert engine.alive() == []
+
+
+def test_job_completed_discards_warm_vm_and_cancels_running(make_service, engine: FakeEngine) -> None:
+    engine.programs["sleep"] = waits()
+    service = make_service()
+    service.prewarm(GitHubJob(job_id=600, run_id=90))
+    warm_vm = _wait_warm(service, engine)
+    service.job_completed(GitHubJob(job_id=600, run_id=90))
+    assert warm_vm.destroyed.is_set() and service.warm.count() == 0
+    job = run(service, "sleep", run_id=91, run_attempt=1, timeout_seconds=600)
+    follow = wait_started(service, job)
+    service.job_completed(GitHubJob(job_id=601, run_id=91))
+    list(follow)
+    assert service.get(job).state == "cancelled"
+    assert engine.alive() == []
+
+
+def test_unclaimed_warm_vms_expire(make_service, engine: FakeEngine) -> None:
+    service = make_service(prewarm={"max_vms": 1, "expire_seconds": 1})
+    service.prewarm(GitHubJob(job_id=1))
+    service.prewarm(GitHubJob(job_id=2))  # over the bound: ignored
+    warm_vm = _wait_warm(service, engine)
+    assert len(engine.created) == 1
+    service.warm._clock = lambda: float("inf")
+    service.reap()
+    assert warm_vm.destroyed.is_set()
+
+
+def test_checkout_that_never_comes_expires(make_service) -> None:
+    service = make_service(checkout_wait_seconds=5)
+    job = service.submit(spec()).id
+    service.reap(now=service.get(job).created_at + 6)
+    rec = service.get(job)
+    assert rec.state == "failed" and "no checkout" in rec.error
+
+
+def test_retention_prunes_records_and_dirs(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service(retention={"days": 1, "max_records": 100})
+    job = run(service, "ok")
+    wait_final(service, job)
+    assert service.prune(now=service.get(job).created_at + 2 * 86400) == [job]
+    assert not (service.config.jobs_dir / job).exists()
+    with pytest.raises(JobError) as err:
+        service.get(job)
+    assert err.value.status == 404
+
+
+def _wait_warm(service: JobService, engine: FakeEngine):
+    for vm in service.warm._vms:
+        vm.ready.wait(10)
+    return engine.created[-1]
+
+
+def test_artifact_tar_streams_from_disk(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    engine.artifacts_tar = tar_of([(member(f"workspace/f{i}"), bytes([i]) * 1000) for i in range(20)])
+    service = make_service()
+    job = run(service, "ok", artifacts=["f*"])
+    wait_final(service, job)
+    with tarfile.open(fileobj=io.BytesIO(service.artifacts_path(job).read_bytes())) as tar:
+        assert len(tar.getnames()) == 20
