@@ -1,0 +1,36 @@
+"""Per-VM networking: one network namespace per microVM, its egress rules, resolver and audit.
+
+Public API (everything else is internal):
+
+- `SlotPool(prefix, uplink, size, upstream=..., tap_owner=...)`: `start()` / `close()` (or `with`),
+  `acquire(job="") -> Slot`, `release(slot)`, `sweep() -> list[str]`.
+- `Slot`: `netns`, `tap`; `qemu_prefix() -> list[str]` (argv prefix running QEMU in the namespace,
+  which then opens `-netdev tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off`);
+  `apply_policy(policy: policy.Policy) -> None` (raises; the VM must not start then);
+  `audit_records() -> list[AuditRecord]`.
+- Uplinks: `HostUplink(out_iface)` (production, root namespace, NAT) and `NamespaceUplink(name)`.
+- `Upstream(address, port=53, netns=None)`: where the guests' resolver asks allowed names.
+- `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried.
+- Guest-side constants in `runner.net.addresses` (baked into the snapshot template).
+"""
+
+from runner.net.audit import AuditRecord, suggest_policy
+from runner.net.dns import Upstream
+from runner.net.firewall import Firewall, FirewallError
+from runner.net.slots import Slot, SlotError, SlotPool
+from runner.net.uplink import HostUplink, NamespaceUplink, Uplink, UplinkError
+
+__all__ = [
+    "AuditRecord",
+    "Firewall",
+    "FirewallError",
+    "HostUplink",
+    "NamespaceUplink",
+    "Slot",
+    "SlotError",
+    "SlotPool",
+    "Uplink",
+    "UplinkError",
+    "Upstream",
+    "suggest_policy",
+]

@@ -1,0 +1,209 @@
+"""Audit mode: what block mode would have stopped, read from NFLOG, and the policy that allows it.
+
+Measured on this machine: NFLOG works inside a network namespace (a netlink socket created in the
+namespace receives its packets), whereas LOG output of a non-initial namespace is dropped unless the
+host sets net.netfilter.nf_log_all_netns, and then all slots share one kernel log. So the renderer's
+audit rules log to NFLOG group `AUDIT_NFLOG_GROUP` before accepting, and each slot reads its own.
+The packets come from the guest, so every header is parsed with bounds and anything odd is skipped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import yaml
+
+from runner.net import addresses, netns
+from runner.net.loop import NetLoop
+
+MAX_RECORDS_PER_SLOT = 4096
+COPY_RANGE = 64  # enough for an IPv6 header plus the ports
+
+_NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_ULOG = 4
+_NFULNL_MSG_PACKET = 0
+_NFULNL_MSG_CONFIG = 1
+_NFULA_CFG_CMD = 1
+_NFULA_CFG_MODE = 2
+_NFULA_PAYLOAD = 9
+_CMD_BIND = 1
+_CMD_PF_BIND = 3
+_COPY_PACKET = 2
+_NLM_F_REQUEST = 1
+_NLM_F_ACK = 4
+_PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One would-be-blocked destination and how often the guest tried it."""
+
+    dest: str
+    port: int | None
+    proto: str
+    name: str | None
+    count: int
+
+    def as_json(self) -> dict[str, object]:
+        return {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name, "count": self.count}
+
+
+def parse_packet(payload: bytes) -> tuple[str, int | None, str] | None:
+    """(destination, port, protocol) of an IP packet, or None when it is not one we can read."""
+    if not payload:
+        return None
+    version = payload[0] >> 4
+    if version == 4 and len(payload) >= 20:
+        header_len = (payload[0] & 0x0F) * 4
+        proto = payload[9]
+        dest = str(ipaddress.IPv4Address(payload[16:20]))
+        transport = payload[header_len:] if header_len >= 20 else b""
+    elif version == 6 and len(payload) >= 40:
+        proto = payload[6]
+        dest = str(ipaddress.IPv6Address(payload[24:40]))
+        transport = payload[40:]
+    else:
+        return None
+    name = _PROTOCOLS.get(proto, str(proto))
+    port = struct.unpack("!H", transport[2:4])[0] if name in ("tcp", "udp") and len(transport) >= 4 else None
+    return dest, port, name
+
+
+def _attributes(data: bytes) -> dict[int, bytes]:
+    found: dict[int, bytes] = {}
+    offset = 0
+    while offset + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, offset)
+        if length < 4 or offset + length > len(data):
+            break
+        found[kind & 0x7FFF] = data[offset + 4 : offset + length]
+        offset += (length + 3) & ~3
+    return found
+
+
+def payloads(datagram: bytes) -> list[bytes]:
+    """The packet payloads carried by one netlink datagram of NFLOG messages."""
+    found: list[bytes] = []
+    offset = 0
+    while offset + 16 <= len(datagram):
+        length, kind = struct.unpack_from("=IH", datagram, offset)
+        if length < 16 or offset + length > len(datagram):
+            break
+        if kind == (_NFNL_SUBSYS_ULOG << 8) | _NFULNL_MSG_PACKET:
+            payload = _attributes(datagram[offset + 20 : offset + length]).get(_NFULA_PAYLOAD)
+            if payload:
+                found.append(payload)
+        offset += (length + 3) & ~3
+    return found
+
+
+def _config_message(group: int, attr_type: int, value: bytes, family: int = socket.AF_UNSPEC) -> bytes:
+    attr = struct.pack("=HH", 4 + len(value), attr_type) + value
+    attr += b"\0" * (-len(attr) % 4)
+    body = struct.pack("=BBH", family, 0, socket.htons(group)) + attr
+    header = struct.pack("=IHHII", 16 + len(body), (_NFNL_SUBSYS_ULOG << 8) | _NFULNL_MSG_CONFIG, _NLM_F_REQUEST | _NLM_F_ACK, 0, 0)
+    return header + body
+
+
+def _expect_ack(sock: socket.socket, ns: str) -> None:
+    reply = sock.recv(4096)
+    if len(reply) >= 20 and struct.unpack_from("=H", reply, 4)[0] == 2:  # NLMSG_ERROR
+        (code,) = struct.unpack_from("=i", reply, 16)
+        if code != 0:
+            raise OSError(-code, f"NFLOG configuration refused in namespace {ns}")
+
+
+def open_nflog(ns: str, group: int = addresses.AUDIT_NFLOG_GROUP) -> socket.socket:
+    """A netlink socket in namespace `ns` that receives the first bytes of every packet logged to `group`."""
+    sock = netns.socket_in(ns, socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+    try:
+        sock.bind((0, 0))
+        sock.settimeout(2.0)
+        for family in (socket.AF_INET, socket.AF_INET6):
+            sock.send(_config_message(0, _NFULA_CFG_CMD, bytes([_CMD_PF_BIND]), family))
+            _expect_ack(sock, ns)
+        sock.send(_config_message(group, _NFULA_CFG_CMD, bytes([_CMD_BIND])))
+        _expect_ack(sock, ns)
+        sock.send(_config_message(group, _NFULA_CFG_MODE, struct.pack("!IBB", COPY_RANGE, _COPY_PACKET, 0)))
+        _expect_ack(sock, ns)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class SlotAudit:
+    """Counts of would-be-blocked (dest, port, proto) for one slot, fed by its NFLOG socket."""
+
+    netns: str
+    counts: Counter[tuple[str, int | None, str]] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+
+    def start(self, loop: NetLoop) -> None:
+        self.sock = open_nflog(self.netns)
+        loop.add_reader(self.sock, self._on_readable)
+
+    def stop(self, loop: NetLoop) -> None:
+        if self.sock is not None:
+            loop.remove_reader(self.sock)
+            self.sock = None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.counts.clear()
+
+    def records(self, names: dict[str, str]) -> list[AuditRecord]:
+        with self.lock:
+            items = sorted(self.counts.items(), key=lambda item: (item[0][0], item[0][1] or 0, item[0][2]))
+        return [AuditRecord(dest, port, proto, names.get(dest), count) for (dest, port, proto), count in items]
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        try:
+            datagram = sock.recv(65536)
+        except (BlockingIOError, OSError):
+            return  # ENOBUFS on overrun: the records stay a lower bound
+        for payload in payloads(datagram):
+            parsed = parse_packet(payload)
+            if parsed is None:
+                continue
+            with self.lock:
+                if parsed in self.counts or len(self.counts) < MAX_RECORDS_PER_SLOT:
+                    self.counts[parsed] += 1
+
+
+def suggest_policy(records: list[AuditRecord]) -> str:
+    """A block-mode policy YAML that allows exactly what the audited job tried.
+
+    Destinations the resolver handed out are allowed by name (addresses behind a name change);
+    others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
+    and are listed as a comment instead.
+    """
+    by_target: dict[tuple[str, str, str], set[int]] = {}
+    unexpressible: list[str] = []
+    for record in records:
+        if record.port is None or record.proto not in ("tcp", "udp"):
+            unexpressible.append(f"{record.proto} to {record.name or record.dest}")
+            continue
+        if record.name:
+            target = ("host", record.name, record.proto)
+        else:
+            bits = 128 if ":" in record.dest else 32
+            target = ("cidr", f"{record.dest}/{bits}", record.proto)
+        by_target.setdefault(target, set()).add(record.port)
+    allow = []
+    for (kind, value, proto), ports in sorted(by_target.items()):
+        entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
+        if proto != "tcp":
+            entry["protocol"] = proto
+        allow.append(entry)
+    text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
+    if unexpressible:
+        text += "".join(f"# not expressible in a policy, was attempted: {item}\n" for item in sorted(set(unexpressible)))
+    return text

@@ -1,0 +1,298 @@
+"""The guests' resolver: answers only names the slot's policy allows, and opens what it hands out.
+
+Each slot has UDP and TCP sockets on 192.0.2.1:53 inside its namespace; one `NetLoop` thread
+serves them all. A guest query is never forwarded as-is: the resolver asks the upstream a fresh
+question of its own (so nothing the guest puts in a packet reaches the upstream but the name), keeps
+only the address records for that name, opens exactly those addresses on the rule's ports in the
+slot's allow chain, and only then answers, so the guest's first connection is already allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
+
+from policy.model import DENY_ALL, Policy, Rule
+
+from runner.net import addresses, netns
+from runner.net.firewall import FirewallError
+from runner.net.loop import NetLoop
+
+log = logging.getLogger(__name__)
+
+MAX_QUERY_BYTES = 512
+MAX_TCP_QUERY_BYTES = 4096
+MAX_ANSWERS = 16
+MAX_OPENED_ADDRESSES = 256
+MAX_REFUSED_NAMES = 1024
+MAX_TCP_IN_FLIGHT = 2
+MAX_TTL = 300
+TCP_READ_TIMEOUT = 2.0
+_IP_FREEBIND = 15
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where allowed names are resolved; `netns` is the namespace its socket lives in (None: here)."""
+
+    address: str
+    port: int = 53
+    netns: str | None = None
+    timeout: float = 2.0
+
+    @classmethod
+    def from_resolv_conf(cls, path: str = "/etc/resolv.conf") -> "Upstream":
+        """The host's own first resolver, as production uses."""
+        with open(path) as conf:
+            for line in conf:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    return cls(parts[1])
+        raise ValueError(f"{path} names no nameserver; configure the DNS upstream explicitly")
+
+    def resolve(self, name: str, qtype: str) -> tuple[list[tuple[str, int]], int]:
+        """(address, ttl) records of `qtype` for exactly `name`, and the upstream's rcode."""
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+        sock = (
+            netns.socket_in(self.netns, family, socket.SOCK_DGRAM)
+            if self.netns
+            else socket.socket(family, socket.SOCK_DGRAM)
+        )
+        with sock:
+            sock.settimeout(self.timeout)
+            query = DNSRecord.question(name, qtype)
+            query.header.id = random.randrange(65536)
+            sock.connect((self.address, self.port))
+            sock.send(query.pack())
+            while True:
+                reply = DNSRecord.parse(sock.recv(4096))
+                if reply.header.id == query.header.id:
+                    break
+        wanted = getattr(QTYPE, qtype)
+        records = [
+            (str(rr.rdata), int(rr.ttl))
+            for rr in reply.rr
+            if rr.rtype == wanted and str(rr.rname).rstrip(".").lower() == name
+        ]
+        return records[:MAX_ANSWERS], reply.header.rcode
+
+
+Opener = Callable[[list[tuple[str, Rule]]], None]
+
+
+@dataclass
+class SlotResolver:
+    """One slot's DNS state: what it may resolve and what it has been handed."""
+
+    netns: str
+    open_addresses: Opener
+    policy: Policy = DENY_ALL
+    generation: int = 0
+    handed_out: dict[str, str] = field(default_factory=dict)
+    refused: Counter[str] = field(default_factory=Counter)
+    opened: set[tuple[str, int, str]] = field(default_factory=set)
+    sockets: list[socket.socket] = field(default_factory=list)
+    tcp_in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def configure(self, policy: Policy) -> None:
+        with self.lock:
+            self.policy = policy
+
+    def clear(self) -> None:
+        """Forget everything: a released slot's next job starts from nothing."""
+        with self.lock:
+            self.policy = DENY_ALL
+            self.generation += 1
+            self.handed_out.clear()
+            self.refused.clear()
+            self.opened.clear()
+
+    def snapshot(self) -> tuple[Policy, int]:
+        with self.lock:
+            return self.policy, self.generation
+
+    def remember(self, name: str, records: list[tuple[str, int]], rules: tuple[Rule, ...], generation: int) -> None:
+        """Record the hand-out and open what `rules` allow for it (bounded per slot).
+
+        The lock is held while the firewall is changed, so `clear()` (slot release) waits for an
+        opening in flight, and an answer that outlived its job (older generation) opens nothing.
+        """
+        with self.lock:
+            if generation != self.generation:
+                raise StaleQuery(f"slot {self.netns} was released while resolving {name}")
+            fresh: list[tuple[str, Rule]] = []
+            for address, _ttl in records:
+                if address not in self.handed_out and len(self.handed_out) >= MAX_OPENED_ADDRESSES:
+                    raise OverflowError(f"slot {self.netns} reached {MAX_OPENED_ADDRESSES} resolved addresses")
+                self.handed_out[address] = name
+                for rule in rules:
+                    keys = {(address, port, rule.protocol) for port in rule.ports}
+                    if not keys <= self.opened:
+                        fresh.append((address, rule))
+                        self.opened |= keys
+            if not fresh:
+                return
+            try:
+                self.open_addresses(fresh)
+            except Exception:  # not opened after all: let the next lookup try again
+                for address, rule in fresh:
+                    self.opened -= {(address, port, rule.protocol) for port in rule.ports}
+                raise
+
+    def note_refused(self, name: str) -> None:
+        with self.lock:
+            if name in self.refused or len(self.refused) < MAX_REFUSED_NAMES:
+                self.refused[name] += 1
+
+
+class StaleQuery(RuntimeError):
+    """The slot was released while its query was being resolved."""
+
+
+class DnsService:
+    """Serves every slot's resolver from one loop; upstream lookups run on the loop's workers."""
+
+    def __init__(self, loop: NetLoop, upstream: Upstream) -> None:
+        self.loop = loop
+        self.upstream = upstream
+
+    def attach(self, ns: str, opener: Opener) -> SlotResolver:
+        resolver = SlotResolver(ns, opener)
+        udp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
+        tcp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
+        resolver.sockets = [udp, tcp]
+        for sock in (udp, tcp):
+            # FREEBIND: the gateway address may be (re)configured after the socket exists.
+            sock.setsockopt(socket.SOL_IP, _IP_FREEBIND, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addresses.DNS_IP, addresses.DNS_PORT))
+        tcp.listen(8)
+        self.loop.add_reader(udp, lambda s: self._on_udp(resolver, s))
+        self.loop.add_reader(tcp, lambda s: self._on_tcp(resolver, s))
+        return resolver
+
+    def detach(self, resolver: SlotResolver) -> None:
+        for sock in resolver.sockets:
+            self.loop.remove_reader(sock)
+        resolver.sockets = []
+
+    def _on_udp(self, resolver: SlotResolver, sock: socket.socket) -> None:
+        try:
+            data, peer = sock.recvfrom(MAX_QUERY_BYTES + 1)
+        except BlockingIOError:
+            return
+        if len(data) > MAX_QUERY_BYTES:
+            return  # oversized: no well-behaved stub sends this over UDP
+
+        def reply(answer: bytes) -> None:
+            sock.sendto(answer, peer)
+
+        self._dispatch(resolver, data, reply)
+
+    def _on_tcp(self, resolver: SlotResolver, sock: socket.socket) -> None:
+        try:
+            conn, _ = sock.accept()
+        except BlockingIOError:
+            return
+        with resolver.lock:
+            if resolver.tcp_in_flight >= MAX_TCP_IN_FLIGHT:
+                conn.close()
+                return
+            resolver.tcp_in_flight += 1
+        self.loop.submit(lambda: self._serve_tcp(resolver, conn))
+
+    def _serve_tcp(self, resolver: SlotResolver, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.setblocking(True)
+                conn.settimeout(TCP_READ_TIMEOUT)
+                (length,) = struct.unpack("!H", _read_exactly(conn, 2))
+                if length > MAX_TCP_QUERY_BYTES:
+                    return
+                data = _read_exactly(conn, length)
+                answer = self._answer(resolver, data)
+                if answer is not None:
+                    conn.sendall(struct.pack("!H", len(answer)) + answer)
+        except (OSError, ValueError):
+            return
+        finally:
+            with resolver.lock:
+                resolver.tcp_in_flight -= 1
+
+    def _dispatch(self, resolver: SlotResolver, data: bytes, reply: Callable[[bytes], None]) -> None:
+        def work() -> None:
+            answer = self._answer(resolver, data)
+            if answer is not None:
+                try:
+                    reply(answer)
+                except OSError:
+                    pass
+
+        self.loop.submit(work)
+
+    def _answer(self, resolver: SlotResolver, data: bytes) -> bytes | None:
+        """The reply to one guest query, or None when the packet is not worth one."""
+        try:
+            query = DNSRecord.parse(data)
+        except (DNSError, struct.error, ValueError, IndexError):
+            return None
+        if query.header.qr or len(query.questions) != 1 or query.header.opcode != 0:
+            return _error(query, RCODE.FORMERR)
+        question = query.q
+        name = str(question.qname).rstrip(".").lower()
+        qtype = QTYPE.get(question.qtype, str(question.qtype))
+        if question.qclass != 1 or not name or len(name) > 253:
+            return _error(query, RCODE.REFUSED)
+        policy, generation = resolver.snapshot()
+        rules = policy.rules_for_host(name)
+        if not rules:
+            resolver.note_refused(name)
+            if policy.mode != "audit":
+                return _error(query, RCODE.NXDOMAIN)
+        if qtype == "AAAA":
+            return _error(query, RCODE.NXDOMAIN)  # guests have no IPv6 address: never hand one out
+        if qtype != "A":
+            return query.reply().pack()
+        return self._resolve(resolver, query, name, rules, generation)
+
+    def _resolve(
+        self, resolver: SlotResolver, query: DNSRecord, name: str, rules: tuple[Rule, ...], generation: int
+    ) -> bytes:
+        """Ask upstream; in audit mode a refused name is resolved too but opens nothing."""
+        try:
+            records, rcode = self.upstream.resolve(name, "A")
+            resolver.remember(name, records, rules, generation)
+        except (OSError, DNSError, struct.error, ValueError, OverflowError, FirewallError, StaleQuery) as exc:
+            log.warning("resolving %s for %s failed: %s", name, resolver.netns, exc)
+            return _error(query, RCODE.SERVFAIL)
+        if rcode != RCODE.NOERROR:
+            return _error(query, rcode)
+        answer = query.reply()
+        for address, ttl in records:
+            answer.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(address), ttl=min(ttl, MAX_TTL)))
+        return answer.pack()
+
+
+def _error(query: DNSRecord, rcode: int) -> bytes:
+    answer = query.reply()
+    answer.header.rcode = rcode
+    return answer.pack()
+
+
+def _read_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("connection closed mid-query")
+        data += chunk
+    return data

@@ -1,0 +1,146 @@
+"""Loading iptables documents into a slot's namespace, whole tables at once.
+
+The slot owns three tables: `raw` (a guard against spoofing and against reaching the namespace
+itself, installed once and never touched by a policy), `nat` (the guest's masquerade) and `filter`
+(the egress policy, replaced atomically by `iptables-restore` before the VM resumes). The legacy
+backend is the default because it loads a policy in about 4 ms here against 10-20 ms for nf_tables,
+and the namespace is ours alone, so nothing else has to agree on the backend.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+from runner.net import addresses, netns
+
+POLICY_TABLES = frozenset({"filter"})
+_TABLE_LINE = re.compile(r"^\*(\S+)\s*$", re.MULTILINE)
+
+
+class FirewallError(RuntimeError):
+    """Rules could not be loaded; the slot must not run a VM."""
+
+
+@dataclass(frozen=True)
+class Firewall:
+    """Which iptables-restore binaries load the rules (both families must use the same backend)."""
+
+    restore4: str = "iptables-legacy-restore"
+    restore6: str = "ip6tables-legacy-restore"
+    timeout: float = 10.0
+
+    @classmethod
+    def nft(cls) -> "Firewall":
+        return cls("iptables-nft-restore", "ip6tables-nft-restore")
+
+    def load(self, ns: str, document: str, *, ipv6: bool = False, noflush: bool = False) -> None:
+        """Load `document` into namespace `ns`; every table it names is replaced in one commit."""
+        argv = [self.restore6 if ipv6 else self.restore4]
+        if noflush:
+            argv.append("--noflush")
+
+        def run() -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(argv, input=document.encode(), capture_output=True, timeout=self.timeout)
+
+        try:
+            done = netns.run_in(ns, run)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FirewallError(f"{argv[0]} in namespace {ns} failed to run: {exc}") from exc
+        if done.returncode != 0:
+            detail = done.stderr.decode(errors="replace").strip()
+            raise FirewallError(f"{argv[0]} rejected the rules for namespace {ns}: {detail}")
+
+
+def tables_of(document: str) -> set[str]:
+    return set(_TABLE_LINE.findall(document))
+
+
+def check_policy_document(document: str, family: str) -> None:
+    """Refuse a rendered policy that would overwrite the slot's own tables (nat, raw)."""
+    tables = tables_of(document)
+    if not tables:
+        raise FirewallError(f"the rendered {family} policy names no table; expected *filter")
+    foreign = tables - POLICY_TABLES
+    if foreign:
+        raise FirewallError(
+            f"the rendered {family} policy writes table(s) {sorted(foreign)}, which belong to the "
+            "slot (guard and masquerade); a policy may only write *filter"
+        )
+
+
+def deny_all(ipv6: bool = False) -> str:
+    """The filter table of an idle slot: nothing in, nothing through."""
+    del ipv6  # the same document is valid for both families
+    return "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
+
+
+def guard4() -> str:
+    """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
+
+    Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
+    only at the DNS service, and never the uplink range, link-local, loopback or multicast.
+    """
+    tap, dns = addresses.TAP_NAME, addresses.DNS_IP
+    return "\n".join(
+        [
+            "*raw",
+            ":PREROUTING ACCEPT [0:0]",
+            ":OUTPUT ACCEPT [0:0]",
+            ":MVC-GUARD - [0:0]",
+            f"-A PREROUTING -i {tap} -j MVC-GUARD",
+            f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
+            f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
+            f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
+            f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
+            "-A MVC-GUARD -m addrtype --dst-type LOCAL -j DROP",
+            "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
+            f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j DROP",
+            "-A MVC-GUARD -d 169.254.0.0/16 -j DROP",
+            "-A MVC-GUARD -d 127.0.0.0/8 -j DROP",
+            "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
+            "COMMIT",
+            "",
+        ]
+    )
+
+
+def guard6() -> str:
+    """IPv6 guard: the guest's MAC only, and the namespace's own addresses only for neighbour discovery."""
+    return "\n".join(
+        [
+            "*raw",
+            ":PREROUTING ACCEPT [0:0]",
+            ":OUTPUT ACCEPT [0:0]",
+            ":MVC-GUARD - [0:0]",
+            f"-A PREROUTING -i {addresses.TAP_NAME} -j MVC-GUARD",
+            f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
+            "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j RETURN",
+            "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j RETURN",
+            "-A MVC-GUARD -m addrtype --dst-type LOCAL -j DROP",
+            "COMMIT",
+            "",
+        ]
+    )
+
+
+def masquerade() -> str:
+    """Every guest has the same IP, so its traffic leaves as the slot's unique veth address."""
+    return "\n".join(
+        [
+            "*nat",
+            ":PREROUTING ACCEPT [0:0]",
+            ":INPUT ACCEPT [0:0]",
+            ":OUTPUT ACCEPT [0:0]",
+            ":POSTROUTING ACCEPT [0:0]",
+            f"-A POSTROUTING -s {addresses.GUEST_IP}/32 -o {addresses.VETH_NAME} -j MASQUERADE",
+            "COMMIT",
+            "",
+        ]
+    )
+
+
+def append_document(rules: list[str]) -> str:
+    """A `--noflush` document that appends `rules` (lines from `policy.render.dns_allow_rule`)."""
+    return "*filter\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"

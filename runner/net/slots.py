@@ -1,0 +1,288 @@
+"""Per-VM network slots: a namespace with the guest's tap, a veth to the uplink, and its rules.
+
+Creating a namespace, its links and its base tables costs tens of milliseconds, so slots are made
+ahead of time in a pool and a job only pays for loading its policy. A slot is reused after a
+clean-up that leaves nothing of the previous job behind (rules back to deny-all, conntrack
+flushed, resolver and audit state cleared); the VM itself is never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+
+from pyroute2 import IPRoute, NFCTSocket
+
+from policy.model import Policy, Rule
+from policy.render import RenderContext, dns_allow_rule, render
+from runner.net import addresses, firewall, netns
+from runner.net.audit import AuditRecord, SlotAudit
+from runner.net.dns import DnsService, SlotResolver, Upstream
+from runner.net.firewall import Firewall
+from runner.net.loop import NetLoop
+from runner.net.uplink import Uplink
+
+log = logging.getLogger(__name__)
+
+_PREFIX = re.compile(r"[a-z][a-z0-9]{0,8}")
+
+
+class SlotError(RuntimeError):
+    """A slot could not be created, configured or cleaned."""
+
+
+@dataclass
+class Slot:
+    """One VM's network: namespace `netns` holding `tap` (the guest) and `veth0` (the uplink)."""
+
+    index: int
+    netns: str
+    tap: str = addresses.TAP_NAME
+    firewall: Firewall = field(default_factory=Firewall, repr=False)
+    resolver: SlotResolver | None = field(default=None, repr=False)
+    audit: SlotAudit | None = field(default=None, repr=False)
+    job: str = ""
+    _ipv6_loaded: str = field(default="", repr=False)
+
+    def qemu_prefix(self) -> list[str]:
+        """argv prefix that runs a process (QEMU) inside the slot's namespace."""
+        return ["ip", "netns", "exec", self.netns]
+
+    def render_context(self) -> RenderContext:
+        return RenderContext(
+            guest_ip=addresses.GUEST_IP,
+            guest_mac=addresses.GUEST_MAC,
+            gateway_ip=addresses.GATEWAY_IP,
+            dns_ip=addresses.DNS_IP,
+            dns_port=addresses.DNS_PORT,
+            guest_iface=self.tap,
+            uplink_iface=addresses.VETH_NAME,
+            host_addresses=(addresses.uplink_ip(self.index), addresses.veth_ip(self.index)),
+            log_prefix=f"mvc:{self.job or self.netns}"[:63],
+            nflog_group=addresses.AUDIT_NFLOG_GROUP,
+        )
+
+    def apply_policy(self, policy: Policy) -> None:
+        """Render and load `policy`; raises (and the VM must not start) when it cannot be loaded."""
+        rendered = render(policy, self.render_context())
+        for document, family in ((rendered.ipv4, "IPv4"), (rendered.ipv6, "IPv6")):
+            firewall.check_policy_document(document, family)
+        if self.resolver is not None:
+            self.resolver.configure(policy)
+        self.firewall.load(self.netns, rendered.ipv4)
+        if rendered.ipv6 != self._ipv6_loaded:
+            self.firewall.load(self.netns, rendered.ipv6, ipv6=True)
+            self._ipv6_loaded = rendered.ipv6
+
+    def audit_records(self) -> list[AuditRecord]:
+        """What the guest tried that the policy does not allow (logged in both modes)."""
+        if self.audit is None:
+            return []
+        names = dict(self.resolver.handed_out) if self.resolver is not None else {}
+        return self.audit.records(names)
+
+    def open_addresses(self, opened: list[tuple[str, Rule]]) -> None:
+        """Append resolver-opened addresses to the slot's allow chain in one commit."""
+        lines: list[str] = []
+        for address, rule in opened:
+            lines.extend(dns_allow_rule(address, rule.ports, rule.protocol).splitlines())
+        self.firewall.load(self.netns, firewall.append_document(lines), noflush=True)
+
+    def reset(self) -> None:
+        """Back to the pooled state: deny-all, no connections, no resolver or audit memory."""
+        self.job = ""
+        self.firewall.load(self.netns, firewall.deny_all())
+        self.firewall.load(self.netns, firewall.deny_all(ipv6=True), ipv6=True)
+        self._ipv6_loaded = ""
+        if self.resolver is not None:
+            self.resolver.clear()
+        netns.run_in(self.netns, _flush_conntrack)
+        if self.audit is not None:
+            self.audit.clear()
+
+
+def _flush_conntrack() -> None:
+    """Forget the previous job's connections, so no reply path of it survives (run inside the slot)."""
+    with NFCTSocket() as ct:
+        ct.flush()
+
+
+def _configure_inside(index: int, tap_owner: tuple[int, int] | None) -> None:
+    """Links, addresses and routes of a new slot (run inside the slot's namespace)."""
+    with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
+        forward.write("1\n")
+    with IPRoute() as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        veth = ipr.link_lookup(ifname=addresses.VETH_NAME)[0]
+        ipr.addr("add", index=veth, address=addresses.veth_ip(index), prefixlen=addresses.UPLINK_PREFIXLEN)
+        ipr.link("set", index=veth, state="up")
+        owner = {"uid": tap_owner[0], "gid": tap_owner[1]} if tap_owner else {}
+        ipr.link("add", ifname=addresses.TAP_NAME, kind="tuntap", mode="tap", **owner)
+        tap = ipr.link_lookup(ifname=addresses.TAP_NAME)[0]
+        ipr.addr("add", index=tap, address=addresses.GATEWAY_IP, prefixlen=addresses.GUEST_PREFIXLEN)
+        ipr.link("set", index=tap, state="up")
+        ipr.route("add", dst="0.0.0.0/0", gateway=addresses.uplink_ip(index))
+
+
+class SlotPool:
+    """Pre-created slots named `prefix`-N, handed to one VM at a time.
+
+    `start()` sweeps what a crashed predecessor left behind, prepares the uplink and starts the
+    resolver/audit loop; `close()` removes every slot. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        prefix: str = "mvc",
+        uplink: Uplink | None = None,
+        size: int = 0,
+        *,
+        upstream: Upstream | None = None,
+        firewall_tools: Firewall | None = None,
+        tap_owner: tuple[int, int] | None = None,
+        max_slots: int = addresses.MAX_SLOTS,
+    ) -> None:
+        if not _PREFIX.fullmatch(prefix):
+            raise ValueError(f"slot prefix {prefix!r} must be 1-9 lowercase letters/digits starting with a letter")
+        if uplink is None:
+            raise ValueError("a slot pool needs an uplink: HostUplink(out_iface) in production, NamespaceUplink in tests")
+        self.prefix = prefix
+        self.uplink = uplink
+        self.size = size
+        self.upstream = upstream or Upstream.from_resolv_conf()
+        self.firewall = firewall_tools or Firewall()
+        self.tap_owner = tap_owner
+        self.max_slots = min(max_slots, addresses.MAX_SLOTS)
+        self._lock = threading.Lock()
+        self._idle: list[Slot] = []
+        self._busy: dict[int, Slot] = {}
+        self._reserved: set[int] = set()  # indices whose slot is being created
+        self._loop: NetLoop | None = None
+        self._dns: DnsService | None = None
+        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)")
+
+    def __enter__(self) -> "SlotPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.sweep()
+        self.uplink.prepare(self.prefix)
+        self._loop = NetLoop()
+        self._dns = DnsService(self._loop, self.upstream)
+        for _ in range(self.size):
+            slot = self._create(self._free_index())
+            with self._lock:
+                self._idle.append(slot)
+
+    def acquire(self, job: str = "") -> Slot:
+        """A clean, deny-all slot (made now if the pool is empty); load a policy before the VM runs."""
+        with self._lock:
+            slot = self._idle.pop() if self._idle else None
+            if slot is not None:
+                self._busy[slot.index] = slot
+        if slot is None:
+            slot = self._create(self._free_index(), busy=True)
+        slot.job = job
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Clean `slot` and return it to the pool; a slot that cannot be cleaned is destroyed."""
+        try:
+            slot.reset()
+        except Exception as exc:
+            log.warning("slot %s could not be cleaned, destroying it: %s", slot.netns, exc)
+            self._destroy(slot)
+            return
+        with self._lock:
+            self._busy.pop(slot.index, None)
+            self._idle.append(slot)
+
+    def live(self) -> list[Slot]:
+        with self._lock:
+            return [*self._idle, *self._busy.values()]
+
+    def sweep(self) -> list[str]:
+        """Remove namespaces and uplink veths named like our slots that no live slot owns."""
+        owned = {slot.netns for slot in self.live()}
+        removed: list[str] = []
+        for name in netns.names():
+            if self._pattern.fullmatch(name) and name not in owned:
+                netns.remove(name)
+                removed.append(name)
+        for name in self.uplink.link_names():
+            if self._pattern.fullmatch(name) and name not in owned:
+                self.uplink.delete_link(name)
+                removed.append(name)
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._idle, self._busy = [*self._idle, *self._busy.values()], [], {}
+        for slot in slots:
+            self._destroy(slot, forget=False)
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        self.uplink.close(self.prefix)
+
+    def _free_index(self) -> int:
+        with self._lock:
+            used = {slot.index for slot in (*self._idle, *self._busy.values())}
+            used |= self._reserved
+            for index in range(self.max_slots):
+                if index not in used:
+                    self._reserved.add(index)
+                    return index
+        raise SlotError(f"all {self.max_slots} slots of pool {self.prefix} are in use; release one or raise max_slots")
+
+    def _create(self, index: int, busy: bool = False) -> Slot:
+        name = f"{self.prefix}-{index}"
+        slot = Slot(index=index, netns=name, firewall=self.firewall)
+        try:
+            netns.create(name)
+            self.uplink.run(lambda: _add_veth(name))
+            self.uplink.configure_end(name, index)
+            netns.run_in(name, lambda: _configure_inside(index, self.tap_owner))
+            self.firewall.load(name, firewall.guard4() + firewall.masquerade() + firewall.deny_all())
+            self.firewall.load(name, firewall.guard6() + firewall.deny_all(ipv6=True), ipv6=True)
+            if self._dns is None or self._loop is None:
+                raise SlotError("the pool is not started; call start() first")
+            slot.resolver = self._dns.attach(name, slot.open_addresses)
+            slot.audit = SlotAudit(name)
+            slot.audit.start(self._loop)
+        except Exception as exc:
+            self._destroy(slot, forget=False)
+            with self._lock:
+                self._reserved.discard(index)
+            raise SlotError(f"cannot create slot {name}: {exc}") from exc
+        with self._lock:
+            self._reserved.discard(index)
+            if busy:
+                self._busy[index] = slot
+        return slot
+
+    def _destroy(self, slot: Slot, forget: bool = True) -> None:
+        """Close the slot's sockets first: they pin the namespace (and its veth) in the kernel."""
+        if forget:
+            with self._lock:
+                self._busy.pop(slot.index, None)
+                if slot in self._idle:
+                    self._idle.remove(slot)
+        if slot.audit is not None and self._loop is not None:
+            slot.audit.stop(self._loop)
+        if slot.resolver is not None and self._dns is not None:
+            self._dns.detach(slot.resolver)
+        netns.remove(slot.netns)
+        self.uplink.delete_link(slot.netns)
+
+
+def _add_veth(name: str) -> None:
+    """The veth pair of slot `name`: outer end `name` here, `veth0` inside the slot's namespace."""
+    with IPRoute() as ipr:
+        ipr.link("add", ifname=name, kind="veth", peer={"ifname": addresses.VETH_NAME, "net_ns_fd": name})

@@ -1,0 +1,66 @@
+"""Fixtures for the network tests: a fake internet, a slot pool attached to it, a stand-in guest.
+
+Every fixture cleans up after itself, and the `pool` fixture asserts that nothing carrying the
+test's unique prefix (namespace, veth, thread) is left behind.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# pytest puts tests/ on sys.path, where tests/policy/ would shadow the `policy` package as a
+# namespace package; the project root first makes the real one win (project-wide fix:
+# `pythonpath = ["."]` in pyproject's pytest options).
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from runner.net import NamespaceUplink, Slot, SlotPool, Upstream, netns  # noqa: E402
+import net_fakes  # noqa: E402
+
+
+@dataclass
+class Net:
+    prefix: str
+    internet: str
+    pool: SlotPool
+
+
+@pytest.fixture
+def prefix() -> str:
+    return "t" + secrets.token_hex(3)
+
+
+@pytest.fixture
+def net(need_netns, prefix: str) -> Iterator[Net]:
+    threads_before = set(threading.enumerate())
+    internet, servers = net_fakes.build_internet(prefix)
+    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+    try:
+        pool.start()
+        yield Net(prefix, internet, pool)
+    finally:
+        pool.close()
+        servers.close()
+        netns.remove(f"{prefix}-guest")
+        netns.remove(internet)
+    assert net_fakes.leftovers(prefix) == []
+    stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert stray == [], f"threads left running: {stray}"
+
+
+@pytest.fixture
+def slot(net: Net) -> Slot:
+    return net.pool.acquire(job="test-job")
+
+
+@pytest.fixture
+def guest(net: Net, slot: Slot) -> str:
+    return net_fakes.attach_guest(net.prefix, slot.netns)

@@ -1,0 +1,176 @@
+"""A fake internet built from namespaces, and a stand-in guest, for the slot tests.
+
+Topology (every name carries the test's unique prefix P):
+
+    P-guest: eth0 52:54:00:00:00:02 192.0.2.2/30 --veth-- tap0 192.0.2.1/30 in the slot P-N
+    P-N: veth0 198.18.x.2 --veth-- P-N 198.18.x.1 in P-inet
+    P-inet: the fake hosts' addresses on its loopback (allowed web, denied web, upstream DNS, metadata)
+
+The stand-in guest is a namespace whose veth end replaces the slot's tap0 under the same name:
+the slot's rules match on the interface name, so the kernel treats it exactly like the tap QEMU
+would attach to, while the guest side gets a real TCP/IP stack for the tests to drive. That the real
+tap is attachable by its owner is tested separately (test_tap.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+from dataclasses import dataclass, field
+
+from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+
+from runner.net import addresses, netns
+
+ALLOWED_HOST = "203.0.113.10"
+DENIED_HOST = "203.0.113.20"
+UPSTREAM_DNS = "203.0.113.53"
+METADATA = "169.254.169.254"
+SERVER_IP6 = "2001:db8:3::10"
+ZONE = {"web.test": ALLOWED_HOST, "denied.test": DENIED_HOST, "a.cdn.test": ALLOWED_HOST}
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def in_ns(name: str, fn):  # type: ignore[no-untyped-def]
+    return netns.run_in(name, fn)
+
+
+@dataclass
+class Servers:
+    """TCP banner servers and a DNS server, all in the fake internet, stopped on close."""
+
+    sockets: list[socket.socket] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def tcp(self, ns: str, address: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = netns.socket_in(ns, family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(16)
+        sock.settimeout(0.2)
+        self._spawn(lambda: self._serve_tcp(sock, f"{address}:{port}".encode()), sock)
+
+    def dns(self, ns: str, address: str) -> None:
+        sock = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((address, 53))
+        sock.settimeout(0.2)
+        self._spawn(lambda: self._serve_dns(sock), sock)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        for sock in self.sockets:
+            sock.close()
+
+    def _spawn(self, target, sock: socket.socket) -> None:  # type: ignore[no-untyped-def]
+        self.sockets.append(sock)
+        thread = threading.Thread(target=target, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _serve_tcp(self, sock: socket.socket, banner: bytes) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.sendall(banner)
+
+    def _serve_dns(self, sock: socket.socket) -> None:
+        while not self.stop.is_set():
+            try:
+                data, peer = sock.recvfrom(4096)
+            except (TimeoutError, OSError):
+                continue
+            query = DNSRecord.parse(data)
+            name = str(query.q.qname).rstrip(".")
+            reply = query.reply()
+            if name in ZONE and query.q.qtype == QTYPE.A:
+                reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(ZONE[name]), ttl=60))
+            elif name not in ZONE:
+                reply.header.rcode = RCODE.NXDOMAIN
+            sock.sendto(reply.pack(), peer)
+
+
+def build_internet(prefix: str) -> tuple[str, Servers]:
+    """The fake internet namespace with its hosts; the slot pool attaches to it as uplink."""
+    name = f"{prefix}-inet"
+    netns.create(name)
+    servers = Servers()
+    try:
+        ip("-n", name, "link", "set", "lo", "up")
+        for address in (ALLOWED_HOST, DENIED_HOST, UPSTREAM_DNS, METADATA):
+            ip("-n", name, "addr", "add", f"{address}/32", "dev", "lo")
+        ip("-n", name, "-6", "addr", "add", f"{SERVER_IP6}/128", "dev", "lo", "nodad")
+        for host, port in ((ALLOWED_HOST, 8000), (ALLOWED_HOST, 9000), (DENIED_HOST, 8000), (METADATA, 80)):
+            servers.tcp(name, host, port)
+        servers.tcp(name, SERVER_IP6, 8000)
+        servers.dns(name, UPSTREAM_DNS)
+    except BaseException:
+        servers.close()
+        netns.remove(name)
+        raise
+    return name, servers
+
+
+def attach_guest(prefix: str, slot_ns: str) -> str:
+    """Replace the slot's tap0 by a veth whose other end is the stand-in guest's eth0."""
+    guest = f"{prefix}-guest"
+    netns.create(guest)
+    ip("-n", slot_ns, "link", "del", addresses.TAP_NAME)
+    ip("-n", slot_ns, "link", "add", addresses.TAP_NAME, "type", "veth", "peer", "name", "eth0", "netns", guest)
+    ip("-n", slot_ns, "addr", "add", f"{addresses.GATEWAY_IP}/{addresses.GUEST_PREFIXLEN}", "dev", addresses.TAP_NAME)
+    ip("-n", slot_ns, "link", "set", addresses.TAP_NAME, "up")
+    ip("-n", guest, "link", "set", "lo", "up")
+    ip("-n", guest, "link", "set", "eth0", "address", addresses.GUEST_MAC)
+    ip("-n", guest, "addr", "add", f"{addresses.GUEST_IP}/{addresses.GUEST_PREFIXLEN}", "dev", "eth0")
+    ip("-n", guest, "link", "set", "eth0", "up")
+    ip("-n", guest, "route", "add", "default", "via", addresses.GATEWAY_IP)
+    return guest
+
+
+def reach(guest: str, address: str, port: int, source: str | None = None, timeout: float = 1.5) -> bool:
+    """Whether the guest gets the server's banner from address:port (refused or silent: False)."""
+
+    def connect() -> bool:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            if source:
+                sock.bind((source, 0))
+            try:
+                sock.connect((address, port))
+                return sock.recv(100) == f"{address}:{port}".encode()
+            except OSError:
+                return False
+
+    return in_ns(guest, connect)
+
+
+def lookup(guest: str, name: str, qtype: str = "A", tcp: bool = False) -> DNSRecord | None:
+    """The guest's resolver's answer, or None when it gave none."""
+
+    def ask() -> DNSRecord | None:
+        try:
+            reply = DNSRecord.question(name, qtype).send(addresses.DNS_IP, addresses.DNS_PORT, tcp=tcp, timeout=2)
+        except OSError:
+            return None
+        return DNSRecord.parse(reply)
+
+    return in_ns(guest, ask)
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Namespaces and root-namespace links that carry the test's prefix."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    found = [n for n in netns.names() if n.startswith(prefix)]
+    found += [line.split(": ")[1].split("@")[0] for line in links.splitlines() if line.split(": ")[1].startswith(prefix)]
+    return found

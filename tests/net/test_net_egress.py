@@ -1,0 +1,142 @@
+"""Egress through a slot: the policy's hosts are reachable, nothing else is."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from dnslib import QTYPE, RCODE
+
+from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
+from policy import load_policy
+from runner.net import addresses
+
+WEB_POLICY = """\
+version: 1
+mode: block
+allow:
+  - host: web.test
+    ports: [8000]
+"""
+
+
+def policy(text: str):  # type: ignore[no-untyped-def]
+    return load_policy(text, "test-policy.yml")
+
+
+def test_pooled_slot_denies_everything(slot, guest) -> None:
+    assert not reach(guest, ALLOWED_HOST, 8000)
+    assert lookup(guest, "web.test") is None  # even the resolver is closed until a policy is loaded
+
+
+def test_allowed_name_opens_only_its_port(slot, guest) -> None:
+    slot.apply_policy(policy(WEB_POLICY))
+    assert not reach(guest, ALLOWED_HOST, 8000)  # not handed out by the resolver yet
+
+    answer = lookup(guest, "web.test")
+
+    assert answer is not None and answer.header.rcode == RCODE.NOERROR
+    assert [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+    assert reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(guest, ALLOWED_HOST, 9000)
+    assert not reach(guest, DENIED_HOST, 8000)
+
+
+def test_disallowed_name_and_every_aaaa_get_nxdomain(slot, guest) -> None:
+    slot.apply_policy(policy(WEB_POLICY))
+
+    denied = lookup(guest, "denied.test")
+    aaaa = lookup(guest, "web.test", "AAAA")
+
+    assert denied is not None and denied.header.rcode == RCODE.NXDOMAIN
+    assert aaaa is not None and aaaa.header.rcode == RCODE.NXDOMAIN
+    assert not reach(guest, DENIED_HOST, 8000)
+
+
+def test_wildcard_and_tcp_queries(slot, guest) -> None:
+    slot.apply_policy(policy(WEB_POLICY + '  - host: "*.cdn.test"\n    ports: [9000]\n'))
+
+    answer = lookup(guest, "A.CDN.test", tcp=True)
+
+    assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+    assert answer.rr[0].rtype == QTYPE.A
+    assert reach(guest, ALLOWED_HOST, 9000)
+    bare = lookup(guest, "cdn.test")
+    assert bare is not None and bare.header.rcode == RCODE.NXDOMAIN
+
+
+def test_cidr_rule_is_clipped_at_metadata_gateway_and_uplink(net, slot, guest) -> None:
+    net_fakes_tcp = __import__("net_fakes").Servers()
+    gateway_port = 2222
+    try:
+        net_fakes_tcp.tcp(slot.netns, "0.0.0.0", gateway_port)  # the namespace itself, all addresses
+        net_fakes_tcp.tcp(net.internet, addresses.uplink_ip(slot.index), 8000)
+        slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 0.0.0.0/0\n    ports: [80, 8000, 2222]\n"))
+
+        assert reach(guest, DENIED_HOST, 8000)  # the wide rule works ...
+        assert not reach(guest, METADATA, 80)  # ... but never for the metadata service,
+        assert not reach(guest, addresses.GATEWAY_IP, gateway_port)  # the gateway,
+        assert not reach(guest, addresses.veth_ip(slot.index), gateway_port)  # the slot's own uplink address
+        assert not reach(guest, addresses.uplink_ip(slot.index), 8000)  # or the uplink's
+    finally:
+        net_fakes_tcp.close()
+
+
+def test_spoofed_source_ip_is_dropped(slot, guest) -> None:
+    slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
+    ip("-n", guest, "addr", "add", "10.9.9.9/32", "dev", "eth0")
+
+    assert reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(guest, ALLOWED_HOST, 8000, source="10.9.9.9")
+
+
+def test_spoofed_mac_is_dropped(slot, guest) -> None:
+    slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
+
+    def use_mac(mac: str) -> None:
+        ip("-n", guest, "link", "set", "eth0", "address", mac)
+        ip("-n", slot.netns, "neigh", "flush", "dev", addresses.TAP_NAME)  # let the slot learn it afresh
+
+    use_mac("52:54:00:00:00:99")
+    assert not reach(guest, ALLOWED_HOST, 8000)
+    use_mac(addresses.GUEST_MAC)
+    assert reach(guest, ALLOWED_HOST, 8000)
+
+
+def test_ipv6_is_blocked(slot, guest, net) -> None:
+    """Give the test topology a working IPv6 path, prove it works without rules, then apply a policy."""
+    from net_fakes import SERVER_IP6
+
+    ip("-n", guest, "-6", "addr", "add", "2001:db8:1::2/64", "dev", "eth0", "nodad")
+    ip("-n", guest, "-6", "route", "add", "default", "via", "2001:db8:1::1")
+    ip("-n", slot.netns, "-6", "addr", "add", "2001:db8:1::1/64", "dev", addresses.TAP_NAME, "nodad")
+    ip("-n", slot.netns, "-6", "addr", "add", "2001:db8:2::2/64", "dev", addresses.VETH_NAME, "nodad")
+    ip("-n", slot.netns, "-6", "route", "add", "default", "via", "2001:db8:2::1")
+    ip("-n", net.internet, "-6", "addr", "add", "2001:db8:2::1/64", "dev", slot.netns, "nodad")
+    ip("-n", net.internet, "-6", "route", "add", "2001:db8:1::/64", "via", "2001:db8:2::2")
+    subprocess.run(["ip", "netns", "exec", slot.netns, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"], check=True)
+    open_doc = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
+    slot.firewall.load(slot.netns, open_doc, ipv6=True)
+    assert reach(guest, SERVER_IP6, 8000, timeout=5)  # the path works when nothing filters it (slow ND)
+
+    slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
+
+    assert not reach(guest, SERVER_IP6, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000)
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x00" * 11, b"\xff" * 600, b"garbage that is not dns"])
+def test_malformed_queries_are_ignored_and_service_goes_on(slot, guest, bad: bytes) -> None:
+    import socket
+
+    from net_fakes import in_ns
+
+    slot.apply_policy(policy(WEB_POLICY))
+
+    def send() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.sendto(bad, (addresses.DNS_IP, addresses.DNS_PORT))
+
+    in_ns(guest, send)
+    answer = lookup(guest, "web.test")
+    assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
