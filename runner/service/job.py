@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any, Callable, Protocol
 from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog
 from runner.service.records import JobRecord
-from runner.service.safetar import ArchiveError, TarLimits, copy_validated
+from runner.service.safetar import TarLimits, copy_validated
 from runner.service.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -41,8 +40,8 @@ class Sandbox(Protocol):
     ready_ms: float
 
     def put_tar(self, stream: Any, dest: str = "/workspace") -> None: ...
-    def exec(self, command: str, **kwargs: Any) -> Any: ...
-    def get_tar(self, guest_paths: list[str], out: Any, max_bytes: int) -> int: ...
+    def exec(self, command: str | list[str], **kwargs: Any) -> Any: ...
+    def get_tar(self, paths: list[str], out: Any, max_bytes: int, cwd: str = "/") -> int: ...
     def blocked_egress(self) -> list[dict]: ...
     def destroy(self) -> None: ...
 
@@ -118,7 +117,9 @@ class JobRun:
             if self.cancel_reason:
                 return self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
             error = self._collect_artifacts(sandbox, config)
-            self.record.blocked_egress = _bounded_blocked(sandbox.blocked_egress())
+            blocked = _bounded_blocked(sandbox.blocked_egress())
+            with self.lock:
+                self.record.blocked_egress = blocked
             if result.timed_out:
                 return self.finish("timed_out", EXIT_TIMEOUT, f"the command ran longer than {self.spec.timeout_seconds} s")
             exit_code = _exit_code(result.exit_code)
@@ -168,7 +169,7 @@ class JobRun:
         self.update(state="running", started_at=time.time())
         env = {"CI": "true", **self.spec.env, "MICROVM_CHECK_JOB_ID": self.record.id}
         return sandbox.exec(
-            "sh -c " + shlex.quote(self.spec.command),
+            ["sh", "-c", self.spec.command],
             timeout_seconds=self.spec.timeout_seconds,
             env=env,
             cwd=self.spec.workdir,
@@ -176,27 +177,35 @@ class JobRun:
         )
 
     def _collect_artifacts(self, sandbox: Sandbox, config: ServiceConfig) -> str | None:
-        """Validated artifacts into the job dir; the error to record if the guest's tar was refused."""
+        """Validated artifacts into the job dir; the error to record if they could not be had.
+
+        The guest's exit code stands either way: an artifact problem is reported next to it.
+        """
         if not self.spec.artifacts:
             return None
         limits = TarLimits(config.artifacts.max_count, config.artifacts.max_total_bytes)
         raw, clean = self.dir / "artifacts.raw", self.dir / ARTIFACTS
-        paths = [f"{self.spec.workdir}/{glob}" for glob in self.spec.artifacts]
         # Headers and padding take at most 1.5 KiB a member plus the end blocks.
         budget = limits.max_total_bytes + 1536 * (limits.max_count + 2) + 10240
         try:
             with open(raw, "wb") as out:
-                sandbox.get_tar(paths, out, budget)
+                size = sandbox.get_tar(list(self.spec.artifacts), out, budget, cwd=self.spec.workdir)
+            if size == 0:
+                self.log.system(f"no files matched the artifact patterns {', '.join(self.spec.artifacts)}")
+                return None
             with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
-                members = copy_validated(src, dst, limits, strip_prefix=self.spec.workdir)
+                members = copy_validated(src, dst, limits)
             os.replace(f"{clean}.part", clean)
-        except ArchiveError as exc:
+        except Exception as exc:  # a refused tar, or the guest failing to produce one
+            if self.cancel_reason:
+                raise
             _remove(Path(f"{clean}.part"))
             self.log.system(f"artifacts rejected: {exc}")
             return f"artifacts rejected: {exc}"
         finally:
             _remove(raw)
-        self.record.artifacts = [m.to_json() for m in members]
+        with self.lock:
+            self.record.artifacts = [m.to_json() for m in members]
         self.log.system(f"collected {len(members)} artifact file(s)")
         return None
 

@@ -36,7 +36,7 @@ class Member:
         return {"path": self.path, "size": self.size}
 
 
-def clean_name(raw: str, strip_prefix: str = "") -> str:
+def clean_name(raw: str) -> str:
     """A member name as a safe relative path, or ArchiveError saying why it is not one."""
     if any(ord(c) < 32 or ord(c) == 127 for c in raw):
         raise ArchiveError(f"member {raw!r}: control characters in the name")
@@ -53,15 +53,7 @@ def clean_name(raw: str, strip_prefix: str = "") -> str:
     parts = [p for p in raw.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise ArchiveError(f"member {raw!r}: '..' in the path")
-    name = "/".join(parts)
-    prefix = strip_prefix.strip("/")
-    if prefix:
-        if name == prefix:
-            return ""
-        if not name.startswith(prefix + "/"):
-            raise ArchiveError(f"member {raw!r}: outside {prefix}/")
-        name = name[len(prefix) + 1 :]
-    return name
+    return "/".join(parts)
 
 
 def _check_type(info: tarfile.TarInfo) -> None:
@@ -93,7 +85,7 @@ class _ExactReader:
         return data
 
 
-def copy_validated(src: BinaryIO, dst: BinaryIO, limits: TarLimits, strip_prefix: str = "") -> list[Member]:
+def copy_validated(src: BinaryIO, dst: BinaryIO, limits: TarLimits) -> list[Member]:
     """Read a tar stream from `src`, write a clean tar of its files and directories to `dst`.
 
     Returns the regular files written. Raises ArchiveError on the first member that is not a plain
@@ -113,9 +105,9 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: TarLimits, strip_prefix
         try:
             for info in source:
                 _check_type(info)
-                name = clean_name(info.name, strip_prefix)
+                name = clean_name(info.name)
                 if not name:
-                    continue  # the prefix directory itself
+                    continue  # "." : the archive's own root
                 if name in seen:
                     raise ArchiveError(f"member {name!r}: appears twice")
                 seen.add(name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import shlex
 import tarfile
 import threading
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ class FakeSandbox:
         self.files: dict[str, bytes] = {}
         self.destroyed = threading.Event()
         self.exec_calls: list[dict[str, Any]] = []
+        self.get_tar_calls: list[tuple[list[str], str]] = []
 
     def put_tar(self, stream: Any, dest: str = "/workspace") -> None:
         with tarfile.open(fileobj=stream, mode="r|") as tar:
@@ -76,21 +76,21 @@ class FakeSandbox:
                 if info.isfile():
                     self.files[f"{dest}/{info.name}"] = tar.extractfile(info).read()
 
-    def exec(self, command: str, timeout_seconds: float = 0, env: dict | None = None, cwd: str = "/",
+    def exec(self, command: list[str], timeout_seconds: float = 0, env: dict | None = None, cwd: str = "/",
              user: str | None = None, on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
         self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
-        argv = shlex.split(command)
-        assert argv[:2] == ["sh", "-c"], command
-        program = self.engine.programs[argv[2]]
+        assert command[:2] == ["sh", "-c"] and len(command) == 3, command
+        program = self.engine.programs[command[2]]
         result = program(self, on_output or (lambda s, d: None), timeout_seconds)
         if self.destroyed.is_set():
             raise FakeSandboxError(f"VM {self.id} was destroyed")
         return result
 
-    def get_tar(self, guest_paths: list[str], out: Any, max_bytes: int) -> int:
+    def get_tar(self, paths: list[str], out: Any, max_bytes: int, cwd: str = "/") -> int:
+        self.get_tar_calls.append((paths, cwd))
         data = self.engine.artifacts_tar or b""
-        if len(data) > max_bytes:
-            raise FakeSandboxError(f"the artifact tar is larger than {max_bytes} bytes")
+        if len(data) > max_bytes:  # the real agent also stops at the limit and reports an error
+            raise FakeSandboxError(f"the files exceed the {max_bytes}-byte limit")
         out.write(data)
         return len(data)
 

@@ -46,7 +46,7 @@ def test_socket_is_group_only(api) -> None:
 
 def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
     engine.programs["make"] = prints(b"building\n", 2)
-    engine.artifacts_tar = tar_of([(member("workspace/out/report.xml"), b"<testsuite/>")])
+    engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<testsuite/>")])
     service, client = api()
     job = client.submit(spec("make", artifacts=["out/*.xml"]))
     assert job["state"] == "awaiting_checkout"

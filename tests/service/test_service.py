@@ -122,20 +122,21 @@ def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
 
 def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    engine.artifacts_tar = tar_of([(member("workspace/dist/a.whl"), b"wheel")])
+    engine.artifacts_tar = tar_of([(member("dist/a.whl"), b"wheel")])
     service = make_service()
     job = run(service, "ok", artifacts=["dist/*.whl"])
     wait_final(service, job)
     rec = service.get(job)
     assert (rec.state, rec.artifacts) == ("finished", [{"path": "dist/a.whl", "size": 5}])
+    assert engine.created[0].get_tar_calls == [(["dist/*.whl"], "/workspace")]
     with tarfile.open(service.artifacts_path(job)) as tar:
         assert tar.extractfile("dist/a.whl").read() == b"wheel"
 
 
 def test_hostile_artifacts_fail_the_job_and_keep_its_result(make_service, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"made a link\n", 0)
-    engine.artifacts_tar = tar_of([(member("workspace/ok"), b"1"),
-                                   (member("workspace/evil", tarfile.SYMTYPE, "/etc/shadow"), None)])
+    engine.artifacts_tar = tar_of([(member("ok"), b"1"),
+                                   (member("evil", tarfile.SYMTYPE, "/etc/shadow"), None)])
     service = make_service()
     job = run(service, "ok", artifacts=["*"])
     wait_final(service, job)
@@ -299,9 +300,30 @@ def _wait_warm(service: JobService, engine: FakeEngine):
 
 def test_artifact_tar_streams_from_disk(make_service, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    engine.artifacts_tar = tar_of([(member(f"workspace/f{i}"), bytes([i]) * 1000) for i in range(20)])
+    engine.artifacts_tar = tar_of([(member(f"f{i}"), bytes([i]) * 1000) for i in range(20)])
     service = make_service()
     job = run(service, "ok", artifacts=["f*"])
     wait_final(service, job)
     with tarfile.open(fileobj=io.BytesIO(service.artifacts_path(job).read_bytes())) as tar:
         assert len(tar.getnames()) == 20
+
+
+def test_no_matching_artifacts_is_not_an_error(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    job = run(service, "ok", artifacts=["nothing/*"], working_directory="sub")
+    wait_final(service, job)
+    rec = service.get(job)
+    assert (rec.state, rec.exit_code, rec.artifacts) == ("finished", 0, [])
+    assert engine.created[0].get_tar_calls == [(["nothing/*"], "/workspace/sub")]
+
+
+def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine) -> None:
+    engine.programs["bad"] = prints(b"", 1)
+    engine.artifacts_tar = tar_of([(member("big"), b"\0" * 200000)])
+    service = make_service(artifacts={"max_count": 2, "max_total_bytes": "64KiB"})
+    job = run(service, "bad", artifacts=["big"])
+    wait_final(service, job)
+    rec = service.get(job)
+    assert (rec.state, rec.exit_code) == ("failed", 1)
+    assert "exceed" in rec.error
