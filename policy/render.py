@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
+from pathlib import Path
 from typing import Iterable
 
 import jinja2
@@ -44,8 +45,9 @@ _IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 _MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
 _PREFIX = re.compile(r"[A-Za-z0-9_.:=/-]{1,63}")
 
+# Loaded by path, not by package name: found the same way however `policy` itself was imported.
 _templates = jinja2.Environment(
-    loader=jinja2.PackageLoader("policy", "templates"),
+    loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
