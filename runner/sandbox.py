@@ -1,0 +1,264 @@
+"""The Sandbox API: a fresh microVM per use, in the shape users of sandbox SDKs know.
+
+    with Sandbox.create(template="base", ttl_seconds=600) as sbx:
+        r = sbx.exec("pytest -q", timeout_seconds=300, cwd="/workspace", on_output=print_chunk)
+
+A non-zero exit is a result, not an exception. `SandboxError` means the sandbox itself is gone
+(its VM died, expired or misbehaved) and has already been destroyed.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from runner import tarsafe
+from runner.state import StateDir
+from runner.vm.agent import AgentClient, GuestOpError
+from runner.vm.engine import Engine
+from runner.vm.errors import AgentError, SandboxError
+from runner.vm.vm import VM
+
+__all__ = ["ExecResult", "Sandbox", "SandboxError"]
+
+CAPTURE_LIMIT = 16 * 1024 * 1024  # per stream kept in ExecResult; on_output still sees everything
+FILE_TIMEOUT_S = 600.0
+STREAM_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+    timed_out: bool
+    truncated: bool = False  # output beyond CAPTURE_LIMIT was streamed but not kept
+
+
+class _Capture:
+    def __init__(self, on_output: Callable[[str, bytes], None] | None) -> None:
+        self.on_output = on_output
+        self.parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.sizes = {"stdout": 0, "stderr": 0}
+        self.truncated = False
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        if self.on_output is not None:
+            self.on_output(stream, data)
+        room = CAPTURE_LIMIT - self.sizes[stream]
+        if len(data) > room:
+            self.truncated = True
+            data = data[: max(room, 0)]
+        if data:
+            self.parts[stream].append(data)
+            self.sizes[stream] += len(data)
+
+    def text(self, stream: str) -> bytes:
+        return b"".join(self.parts[stream])
+
+
+class Files:
+    """Single files in the guest."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sbx = sandbox
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        chunks = (data[i : i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
+        self._sbx._call(lambda a: a.write_file(path, chunks, mode, FILE_TIMEOUT_S))
+
+    def read(self, path: str, max_bytes: int = 256 * 1024 * 1024) -> bytes:
+        return self._sbx._call(lambda a: a.read_file(path, max_bytes, FILE_TIMEOUT_S))
+
+
+class Sandbox:
+    def __init__(self, engine: Engine, vm: VM) -> None:
+        self._engine = engine
+        self._vm = vm
+        self.files = Files(self)
+
+    @classmethod
+    def create(
+        cls,
+        template: str = "base",
+        ttl_seconds: float = 600.0,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        network: bool | None = None,
+        policy=None,
+        job_id: str | None = None,
+        state_dir: str | os.PathLike | None = None,
+        engine: Engine | None = None,
+    ) -> "Sandbox":
+        """Restore a fresh VM. Without a policy there is no network card at all unless network=True
+        is asked for, and then the policy defaults to deny-all."""
+        if engine is None:
+            engine = Engine.shared(StateDir(Path(state_dir)) if state_dir else None)
+        if network is None:
+            network = policy is not None
+        vm = engine.create(
+            template,
+            network=network,
+            policy=policy,
+            ttl_seconds=ttl_seconds,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            hostname=job_id,
+        )
+        return cls(engine, vm)
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self._vm.id
+
+    @property
+    def ready_ms(self) -> float:
+        return self._vm.ready_ms
+
+    @property
+    def accel(self) -> str:
+        return self._vm.snapshot.config.accel
+
+    @property
+    def alive(self) -> bool:
+        return not self._vm.destroyed
+
+    # ---- running -----------------------------------------------------------------------------
+    def _call(self, fn):
+        """Run an agent operation; a broken channel or dead VM becomes a SandboxError after cleanup."""
+        vm = self._vm
+        if vm.destroyed or vm.agent is None:
+            raise SandboxError(vm.describe_failure())
+        try:
+            return fn(vm.agent)
+        except GuestOpError as exc:
+            raise SandboxError(str(exc)) from None
+        except AgentError as exc:
+            vm.fail(str(exc))
+            self._engine.destroy(vm)
+            raise SandboxError(vm.describe_failure()) from None
+
+    def exec(
+        self,
+        command: str | list[str],
+        timeout_seconds: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str = "/workspace",
+        user: str | None = None,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ExecResult:
+        """Run `command` (a shell string, or an argv list run without a shell) and wait for it."""
+        message: dict = {"cwd": cwd, "env": dict(env or {}), "user": user}
+        if isinstance(command, str):
+            message["shell"] = command
+        else:
+            message["argv"] = [str(a) for a in command]
+        capture = _Capture(on_output)
+        started = _now_ms()
+        outcome = self._call(lambda a: a.exec(message, capture, timeout_seconds))
+        return ExecResult(
+            exit_code=124 if outcome.timed_out else outcome.exit_code,
+            stdout=capture.text("stdout"),
+            stderr=capture.text("stderr"),
+            duration_ms=_now_ms() - started,
+            timed_out=outcome.timed_out,
+            truncated=capture.truncated,
+        )
+
+    def cancel(self) -> None:
+        """Kill every command running in the sandbox (their exec calls return killed results)."""
+        self._call(AgentClient.kill_all)
+
+    # ---- files -------------------------------------------------------------------------------
+    def put_tar(self, stream: BinaryIO | Iterable[bytes], dest: str = "/workspace") -> None:
+        """Unpack a tar stream into `dest` in the guest."""
+        chunks = _chunks(stream) if hasattr(stream, "read") else stream
+        self._call(lambda a: a.put_tar(dest, chunks, FILE_TIMEOUT_S))
+
+    def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int:
+        """Write a tar stream of guest paths (globs, relative to cwd) to `out`; bytes written."""
+        return self._call(lambda a: a.get_tar(paths, cwd, out, max_bytes, FILE_TIMEOUT_S))
+
+    def copy_in(self, local_dir: str | os.PathLike, dest: str) -> None:
+        """Copy a host directory's contents into `dest` in the guest, byte-exact."""
+        self.put_tar(_tar_directory(Path(local_dir)), dest)
+
+    def copy_out(
+        self, guest_path: str, local_dir: str | os.PathLike, max_bytes: int = 1024**3
+    ) -> tarsafe.Extracted:
+        """Copy a guest file or directory into `local_dir`, checking every name on the host.
+
+        Links in the guest are not copied (listed in the result's `skipped`): a link written on the
+        host is how a guest would reach outside `local_dir`.
+        """
+        parent, name = os.path.split(guest_path.rstrip("/"))
+        read_fd, write_fd = os.pipe()
+        result: dict = {}
+
+        def unpack() -> None:
+            with os.fdopen(read_fd, "rb") as reader:
+                try:
+                    result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_bytes=max_bytes), skip_links=True)
+                except tarsafe.UnsafeTar as exc:
+                    result["error"] = exc
+                reader.read()  # drain so the writer never blocks on a reader that gave up
+
+        worker = threading.Thread(target=unpack, daemon=True)
+        worker.start()
+        try:
+            with os.fdopen(write_fd, "wb") as writer:
+                self.get_tar([name], writer, max_bytes=max_bytes * 2 + 1024**2, cwd=parent or "/")
+        finally:
+            worker.join()
+        if "error" in result:
+            raise SandboxError(f"refused the guest's files from {guest_path}: {result['error']}")
+        return result["ok"]
+
+    def blocked_egress(self) -> list[dict]:
+        slot = self._vm.slot
+        return slot.audit_records() if slot is not None else []
+
+    # ---- ending ------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        self._engine.destroy(self._vm)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+def _now_ms() -> float:
+    return time.monotonic() * 1000
+
+
+def _chunks(stream: BinaryIO) -> Iterator[bytes]:
+    while chunk := stream.read(STREAM_CHUNK):
+        yield chunk
+
+
+def _tar_directory(root: Path) -> Iterator[bytes]:
+    """Stream a tar of `root`'s contents without holding it in memory."""
+    read_fd, write_fd = os.pipe()
+
+    def produce() -> None:
+        with os.fdopen(write_fd, "wb") as writer:
+            try:
+                with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                    for entry in sorted(root.iterdir()):
+                        tar.add(entry, arcname=entry.name)
+            except BrokenPipeError:
+                pass
+
+    threading.Thread(target=produce, daemon=True).start()
+    with os.fdopen(read_fd, "rb") as reader:
+        yield from _chunks(reader)

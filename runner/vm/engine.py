@@ -1,0 +1,233 @@
+"""The VM engine: restores VMs from templates, keeps track of them and makes sure they end.
+
+One engine owns one VM directory (an exclusive lock on it), so at start-up everything found
+there belongs to a dead predecessor and is swept. A reaper thread ends VMs whose TTL expired or
+whose VMM died on its own; `shutdown()` (also at interpreter exit) ends all of them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import logging
+import re
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from runner.state import StateDir
+from runner.vm.agent import AgentClient
+from runner.vm.errors import SandboxError, VMError
+from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
+from runner.vm.pool import Spawned, WarmPool
+from runner.vm.qemu import QemuHypervisor
+from runner.vm.sweep import sweep
+from runner.vm.vm import VM
+from vmimages.store import Template, TemplateNotFound, TemplateStore
+
+log = logging.getLogger(__name__)
+
+REAP_INTERVAL_S = 0.5
+READY_TIMEOUT_S = 30.0
+LOCK_NAME = ".engine.lock"
+
+
+class Engine:
+    _shared: dict[Path, "Engine"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(
+        self,
+        state: StateDir,
+        templates: TemplateStore | None = None,
+        hypervisor: Hypervisor | None = None,
+        pool_size: int = 2,
+        net=None,
+    ) -> None:
+        self.state = state.ensure()
+        self.templates = templates or TemplateStore(state.templates)
+        self.hv = hypervisor or QemuHypervisor()
+        self.net = net  # a runner.net.SlotPool, or None: then VMs cannot have a network
+        self._lock_file = open(self.state.vms / LOCK_NAME, "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise VMError(
+                f"another microvm-check engine is using {self.state.vms}: stop it, or give this one its own "
+                "state directory (MICROVM_CHECK_STATE)"
+            ) from None
+        swept = sweep(self.state.vms, keep=frozenset({LOCK_NAME}))
+        if swept:
+            log.warning("swept leftovers of a previous run: %s", ", ".join(swept))
+        self._vms: dict[str, VM] = {}
+        self._vms_lock = threading.Lock()
+        self.pool = WarmPool(self._spawn, pool_size, release_slot=self._release_slot)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
+        self._reaper.start()
+        self._closed = False
+
+    @classmethod
+    def shared(cls, state: StateDir | None = None) -> "Engine":
+        """The process-wide engine for a state directory (created on first use)."""
+        state = state or StateDir.default()
+        with cls._shared_lock:
+            engine = cls._shared.get(state.root)
+            if engine is None or engine._closed:
+                engine = cls(state)
+                cls._shared[state.root] = engine
+                atexit.register(engine.shutdown)
+            return engine
+
+    # ---- creating ----------------------------------------------------------------------------
+    def template(self, name: str) -> Template:
+        try:
+            template = self.templates.get(name)
+        except TemplateNotFound as exc:
+            raise SandboxError(str(exc)) from None
+        if template.manifest.get("hypervisor_version") != self.hv.version():
+            raise SandboxError(
+                f"template {name!r} was baked by {template.manifest.get('hypervisor_version')!r} but this host runs "
+                f"{self.hv.version()!r}: rebuild it with 'microvm-check template build {name}'"
+            )
+        return template
+
+    def create(
+        self,
+        template: str,
+        *,
+        network: bool,
+        policy=None,
+        ttl_seconds: float = 600.0,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        hostname: str | None = None,
+    ) -> VM:
+        started = time.monotonic()
+        tpl = self.template(template)
+        _check_resources(tpl, vcpus, memory_mib)
+        if network and self.net is None:
+            raise SandboxError("this engine has no networking configured; create the sandbox with network=False")
+        snapshot = tpl.snapshot(network)
+        spawned = self.pool.take(snapshot) or self._spawn(snapshot)
+        vm = VM(
+            id=spawned.vm_id,
+            dir=spawned.vm_dir,
+            machine=spawned.machine,
+            snapshot=snapshot,
+            slot=spawned.slot,
+            release_slot=self._release_slot,
+            expires_at=started + ttl_seconds,
+        )
+        with self._vms_lock:
+            self._vms[vm.id] = vm
+        try:
+            self._bring_up(vm, policy, hostname or f"mvc-{vm.id[:8]}")
+        except BaseException as exc:
+            why = vm.describe_failure() if vm.failure else str(exc)
+            self.destroy(vm)
+            if isinstance(exc, SandboxError):
+                raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
+            raise
+        vm.ready_ms = (time.monotonic() - started) * 1000
+        vm.write_meta(template=tpl.name, digest=tpl.digest, network=network)
+        self.pool.refill(snapshot)
+        return vm
+
+    def _bring_up(self, vm: VM, policy, hostname: str) -> None:
+        """Policy first, then state, then run: the guest never executes an instruction unfiltered."""
+        if vm.slot is not None:
+            vm.slot.apply_policy(policy)
+        vm.machine.restore(vm.snapshot)
+        vm.agent = AgentClient(vm.machine.agent, on_broken=vm.fail)
+        vm.machine.resume()
+        vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
+
+    def _spawn(self, snapshot: Snapshot) -> Spawned:
+        vm_id = uuid.uuid4().hex[:16]
+        vm_dir = self.state.vms / vm_id
+        vm_dir.mkdir(mode=0o700)
+        slot = None
+        try:
+            overlay = vm_dir / "disk.qcow2"
+            _make_overlay(snapshot.disk, overlay)
+            prefix: tuple[str, ...] = ()
+            if snapshot.config.network:
+                slot = self.net.acquire()
+                prefix = tuple(slot.qemu_prefix())
+            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns_prefix=prefix)
+            machine = self.hv.spawn(snapshot, launch)
+        except BaseException:
+            if slot is not None:
+                self._release_slot(slot)
+            import shutil
+
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            raise
+        return Spawned(vm_id=vm_id, vm_dir=vm_dir, machine=machine, slot=slot)
+
+    def _release_slot(self, slot) -> None:
+        if self.net is not None:
+            self.net.release(slot)
+
+    # ---- ending ------------------------------------------------------------------------------
+    def destroy(self, vm: VM) -> None:
+        vm.destroy()
+        with self._vms_lock:
+            self._vms.pop(vm.id, None)
+
+    def live(self) -> list[VM]:
+        with self._vms_lock:
+            return list(self._vms.values())
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(REAP_INTERVAL_S):
+            now = time.monotonic()
+            for vm in self.live():
+                if vm.destroyed:
+                    self.destroy(vm)
+                elif now >= vm.expires_at:
+                    vm.fail(f"the sandbox expired after its TTL")
+                    self.destroy(vm)
+                elif not vm.machine.alive():
+                    vm.fail(f"the VM's hypervisor process exited (status {vm.machine.exit_status()})")
+                    self.destroy(vm)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.pool.close()
+        for vm in self.live():
+            vm.fail("the engine shut down")
+            self.destroy(vm)
+        self._lock_file.close()
+
+
+def _check_resources(tpl: Template, vcpus: int | None, memory_mib: int | None) -> None:
+    """A restore has exactly the template's CPUs and memory; asking for others is an error, not a surprise."""
+    m = tpl.manifest
+    if vcpus is not None and vcpus != m["vcpus"]:
+        raise SandboxError(f"template {tpl.name!r} has {m['vcpus']} vCPU(s), not {vcpus}: bake a template with a recipe that asks for {vcpus}")
+    if memory_mib is not None and memory_mib != m["memory_mib"]:
+        raise SandboxError(f"template {tpl.name!r} has {m['memory_mib']} MiB of memory, not {memory_mib}: bake a template with a recipe that asks for {memory_mib}")
+
+
+def _make_overlay(base: Path, overlay: Path) -> None:
+    proc = subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "raw", str(overlay)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise VMError(f"qemu-img could not create the VM's disk overlay: {proc.stderr.strip()}")
+
+
+def _hostname(text: str) -> str:
+    """A valid hostname from a job name: the guest gets it, so it is sanitised here."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:63]
+    return name or "microvm"

@@ -1,0 +1,104 @@
+"""What the VM engine needs from a hypervisor, so that QEMU is one implementation among others.
+
+The lifecycle is the one snapshot-restore VMMs share (QEMU with `-incoming`, Firecracker's
+snapshot/load): start a process that has the template's exact device model but no guest state yet,
+load the template's device state over the shared RAM file, resume. A Firecracker backend would
+map `spawn` to starting the process with its API socket, `restore` to `PUT /snapshot/load` with
+a file memory backend, and `resume` to `PATCH /vm`.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.vm.errors import VMError
+
+__all__ = ["Hypervisor", "Launch", "Machine", "MachineConfig", "Snapshot", "VMError"]
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """Everything that must be identical between a template and every restore of it."""
+
+    kernel: Path
+    initrd: Path
+    cmdline: str
+    memory_mib: int
+    vcpus: int
+    network: bool
+    accel: str  # "kvm" | "tcg"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A baked template variant: its RAM file, device state and the disk both were taken with."""
+
+    config: MachineConfig
+    mem_file: Path
+    state_file: Path
+    disk: Path
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Per-VM choices that may differ from the template's."""
+
+    vm_dir: Path  # private to this VM: overlay, console log
+    disk: Path  # the template disk itself (bake) or a per-VM overlay (restore)
+    disk_format: str  # "raw" | "qcow2"
+    netns_prefix: tuple[str, ...] = ()  # argv prefix that runs the VMM inside the VM's namespace
+    console_log: Path | None = None
+
+
+class Machine(ABC):
+    """One VMM process and the guest inside it."""
+
+    pid: int
+    agent: socket.socket  # the host end of the guest agent's channel
+
+    @abstractmethod
+    def restore(self, snapshot: Snapshot) -> None:
+        """Load the snapshot's device state over its RAM file (mapped copy-on-write)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Let the guest run."""
+
+    @abstractmethod
+    def snapshot(self, state_file: Path) -> None:
+        """Pause for good and write device state; the RAM stays in the shared RAM file."""
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """Whether the VMM process still runs."""
+
+    @abstractmethod
+    def exit_status(self) -> int | None:
+        """The VMM's exit status once it has ended (negative: killed by that signal)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop the VMM at once and reap it. Idempotent."""
+
+
+class Hypervisor(ABC):
+    name: str
+
+    @abstractmethod
+    def boot(self, config: MachineConfig, mem_file: Path, launch: Launch) -> Machine:
+        """Cold-boot a template machine whose RAM lives in `mem_file` (shared, so it can be snapshotted)."""
+
+    @abstractmethod
+    def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
+        """Start a VMM ready to `restore(snapshot)`; cheap to keep a few of these waiting.
+
+        Every spawned VMM gets a new VM generation ID, which the guest kernel sees after the restore
+        and reseeds its RNG from: two clones of one template must never share random numbers.
+        """
+
+    @abstractmethod
+    def version(self) -> str:
+        """The VMM's version: a template is only restorable by the version that baked it."""

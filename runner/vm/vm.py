@@ -1,0 +1,69 @@
+"""One job's VM: its VMM process, agent channel, private directory and network slot.
+
+`destroy()` is the single way out, idempotent and safe from any thread, and it is called on
+every path: a normal end, an error, a TTL expiry, a dead VMM, a hostile guest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.vm.agent import AgentClient
+from runner.vm.hypervisor import Machine, Snapshot
+
+
+@dataclass
+class VM:
+    id: str
+    dir: Path
+    machine: Machine
+    snapshot: Snapshot
+    slot: object | None = None  # a runner.net Slot when the VM has a network
+    release_slot: Callable[[object], None] | None = None
+    agent: AgentClient | None = None
+    ready_ms: float = 0.0
+    expires_at: float = float("inf")  # time.monotonic() deadline (the TTL)
+    failure: str | None = None  # why it was destroyed early, for the errors callers see
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _destroyed: bool = False
+    _killed_by_us: bool = False
+
+    def write_meta(self, **extra) -> None:
+        meta = {"id": self.id, "pid": self.machine.pid, "created": time.time(), **extra}
+        (self.dir / "meta.json").write_text(json.dumps(meta))
+
+    def fail(self, why: str) -> None:
+        """Record why the VM is unusable (first reason wins) and destroy it."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = why
+        self.destroy()
+
+    def describe_failure(self) -> str:
+        code = self.machine.exit_status()
+        if self.failure and code is not None and code < 0 and not self._killed_by_us:
+            return f"{self.failure} (the VM's hypervisor process was killed by signal {-code})"
+        return self.failure or "the sandbox was destroyed"
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def destroy(self) -> None:
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        if self.agent is not None:
+            self.agent.close()
+        self._killed_by_us = self.machine.alive()
+        self.machine.kill()
+        if self.slot is not None and self.release_slot is not None:
+            self.release_slot(self.slot)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,61 @@
+"""Bake one template variant: cold boot, warm up, quiesce, snapshot.
+
+The snapshot is only as good as the moment it is taken: a guest still writing to its console
+when it is stopped gives clones that take seconds to answer (PLATFORM.md), so we wait until the
+agent has answered, run the warm-up commands, sync, and leave it idle before `stop`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runner.vm.agent import AgentClient
+from runner.vm.hypervisor import Hypervisor, Launch, MachineConfig, Snapshot
+from vmimages.run import BuildError
+
+BOOT_TIMEOUT_S = 300.0  # a cold boot under TCG on a busy 2-core machine
+QUIESCE_S = 3.0
+
+
+def bake(
+    hv: Hypervisor,
+    config: MachineConfig,
+    pristine_disk: Path,
+    variant_dir: Path,
+    warmup: tuple[str, ...],
+    say: Callable[[str], None],
+) -> Snapshot:
+    variant_dir.mkdir(parents=True)
+    disk = variant_dir / "disk.img"
+    subprocess.run(["cp", "--sparse=always", str(pristine_disk), str(disk)], check=True)
+    bake_dir = variant_dir / "bake"
+    bake_dir.mkdir()
+    launch = Launch(vm_dir=bake_dir, disk=disk, disk_format="raw", console_log=bake_dir / "console.log")
+    snapshot = Snapshot(config=config, mem_file=variant_dir / "mem.ram", state_file=variant_dir / "state.bin", disk=disk)
+    machine = hv.boot(config, snapshot.mem_file, launch)
+    agent = AgentClient(machine.agent)
+    try:
+        started = time.monotonic()
+        try:
+            agent.ping(timeout=BOOT_TIMEOUT_S)
+        except Exception as exc:
+            console = launch.console_log.read_text(errors="replace")[-1500:] if launch.console_log.exists() else ""
+            raise BuildError(f"the template never answered after a cold boot: {exc}\nconsole:\n{console}") from None
+        say(f"cold boot to agent ready: {time.monotonic() - started:.1f} s")
+        for command in (*warmup, "sync"):
+            outcome = agent.exec({"shell": command, "cwd": "/"}, lambda stream, data: None, timeout=120)
+            if outcome.exit_code != 0:
+                raise BuildError(f"warm-up command failed in the template (exit {outcome.exit_code}): {command}")
+        time.sleep(QUIESCE_S)
+        machine.snapshot(snapshot.state_file)
+    finally:
+        agent.close()
+        machine.kill()
+    shutil.rmtree(bake_dir)
+    for path in (disk, snapshot.mem_file, snapshot.state_file):
+        path.chmod(0o444)  # every clone maps these; nothing may ever write them again
+    return snapshot

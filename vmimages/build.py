@@ -1,0 +1,128 @@
+"""`template build`: kernel, initramfs, rootfs, then one baked snapshot per variant.
+
+Each step is cached where it is slow (the kernel download, debootstrap), and the whole template
+is keyed by a digest of its recipe, so a second build with nothing changed is a no-op.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from runner.state import StateDir
+from runner.vm import accel as accel_mod
+from runner.vm.hypervisor import Launch, MachineConfig
+from runner.vm.qemu import QemuHypervisor, device_args
+from vmimages import bake, initramfs, kernel, rootfs
+from vmimages.recipe import KERNEL_CMDLINE, Recipe
+from vmimages.store import VARIANTS, Template, TemplateStore
+
+
+class Progress:
+    """One line per step with its duration: a build takes minutes and should say where it is."""
+
+    def __init__(self, total: int, out=sys.stderr) -> None:
+        self.total = total
+        self.step = 0
+        self.out = out
+        self.started = time.monotonic()
+
+    @contextmanager
+    def __call__(self, what: str):
+        self.step += 1
+        t = time.monotonic()
+        print(f"[{self.step}/{self.total}] {what} ...", file=self.out, flush=True)
+        yield
+        print(f"[{self.step}/{self.total}] {what}: done in {time.monotonic() - t:.1f} s", file=self.out, flush=True)
+
+    def say(self, text: str) -> None:
+        print(f"      {text}", file=self.out, flush=True)
+
+
+def _machine_shape(recipe: Recipe, accel: str) -> list[str]:
+    """The device model with placeholder paths: part of the digest, so a device change rebuilds."""
+    placeholder = Path("/x")
+    config = MachineConfig(placeholder, placeholder, KERNEL_CMDLINE, recipe.memory_mib, recipe.vcpus, True, accel)
+    return device_args(config, placeholder, share=True, launch=Launch(placeholder, placeholder, "qcow2"), bake=True)
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build(name: str, state: StateDir, force: bool = False) -> Template:
+    state.ensure()
+    recipe = Recipe.load(name)
+    store = TemplateStore(state.templates)
+    hv = QemuHypervisor()
+    progress = Progress(total=5 + len(VARIANTS))
+    with _locked(state.templates / f".{name}.lock"):
+        with progress(f"resolve and fetch the guest kernel ({recipe.kernel})"):
+            package = kernel.resolve_package(recipe.kernel)
+            guest_kernel = kernel.fetch(package, state.cache)
+            progress.say(package)
+        staging = state.cache / "staging" / name
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        with progress("build the initramfs (busybox + virtio/ext4 modules)"):
+            initrd = initramfs.build(guest_kernel, staging / "initrd.img", staging / "initramfs")
+        with progress("choose the accelerator"):
+            chosen = accel_mod.detect(hv.binary, guest_kernel.vmlinuz, initrd)
+            progress.say(f"{chosen.name}: {chosen.reason}")
+        digest = recipe.digest(package, chosen.name, hv.version(), _machine_shape(recipe, chosen.name))
+        if store.has(name, digest) and not force:
+            shutil.rmtree(staging)
+            progress.say(f"template {name} {digest} is up to date")
+            store.publish(name, digest)
+            return store.get(name)
+        with progress(f"debootstrap {recipe.suite} (cached after the first time)"):
+            base = rootfs.debootstrap(recipe.suite, recipe.packages, None, state.cache)
+        with progress("customise the root filesystem and make its ext4 image"):
+            tree = rootfs.customise(base, staging / "rootfs")
+            image = rootfs.make_image(tree, staging / "disk.img")
+            shutil.rmtree(tree)
+        out = store.dir_for(name, digest)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        shutil.copy2(guest_kernel.vmlinuz, out / "vmlinuz")
+        shutil.copy2(initrd, out / "initrd.img")
+        for variant, network in VARIANTS.items():
+            with progress(f"bake the '{variant}' snapshot (cold boot, warm up, quiesce, snapshot)"):
+                config = MachineConfig(
+                    kernel=out / "vmlinuz",
+                    initrd=out / "initrd.img",
+                    cmdline=KERNEL_CMDLINE,
+                    memory_mib=recipe.memory_mib,
+                    vcpus=recipe.vcpus,
+                    network=network,
+                    accel=chosen.name,
+                )
+                bake.bake(hv, config, image, out / variant, recipe.warmup, progress.say)
+        manifest = {
+            "name": name,
+            "digest": digest,
+            "recipe": recipe.__dict__ | {"packages": list(recipe.packages), "warmup": list(recipe.warmup)},
+            "kernel_package": package,
+            "accel": chosen.name,
+            "accel_reason": chosen.reason,
+            "hypervisor": hv.name,
+            "hypervisor_version": hv.version(),
+            "cmdline": KERNEL_CMDLINE,
+            "memory_mib": recipe.memory_mib,
+            "vcpus": recipe.vcpus,
+            "created": time.time(),
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        shutil.rmtree(staging)
+        store.publish(name, digest)
+        print(f"template {name} {digest} ready ({time.monotonic() - progress.started:.0f} s)", file=sys.stderr)
+        return store.get(name)

@@ -1,0 +1,60 @@
+"""`microvm-check template build | list | rm`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+from runner.cli import UserError
+from runner.state import StateDir
+from vmimages.recipe import RecipeError
+from vmimages.run import BuildError
+from vmimages.store import TemplateNotFound, TemplateStore
+
+
+def register(subparsers) -> None:
+    template = subparsers.add_parser("template", help="build, list and remove VM templates")
+    sub = template.add_subparsers(dest="template_command", metavar="ACTION", required=True)
+    build = sub.add_parser("build", help="build (or refresh) a template from its recipe in vmimages/recipes/")
+    build.add_argument("name", nargs="?", default="base")
+    build.add_argument("--force", action="store_true", help="rebuild even if the recipe is unchanged")
+    build.set_defaults(func=cmd_build)
+    listing = sub.add_parser("list", help="list the baked templates")
+    listing.set_defaults(func=cmd_list)
+    rm = sub.add_parser("rm", help="remove a template")
+    rm.add_argument("name")
+    rm.set_defaults(func=cmd_rm)
+
+
+def cmd_build(args) -> int:
+    from vmimages.build import build
+
+    if os.geteuid() != 0:
+        raise UserError("template build needs root (debootstrap, chroot): run it with sudo")
+    try:
+        build(args.name, StateDir.default(), force=args.force)
+    except (BuildError, RecipeError) as exc:
+        raise UserError(f"template build failed: {exc}") from None
+    return 0
+
+
+def cmd_list(args) -> int:
+    templates = TemplateStore(StateDir.default().templates).list()
+    if not templates:
+        print("no templates: build one with 'microvm-check template build'")
+        return 0
+    print(f"{'NAME':<12} {'DIGEST':<22} {'ACCEL':<5} {'MEMORY':>7} {'SIZE':>9}  CREATED")
+    for t in templates:
+        created = datetime.datetime.fromtimestamp(t.manifest["created"]).strftime("%Y-%m-%d %H:%M")
+        size = f"{t.size_bytes() / 2**20:.0f} MiB"
+        print(f"{t.name:<12} {t.digest:<22} {t.manifest['accel']:<5} {t.manifest['memory_mib']:>5}Mi {size:>9}  {created}")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    try:
+        TemplateStore(StateDir.default().templates).remove(args.name)
+    except TemplateNotFound as exc:
+        raise UserError(str(exc)) from None
+    print(f"removed template {args.name}")
+    return 0

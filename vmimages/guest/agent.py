@@ -1,0 +1,413 @@
+#!/usr/bin/python3
+"""microvm-check guest agent: runs inside the VM and does what the host asks over virtio-serial.
+
+Stdlib only, because it runs on the template's own python3. It trusts the host (the host owns the
+VM) but bounds what it buffers anyway. It is started by the template's init, survives the
+snapshot, and after every restore is the first thing the host talks to.
+
+Each exec runs in its own cgroup so that a timeout or cancel kills the whole process tree,
+including daemons that escaped the session with setsid.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import glob
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol as P  # noqa: E402  (installed next to this file in the guest)
+
+CGROUP_ROOT = "/sys/fs/cgroup/mvc"
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/root",
+}
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+READ_SIZE = 64 * 1024
+INBOX_FRAMES = 64
+
+
+class Channel:
+    """The port: frames in from one reader loop, frames out under one lock."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
+        self.reader = P.FrameReader(lambda n: os.read(fd, n))
+
+    def send(self, kind: int, rid: int, payload: bytes = b"") -> None:
+        data = P.encode(kind, rid, payload)
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+
+    def reply(self, rid: int, message: dict) -> None:
+        data = P.encode_msg(rid, message)
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+
+    def send_bytes(self, kind: int, rid: int, data: bytes) -> None:
+        for start in range(0, len(data), P.MAX_CHUNK):
+            self.send(kind, rid, data[start : start + P.MAX_CHUNK])
+
+
+class Request:
+    """One request in flight: its own inbox of DATA/END frames from the host."""
+
+    def __init__(self, channel: Channel, rid: int, message: dict) -> None:
+        self.channel = channel
+        self.rid = rid
+        self.message = message
+        self.inbox: queue.Queue = queue.Queue(maxsize=INBOX_FRAMES)
+
+    def data(self):
+        """Yield the host's DATA payloads until END."""
+        while True:
+            frame = self.inbox.get()
+            if frame.kind == P.END:
+                return
+            yield frame.payload
+
+
+class Exec:
+    """A running command in its own cgroup."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.cgroup = f"{CGROUP_ROOT}/{req.rid}"
+        self.killed = False
+
+    def kill_tree(self) -> None:
+        self.killed = True
+        try:
+            with open(f"{self.cgroup}/cgroup.kill", "w") as f:
+                f.write("1")
+        except OSError:
+            pass
+
+
+EXECS: dict[int, Exec] = {}
+EXECS_LOCK = threading.Lock()
+
+
+def _user_ids(user: str | None) -> tuple[int, int, list[int]] | None:
+    if not user:
+        return None
+    import grp
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    groups = [g.gr_gid for g in grp.getgrall() if user in g.gr_mem]
+    return entry.pw_uid, entry.pw_gid, groups
+
+
+def _preexec(cgroup: str, ids):
+    def run() -> None:
+        with open(f"{cgroup}/cgroup.procs", "w") as f:
+            f.write("0")
+        if ids:
+            uid, gid, groups = ids
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+
+    return run
+
+
+def _pump(stream, kind: int, req: Request) -> None:
+    fd = stream.fileno()
+    while True:
+        chunk = os.read(fd, READ_SIZE)
+        if not chunk:
+            return
+        req.channel.send(kind, req.rid, chunk)
+
+
+def op_exec(req: Request) -> dict:
+    m = req.message
+    argv = m.get("argv")
+    if argv is None:
+        argv = ["/bin/sh", "-c", str(m["shell"])]
+    env = dict(BASE_ENV)
+    ids = _user_ids(m.get("user"))
+    if ids:
+        import pwd
+
+        env["HOME"] = pwd.getpwuid(ids[0]).pw_dir
+    env.update({str(k): str(v) for k, v in (m.get("env") or {}).items()})
+    timeout = m.get("timeout")
+    job = Exec(req)
+    os.makedirs(job.cgroup, exist_ok=True)
+    with EXECS_LOCK:
+        EXECS[req.rid] = job
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=m.get("cwd") or "/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_preexec(job.cgroup, ids),
+        )
+    except OSError as exc:
+        _drop_exec(job)
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc.strerror}"}
+    req.channel.reply(req.rid, {"ev": "started", "pid": proc.pid})
+    pumps = [
+        threading.Thread(target=_pump, args=(proc.stdout, P.STDOUT, req), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, P.STDERR, req), daemon=True),
+    ]
+    for t in pumps:
+        t.start()
+    timed_out = False
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        job.kill_tree()
+        code = proc.wait()
+    for t in pumps:
+        # Daemons that kept the pipes open must not hold the result back forever.
+        t.join(timeout=None if (timed_out or job.killed) else 2.0)
+    if timed_out or job.killed:
+        job.kill_tree()
+    duration_ms = (time.monotonic() - start) * 1000
+    _drop_exec(job)
+    return {
+        "ok": True,
+        "exit_code": code if code >= 0 else 128 - code,
+        "timed_out": timed_out,
+        "killed": job.killed and not timed_out,
+        "duration_ms": duration_ms,
+    }
+
+
+def _drop_exec(job: Exec) -> None:
+    with EXECS_LOCK:
+        EXECS.pop(job.req.rid, None)
+    try:
+        os.rmdir(job.cgroup)
+    except OSError:
+        pass  # processes left behind (daemons) keep it; removed when they are gone
+
+
+def op_kill(req: Request) -> dict:
+    with EXECS_LOCK:
+        job = EXECS.get(int(req.message["target"]))
+    if job is None:
+        return {"ok": True, "found": False}
+    job.kill_tree()
+    return {"ok": True, "found": True}
+
+
+def op_ping(req: Request) -> dict:
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return {"ok": True, "version": P.VERSION, "uptime": uptime}
+
+
+def op_identity(req: Request) -> dict:
+    """Make a restored clone unique: clock, RNG and name all come from the host."""
+    m = req.message
+    time.clock_settime_ns(time.CLOCK_REALTIME, int(m["time_ns"]))
+    seed = base64.b64decode(m["seed"])
+    with open("/dev/urandom", "wb") as rnd:
+        info = struct.pack("ii", len(seed) * 8, len(seed)) + seed
+        fcntl.ioctl(rnd, RNDADDENTROPY, info)
+        fcntl.ioctl(rnd, RNDRESEEDCRNG)
+    hostname = str(m["hostname"])
+    socket.sethostname(hostname)
+    with open("/etc/hostname", "w") as f:
+        f.write(hostname + "\n")
+    with open("/run/microvm-check-id", "w") as f:
+        f.write(str(m.get("vm_id", "")) + "\n")
+    return {"ok": True}
+
+
+def op_write_file(req: Request) -> dict:
+    path = req.message["path"]
+    tmp = f"{path}.mvc-tmp"
+    size = 0
+    with open(tmp, "wb") as f:
+        for chunk in req.data():
+            f.write(chunk)
+            size += len(chunk)
+    os.chmod(tmp, int(req.message.get("mode", 0o644)))
+    os.replace(tmp, path)
+    return {"ok": True, "size": size}
+
+
+def op_read_file(req: Request) -> dict:
+    path = req.message["path"]
+    limit = int(req.message["max_bytes"])
+    size = os.stat(path).st_size
+    if size > limit:
+        return {"ok": False, "error": f"{path} is {size} bytes, over the {limit}-byte limit"}
+    sent = 0
+    with open(path, "rb") as f:
+        while sent <= limit:
+            chunk = f.read(P.MAX_CHUNK)
+            if not chunk:
+                break
+            req.channel.send(P.DATA, req.rid, chunk)
+            sent += len(chunk)
+    req.channel.send(P.END, req.rid)
+    return {"ok": True, "size": sent}
+
+
+def op_put_tar(req: Request) -> dict:
+    dest = req.message["dest"]
+    os.makedirs(dest, exist_ok=True)
+    tar = subprocess.Popen(
+        ["tar", "-x", "--no-same-owner", "-C", dest, "-f", "-"],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    broken = False
+    for chunk in req.data():
+        if broken:
+            continue  # keep draining so the host's stream ends cleanly
+        try:
+            tar.stdin.write(chunk)
+        except BrokenPipeError:
+            broken = True
+    try:
+        tar.stdin.close()
+    except BrokenPipeError:
+        pass
+    err = tar.stderr.read(4096).decode(errors="replace")
+    if tar.wait() != 0:
+        return {"ok": False, "error": f"tar -x failed: {err.strip()}"}
+    return {"ok": True}
+
+
+def op_get_tar(req: Request) -> dict:
+    cwd = req.message.get("cwd") or "/"
+    limit = int(req.message["max_bytes"])
+    names: list[str] = []
+    for pattern in req.message["paths"]:
+        matches = sorted(glob.glob(pattern, root_dir=cwd, recursive=True))
+        names.extend(m for m in matches if m not in names)
+    if not names:
+        req.channel.send(P.END, req.rid)
+        return {"ok": True, "members": 0, "size": 0}
+    tar = subprocess.Popen(
+        ["tar", "-c", "-C", cwd, "-f", "-", "--", *names],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    sent = 0
+    fd = tar.stdout.fileno()
+    while True:
+        chunk = os.read(fd, P.MAX_CHUNK)
+        if not chunk:
+            break
+        sent += len(chunk)
+        if sent > limit:
+            tar.kill()
+            tar.wait()
+            req.channel.send(P.END, req.rid)
+            return {"ok": False, "error": f"the files exceed the {limit}-byte limit"}
+        req.channel.send(P.DATA, req.rid, chunk)
+    err = tar.stderr.read(4096).decode(errors="replace")
+    code = tar.wait()
+    req.channel.send(P.END, req.rid)
+    if code != 0:
+        return {"ok": False, "error": f"tar -c failed: {err.strip()}"}
+    return {"ok": True, "members": len(names), "size": sent}
+
+
+OPS = {
+    "exec": op_exec,
+    "kill": op_kill,
+    "ping": op_ping,
+    "identity": op_identity,
+    "write_file": op_write_file,
+    "read_file": op_read_file,
+    "put_tar": op_put_tar,
+    "get_tar": op_get_tar,
+}
+
+
+def handle(req: Request) -> None:
+    op = OPS.get(req.message.get("op"))
+    try:
+        if op is None:
+            reply = {"ok": False, "error": f"unknown op {req.message.get('op')!r}"}
+        else:
+            reply = op(req)
+    except Exception as exc:  # the host gets every failure as a reply, never silence
+        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    req.channel.reply(req.rid, reply)
+
+
+DATA_OPS = frozenset({"write_file", "put_tar"})  # requests followed by DATA frames and END
+
+
+def serve(channel: Channel) -> None:
+    requests: dict[int, Request] = {}  # only those still receiving data
+    while True:
+        frame = channel.reader.next()
+        if frame is None:
+            time.sleep(0.05)  # host side disconnected: wait for the next host to connect
+            continue
+        if frame.kind == P.MSG:
+            req = Request(channel, frame.request_id, frame.json())
+            if req.message.get("op") in DATA_OPS:
+                requests[frame.request_id] = req
+            threading.Thread(target=handle, args=(req,), daemon=True).start()
+        elif frame.request_id in requests:
+            req = requests[frame.request_id]
+            req.inbox.put(frame)
+            if frame.kind == P.END:
+                del requests[frame.request_id]
+
+
+def find_port() -> str:
+    for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
+        with open(name_file) as f:
+            if f.read().strip() == P.PORT_NAME:
+                return "/dev/" + os.path.basename(os.path.dirname(name_file))
+    raise SystemExit(f"agent: no virtio-serial port named {P.PORT_NAME}")
+
+
+def reap_forever(child: int) -> None:
+    """As PID 1, reap every orphan; if the agent itself dies, power off so the host notices."""
+    while True:
+        pid, _ = os.wait()
+        if pid == child:
+            os.system("echo o > /proc/sysrq-trigger")
+
+
+def main() -> None:
+    if os.getpid() == 1:
+        child = os.fork()
+        if child:
+            reap_forever(child)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.makedirs(CGROUP_ROOT, exist_ok=True)
+    fd = os.open(find_port(), os.O_RDWR)
+    print("microvm-check agent ready", flush=True)
+    serve(Channel(fd))
+
+
+if __name__ == "__main__":
+    main()

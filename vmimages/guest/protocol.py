@@ -1,0 +1,117 @@
+"""Wire format between the host and the guest agent, shared by both sides (stdlib only).
+
+The channel is a virtio-serial port: a reliable byte stream with no message boundaries, and on
+the host side the other end is a guest we do not trust. So every frame carries a fixed header
+with a magic, a version and an explicit length that the reader checks *before* reading the
+payload: a hostile or broken peer can make us fail, never make us allocate or wait without bound.
+
+    header: magic b"MV" | version u8 | kind u8 | request id u32 | payload length u32   (big endian)
+
+Kinds: MSG is a JSON object (requests, events, final replies); STDOUT/STDERR/DATA are raw bytes
+belonging to a request; END closes a request's data stream. Every request gets exactly one final
+MSG with an "ok" member; MSGs with an "ev" member before it are progress events.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"MV"
+VERSION = 1
+HEADER = struct.Struct(">2sBBII")
+
+MSG = 1
+STDOUT = 2
+STDERR = 3
+DATA = 4
+END = 5
+KINDS = frozenset({MSG, STDOUT, STDERR, DATA, END})
+
+MAX_MSG = 64 * 1024  # a JSON message: requests and replies are small
+MAX_CHUNK = 256 * 1024  # a data chunk; writers split larger buffers
+MAX_REQUEST_ID = 2**31
+
+PORT_NAME = "org.microvm-check.agent.0"
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame: the channel can no longer be trusted."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    request_id: int
+    payload: bytes
+
+    def json(self) -> dict:
+        return decode_msg(self.payload)
+
+
+def encode(kind: int, request_id: int, payload: bytes = b"") -> bytes:
+    limit = MAX_MSG if kind == MSG else MAX_CHUNK
+    if len(payload) > limit:
+        raise ValueError(f"frame payload of {len(payload)} bytes exceeds {limit}")
+    return HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload)) + payload
+
+
+def encode_msg(request_id: int, message: dict) -> bytes:
+    return encode(MSG, request_id, json.dumps(message, separators=(",", ":")).encode())
+
+
+def decode_msg(payload: bytes) -> dict:
+    try:
+        value = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"message is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"message is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def parse_header(header: bytes) -> tuple[int, int, int]:
+    """Validate a header and return (kind, request id, payload length)."""
+    magic, version, kind, request_id, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r}: the peer is not speaking this protocol")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    limit = MAX_MSG if kind == MSG else MAX_CHUNK
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit for kind {kind}")
+    if request_id >= MAX_REQUEST_ID:
+        raise ProtocolError(f"request id {request_id} out of range")
+    return kind, request_id, length
+
+
+class FrameReader:
+    """Reads whole frames from a blocking `read(n)` callable; EOF inside a frame is an error."""
+
+    def __init__(self, read) -> None:
+        self._read = read
+
+    def _exactly(self, n: int, what: str) -> bytes | None:
+        parts: list[bytes] = []
+        got = 0
+        while got < n:
+            chunk = self._read(n - got)
+            if not chunk:
+                if got == 0 and what == "header":
+                    return None
+                raise ProtocolError(f"channel closed in the middle of a frame {what} ({got}/{n} bytes)")
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def next(self) -> Frame | None:
+        """The next frame, or None on a clean end of stream between frames."""
+        header = self._exactly(HEADER.size, "header")
+        if header is None:
+            return None
+        kind, request_id, length = parse_header(header)
+        payload = self._exactly(length, "payload") if length else b""
+        return Frame(kind, request_id, payload)

@@ -1,0 +1,54 @@
+"""A template recipe: what goes into a template, and the digest that says when to rebuild it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from vmimages.initramfs import GUEST_DIR
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+GUEST_FILES = ("agent.py", "protocol.py", "init", "initramfs-init")
+KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 i8042.noaux i8042.nokbd"
+
+
+class RecipeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    suite: str = "bookworm"
+    packages: tuple[str, ...] = ()
+    kernel: str = "linux-image-amd64"
+    memory_mib: int = 512
+    vcpus: int = 1
+    warmup: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def load(cls, name: str) -> "Recipe":
+        path = RECIPES_DIR / f"{name}.yml"
+        if not path.exists():
+            known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yml")))
+            raise RecipeError(f"no recipe named {name!r} in {RECIPES_DIR} (known: {known})")
+        data = yaml.safe_load(path.read_text())
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise RecipeError(f"{path}: unknown keys {sorted(unknown)}")
+        data["packages"] = tuple(data.get("packages", ()))
+        data["warmup"] = tuple(data.get("warmup", ()))
+        return cls(**data)
+
+    def digest(self, kernel_package: str, accel: str, hypervisor_version: str, machine_args: list[str]) -> str:
+        """Changes whenever anything that ends up in the template changes."""
+        h = hashlib.sha256()
+        h.update(json.dumps(asdict(self), sort_keys=True).encode())
+        h.update(json.dumps([kernel_package, accel, hypervisor_version, KERNEL_CMDLINE, machine_args]).encode())
+        for name in GUEST_FILES:
+            h.update(name.encode() + b"\0" + (GUEST_DIR / name).read_bytes())
+        return h.hexdigest()[:20]

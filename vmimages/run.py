@@ -1,0 +1,17 @@
+"""Running the host tools a template build needs, with errors that show what they said."""
+
+from __future__ import annotations
+
+import subprocess
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message names the step and carries the tool's own output."""
+
+
+def run(argv: list[str], **kwargs) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip()[-2000:]
+        raise BuildError(f"{argv[0]} failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
+    return proc.stdout
