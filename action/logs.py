@@ -82,6 +82,8 @@ class LogRelay:
             self.dropped_bytes += len(data) - room
             data = data[:room]
         self.shown_bytes += len(data)
+        if stream == "system" and not data.endswith(b"\n"):
+            data += b"\n"  # the service's own messages are whole lines
         state = self._streams.setdefault(stream, _Stream())
         text = state.pending + state.decoder.decode(data)
         # Hold a trailing \r back: it may be the first half of a \r\n split across chunks.

@@ -56,8 +56,9 @@ def cell(value: object, limit: int = MAX_CELL) -> str:
     if len(text) > limit:
         text = text[: limit - 1] + "…"
     text = html.escape(text, quote=True)
+    # No links, images, code spans or extra columns; `:` and `www.` so that GFM makes no autolinks.
     for char, repl in (("|", "&#124;"), ("`", "&#96;"), ("[", "&#91;"), ("]", "&#93;"),
-                       ("*", "&#42;"), ("_", "&#95;"), ("\\", "&#92;"), ("!", "&#33;")):
+                       ("\\", "&#92;"), ("!", "&#33;"), (":", "&#58;"), ("www.", "www&#46;")):
         text = text.replace(char, repl)
     return " ".join(text.split())
 
