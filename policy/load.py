@@ -16,7 +16,6 @@ from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 import yaml
-from yaml.constructor import SafeConstructor
 
 from policy.model import MODES, PROTOCOLS, SUPPORTED_VERSION, Network, Policy, Rule
 from policy.reserved import reserved_containing
@@ -35,7 +34,7 @@ NULL_TAG = "tag:yaml.org,2002:null"
 EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host: pypi.org, ports: [443]}"
 
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-_scalars = SafeConstructor()
+_DECIMAL = re.compile(r"-?(0|[1-9][0-9]{0,9})")
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class PolicyError(Exception):
     """Every problem found in one policy, in file order; `str()` prints them like a linter."""
 
     def __init__(self, problems: list[Problem]):
-        self.problems = sorted(problems, key=lambda p: (p.file, p.line, p.column))
+        self.problems = sorted(problems, key=lambda p: (p.file, p.line == 0, p.line, p.column))
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -70,9 +69,11 @@ class _Problems:
     def __init__(self, source_name: str):
         self.source_name = source_name
         self.items: list[Problem] = []
+        self.dropped = 0
 
     def add(self, mark: yaml.Mark | None, message: str) -> None:
         if len(self.items) >= MAX_PROBLEMS:
+            self.dropped += 1
             return
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (0, 0)
         self.items.append(Problem(self.source_name, line, column, message))
@@ -95,6 +96,8 @@ def load_policy(source: str | Path, source_name: str | None = None) -> Policy:
         text = source
     problems = _Problems(name)
     policy = _parse_policy(text, problems)
+    if problems.dropped:
+        problems.items.append(Problem(name, 0, 0, f"{problems.dropped} more problems not shown; fix the ones above first"))
     if problems.items or policy is None:
         raise PolicyError(problems.items)
     return policy
@@ -306,12 +309,11 @@ def _is_null(node: yaml.Node) -> bool:
 
 
 def _int(node: yaml.Node) -> int | None:
-    if not isinstance(node, yaml.ScalarNode) or node.tag != INT_TAG:
-        return None
-    try:
-        return _scalars.construct_yaml_int(node)
-    except ValueError:  # e.g. more digits than Python converts
-        return None
+    """A plain decimal integer. YAML 1.1 would also read 0443 as octal 291, 0x1bb as hex and 7:23
+    as base 60; a policy that means 443 should not silently become something else."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and _DECIMAL.fullmatch(node.value):
+        return int(node.value)
+    return None
 
 
 def _string(node: yaml.Node) -> str | None:
@@ -412,13 +414,20 @@ def _ports(node: yaml.Node | None, rule: yaml.Node, problems: _Problems) -> froz
 def _port(node: yaml.Node, problems: _Problems) -> int | None:
     value = _int(node)
     if value is None:
-        hint = f"; write {node.value} without quotes" if isinstance(node, yaml.ScalarNode) and node.value.isdigit() else ""
-        problems.at(node, f"ports: {_kind(node)} is not a port number (an integer 1..65535){hint}")
+        problems.at(node, f"ports: {_kind(node)} is not a port number (a decimal integer 1..65535){_port_hint(node)}")
         return None
     if not 1 <= value <= 65535:
         problems.at(node, f"ports: {value} is out of range; use 1..65535")
         return None
     return value
+
+
+def _port_hint(node: yaml.Node) -> str:
+    if not isinstance(node, yaml.ScalarNode) or not node.value.isdigit():
+        return ""
+    if node.tag == STR_TAG:
+        return f"; write {node.value} without quotes"
+    return f"; write {node.value.lstrip('0') or '0'} without leading zeros"
 
 
 def _protocol(node: yaml.Node | None, problems: _Problems) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from policy import Policy, PolicyError, Rule, load_policy
-from policy.load import MAX_BYTES, MAX_PORTS_PER_RULE, MAX_RULES
+from policy.load import MAX_BYTES, MAX_PORTS_PER_RULE, MAX_PROBLEMS, MAX_RULES
 
 NAME = "repo/.github/microvm-check.yml"
 
@@ -72,10 +72,27 @@ def test_port_zero_and_non_integers():
     text = "version: 1\nallow:\n  - cidr: 10.0.0.0/8\n    ports: [0, '443', 4.5, true]\n"
     assert problems(text) == [
         f"{NAME}:4:13: ports: 0 is out of range; use 1..65535",
-        f"{NAME}:4:16: ports: '443' is not a port number (an integer 1..65535); write 443 without quotes",
-        f"{NAME}:4:23: ports: '4.5' is not a port number (an integer 1..65535)",
-        f"{NAME}:4:28: ports: 'true' is not a port number (an integer 1..65535)",
+        f"{NAME}:4:16: ports: '443' is not a port number (a decimal integer 1..65535); write 443 without quotes",
+        f"{NAME}:4:23: ports: '4.5' is not a port number (a decimal integer 1..65535)",
+        f"{NAME}:4:28: ports: 'true' is not a port number (a decimal integer 1..65535)",
     ]
+
+
+def test_ports_must_be_plain_decimal_not_yaml_octal_hex_or_base_60():
+    text = "version: 1\nallow:\n  - cidr: 10.0.0.0/8\n    ports: [0443, 0x1bb, 7:23, 1_000]\n"
+    assert problems(text) == [
+        f"{NAME}:4:13: ports: '0443' is not a port number (a decimal integer 1..65535); write 443 without leading zeros",
+        f"{NAME}:4:19: ports: '0x1bb' is not a port number (a decimal integer 1..65535)",
+        f"{NAME}:4:26: ports: '7:23' is not a port number (a decimal integer 1..65535)",
+        f"{NAME}:4:32: ports: '1_000' is not a port number (a decimal integer 1..65535)",
+    ]
+
+
+def test_a_flood_of_problems_is_capped_and_says_so():
+    rules = "".join(f"  - cidr: 10.0.0.{i}/8\n    ports: [443]\n" for i in range(1, 151))
+    found = problems("version: 1\nallow:\n" + rules)
+    assert len(found) == MAX_PROBLEMS + 1
+    assert found[-1] == f"{NAME}: 50 more problems not shown; fix the ones above first"
 
 
 def test_ports_missing_empty_or_not_a_list():
