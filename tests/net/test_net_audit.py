@@ -1,0 +1,56 @@
+"""Audit mode: attempts are recorded with the names the resolver handed out, and the suggested
+policy lets the same job pass in block mode."""
+
+from __future__ import annotations
+
+import time
+
+from net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
+from policy import load_policy
+from runner.net import AuditRecord, Slot, suggest_policy
+
+AUDIT_WAIT_SECONDS = 10.0
+
+
+def records_when(slot: Slot, expected: int) -> list[AuditRecord]:
+    """The slot's records once `expected` are in (NFLOG delivery is asynchronous)."""
+    deadline = time.monotonic() + AUDIT_WAIT_SECONDS
+    records = slot.audit_records()
+    while len(records) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        records = slot.audit_records()
+    return records
+
+
+def the_job(guest: str) -> tuple[bool, bool]:
+    """What the audited job does: one host by name, one by bare address."""
+    answer = lookup(guest, "web.test")
+    assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+    return reach(guest, ALLOWED_HOST, 8000), reach(guest, DENIED_HOST, 8000)
+
+
+def test_audit_records_and_suggested_policy_passes_in_block_mode(net, slot, guest) -> None:
+    slot.apply_policy(load_policy("version: 1\nmode: audit\nallow: []\n", "audit.yml"))
+
+    assert the_job(guest) == (True, True)  # audit lets everything through
+    records = records_when(slot, 2)
+
+    assert {(r.dest, r.port, r.proto, r.name) for r in records} == {
+        (ALLOWED_HOST, 8000, "tcp", "web.test"),
+        (DENIED_HOST, 8000, "tcp", None),
+    }
+    assert all(r.count >= 1 for r in records)
+    suggestion = suggest_policy(records)
+
+    net.pool.release(slot)
+    again = net.pool.acquire(job="same-job-block-mode")
+    assert again.netns == slot.netns  # the pool of one hands back the cleaned slot the guest sits on
+    assert again.audit_records() == []
+    blocking = load_policy(suggestion, "suggested.yml")
+    assert blocking.mode == "block"
+    again.apply_policy(blocking)
+
+    assert the_job(guest) == (True, True)
+    assert not reach(guest, ALLOWED_HOST, 9000)  # and nothing more than the job needed
+    blocked = records_when(again, 1)
+    assert [(r.dest, r.port) for r in blocked] == [(ALLOWED_HOST, 9000)]

@@ -1,0 +1,156 @@
+"""The slot pool: creation, clean release, start-up sweep, limits, and the tap QEMU attaches to."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from pyroute2 import IPRoute, NFCTSocket
+
+from net_fakes import ALLOWED_HOST, ip, lookup, reach
+from policy import load_policy
+from runner.net import FirewallError, NamespaceUplink, Slot, SlotError, SlotPool, Upstream, addresses, netns
+
+CIDR_POLICY = "version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n  - host: web.test\n    ports: [9000]\n"
+
+
+def links(ns: str) -> dict[str, list[str]]:
+    def read() -> dict[str, list[str]]:
+        with IPRoute() as ipr:
+            return {
+                str(link.get("ifname")): [
+                    f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}" for a in ipr.get_addr(index=link["index"], family=2)
+                ]
+                for link in ipr.get_links()
+            }
+
+    return netns.run_in(ns, read)
+
+
+def conntrack_entries(ns: str) -> int:
+    def count() -> int:
+        with NFCTSocket() as ct:
+            return len(list(ct.dump()))
+
+    return netns.run_in(ns, count)
+
+
+def test_slot_layout(net, slot) -> None:
+    inside = links(slot.netns)
+    outside = links(net.internet)
+
+    assert inside[addresses.TAP_NAME] == [f"{addresses.GATEWAY_IP}/30"]
+    assert inside[addresses.VETH_NAME] == [f"{addresses.veth_ip(slot.index)}/30"]
+    assert outside[slot.netns] == [f"{addresses.uplink_ip(slot.index)}/30"]
+    shown = subprocess.run([*slot.qemu_prefix(), "ip", "-d", "link", "show", addresses.TAP_NAME], capture_output=True, text=True, check=True)
+    assert "tun type tap" in shown.stdout and "persist on" in shown.stdout
+
+
+def test_uplink_addresses_follow_the_slot_index() -> None:
+    assert (addresses.uplink_ip(0), addresses.veth_ip(0)) == ("198.18.0.1", "198.18.0.2")
+    assert str(addresses.slot_network(16383)) == "198.18.255.252/30"
+    assert addresses.MAX_SLOTS >= 16384
+    assert addresses.veth_ip(addresses.MAX_SLOTS - 1) == "198.19.255.254"
+    with pytest.raises(ValueError):
+        addresses.slot_network(addresses.MAX_SLOTS)
+
+
+def test_release_leaves_nothing_of_the_job(net, slot, guest) -> None:
+    slot.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
+    assert lookup(guest, "web.test") is not None
+    assert reach(guest, ALLOWED_HOST, 8000)
+    assert conntrack_entries(slot.netns) > 0
+    assert slot.resolver is not None and slot.resolver.handed_out
+
+    net.pool.release(slot)
+
+    assert conntrack_entries(slot.netns) == 0
+    assert slot.resolver.handed_out == {} and slot.resolver.opened == set()
+    assert slot.audit_records() == []
+    assert not reach(guest, ALLOWED_HOST, 8000)  # deny-all again
+    assert lookup(guest, "web.test") is None
+    again = net.pool.acquire()
+    assert again is slot
+
+
+def test_acquire_beyond_the_pool_creates_slots_until_the_limit(need_netns, prefix) -> None:
+    internet = f"{prefix}-inet"
+    netns.create(internet)
+    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream("192.0.2.53"), max_slots=2)
+    try:
+        pool.start()
+        first, second = pool.acquire(), pool.acquire()
+        assert {first.netns, second.netns} == {f"{prefix}-0", f"{prefix}-1"}
+        with pytest.raises(SlotError, match="in use"):
+            pool.acquire()
+        pool.release(first)
+        assert pool.acquire() is first
+    finally:
+        pool.close()
+        netns.remove(internet)
+    assert [n for n in netns.names() if n.startswith(prefix)] == []
+
+
+def test_sweep_removes_only_what_no_live_slot_owns(net, slot) -> None:
+    stale_ns = f"{net.prefix}-7"
+    stale_veth = f"{net.prefix}-8"
+    netns.create(stale_ns)
+    ip("-n", net.internet, "link", "add", stale_veth, "type", "veth", "peer", "name", "x" + net.prefix)
+    try:
+        removed = net.pool.sweep()
+    finally:
+        netns.remove(stale_ns)
+
+    assert sorted(removed) == sorted([stale_ns, stale_veth])
+    assert netns.exists(slot.netns)
+    assert slot.netns in links(net.internet)
+
+
+def test_a_policy_document_that_touches_slot_tables_is_refused(slot) -> None:
+    from runner.net.firewall import check_policy_document
+
+    with pytest.raises(FirewallError, match="nat"):
+        check_policy_document("*nat\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n", "IPv4")
+    with pytest.raises(FirewallError, match="rejected"):
+        slot.firewall.load(slot.netns, "*filter\n-A FORWARD -j NO-SUCH-CHAIN\nCOMMIT\n")
+
+
+def test_tap_is_attachable_by_its_owner_only(need_netns, prefix) -> None:
+    internet = f"{prefix}-inet"
+    netns.create(internet)
+    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream("192.0.2.53"), tap_owner=(4242, 4242))
+    try:
+        pool.start()
+        slot = pool.acquire()
+        assert attach_tap(slot, 4242) == 0
+        assert attach_tap(slot, 4243) != 0
+    finally:
+        pool.close()
+        netns.remove(internet)
+
+
+ATTACH = f"""
+import fcntl, struct, sys
+fcntl.ioctl(int(sys.argv[1]), 0x400454ca, struct.pack("16sH", b"{addresses.TAP_NAME}", 0x0002 | 0x1000))
+"""
+
+
+def attach_tap(slot: Slot, uid: int) -> int:
+    """Attach to the slot's tap as QEMU does (TUNSETIFF, IFF_TAP|IFF_NO_PI) as `uid`; the exit status.
+
+    /dev/net/tun is root-only on this machine, so the test opens it and hands the descriptor to the
+    unprivileged child: the owner check under test happens at TUNSETIFF, not at open. The
+    descriptor must be opened inside the slot's namespace, where TUNSETIFF looks for the tap.
+    """
+    python = shutil.which("python3", path="/usr/bin:/bin")  # the venv's may not be readable by `uid`
+    assert python is not None
+    fd = netns.run_in(slot.netns, lambda: os.open("/dev/net/tun", os.O_RDWR))
+    try:
+        argv = [*slot.qemu_prefix(), "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-c", ATTACH, str(fd)]
+        done = subprocess.run(argv, capture_output=True, text=True, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    assert done.returncode == 0 or "Operation not permitted" in done.stderr, done.stderr
+    return done.returncode
