@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from action.workflow import annotation, escape_data, escape_property, format_outputs
+from action_harness import parse_output_file
 from gha_runner_model import RunnerModel
 
 
@@ -60,25 +61,6 @@ def test_a_forged_newline_in_a_message_cannot_start_a_command() -> None:
     model = RunnerModel()
     model.feed(text + "\n")
     assert [n for n, _ in model.executed] == ["error"]
-
-
-def parse_output_file(text: str) -> dict[str, str]:
-    """The runner's reading of $GITHUB_OUTPUT (name=value and name<<DELIM blocks)."""
-    result, lines, i = {}, text.split("\n"), 0
-    while i < len(lines):
-        line = lines[i]
-        if "<<" in line and ("=" not in line or line.index("<<") < line.index("=")):
-            name, delim = line.split("<<", 1)
-            end = lines.index(delim, i + 1)
-            result[name] = "\n".join(lines[i + 1 : end])
-            i = end + 1
-        elif "=" in line:
-            name, value = line.split("=", 1)
-            result[name] = value
-            i += 1
-        else:
-            i += 1
-    return result
 
 
 @given(value=st.text(alphabet=st.characters(blacklist_characters="\r", blacklist_categories=("Cs",)), max_size=200))

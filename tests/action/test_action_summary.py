@@ -1,0 +1,67 @@
+"""The job summary, the step's exit status and outputs, from job records shaped as docs/job-api.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from action.junit import Failure, Totals
+from action.summary import Result, cell, exit_code_of, markdown, outputs
+
+RECORD = {
+    "id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "run_id": 1, "job_name": "t",
+    "vm_id": "vm1", "policy_digest": "sha256:abc", "warm": True, "exit_code": 0, "error": None,
+    "timings": {"queued_at": 100.0, "vm_ready_at": 100.2, "started_at": 101.0, "finished_at": 111.5,
+                "vm_ready_ms": 146.0},
+    "blocked_egress": [{"dest": "203.0.113.9", "port": 443, "proto": "tcp",
+                        "name": "evil.example|<img src=x onerror=alert(1)>[x](https://evil)", "count": 3}],
+    "artifacts": [{"path": "report.xml", "size": 12}],
+}
+
+
+@pytest.mark.parametrize("record,expected", [
+    ({"state": "finished", "exit_code": 0}, 0),
+    ({"state": "finished", "exit_code": 3}, 3),
+    ({"state": "timed_out", "exit_code": 124}, 124),
+    ({"state": "timed_out", "exit_code": None}, 124),
+    ({"state": "cancelled", "exit_code": 130}, 130),
+    ({"state": "failed", "exit_code": None}, 1),
+    ({"state": "failed", "exit_code": 0}, 1),  # artifacts rejected after a passing command
+    ({"state": "finished", "exit_code": 999}, 1),
+    ({"state": "finished", "exit_code": -9}, 1),
+    ({"state": "finished", "exit_code": True}, 1),
+    ({"state": "finished", "exit_code": "0"}, 1),
+])
+def test_exit_code(record: dict, expected: int) -> None:
+    assert exit_code_of(record) == expected
+
+
+def test_summary_shows_timings_and_escapes_guest_text() -> None:
+    failure = Failure("s", "test_<b>x</b>", "c", "failure", "![img](http://evil/x.png)", "", None, None)
+    result = Result(RECORD, 0, Totals(tests=3, failed=1, skipped=1, failures=[failure]), [("report.xml", 12)], [])
+    text = markdown(result)
+    assert "| VM ready | 146 ms (warm) |" in text
+    assert "| queued | 1.0 s |" in text and "| ran | 10.5 s |" in text
+    assert "| tests | 1 passed, 1 failed, 1 skipped |" in text
+    assert "<img" not in text and "<b>" not in text and "](" not in text and "https://" not in text
+    row = next(line for line in text.splitlines() if "203.0.113.9" in line)
+    assert row.count("|") == 6  # the guest's pipe did not add a column
+
+
+def test_cell_bounds_and_flattens() -> None:
+    assert cell("a\nb\r\nc") == "a b c"
+    assert len(cell("x" * 1000)) == 200
+
+
+def test_outputs_carry_the_record_and_totals() -> None:
+    result = Result(RECORD, 0, Totals(tests=2), [("report.xml", 12)], [("bad", "why")])
+    out = outputs(result)
+    assert out["exit-code"] == "0" and out["junit-passed"] == "2" and out["junit-failed"] == "0"
+    payload = json.loads(out["result-json"])
+    assert payload["record"]["id"] == "j1" and payload["refused_artifacts"] == [{"path": "bad", "why": "why"}]
+
+
+def test_outputs_without_junit_are_empty_strings() -> None:
+    out = outputs(Result(RECORD, 0, None, [], []))
+    assert out["junit-passed"] == out["junit-failed"] == ""
