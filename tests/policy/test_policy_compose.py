@@ -64,7 +64,7 @@ def test_job_can_narrow_everything():
 
 def test_both_audit_stays_audit_and_order_does_not_matter():
     a = job("  - host: pypi.org\n    ports: [443]\n", mode="audit")
-    b = job("  - host: '*.org'\n    ports: [443]\n".replace("*.org", "*.pypi.org"), mode="audit")
+    b = job("  - host: '*.pypi.org'\n    ports: [443]\n", mode="audit")
     assert intersect(a, a).mode == "audit"
     assert intersect(a, b) == intersect(b, a)
     assert intersect(REPO, a).mode == intersect(a, REPO).mode == "block"
@@ -76,7 +76,7 @@ def test_intersection_with_deny_all_is_deny_all():
 
 
 def test_intersection_of_three_layers():
-    org = job("  - cidr: 10.0.0.0/8\n    ports: [80, 443]\n  - host: '*.org'\n    ports: [443]\n".replace("'*.org'", "'*.pypi.org'"))
+    org = job("  - cidr: 10.0.0.0/8\n    ports: [80, 443]\n  - host: '*.pypi.org'\n    ports: [443]\n")
     narrowed = intersect(org, job("  - cidr: 10.20.0.0/16\n    ports: [80, 443, 8080]\n"),
                          job("  - cidr: 10.20.1.0/24\n    ports: [443]\n"))
     assert narrowed.rules == (Rule(frozenset({443}), network=ip_network("10.20.1.0/24")),)
