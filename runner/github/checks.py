@@ -68,6 +68,10 @@ class CheckRuns:
             "status": "completed",
             "conclusion": conclusion,
             "completed_at": _now(),
-            "output": {"title": f"microvm-check: {conclusion}", "summary": summary[:MAX_SUMMARY], "text": log_tail(log)},
+            "output": {
+                "title": f"microvm-check: {conclusion}",
+                "summary": summary[:MAX_SUMMARY],
+                "text": log_tail(log),
+            },
         }
         self.client.patch(f"/repos/{run.repository}/check-runs/{run.id}", body)

@@ -90,7 +90,8 @@ def cmd_register(args: argparse.Namespace) -> int:
         command = runners.jit_run_command(jit)
     else:
         token = admin.registration_token()
-        command = runners.config_command(f"{web_url(settings.api_url)}/{org}", token, args.name, labels, args.runner_group)
+        org_url = f"{web_url(settings.api_url)}/{org}"
+        command = runners.config_command(org_url, token, args.name, labels, args.runner_group)
         print(f"registration token for org {org} expires at {token.expires_at}")
     return _run_or_print(command, args.runner_dir, args.show_token)
 

@@ -94,7 +94,12 @@ class GitHubClient:
             last = attempt == self.retry.attempts - 1
             try:
                 response = self.session.request(
-                    method, url, json=json, params=params, headers={**self._headers(), **(headers or {})}, timeout=self.timeout
+                    method,
+                    url,
+                    json=json,
+                    params=params,
+                    headers={**self._headers(), **(headers or {})},
+                    timeout=self.timeout,
                 )
             except (requests.ConnectionError, requests.Timeout) as exc:
                 if last:

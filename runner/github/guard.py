@@ -26,7 +26,9 @@ from runner.github.jobs import REPOSITORY_RE
 
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
 PR_EVENTS = frozenset({"pull_request", "pull_request_review", "pull_request_review_comment"})
-WORKFLOW_REF_RE = re.compile(r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)$")
+WORKFLOW_REF_RE = re.compile(
+    r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)$"
+)
 SAFE_PATH_RE = re.compile(r"^\.github/workflows/(?!.*\.\.)[A-Za-z0-9_./ -]{1,255}$")
 HOW_TO_RUN_SAFELY = (
     "To run checks for fork pull requests on this host, trigger the workflow with `on: pull_request_target`, "
@@ -130,7 +132,8 @@ def job_context(env: Mapping[str, str]) -> JobContext:
         raise GuardError(f"GITHUB_REPOSITORY {repository[:200]!r} is missing or malformed")
     event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
     pull_request = _pull_request(event, repository) if event_name in PR_EVENTS else None
-    return JobContext(event_name, repository, _workflow_path(env.get("GITHUB_WORKFLOW_REF", ""), repository), pull_request)
+    workflow_path = _workflow_path(env.get("GITHUB_WORKFLOW_REF", ""), repository)
+    return JobContext(event_name, repository, workflow_path, pull_request)
 
 
 def _read_event(path: str) -> dict[str, Any]:
@@ -160,7 +163,7 @@ def _pull_request(event: dict[str, Any], repository: str) -> PullRequest:
     if not isinstance(head, dict) or not isinstance(base, dict):
         raise GuardError("the pull request event lacks head or base")
     head_repo = _repo_name(head.get("repo"), allow_missing=True)
-    base_repo = _repo_name(base.get("repo"), allow_missing=False) or repository
+    base_repo = str(_repo_name(base.get("repo"), allow_missing=False))
     if base_repo.lower() != repository.lower():
         raise GuardError(f"the pull request's base {base_repo} is not the job's repository {repository}")
     number = pr.get("number")
@@ -242,4 +245,7 @@ def escape_data(text: str) -> str:
 
 
 def error_lines(verdict: Verdict) -> list[str]:
-    return [f"::error title=microvm-check guard::{escape_data(reason + ' ' + HOW_TO_RUN_SAFELY)}" for reason in verdict.reasons]
+    return [
+        f"::error title=microvm-check guard::{escape_data(reason + ' ' + HOW_TO_RUN_SAFELY)}"
+        for reason in verdict.reasons
+    ]

@@ -71,7 +71,9 @@ class RunnerAdmin:
         body = self._post("remove-token", None)
         return RunnerToken(token=str(body["token"]), expires_at=str(body["expires_at"]))
 
-    def jit_config(self, name: str, labels: Sequence[str], runner_group_id: int, work_folder: str = "_work") -> JitConfig:
+    def jit_config(
+        self, name: str, labels: Sequence[str], runner_group_id: int, work_folder: str = "_work"
+    ) -> JitConfig:
         request = {"name": name, "runner_group_id": runner_group_id, "labels": list(labels), "work_folder": work_folder}
         body = self._post("generate-jitconfig", request)
         return JitConfig(runner=_runner(body["runner"]), encoded_jit_config=str(body["encoded_jit_config"]))
@@ -129,7 +131,9 @@ class RunnerCommand:
         return subprocess.run(self.argv, cwd=runner_dir, env=env, check=False).returncode
 
 
-def config_command(org_url: str, token: RunnerToken, name: str, labels: Sequence[str], group: str | None) -> RunnerCommand:
+def config_command(
+    org_url: str, token: RunnerToken, name: str, labels: Sequence[str], group: str | None
+) -> RunnerCommand:
     argv = ["./config.sh", "--unattended", "--replace", "--url", org_url, "--name", name, "--labels", ",".join(labels)]
     if group:
         argv += ["--runnergroup", group]

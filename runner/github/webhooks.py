@@ -124,6 +124,8 @@ class WebhookReceiver:
         job = jobs.completed_job(payload)
         if job is None:
             return Answer(200, "ignored: completed job without a usable repository, ids or labels")
+        if not jobs.is_ours(job.labels, self.config.labels):
+            return Answer(200, "ignored: the job's labels are not ours")
         self.hooks.job_completed(job)
         return Answer(200, f"job {job.job_id} completed")
 

@@ -106,8 +106,15 @@ def deliver(server: WebhookServer, payload: dict | bytes, event: str = "workflow
     return send(server, body, headers=github_headers(body, event, delivery))
 
 
-# What each stored payload must lead to with our labels ("microvm"): only these call the hooks.
+# What each stored payload leads to when our labels cover some of the stored jobs: only these call
+# the hooks. Completed jobs are reported whatever their conclusion; queued.with-deployment asks for
+# "k8s", which is not ours, and in_progress/waiting/started are accepted but ignored.
+OUR_LABELS = ("microvm", "macos-11", "ubuntu-latest")
 EXPECTED_QUEUED = {
+    "queued.payload.json": QueuedJob(
+        repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
+        job_name="update", labels=("ubuntu-latest",),
+    ),
     "github-aws-runners.workflow_job.queued.self-hosted.json": QueuedJob(
         repository="github-aws-runners/terraform-aws-github-runner", run_id=1068820843, run_attempt=1,
         job_id=3169272040, job_name="build", labels=("self-hosted",),
@@ -130,7 +137,8 @@ EXPECTED_COMPLETED = {
 
 
 @pytest.mark.parametrize("path", webhook_payloads(), ids=lambda path: path.name)
-def test_every_stored_payload_is_accepted_and_routed(server, hooks, path) -> None:
+def test_every_stored_payload_is_accepted_and_routed(make_server, hooks, path) -> None:
+    server = make_server(labels=OUR_LABELS)
     reply = deliver(server, path.read_bytes(), event_name(path))
     assert reply.status == 200, reply.message
     assert hooks.queued == ([EXPECTED_QUEUED[path.name]] if path.name in EXPECTED_QUEUED else [])
@@ -144,6 +152,12 @@ def test_octokit_queued_example_prewarms_when_its_labels_are_ours(make_server, h
         QueuedJob(repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
                   job_name="update", labels=("ubuntu-latest",)),
     ]
+
+
+def test_completed_jobs_for_other_labels_are_ignored(server, hooks) -> None:
+    reply = deliver(server, load_payload("completed.success.with-organization.payload.json"))
+    assert reply.status == 200 and "not ours" in reply.message
+    assert hooks.completed == []
 
 
 def test_queued_for_self_hosted_plus_a_foreign_label_is_not_ours(make_server, hooks) -> None:
@@ -195,7 +209,8 @@ def test_missing_run_attempt_defaults_to_the_first(make_server, hooks) -> None:
     assert hooks.queued[0].run_attempt == 1
 
 
-def test_each_delivery_is_processed_once(server, hooks) -> None:
+def test_each_delivery_is_processed_once(make_server, hooks) -> None:
+    server = make_server(labels=OUR_LABELS)
     payload = load_payload("completed.success.with-organization.payload.json")
     delivery = str(uuid.uuid4())
     assert deliver(server, payload, delivery=delivery).status == 200
@@ -206,7 +221,8 @@ def test_each_delivery_is_processed_once(server, hooks) -> None:
     assert len(hooks.completed) == 2
 
 
-def test_a_failed_delivery_is_processed_when_redelivered(server, hooks) -> None:
+def test_a_failed_delivery_is_processed_when_redelivered(make_server, hooks) -> None:
+    server = make_server(labels=OUR_LABELS)
     payload = load_payload("completed.failure.with-organization.payload.json")
     delivery = str(uuid.uuid4())
     hooks.fail_next = True
