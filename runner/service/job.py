@@ -146,7 +146,7 @@ class JobRun:
                 ttl_seconds=self.spec.timeout_seconds + _TTL_MARGIN_SECONDS,
                 vcpus=config.resources.vcpus,
                 memory_mib=config.resources.memory_mib,
-                network=True,
+                network=needs_network(self.policy),
                 policy=self.policy,
                 job_id=self.record.id,
             )
@@ -208,6 +208,11 @@ class JobRun:
             self.record.artifacts = [m.to_json() for m in members]
         self.log.system(f"collected {len(members)} artifact file(s)")
         return None
+
+
+def needs_network(policy: Any) -> bool:
+    """A VM whose policy allows nothing gets no network card at all: nothing to filter, nothing to get wrong."""
+    return policy is not None and (bool(policy.rules) or policy.mode == "audit")
 
 
 def _exit_code(value: Any) -> int:

@@ -7,6 +7,7 @@ it never speaks HTTP itself. It also implements the GitHub webhook's `JobHooks` 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ from typing import Any, Iterable
 
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
-from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory
+from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import JobRecord, RecordStore
@@ -43,10 +44,22 @@ class JobError(Exception):
         self.status = status
 
 
-def default_sandbox_factory() -> SandboxFactory:
+def default_sandbox_factory(state_dir: Path | None = None) -> SandboxFactory:
+    """`Sandbox.create` on the engine rooted at `state_dir` (the engine's own default when None)."""
     from runner.sandbox import Sandbox  # imported late: the engine needs root and QEMU, the CLI does not
 
-    return Sandbox.create
+    return functools.partial(Sandbox.create, state_dir=state_dir)
+
+
+def start_engine(state_dir: Path) -> None:
+    """Bring up the VM engine for `state_dir` (it sweeps orphaned VMs as it starts)."""
+    from runner.state import StateDir
+    from runner.vm.engine import Engine
+
+    try:
+        Engine.shared(StateDir(state_dir))
+    except Exception as exc:
+        raise ValueError(f"the VM engine could not start on {state_dir}: {exc}") from exc
 
 
 class JobService:
@@ -103,6 +116,9 @@ class JobService:
         self.warm.close()
         if self._reaper:
             self._reaper.join()
+
+    def close(self) -> None:
+        """Release the records database, after `shutdown` and after the API has stopped serving."""
         self.records.close()
 
     @property
@@ -238,7 +254,7 @@ class JobService:
         self.warm.prewarm(key, job.job_id, template, policy.digest(), lambda: self._create_vm(
             template=template, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
             vcpus=self.config.resources.vcpus, memory_mib=self.config.resources.memory_mib,
-            network=True, policy=policy, job_id=f"warm-{job.job_id}",
+            network=needs_network(policy), policy=policy, job_id=f"warm-{job.job_id}",
         ))
 
     def job_completed(self, job: Any) -> None:

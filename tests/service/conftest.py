@@ -50,6 +50,7 @@ def make_service(make_config: Callable[..., ServiceConfig], engine: FakeEngine) 
     for service in started:
         if not service.stopping:
             service.shutdown(0)
+        service.close()
 
 
 @pytest.fixture

@@ -218,6 +218,7 @@ def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEng
         assert not (config.jobs_dir / job / "checkout.tar").exists()
     finally:
         service.shutdown(0)
+        service.close()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""`microvm-check serve | run | jobs`: the job service, a local run through it, and its records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.cli import UserError
+from runner.service.config import DEFAULT_SOCKET, ConfigError, load_config
+from runner.service.records import RecordStore
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the job service (API on a Unix socket)")
+    serve.add_argument("--config", required=True, type=Path, help="the service's YAML config")
+    serve.set_defaults(func=cmd_serve)
+
+    run = subparsers.add_parser(
+        "run", help="run a command on a local checkout in a fresh VM",
+        description="Pack DIR (without .git), run COMMAND in a fresh VM, stream its output, copy artifacts to "
+                    "./artifacts/ and exit with the command's status. Uses the service on --socket when it "
+                    "answers, otherwise an in-process service for just this job.",
+    )
+    run.add_argument("--policy", type=Path, help="egress policy YAML for the job (default: no network)")
+    run.add_argument("--template", help="VM template (default: the service's first)")
+    run.add_argument("--artifacts", action="append", default=[], metavar="GLOB",
+                     help="files to copy back, relative to DIR (repeatable)")
+    run.add_argument("--timeout", type=int, default=3600, metavar="SECONDS", help="command timeout (default 3600)")
+    run.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the service's socket (default {DEFAULT_SOCKET})")
+    run.add_argument("--dir", type=Path, default=Path("."), help="the checkout to send (default .)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    run.set_defaults(func=cmd_run)
+
+    jobs = subparsers.add_parser("jobs", help="list job records")
+    jobs.add_argument("--json", action="store_true", help="one JSON object per line")
+    jobs.add_argument("--limit", type=int, default=20, help="how many, newest first (default 20)")
+    jobs.add_argument("--socket", default=DEFAULT_SOCKET, help="ask the running service on this socket")
+    jobs.add_argument("--config", type=Path, help="read the records of this service config directly")
+    jobs.set_defaults(func=cmd_jobs)
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from runner.service.api import ApiServers
+    from runner.service.service import JobService, default_sandbox_factory, start_engine
+    from runner.service.webhook import start_webhook
+
+    config = _config(args.config)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    service = JobService(config, default_sandbox_factory(config.state_dir))
+    try:
+        start_engine(config.state_dir)  # the engine sweeps a crashed predecessor's VMs now, not at the first job
+    except ValueError as exc:
+        service.close()
+        raise UserError(str(exc)) from exc
+    service.start()
+    webhook = servers = None
+    try:
+        servers = ApiServers(service)
+        webhook = start_webhook(config.webhook, service, f"{args.config}: webhook")
+        servers.start()
+        print(f"microvm-check: serving jobs on {config.socket}"
+              + (f" and {config.listen[0]}:{servers.tcp_address[1]}" if config.listen else ""), file=sys.stderr)
+        stop.wait()
+        print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+    finally:
+        if webhook is not None:
+            webhook.stop()
+        service.shutdown()
+        if servers is not None:
+            servers.stop()
+        service.close()
+    return 0
+
+
+def _config(path: Path):
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from exc
+
+
+# -- jobs -----------------------------------------------------------------------------------------
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise UserError("--limit must be at least 1")
+    if args.config:
+        store = RecordStore(_config(args.config).records_path)
+        try:
+            records = [r.to_json() for r in store.list(args.limit)]
+        finally:
+            store.close()
+    else:
+        from runner.service.client import JobAPIError, JobClient
+
+        try:
+            records = JobClient(socket=args.socket).list(args.limit)
+        except JobAPIError as exc:
+            raise UserError(f"{exc} (is the service running? or pass --config to read its records directly)") from exc
+    for rec in records:
+        print(json.dumps(rec) if args.json else _row(rec))
+    return 0
+
+
+def _row(rec: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["created_at"]))
+    code = "-" if rec.get("exit_code") is None else str(rec["exit_code"])
+    t = rec.get("timings") or {}
+    took = f"{t['finished_at'] - t['started_at']:.1f}s" if t.get("finished_at") and t.get("started_at") else "-"
+    flags = " warm" if rec.get("warm") else ""
+    line = f"{rec['id']}  {when}  {rec['state']:<17} exit {code:>3}  {took:>7}  {rec['repository']}@{rec['sha'][:8]} {rec['job_name']}{flags}"
+    return line + (f"\n    error: {rec['error']}" if rec.get("error") else "")
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from runner.service.localrun import LocalRun
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UserError("nothing to run: give the command after --, e.g. microvm-check run -- pytest -q")
+    policy = None
+    if args.policy:
+        try:
+            policy = args.policy.read_text()
+        except OSError as exc:
+            raise UserError(f"--policy {args.policy}: cannot read: {exc.strerror}") from exc
+    job = LocalRun(directory=args.dir, command=command, policy=policy, template=args.template,
+                   artifacts=args.artifacts, timeout_seconds=args.timeout, socket=args.socket)
+    return job.run()
+

@@ -1,0 +1,190 @@
+"""`microvm-check run`: one job for a local checkout, through the same API path as the action.
+
+When a service answers on the socket the job goes there (its policy store then decides the egress,
+and the job's `--policy` can only narrow it). Otherwise an in-process service is started on a
+private socket for just this job; there the operator is the one running the command, so the
+job's policy is taken as given (no policy at all means no network).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.cli import UserError
+from runner.service.client import JobAPIError, JobClient
+from runner.service.pack import PackError, scan, stream
+
+EXIT_FAILED = 1
+EXIT_CANCELLED = 130
+ARTIFACTS_DIR = "artifacts"
+
+
+@dataclass
+class LocalRun:
+    directory: Path
+    command: list[str]
+    policy: str | None = None
+    template: str | None = None
+    artifacts: list[str] = field(default_factory=list)
+    timeout_seconds: int = 3600
+    socket: str | None = None
+
+    def run(self) -> int:
+        root = self.directory.resolve()
+        try:
+            paths = scan(root)
+        except PackError as exc:
+            raise UserError(f"cannot send the checkout: {exc}") from exc
+        out_dir = Path.cwd() / ARTIFACTS_DIR
+        if self.artifacts and out_dir.exists() and any(out_dir.iterdir()):
+            raise UserError(f"{out_dir} is not empty: move it away so this run's artifacts do not mix with old ones")
+        client = self._remote_client()
+        if client is not None:
+            return self._drive(client, root, paths, out_dir)
+        with InProcessService(self.template, self.timeout_seconds) as local:
+            return self._drive(local.client, root, paths, out_dir)
+
+    def spec(self, root: Path) -> dict[str, Any]:
+        command = self.command[0] if len(self.command) == 1 else shlex.join(self.command)
+        spec: dict[str, Any] = {
+            "repository": f"local/{re.sub(r'[^A-Za-z0-9_.-]', '-', root.name) or 'checkout'}",
+            "sha": _head(root),
+            "job_name": "local",
+            "event": "local",
+            "command": command,
+            "artifacts": list(self.artifacts),
+            "timeout_seconds": self.timeout_seconds,
+            "policy": self.policy,
+        }
+        if self.template:
+            spec["template"] = self.template
+        return spec
+
+    def _remote_client(self) -> JobClient | None:
+        if not self.socket or not Path(self.socket).exists():
+            return None
+        client = JobClient(socket=self.socket)
+        try:
+            client.health()
+        except JobAPIError:
+            return None
+        return client
+
+    def _drive(self, client: JobClient, root: Path, paths: list[Path], out_dir: Path) -> int:
+        try:
+            job = client.submit(self.spec(root))["id"]
+        except JobAPIError as exc:
+            raise UserError(f"the service refused the job: {exc}") from exc
+        try:
+            client.upload_checkout(job, stream(root, paths))
+            for entry in client.logs(job):
+                _show(entry.stream, entry.data)
+        except KeyboardInterrupt:
+            client.cancel(job)
+            print("\nmicrovm-check: cancelled", file=sys.stderr)
+            return EXIT_CANCELLED
+        except (JobAPIError, PackError) as exc:
+            _cancel_quietly(client, job)
+            raise UserError(f"job {job}: {exc}") from exc
+        record = client.get(job)
+        if record["artifacts"]:
+            _fetch_artifacts(client, job, out_dir)
+        return _exit_status(record)
+
+
+class InProcessService:
+    """A private service (socket in a temporary directory) for one `run`, torn down afterwards."""
+
+    def __init__(self, template: str | None, timeout_seconds: int) -> None:
+        self.template = template or "base"
+        self.timeout_seconds = timeout_seconds
+
+    def __enter__(self) -> "InProcessService":
+        from runner.service.api import ApiServers
+        from runner.service.config import config_from_mapping
+        from runner.service.egress import EgressPolicies
+        from runner.service.service import JobService, default_sandbox_factory
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
+        config = config_from_mapping({
+            "socket": str(self.tmp / "api.sock"), "state_dir": str(self.tmp / "state"),
+            "templates": [self.template], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
+            "max_timeout_seconds": max(self.timeout_seconds, 1), "default_timeout_seconds": max(self.timeout_seconds, 1),
+            "prewarm": {"max_vms": 0},
+        })
+        self.service = JobService(config, default_sandbox_factory(), EgressPolicies(None, trust_job_policy=True))
+        self.service.start()
+        self.servers = ApiServers(self.service)
+        self.servers.start()
+        self.client = JobClient(socket=config.socket)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.service.shutdown(0)
+            self.servers.stop()
+            self.service.close()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _show(stream_name: str, data: bytes) -> None:
+    if stream_name == "stdout":
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    elif stream_name == "stderr":
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+    else:
+        print(f"[microvm-check] {data.decode(errors='replace')}", file=sys.stderr, flush=True)
+
+
+def _exit_status(record: dict[str, Any]) -> int:
+    """The guest's status; a job that failed around a successful command (artifacts refused) is 1."""
+    if record.get("error"):
+        print(f"microvm-check: job {record['id']} {record['state']}: {record['error']}", file=sys.stderr)
+    code = record.get("exit_code")
+    if record["state"] == "cancelled":
+        return code if code is not None else EXIT_CANCELLED
+    if code is None or (code == 0 and record["state"] != "finished"):
+        return EXIT_FAILED
+    return code & 0xFF
+
+
+def _fetch_artifacts(client: JobClient, job: str, out_dir: Path) -> None:
+    from runner import tarsafe
+
+    out_dir.mkdir(exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir.parent) as spool:
+        client.artifacts(job, spool)
+        spool.seek(0)
+        try:
+            done = tarsafe.extract(spool, out_dir)
+        except tarsafe.UnsafeTar as exc:
+            raise UserError(f"job {job}: refused its artifacts: {exc}") from exc
+    print(f"microvm-check: {len(done.files)} artifact file(s) in {out_dir}", file=sys.stderr)
+
+
+def _cancel_quietly(client: JobClient, job: str) -> None:
+    try:
+        client.cancel(job)
+    except JobAPIError:
+        pass
+
+
+def _head(root: Path) -> str:
+    """The checkout's commit when it is a git work tree (for the record), else zeros."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "0" * 40
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha) else "0" * 40

@@ -1,0 +1,136 @@
+"""The CLI: `run` against a service on a socket, `jobs`, and `serve` started and stopped for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from service_fakes import FakeEngine, member, prints, tar_of
+
+from runner.cli import main
+from runner.service.client import JobAPIError, JobClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def checkout(tmp_path: Path) -> Path:
+    co = tmp_path / "co"
+    co.mkdir()
+    (co / "main.py").write_text("print(1)\n")
+    (co / ".git").mkdir()
+    (co / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return co
+
+
+def test_run_streams_output_copies_artifacts_and_exits_with_the_guest_status(
+        api, engine: FakeEngine, tmp_path: Path, monkeypatch, capfd) -> None:
+    engine.programs["make test"] = prints(b"all good\n", 7)
+    engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<r/>")])
+    service, _ = api()
+    co = checkout(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    status = main(["run", "--socket", service.config.socket, "--dir", str(co), "--artifacts", "out/*.xml",
+                   "--timeout", "30", "--", "make", "test"])
+    assert status == 7
+    assert "all good" in capfd.readouterr().out
+    assert (tmp_path / "artifacts" / "out" / "report.xml").read_bytes() == b"<r/>"
+    sbx = engine.created[0]
+    assert set(sbx.files) == {"/workspace/main.py"}  # .git stays home
+    rec = service.list(1)[0]
+    assert (rec.repository, rec.job_name, rec.exit_code) == ("local/co", "local", 7)
+
+
+def test_run_refuses_a_non_empty_artifacts_dir_before_submitting(api, tmp_path: Path, monkeypatch, capsys) -> None:
+    service, _ = api()
+    co = checkout(tmp_path)
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "old").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--socket", service.config.socket, "--dir", str(co), "--artifacts", "*", "--", "true"]) == 1
+    assert "is not empty" in capsys.readouterr().err
+    assert service.list(5) == []
+
+
+def test_run_refuses_links_out_of_the_checkout(api, tmp_path: Path, capsys) -> None:
+    service, _ = api()
+    co = checkout(tmp_path)
+    os.symlink("/etc/passwd", co / "pw")
+    assert main(["run", "--socket", service.config.socket, "--dir", str(co), "--", "true"]) == 1
+    assert "absolute path" in capsys.readouterr().err
+
+
+def test_run_needs_a_command(capsys) -> None:
+    assert main(["run", "--"]) == 1
+    assert "nothing to run" in capsys.readouterr().err
+
+
+def test_run_reports_a_refused_job(api, tmp_path: Path, capsys) -> None:
+    service, _ = api()
+    co = checkout(tmp_path)
+    assert main(["run", "--socket", service.config.socket, "--dir", str(co), "--template", "nope", "--", "true"]) == 1
+    assert "template: 'nope' is not offered here" in capsys.readouterr().err
+
+
+def test_jobs_lists_records(api, engine: FakeEngine, tmp_path: Path, capsys, monkeypatch) -> None:
+    engine.programs["true"] = prints(b"")
+    service, _ = api()
+    co = checkout(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    main(["run", "--socket", service.config.socket, "--dir", str(co), "--", "true"])
+    capsys.readouterr()
+    assert main(["jobs", "--json", "--socket", service.config.socket]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["state"], r["exit_code"]) for r in rows] == [("finished", 0)]
+    assert main(["jobs", "--socket", service.config.socket]) == 0
+    assert rows[0]["id"] in capsys.readouterr().out
+
+
+def test_jobs_reads_records_from_the_config(make_config, tmp_path: Path, capsys) -> None:
+    config = make_config()
+    path = tmp_path / "service.yml"
+    path.write_text(f"state_dir: {config.state_dir}\n")
+    config.state_dir.mkdir(parents=True)
+    assert main(["jobs", "--config", str(path)]) == 0
+    assert main(["jobs", "--socket", str(tmp_path / "none.sock")]) == 1
+    assert "cannot reach the job service" in capsys.readouterr().err
+
+
+def test_serve_starts_answers_and_stops_on_sigterm(short_dir: Path) -> None:
+    config = short_dir / "service.yml"
+    config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\nshutdown_grace_seconds: 5\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from runner.cli import main; sys.exit(main(sys.argv[1:]))",
+                             "serve", "--config", str(config)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        client = JobClient(socket=str(short_dir / "api.sock"))
+        for _ in range(200):
+            try:
+                health = client.health()
+                break
+            except JobAPIError:
+                if proc.poll() is not None:
+                    pytest.fail(f"serve exited early: {proc.stderr.read()}")
+                time.sleep(0.05)
+        else:
+            pytest.fail("serve never answered on its socket")
+        assert health["ok"] is True
+        assert oct(os.stat(short_dir / "api.sock").st_mode & 0o777) == "0o660"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not (short_dir / "api.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_reports_a_bad_config(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "service.yml"
+    path.write_text("max_concurrent_jobs: 0\n")
+    assert main(["serve", "--config", str(path)]) == 1
+    assert f"{path}: max_concurrent_jobs: must be at least 1" in capsys.readouterr().err
