@@ -34,6 +34,8 @@ NULL_TAG = "tag:yaml.org,2002:null"
 EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host: pypi.org, ports: [443]}"
 
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+# libyaml when present: about ten times faster on the largest allowed file, same marks.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _DECIMAL = re.compile(r"-?(0|[1-9][0-9]{0,9})")
 
 
@@ -145,7 +147,7 @@ def _compose(text: str, problems: _Problems) -> yaml.Node | None:
     either would cost memory or recursion out of proportion to the file's size)."""
     try:
         depth = 0
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        for event in yaml.parse(text, Loader=_LOADER):
             if isinstance(event, yaml.AliasEvent):
                 problems.add(event.start_mark, "YAML aliases (*name) are not allowed in a policy; "
                                                "write the entry out in full")
@@ -159,7 +161,7 @@ def _compose(text: str, problems: _Problems) -> yaml.Node | None:
                 depth -= 1
         if problems.items:
             return None
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(part for part in (exc.context, exc.problem) if part)

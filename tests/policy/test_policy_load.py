@@ -225,15 +225,17 @@ def test_duplicate_keys_are_detected_not_silently_collapsed():
     ]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("version: 1\nallow: [\n", "3:1: YAML syntax error: while parsing a flow node expected the node content, but found '<stream end>'"),
-    ("version: 1\n  mode: block\n", "2:7: YAML syntax error: mapping values are not allowed here"),
-    ("version: 1\nmode: 'block\n", "3:1: YAML syntax error: while scanning a quoted scalar found unexpected end of stream"),
-    ("version: 1\n---\nversion: 1\n", "2:1: YAML syntax error: expected a single document in the stream but found another document"),
+@pytest.mark.parametrize("text, location", [
+    ("version: 1\nallow: [\n", "3:1"),
+    ("version: 1\n  mode: block\n", "2:7"),
+    ("version: 1\nmode: 'block\n", "3:1"),
+    ("version: 1\n---\nversion: 1\n", "2:1"),
+    ("version: 1\nallow: [{host: a.example, ports: [1]}\n", "3:1"),
 ])
-def test_yaml_syntax_errors(text: str, message: str):
+def test_yaml_syntax_errors(text: str, location: str):
     [found] = problems(text)
-    assert found.startswith(f"{NAME}:{message}")
+    assert found.startswith(f"{NAME}:{location}: YAML syntax error: ")
+    assert found.endswith("; fix the YAML (indentation, quotes, colons)")
 
 
 def test_non_printable_character():
@@ -247,8 +249,11 @@ def test_aliases_are_refused():
 
 
 def test_deep_nesting_is_refused_without_recursion():
-    [message] = problems("version: 1\nallow: " + "[" * 5000 + "]" * 5000 + "\n")
-    assert "nested deeper than" in message
+    [message] = problems("version: 1\nallow: " + "[" * 100 + "]" * 100 + "\n")
+    assert message == (f"{NAME}:2:23: the policy is nested deeper than 16 levels; "
+                       "a policy is a mapping with a list of flat entries")
+    [message] = problems("version: 1\nallow: " + "[" * 50000 + "]" * 50000 + "\n")
+    assert message.startswith(f"{NAME}:2:")
 
 
 def test_oversized_text_and_file(tmp_path: Path):
