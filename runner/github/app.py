@@ -87,10 +87,16 @@ class GitHubApp:
         self._lock = threading.Lock()
         self._token: InstallationToken | None = None
         self._installation_id = credentials.installation_id
-        common = {"api_url": api_url, "session": session, "retry": retry, "clock": clock, "sleep": sleep}
-        self.as_app = GitHubClient(self.jwt, **common)  # type: ignore[arg-type]
+        session = session or requests.Session()
+        self.as_app = GitHubClient(self.jwt, api_url=api_url, session=session, retry=retry, clock=clock, sleep=sleep)
         self.as_installation = GitHubClient(
-            self.installation_token, on_unauthorized=self.forget_token, **common  # type: ignore[arg-type]
+            self.installation_token,
+            api_url=api_url,
+            session=session,
+            retry=retry,
+            clock=clock,
+            sleep=sleep,
+            on_unauthorized=self.forget_token,
         )
 
     def jwt(self) -> str:

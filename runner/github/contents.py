@@ -18,8 +18,8 @@ import requests
 from runner.github.client import GitHubClient
 from runner.github.errors import GitHubError, NotFound
 
-SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1 or SHA-256 object names
-PATH_RE = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f]{1,1024}$")
+SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?\Z")  # SHA-1 or SHA-256 object names
+PATH_RE = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f]{1,1024}\Z")
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from runner.github.jobs import REPOSITORY_RE
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
 PR_EVENTS = frozenset({"pull_request", "pull_request_review", "pull_request_review_comment"})
 WORKFLOW_REF_RE = re.compile(
-    r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)$"
+    r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)\Z"
 )
-SAFE_PATH_RE = re.compile(r"^\.github/workflows/(?!.*\.\.)[A-Za-z0-9_./ -]{1,255}$")
+SAFE_PATH_RE = re.compile(r"^\.github/workflows/(?!.*\.\.)[A-Za-z0-9_./ -]{1,255}\Z")
 HOW_TO_RUN_SAFELY = (
     "To run checks for fork pull requests on this host, trigger the workflow with `on: pull_request_target`, "
     "check out the PR head with actions/checkout (`ref: ${{ github.event.pull_request.head.sha }}`, "

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 SELF_HOSTED = "self-hosted"
-REPOSITORY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
+# Owners are letters, digits, '-' (and '_' for managed users); repository names may hold dots but
+# are never "." or "..": the name ends up in API paths and directory names, so it must not traverse.
+REPOSITORY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}/(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,100}\Z")
 MAX_NAME = 1024
 MAX_LABELS = 100
 

@@ -233,3 +233,10 @@ def test_oversize_event_file_is_refused(tmp_path, monkeypatch) -> None:
 
 def test_workflow_command_escaping() -> None:
     assert guard.escape_data("100%\r\n::error::x") == "100%25%0D%0A::error::x"
+
+
+def test_a_sha_with_a_trailing_newline_is_malformed(tmp_path) -> None:
+    payload = load_payload(FORK_PR)
+    payload["pull_request"]["head"]["sha"] = HEAD_SHA + "\n"
+    with pytest.raises(guard.GuardError, match="sha"):
+        guard.job_context(job_env(tmp_path, payload))
