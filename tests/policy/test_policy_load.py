@@ -243,6 +243,11 @@ def test_non_printable_character():
         f"{NAME}:2:7: the policy contains a character YAML does not allow (U+0007); remove it"]
 
 
+def test_text_that_is_not_valid_unicode():
+    assert problems("version: 1\nmode: \ud800\n") == [
+        f"{NAME}:2:7: the policy is not valid Unicode text; save it as UTF-8"]
+
+
 def test_aliases_are_refused():
     text = "version: 1\nallow:\n  - &web {host: pypi.org, ports: [443]}\n  - *web\n"
     assert problems(text) == [f"{NAME}:4:5: YAML aliases (*name) are not allowed in a policy; write the entry out in full"]
