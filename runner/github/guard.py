@@ -25,7 +25,9 @@ from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
 
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
+# Events that run the workflow as the pull request has it; pull_request_target runs the base's.
 PR_EVENTS = frozenset({"pull_request", "pull_request_review", "pull_request_review_comment"})
+PR_CARRYING_EVENTS = PR_EVENTS | {"pull_request_target"}
 WORKFLOW_REF_RE = re.compile(
     r"^(?P<repo>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)/(?P<path>\.github/workflows/[^@\x00-\x1f]+)@(?P<ref>\S+)\Z"
 )
@@ -131,7 +133,7 @@ def job_context(env: Mapping[str, str]) -> JobContext:
     if not REPOSITORY_RE.match(repository):
         raise GuardError(f"GITHUB_REPOSITORY {repository[:200]!r} is missing or malformed")
     event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
-    pull_request = _pull_request(event, repository) if event_name in PR_EVENTS else None
+    pull_request = _pull_request(event, repository) if event_name in PR_CARRYING_EVENTS else None
     workflow_path = _workflow_path(env.get("GITHUB_WORKFLOW_REF", ""), repository)
     return JobContext(event_name, repository, workflow_path, pull_request)
 
@@ -214,10 +216,10 @@ def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClien
     pr = job.pull_request
     if pr and rules.author_associations and pr.author_association not in rules.author_associations:
         reasons.append(
-            f"{job.repository} only runs pull requests from authors who are {', '.join(rules.author_associations)}, "
-            f"and the author of #{pr.number} is {pr.author_association or 'unknown'}."
+            f"{job.repository} only runs pull requests from authors who are "
+            f"{', '.join(rules.author_associations)}, and the author of #{pr.number} is {pr.author_association or 'unknown'}."
         )
-    if pr and pr.from_fork:
+    if pr and pr.from_fork and job.event_name in PR_EVENTS:
         reasons.extend(_fork_workflow_reasons(job, pr, client))
     return Verdict(allowed=not reasons, reasons=tuple(reasons))
 

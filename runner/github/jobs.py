@@ -44,7 +44,12 @@ class CompletedJob:
 
 class JobHooks(Protocol):
     """Implemented by the job service: warm a VM for a queued job; release whatever a completed
-    (or cancelled) job left, including a pre-warmed VM nobody claimed."""
+    (or cancelled) job left, including a pre-warmed VM nobody claimed.
+
+    Both are called on the webhook's request thread and must return quickly (GitHub gives up on a
+    delivery after 10 s): queue the work, do not do it. An exception makes the delivery fail with
+    500 and leaves it to the redelivery sweep.
+    """
 
     def prewarm(self, job: QueuedJob) -> None: ...
 

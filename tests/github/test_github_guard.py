@@ -137,8 +137,20 @@ def test_same_repository_pull_requests_need_no_github(tmp_path, payload_name) ->
 
 def test_pull_request_target_from_a_fork_runs_the_base_workflow(tmp_path) -> None:
     job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR), event="pull_request_target"))
-    assert job.pull_request is None
+    assert job.pull_request.from_fork
     assert guard.evaluate(job, guard.RepoRules(), no_client).allowed
+
+
+def test_author_rules_also_apply_to_pull_request_target(tmp_path) -> None:
+    job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR), event="pull_request_target"))
+    verdict = guard.evaluate(job, guard.RepoRules(author_associations=("OWNER",)), no_client)
+    assert not verdict.allowed and "author of #217 is MEMBER" in verdict.reasons[0]
+
+
+def test_push_jobs_are_allowed_without_github(tmp_path) -> None:
+    job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR), event="push"))
+    assert job.pull_request is None
+    assert guard.evaluate(job, guard.RepoRules(author_associations=("OWNER",)), no_client).allowed
 
 
 def test_deleted_fork_counts_as_a_fork(tmp_path) -> None:
