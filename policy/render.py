@@ -145,8 +145,8 @@ def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> st
     address = ip_address(ip)
     _check(protocol in PROTOCOLS, f"protocol {protocol!r} must be one of {PROTOCOLS}")
     port_set = frozenset(ports)
-    _check(bool(port_set) and all(isinstance(p, int) and 1 <= p <= 65535 for p in port_set),
-           f"ports {sorted(port_set)} must be a non-empty set of 1..65535")
+    _check(bool(port_set) and all(type(p) is int and 1 <= p <= 65535 for p in port_set),
+           f"ports {sorted(port_set, key=repr)} must be a non-empty set of integers 1..65535")
     accept = _accept_for(ip_network(address), protocol, port_set)
     return "\n".join(f"-A {DNS_ALLOW_CHAIN} -d {accept.destination} -p {protocol} -m multiport "
                      f"--dports {group} -j ACCEPT" for group in accept.port_groups)

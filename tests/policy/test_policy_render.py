@@ -129,7 +129,8 @@ def test_dns_allow_rule_shape():
 
 @pytest.mark.parametrize("ip, ports, protocol", [
     ("1.2.3.4 -j ACCEPT", [443], "tcp"), ("1.2.3.4/8", [443], "tcp"), ("example.org", [443], "tcp"),
-    ("1.2.3.4", [], "tcp"), ("1.2.3.4", [0], "tcp"), ("1.2.3.4", ["443"], "tcp"), ("1.2.3.4", [443], "icmp"),
+    ("1.2.3.4", [], "tcp"), ("1.2.3.4", [0], "tcp"), ("1.2.3.4", ["443"], "tcp"), ("1.2.3.4", [443, "80"], "tcp"), ("1.2.3.4", [True], "tcp"),
+    ("1.2.3.4", [443], "icmp"),
 ])
 def test_dns_allow_rule_refuses_anything_but_an_address_ports_and_protocol(ip, ports, protocol):
     with pytest.raises(ValueError):
