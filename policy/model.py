@@ -47,8 +47,8 @@ class Rule:
     def __post_init__(self) -> None:
         if (self.host is None) == (self.network is None):
             raise ValueError("a Rule needs exactly one of host or network")
-        if not self.ports or not all(1 <= port <= 65535 for port in self.ports):
-            raise ValueError(f"a Rule needs ports in 1..65535, got {sorted(self.ports)}")
+        if not self.ports or not all(type(port) is int and 1 <= port <= 65535 for port in self.ports):
+            raise ValueError(f"a Rule needs integer ports in 1..65535, got {sorted(self.ports, key=repr)}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         object.__setattr__(self, "ports", frozenset(self.ports))

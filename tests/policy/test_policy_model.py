@@ -71,6 +71,7 @@ def test_allows_looks_at_names_for_host_rules_and_addresses_for_networks():
     {"ports": frozenset({443}), "host": "a.example", "network": ip_network("10.0.0.0/8")},
     {"ports": frozenset(), "host": "a.example"},
     {"ports": frozenset({0}), "host": "a.example"},
+    {"ports": frozenset({443, "80"}), "host": "a.example"},
     {"ports": frozenset({1}), "host": "a.example", "protocol": "icmp"},
 ])
 def test_rule_refuses_impossible_values(kwargs):
