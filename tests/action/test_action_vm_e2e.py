@@ -1,0 +1,203 @@
+"""The action end to end on real VMs: action.yml as the runner runs it, the real job service with its
+default (QEMU) sandbox factory, a passing and a failing suite, a timeout, a cancel, and a hostile
+checkout. Needs root, QEMU and the built `base` template: skipped locally, failing under CI=true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from action_harness import FORK_PR, HOST_SECRETS, Simulation, finish, interrupt, run_action, start
+from conftest import require
+
+from action.workflow import ZWSP
+
+pytestmark = pytest.mark.vm
+
+TESTS = '''
+import os
+
+def test_one():
+    assert True
+
+def test_two():
+    assert os.path.exists("pass-me"), "pass-me is missing"
+'''
+# No pytest in the guest image is assumed: a tiny runner writes the same JUnit shape pytest does.
+RUN_TESTS = r'''
+import os, sys, traceback
+sys.path.insert(0, "tests")
+import test_sample
+cases, failed = [], 0
+for name in ("test_one", "test_two"):
+    try:
+        getattr(test_sample, name)()
+        cases.append(f'<testcase classname="tests.test_sample" name="{name}"/>')
+    except AssertionError as exc:
+        failed += 1
+        line = traceback.extract_tb(exc.__traceback__)[-1].lineno
+        cases.append(f'<testcase classname="tests.test_sample" name="{name}"><failure message="{exc}">'
+                     f'tests/test_sample.py:{line}: AssertionError</failure></testcase>')
+os.makedirs("out", exist_ok=True)
+with open("out/report.xml", "w") as f:
+    f.write(f'<testsuites><testsuite name="t" tests="2">{"".join(cases)}</testsuite></testsuites>')
+print(f"{2 - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
+'''
+
+
+@pytest.fixture(scope="module")
+def template() -> None:
+    require(os.geteuid() == 0, "not running as root")
+    require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+    require(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing")
+    from runner.state import StateDir
+    from vmimages.store import TemplateNotFound, TemplateStore
+
+    try:
+        TemplateStore(StateDir.default().templates).get("base")
+    except TemplateNotFound as exc:
+        require(False, str(exc))
+
+
+@pytest.fixture
+def service(template: None) -> Iterator[object]:
+    from runner.service.api import ApiServers
+    from runner.service.config import config_from_mapping
+    from runner.service.service import JobService
+
+    short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))
+    config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state")})
+    svc = JobService(config)  # the production sandbox factory: real VMs
+    svc.start()
+    api = ApiServers(svc)
+    api.start()
+    yield svc
+    api.stop()
+    svc.shutdown(30)
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def sim(tmp_path: Path, external: Path) -> Simulation:
+    workspace = tmp_path / "workspace"
+    (workspace / "tests").mkdir(parents=True)
+    (workspace / "tests" / "test_sample.py").write_text(TESTS)
+    (workspace / "run_tests.py").write_text(RUN_TESTS)
+    temp = tmp_path / "runner-temp"
+    temp.mkdir()
+    return Simulation(workspace, temp, json.loads((external / FORK_PR).read_text()))
+
+
+def suite_inputs(service) -> dict[str, str]:
+    return {"run": "python3 run_tests.py", "artifacts": "out/report.xml", "socket": service.config.socket}
+
+
+def test_passing_suite_in_a_vm(service, sim: Simulation) -> None:
+    (sim.workspace / "pass-me").write_text("")
+    result = run_action(sim, suite_inputs(service))
+    assert result.returncode == 0, result.log
+    assert (result.outputs["exit-code"], result.outputs["junit-passed"], result.outputs["junit-failed"]) == ("0", "2", "0")
+    record = json.loads(result.outputs["result-json"])["record"]
+    assert record["state"] == "finished" and record["vm_id"]
+    assert "VM ready" in result.summary
+
+
+def test_failing_suite_in_a_vm(service, sim: Simulation) -> None:
+    result = run_action(sim, suite_inputs(service))
+    assert result.returncode == 1
+    assert (result.outputs["exit-code"], result.outputs["junit-failed"]) == ("1", "1")
+    assert any(line.startswith("::error file=tests/test_sample.py,line=8,title=tests.test_sample.test_two::")
+               for line in result.log.splitlines()), result.log
+
+
+def test_timeout_in_a_vm(service, sim: Simulation) -> None:
+    result = run_action(sim, {"run": "sleep 600", "timeout-minutes": "0.1", "socket": service.config.socket})
+    assert result.returncode == 124 and result.outputs["exit-code"] == "124"
+
+
+def test_cancel_in_a_vm(service, sim: Simulation) -> None:
+    from runner.service.client import JobClient
+
+    metadata, steps = start(sim, {"run": "echo started; sleep 600", "socket": service.config.socket})
+    client = JobClient(socket=service.config.socket)
+    for _ in range(1200):
+        jobs = client.list()
+        if jobs and jobs[0]["state"] == "running":
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("the job never started running")
+    interrupt(steps)
+    result = finish(sim, metadata, steps, timeout=120)
+    assert result.returncode == 130
+    for _ in range(600):
+        if client.get(jobs[0]["id"])["state"] == "cancelled":
+            break
+        time.sleep(0.1)
+    assert client.get(jobs[0]["id"])["state"] == "cancelled"
+
+
+def test_hostile_checkout_changes_nothing_and_still_reports(service, sim: Simulation, tmp_path: Path) -> None:
+    host_marker = secrets.token_hex(16)
+    host_file = Path(tempfile.mkdtemp(prefix="mvc-act-host-")) / "host-only.txt"
+    host_file.write_text(host_marker)
+    hostile = f'''
+echo "::set-output name=exit-code::0"
+echo "::add-mask::passed"
+echo "::add-path::/tmp/evil-path"
+echo "::set-env name=EVIL::1"
+echo "::stop-commands::guess"
+echo "::guess::"
+echo "::echo::on"
+printf '::set-output name=junit-failed::0\\r::add-mask::cr\\n'
+echo "GITHUB_OUTPUT=$GITHUB_OUTPUT GITHUB_ENV=$GITHUB_ENV"
+env
+cat {host_file} 2>&1
+ls {sim.workspace} 2>&1
+python3 - <<'PY'
+import socket
+gw = None
+for line in open("/proc/net/route").read().splitlines()[1:]:
+    f = line.split()
+    if f[1] == "00000000":
+        gw = socket.inet_ntoa(bytes.fromhex(f[2])[::-1])
+for port in (22, 80, 443):
+    try:
+        socket.create_connection((gw, port), timeout=3).close()
+        print("NET-REACHED", gw, port)
+    except Exception as exc:
+        print("net blocked", gw, port, type(exc).__name__)
+PY
+mkdir -p out
+ln -s /etc/passwd out/evil.xml
+head -c 30000000 /dev/zero | tr '\\0' 'x' | fold -w 1000
+exit 7
+'''
+    (sim.workspace / "hostile.sh").write_text(hostile)
+    result = run_action(sim, {"run": "sh hostile.sh", "artifacts": "out/*", "socket": service.config.socket})
+    try:
+        assert result.returncode == 7
+        assert result.outputs["exit-code"] == "7" and result.outputs["junit-failed"] == ""
+        assert f"{ZWSP}::set-output name=exit-code::0" in result.log
+        assert [line for line in result.log.splitlines() if line.startswith("::stop-commands::")] == [
+            line for line in result.log.splitlines()[:3] if line.startswith("::stop-commands::")]
+        for secret in [*HOST_SECRETS.values(), host_marker]:
+            assert secret not in result.log
+        assert "NET-REACHED" not in result.log
+        assert "log truncated" in result.log and len(result.log) < 40_000_000
+        assert not os.path.lexists(sim.workspace / "out" / "evil.xml")
+        assert not os.path.exists("/tmp/evil-path")
+        record = json.loads(result.outputs["result-json"])["record"]
+        assert record["exit_code"] == 7
+        assert "exit code 7" in result.summary
+    finally:
+        shutil.rmtree(host_file.parent, ignore_errors=True)
