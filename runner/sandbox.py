@@ -142,7 +142,7 @@ class Sandbox:
         except GuestOpError as exc:
             raise SandboxError(str(exc)) from None
         except AgentError as exc:
-            vm.fail(str(exc))
+            vm.channel_broken(str(exc))
             self._engine.destroy(vm)
             raise SandboxError(vm.describe_failure()) from None
 

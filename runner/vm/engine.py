@@ -142,7 +142,7 @@ class Engine:
         if vm.slot is not None:
             vm.slot.apply_policy(policy)
         vm.machine.restore(vm.snapshot)
-        vm.agent = AgentClient(vm.machine.agent, on_broken=vm.fail)
+        vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken)
         vm.machine.resume()
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 

@@ -41,7 +41,7 @@ class WarmPool:
         self.size = size
         self._release_slot = release_slot
         self._ready: dict[Snapshot, list[Spawned]] = defaultdict(list)
-        self._filling: set[Snapshot] = set()
+        self._filling: dict[Snapshot, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -63,8 +63,9 @@ class WarmPool:
         with self._lock:
             if self._closed or snapshot in self._filling or len(self._ready[snapshot]) >= self.size:
                 return
-            self._filling.add(snapshot)
-        threading.Thread(target=self._fill, args=(snapshot,), name="pool-fill", daemon=True).start()
+            filler = threading.Thread(target=self._fill, args=(snapshot,), name="pool-fill", daemon=True)
+            self._filling[snapshot] = filler
+        filler.start()
 
     def _fill(self, snapshot: Snapshot) -> None:
         try:
@@ -82,11 +83,16 @@ class WarmPool:
             log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
         finally:
             with self._lock:
-                self._filling.discard(snapshot)
+                self._filling.pop(snapshot, None)
 
     def close(self) -> None:
+        """Stop filling, wait for fillers under way (they discard what they spawn) and end the rest."""
         with self._lock:
             self._closed = True
+            fillers = list(self._filling.values())
+        for filler in fillers:
+            filler.join()
+        with self._lock:
             entries = [s for group in self._ready.values() for s in group]
             self._ready.clear()
         for spawned in entries:

@@ -45,6 +45,15 @@ class VM:
                 self.failure = why
         self.destroy()
 
+    def channel_broken(self, why: str) -> None:
+        """The agent channel failed. A VMM that is dying closes the channel a moment before it can be
+        reaped, so give it that moment: then the error can say the VMM died, not just that the
+        channel closed."""
+        deadline = time.monotonic() + 0.5
+        while self.machine.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.fail(why)
+
     def describe_failure(self) -> str:
         code = self.machine.exit_status()
         if self.failure and code is not None and code < 0 and not self._killed_by_us:

@@ -1,0 +1,202 @@
+"""The host's agent client against a hostile guest: we play the guest on a socketpair.
+
+Each case must end the channel with a clear AgentError, quickly, without hanging the caller or
+buffering without bound.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from runner.vm.agent import AgentClient
+from runner.vm.errors import AgentError
+from vmimages.guest import protocol as P
+
+
+@pytest.fixture
+def pair():
+    host, guest = socket.socketpair()
+    broken: list[str] = []
+    client = AgentClient(host, on_broken=broken.append)
+    yield client, guest, broken
+    client.close()
+    guest.close()
+    host.close()
+
+
+def read_request(guest: socket.socket) -> P.Frame:
+    return P.FrameReader(guest.recv).next()
+
+
+def answer_after_request(guest: socket.socket, payload: bytes) -> None:
+    def run() -> None:
+        read_request(guest)
+        guest.sendall(payload)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def header(kind: int, rid: int, length: int, magic: bytes = P.MAGIC, version: int = P.VERSION) -> bytes:
+    return P.HEADER.pack(magic, version, kind, rid, length)
+
+
+def expect_broken(client: AgentClient, broken: list[str], fragment: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(AgentError) as info:
+        client.ping(timeout=5)
+    assert time.monotonic() - started < 4, "the client waited for its deadline instead of failing fast"
+    assert fragment in str(info.value)
+    assert broken and fragment in broken[0]
+
+
+def test_well_formed_reply_is_returned(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(1, {"ok": True, "version": 1}))
+    assert client.ping(timeout=5)["version"] == 1
+    assert broken == []
+
+
+def test_oversized_frame_is_refused_before_reading_it(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, header(P.STDOUT, 1, 2**31))
+    expect_broken(client, broken, "exceeds")
+
+
+def test_bad_magic(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, header(P.MSG, 1, 2, magic=b"XX") + b"{}")
+    expect_broken(client, broken, "bad frame magic")
+
+
+def test_wrong_version(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, header(P.MSG, 1, 2, version=9) + b"{}")
+    expect_broken(client, broken, "version 9")
+
+
+def test_unknown_kind(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, header(77, 1, 0))
+    expect_broken(client, broken, "unknown frame kind")
+
+
+def test_truncated_frame_then_hang_up(pair):
+    client, guest, broken = pair
+
+    def run() -> None:
+        read_request(guest)
+        guest.sendall(header(P.MSG, 1, 100) + b'{"ok"')
+        guest.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=run, daemon=True).start()
+    expect_broken(client, broken, "in the middle of a frame")
+
+
+def test_garbled_json(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode(P.MSG, 1, b"\xff\xfe not json"))
+    expect_broken(client, broken, "not valid UTF-8 JSON")
+
+
+def test_json_that_is_not_an_object(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode(P.MSG, 1, json.dumps([1, 2]).encode()))
+    expect_broken(client, broken, "not an object")
+
+
+def test_reply_to_a_request_never_sent(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(99, {"ok": True}))
+    expect_broken(client, broken, "never sent")
+
+
+def test_silent_guest_hits_the_deadline(pair):
+    client, guest, broken = pair
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="did not answer"):
+        client.ping(timeout=1)
+    assert time.monotonic() - started < 3
+    with pytest.raises(AgentError):  # the channel is not trusted again
+        client.ping(timeout=1)
+
+
+def test_guest_that_stops_reading_cannot_block_a_sender(pair):
+    client, guest, broken = pair
+    big = b"x" * (4 * 1024 * 1024)  # far more than the socket buffers hold
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="stopped reading|did not answer"):
+        client.write_file("/tmp/f", [big], mode=0o644, timeout=1)
+    assert time.monotonic() - started < 5
+
+
+def test_invalid_exit_code_is_rejected(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(1, {"ok": True, "exit_code": 100000, "timed_out": False}))
+    with pytest.raises(AgentError, match="invalid exit code"):
+        client.exec({"shell": "true"}, lambda s, d: None, timeout=5)
+
+
+def test_exit_code_of_wrong_type_is_rejected(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(1, {"ok": True, "exit_code": "0", "timed_out": False}))
+    with pytest.raises(AgentError, match="invalid exit code"):
+        client.exec({"shell": "true"}, lambda s, d: None, timeout=5)
+
+
+def test_read_file_beyond_the_limit_breaks_the_channel(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode(P.DATA, 1, b"y" * 2000) + P.encode_msg(1, {"ok": True}))
+    with pytest.raises(AgentError, match="more than the 1000 bytes"):
+        client.read_file("/etc/passwd", max_bytes=1000, timeout=5)
+    assert broken
+
+
+def test_output_flood_is_streamed_with_bounded_buffering(pair):
+    """A guest writing far faster than we consume is throttled by the bounded queue, not buffered."""
+    client, guest, broken = pair
+    chunk = P.encode(P.STDOUT, 1, b"z" * P.MAX_CHUNK)
+    total = 200  # 50 MiB in all
+
+    def run() -> None:
+        read_request(guest)
+        for _ in range(total):
+            guest.sendall(chunk)
+        guest.sendall(P.encode_msg(1, {"ok": True, "exit_code": 0, "timed_out": False}))
+
+    threading.Thread(target=run, daemon=True).start()
+    seen = 0
+    max_queued = 0
+
+    def consume(stream: str, data: bytes) -> None:
+        nonlocal seen, max_queued
+        seen += len(data)
+        max_queued = max(max_queued, max(r.frames.qsize() for r in client._pending.values()))
+
+    outcome = client.exec({"shell": "yes"}, consume, timeout=30)
+    assert outcome.exit_code == 0
+    assert seen == total * P.MAX_CHUNK
+    assert max_queued <= 64
+
+
+def test_stray_frames_for_finished_requests_are_bounded(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(1, {"ok": True}))
+    client.ping(timeout=5)
+    guest.sendall(P.encode(P.STDOUT, 1, b"late") * 10_001)
+    time.sleep(0.5)
+    deadline = time.monotonic() + 5
+    while not broken and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert broken and "too many frames" in broken[0]
+
+
+def test_header_layout_is_what_the_guest_speaks():
+    frame = P.encode_msg(7, {"op": "ping"})
+    magic, version, kind, rid, length = struct.unpack(">2sBBII", frame[:12])
+    assert (magic, version, kind, rid, length) == (b"MV", 1, P.MSG, 7, len(frame) - 12)

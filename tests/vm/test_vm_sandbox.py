@@ -1,0 +1,170 @@
+"""The Sandbox API on real VMs restored from the built template."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+
+from runner.sandbox import Sandbox, SandboxError
+
+
+def test_output_streams_in_order_and_exit_code_is_a_result(sandbox):
+    seen: list[tuple[str, bytes]] = []
+    script = "for i in 1 2 3; do echo out$i; sleep 0.2; echo err$i >&2; sleep 0.2; done; exit 3"
+    r = sandbox.exec(script, on_output=lambda stream, data: seen.append((stream, data)))
+    assert r.exit_code == 3 and not r.timed_out
+    assert r.stdout == b"out1\nout2\nout3\n"
+    assert r.stderr == b"err1\nerr2\nerr3\n"
+    lines = [(s, line) for s, d in seen for line in d.decode().split()]
+    expected = [(stream, f"{prefix}{i}") for i in (1, 2, 3) for stream, prefix in (("stdout", "out"), ("stderr", "err"))]
+    assert lines == expected
+
+
+def test_output_arrives_while_the_command_still_runs(sandbox):
+    arrivals: list[float] = []
+    r = sandbox.exec("echo first; sleep 2; echo second", on_output=lambda s, d: arrivals.append(time.monotonic()))
+    assert r.exit_code == 0
+    assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 1.5
+
+
+@pytest.mark.parametrize("code", [0, 1, 42, 255])
+def test_exit_codes(sandbox, code):
+    assert sandbox.exec(f"exit {code}").exit_code == code
+
+
+def test_killed_by_signal_reports_128_plus_signal(sandbox):
+    assert sandbox.exec("kill -9 $$").exit_code == 128 + 9
+
+
+def test_argv_runs_without_a_shell(sandbox):
+    r = sandbox.exec(["printf", "%s|", "a b", "$HOME"])
+    assert r.stdout == b"a b|$HOME|"
+
+
+def test_env_cwd_and_user(sandbox):
+    r = sandbox.exec("echo $GREETING; pwd; id -un", env={"GREETING": "hello"}, cwd="/tmp", user="runner")
+    assert r.stdout.decode().split() == ["hello", "/tmp", "runner"]
+
+
+def test_host_environment_does_not_leak(sandbox, monkeypatch):
+    monkeypatch.setenv("MICROVM_SECRET_TOKEN", "do-not-leak")
+    r = sandbox.exec("env")
+    assert b"do-not-leak" not in r.stdout
+
+
+def test_timeout_kills_the_whole_process_tree(sandbox):
+    started = time.monotonic()
+    r = sandbox.exec("sleep 300 & setsid sleep 301 & sh -c 'sleep 302' & sleep 303", timeout_seconds=2)
+    assert r.timed_out and r.exit_code == 124
+    assert time.monotonic() - started < 30
+    left = sandbox.exec("ps -eo args | grep -c '^sleep 30[0-3]' || true")
+    assert left.stdout.strip() == b"0", "processes of the timed-out command survived"
+
+
+def test_cancel_kills_running_command(sandbox):
+    import threading
+
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", sandbox.exec("sleep 120")))
+    t.start()
+    time.sleep(1.5)
+    sandbox.cancel()
+    t.join(timeout=20)
+    assert not t.is_alive()
+    assert result["r"].exit_code == 128 + 9
+
+
+def test_files_in_and_out_byte_exact_50mib(sandbox):
+    data = os.urandom(50 * 1024 * 1024)
+    sandbox.files.write("/tmp/big.bin", data)
+    r = sandbox.exec("sha256sum /tmp/big.bin")
+    assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    assert sandbox.files.read("/tmp/big.bin") == data
+
+
+def test_copy_in_and_out_directories(sandbox, tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg" / "deep").mkdir(parents=True)
+    files = {"a.txt": b"alpha\n", "pkg/b.bin": bytes(range(256)) * 100, "pkg/deep/c": b""}
+    for name, content in files.items():
+        (src / name).write_bytes(content)
+    (src / "run.sh").write_bytes(b"#!/bin/sh\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    sandbox.copy_in(src, "/workspace/proj")
+    assert sandbox.exec("./run.sh", cwd="/workspace/proj").stdout == b"ran\n"
+    sandbox.exec("mkdir -p /workspace/proj/out && cp pkg/b.bin out/ && ln -s /etc/passwd out/link", cwd="/workspace/proj")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    report = sandbox.copy_out("/workspace/proj", dest)
+    for name, content in files.items():
+        assert (dest / "proj" / name).read_bytes() == content
+    assert (dest / "proj" / "out" / "b.bin").read_bytes() == files["pkg/b.bin"]
+    assert not (dest / "proj" / "out" / "link").exists(), "a guest symlink was recreated on the host"
+    assert "proj/out/link" in report.skipped
+
+
+def test_read_of_missing_file_is_a_clear_error_and_the_sandbox_survives(sandbox):
+    with pytest.raises(SandboxError, match="No such file"):
+        sandbox.files.read("/nope")
+    assert sandbox.exec("true").exit_code == 0
+
+
+def test_two_restores_differ_in_randomness_and_follow_the_host_clock(engine):
+    seen = []
+    for _ in range(2):
+        with Sandbox.create(engine=engine) as sbx:
+            r = sbx.exec("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s.%N")
+            random_hex, guest_time = r.stdout.decode().split()
+            assert abs(float(guest_time) - time.time()) < 1.0
+            seen.append(random_hex)
+    assert seen[0] != seen[1]
+
+
+def test_a_file_written_in_one_vm_is_absent_from_the_next(engine):
+    with Sandbox.create(engine=engine) as first:
+        first.exec("echo secret > /workspace/left-behind; echo x > /root/also; sync")
+    with Sandbox.create(engine=engine) as second:
+        r = second.exec("ls /workspace/left-behind /root/also")
+        assert r.exit_code != 0
+
+
+def test_no_network_card_without_network(sandbox):
+    r = sandbox.exec("ls /sys/class/net")
+    assert r.stdout.split() == [b"lo"]
+
+
+def test_kill_9_of_qemu_mid_exec_is_a_clear_error(engine):
+    sbx = Sandbox.create(engine=engine)
+    vm = engine.live()[0]
+    import threading
+
+    threading.Timer(1.5, os.kill, args=(vm.machine.pid, signal.SIGKILL)).start()
+    with pytest.raises(SandboxError, match="signal 9"):
+        sbx.exec("sleep 60")
+    assert not sbx.alive
+    with pytest.raises(SandboxError):
+        sbx.exec("true")
+    sbx.destroy()  # idempotent
+
+
+def test_ttl_expiry_destroys_the_vm(engine):
+    sbx = Sandbox.create(engine=engine, ttl_seconds=2)
+    with pytest.raises(SandboxError, match="TTL"):
+        sbx.exec("sleep 30")
+    assert not sbx.alive
+
+
+def test_resources_must_match_the_template(engine):
+    with pytest.raises(SandboxError, match="MiB of memory"):
+        Sandbox.create(engine=engine, memory_mib=64)
+    with pytest.raises(SandboxError, match="vCPU"):
+        Sandbox.create(engine=engine, vcpus=7)
+
+
+def test_unknown_template_says_how_to_build_it(engine):
+    with pytest.raises(SandboxError, match="template build nope"):
+        Sandbox.create(engine=engine, template="nope")
