@@ -16,7 +16,7 @@ from pathlib import Path
 import jwt
 import requests
 
-from runner.github.client import DEFAULT_API_URL, Clock, GitHubClient, RetryPolicy, Sleep
+from runner.github.client import DEFAULT_API_URL, DEFAULT_RETRY, Clock, GitHubClient, RetryPolicy, Sleep
 from runner.github.errors import GitHubError, NotFound
 
 JWT_BACKDATE = 60  # GitHub's recommendation against clock drift
@@ -78,7 +78,7 @@ class GitHubApp:
         *,
         api_url: str = DEFAULT_API_URL,
         session: requests.Session | None = None,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         clock: Clock = time.time,
         sleep: Sleep = time.sleep,
     ) -> None:

@@ -7,7 +7,7 @@ GitHub limits a check run's `output.text` to 65535 characters, so only the tail 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from runner.github.client import GitHubClient
 
@@ -41,7 +41,7 @@ def log_tail(log: str, limit: int = MAX_TEXT) -> str:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class CheckRuns:

@@ -50,6 +50,7 @@ class RetryPolicy:
         return min(self.base_delay * (2**attempt), self.max_wait)
 
 
+DEFAULT_RETRY = RetryPolicy()
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
 TokenSource = Callable[[], str]
@@ -64,7 +65,7 @@ class GitHubClient:
         *,
         api_url: str = DEFAULT_API_URL,
         session: requests.Session | None = None,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         clock: Clock = time.time,
         sleep: Sleep = time.sleep,
         timeout: float = 30.0,

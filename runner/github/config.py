@@ -1,14 +1,15 @@
 """Where the GitHub integration's settings come from: one YAML file, overridable by environment.
 
-Secrets are never in the file itself, only paths to them (the private key, the webhook secret), so
-the file can be world-readable and kept in configuration management.
+Secrets are never in the file itself, only the path to the App's private key, so the file can be
+world-readable and kept in configuration management. The webhook endpoint is configured in the
+service's own config (`runner.service.webhook`), which hands it to `runner.github.webhooks`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,6 @@ ENV_FIELDS = ("app_id", "client_id", "private_key_path", "installation_id", "org
 
 
 @dataclass(frozen=True)
-class WebhookSettings:
-    """The webhook endpoint is off unless `listen` is set."""
-
-    listen: str | None = None
-    secret_path: Path | None = None
-    max_body: int = 1024 * 1024
-
-
-@dataclass(frozen=True)
 class GitHubSettings:
     private_key_path: Path
     app_id: int | None = None
@@ -44,7 +36,6 @@ class GitHubSettings:
     app_slug: str | None = None
     api_url: str = DEFAULT_API_URL
     labels: tuple[str, ...] = DEFAULT_LABELS
-    webhook: WebhookSettings = field(default_factory=WebhookSettings)
 
     def credentials(self) -> AppCredentials:
         return AppCredentials.from_key_file(
@@ -103,19 +94,6 @@ def _settings(raw: dict[str, Any], source: Path) -> GitHubSettings:
         app_slug=str(raw["app_slug"]) if raw.get("app_slug") else None,
         api_url=str(raw.get("api_url") or DEFAULT_API_URL),
         labels=tuple(labels),
-        webhook=_webhook(raw.get("webhook") or {}, where),
-    )
-
-
-def _webhook(raw: Any, where: str) -> WebhookSettings:
-    if not isinstance(raw, dict):
-        raise GitHubError(f"webhook {where} must be a mapping (listen, secret_path, max_body)")
-    if raw.get("listen") and not raw.get("secret_path"):
-        raise GitHubError(f"webhook.listen is set but webhook.secret_path is not {where}: the endpoint needs a secret")
-    return WebhookSettings(
-        listen=str(raw["listen"]) if raw.get("listen") else None,
-        secret_path=Path(str(raw["secret_path"])) if raw.get("secret_path") else None,
-        max_body=_int(raw.get("max_body"), "webhook.max_body", where) or WebhookSettings.max_body,
     )
 
 

@@ -217,7 +217,8 @@ def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClien
     if pr and rules.author_associations and pr.author_association not in rules.author_associations:
         reasons.append(
             f"{job.repository} only runs pull requests from authors who are "
-            f"{', '.join(rules.author_associations)}, and the author of #{pr.number} is {pr.author_association or 'unknown'}."
+            f"{', '.join(rules.author_associations)}, "
+            f"and the author of #{pr.number} is {pr.author_association or 'unknown'}."
         )
     if pr and pr.from_fork and job.event_name in PR_EVENTS:
         reasons.extend(_fork_workflow_reasons(job, pr, client))

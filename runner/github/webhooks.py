@@ -21,9 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from runner.github import jobs, signature
-from runner.github.config import GitHubSettings
 from runner.github.deliveries import DeliveryLog
-from runner.github.errors import GitHubError
 from runner.github.jobs import JobHooks
 
 log = logging.getLogger(__name__)
@@ -207,21 +205,3 @@ class WebhookServer:
         if self._thread:
             self._thread.join()
 
-
-def server_from_settings(settings: GitHubSettings, hooks: JobHooks) -> WebhookServer | None:
-    """The configured endpoint (not yet started), or None when `webhook.listen` is not set."""
-    webhook = settings.webhook
-    if not webhook.listen:
-        return None
-    host, _, port = webhook.listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise GitHubError(f"webhook.listen {webhook.listen!r} must be HOST:PORT, e.g. 127.0.0.1:8088")
-    assert webhook.secret_path is not None  # load_settings requires it with listen
-    try:
-        secret = webhook.secret_path.read_bytes().strip()
-    except OSError as exc:
-        raise GitHubError(f"cannot read the webhook secret {webhook.secret_path}: {exc.strerror}") from exc
-    if not secret:
-        raise GitHubError(f"the webhook secret file {webhook.secret_path} is empty")
-    config = WebhookConfig(secret=secret, labels=settings.labels, max_body=webhook.max_body)
-    return WebhookServer(WebhookReceiver(config, hooks), host.strip("[]"), int(port))

@@ -103,6 +103,7 @@ def test_app_not_installed_on_org_says_where_to_install(make_app) -> None:
 
 @responses.activate
 def test_uninstalled_installation_id_is_explained(app) -> None:
-    responses.post(f"{API}/app/installations/{INSTALLATION_ID}/access_tokens", json={"message": "Not Found"}, status=404)
+    url = f"{API}/app/installations/{INSTALLATION_ID}/access_tokens"
+    responses.post(url, json={"message": "Not Found"}, status=404)
     with pytest.raises(NotFound, match="uninstalled"):
         app.installation_token()

@@ -128,7 +128,8 @@ def test_pagination_follows_link_next(client, operations) -> None:
 
     page1 = example(operations, "GET /orgs/{org}/actions/runners", "200")
     page2 = {"total_count": 3, "runners": [dict(page1["runners"][0], id=99, name="third")]}
-    responses.get(RUNNERS, json=page1, headers={"Link": f'<{RUNNERS}?page=2>; rel="next", <{RUNNERS}?page=2>; rel="last"'})
+    link = f'<{RUNNERS}?page=2>; rel="next", <{RUNNERS}?page=2>; rel="last"'
+    responses.get(RUNNERS, json=page1, headers={"Link": link})
     responses.get(f"{RUNNERS}?page=2", json=page2)
     ids = [runner["id"] for runner in client.paginate("/orgs/octo-org/actions/runners", "runners")]
     assert ids == [23, 24, 99]

@@ -8,10 +8,12 @@ repository_id) as published in octokit's OpenAPI types, not a stored fragment.
 
 from __future__ import annotations
 
+from datetime import UTC
+
 import pytest
 import responses
-from responses import matchers
 from github_fakes import API, FakeClock
+from responses import matchers
 
 from runner.github.app import parse_timestamp
 from runner.github.client import GitHubClient
@@ -23,9 +25,9 @@ NOW = "2026-11-30T12:00:00Z"
 
 def item(id_: int, guid: str, minutes_ago: int, status_code: int, redelivery: bool = False) -> dict:
     delivered = parse_timestamp(NOW) - minutes_ago * 60
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    stamp = datetime.fromtimestamp(delivered, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = datetime.fromtimestamp(delivered, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "id": id_, "guid": guid, "delivered_at": stamp, "redelivery": redelivery, "duration": 0.27,
         "status": "OK" if status_code == 200 else "Invalid HTTP Response: 502", "status_code": status_code,

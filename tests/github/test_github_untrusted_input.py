@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from github_fakes import load_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from github_fakes import load_payload
 
 from runner.github import guard, jobs
 

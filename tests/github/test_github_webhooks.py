@@ -101,7 +101,9 @@ def github_headers(body: bytes, event: str, delivery: str | None = None) -> dict
     }
 
 
-def deliver(server: WebhookServer, payload: dict | bytes, event: str = "workflow_job", delivery: str | None = None) -> Reply:
+def deliver(
+    server: WebhookServer, payload: dict | bytes, event: str = "workflow_job", delivery: str | None = None
+) -> Reply:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     return send(server, body, headers=github_headers(body, event, delivery))
 
@@ -310,22 +312,3 @@ def test_pull_request_events_are_ignored(server, hooks) -> None:
     reply = deliver(server, load_payload("listendev-lstn.pull_request.opened.from-fork.json"), event="pull_request")
     assert reply.status == 200 and "ignored" in reply.message
 
-
-def test_server_from_settings_is_off_unless_configured(tmp_path, hooks) -> None:
-    from runner.github.config import GitHubSettings, WebhookSettings
-    from runner.github.webhooks import server_from_settings
-
-    assert server_from_settings(GitHubSettings(private_key_path=tmp_path / "k", app_id=1), hooks) is None
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET + b"\n")
-    settings = GitHubSettings(
-        private_key_path=tmp_path / "k", app_id=1, labels=("microvm",),
-        webhook=WebhookSettings(listen="127.0.0.1:0", secret_path=secret),
-    )
-    server = server_from_settings(settings, hooks)
-    server.start(poll_interval=0.02)
-    try:
-        assert deliver(server, load_payload("github-aws-runners.workflow_job.queued.self-hosted.json")).status == 200
-        assert len(hooks.queued) == 1  # the trailing newline of the secret file was not part of the key
-    finally:
-        server.stop()
