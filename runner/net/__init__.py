@@ -3,7 +3,7 @@
 Public API (everything else is internal):
 
 - `SlotPool(prefix, uplink, size, upstream=..., tap_owner=...)`: `start()` / `close()` (or `with`),
-  `acquire(job="") -> Slot`, `release(slot)`, `sweep() -> list[str]`.
+  `acquire(job="") -> Slot`, `release(slot)`, `discard(slot)`, `sweep() -> list[str]`.
 - `Slot`: `netns`, `tap`; `qemu_prefix() -> list[str]` (argv prefix running QEMU in the namespace,
   which then opens `-netdev tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off`);
   `apply_policy(policy: policy.Policy) -> None` (raises; the VM must not start then);

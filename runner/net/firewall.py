@@ -57,6 +57,11 @@ def tables_of(document: str) -> set[str]:
     return set(_TABLE_LINE.findall(document))
 
 
+def rules_of(document: str) -> str:
+    """The document without comments and blank lines: what the kernel ends up with."""
+    return "\n".join(line for line in document.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+
+
 def check_policy_document(document: str, family: str) -> None:
     """Refuse a rendered policy that would overwrite the slot's own tables (nat, raw)."""
     tables = tables_of(document)
@@ -70,9 +75,8 @@ def check_policy_document(document: str, family: str) -> None:
         )
 
 
-def deny_all(ipv6: bool = False) -> str:
-    """The filter table of an idle slot: nothing in, nothing through."""
-    del ipv6  # the same document is valid for both families
+def deny_all() -> str:
+    """The IPv4 filter table of an idle slot: nothing in, nothing through (IPv6: the renderer's deny-all)."""
     return "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
 
 

@@ -46,6 +46,7 @@ class Servers:
     sockets: list[socket.socket] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    queries: int = 0
 
     def tcp(self, ns: str, address: str, port: int) -> None:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -56,11 +57,13 @@ class Servers:
         sock.settimeout(0.2)
         self._spawn(lambda: self._serve_tcp(sock, f"{address}:{port}".encode()), sock)
 
-    def dns(self, ns: str, address: str) -> None:
-        sock = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind((address, 53))
+    def dns(self, ns: str | None, address: str, port: int = 53) -> int:
+        """A DNS server answering from `ZONE`; returns its port (pass 0 for any free one)."""
+        sock = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM) if ns else socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((address, port))
         sock.settimeout(0.2)
         self._spawn(lambda: self._serve_dns(sock), sock)
+        return int(sock.getsockname()[1])
 
     def close(self) -> None:
         self.stop.set()
@@ -90,6 +93,7 @@ class Servers:
                 data, peer = sock.recvfrom(4096)
             except (TimeoutError, OSError):
                 continue
+            self.queries += 1
             query = DNSRecord.parse(data)
             name = str(query.q.qname).rstrip(".")
             reply = query.reply()

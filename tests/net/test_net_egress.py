@@ -116,8 +116,10 @@ def test_ipv6_is_blocked(slot, guest, net) -> None:
     ip("-n", net.internet, "-6", "route", "add", "2001:db8:1::/64", "via", "2001:db8:2::2")
     subprocess.run(["ip", "netns", "exec", slot.netns, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"], check=True)
     open_doc = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
-    slot.firewall.load(slot.netns, open_doc, ipv6=True)
+    slot.firewall.load(slot.netns, open_doc, ipv6=True)  # behind the slot's back, so:
     assert reach(guest, SERVER_IP6, 8000, timeout=5)  # the path works when nothing filters it (slow ND)
+    net.pool.release(slot)  # release restores the IPv6 deny-all whatever happened to it
+    assert net.pool.acquire() is slot
 
     slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
 

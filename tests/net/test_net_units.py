@@ -1,0 +1,171 @@
+"""Parts of the networking that need no namespace: guest packet parsing, policy suggestions, and
+the resolver's decisions (against a fake upstream on loopback)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+
+import pytest
+from dnslib import QTYPE, RCODE, DNSRecord
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from net_fakes import ALLOWED_HOST, Servers
+from policy import load_policy
+from runner.net import AuditRecord, Upstream, suggest_policy
+from runner.net.audit import parse_packet, payloads
+from runner.net.dns import MAX_OPENED_ADDRESSES, DnsService, SlotResolver
+from runner.net.loop import NetLoop
+
+
+def ipv4_packet(dest: str, proto: int, dport: int, header_words: int = 5) -> bytes:
+    header = struct.pack("!BBHHHBBH4s4s", 0x40 | header_words, 0, 40, 0, 0, 64, proto, 0,
+                         socket.inet_aton("192.0.2.2"), socket.inet_aton(dest))
+    header += b"\0" * (4 * header_words - 20)
+    return header + struct.pack("!HH", 40000, dport) + b"\0" * 16
+
+
+def test_parse_packet_reads_destination_port_and_protocol() -> None:
+    assert parse_packet(ipv4_packet("203.0.113.9", 6, 443)) == ("203.0.113.9", 443, "tcp")
+    assert parse_packet(ipv4_packet("203.0.113.9", 17, 53, header_words=6)) == ("203.0.113.9", 53, "udp")
+    assert parse_packet(ipv4_packet("203.0.113.9", 1, 0)) == ("203.0.113.9", None, "icmp")
+    ipv6 = bytes([0x60]) + b"\0" * 5 + bytes([6, 64]) + b"\0" * 16 + socket.inet_pton(socket.AF_INET6, "2001:db8::1")
+    assert parse_packet(ipv6 + struct.pack("!HH", 1, 8080)) == ("2001:db8::1", 8080, "tcp")
+
+
+def test_truncated_packets_are_skipped() -> None:
+    assert parse_packet(b"") is None
+    assert parse_packet(ipv4_packet("203.0.113.9", 6, 443)[:19]) is None
+    assert parse_packet(ipv4_packet("203.0.113.9", 6, 443)[:22]) == ("203.0.113.9", None, "tcp")
+
+
+@given(st.binary(max_size=300))
+def test_hostile_bytes_never_break_the_audit_parsers(data: bytes) -> None:
+    for payload in payloads(data):
+        parse_packet(payload)
+    parse_packet(data)
+
+
+def test_suggested_policy_allows_every_record_in_block_mode() -> None:
+    records = [
+        AuditRecord("203.0.113.10", 443, "tcp", "web.test", 3),
+        AuditRecord("203.0.113.11", 80, "tcp", "web.test", 1),
+        AuditRecord("203.0.113.20", 8000, "tcp", None, 1),
+        AuditRecord("203.0.113.53", 53, "udp", None, 2),
+        AuditRecord("2001:db8::1", 443, "tcp", None, 1),
+        AuditRecord("203.0.113.20", None, "icmp", None, 5),
+    ]
+
+    text = suggest_policy(records)
+    policy = load_policy(text, "suggested.yml")
+
+    assert policy.mode == "block"
+    for record in records[:5]:
+        assert policy.allows(record.port, record.proto, name=record.name, address=record.dest), record
+    assert not policy.allows(22, "tcp", address="203.0.113.20")
+    assert "# not expressible in a policy, was attempted: icmp to 203.0.113.20" in text
+
+
+def test_no_records_suggest_deny_all() -> None:
+    assert load_policy(suggest_policy([]), "empty.yml").rules == ()
+
+
+@pytest.fixture
+def service() -> Iterator[tuple[DnsService, Servers]]:
+    servers = Servers()
+    port = servers.dns(None, "127.0.0.1", 0)
+    loop = NetLoop()
+    try:
+        yield DnsService(loop, Upstream("127.0.0.1", port, timeout=2.0)), servers
+    finally:
+        loop.close()
+        servers.close()
+
+
+def resolver(policy_text: str, opened: list) -> SlotResolver:  # type: ignore[type-arg]
+    slot = SlotResolver("unit", opened.extend)
+    slot.configure(load_policy(policy_text, "unit.yml"))
+    return slot
+
+
+WEB = "version: 1\nallow:\n  - host: web.test\n    ports: [443, 8000]\n"
+
+
+def ask(service: DnsService, slot: SlotResolver, name: str, qtype: str = "A") -> DNSRecord:
+    answer = service._answer(slot, DNSRecord.question(name, qtype).pack())
+    assert answer is not None
+    return DNSRecord.parse(answer)
+
+
+def test_allowed_name_is_answered_and_opened_once(service) -> None:
+    dns, upstream = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver(WEB, opened)
+
+    first = ask(dns, slot, "WeB.test")  # resolvers randomise case (0x20)
+    second = ask(dns, slot, "web.test")
+
+    assert [str(rr.rdata) for rr in first.rr] == [ALLOWED_HOST]
+    assert str(second.rr[0].rdata) == ALLOWED_HOST
+    assert [(address, sorted(rule.ports)) for address, rule in opened] == [(ALLOWED_HOST, [443, 8000])]
+    assert slot.handed_out == {ALLOWED_HOST: "web.test"}
+    assert upstream.queries == 2
+
+
+def test_refused_names_and_aaaa_never_reach_upstream(service) -> None:
+    dns, upstream = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver(WEB, opened)
+
+    assert ask(dns, slot, "denied.test").header.rcode == RCODE.NXDOMAIN
+    assert ask(dns, slot, "web.test", "AAAA").header.rcode == RCODE.NXDOMAIN
+    assert ask(dns, slot, "web.test.evil").header.rcode == RCODE.NXDOMAIN
+    assert ask(dns, slot, "web.test", "TXT").rr == []
+    assert upstream.queries == 0 and opened == []
+    assert slot.refused["denied.test"] == 1
+
+
+def test_audit_mode_answers_refused_names_but_opens_nothing(service) -> None:
+    dns, _ = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver("version: 1\nmode: audit\n", opened)
+
+    answer = ask(dns, slot, "denied.test")
+
+    assert answer.header.rcode == RCODE.NOERROR and answer.rr[0].rtype == QTYPE.A
+    assert opened == [] and slot.handed_out == {"203.0.113.20": "denied.test"}
+
+
+def test_an_answer_that_outlives_its_job_opens_nothing(service) -> None:
+    dns, _ = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver(WEB, opened)
+    query = DNSRecord.question("web.test")
+    policy, generation = slot.snapshot()
+    slot.clear()  # the slot was released while the lookup was in flight
+
+    answer = DNSRecord.parse(dns._resolve(slot, query, "web.test", policy.rules_for_host("web.test"), generation))
+
+    assert answer.header.rcode == RCODE.SERVFAIL
+    assert opened == [] and slot.handed_out == {}
+
+
+def test_resolved_addresses_per_slot_are_bounded(service) -> None:
+    dns, _ = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver(WEB, opened)
+    slot.handed_out.update({f"10.0.{i // 256}.{i % 256}": "x.test" for i in range(MAX_OPENED_ADDRESSES)})
+
+    assert ask(dns, slot, "web.test").header.rcode == RCODE.SERVFAIL
+    assert opened == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=600))
+def test_hostile_queries_get_an_answer_or_nothing(data: bytes) -> None:
+    slot = resolver(WEB, [])
+    dns = DnsService(loop=None, upstream=Upstream("127.0.0.1", 9, timeout=0.01))  # type: ignore[arg-type]
+    answer = dns._answer(slot, data)
+    assert answer is None or DNSRecord.parse(answer).header.qr == 1
