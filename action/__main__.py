@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -70,10 +71,9 @@ class JobRun:
         self._say(f"job {self.job_id} submitted; packing {self.workspace}")
         try:
             chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
+            self.client.upload_checkout(self.job_id, chunks)
         except PackError as exc:
-            self.client.cancel(self.job_id)
             raise UserError(f"checkout refused: {exc}") from exc
-        self.client.upload_checkout(self.job_id, chunks)
         dropped = self._relay_logs()
         record = self.client.get(self.job_id)
         extraction = self._artifacts()
@@ -180,8 +180,31 @@ class JobRun:
         self.out.flush()
 
 
+class _SafeFormatter(logging.Formatter):
+    """Log records can carry checkout file names: print them so they cannot form workflow commands."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return safe_text(super().format(record))
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_SafeFormatter("[microvm-check] %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
+def _abandon(job: JobRun | None, out: TextIO) -> None:
+    """Cancel a job this step submitted but can no longer follow, so its VM does not run on."""
+    if job is None or job.job_id is None:
+        return
+    try:
+        job.client.cancel(job.job_id)
+    except job.api_errors as exc:
+        out.write(annotation("warning", f"could not cancel job {job.job_id}: {exc}") + "\n")
+
+
 def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[microvm-check] %(message)s")
+    _setup_logging()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     from runner.service.client import JobAPIError, JobClient
@@ -198,11 +221,12 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         return 128 + exc.signum
     except (UserError, JobAPIError, OSError) as exc:
         out.write(annotation("error", f"microvm-check: {exc}") + "\n")
-        if job is not None and job.job_id is not None and not isinstance(exc, UserError):
-            try:
-                job.client.cancel(job.job_id)
-            except (JobAPIError, OSError) as cancel_exc:
-                out.write(annotation("warning", f"could not cancel job {job.job_id}: {cancel_exc}") + "\n")
+        _abandon(job, out)
+        return 1
+    except Exception:  # a bug: report it without letting guest-derived text in it act as a command
+        out.write(safe_text(traceback.format_exc()) + "\n")
+        out.write(annotation("error", "microvm-check: internal error (traceback above)") + "\n")
+        _abandon(job, out)
         return 1
 
 

@@ -150,3 +150,23 @@ def test_guest_output_cannot_set_outputs_or_see_host_secrets(service: JobService
     for secret in HOST_SECRETS.values():
         assert secret not in result.log
     assert "\u200b::set-output name=exit-code::0" in result.log
+
+
+def test_a_checkout_cannot_shadow_the_action_module(service: JobService, sim: Simulation) -> None:
+    marker = sim.temp / "shadow-ran"
+    (sim.workspace / "action").mkdir()
+    (sim.workspace / "action" / "__init__.py").write_text("")
+    (sim.workspace / "action" / "__main__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    result = run_action(sim, {"run": "true", "socket": service.config.socket})
+    assert result.returncode == 0, result.log
+    assert not marker.exists()
+    assert result.outputs["exit-code"] == "0"
+
+
+def test_checkout_with_an_outside_link_is_refused_and_the_job_cancelled(service: JobService, sim: Simulation) -> None:
+    (sim.workspace / "sub" / "leak").symlink_to("/etc/passwd")
+    result = run_action(sim, {"run": "cat sub/leak", "socket": service.config.socket})
+    assert result.returncode == 1
+    assert "::error::microvm-check: checkout refused: symlink sub/leak points outside the checkout" in result.log
+    jobs = JobClient(socket=service.config.socket).list()
+    assert [job["state"] for job in jobs] == ["cancelled"]
