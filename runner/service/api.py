@@ -260,6 +260,7 @@ class _BoundedThreading(socketserver.ThreadingMixIn):
 
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128  # the default 5 makes a burst of clients fail with EAGAIN on a Unix socket
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):

@@ -171,3 +171,22 @@ def test_log_end_line_carries_the_record(api, engine: FakeEngine) -> None:
     lines = [line for line in answer.split(b"\r\n") if line.startswith(b"{")]
     end = json.loads(lines[-1])
     assert end["end"] is True and end["job"]["id"] == job and end["job"]["state"] == "finished"
+
+
+def test_a_burst_of_clients_is_served(api) -> None:
+    service, client = api()
+    answers: list[bool] = []
+    errors: list[Exception] = []
+
+    def ask() -> None:
+        try:
+            answers.append(client.health()["ok"])
+        except JobAPIError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(48)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and answers == [True] * 48

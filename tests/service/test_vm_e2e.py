@@ -1,0 +1,284 @@
+"""The job service end to end on real VMs (QEMU, the built `base` template, root).
+
+Skipped locally when any of those is missing; failing under CI=true. Each test gets a private engine
+state directory (sharing only the read-only templates), and teardown fails the test if a VMM process
+or a VM directory is left behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+from service_fakes import checkout_tar, spec
+
+from runner.service.api import ApiServers
+from runner.service.client import JobAPIError, JobClient
+from runner.service.config import config_from_mapping
+from runner.service.records import RecordStore
+from runner.service.service import JobService
+from tests.conftest import require
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def templates() -> Path:
+    require(os.geteuid() == 0, "not running as root")
+    require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+    from runner.state import StateDir
+    from vmimages.store import TemplateNotFound, TemplateStore
+
+    path = StateDir.default().templates
+    try:
+        TemplateStore(path).get("base")
+    except TemplateNotFound as exc:
+        require(False, str(exc))
+    return path
+
+
+@pytest.fixture
+def vm_root(templates: Path) -> Iterator[Path]:
+    """A private engine root whose templates are the built ones (read only)."""
+    root = Path(tempfile.mkdtemp(prefix="mvc-svc-vm-", dir="/tmp"))
+    (root / "state").mkdir()
+    os.symlink(templates, root / "state" / "templates")
+    yield root
+    assert_no_leftovers(root / "state")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def assert_no_leftovers(state: Path) -> None:
+    from runner.vm.engine import LOCK_NAME
+    from runner.vm.sweep import processes_under
+
+    vms = state / "vms"
+    if vms.exists():
+        assert processes_under(vms) == [], "QEMU processes left running"
+        assert [p.name for p in vms.iterdir() if p.name != LOCK_NAME] == [], "VM directories left behind"
+    jobs = state / "jobs"
+    if jobs.exists():
+        for job in jobs.iterdir():
+            assert not (job / "checkout.tar").exists(), f"{job.name}: checkout spool left behind"
+
+
+@pytest.fixture
+def vm_service(vm_root: Path) -> Iterator[Callable[..., tuple[JobService, JobClient]]]:
+    from runner.sandbox import Sandbox
+    from runner.state import StateDir
+    from runner.vm.engine import Engine
+
+    made: list[tuple[JobService, ApiServers, Any]] = []
+
+    def make(**settings: Any) -> tuple[JobService, JobClient]:
+        engine = Engine(StateDir(vm_root / "state"), pool_size=1)
+        config = config_from_mapping({"socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"),
+                                      "shutdown_grace_seconds": 5, **settings})
+        service = JobService(config, functools.partial(Sandbox.create, engine=engine))
+        service.start()
+        servers = ApiServers(service)
+        servers.start()
+        made.append((service, servers, engine))
+        return service, JobClient(socket=config.socket)
+
+    yield make
+    for service, servers, engine in made:
+        service.shutdown(0)
+        servers.stop()
+        service.close()
+        assert engine.live() == [], "a job's VM outlived the service"
+        engine.shutdown()
+
+
+def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
+    job = client.submit(spec(command, **fields))["id"]
+    client.upload_checkout(job, checkout_tar(files))
+    return job
+
+
+def output(client: JobClient, job: str) -> bytes:
+    return b"".join(e.data for e in client.logs(job) if e.stream in ("stdout", "stderr"))
+
+
+def test_passing_and_failing_commands(vm_service) -> None:
+    service, client = vm_service()
+    ok = submit(client, "cat README && echo from-$MICROVM_CHECK_JOB_ID && pwd", env={"GITHUB_SHA": "abc"})
+    bad = submit(client, "echo boom >&2; exit 3")
+    assert output(client, ok) == f"hello\nfrom-{ok}\n/workspace\n".encode()
+    assert output(client, bad) == b"boom\n"
+    good, failed = client.get(ok), client.get(bad)
+    assert (good["state"], good["exit_code"]) == ("finished", 0)
+    assert (failed["state"], failed["exit_code"]) == ("finished", 3)
+    for rec in (good, failed):
+        assert rec["vm_id"] and rec["policy_digest"].startswith("sha256:") and rec["warm"] is False
+        t = rec["timings"]
+        assert t["queued_at"] <= t["vm_ready_at"] <= t["started_at"] <= t["finished_at"]
+        assert t["vm_ready_ms"] > 0
+    assert service.health()["accel"] in ("kvm", "tcg")
+
+
+def test_artifacts_come_back_validated(vm_service) -> None:
+    service, client = vm_service()
+    job = submit(client, "mkdir -p out/sub && echo '<r/>' > out/report.xml && printf x > out/sub/a.bin",
+                 artifacts=["out/report.xml", "out/sub"], working_directory=".")
+    output(client, job)
+    rec = client.get(job)
+    assert rec["state"] == "finished"
+    assert sorted((a["path"], a["size"]) for a in rec["artifacts"]) == [("out/report.xml", 5), ("out/sub/a.bin", 1)]
+    buf = io.BytesIO()
+    client.artifacts(job, buf)
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
+        assert tar.extractfile("out/report.xml").read() == b"<r/>\n"
+
+
+def test_hostile_artifacts_are_refused(vm_service) -> None:
+    service, client = vm_service()
+    job = submit(client, "mkdir out && echo ok > out/a && ln -s /etc/shadow out/link && mknod out/fifo p",
+                 artifacts=["out/*"])
+    output(client, job)
+    rec = client.get(job)
+    assert rec["state"] == "failed" and rec["exit_code"] == 0
+    assert "artifacts rejected" in rec["error"]
+    with pytest.raises(JobAPIError) as err:
+        client.artifacts(job, io.BytesIO())
+    assert err.value.status == 404
+
+
+def test_timeout(vm_service) -> None:
+    service, client = vm_service()
+    job = submit(client, "echo going; sleep 60", timeout_seconds=3)
+    assert b"going" in output(client, job)
+    rec = client.get(job)
+    assert (rec["state"], rec["exit_code"]) == ("timed_out", 124)
+
+
+def test_cancel_destroys_the_vm(vm_service) -> None:
+    service, client = vm_service()
+    job = submit(client, "echo started; sleep 120", timeout_seconds=300)
+    for entry in client.logs(job):
+        if entry.data == b"started\n":
+            break
+    rec = client.cancel(job)
+    assert (rec["state"], rec["exit_code"]) == ("cancelled", 130)
+    assert client.get(job)["state"] == "cancelled"
+
+
+def test_eight_jobs_with_a_limit_of_two(vm_service) -> None:
+    service, client = vm_service(max_concurrent_jobs=2, max_queued_jobs=8)
+    jobs: list[str] = []
+    lock = threading.Lock()
+
+    def one(n: int) -> None:
+        job = submit(client, f"echo job-{n}; sleep 1")
+        with lock:
+            jobs.append(job)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(jobs) == 8
+    for job in jobs:
+        output(client, job)
+    records = [client.get(job) for job in jobs]
+    assert [r["state"] for r in records] == ["finished"] * 8
+    assert sorted(r["exit_code"] for r in records) == [0] * 8
+    intervals = []
+    for r in records:
+        t = r["timings"]
+        assert r["vm_id"] and None not in (t["queued_at"], t["vm_ready_at"], t["started_at"], t["finished_at"])
+        intervals.append((t["vm_ready_at"] - t["vm_ready_ms"] / 1000, t["finished_at"]))
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak <= 2
+    assert len({r["vm_id"] for r in records}) == 8  # one VM per job, never reused
+
+
+def test_prewarmed_vm_is_used(vm_service) -> None:
+    from runner.github.jobs import QueuedJob
+
+    service, client = vm_service()
+    service.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
+                              labels=("microvm",)))
+    for vm in service.warm._vms:
+        vm.ready.wait(120)
+    job = submit(client, "echo warm", run_id=4242, run_attempt=1)
+    assert output(client, job) == b"warm\n"
+    rec = client.get(job)
+    assert rec["warm"] is True and rec["timings"]["vm_ready_ms"] < 50
+
+
+def test_sigterm_mid_job_destroys_the_vm(vm_root: Path) -> None:
+    from runner.vm.sweep import processes_under
+
+    config = vm_root / "service.yml"
+    config.write_text(f"socket: {vm_root}/api.sock\nstate_dir: {vm_root}/state\nshutdown_grace_seconds: 1\n"
+                      "prewarm: {max_vms: 0}\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from runner.cli import main; sys.exit(main(sys.argv[1:]))",
+                             "serve", "--config", str(config)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        client = JobClient(socket=str(vm_root / "api.sock"))
+        _wait_answering(client, proc)
+        job = submit(client, "echo started; sleep 300", timeout_seconds=600)
+        for entry in client.logs(job):
+            if entry.data == b"started\n":
+                break
+        assert processes_under(vm_root / "state" / "vms") != []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rec = RecordStore(vm_root / "state" / "jobs.sqlite").get(job)
+    assert rec.state == "cancelled" and "shutting down" in rec.error
+    assert processes_under(vm_root / "state" / "vms") == []
+
+
+def test_local_run_in_process(vm_root: Path, tmp_path: Path, monkeypatch, capfd) -> None:
+    from runner.cli import main
+    from runner.state import StateDir
+    from runner.vm.engine import Engine
+
+    co = tmp_path / "co"
+    co.mkdir()
+    (co / "data.txt").write_text("42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MICROVM_CHECK_STATE", str(vm_root / "state"))
+    try:
+        status = main(["run", "--socket", str(vm_root / "none.sock"), "--dir", str(co), "--artifacts", "copy.txt",
+                       "--timeout", "120", "--", "cat data.txt && cp data.txt copy.txt && exit 5"])
+    finally:
+        Engine.shared(StateDir(vm_root / "state")).shutdown()
+    assert status == 5
+    assert "42" in capfd.readouterr().out
+    assert (tmp_path / "artifacts" / "copy.txt").read_text() == "42\n"
+
+
+def _wait_answering(client: JobClient, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        try:
+            client.health()
+            return
+        except JobAPIError:
+            if proc.poll() is not None:
+                pytest.fail(f"serve exited early: {proc.stderr.read()}")
+            time.sleep(0.05)
+    pytest.fail("serve never answered on its socket")
