@@ -89,8 +89,14 @@ class GitHubClient:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
     ) -> requests.Response:
-        """One API call with retries; returns the 2xx/3xx response or raises a `GitHubError`."""
-        url = path if path.startswith("https://") else f"{self.api_url}{path}"
+        """One API call with retries; returns the 2xx/3xx response or raises a `GitHubError`.
+
+        `path` is relative to the API root, or an absolute URL under it (pagination links): the
+        token is never sent anywhere else.
+        """
+        url = path if self._is_ours(path) else f"{self.api_url}{path}"
+        if not url.startswith(self.api_url + "/"):
+            raise GitHubError(f"refusing to send the GitHub token to {url[:200]!r}: not under {self.api_url}")
         for attempt in range(self.retry.attempts):
             last = attempt == self.retry.attempts - 1
             try:
@@ -121,13 +127,13 @@ class GitHubClient:
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     def get(self, path: str, **params: Any) -> Any:
-        return self.request("GET", path, params=params or None).json()
+        return _json(self.request("GET", path, params=params or None))
 
     def post(self, path: str, body: Any = None) -> Any:
-        return _json_or_none(self.request("POST", path, json=body))
+        return _json(self.request("POST", path, json=body))
 
     def patch(self, path: str, body: Any) -> Any:
-        return _json_or_none(self.request("PATCH", path, json=body))
+        return _json(self.request("PATCH", path, json=body))
 
     def delete(self, path: str) -> None:
         self.request("DELETE", path)
@@ -136,13 +142,16 @@ class GitHubClient:
         """Follow `Link: rel="next"` so callers see every item, not the first 30."""
         response = self.request("GET", path, params={**params, "per_page": per_page})
         while True:
-            body = response.json()
-            items = body.get(key, []) if key else body
+            body = _json(response)
+            items = body.get(key) if key and isinstance(body, dict) else body
             yield from items if isinstance(items, list) else []
             next_url = response.links.get("next", {}).get("url")
-            if not next_url or not next_url.startswith(self.api_url):
+            if not next_url or not self._is_ours(next_url):
                 return
             response = self.request("GET", next_url)
+
+    def _is_ours(self, url: str) -> bool:
+        return url.startswith(self.api_url + "/")
 
     def _headers(self) -> dict[str, str]:
         return {
@@ -250,5 +259,14 @@ def _message(response: requests.Response) -> str:
     return text[:MAX_ERROR_TEXT]
 
 
-def _json_or_none(response: requests.Response) -> Any:
-    return response.json() if response.content else None
+def _json(response: requests.Response) -> Any:
+    """The body as JSON; None for an empty body (204, 202 without content)."""
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise GitHubError(
+            f"GitHub answered {response.request.method} {response.url} with {response.status_code} "
+            "but the body is not JSON: is api_url pointing at the GitHub API?"
+        ) from exc

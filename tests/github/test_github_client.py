@@ -8,7 +8,15 @@ import responses
 from github_fakes import API, FakeClock
 
 from runner.github.client import GitHubClient, RetryPolicy
-from runner.github.errors import Forbidden, NotFound, RateLimited, Unauthorized, Unavailable, ValidationFailed
+from runner.github.errors import (
+    Forbidden,
+    GitHubError,
+    NotFound,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+    ValidationFailed,
+)
 
 RUNNERS = f"{API}/orgs/octo-org/actions/runners"
 OK = {"total_count": 0, "runners": []}
@@ -136,8 +144,22 @@ def test_pagination_follows_link_next(client, operations) -> None:
     assert responses.calls[0].request.params == {"per_page": "100"}
 
 
+@pytest.mark.parametrize("link", ["https://evil.example/steal", "https://api.github.com.evil.example/x",
+                                  "http://api.github.com/orgs/octo-org/actions/runners"])
 @responses.activate
-def test_pagination_never_follows_links_off_the_api(client) -> None:
-    responses.get(RUNNERS, json=OK, headers={"Link": '<https://evil.example/steal>; rel="next"'})
+def test_pagination_never_follows_links_off_the_api(client, link) -> None:
+    responses.get(RUNNERS, json=OK, headers={"Link": f'<{link}>; rel="next"'})
     assert list(client.paginate("/orgs/octo-org/actions/runners", "runners")) == []
     assert len(responses.calls) == 1
+
+
+def test_the_token_is_never_sent_off_the_api(client) -> None:
+    with pytest.raises(GitHubError, match="refusing to send the GitHub token"):
+        client.request("GET", "https://api.github.com.evil.example/x")
+
+
+@responses.activate
+def test_a_non_json_answer_is_explained(client) -> None:
+    responses.get(RUNNERS, body="<html>proxy login</html>")
+    with pytest.raises(GitHubError, match="not JSON"):
+        client.get("/orgs/octo-org/actions/runners")
