@@ -87,6 +87,7 @@ class JobRun:
     def _relay_logs(self) -> int:
         """Relay until the job ends; a dropped stream resumes after the last sequence number seen."""
         after, failures = 0, 0
+        last_error: Exception | None = None
         title = f"microvm-check: {self.inputs.run.strip().splitlines()[0][:100]}"
         with LogRelay(self.out, title) as relay:
             while True:
@@ -95,14 +96,13 @@ class JobRun:
                         relay.feed(str(entry.stream), bytes(entry.data))
                         after = max(after, int(entry.seq))
                 except self.api_errors as exc:
-                    failures += 1
-                    if failures > LOG_RETRIES:
-                        raise UserError(f"lost the log stream of job {self.job_id}: {exc}") from exc
+                    last_error = exc
                 if self.client.get(self.job_id).get("state") in TERMINAL:
                     return relay.dropped_bytes
                 failures += 1
                 if failures > LOG_RETRIES:
-                    raise UserError(f"the log stream of job {self.job_id} keeps ending before the job does")
+                    why = last_error or "it keeps ending before the job does"
+                    raise UserError(f"lost the log stream of job {self.job_id}: {why}")
                 time.sleep(1)
 
     def _artifacts(self) -> Extraction:

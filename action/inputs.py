@@ -182,7 +182,7 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> dic
         "working_directory": inputs.working_directory,
         "env": {name: environ[name] for name in inputs.env_names},
         "artifacts": inputs.artifacts,
-        "timeout_seconds": int(inputs.timeout_minutes * 60),
+        "timeout_seconds": max(1, round(inputs.timeout_minutes * 60)),
         "template": inputs.template,
         "policy": policy_text(inputs.policy, workspace),
     }
