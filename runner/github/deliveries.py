@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class DeliveryLog:
-    """A bounded set of GUIDs seen within `ttl` seconds, oldest forgotten first."""
+    """A bounded set of delivery keys (GUIDs, body digests) seen within `ttl` seconds, oldest
+    forgotten first."""
 
     def __init__(self, capacity: int = 10_000, ttl: float = 24 * 3600, clock: Clock = time.monotonic) -> None:
         self.capacity = capacity
@@ -32,22 +33,31 @@ class DeliveryLog:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
-    def claim(self, guid: str) -> bool:
-        """True the first time a GUID is seen (the caller processes it), False for a repeat."""
+    def claim(self, key: str) -> bool:
+        """True the first time a key is seen (the caller processes it), False for a repeat."""
+        return self.claim_all((key,))
+
+    def claim_all(self, keys: tuple[str, ...]) -> bool:
+        """Claim several keys of one delivery at once: False (claiming none) if any was seen."""
         with self._lock:
             now = self.clock()
             self._expire(now)
-            if guid in self._seen:
+            if any(key in self._seen for key in keys):
                 return False
-            self._seen[guid] = now
+            for key in keys:
+                self._seen[key] = now
             while len(self._seen) > self.capacity:
                 self._seen.popitem(last=False)
             return True
 
-    def release(self, guid: str) -> None:
-        """Forget a GUID whose processing failed, so its redelivery is processed."""
+    def release(self, key: str) -> None:
+        self.release_all((key,))
+
+    def release_all(self, keys: tuple[str, ...]) -> None:
+        """Forget a delivery whose processing failed, so its redelivery is processed."""
         with self._lock:
-            self._seen.pop(guid, None)
+            for key in keys:
+                self._seen.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._seen)

@@ -12,8 +12,10 @@ unknown actions, jobs for other labels) gets 200 and is ignored, so GitHub does 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/github/webhook"
 DEFAULT_MAX_BODY = 1024 * 1024
+GUID_RE = re.compile(r"^[A-Za-z0-9-]{1,100}\Z")  # GitHub sends UUIDs
 IGNORED_JOB_ACTIONS = frozenset({"in_progress", "waiting", "started"})  # "started" is no longer sent
 
 
@@ -63,7 +66,7 @@ class WebhookReceiver:
             why = "missing" if not headers.get("X-Hub-Signature-256") else "wrong"
             return Answer(403, f"X-Hub-Signature-256 is {why}: check the webhook secret shared with GitHub")
         guid = headers.get("X-GitHub-Delivery", "")
-        if not guid or len(guid) > 100:
+        if not GUID_RE.match(guid):
             return Answer(400, "X-GitHub-Delivery is missing or malformed")
         try:
             payload = json.loads(body)
@@ -71,12 +74,15 @@ class WebhookReceiver:
             return Answer(400, "the body is not JSON")
         if not isinstance(payload, dict):
             return Answer(400, "the body is not a JSON object")
-        if not self.deliveries.claim(guid):
+        # The signature covers the body but not the headers, so a captured delivery replayed under a
+        # new GUID is caught by its body digest (GitHub never sends one body under two GUIDs).
+        keys = (f"guid:{guid}", f"body:{hashlib.sha256(body).hexdigest()}")
+        if not self.deliveries.claim_all(keys):
             return Answer(200, f"delivery {guid} was already processed")
         try:
-            return self._dispatch(headers.get("X-GitHub-Event", ""), payload)
+            return self._dispatch(headers.get("X-GitHub-Event", "")[:64], payload)
         except Exception:
-            self.deliveries.release(guid)  # let a redelivery try again
+            self.deliveries.release_all(keys)  # let a redelivery try again
             log.exception("processing webhook delivery %s failed", guid)
             return Answer(500, f"processing delivery {guid} failed; see the service log")
 

@@ -219,8 +219,25 @@ def test_each_delivery_is_processed_once(make_server, hooks) -> None:
     second = deliver(server, payload, delivery=delivery)
     assert second.status == 200 and "already processed" in second.message
     assert len(hooks.completed) == 1
-    assert deliver(server, payload).status == 200  # a new delivery of the same event is processed
-    assert len(hooks.completed) == 2
+    payload["workflow_job"]["run_attempt"] = 2  # a re-run of the job is a new event
+    assert deliver(server, payload).status == 200
+    assert [job.run_attempt for job in hooks.completed] == [1, 2]
+
+
+def test_a_replayed_body_under_a_new_guid_is_not_processed_again(make_server, hooks) -> None:
+    server = make_server(labels=OUR_LABELS)
+    body = json.dumps(load_payload("queued.payload.json")).encode()
+    assert deliver(server, body).status == 200
+    replay = deliver(server, body)  # same signed body, fresh X-GitHub-Delivery
+    assert replay.status == 200 and "already processed" in replay.message
+    assert len(hooks.queued) == 1
+
+
+@pytest.mark.parametrize("guid", ["x" * 101, "a b", "id\r\nInjected: 1", "../x"])
+def test_malformed_delivery_ids_are_400(server, guid) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["X-GitHub-Delivery"] = guid.replace("\r\n", "%0D%0A")
+    assert send(server, BODY, headers=headers).status == 400
 
 
 def test_a_failed_delivery_is_processed_when_redelivered(make_server, hooks) -> None:
