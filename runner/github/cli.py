@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import sys
 from pathlib import Path
 
-from runner.github import guard, runners
+from runner.github import guard, hook, runners
 from runner.github.app import GitHubApp
 from runner.github.client import GitHubClient
 from runner.github.config import DEFAULT_CONFIG_PATH, GitHubSettings, load_settings
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--jit", action="store_true", help="use a just-in-time (single job) runner config")
     cmd.add_argument("--name", default=socket.gethostname(), help="runner name (default: the host name)")
     cmd.add_argument("--show-token", action="store_true", help="print the token instead of <redacted>")
+    cmd.add_argument("--guard-rules", type=Path, help="guard rules file for the job-started hook")
     cmd.set_defaults(func=cmd_register)
 
     cmd = subparsers.add_parser("deregister", help="remove this host's runner from the org")
@@ -93,7 +95,21 @@ def cmd_register(args: argparse.Namespace) -> int:
         org_url = f"{web_url(settings.api_url)}/{org}"
         command = runners.config_command(org_url, token, args.name, labels, args.runner_group)
         print(f"registration token for org {org} expires at {token.expires_at}")
+    _install_guard(args)
     return _run_or_print(command, args.runner_dir, args.show_token)
+
+
+def _install_guard(args: argparse.Namespace) -> None:
+    argv = hook.guard_argv(args.config, args.guard_rules)
+    if args.runner_dir is None:
+        print(f"then refuse untrusted fork workflows: save this as a script and set {hook.HOOK_VARIABLE}=<its path>")
+        print("in the runner's .env (or pass --runner-dir to have it done):")
+        print(f"  #!/bin/sh\n  exec {shlex.join(argv)}")
+        return
+    if not args.runner_dir.is_dir():
+        raise GitHubError(f"--runner-dir {args.runner_dir} is not a directory: unpack the actions/runner release there")
+    script = hook.install_guard_hook(args.runner_dir, argv)
+    print(f"installed the fork guard as the runner's job-started hook: {script}")
 
 
 def cmd_deregister(args: argparse.Namespace) -> int:

@@ -85,6 +85,41 @@ def test_register_runs_config_sh_with_the_token_in_the_environment(github, confi
     assert (runner_dir / "config.sh.secret").read_text() == token["token"]
 
 
+def test_register_installs_the_guard_hook(github, config, runner_dir, operations, capsys) -> None:
+    token = example(operations, "POST /orgs/{org}/actions/runners/registration-token", "201")
+    github.post(f"{RUNNERS}/registration-token", json=token, status=201)
+    (runner_dir / ".env").write_text("LANG=C.UTF-8\nACTIONS_RUNNER_HOOK_JOB_STARTED=/old/hook.sh\n")
+    rules = runner_dir.parent / "rules.yml"
+    assert main(["register", "--config", str(config), "--runner-dir", str(runner_dir), "--guard-rules", str(rules)]) == 3
+    script = runner_dir / "microvm-check-guard.sh"
+    assert (runner_dir / ".env").read_text() == f"LANG=C.UTF-8\nACTIONS_RUNNER_HOOK_JOB_STARTED={script}\n"
+    assert script.stat().st_mode & 0o777 == 0o755
+    text = script.read_text()
+    assert f"-m runner.cli guard --config {config} --rules {rules}" in text
+    assert "installed the fork guard" in capsys.readouterr().out
+
+
+def test_installed_hook_runs_the_guard(tmp_path) -> None:
+    """The script the runner will run: allows a same-repository pull request (no GitHub needed)."""
+    import json
+    import subprocess
+
+    from github_fakes import load_payload
+
+    from runner.github.hook import guard_argv, install_guard_hook
+
+    event = tmp_path / "event.json"
+    event.write_text(json.dumps(load_payload("listendev-lstn.pull_request.opened.same-repo.reviewdog.json")))
+    script = install_guard_hook(tmp_path, guard_argv(None, None))
+    env = {"PATH": "/usr/bin:/bin", "GITHUB_EVENT_NAME": "pull_request", "GITHUB_EVENT_PATH": str(event),
+           "GITHUB_REPOSITORY": "reviewdog/reviewdog"}
+    allowed = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert allowed.returncode == 0, allowed.stderr
+    env["GITHUB_REPOSITORY"] = "someone/else"  # the event does not belong to this repository
+    refused = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stdout.startswith("::error title=microvm-check guard::")
+
+
 def test_register_jit_sends_the_documented_body(github, config, runner_dir, operations, capsys) -> None:
     answer = example(operations, "POST /orgs/{org}/actions/runners/generate-jitconfig", "201")
     call = github.post(f"{RUNNERS}/generate-jitconfig", json=answer, status=201)
@@ -106,7 +141,7 @@ def test_register_without_runner_scripts_says_what_runner_dir_is(github, config,
     token = example(operations, "POST /orgs/{org}/actions/runners/registration-token", "201")
     github.post(f"{RUNNERS}/registration-token", json=token, status=201)
     assert main(["register", "--config", str(config), "--runner-dir", str(tmp_path / "nothing")]) == 1
-    assert "actions/runner release directory" in capsys.readouterr().err
+    assert "unpack the actions/runner release there" in capsys.readouterr().err
 
 
 def test_register_in_an_unknown_org_explains_the_permission(github, config, capsys) -> None:
