@@ -19,6 +19,7 @@ from action.workflow import annotation
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
 MAX_ROWS = 50
 MAX_CELL = 200
+GUEST_WORKSPACE = "/workspace/"  # where the checkout is unpacked in the guest (docs/job-api.md)
 
 STATE_WORDS = {
     "finished": "finished",
@@ -145,13 +146,28 @@ def _artifacts(files: list[tuple[str, int]], refused: list[tuple[str, str]]) -> 
     return rows
 
 
+def repository_path(file: str | None, prefix: str) -> str | None:
+    """A report's file path as a path in the repository, which is what annotations need.
+
+    Relative paths are relative to the working directory (`prefix`); absolute ones are guest paths,
+    and only those under the guest's /workspace (the checkout) mean anything on GitHub.
+    """
+    if not file:
+        return None
+    if file.startswith(GUEST_WORKSPACE):
+        return file[len(GUEST_WORKSPACE):] or None
+    if file.startswith("/"):
+        return None
+    return f"{prefix}{file}"
+
+
 def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
-    """`::error` lines for failed tests; `prefix` maps guest paths to repository paths."""
+    """`::error` lines for failed tests; `prefix` is the working directory, as `dir/`."""
     lines = []
     for f in failures[:MAX_ANNOTATIONS]:
         title = f"{f.classname}.{f.name}" if f.classname else f.name
         message = f.message or f.text or f.kind
-        file = f"{prefix}{f.file}" if f.file and not f.file.startswith("/") else f.file
+        file = repository_path(f.file, prefix)
         lines.append(annotation("error", message[:4000], file=file, line=f.line, title=title[:300]))
     if len(failures) > MAX_ANNOTATIONS:
         lines.append(annotation("error", f"{len(failures) - MAX_ANNOTATIONS} more failed tests: see the job summary"))

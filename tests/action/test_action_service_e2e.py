@@ -170,3 +170,9 @@ def test_checkout_with_an_outside_link_is_refused_and_the_job_cancelled(service:
     assert "::error::microvm-check: checkout refused: symlink sub/leak points outside the checkout" in result.log
     jobs = JobClient(socket=service.config.socket).list()
     assert [job["state"] for job in jobs] == ["cancelled"]
+
+
+def test_missing_installation_is_a_clear_error(sim: Simulation, tmp_path: Path) -> None:
+    result = run_action(sim, {"run": "true", "python": str(tmp_path / "nowhere" / "python")})
+    assert result.returncode == 1
+    assert "::error::microvm-check: no Python at" in result.log and "python input" in result.log

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from action.junit import Failure, Totals
-from action.summary import Result, cell, exit_code_of, markdown, outputs
+from action.summary import Result, cell, exit_code_of, markdown, outputs, repository_path
 
 RECORD = {
     "id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "run_id": 1, "job_name": "t",
@@ -65,3 +65,13 @@ def test_outputs_carry_the_record_and_totals() -> None:
 def test_outputs_without_junit_are_empty_strings() -> None:
     out = outputs(Result(RECORD, 0, None, [], []))
     assert out["junit-passed"] == out["junit-failed"] == ""
+
+
+@pytest.mark.parametrize("file,expected", [
+    ("tests/test_x.py", "sub/tests/test_x.py"),
+    ("/workspace/sub/tests/test_x.py", "sub/tests/test_x.py"),
+    ("/usr/lib/python3/x.py", None),
+    (None, None),
+])
+def test_report_paths_become_repository_paths(file: str | None, expected: str | None) -> None:
+    assert repository_path(file, "sub/") == expected

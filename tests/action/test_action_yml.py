@@ -42,7 +42,7 @@ def test_every_input_reaches_the_step_as_an_env_var_and_never_the_script(metadat
         env_name = "INPUT_" + name.upper().replace("-", "_")
         assert step["env"][env_name] == "${{ inputs.%s }}" % name
     assert "${{" not in step["run"], "inputs pasted into a script become shell code"
-    assert re.search(r"-I -m action\b", step["run"])
+    assert re.search(r"exec \"\$python\" -I -m action$", step["run"], re.M)
 
 
 def test_outputs_come_from_the_step(metadata: dict) -> None:
