@@ -106,35 +106,44 @@ class JobRun:
         self.done.set()
 
     def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
-        """Run the job to its final state; never raises."""
+        """Run the job to its final state; never raises.
+
+        The record turns final only after the VM is destroyed, so a client that sees the result
+        knows the VM is gone.
+        """
         sandbox = None
+        outcome: tuple[str, int | None, str | None] = ("failed", None, "the job ended without a result")
         try:
             sandbox = self._start_vm(create, config)
-            if sandbox is None:
-                return self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
-            self._put_checkout(sandbox)
-            result = self._run_command(sandbox)
-            if self.cancel_reason:
-                return self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
-            error = self._collect_artifacts(sandbox, config)
-            blocked = _bounded_blocked(sandbox.blocked_egress())
-            with self.lock:
-                self.record.blocked_egress = blocked
-            if result.timed_out:
-                return self.finish("timed_out", EXIT_TIMEOUT, f"the command ran longer than {self.spec.timeout_seconds} s")
-            exit_code = _exit_code(result.exit_code)
-            self.finish("finished" if error is None else "failed", exit_code, error)
+            outcome = self._run_in(sandbox, config) if sandbox is not None else self._cancelled()
         except Exception as exc:  # an engine error, a hostile guest: the job fails, the service goes on
             if self.cancel_reason:
-                self.finish("cancelled", EXIT_CANCELLED, self.cancel_reason)
+                outcome = self._cancelled()
             else:
                 log.warning("job %s failed", self.record.id, exc_info=True)
                 self.log.system(f"job failed: {exc}")
-                self.finish("failed", None, f"{type(exc).__name__}: {exc}")
+                outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
             if sandbox is not None:
                 _destroy(sandbox)
-            self.finish("failed", None, "the job ended without a result")  # no-op unless a path above forgot
+            self.finish(*outcome)
+
+    def _cancelled(self) -> tuple[str, int | None, str | None]:
+        return "cancelled", EXIT_CANCELLED, self.cancel_reason
+
+    def _run_in(self, sandbox: Sandbox, config: ServiceConfig) -> tuple[str, int | None, str | None]:
+        self._put_checkout(sandbox)
+        result = self._run_command(sandbox)
+        if self.cancel_reason:
+            return self._cancelled()
+        error = self._collect_artifacts(sandbox, config)
+        blocked = _bounded_blocked(sandbox.blocked_egress())
+        with self.lock:
+            self.record.blocked_egress = blocked
+        if result.timed_out:
+            timeout = f"the command ran longer than {self.spec.timeout_seconds} s"
+            return "timed_out", EXIT_TIMEOUT, timeout if error is None else f"{timeout}; {error}"
+        return ("finished" if error is None else "failed"), _exit_code(result.exit_code), error
 
     def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> Sandbox | None:
         self.update(state="starting")

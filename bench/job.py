@@ -1,0 +1,190 @@
+"""Benchmark of the job service on real VMs: what a job costs on top of the command itself.
+
+Runs an in-process service on a private socket and engine root (sharing only the built templates),
+and drives it through the API client, as the action does. Prints medians and p99s, then, as its last
+line, one JSON object:
+
+- job_overhead_p50_ms / _p99_ms: submit (with a 1 MiB checkout), run `true`, the result back, the VM
+  destroyed: the whole round trip as a client sees it.
+- bare_subprocess_p50_ms: `sh -c true` on the host, for scale.
+- log_first_byte_p99_ms: from the moment the service receives a chunk of guest output from the
+  engine (the entry's `ts`) to the client holding it: the service's own streaming latency.
+- checkout_mb_per_s: a 100 MiB checkout from the client into the guest's /workspace (upload and
+  spool, then unpacked in the guest), in MB/s (10^6 bytes).
+
+Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--runs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runner.sandbox import Sandbox  # noqa: E402
+from runner.service.api import ApiServers  # noqa: E402
+from runner.service.client import JobClient  # noqa: E402
+from runner.service.config import config_from_mapping  # noqa: E402
+from runner.service.service import JobService  # noqa: E402
+from runner.state import StateDir  # noqa: E402
+from runner.vm.engine import Engine  # noqa: E402
+
+SHA = "0" * 40
+MIB = 1024 * 1024
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def tar_of_file(path: Path, name: str) -> Iterator[bytes]:
+    """A tar stream with one file, produced piecewise so a big checkout never sits in memory."""
+    size = path.stat().st_size
+    info = tarfile.TarInfo(name)
+    info.size = size
+    yield info.tobuf(format=tarfile.PAX_FORMAT)
+    with open(path, "rb") as f:
+        while chunk := f.read(MIB):
+            yield chunk
+    yield b"\0" * ((512 - size % 512) % 512) + b"\0" * 1024
+
+
+def small_checkout() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = os.urandom(MIB)
+        info = tarfile.TarInfo("blob.bin")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def spec(command: str, **fields) -> dict:
+    return {"repository": "bench/job", "sha": SHA, "job_name": "bench", "command": command, **fields}
+
+
+def run_job(client: JobClient, engine: Engine, checkout: bytes, command: str = "true") -> tuple[float, dict]:
+    begin = time.perf_counter()
+    job = client.submit(spec(command))["id"]
+    client.upload_checkout(job, checkout)
+    for _ in client.logs(job):
+        pass
+    rec = client.get(job)
+    took = (time.perf_counter() - begin) * 1000
+    if rec["state"] != "finished" or rec["exit_code"] != 0:
+        raise SystemExit(f"bench job {job} ended {rec['state']} ({rec['error']})")
+    if engine.live():
+        raise SystemExit(f"bench job {job}: its VM is still alive after the result came back")
+    return took, rec
+
+
+def bench_overhead(client: JobClient, engine: Engine, runs: int) -> tuple[list[float], list[dict], list[float]]:
+    checkout = small_checkout()
+    run_job(client, engine, checkout)  # warm the page cache and the engine's pool
+    results = [run_job(client, engine, checkout) for _ in range(runs)]
+    jobs, records = [r[0] for r in results], [r[1] for r in results]
+    bare = []
+    for _ in range(runs):
+        begin = time.perf_counter()
+        subprocess.run(["sh", "-c", "true"], check=True)
+        bare.append((time.perf_counter() - begin) * 1000)
+    return jobs, records, bare
+
+
+def phases(records: list[dict]) -> str:
+    """Medians of where a job's time went, from the service's own records."""
+    def median_ms(start: str, end: str) -> float:
+        return statistics.median((r["timings"][end] - r["timings"][start]) * 1000 for r in records)
+    ready = statistics.median(r["timings"]["vm_ready_ms"] for r in records)
+    return (f"VM restore {ready:.0f} ms, checkout into guest {median_ms('vm_ready_at', 'started_at'):.0f} ms, "
+            f"command + VM destroy {median_ms('started_at', 'finished_at'):.0f} ms")
+
+
+def bench_log_latency(client: JobClient) -> list[float]:
+    job = client.submit(spec("i=0; while [ $i -lt 40 ]; do echo line-$i; i=$((i+1)); sleep 0.05; done"))["id"]
+    client.upload_checkout(job, small_checkout())
+    latencies = [(time.time() - entry.ts) * 1000 for entry in client.logs(job) if entry.stream == "stdout"]
+    if not latencies:
+        raise SystemExit("the log bench job printed nothing")
+    return latencies
+
+
+def bench_checkout(client: JobClient, tmp: Path) -> tuple[float, float]:
+    blob = tmp / "blob.bin"
+    with open(blob, "wb") as f:
+        for _ in range(100):
+            f.write(os.urandom(MIB))
+    size = blob.stat().st_size
+    job = client.submit(spec("test $(stat -c %s big.bin) -eq " + str(size), timeout_seconds=600))["id"]
+    begin = time.perf_counter()
+    client.upload_checkout(job, tar_of_file(blob, "big.bin"))
+    upload_s = time.perf_counter() - begin
+    for _ in client.logs(job):
+        pass
+    rec = client.get(job)
+    if rec["exit_code"] != 0:
+        raise SystemExit(f"the checkout did not arrive whole in the guest: {rec}")
+    unpack_s = rec["timings"]["started_at"] - rec["timings"]["vm_ready_at"]
+    return size / upload_s / 1e6, size / (upload_s + unpack_s) / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    templates = StateDir.default().templates
+    tmp = Path(tempfile.mkdtemp(prefix="mvc-bench-job-", dir="/tmp"))
+    (tmp / "state").mkdir()
+    os.symlink(templates, tmp / "state" / "templates")
+    engine = Engine(StateDir(tmp / "state"), pool_size=2)
+    config = config_from_mapping({"socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
+                                  "max_concurrent_jobs": 1, "checkout_max_bytes": "200MiB"})
+    service = JobService(config, functools.partial(Sandbox.create, engine=engine))
+    service.start()
+    servers = ApiServers(service)
+    servers.start()
+    client = JobClient(socket=config.socket)
+    try:
+        jobs, records, bare = bench_overhead(client, engine, args.runs)
+        logs = bench_log_latency(client)
+        upload_mb_s, checkout_mb_s = bench_checkout(client, tmp)
+    finally:
+        service.shutdown(0)
+        servers.stop()
+        service.close()
+        engine.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"accel: {service.accel}")
+    print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "
+          f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms")
+    print(f"  where it went (medians): {phases(records)}")
+    print(f"bare `sh -c true` on the host: median {statistics.median(bare):.2f} ms")
+    print(f"log entry service->client, {len(logs)} lines: median {statistics.median(logs):.2f} ms, "
+          f"p99 {percentile(logs, 0.99):.2f} ms")
+    print(f"100 MiB checkout: upload+spool {upload_mb_s:.0f} MB/s, into the guest {checkout_mb_s:.0f} MB/s")
+    print(json.dumps({
+        "job_overhead_p50_ms": round(statistics.median(jobs), 1),
+        "job_overhead_p99_ms": round(percentile(jobs, 0.99), 1),
+        "bare_subprocess_p50_ms": round(statistics.median(bare), 2),
+        "log_first_byte_p99_ms": round(percentile(logs, 0.99), 2),
+        "checkout_mb_per_s": round(checkout_mb_s, 1),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
