@@ -168,6 +168,6 @@ def run_action(sim: Simulation, inputs: dict[str, str], timeout: float = 900) ->
     return finish(sim, metadata, steps, timeout)
 
 
-def interrupt(steps: list[StepProcess]) -> None:
-    """What the runner does first when a step is cancelled."""
-    steps[0].process.send_signal(signal.SIGINT)
+def interrupt(steps: list[StepProcess], signum: int = signal.SIGINT) -> None:
+    """What the runner does when a step is cancelled: SIGINT first, SIGTERM if that is ignored."""
+    steps[0].process.send_signal(signum)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -117,7 +118,8 @@ def test_timeout(service: JobService, sim: Simulation) -> None:
     assert "::error::job timed out" in result.log
 
 
-def test_cancel(service: JobService, sim: Simulation, engine: LocalEngine) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_cancel(service: JobService, sim: Simulation, engine: LocalEngine, signum: int) -> None:
     metadata, steps = start(sim, {"run": "echo begin; sleep 120", "socket": service.config.socket})
     client = JobClient(socket=service.config.socket)
     for _ in range(600):
@@ -127,10 +129,10 @@ def test_cancel(service: JobService, sim: Simulation, engine: LocalEngine) -> No
         time.sleep(0.1)
     else:
         pytest.fail("the job never started running")
-    interrupt(steps)
+    interrupt(steps, signum)
     result = finish(sim, metadata, steps, timeout=60)
-    assert result.returncode == 130
-    assert result.outputs["exit-code"] == "130"
+    assert result.returncode == 128 + signum
+    assert result.outputs["exit-code"] == str(128 + signum)
     job_id = jobs[0]["id"]
     for _ in range(300):
         if client.get(job_id)["state"] == "cancelled":
