@@ -62,6 +62,29 @@ def get_file(
     return _parse(response, repository, path, ref, decode)
 
 
+def entry_sha(client: GitHubClient, repository: str, path: str, ref: str) -> str | None:
+    """The git object sha of a file or directory (its tree) at `ref`, or None when it is absent.
+
+    Read from the parent directory's listing, which names the sha of every entry, so a whole
+    directory can be compared between two commits with one request each.
+    """
+    parent, _, name = check_path(path).rpartition("/")
+    url = f"/repos/{repository}/contents/{quote(parent)}"
+    try:
+        listing = client.get(url, ref=ref)
+    except NotFound:
+        return None
+    if not isinstance(listing, list):
+        raise GitHubError(f"{repository}:{parent or '/'}@{ref} is not a directory")
+    for entry in listing:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            sha = entry.get("sha")
+            if not isinstance(sha, str) or not SHA_RE.match(sha):
+                raise GitHubError(f"GitHub's listing of {repository}:{path}@{ref} lacks a valid sha")
+            return sha
+    return None
+
+
 def _parse(response: requests.Response, repository: str, path: str, ref: str, decode: bool) -> RepoFile:
     where = f"{repository}:{path}@{ref}"
     try:

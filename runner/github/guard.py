@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from runner.github.client import GitHubClient
-from runner.github.contents import SHA_RE, get_file
+from runner.github.contents import SHA_RE, check_path, entry_sha, get_file
 from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
 
@@ -46,10 +46,16 @@ class GuardError(GitHubError):
 
 @dataclass(frozen=True)
 class RepoRules:
-    """Per-repository requirements; empty tuples mean "no requirement"."""
+    """Per-repository requirements; empty tuples mean "no requirement".
+
+    `protected_paths` are files or directories (e.g. `.github`, local actions, scripts the
+    workflow runs on the host) that a fork's pull request must not change either, beyond the
+    workflow file itself, which is always compared.
+    """
 
     trusted_triggers: tuple[str, ...] = ()
     author_associations: tuple[str, ...] = ()
+    protected_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,15 +118,23 @@ def load_rules(path: Path | None) -> GuardRules:
     )
 
 
+RULE_KEYS = ("trusted_triggers", "author_associations", "protected_paths")
+
+
 def _repo_rules(raw: Any, where: str) -> RepoRules:
-    if not isinstance(raw, dict) or not set(raw) <= {"trusted_triggers", "author_associations"}:
-        raise GuardError(f"{where} must be a mapping with trusted_triggers and/or author_associations")
+    if not isinstance(raw, dict) or not set(raw) <= set(RULE_KEYS):
+        raise GuardError(f"{where} must be a mapping with any of {', '.join(RULE_KEYS)}")
     lists = {}
-    for key in ("trusted_triggers", "author_associations"):
+    for key in RULE_KEYS:
         value = raw.get(key) or []
         if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
             raise GuardError(f"{where}: {key} must be a list of names")
         lists[key] = tuple(item.upper() if key == "author_associations" else item for item in value)
+    for path in lists["protected_paths"]:
+        try:
+            check_path(path)
+        except GitHubError as exc:
+            raise GuardError(f"{where}: protected_paths: {exc}") from exc
     return RepoRules(**lists)
 
 
@@ -222,6 +236,7 @@ def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClien
         )
     if pr and pr.from_fork and job.event_name in PR_EVENTS:
         reasons.extend(_fork_workflow_reasons(job, pr, client))
+        reasons.extend(_protected_path_reasons(job, pr, rules.protected_paths, client))
     return Verdict(allowed=not reasons, reasons=tuple(reasons))
 
 
@@ -239,6 +254,25 @@ def _fork_workflow_reasons(job: JobContext, pr: PullRequest, client: Callable[[]
     return [
         f"this {job.event_name} job comes from the fork {source}, and its workflow {job.workflow_path} "
         f"{change} pull request #{pr.number}, so it could run anything on this host."
+    ]
+
+
+def _protected_path_reasons(
+    job: JobContext, pr: PullRequest, paths: tuple[str, ...], client: Callable[[], GitHubClient]
+) -> list[str]:
+    if not paths:
+        return []
+    api = client()
+    changed = [
+        path
+        for path in paths
+        if entry_sha(api, pr.base_repo, path, pr.base_sha) != entry_sha(api, pr.base_repo, path, pr.head_sha)
+    ]
+    if not changed:
+        return []
+    return [
+        f"this {job.event_name} job comes from the fork {pr.head_repo or 'a deleted fork'}, and pull request "
+        f"#{pr.number} changes {', '.join(changed)}, which {job.repository} protects from forks."
     ]
 
 

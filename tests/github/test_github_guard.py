@@ -258,3 +258,46 @@ def test_a_sha_with_a_trailing_newline_is_malformed(tmp_path) -> None:
     payload["pull_request"]["head"]["sha"] = HEAD_SHA + "\n"
     with pytest.raises(guard.GuardError, match="sha"):
         guard.job_context(job_env(tmp_path, payload))
+
+
+def listing(operations, dir_sha: str) -> list:
+    """The documented directory listing of lib/, with its `octokit` subdirectory at `dir_sha`."""
+    entries = example(operations, CONTENTS_OP, "200", "application/json:response-if-content-is-a-directory")
+    entries[1]["sha"] = dir_sha
+    return entries
+
+
+def fake_lib_listings(operations, base_sha: str, head_sha: str) -> None:
+    url = f"{API}/repos/listendev/lstn/contents/lib"
+    for ref, sha in ((BASE_SHA, base_sha), (HEAD_SHA, head_sha)):
+        responses.get(url, json=listing(operations, sha), match=[matchers.query_param_matcher({"ref": ref})])
+
+
+@pytest.mark.parametrize(("head_dir_sha", "allowed"), [("a" * 40, True), ("b" * 40, False)])
+@responses.activate
+def test_protected_directories_are_compared_by_tree_sha(tmp_path, operations, head_dir_sha, allowed) -> None:
+    fake_workflows(operations, base=SAFE, head=SAFE)
+    fake_lib_listings(operations, "a" * 40, head_dir_sha)
+    rules = guard.RepoRules(protected_paths=("lib/octokit",))
+    verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), rules, client)
+    assert verdict.allowed is allowed
+    if not allowed:
+        assert "changes lib/octokit, which listendev/lstn protects from forks" in verdict.reasons[0]
+
+
+@responses.activate
+def test_a_protected_path_added_by_the_fork_counts_as_changed(tmp_path, operations) -> None:
+    fake_workflows(operations, base=SAFE, head=SAFE)
+    url = f"{API}/repos/listendev/lstn/contents/lib"
+    responses.get(url, json=listing(operations, "a" * 40)[:1], match=[matchers.query_param_matcher({"ref": BASE_SHA})])
+    responses.get(url, json=listing(operations, "a" * 40), match=[matchers.query_param_matcher({"ref": HEAD_SHA})])
+    job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR)))
+    assert not guard.evaluate(job, guard.RepoRules(protected_paths=("lib/octokit",)), client).allowed
+    assert guard.evaluate(job, guard.RepoRules(protected_paths=("lib/absent",)), client).allowed
+
+
+def test_protected_paths_must_be_plain_repository_paths(tmp_path) -> None:
+    path = tmp_path / "rules.yml"
+    path.write_text("default:\n  protected_paths: [../outside]\n")
+    with pytest.raises(guard.GuardError, match="protected_paths"):
+        guard.load_rules(path)
