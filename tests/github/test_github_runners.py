@@ -90,7 +90,8 @@ def test_register_installs_the_guard_hook(github, config, runner_dir, operations
     github.post(f"{RUNNERS}/registration-token", json=token, status=201)
     (runner_dir / ".env").write_text("LANG=C.UTF-8\nACTIONS_RUNNER_HOOK_JOB_STARTED=/old/hook.sh\n")
     rules = runner_dir.parent / "rules.yml"
-    assert main(["register", "--config", str(config), "--runner-dir", str(runner_dir), "--guard-rules", str(rules)]) == 3
+    argv = ["register", "--config", str(config), "--runner-dir", str(runner_dir), "--guard-rules", str(rules)]
+    assert main(argv) == 3
     script = runner_dir / "microvm-check-guard.sh"
     assert (runner_dir / ".env").read_text() == f"LANG=C.UTF-8\nACTIONS_RUNNER_HOOK_JOB_STARTED={script}\n"
     assert script.stat().st_mode & 0o777 == 0o755
