@@ -14,6 +14,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,7 +34,7 @@ MAX_TCP_QUERY_BYTES = 4096
 MAX_ANSWERS = 16
 MAX_OPENED_ADDRESSES = 256
 MAX_REFUSED_NAMES = 1024
-MAX_TCP_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 8  # per slot, UDP and TCP together: a flooding guest only delays itself
 MAX_TTL = 300
 TCP_READ_TIMEOUT = 2.0
 _IP_FREEBIND = 15
@@ -72,7 +73,9 @@ class Upstream:
             query.header.id = random.randrange(65536)
             sock.connect((self.address, self.port))
             sock.send(query.pack())
-            while True:
+            deadline = time.monotonic() + self.timeout
+            while True:  # skip stray datagrams, but only until the deadline
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 reply = DNSRecord.parse(sock.recv(4096))
                 if reply.header.id == query.header.id:
                     break
@@ -100,7 +103,7 @@ class SlotResolver:
     refused: Counter[str] = field(default_factory=Counter)
     opened: set[tuple[str, int, str]] = field(default_factory=set)
     sockets: list[socket.socket] = field(default_factory=list)
-    tcp_in_flight: int = 0
+    in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def configure(self, policy: Policy) -> None:
@@ -148,6 +151,18 @@ class SlotResolver:
                     self.opened -= {(address, port, rule.protocol) for port in rule.ports}
                 raise
 
+    def begin(self) -> bool:
+        """Claim one of the slot's in-flight query places; False when all are taken."""
+        with self.lock:
+            if self.in_flight >= MAX_IN_FLIGHT:
+                return False
+            self.in_flight += 1
+            return True
+
+    def end(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
     def note_refused(self, name: str) -> None:
         with self.lock:
             if name in self.refused or len(self.refused) < MAX_REFUSED_NAMES:
@@ -193,21 +208,29 @@ class DnsService:
         if len(data) > MAX_QUERY_BYTES:
             return  # oversized: no well-behaved stub sends this over UDP
 
-        def reply(answer: bytes) -> None:
-            sock.sendto(answer, peer)
+        if not resolver.begin():
+            return
 
-        self._dispatch(resolver, data, reply)
+        def work() -> None:
+            try:
+                answer = self._answer(resolver, data)
+                if answer is not None:
+                    sock.sendto(answer, peer)
+            except OSError:
+                pass
+            finally:
+                resolver.end()
+
+        self.loop.submit(work)
 
     def _on_tcp(self, resolver: SlotResolver, sock: socket.socket) -> None:
         try:
             conn, _ = sock.accept()
         except BlockingIOError:
             return
-        with resolver.lock:
-            if resolver.tcp_in_flight >= MAX_TCP_IN_FLIGHT:
-                conn.close()
-                return
-            resolver.tcp_in_flight += 1
+        if not resolver.begin():
+            conn.close()
+            return
         self.loop.submit(lambda: self._serve_tcp(resolver, conn))
 
     def _serve_tcp(self, resolver: SlotResolver, conn: socket.socket) -> None:
@@ -225,19 +248,7 @@ class DnsService:
         except (OSError, ValueError):
             return
         finally:
-            with resolver.lock:
-                resolver.tcp_in_flight -= 1
-
-    def _dispatch(self, resolver: SlotResolver, data: bytes, reply: Callable[[bytes], None]) -> None:
-        def work() -> None:
-            answer = self._answer(resolver, data)
-            if answer is not None:
-                try:
-                    reply(answer)
-                except OSError:
-                    pass
-
-        self.loop.submit(work)
+            resolver.end()
 
     def _answer(self, resolver: SlotResolver, data: bytes) -> bytes | None:
         """The reply to one guest query, or None when the packet is not worth one."""

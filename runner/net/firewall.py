@@ -84,7 +84,9 @@ def guard4() -> str:
     """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
 
     Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
-    only at the DNS service, and never the uplink range, link-local, loopback or multicast.
+    only at the DNS service, and never the uplink range, link-local, loopback or multicast. The
+    namespace itself (where QEMU runs) originates nothing towards the uplink: the resolver asks
+    upstream from outside, so a process that escaped the guest into QEMU gains no network.
     """
     tap, dns = addresses.TAP_NAME, addresses.DNS_IP
     return "\n".join(
@@ -104,6 +106,7 @@ def guard4() -> str:
             "-A MVC-GUARD -d 169.254.0.0/16 -j DROP",
             "-A MVC-GUARD -d 127.0.0.0/8 -j DROP",
             "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
+            f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
             "COMMIT",
             "",
         ]
@@ -111,7 +114,8 @@ def guard4() -> str:
 
 
 def guard6() -> str:
-    """IPv6 guard: the guest's MAC only, and the namespace's own addresses only for neighbour discovery."""
+    """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
+    and nothing but neighbour discovery originated by the namespace towards the uplink."""
     return "\n".join(
         [
             "*raw",
@@ -123,6 +127,9 @@ def guard6() -> str:
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j RETURN",
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j RETURN",
             "-A MVC-GUARD -m addrtype --dst-type LOCAL -j DROP",
+            f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j ACCEPT",
+            f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j ACCEPT",
+            f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
             "COMMIT",
             "",
         ]

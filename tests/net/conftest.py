@@ -10,6 +10,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,16 +42,15 @@ def prefix() -> str:
 @pytest.fixture
 def net(need_netns, prefix: str) -> Iterator[Net]:
     threads_before = set(threading.enumerate())
-    internet, servers = net_fakes.build_internet(prefix)
-    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-    try:
+    with ExitStack() as cleanup:  # every step runs even when an earlier one fails
+        internet, servers = net_fakes.build_internet(prefix)
+        cleanup.callback(netns.remove, internet)
+        cleanup.callback(netns.remove, f"{prefix}-guest")
+        cleanup.callback(servers.close)
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        cleanup.callback(pool.close)
         pool.start()
         yield Net(prefix, internet, pool)
-    finally:
-        pool.close()
-        servers.close()
-        netns.remove(f"{prefix}-guest")
-        netns.remove(internet)
     assert net_fakes.leftovers(prefix) == []
     stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert stray == [], f"threads left running: {stray}"

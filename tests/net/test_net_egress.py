@@ -142,3 +142,12 @@ def test_malformed_queries_are_ignored_and_service_goes_on(slot, guest, bad: byt
     in_ns(guest, send)
     answer = lookup(guest, "web.test")
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+
+
+def test_the_slot_namespace_itself_reaches_nothing_upstream(slot, guest) -> None:
+    """QEMU runs in the slot's namespace: a process escaping the guest into it gains no network."""
+    slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
+
+    assert reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(slot.netns, ALLOWED_HOST, 8000)
+    assert not reach(slot.netns, addresses.uplink_ip(slot.index), 8000)
