@@ -7,6 +7,7 @@ hour; we reuse one until shortly before it expires so a burst of webhooks costs 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -125,7 +126,16 @@ class GitHubApp:
         return self._installation_id
 
     def install_url(self) -> str:
-        slug = self.credentials.app_slug or "<app-slug>"
+        """Where an org admin installs the App; its slug is asked from GitHub when not configured."""
+        slug = self.credentials.app_slug
+        if not slug:
+            try:
+                answer = self.as_app.get("/app")
+                slug = answer.get("slug") if isinstance(answer, dict) else None
+            except GitHubError:
+                slug = None
+        if not isinstance(slug, str) or not re.fullmatch(r"[a-z0-9-]{1,100}", slug):
+            slug = "<app-slug>"
         return f"https://github.com/apps/{slug}/installations/new"
 
     def installation_token(self) -> str:

@@ -102,6 +102,26 @@ def test_app_not_installed_on_org_says_where_to_install(make_app) -> None:
 
 
 @responses.activate
+def test_install_link_asks_github_for_the_slug(make_app, operations) -> None:
+    app = make_app(installation_id=None, org="octo-org")
+    responses.get(f"{API}/orgs/octo-org/installation", json={"message": "Not Found"}, status=404)
+    # GET /app answers the App ("integration") object; its shape is the `app` of a check run.
+    integration = example(operations, "POST /repos/{owner}/{repo}/check-runs", "201")["app"]
+    responses.get(f"{API}/app", json=integration)
+    with pytest.raises(NotFound, match="https://github.com/apps/octoapp/installations/new"):
+        app.installation_token()
+
+
+@responses.activate
+def test_install_link_without_a_slug_still_explains(make_app) -> None:
+    app = make_app(installation_id=None, org="octo-org")
+    responses.get(f"{API}/orgs/octo-org/installation", json={"message": "Not Found"}, status=404)
+    responses.get(f"{API}/app", status=500)
+    with pytest.raises(NotFound, match="apps/<app-slug>/installations/new"):
+        app.installation_token()
+
+
+@responses.activate
 def test_uninstalled_installation_id_is_explained(app) -> None:
     url = f"{API}/app/installations/{INSTALLATION_ID}/access_tokens"
     responses.post(url, json={"message": "Not Found"}, status=404)
