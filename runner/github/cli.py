@@ -1,4 +1,4 @@
-"""`microvm-check register | deregister | runners | guard`: the host's side of the GitHub org."""
+"""`microvm-check register | deregister | runners | redeliver | guard`: the host's side of the GitHub org."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import os
 import shlex
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from runner.github import guard, hook, runners
 from runner.github.app import GitHubApp
 from runner.github.client import GitHubClient
 from runner.github.config import DEFAULT_CONFIG_PATH, GitHubSettings, load_settings
+from runner.github.deliveries import RedeliverySweep
 from runner.github.errors import GitHubError
 
 GUARD_RULES_ENV = "MICROVM_CHECK_GUARD_RULES"
@@ -43,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(cmd, config_help)
     cmd.add_argument("--labels", help="comma-separated labels that mark our runners (default: the config's)")
     cmd.set_defaults(func=cmd_runners)
+
+    cmd = subparsers.add_parser("redeliver", help="ask GitHub to redeliver failed webhook deliveries")
+    cmd.add_argument("--config", type=Path, help=config_help)
+    cmd.add_argument("--window", type=float, default=3 * 3600, help="how far back to look, in seconds (3 h)")
+    cmd.add_argument("--every", type=float, help="keep sweeping every this many seconds (default: once)")
+    cmd.set_defaults(func=cmd_redeliver)
 
     cmd = subparsers.add_parser("guard", help="job-started hook: refuse untrusted fork workflows")
     cmd.add_argument("--config", type=Path, help=config_help)
@@ -134,6 +142,18 @@ def cmd_runners(args: argparse.Namespace) -> int:
         state = f"{runner.status}{', busy' if runner.busy else ''}"
         print(f"{mark} {runner.id:>8}  {runner.name:<30} {state:<14} {', '.join(runner.labels)}")
     print(f"{len(found)} runner(s) in org {org}; * = ours (labels {', '.join(labels)})")
+    return 0
+
+
+def cmd_redeliver(args: argparse.Namespace) -> int:
+    """One sweep (for a timer), or a loop with --every (for a service) until interrupted."""
+    settings = load_settings(args.config)
+    sweep = RedeliverySweep(GitHubApp(settings.credentials(), api_url=settings.api_url).as_app, window=args.window)
+    if args.every:
+        sweep.run(threading.Event(), interval=args.every)
+        return 0
+    ids = sweep.sweep()
+    print(f"asked GitHub to redeliver {len(ids)} failed deliveries" + (f": {', '.join(map(str, ids))}" if ids else ""))
     return 0
 
 

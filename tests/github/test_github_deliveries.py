@@ -92,3 +92,17 @@ def test_released_delivery_can_be_claimed_again() -> None:
     assert log.claim("x") and not log.claim("x")
     log.release("x")
     assert log.claim("x")
+
+
+@responses.activate
+def test_redeliver_command_sweeps_once(tmp_path, private_pem, capsys) -> None:
+    from github_fakes import run_cli
+
+    key = tmp_path / "app.pem"
+    key.write_text(private_pem)
+    config = tmp_path / "github.yml"
+    config.write_text(f"app_id: 1\nprivate_key_path: {key}\n")
+    responses.get(DELIVERIES, json=[])
+    assert run_cli(["redeliver", "--config", str(config)]) == 0
+    assert "redeliver 0 failed deliveries" in capsys.readouterr().out
+    assert responses.calls[0].request.headers["Authorization"].startswith("Bearer ey")  # the App JWT
