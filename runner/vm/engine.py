@@ -11,6 +11,7 @@ import atexit
 import fcntl
 import logging
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -21,7 +22,7 @@ from runner.state import StateDir
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
-from runner.vm.pool import Spawned, WarmPool
+from runner.vm.pool import WarmPool
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.sweep import sweep
 from runner.vm.vm import VM
@@ -64,7 +65,7 @@ class Engine:
             log.warning("swept leftovers of a previous run: %s", ", ".join(swept))
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
-        self.pool = WarmPool(self._spawn, pool_size, release_slot=self._release_slot)
+        self.pool = WarmPool(self._restore, pool_size)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
         self._reaper.start()
@@ -112,23 +113,20 @@ class Engine:
         if network and self.net is None:
             raise SandboxError("this engine has no networking configured; create the sandbox with network=False")
         snapshot = tpl.snapshot(network)
-        spawned = self.pool.take(snapshot) or self._spawn(snapshot)
-        vm = VM(
-            id=spawned.vm_id,
-            dir=spawned.vm_dir,
-            machine=spawned.machine,
-            snapshot=snapshot,
-            slot=spawned.slot,
-            release_slot=self._release_slot,
-            expires_at=started + ttl_seconds,
-        )
-        with self._vms_lock:
-            self._vms[vm.id] = vm
+        vm = self.pool.take(snapshot)
         try:
-            self._bring_up(vm, policy, hostname or f"mvc-{vm.id[:8]}")
+            if vm is None:
+                vm = self._restore(snapshot)
+            vm.expires_at = started + ttl_seconds
+            with self._vms_lock:
+                self._vms[vm.id] = vm
+            self._claim(vm, policy, hostname or f"mvc-{vm.id[:8]}")
         except BaseException as exc:
-            why = vm.describe_failure() if vm.failure else str(exc)
-            self.destroy(vm)
+            if vm is not None:
+                why = vm.describe_failure() if vm.failure else str(exc)
+                self.destroy(vm)
+            else:
+                why = str(exc)
             if isinstance(exc, SandboxError):
                 raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
             raise
@@ -137,16 +135,34 @@ class Engine:
         self.pool.refill(snapshot)
         return vm
 
-    def _bring_up(self, vm: VM, policy, hostname: str) -> None:
-        """Policy first, then state, then run: the guest never executes an instruction unfiltered."""
+    def _claim(self, vm: VM, policy, hostname: str) -> None:
+        """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
         if vm.slot is not None:
             vm.slot.apply_policy(policy)
-        vm.machine.restore(vm.snapshot)
-        vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken)
-        vm.machine.resume()
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
-    def _spawn(self, snapshot: Snapshot) -> Spawned:
+    def _restore(self, snapshot: Snapshot) -> VM:
+        """Spawn, restore and resume a VM, and run the agent's paths once.
+
+        Under TCG every clone starts with an empty translation cache, so the first answer from a
+        restored guest costs 100-300 ms of translation; doing that here, before any job owns the VM,
+        is what lets the warm pool hand out VMs that answer in milliseconds. A networked VM's slot
+        denies all traffic from its creation until `_claim` loads the job's policy, so the guest
+        never runs unfiltered.
+        """
+        vm = self._spawn(snapshot)
+        try:
+            vm.machine.restore(snapshot)
+            vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken)
+            vm.machine.resume()
+            vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
+            vm.agent.exec({"argv": ["true"], "cwd": "/"}, lambda stream, data: None, timeout=READY_TIMEOUT_S)
+        except BaseException:
+            vm.destroy()
+            raise
+        return vm
+
+    def _spawn(self, snapshot: Snapshot) -> VM:
         vm_id = uuid.uuid4().hex[:16]
         vm_dir = self.state.vms / vm_id
         vm_dir.mkdir(mode=0o700)
@@ -163,11 +179,9 @@ class Engine:
         except BaseException:
             if slot is not None:
                 self._release_slot(slot)
-            import shutil
-
             shutil.rmtree(vm_dir, ignore_errors=True)
             raise
-        return Spawned(vm_id=vm_id, vm_dir=vm_dir, machine=machine, slot=slot)
+        return VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, release_slot=self._release_slot)
 
     def _release_slot(self, slot) -> None:
         if self.net is not None:

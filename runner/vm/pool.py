@@ -1,8 +1,10 @@
-"""VMMs started ahead of time and waiting for a snapshot to restore.
+"""VMs restored ahead of time, waiting for a job to claim them.
 
-Starting QEMU costs 45-70 ms of every restore (PLATFORM.md); a process started with
-`-incoming defer` can wait for its job indefinitely at almost no cost, so the pool keeps a few
-per template variant and tops them up in the background after each take.
+Starting QEMU costs 45-70 ms of every restore (PLATFORM.md) and, under TCG, the first answer of a
+restored guest another 100-300 ms of code translation. Neither depends on the job, so the pool
+pays both in the background: it keeps a few restored, never-used VMs per template variant and
+tops them up after each take. A job still gets a VM no one has used; its identity (clock,
+entropy, hostname) and egress policy are applied when it claims it.
 """
 
 from __future__ import annotations
@@ -11,50 +13,32 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-from runner.vm.hypervisor import Machine, Snapshot
+from runner.vm.hypervisor import Snapshot
+from runner.vm.vm import VM
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Spawned:
-    vm_id: str
-    vm_dir: Path
-    machine: Machine
-    slot: object | None
-
-    def discard(self, release_slot: Callable[[object], None] | None) -> None:
-        import shutil
-
-        self.machine.kill()
-        if self.slot is not None and release_slot is not None:
-            release_slot(self.slot)
-        shutil.rmtree(self.vm_dir, ignore_errors=True)
-
-
 class WarmPool:
-    def __init__(self, spawn: Callable[[Snapshot], Spawned], size: int, release_slot=None) -> None:
-        self._spawn = spawn
+    def __init__(self, prepare: Callable[[Snapshot], VM], size: int) -> None:
+        self._prepare = prepare
         self.size = size
-        self._release_slot = release_slot
-        self._ready: dict[Snapshot, list[Spawned]] = defaultdict(list)
+        self._ready: dict[Snapshot, list[VM]] = defaultdict(list)
         self._filling: dict[Snapshot, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def take(self, snapshot: Snapshot) -> Spawned | None:
+    def take(self, snapshot: Snapshot) -> VM | None:
         while True:
             with self._lock:
                 entries = self._ready[snapshot]
                 if not entries:
                     return None
-                spawned = entries.pop(0)
-            if spawned.machine.alive():
-                return spawned
-            spawned.discard(self._release_slot)
+                vm = entries.pop(0)
+            if not vm.destroyed and vm.machine.alive():
+                return vm
+            vm.destroy()
 
     def refill(self, snapshot: Snapshot) -> None:
         """Top up the pool for `snapshot` in the background (one filler per snapshot)."""
@@ -73,12 +57,12 @@ class WarmPool:
                 with self._lock:
                     if self._closed or len(self._ready[snapshot]) >= self.size:
                         return
-                spawned = self._spawn(snapshot)
+                vm = self._prepare(snapshot)
                 with self._lock:
                     if self._closed:
-                        spawned.discard(self._release_slot)
+                        vm.destroy()
                         return
-                    self._ready[snapshot].append(spawned)
+                    self._ready[snapshot].append(vm)
         except Exception as exc:  # a failed top-up only costs the next job the start-up time
             log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
         finally:
@@ -95,5 +79,5 @@ class WarmPool:
         with self._lock:
             entries = [s for group in self._ready.values() for s in group]
             self._ready.clear()
-        for spawned in entries:
-            spawned.discard(self._release_slot)
+        for vm in entries:
+            vm.destroy()

@@ -360,6 +360,9 @@ def handle(req: Request) -> None:
 
 
 DATA_OPS = frozenset({"write_file", "put_tar"})  # requests followed by DATA frames and END
+# Answered on the reader thread itself: right after a restore every new code path costs
+# translation time under TCG, and these are what the host waits on before a VM counts as ready.
+INLINE_OPS = frozenset({"ping", "identity", "kill"})
 
 
 def serve(channel: Channel) -> None:
@@ -371,7 +374,11 @@ def serve(channel: Channel) -> None:
             continue
         if frame.kind == P.MSG:
             req = Request(channel, frame.request_id, frame.json())
-            if req.message.get("op") in DATA_OPS:
+            op = req.message.get("op")
+            if op in INLINE_OPS:
+                handle(req)
+                continue
+            if op in DATA_OPS:
                 requests[frame.request_id] = req
             threading.Thread(target=handle, args=(req,), daemon=True).start()
         elif frame.request_id in requests:
