@@ -9,6 +9,7 @@ the PR head by mistake. Files are cached by blob sha (and their ETag, so an unch
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class PolicySource:
         self._texts: OrderedDict[str, str] = OrderedDict()  # blob sha -> decoded YAML
         self._latest: dict[tuple[str, str], tuple[str | None, str]] = {}  # (repo, branch) -> (etag, sha)
         self._branches: dict[str, tuple[str, float]] = {}  # repo -> (default branch, fetched at)
+        self._lock = threading.Lock()
 
     def for_repository(self, repository: str) -> TrustedPolicy | None:
         """The repository's trusted policy, or None when neither place has one (the caller then
@@ -80,8 +82,8 @@ class PolicySource:
             stored = self.store.for_repository(repository)
             if stored is not None:
                 return TrustedPolicy(Provenance(repository, "", None, "store"), policy=stored)
-        branch = self.default_branch(repository)
-        return self._from_branch(repository, branch)
+        with self._lock:  # the caches are shared by the service's threads; lookups are rare
+            return self._from_branch(repository, self.default_branch(repository))
 
     def default_branch(self, repository: str) -> str:
         cached = self._branches.get(repository)
