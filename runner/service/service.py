@@ -138,7 +138,11 @@ class JobService:
         job_id = "j" + secrets.token_hex(8)
         self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
         job_dir = self.config.jobs_dir / job_id
-        job_dir.mkdir(mode=0o700)
+        try:
+            job_dir.mkdir(mode=0o700)
+        except OSError:
+            self.queue.discard(job_id)
+            raise
         record = JobRecord(
             id=job_id, state="awaiting_checkout", repository=spec.repository, sha=spec.sha,
             run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,

@@ -12,7 +12,7 @@ import threading
 from typing import Callable
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, member, prints, spec, tar_of, waits
+from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
 from runner.service.api import ApiServers, UnixApiServer
 from runner.service.client import JobAPIError, JobClient, Transport
@@ -190,3 +190,16 @@ def test_a_burst_of_clients_is_served(api) -> None:
     for t in threads:
         t.join()
     assert errors == [] and answers == [True] * 48
+
+
+def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine: FakeEngine) -> None:
+    engine.programs["flood"] = floods(4 * 1024 * 1024)
+    service, client = api(logs={"max_bytes": "1MiB"})
+    job = client.submit(spec("flood"))["id"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
+        stalled.connect(service.config.socket)
+        stalled.sendall(f"GET /v1/jobs/{job}/logs HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        client.upload_checkout(job, checkout_tar())
+        for _ in service.log_of(job).follow():  # the job's own log ends once the job has ended
+            pass
+        assert client.get(job)["state"] == "finished"

@@ -1,0 +1,81 @@
+"""The service as the GitHub webhook's job hooks: real deliveries in, warm VMs out (over loopback)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from service_fakes import FakeEngine, checkout_tar, prints, spec
+
+from runner.github.signature import sign
+from runner.service.config import ConfigError
+from runner.service.webhook import start_webhook
+
+SECRET = b"webhook-test-secret"
+QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
+COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
+
+
+@pytest.fixture
+def webhook(make_service, engine: FakeEngine, tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET + b"\n")
+    service = make_service()
+    server = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["microvm"]}, service)
+    yield service, f"http://127.0.0.1:{server.port}/github/webhook"
+    server.stop()
+
+
+def deliver(url: str, payload: dict) -> requests.Response:
+    body = json.dumps(payload).encode()
+    return requests.post(url, data=body, timeout=30, headers={
+        "Content-Type": "application/json", "X-GitHub-Event": "workflow_job",
+        "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(SECRET, body)})
+
+
+def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: FakeEngine, external: Path) -> None:
+    service, url = webhook
+    engine.programs["ok"] = prints(b"")
+    payload = json.loads((external / QUEUED).read_text())
+    assert deliver(url, payload).status_code == 200
+    for vm in service.warm._vms:
+        vm.ready.wait(10)
+    assert service.warm.count() == 1
+    job = payload["workflow_job"]
+    rec = service.submit(spec("ok", repository=payload["repository"]["full_name"], run_id=job["run_id"],
+                              run_attempt=job.get("run_attempt") or 1))
+    service.put_checkout(rec.id, [checkout_tar()])
+    for _ in service.log_of(rec.id).follow():
+        pass
+    assert service.get(rec.id).warm is True
+    assert engine.alive() == []
+
+
+def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngine, external: Path) -> None:
+    service, url = webhook
+    queued = json.loads((external / QUEUED).read_text())
+    assert deliver(url, queued).status_code == 200
+    for vm in service.warm._vms:
+        vm.ready.wait(10)
+    completed = json.loads((external / COMPLETED).read_text())
+    # The same real shape, pointed at the job that was queued above.
+    for key in ("id", "run_id", "run_attempt", "labels"):
+        completed["workflow_job"][key] = queued["workflow_job"].get(key) or (1 if key == "run_attempt" else None)
+    completed["repository"] = queued["repository"]
+    assert deliver(url, completed).status_code == 200
+    assert service.warm.count() == 0
+    assert engine.alive() == [] and len(engine.created) == 1
+
+
+def test_webhook_settings_are_checked(make_service, tmp_path: Path) -> None:
+    service = make_service()
+    assert start_webhook({}, service) is None
+    with pytest.raises(ConfigError, match="secret_path: required"):
+        start_webhook({"listen": "127.0.0.1:0"}, service)
+    with pytest.raises(ConfigError, match="cannot read"):
+        start_webhook({"listen": "127.0.0.1:0", "secret_path": str(tmp_path / "none")}, service)
+    with pytest.raises(ConfigError, match="webhook.port: unknown setting"):
+        start_webhook({"listen": "127.0.0.1:0", "port": 1}, service)
