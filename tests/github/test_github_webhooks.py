@@ -156,6 +156,15 @@ def test_octokit_queued_example_prewarms_when_its_labels_are_ours(make_server, h
     ]
 
 
+@pytest.mark.parametrize("conclusion", ["cancelled", "skipped", "timed_out", None])
+def test_completed_is_reported_whatever_the_conclusion(make_server, hooks, conclusion) -> None:
+    server = make_server(labels=OUR_LABELS)
+    payload = load_payload("completed.failure.with-organization.payload.json")
+    payload["workflow_job"]["conclusion"] = conclusion
+    assert deliver(server, payload).status == 200
+    assert [job.conclusion for job in hooks.completed] == [conclusion]
+
+
 def test_completed_jobs_for_other_labels_are_ignored(server, hooks) -> None:
     reply = deliver(server, load_payload("completed.success.with-organization.payload.json"))
     assert reply.status == 200 and "not ours" in reply.message
