@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from action.logs import LogLimits, LogRelay
 from action.workflow import ZWSP, neutralise_line, safe_text
-from gha_runner_model import RunnerModel
+from gha_runner_model import ICU_IGNORABLE, RunnerModel
 
 HOSTILE_LINES = [
     "::set-output name=exit-code::0",
@@ -32,6 +32,24 @@ HOSTILE_LINES = [
 ]
 
 
+# Lines playing on ICU's ignorable characters, which culture-sensitive matching skips.
+IGNORABLE_TRICKS = [
+    "\u200b::set-output name=exit-code::0",
+    ":\u200b:set-output name=exit-code::0",
+    "\ufeff::add-mask::bom",
+    "\x01::add-mask::control",
+    "#\u200b#[set-output name=a;]b",
+    "\u00ad##[add-mask]soft-hyphen",
+    f"{ZWSP}{ZWSP}::add-path::/tmp/x",
+]
+
+
+def runner_models() -> list[RunnerModel]:
+    """The runner comparing ordinally (invariant globalisation) and with ICU, both ways a match may start."""
+    return [RunnerModel(), RunnerModel(ignorable=ICU_IGNORABLE),
+            RunnerModel(ignorable=ICU_IGNORABLE, include_leading=True)]
+
+
 def relay(chunks: list[tuple[str, bytes]], limits: LogLimits = LogLimits()) -> tuple[str, LogRelay]:
     out = io.StringIO()
     with LogRelay(out, "check", limits) as r:
@@ -40,13 +58,12 @@ def relay(chunks: list[tuple[str, bytes]], limits: LogLimits = LogLimits()) -> t
     return out.getvalue(), r
 
 
-def only_our_commands(output: str) -> RunnerModel:
-    model = RunnerModel()
-    model.feed(output)
-    names = [name for name, _ in model.executed]
-    assert names == ["group", "stop-commands", "resume", "endgroup"], model.executed
-    assert model.executed[0] == ("group", "check")
-    return model
+def only_our_commands(output: str) -> None:
+    for model in runner_models():
+        model.feed(output)
+        names = [name for name, _ in model.executed]
+        assert names == ["group", "stop-commands", "resume", "endgroup"], model.executed
+        assert model.executed[0] == ("group", "check")
 
 
 @pytest.mark.parametrize("line", HOSTILE_LINES)
@@ -56,19 +73,35 @@ def test_each_workflow_command_is_inert_inside_the_relay(line: str) -> None:
     assert line.split("::")[-1] in output.replace(ZWSP, "")  # still readable
 
 
-@pytest.mark.parametrize("line", HOSTILE_LINES)
+@pytest.mark.parametrize("line", HOSTILE_LINES + IGNORABLE_TRICKS)
 def test_each_line_is_inert_even_without_stop_commands(line: str) -> None:
-    model = RunnerModel()
-    model.feed(safe_text(line) + "\n")
-    assert model.executed == []
+    for model in runner_models():
+        model.feed(safe_text(line) + "\n")
+        assert model.executed == []
+
+
+@pytest.mark.parametrize("line", IGNORABLE_TRICKS)
+def test_ignorable_tricks_are_inert_inside_the_relay(line: str) -> None:
+    output, _ = relay([("stdout", (line + "\n").encode())])
+    only_our_commands(output)
 
 
 def test_the_model_does_execute_the_raw_lines() -> None:
-    # Guards the tests above: the runner model recognises every hostile line when not neutralised.
+    # Guards the tests above: every model recognises every hostile line when not neutralised.
     for line in HOSTILE_LINES:
-        model = RunnerModel()
-        model.feed(line + "\n")
-        assert model.executed, line
+        for model in runner_models():
+            model.feed(line + "\n")
+            assert model.executed, line
+
+
+def test_icu_model_matches_across_ignorables() -> None:
+    # The ICU model is not the ordinal one under another name: it finds the earlier, ZWSP-split `##[`
+    # (whose ordinal offsets then yield no command name), where the ordinal model finds the later one.
+    line = "#\u200b#[junk ##[add-mask]x\n"
+    ordinal, icu = RunnerModel(), RunnerModel(ignorable=ICU_IGNORABLE)
+    ordinal.feed(line)
+    icu.feed(line)
+    assert ordinal.executed == [("add-mask", "x")] and icu.executed == []
 
 
 def test_commands_split_across_chunks_byte_by_byte() -> None:
@@ -93,7 +126,8 @@ def test_a_guest_printing_the_resume_token_cannot_resume() -> None:
     out = io.StringIO()
     with LogRelay(out, "check") as r:
         token = out.getvalue().splitlines()[1].split("::")[2]
-        r.feed("stdout", f"::{token}::\n::set-output name=x::1\n##[{token}]\n::add-mask::x\n".encode())
+        r.feed("stdout", f"::{token}::\n::set-output name=x::1\n##[{token}]\n::add-mask::x\n"
+                         f"{ZWSP}::{token}::\n::add-mask::y\n".encode())
     only_our_commands(out.getvalue())
 
 
@@ -148,8 +182,8 @@ def test_neutralised_text_keeps_ordinary_lines_unchanged() -> None:
         assert neutralise_line(line) == line
 
 
-PIECES = ["::", "##[", "]", "\r", "\n", " ", "\t", "\u00a0", "\u3000", "\x85", "set-output", "add-mask",
-          "stop-commands", "echo", "name=x", "on", "x", "é", ","]
+PIECES = ["::", ":", "#", "##[", "[", "]", "\r", "\n", " ", "\t", "\u00a0", "\u3000", "\x85", "\u200b", "\u00ad",
+          "\ufeff", "\x01", "set-output", "add-mask", "stop-commands", "echo", "name=x", "on", "x", "é", ","]
 
 
 @settings(max_examples=300, deadline=None)
