@@ -7,9 +7,16 @@ treats a line as a command when either
   - the line contains `##[` anywhere (the legacy form).
 Command names are matched case-insensitively. So any text that came from the guest must be split the
 way the runner splits it, and every resulting line must fail both tests. We do that by prefixing a
-ZERO WIDTH SPACE (U+200B: not white space for .NET, so `TrimStart` keeps it and `StartsWith("::")`
-fails) to lines that would start with `::`, and by breaking every `##[` into `##\\u200b[`. The text stays
-readable in the log; only the invisible character is added.
+ZERO WIDTH SPACE (U+200B, not white space for .NET, so `TrimStart` keeps it) to lines that would start
+with `::`, and by breaking every `##[` into `##\\u200b[`. The text stays readable; only an invisible
+character is added.
+
+`StartsWith`/`IndexOf(string)` are culture-sensitive in .NET, and with ICU (the runner on Linux) they
+skip ignorable characters such as U+200B, so `"\\u200b::x".StartsWith("::")` can be true. That is still
+safe because the runner then cuts the command name at fixed *ordinal* offsets (2 after `::`, 3 after
+`##[`): with a character inserted inside or before the marker, the cut starts at `:`, `[` or the
+inserted character, and no registered command name starts with those. C0 controls (also ignorable)
+are replaced outright. tests/action/gha_runner_model.py checks this with ordinal and ICU-like models.
 """
 
 from __future__ import annotations
