@@ -172,6 +172,10 @@ def main() -> int:
     print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "
           f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms")
     print(f"  where it went (medians): {phases(records)}")
+    vm_ms = [(r["timings"]["finished_at"] - r["timings"]["vm_ready_at"]) * 1000 + r["timings"]["vm_ready_ms"] for r in records]
+    own = [total - vm for total, vm in zip(jobs, vm_ms)]
+    print(f"  the service's own share (round trip minus VM restore, checkout, command, destroy): "
+          f"median {statistics.median(own):.1f} ms")
     print(f"bare `sh -c true` on the host: median {statistics.median(bare):.2f} ms")
     print(f"log entry service->client, {len(logs)} lines: median {statistics.median(logs):.2f} ms, "
           f"p99 {percentile(logs, 0.99):.2f} ms")
