@@ -3,12 +3,15 @@
 The outer end of each slot's veth pair lives in the uplink's namespace with the slot's .1
 address. `HostUplink` is production: the root namespace, forwarding and NAT out of the host's
 default route, nothing of the host itself reachable. `NamespaceUplink` is a namespace someone else
-built (the tests' fake internet): the slots are simply routed into it. Tests must never use
-`HostUplink`: it touches the real machine's forwarding and NAT.
+built (the tests' fake internet): the slots are simply routed into it. Tests run `HostUplink` only
+with `namespace=` set to a namespace of their own: in the root namespace it changes the real
+machine's forwarding and NAT.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 
 from runner.net import addresses, netns
+
+log = logging.getLogger(__name__)
 
 
 class UplinkError(RuntimeError):
@@ -90,43 +95,73 @@ class NamespaceUplink(Uplink):
 
 @dataclass
 class HostUplink(Uplink):
-    """Production: the root namespace forwards the slots' traffic and masquerades it out of `out_iface`.
+    """Production: the host forwards the slots' traffic and masquerades it out of `out_iface`.
 
-    The host itself is closed to the slots (INPUT drop), and slots reach only `out_iface`, never each
-    other or another host interface. Needs root and changes the host's firewall: never run in tests.
+    The host itself is closed to the slots (INPUT drop: no host service, address or resolver is
+    reachable from a guest through its uplink), slots may only leave by `out_iface` (never reach each
+    other or another host interface), and nothing from outside may open a connection to a slot.
+    `out_iface` defaults to the interface of the default route. `namespace` is the namespace playing
+    the host: None (the root namespace) in production; the tests pass a namespace they built, so that
+    this code runs for real without touching the machine. Enabling forwarding is host-wide: a host
+    whose FORWARD policy is ACCEPT would route between its other interfaces too, so that is logged.
     """
 
-    out_iface: str
+    out_iface: str | None = None
+    namespace: str | None = None
     iptables: str = "iptables"
-
-    _CHAINS = (("filter", "INPUT", "MVC-UPLINK-IN"), ("filter", "FORWARD", "MVC-UPLINK-FWD"), ("nat", "POSTROUTING", "MVC-UPLINK-NAT"))
 
     @property
     def netns(self) -> str | None:
-        return None
+        return self.namespace
 
     def prepare(self, prefix: str) -> None:
-        with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
-            forward.write("1\n")
-        self.close(prefix)
-        pool, slots = str(addresses.UPLINK_POOL), f"{prefix}-+"
-        for table, hook, chain in self._CHAINS:
-            self._ipt("-t", table, "-N", chain)
-            self._ipt("-t", table, "-I", hook, "-j", chain)
-        self._ipt("-A", "MVC-UPLINK-IN", "-i", slots, "-j", "DROP")
-        self._ipt("-A", "MVC-UPLINK-FWD", "-i", slots, "-o", self.out_iface, "-s", pool, "-j", "ACCEPT")
-        self._ipt("-A", "MVC-UPLINK-FWD", "-i", slots, "-j", "DROP")
-        self._ipt("-A", "MVC-UPLINK-FWD", "-o", slots, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-        self._ipt("-A", "MVC-UPLINK-FWD", "-o", slots, "-j", "DROP")
-        self._ipt("-t", "nat", "-A", "MVC-UPLINK-NAT", "-s", pool, "-o", self.out_iface, "-j", "MASQUERADE")
+        self.run(lambda: self._prepare(prefix))
 
     def close(self, prefix: str) -> None:
-        for table, hook, chain in self._CHAINS:
+        self.run(lambda: self._remove_chains(prefix))
+
+    def _prepare(self, prefix: str) -> None:
+        out = self.out_iface or _default_route_iface()
+        self._remove_chains(prefix)
+        with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
+            forward.write("1\n")
+        if "-P FORWARD ACCEPT" in self._ipt("-S", "FORWARD"):
+            log.warning("the host's FORWARD policy is ACCEPT: with forwarding on it routes between its interfaces")
+        pool, slots = str(addresses.UPLINK_POOL), f"{prefix}-+"
+        for table, hook, chain in _hooks(prefix):
+            self._ipt("-t", table, "-N", chain)
+            self._ipt("-t", table, "-I", hook, "-j", chain)
+        (_, _, into_host), (_, _, through), (_, _, nat) = _hooks(prefix)
+        self._ipt("-A", into_host, "-i", slots, "-j", "DROP")
+        self._ipt("-A", through, "-i", slots, "-o", out, "-s", pool, "-j", "ACCEPT")
+        self._ipt("-A", through, "-i", slots, "-j", "DROP")
+        self._ipt("-A", through, "-o", slots, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        self._ipt("-A", through, "-o", slots, "-j", "DROP")
+        self._ipt("-t", "nat", "-A", nat, "-s", pool, "-o", out, "-j", "MASQUERADE")
+
+    def _remove_chains(self, prefix: str) -> None:
+        for table, hook, chain in _hooks(prefix):
             self._ipt("-t", table, "-D", hook, "-j", chain, check=False)
             self._ipt("-t", table, "-F", chain, check=False)
             self._ipt("-t", table, "-X", chain, check=False)
 
-    def _ipt(self, *args: str, check: bool = True) -> None:
+    def _ipt(self, *args: str, check: bool = True) -> str:
         done = subprocess.run([self.iptables, "-w", *args], capture_output=True, text=True)
         if check and done.returncode != 0:
             raise UplinkError(f"{self.iptables} {' '.join(args)} failed: {done.stderr.strip()}")
+        return done.stdout
+
+
+def _hooks(prefix: str) -> tuple[tuple[str, str, str], ...]:
+    """(table, hook, chain) of the pool `prefix`'s host chains: into the host, through it, its NAT."""
+    tag = f"MVC-{prefix.upper()}"
+    return (("filter", "INPUT", f"{tag}-IN"), ("filter", "FORWARD", f"{tag}-FWD"), ("nat", "POSTROUTING", f"{tag}-NAT"))
+
+
+def _default_route_iface() -> str:
+    with IPRoute() as ipr:
+        for route in ipr.get_default_routes(family=socket.AF_INET):
+            oif = route.get("RTA_OIF")
+            if oif:
+                return str(ipr.get_links(oif)[0].get("ifname"))
+    raise UplinkError("the host has no IPv4 default route; give HostUplink an explicit out_iface")

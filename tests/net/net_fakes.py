@@ -55,7 +55,7 @@ class Servers:
         sock.bind((address, port))
         sock.listen(16)
         sock.settimeout(0.2)
-        self._spawn(lambda: self._serve_tcp(sock, f"{address}:{port}".encode()), sock)
+        self._spawn(lambda: self._serve_tcp(sock, port), sock)
 
     def dns(self, ns: str | None, address: str, port: int = 53) -> int:
         """A DNS server answering from `ZONE`; returns its port (pass 0 for any free one)."""
@@ -78,14 +78,15 @@ class Servers:
         self.threads.append(thread)
         thread.start()
 
-    def _serve_tcp(self, sock: socket.socket, banner: bytes) -> None:
+    def _serve_tcp(self, sock: socket.socket, port: int) -> None:
+        """Answer each connection with the address:port it reached, so a test knows who answered."""
         while not self.stop.is_set():
             try:
                 conn, _ = sock.accept()
             except (TimeoutError, OSError):
                 continue
             with conn:
-                conn.sendall(banner)
+                conn.sendall(f"{conn.getsockname()[0]}:{port}".encode())
 
     def _serve_dns(self, sock: socket.socket) -> None:
         while not self.stop.is_set():

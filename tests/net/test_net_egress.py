@@ -7,6 +7,7 @@ import subprocess
 import pytest
 from dnslib import QTYPE, RCODE
 
+import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
 from policy import load_policy
 from runner.net import addresses
@@ -66,7 +67,7 @@ def test_wildcard_and_tcp_queries(slot, guest) -> None:
 
 
 def test_cidr_rule_is_clipped_at_metadata_gateway_and_uplink(net, slot, guest) -> None:
-    net_fakes_tcp = __import__("net_fakes").Servers()
+    net_fakes_tcp = net_fakes.Servers()
     gateway_port = 2222
     try:
         net_fakes_tcp.tcp(slot.netns, "0.0.0.0", gateway_port)  # the namespace itself, all addresses
@@ -151,3 +152,22 @@ def test_the_slot_namespace_itself_reaches_nothing_upstream(slot, guest) -> None
     assert reach(guest, ALLOWED_HOST, 8000)
     assert not reach(slot.netns, ALLOWED_HOST, 8000)
     assert not reach(slot.netns, addresses.uplink_ip(slot.index), 8000)
+
+
+def test_nothing_on_the_uplink_side_reaches_into_the_slot(net, slot, guest) -> None:
+    """Whoever sits on the uplink (the host, a neighbour) reaches neither the slot's sockets nor its resolver."""
+    servers = net_fakes.Servers()
+    try:
+        servers.tcp(slot.netns, "0.0.0.0", 2222)
+        slot.apply_policy(policy(WEB_POLICY))
+        assert reach(slot.netns, "127.0.0.1", 2222)  # it is listening
+
+        assert not reach(net.internet, addresses.veth_ip(slot.index), 2222)
+        ip("-n", net.internet, "route", "add", "192.0.2.0/30", "via", addresses.veth_ip(slot.index))
+        assert not reach(net.internet, addresses.GATEWAY_IP, 2222)
+        assert lookup(net.internet, "web.test") is None
+        assert slot.resolver is not None and slot.resolver.handed_out == {}  # the query never got in
+        assert lookup(guest, "web.test") is not None
+        assert slot.resolver.handed_out == {net_fakes.ALLOWED_HOST: "web.test"}
+    finally:
+        servers.close()
