@@ -7,6 +7,7 @@ at once so a blocked `exec` returns instead of running on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -231,10 +232,17 @@ def _exit_code(value: Any) -> int:
 
 
 def _bounded_blocked(entries: Any) -> list[dict[str, Any]]:
-    if not isinstance(entries, list):
-        return []
-    kept = [e for e in entries[:MAX_BLOCKED_RECORDS] if isinstance(e, dict)]
-    return [{k: v for k, v in e.items() if isinstance(v, (str, int, float)) and len(str(v)) <= 256} for e in kept]
+    """Blocked-egress records as plain JSON, bounded: their content derives from guest traffic."""
+    kept: list[dict[str, Any]] = []
+    for entry in list(entries or [])[:MAX_BLOCKED_RECORDS]:
+        if hasattr(entry, "as_json"):  # runner.net.audit.AuditRecord
+            entry = entry.as_json()
+        elif dataclasses.is_dataclass(entry) and not isinstance(entry, type):
+            entry = dataclasses.asdict(entry)
+        if isinstance(entry, dict):
+            kept.append({k: v for k, v in entry.items()
+                         if isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) and len(str(v)) <= 256})
+    return kept
 
 
 def _destroy(sandbox: Sandbox) -> None:

@@ -14,11 +14,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from runner.net.audit import AuditRecord
+from runner.vm.errors import SandboxError
+
 SHA = "0123456789abcdef0123456789abcdef01234567"
-
-
-class FakeSandboxError(Exception):
-    pass
 
 
 @dataclass
@@ -46,7 +45,7 @@ class FakeEngine:
 
     def create(self, **kwargs: Any) -> "FakeSandbox":
         if self.fail_create:
-            raise FakeSandboxError("the template could not be restored")
+            raise SandboxError("the template could not be restored")
         with self.lock:
             sbx = FakeSandbox(self, f"vm{next(self.counter)}", kwargs)
             self.created.append(sbx)
@@ -83,19 +82,21 @@ class FakeSandbox:
         program = self.engine.programs[command[2]]
         result = program(self, on_output or (lambda s, d: None), timeout_seconds)
         if self.destroyed.is_set():
-            raise FakeSandboxError(f"VM {self.id} was destroyed")
+            raise SandboxError(f"VM {self.id} was destroyed")
         return result
 
     def get_tar(self, paths: list[str], out: Any, max_bytes: int, cwd: str = "/") -> int:
         self.get_tar_calls.append((paths, cwd))
         data = self.engine.artifacts_tar or b""
         if len(data) > max_bytes:  # the real agent also stops at the limit and reports an error
-            raise FakeSandboxError(f"the files exceed the {max_bytes}-byte limit")
+            raise SandboxError(f"the files exceed the {max_bytes}-byte limit")
         out.write(data)
         return len(data)
 
-    def blocked_egress(self) -> list[dict]:
-        return [{"dest": "192.0.2.7", "port": 443, "proto": "tcp", "name": "blocked.example", "count": 2}]
+    def blocked_egress(self) -> list[AuditRecord]:
+        """What the real engine returns: runner.net's audit records."""
+        return [AuditRecord(dest="192.0.2.7", port=443, proto="tcp", name="blocked.example", count=2),
+                AuditRecord(dest="198.51.100.1", port=None, proto="icmp", name=None, count=1)]
 
     def destroy(self) -> None:
         with self.engine.lock:
