@@ -203,3 +203,30 @@ def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine
         for _ in service.log_of(job).follow():  # the job's own log ends once the job has ended
             pass
         assert client.get(job)["state"] == "finished"
+
+
+def test_socket_group(make_service) -> None:
+    import grp
+
+    group = next((g for g in ("nogroup", "users", "daemon") if _group_exists(g)), None)
+    if group is None:
+        pytest.skip("no spare group on this host")
+    service = make_service(socket_group=group)
+    server = UnixApiServer(service.config.socket, service, group)
+    try:
+        assert os.stat(service.config.socket).st_gid == grp.getgrnam(group).gr_gid
+    finally:
+        server.server_close()
+    with pytest.raises(ValueError, match="no group named 'no-such-group-mvc'"):
+        UnixApiServer(service.config.socket, service, "no-such-group-mvc")
+    assert not os.path.exists(service.config.socket)
+
+
+def _group_exists(name: str) -> bool:
+    import grp
+
+    try:
+        grp.getgrnam(name)
+        return True
+    except KeyError:
+        return False
