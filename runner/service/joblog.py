@@ -17,8 +17,6 @@ from typing import Callable, Iterator
 
 from runner.service.config import LogLimits
 
-STREAMS = ("stdout", "stderr", "system")
-
 
 class JobLog:
     def __init__(self, path: Path, limits: LogLimits, clock: Callable[[], float] = time.time) -> None:
@@ -43,10 +41,6 @@ class JobLog:
         log._size = log.path.stat().st_size if log.path.exists() else 0
         log._closed = True
         return log
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def dropped_bytes(self) -> int:
