@@ -137,14 +137,20 @@ class InProcessService:
 
 
 def _show(stream_name: str, data: bytes) -> None:
-    if stream_name == "stdout":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
-    elif stream_name == "stderr":
-        sys.stderr.buffer.write(data)
-        sys.stderr.buffer.flush()
-    else:
-        print(f"[microvm-check] {data.decode(errors='replace')}", file=sys.stderr, flush=True)
+    out = sys.stdout if stream_name == "stdout" else sys.stderr
+    if stream_name == "system":
+        data = b"[microvm-check] " + data + b"\n"
+    if out.isatty():
+        data = data.translate(_TERMINAL_SAFE)
+    out.flush()
+    out.buffer.write(data)
+    out.buffer.flush()
+
+
+# The guest is hostile: on a terminal, its escape sequences could retitle the window, write the
+# clipboard (OSC 52) or hide text. Control characters other than tab, newline, carriage return and
+# backspace are shown as "?"; guest programs see no terminal, so they rarely emit colour anyway.
+_TERMINAL_SAFE = bytes(c if c >= 32 and c != 127 or c in b"\t\n\r\b" else ord("?") for c in range(256))
 
 
 def _exit_status(record: dict[str, Any]) -> int:

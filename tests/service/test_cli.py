@@ -134,3 +134,24 @@ def test_serve_reports_a_bad_config(tmp_path: Path, capsys) -> None:
     path.write_text("max_concurrent_jobs: 0\n")
     assert main(["serve", "--config", str(path)]) == 1
     assert f"{path}: max_concurrent_jobs: must be at least 1" in capsys.readouterr().err
+
+
+def test_guest_escape_sequences_are_defused_on_a_terminal(monkeypatch) -> None:
+    from runner.service.localrun import _show
+
+    leader, follower = os.openpty()
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            monkeypatch.setattr(sys, "stdout", tty)
+            _show("stdout", b"ok\x1b]52;c;aGk=\x07 \x1b[2Jdone\n")
+        assert os.read(leader, 1024).replace(b"\r\n", b"\n") == b"ok?]52;c;aGk=? ?[2Jdone\n"
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_guest_output_passes_unchanged_to_a_pipe(capfdbinary) -> None:
+    from runner.service.localrun import _show
+
+    _show("stdout", b"\x1b[1mbold\x1b[0m\n")
+    assert capfdbinary.readouterr().out == b"\x1b[1mbold\x1b[0m\n"
