@@ -132,6 +132,19 @@ def test_tcp_needs_the_token(make_service) -> None:
         servers.stop()
 
 
+def test_tcp_client_sees_413_for_an_oversized_checkout(make_service) -> None:
+    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN, checkout_max_bytes="1MiB"))
+    servers.start()
+    try:
+        host, port = servers.tcp_address
+        client = JobClient(url=f"http://{host}:{port}", token=TOKEN)
+        job = client.submit(spec())["id"]
+        big = (b"\0" * 65536 for _ in range(320))  # 20 MiB, chunked
+        assert status_of(lambda: client.upload_checkout(job, big)) == 413
+    finally:
+        servers.stop()
+
+
 def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> None:
     service, client = api()
     with pytest.raises(ValueError, match="already listens"):
