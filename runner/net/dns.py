@@ -10,7 +10,8 @@ slot's allow chain, and only then answers, so the guest's first connection is al
 from __future__ import annotations
 
 import logging
-import random
+import re
+import secrets
 import socket
 import struct
 import threading
@@ -36,8 +37,10 @@ MAX_OPENED_ADDRESSES = 256
 MAX_REFUSED_NAMES = 1024
 MAX_IN_FLIGHT = 8  # per slot, UDP and TCP together: a flooding guest only delays itself
 MAX_TTL = 300
+MAX_CNAME_HOPS = 8
 TCP_READ_TIMEOUT = 2.0
 _IP_FREEBIND = 15
+_LABEL = re.compile(rb"[A-Za-z0-9_-]{1,63}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Upstream:
         with sock:
             sock.settimeout(self.timeout)
             query = DNSRecord.question(name, qtype)
-            query.header.id = random.randrange(65536)
+            query.header.id = secrets.randbelow(65536)  # with the random source port: no off-path forgery
             sock.connect((self.address, self.port))
             sock.send(query.pack())
             deadline = time.monotonic() + self.timeout
@@ -79,13 +82,29 @@ class Upstream:
                 reply = DNSRecord.parse(sock.recv(4096))
                 if reply.header.id == query.header.id:
                     break
-        wanted = getattr(QTYPE, qtype)
-        records = [
-            (str(rr.rdata), int(rr.ttl))
-            for rr in reply.rr
-            if rr.rtype == wanted and str(rr.rname).rstrip(".").lower() == name
-        ]
-        return records[:MAX_ANSWERS], reply.header.rcode
+        return _addresses_for(name, getattr(QTYPE, qtype), reply.rr), reply.header.rcode
+
+
+def _addresses_for(name: str, rtype: int, answers: list[RR]) -> list[tuple[str, int]]:
+    """(address, ttl) of `rtype` records for `name`, following the answer's CNAME chain (CDNs
+    answer most names through one) but nothing else the upstream added."""
+    aliases = {name}
+    for _ in range(MAX_CNAME_HOPS):
+        more = {_name(rr.rdata.label) for rr in answers if rr.rtype == QTYPE.CNAME and _name(rr.rname) in aliases}
+        if more <= aliases:
+            break
+        aliases |= more
+    found = [(str(rr.rdata), int(rr.ttl)) for rr in answers if rr.rtype == rtype and _name(rr.rname) in aliases]
+    return found[:MAX_ANSWERS]
+
+
+def _name(label: object) -> str:
+    return str(label).rstrip(".").lower()
+
+
+def valid_name(labels: tuple[bytes, ...]) -> bool:
+    """A host name made of ordinary labels: anything else could never match a policy entry."""
+    return bool(labels) and sum(len(label) + 1 for label in labels) <= 254 and all(_LABEL.fullmatch(label) for label in labels)
 
 
 Opener = Callable[[list[tuple[str, Rule]]], None]
@@ -259,10 +278,10 @@ class DnsService:
         if query.header.qr or len(query.questions) != 1 or query.header.opcode != 0:
             return _error(query, RCODE.FORMERR)
         question = query.q
-        name = str(question.qname).rstrip(".").lower()
-        qtype = QTYPE.get(question.qtype, str(question.qtype))
-        if question.qclass != 1 or not name or len(name) > 253:
+        if question.qclass != 1 or not valid_name(tuple(question.qname.label)):
             return _error(query, RCODE.REFUSED)
+        name = _name(question.qname)
+        qtype = QTYPE.get(question.qtype, str(question.qtype))
         policy, generation = resolver.snapshot()
         rules = policy.rules_for_host(name)
         if not rules:

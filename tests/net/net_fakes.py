@@ -19,7 +19,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import CNAME, QTYPE, RCODE, RR, A, DNSRecord
 
 from runner.net import addresses, netns
 
@@ -28,7 +28,8 @@ DENIED_HOST = "203.0.113.20"
 UPSTREAM_DNS = "203.0.113.53"
 METADATA = "169.254.169.254"
 SERVER_IP6 = "2001:db8:3::10"
-ZONE = {"web.test": ALLOWED_HOST, "denied.test": DENIED_HOST, "a.cdn.test": ALLOWED_HOST}
+ZONE = {"web.test": ALLOWED_HOST, "denied.test": DENIED_HOST, "a.cdn.test": ALLOWED_HOST, "edge.cdn.example": ALLOWED_HOST}
+ALIASES = {"files.web.test": "edge.cdn.example"}  # a CDN-style CNAME
 
 
 def ip(*args: str) -> None:
@@ -98,7 +99,11 @@ class Servers:
             query = DNSRecord.parse(data)
             name = str(query.q.qname).rstrip(".")
             reply = query.reply()
-            if name in ZONE and query.q.qtype == QTYPE.A:
+            if name in ALIASES:
+                reply.add_answer(RR(query.q.qname, QTYPE.CNAME, rdata=CNAME(ALIASES[name]), ttl=60))
+                reply.add_answer(RR(ALIASES[name], QTYPE.A, rdata=A(ZONE[ALIASES[name]]), ttl=60))
+                reply.add_answer(RR("unrelated.example", QTYPE.A, rdata=A(DENIED_HOST), ttl=60))
+            elif name in ZONE and query.q.qtype == QTYPE.A:
                 reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(ZONE[name]), ttl=60))
             elif name not in ZONE:
                 reply.header.rcode = RCODE.NXDOMAIN

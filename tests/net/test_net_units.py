@@ -114,6 +114,29 @@ def test_allowed_name_is_answered_and_opened_once(service) -> None:
     assert upstream.queries == 2
 
 
+def test_cname_chains_are_followed_but_unrelated_records_dropped(service) -> None:
+    dns, _ = service
+    opened: list = []  # type: ignore[type-arg]
+    slot = resolver("version: 1\nallow:\n  - host: \"*.web.test\"\n    ports: [443]\n", opened)
+
+    answer = ask(dns, slot, "files.web.test")
+
+    assert [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+    assert str(answer.rr[0].rname).rstrip(".") == "files.web.test"
+    assert [address for address, _ in opened] == [ALLOWED_HOST]
+
+
+def test_names_that_are_not_host_names_are_refused(service) -> None:
+    dns, upstream = service
+    slot = resolver("version: 1\nallow:\n  - host: \"*.web.test\"\n    ports: [443]\n", [])
+    query = DNSRecord.question("x.web.test")
+    query.q.qname.label = (b"evil.x", b"web", b"test")  # a dot inside a label
+
+    answer = DNSRecord.parse(dns._answer(slot, query.pack()))
+
+    assert answer.header.rcode == RCODE.REFUSED and upstream.queries == 0
+
+
 def test_refused_names_and_aaaa_never_reach_upstream(service) -> None:
     dns, upstream = service
     opened: list = []  # type: ignore[type-arg]
