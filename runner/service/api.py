@@ -36,8 +36,8 @@ _MAX_CHUNK_LINE = 1024
 _ROUTE = re.compile(r"^/v1/jobs/(?P<id>[^/]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?$")
 
 
-class _BadRequest(Exception):
-    pass
+class BodyFramingError(Exception):
+    """A request body that is not valid HTTP framing (answered 400)."""
 
 
 def read_chunked(rfile: Any) -> Iterator[bytes]:
@@ -45,29 +45,29 @@ def read_chunked(rfile: Any) -> Iterator[bytes]:
     while True:
         line = rfile.readline(_MAX_CHUNK_LINE + 1)
         if len(line) > _MAX_CHUNK_LINE or not line.endswith(b"\n"):
-            raise _BadRequest("malformed chunk size line")
+            raise BodyFramingError("malformed chunk size line")
         try:
             size = int(line.split(b";", 1)[0].strip(), 16)
         except ValueError:
-            raise _BadRequest("malformed chunk size") from None
+            raise BodyFramingError("malformed chunk size") from None
         if size < 0:
-            raise _BadRequest("negative chunk size")
+            raise BodyFramingError("negative chunk size")
         if size == 0:
             break
         left = size
         while left:
             data = rfile.read(min(left, _CHUNK))
             if not data:
-                raise _BadRequest("the body ended inside a chunk")
+                raise BodyFramingError("the body ended inside a chunk")
             left -= len(data)
             yield data
         if rfile.readline(_MAX_CHUNK_LINE + 1).strip():
-            raise _BadRequest("missing CRLF after a chunk")
+            raise BodyFramingError("missing CRLF after a chunk")
     for _ in range(64):  # trailers
         line = rfile.readline(_MAX_CHUNK_LINE + 1)
         if line in (b"\r\n", b"\n", b""):
             return
-    raise _BadRequest("too many trailer lines")
+    raise BodyFramingError("too many trailer lines")
 
 
 def read_sized(rfile: Any, length: int) -> Iterator[bytes]:
@@ -75,7 +75,7 @@ def read_sized(rfile: Any, length: int) -> Iterator[bytes]:
     while left:
         data = rfile.read(min(left, _CHUNK))
         if not data:
-            raise _BadRequest("the body ended before Content-Length bytes")
+            raise BodyFramingError("the body ended before Content-Length bytes")
         left -= len(data)
         yield data
 
@@ -105,7 +105,7 @@ class Handler(BaseHTTPRequestHandler):
         if length is None:
             return iter(())
         if not length.isdigit():
-            raise _BadRequest("invalid Content-Length")
+            raise BodyFramingError("invalid Content-Length")
         return read_sized(self.rfile, int(length))
 
     def _json_body(self) -> Any:
@@ -160,7 +160,7 @@ class Handler(BaseHTTPRequestHandler):
             self._error(429, str(exc), {"Retry-After": str(exc.retry_after)})
         except QueueClosed as exc:
             self._error(503, str(exc))
-        except _BadRequest as exc:
+        except BodyFramingError as exc:
             self.close_connection = True
             self._error(400, f"bad request: {exc}")
         except (BrokenPipeError, ConnectionResetError, socket.timeout):

@@ -12,9 +12,11 @@ import threading
 from typing import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
-from runner.service.api import ApiServers, UnixApiServer
+from runner.service.api import ApiServers, BodyFramingError, UnixApiServer, read_chunked
 from runner.service.client import JobAPIError, JobClient, Transport
 
 TOKEN = "a-long-enough-test-token-1234"
@@ -243,3 +245,18 @@ def _group_exists(name: str) -> bool:
         return True
     except KeyError:
         return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_chunked_decoder_never_reads_past_garbage(data: bytes) -> None:
+    try:
+        body = b"".join(read_chunked(io.BytesIO(data)))
+    except BodyFramingError:
+        return
+    assert len(body) <= len(data)
+
+
+def test_chunked_decoder_round_trip() -> None:
+    encoded = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nTrailer: x\r\n\r\n"
+    assert b"".join(read_chunked(io.BytesIO(encoded))) == b"hello world!"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from service_fakes import spec
 
 from runner.service.config import config_from_mapping
-from runner.service.spec import SpecError, env_allowed, parse_spec
+from runner.service.spec import JobSpec, SpecError, env_allowed, parse_spec
 
 CONFIG = config_from_mapping({"templates": ["base", "big"], "max_timeout_seconds": 600, "default_timeout_seconds": 60})
 
@@ -64,3 +66,22 @@ def test_not_an_object() -> None:
                                            ("RUNNER_SECRET", False), ("GITHUB_API_KEY", False), ("PATH", False)])
 def test_env_allowlist_and_denylist(name: str, allowed: bool) -> None:
     assert env_allowed(name, ("CI", "GITHUB_*", "RUNNER_*")) is allowed
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(JobSpec.__dataclass_fields__) + ["x"]), json_values, max_size=8))
+def test_any_json_is_a_spec_or_a_spec_error(data: dict) -> None:
+    try:
+        job = parse_spec({**spec(), **data}, CONFIG)
+    except SpecError:
+        return
+    assert job.workdir.startswith("/workspace")
+    assert ".." not in job.workdir.split("/")
+    assert all(not g.startswith("/") and ".." not in g.split("/") for g in job.artifacts)
