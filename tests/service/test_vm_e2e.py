@@ -282,3 +282,16 @@ def _wait_answering(client: JobClient, proc: subprocess.Popen) -> None:
                 pytest.fail(f"serve exited early: {proc.stderr.read()}")
             time.sleep(0.05)
     pytest.fail("serve never answered on its socket")
+
+
+def test_log_flood_is_truncated(vm_service) -> None:
+    service, client = vm_service(logs={"max_bytes": "256KiB"})
+    job = submit(client, "head -c 20000000 /dev/zero | tr '\\0' x; echo; echo done >&2", timeout_seconds=300)
+    entries = list(client.logs(job))
+    kept = sum(len(e.data) for e in entries if e.stream in ("stdout", "stderr"))
+    notes = [e.data for e in entries if e.stream == "system"]
+    assert kept == 256 * 1024
+    assert any(n.startswith(b"log limit of 262144 bytes reached") for n in notes)
+    assert any(n.endswith(b"bytes of output were dropped") for n in notes)
+    assert client.get(job)["state"] == "finished"
+    assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 512 * 1024
