@@ -68,7 +68,8 @@ class JobService:
         self.config = config
         self._create = create_sandbox or default_sandbox_factory()
         self.policies = policies or EgressPolicies(config.policy_dir)
-        config.jobs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
+        config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = WarmPool(config.prewarm.max_vms, config.prewarm.expire_seconds)
