@@ -2,12 +2,13 @@
 
 Public API (everything else is internal):
 
-- `SlotPool(prefix, uplink, size, upstream=..., tap_owner=...)`: `start()` / `close()` (or `with`),
-  `acquire(job="") -> Slot`, `release(slot)`, `discard(slot)`, `sweep() -> list[str]`.
+- `SlotPool(prefix, uplink, size, upstream=..., tap_owner=..., allowances=...)`: `start()` /
+  `close()` (or `with`), `acquire(job="") -> Slot` (a new handle per lease), `release(slot)`
+  (ignores a handle that is no longer out), `discard(slot)`, `sweep() -> list[str]`.
 - `Slot`: `netns`, `tap`; `qemu_prefix() -> list[str]` (argv prefix running QEMU in the namespace,
   which then opens `-netdev tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off`);
   `apply_policy(policy: policy.Policy) -> None` (raises; the VM must not start then);
-  `audit_records() -> list[AuditRecord]`.
+  `audit_records() -> list[AuditRecord]` (`AuditRecord.as_json()` is a `blocked_egress` entry).
 - Uplinks: `HostUplink(out_iface)` (production, root namespace, NAT) and `NamespaceUplink(name)`.
 - `Upstream(address, port=53, netns=None)`: where the guests' resolver asks allowed names.
 - `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried.

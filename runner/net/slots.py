@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pyroute2 import IPRoute, NFCTSocket
 
 from policy.model import DENY_ALL, Policy, Rule
-from policy.render import RenderContext, dns_allow_rule, render
+from policy.render import OperatorAllowances, RenderContext, dns_allow_rule, render
 from runner.net import addresses, firewall, netns
 from runner.net.audit import AuditRecord, SlotAudit
 from runner.net.dns import DnsService, SlotResolver, Upstream
@@ -44,6 +45,7 @@ class Slot:
     resolver: SlotResolver | None = field(default=None, repr=False)
     audit: SlotAudit | None = field(default=None, repr=False)
     job: str = ""
+    allowances: OperatorAllowances = field(default_factory=OperatorAllowances, repr=False)
     _ipv6_loaded: str = field(default="", repr=False)
 
     def qemu_prefix(self) -> list[str]:
@@ -71,7 +73,7 @@ class Slot:
         guests have no IPv6 address, so it is nearly always the deny-all the slot was reset to,
         and skipping it halves the cost of readying a slot.
         """
-        rendered = render(policy, self.render_context())
+        rendered = render(policy, self.render_context(), self.allowances)
         for document, family in ((rendered.ipv4, "IPv4"), (rendered.ipv6, "IPv6")):
             firewall.check_policy_document(document, family)
         if self.resolver is not None:
@@ -98,13 +100,12 @@ class Slot:
         self.job = ""
         self.firewall.load(self.netns, firewall.deny_all())
         self._ipv6_loaded = ""
-        self._load_ipv6(render(DENY_ALL, self.render_context()).ipv6)
+        self._load_ipv6(render(DENY_ALL, self.render_context(), self.allowances).ipv6)
         if self.resolver is not None:
             self.resolver.clear()
         netns.run_in(self.netns, _flush_conntrack)
         if self.audit is not None:
             self.audit.clear()
-
 
     def _load_ipv6(self, document: str) -> None:
         rules = firewall.rules_of(document)
@@ -115,8 +116,9 @@ class Slot:
 
 def _flush_conntrack() -> None:
     """Forget the previous job's connections, so no reply path of it survives (run inside the slot)."""
-    with NFCTSocket() as ct:
-        ct.flush()
+    for family in (socket.AF_INET, socket.AF_INET6):
+        with NFCTSocket(nfgen_family=family) as ct:
+            ct.flush()
 
 
 def _configure_inside(index: int, tap_owner: tuple[int, int] | None) -> None:
@@ -152,6 +154,7 @@ class SlotPool:
         upstream: Upstream | None = None,
         firewall_tools: Firewall | None = None,
         tap_owner: tuple[int, int] | None = None,
+        allowances: OperatorAllowances | None = None,
         max_slots: int = addresses.MAX_SLOTS,
     ) -> None:
         if not _PREFIX.fullmatch(prefix):
@@ -164,6 +167,7 @@ class SlotPool:
         self.upstream = upstream or Upstream.from_resolv_conf()
         self.firewall = firewall_tools or Firewall()
         self.tap_owner = tap_owner
+        self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)
         self._lock = threading.Lock()
         self._idle: list[Slot] = []
@@ -193,7 +197,7 @@ class SlotPool:
     def acquire(self, job: str = "") -> Slot:
         """A clean, deny-all slot (made now if the pool is empty); load a policy before the VM runs."""
         with self._lock:
-            slot = self._idle.pop() if self._idle else None
+            slot = replace(self._idle.pop()) if self._idle else None  # a new handle per lease
             if slot is not None:
                 self._busy[slot.index] = slot
         if slot is None:
@@ -202,7 +206,16 @@ class SlotPool:
         return slot
 
     def release(self, slot: Slot) -> None:
-        """Clean `slot` and return it to the pool; a slot that cannot be cleaned is destroyed."""
+        """Clean `slot` and return it to the pool; a slot that cannot be cleaned is destroyed.
+
+        Every acquire hands out a new `Slot` object, so a handle that is no longer out (released
+        twice, or another pool's) is recognised and ignored: resetting it would tear down the
+        network of the VM that holds the slot now.
+        """
+        with self._lock:
+            if self._busy.get(slot.index) is not slot:
+                log.warning("slot %s released but not acquired from pool %s: ignored", slot.netns, self.prefix)
+                return
         try:
             slot.reset()
         except Exception as exc:
@@ -257,16 +270,16 @@ class SlotPool:
 
     def _create(self, index: int, busy: bool = False) -> Slot:
         name = f"{self.prefix}-{index}"
-        slot = Slot(index=index, netns=name, firewall=self.firewall)
+        slot = Slot(index=index, netns=name, firewall=self.firewall, allowances=self.allowances)
         try:
+            if self._dns is None or self._loop is None:
+                raise SlotError("the pool is not started; call start() first")
             netns.create(name)
             self.uplink.run(lambda: _add_veth(name))
             self.uplink.configure_end(name, index)
             netns.run_in(name, lambda: _configure_inside(index, self.tap_owner))
             self.firewall.load(name, firewall.guard4() + firewall.masquerade() + firewall.deny_all())
             self.firewall.load(name, firewall.guard6(), ipv6=True)
-            if self._dns is None or self._loop is None:
-                raise SlotError("the pool is not started; call start() first")
             slot.resolver = self._dns.attach(name, slot.open_addresses)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)
