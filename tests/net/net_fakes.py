@@ -28,7 +28,13 @@ DENIED_HOST = "203.0.113.20"
 UPSTREAM_DNS = "203.0.113.53"
 METADATA = "169.254.169.254"
 SERVER_IP6 = "2001:db8:3::10"
-ZONE = {"web.test": ALLOWED_HOST, "denied.test": DENIED_HOST, "a.cdn.test": ALLOWED_HOST, "edge.cdn.example": ALLOWED_HOST}
+ZONE = {
+    "web.test": ALLOWED_HOST,
+    "denied.test": DENIED_HOST,
+    "a.cdn.test": ALLOWED_HOST,
+    "edge.cdn.example": ALLOWED_HOST,
+    "rebind.test": METADATA,  # DNS rebinding: an allowed name pointing at the metadata service
+}
 ALIASES = {"files.web.test": "edge.cdn.example"}  # a CDN-style CNAME
 
 

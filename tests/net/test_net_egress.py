@@ -171,3 +171,12 @@ def test_nothing_on_the_uplink_side_reaches_into_the_slot(net, slot, guest) -> N
         assert slot.resolver.handed_out == {net_fakes.ALLOWED_HOST: "web.test"}
     finally:
         servers.close()
+
+
+def test_an_allowed_name_rebound_to_the_metadata_service_stays_blocked(slot, guest) -> None:
+    slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - host: rebind.test\n    ports: [80]\n"))
+
+    answer = lookup(guest, "rebind.test")
+
+    assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [METADATA]
+    assert not reach(guest, METADATA, 80)
