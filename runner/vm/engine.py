@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+from policy.model import DENY_ALL
 from runner.state import StateDir
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
@@ -50,7 +51,7 @@ class Engine:
         self.state = state.ensure()
         self.templates = templates or TemplateStore(state.templates)
         self.hv = hypervisor or QemuHypervisor()
-        self.net = net  # a runner.net.SlotPool, or None: then VMs cannot have a network
+        self.net = net  # a started runner.net.SlotPool, or None: then VMs cannot have a network
         self._lock_file = open(self.state.vms / LOCK_NAME, "w")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -72,13 +73,15 @@ class Engine:
         self._closed = False
 
     @classmethod
-    def shared(cls, state: StateDir | None = None) -> "Engine":
-        """The process-wide engine for a state directory (created on first use)."""
+    def shared(cls, state: StateDir | None = None, net=None) -> "Engine":
+        """The process-wide engine for a state directory (created on first use, with `net` if given)."""
         state = state or StateDir.default()
         with cls._shared_lock:
             engine = cls._shared.get(state.root)
+            if engine is not None and net is not None and engine.net is not net:
+                raise VMError(f"the engine for {state.root} is already running with other networking")
             if engine is None or engine._closed:
-                engine = cls(state)
+                engine = cls(state, net=net)
                 cls._shared[state.root] = engine
                 atexit.register(engine.shutdown)
             return engine
@@ -138,7 +141,7 @@ class Engine:
     def _claim(self, vm: VM, policy, hostname: str) -> None:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
         if vm.slot is not None:
-            vm.slot.apply_policy(policy)
+            vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
     def _restore(self, snapshot: Snapshot) -> VM:

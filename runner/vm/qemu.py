@@ -19,12 +19,12 @@ from pathlib import Path
 from qemu.qmp import QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
+from runner.net.addresses import GUEST_MAC  # the same in every VM: each has its own namespace
 from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
 from vmimages.guest.protocol import PORT_NAME
 
 log = logging.getLogger(__name__)
 
-GUEST_MAC = "52:54:00:00:00:02"  # every guest has the same MAC (and IP) inside its own namespace
 QMP_TIMEOUT_S = 15.0
 MIGRATION_TIMEOUT_S = 30.0
 

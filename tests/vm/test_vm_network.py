@@ -1,0 +1,255 @@
+"""Egress policy on real VMs, inside a fake internet that the test builds from namespaces.
+
+The VM's uplink goes to the test's own "internet" namespace (fake web hosts, a fake package index,
+a fake upstream DNS, a fake metadata server); nothing is routed to the machine's real interface.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import secrets
+import socket
+import textwrap
+import threading
+import zipfile
+from contextlib import ExitStack
+
+import pytest
+
+from policy import load_policy
+from policy.model import DENY_ALL
+from runner.net import NamespaceUplink, SlotPool, Upstream, netns, suggest_policy
+from runner.net import addresses
+from runner.sandbox import Sandbox
+from tests.net import net_fakes
+
+INDEX_HOST = "203.0.113.30"
+INDEX_PORT = 8080
+WHEEL = "demo_pkg-1.0-py3-none-any.whl"
+
+PROBE = textwrap.dedent(
+    """
+    import socket, sys
+    def tcp(host, port, source=None, family=socket.AF_INET):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM); s.settimeout(3)
+            if source: s.bind((source, 0))
+            s.connect((host, port))
+        except OSError:
+            return "closed"
+        try:
+            s.settimeout(1); data = s.recv(100)  # the fake web hosts say who they are; HTTP waits
+        except OSError:
+            data = b""
+        s.close()
+        return "open:" + data.decode()
+    def name(host):
+        try:
+            return socket.gethostbyname(host)
+        except OSError:
+            return "nxdomain"
+    for line in sys.argv[1:]:
+        kind, *args = line.split(",")
+        if kind == "tcp":
+            print(line, tcp(args[0], int(args[1]), args[2] if len(args) > 2 else None))
+        elif kind == "tcp6":
+            print(line, tcp(args[0], int(args[1]), family=socket.AF_INET6))
+        else:
+            print(line, name(args[0]))
+    """
+)
+
+
+def make_wheel() -> bytes:
+    files = {
+        "demo_pkg/__init__.py": b"GREETING = 'installed from the fake index'\n",
+        "demo_pkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n",
+        "demo_pkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = ""
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record += f"{name},sha256={digest},{len(data)}\n"
+    record += "demo_pkg-1.0.dist-info/RECORD,,\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr("demo_pkg-1.0.dist-info/RECORD", record)
+    return buf.getvalue()
+
+
+class IndexHandler(http.server.BaseHTTPRequestHandler):
+    wheel = make_wheel()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path.rstrip("/") == "/simple/demo-pkg":
+            body = f'<html><body><a href="/files/{WHEEL}">{WHEEL}</a></body></html>'.encode()
+            kind = "text/html"
+        elif self.path == f"/files/{WHEEL}":
+            body, kind = self.wheel, "application/octet-stream"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def serve_index(internet: str, cleanup: ExitStack) -> None:
+    net_fakes.ip("-n", internet, "addr", "add", f"{INDEX_HOST}/32", "dev", "lo")
+    server = http.server.ThreadingHTTPServer((INDEX_HOST, INDEX_PORT), IndexHandler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = netns.socket_in(internet, socket.AF_INET, socket.SOCK_STREAM)
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.server_bind()
+    server.server_activate()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    cleanup.callback(thread.join)
+    cleanup.callback(server.server_close)
+    cleanup.callback(server.shutdown)
+
+
+@pytest.fixture
+def net_engine(need_netns, make_engine):
+    prefix = "v" + secrets.token_hex(3)
+    with ExitStack() as cleanup:
+        internet, servers = net_fakes.build_internet(prefix)
+        cleanup.callback(netns.remove, internet)
+        cleanup.callback(servers.close)
+        serve_index(internet, cleanup)
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        cleanup.callback(pool.close)
+        pool.start()
+        engine = make_engine(net=pool)
+        cleanup.callback(engine.shutdown)
+        yield engine
+    assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
+
+
+def probe(sbx: Sandbox, *checks: str) -> dict[str, str]:
+    sbx.files.write("/tmp/probe.py", PROBE.encode())
+    r = sbx.exec(["python3", "/tmp/probe.py", *checks], timeout_seconds=120)
+    assert r.exit_code == 0, r.stderr
+    return dict(line.split(" ", 1) for line in r.stdout.decode().splitlines())
+
+
+def policy_of(text: str):
+    return load_policy(textwrap.dedent(text), "test policy")
+
+
+def test_only_what_the_policy_allows_is_reachable(net_engine):
+    policy = policy_of(
+        """
+        version: 1
+        allow:
+          - host: web.test
+            ports: [8000]
+        """
+    )
+    uplink = addresses.uplink_ip(0)
+    checks = [
+        "tcp,web.test,8000",  # allowed by name and port
+        "tcp,web.test,9000",  # same host, other port
+        f"tcp,{net_fakes.DENIED_HOST},8000",  # another host by address
+        f"tcp,{net_fakes.METADATA},80",  # the cloud metadata endpoint
+        f"tcp,{addresses.GATEWAY_IP},22",  # the VM's gateway (the host side)
+        f"tcp,{uplink},22",  # the host's end of the uplink
+        f"tcp,{addresses.veth_ip(0)},53",  # the namespace's own uplink address
+        "name,denied.test",
+        "name,nowhere.invalid",
+    ]
+    with Sandbox.create(engine=net_engine, policy=policy) as sbx:
+        got = probe(sbx, *checks)
+    assert got["tcp,web.test,8000"] == f"open:{net_fakes.ALLOWED_HOST}:8000"
+    for check in checks[1:7]:
+        assert got[check] == "closed", check
+    assert got["name,denied.test"] == "nxdomain"
+    assert got["name,nowhere.invalid"] == "nxdomain"
+
+
+def test_ipv6_and_spoofed_sources_are_dropped(net_engine):
+    policy = policy_of(
+        f"""
+        version: 1
+        allow:
+          - cidr: {net_fakes.ALLOWED_HOST}/32
+            ports: [8000]
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=policy) as sbx:
+        assert probe(sbx, f"tcp,{net_fakes.ALLOWED_HOST},8000")[f"tcp,{net_fakes.ALLOWED_HOST},8000"].startswith("open")
+        # root in the guest can configure anything on its side; the host side must not care
+        r = sbx.exec(
+            "ip -6 addr add 2001:db8:1::2/64 dev eth0 nodad && ip -6 route add default dev eth0 && "
+            "ip addr add 198.51.100.7/32 dev eth0"
+        )
+        assert r.exit_code == 0, r.stderr
+        got = probe(sbx, f"tcp6,{net_fakes.SERVER_IP6},8000", f"tcp,{net_fakes.ALLOWED_HOST},8000,198.51.100.7")
+        assert got[f"tcp6,{net_fakes.SERVER_IP6},8000"] == "closed"
+        assert got[f"tcp,{net_fakes.ALLOWED_HOST},8000,198.51.100.7"] == "closed"
+        r = sbx.exec("ip link set eth0 address 52:54:00:00:00:99")
+        assert r.exit_code == 0, r.stderr
+        spoofed_mac = probe(sbx, f"tcp,{net_fakes.ALLOWED_HOST},8000")
+        assert spoofed_mac[f"tcp,{net_fakes.ALLOWED_HOST},8000"] == "closed"
+
+
+PIP = (
+    f"PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --disable-pip-version-check --no-cache-dir "
+    f"--retries 0 --timeout 5 --progress-bar off --target /tmp/site "
+    f"--trusted-host {INDEX_HOST} --index-url http://{INDEX_HOST}:{INDEX_PORT}/simple demo-pkg"
+    " && PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'"
+)
+
+
+def test_pip_install_works_under_a_registry_only_policy_and_fails_under_deny_all(net_engine):
+    registry_only = policy_of(
+        f"""
+        version: 1
+        allow:
+          - cidr: {INDEX_HOST}/32
+            ports: [{INDEX_PORT}]
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=registry_only) as sbx:
+        r = sbx.exec(PIP, timeout_seconds=300)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert b"installed from the fake index" in r.stdout
+    with Sandbox.create(engine=net_engine, network=True, policy=DENY_ALL) as sbx:
+        r = sbx.exec(PIP, timeout_seconds=300)
+        assert r.exit_code != 0
+        assert b"installed from the fake index" not in r.stdout
+
+
+def test_audit_mode_records_attempts_and_its_suggestion_passes_in_block_mode(net_engine):
+    job = ["tcp,web.test,8000", f"tcp,{INDEX_HOST},{INDEX_PORT}"]
+    audit = policy_of(
+        """
+        version: 1
+        mode: audit
+        allow: []
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=audit) as sbx:
+        got = probe(sbx, *job)
+        assert all(v.startswith("open") for v in got.values()), got
+        records = sbx.blocked_egress()
+    destinations = {(r.dest, r.port) for r in records}
+    assert (net_fakes.ALLOWED_HOST, 8000) in destinations
+    assert (INDEX_HOST, INDEX_PORT) in destinations
+    suggested = load_policy(suggest_policy(records), "suggested policy")
+    assert suggested.mode == "block"
+    with Sandbox.create(engine=net_engine, policy=suggested) as sbx:
+        got = probe(sbx, *job, f"tcp,{net_fakes.DENIED_HOST},8000")
+    assert got["tcp,web.test,8000"].startswith("open")
+    assert got[f"tcp,{INDEX_HOST},{INDEX_PORT}"].startswith("open")
+    assert got[f"tcp,{net_fakes.DENIED_HOST},8000"] == "closed"
