@@ -1,0 +1,69 @@
+"""`microvm-check doctor`: what this host has, what it lacks, and which accelerator VMs will use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from runner.state import StateDir
+from runner.vm import accel
+from vmimages.store import TemplateNotFound, TemplateStore
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    what: str
+    fix: str = ""
+
+
+def register(subparsers) -> None:
+    doctor = subparsers.add_parser("doctor", help="check this host and say which accelerator VMs use")
+    doctor.add_argument("--selftest", action="store_true", help="also test-boot the guest kernel under KVM")
+    doctor.set_defaults(func=cmd_doctor)
+
+
+def host_checks() -> list[Check]:
+    tools = {
+        "qemu-system-x86_64": "apt-get install qemu-system-x86",
+        "qemu-img": "apt-get install qemu-utils",
+        "debootstrap": "apt-get install debootstrap",
+        "iptables-restore": "apt-get install iptables",
+        "ip": "apt-get install iproute2",
+        "/bin/busybox": "apt-get install busybox-static",
+    }
+    checks = [Check(os.geteuid() == 0, "running as root", "VMs, namespaces and templates need root: use sudo")]
+    for tool, fix in tools.items():
+        found = os.path.exists(tool) if tool.startswith("/") else shutil.which(tool) is not None
+        checks.append(Check(found, f"{tool} is installed", fix))
+    checks.append(Check(os.path.exists("/dev/net/tun"), "/dev/net/tun exists", "load the tun module (modprobe tun)"))
+    return checks
+
+
+def template_check(state: StateDir) -> Check:
+    try:
+        template = TemplateStore(state.templates).get("base")
+    except TemplateNotFound as exc:
+        return Check(False, "template 'base' is built", str(exc))
+    m = template.manifest
+    return Check(True, f"template 'base' is built ({template.digest}, {m['accel']}, {m['memory_mib']} MiB)")
+
+
+def cmd_doctor(args) -> int:
+    state = StateDir.default()
+    checks = [*host_checks(), template_check(state)]
+    for check in checks:
+        line = f"{'ok ' if check.ok else 'NO '} {check.what}"
+        print(line if check.ok else f"{line}: {check.fix}")
+    verdict = accel.static_checks()
+    if verdict is None and args.selftest:
+        template = TemplateStore(state.templates).get("base")
+        ok, why = accel.selftest(shutil.which("qemu-system-x86_64"), template.path / "vmlinuz", template.path / "initrd.img", "kvm")
+        verdict = accel.Accel("kvm" if ok else "tcg", why)
+    if verdict is None:
+        print("accelerator: KVM looks usable; 'doctor --selftest' test-boots the guest to be sure "
+              "(template build does this before choosing)")
+    else:
+        print(f"accelerator: {verdict.name} ({verdict.reason})")
+    return 0 if all(c.ok for c in checks) else 1
