@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     service = JobService(config, default_sandbox_factory(config.state_dir))
     try:
-        start_engine(config.state_dir)  # the engine sweeps a crashed predecessor's VMs now, not at the first job
+        engine = start_engine(config)  # it sweeps a crashed predecessor's VMs now, not at the first job
     except ValueError as exc:
         service.close()
         raise UserError(str(exc)) from exc
@@ -82,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if servers is not None:
             servers.stop()
         service.close()
+        engine.shutdown()
     return 0
 
 

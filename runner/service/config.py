@@ -56,6 +56,17 @@ class Prewarm:
 
 
 @dataclass(frozen=True)
+class Network:
+    """Per-VM networking (runner.net). Off by default: then no job VM gets a network card, and a job
+    whose effective policy allows any egress is refused at submit."""
+
+    enabled: bool = False
+    uplink_interface: str | None = None  # None: the interface of the default route
+    slot_prefix: str = "mvc"
+    slots: int = 0  # network slots made ahead of time
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     socket: str = DEFAULT_SOCKET
     socket_group: str | None = None
@@ -75,6 +86,7 @@ class ServiceConfig:
     policy_dir: Path | None = None
     retention: Retention = field(default_factory=Retention)
     prewarm: Prewarm = field(default_factory=Prewarm)
+    network: Network = field(default_factory=Network)
     shutdown_grace_seconds: float = 30.0
     env_allowlist: tuple[str, ...] = ("CI", "GITHUB_*", "RUNNER_*")
     webhook: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +152,14 @@ class _Reader:
             raise ConfigError(f"{self.at(key)}: must be at least {minimum}, got {value}")
         return kind(value)
 
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.at(key)}: expected true or false, got {value!r}")
+        return value
+
     def size(self, key: str, default: int) -> int:
         value = self._get(key)
         return default if value is None else parse_size(value, self.at(key))
@@ -200,6 +220,7 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
     logs = top.section("logs")
     retention = top.section("retention")
     prewarm = top.section("prewarm")
+    network = top.section("network")
     policy_dir = top.string("policy_dir", None)
     webhook = top._get("webhook") or {}
     if not isinstance(webhook, dict):
@@ -238,14 +259,22 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
             max_vms=prewarm.number("max_vms", 2, 0),
             expire_seconds=prewarm.number("expire_seconds", 300.0, 1, float),
         ),
+        network=Network(
+            enabled=network.boolean("enabled", False),
+            uplink_interface=network.string("uplink_interface", None),
+            slot_prefix=network.string("slot_prefix", "mvc"),
+            slots=network.number("slots", 0, 0),
+        ),
         shutdown_grace_seconds=top.number("shutdown_grace_seconds", 30.0, 0, float),
         env_allowlist=top.string_list("env_allowlist", ("CI", "GITHUB_*", "RUNNER_*")),
         webhook=dict(webhook),
     )
-    for reader in (top, resources, artifacts, logs, retention, prewarm):
+    for reader in (top, resources, artifacts, logs, retention, prewarm, network):
         reader.check_unknown()
     if config.default_timeout_seconds > config.max_timeout_seconds:
         raise ConfigError(f"{top.at('default_timeout_seconds')}: larger than max_timeout_seconds")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,8}", config.network.slot_prefix):
+        raise ConfigError(f"{network.at('slot_prefix')}: 1-9 lowercase letters or digits, starting with a letter")
     if config.logs.max_entry_bytes < 1:
         raise ConfigError(f"{logs.at('max_entry_bytes')}: must be at least 1")
     return config

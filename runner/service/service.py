@@ -15,6 +15,7 @@ import secrets
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,15 +52,40 @@ def default_sandbox_factory(state_dir: Path | None = None) -> SandboxFactory:
     return functools.partial(Sandbox.create, state_dir=state_dir)
 
 
-def start_engine(state_dir: Path) -> None:
-    """Bring up the VM engine for `state_dir` (it sweeps orphaned VMs as it starts)."""
+@dataclass
+class EngineHandle:
+    """The VM engine `serve` runs on, with its network slot pool when networking is on."""
+
+    engine: Any
+    slots: Any = None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.slots is not None:
+            self.slots.close()
+
+
+def start_engine(config: ServiceConfig) -> EngineHandle:
+    """Bring up the VM engine on the state dir (it sweeps orphaned VMs as it starts), networked if configured.
+
+    `Sandbox.create(state_dir=...)` then finds this engine through `Engine.shared`.
+    """
     from runner.state import StateDir
     from runner.vm.engine import Engine
 
+    slots = None
     try:
-        Engine.shared(StateDir(state_dir))
+        if config.network.enabled:
+            from runner.net import HostUplink, SlotPool
+
+            slots = SlotPool(config.network.slot_prefix, HostUplink(out_iface=config.network.uplink_interface),
+                             size=config.network.slots)
+            slots.start()
+        return EngineHandle(Engine.shared(StateDir(config.state_dir), net=slots), slots)
     except Exception as exc:
-        raise ValueError(f"the VM engine could not start on {state_dir}: {exc}") from exc
+        if slots is not None:
+            slots.close()
+        raise ValueError(f"the VM engine could not start on {config.state_dir}: {exc}") from exc
 
 
 class JobService:
@@ -136,6 +162,10 @@ class JobService:
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
             raise JobError(400, f"invalid job: {exc}") from exc
+        if needs_network(policy) and not self.config.network.enabled:
+            raise JobError(400, f"the egress policy for {spec.repository} allows network access, but this service "
+                                f"runs VMs without networking (network.enabled is false in its config): narrow the "
+                                f"policy to deny all, or ask the operator to enable networking")
         job_id = "j" + secrets.token_hex(8)
         self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
         job_dir = self.config.jobs_dir / job_id
@@ -255,6 +285,8 @@ class JobService:
         except EgressPolicyError:
             log.warning("not pre-warming for %s: its policy does not load", job.repository, exc_info=True)
             return
+        if needs_network(policy) and not self.config.network.enabled:
+            return  # its submit will be refused: see submit()
         key = RunKey(job.repository, job.run_id, job.run_attempt)
         self.warm.prewarm(key, job.job_id, template, policy.digest(), lambda: self._create_vm(
             template=template, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,

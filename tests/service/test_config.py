@@ -92,3 +92,14 @@ def test_sizes(value: object, expected: int) -> None:
 def test_bad_sizes(value: object) -> None:
     with pytest.raises(ConfigError, match="^x: "):
         parse_size(value, "x")
+
+
+def test_network_section(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "network: {enabled: true, uplink_interface: eth1, slot_prefix: job, slots: 2}\n"))
+    assert (config.network.enabled, config.network.uplink_interface, config.network.slot_prefix,
+            config.network.slots) == (True, "eth1", "job", 2)
+    assert load_config(write(tmp_path, "{}\n")).network.enabled is False
+    with pytest.raises(ConfigError, match="network.enabled: expected true or false"):
+        load_config(write(tmp_path, "network: {enabled: yes please}\n"))
+    with pytest.raises(ConfigError, match="network.slot_prefix: 1-9 lowercase"):
+        load_config(write(tmp_path, "network: {slot_prefix: Bad-Prefix}\n"))
