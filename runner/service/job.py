@@ -150,6 +150,11 @@ class JobRun:
         self.update(state="starting")
         begin = time.monotonic()
         sandbox = self.warm
+        if sandbox is not None and not getattr(sandbox, "alive", True):
+            self.log.system(f"the pre-warmed VM {sandbox.id} died while waiting; starting a fresh one")
+            _destroy(sandbox)
+            sandbox = self.warm = None
+            self.update(warm=False)
         if sandbox is None:
             sandbox = create(
                 template=self.spec.template,

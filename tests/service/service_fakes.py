@@ -69,6 +69,10 @@ class FakeSandbox:
         self.exec_calls: list[dict[str, Any]] = []
         self.get_tar_calls: list[tuple[list[str], str]] = []
 
+    @property
+    def alive(self) -> bool:
+        return not self.destroyed.is_set()
+
     def put_tar(self, stream: Any, dest: str = "/workspace") -> None:
         with tarfile.open(fileobj=stream, mode="r|") as tar:
             for info in tar:

@@ -330,3 +330,18 @@ def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine
     rec = service.get(job)
     assert (rec.state, rec.exit_code) == ("failed", 1)
     assert "exceed" in rec.error
+
+
+def test_a_dead_prewarmed_vm_is_replaced(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    service.prewarm(GitHubJob(run_id=99))
+    warm_vm = _wait_warm(service, engine)
+    warm_vm.destroyed.set()  # the engine's reaper killed it (TTL, crash) before the submit came
+    with engine.lock:
+        engine.live -= 1
+    job = run(service, "ok", run_id=99, run_attempt=1)
+    wait_final(service, job)
+    rec = service.get(job)
+    assert (rec.state, rec.warm) == ("finished", False)
+    assert rec.vm_id != warm_vm.id
