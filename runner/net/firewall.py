@@ -10,6 +10,7 @@ and the namespace is ours alone, so nothing else has to agree on the backend.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ class Firewall:
     @classmethod
     def nft(cls) -> "Firewall":
         return cls("iptables-nft-restore", "ip6tables-nft-restore")
+
+    @classmethod
+    def default(cls) -> "Firewall":
+        """Legacy when this host has it (faster), else nf_tables."""
+        return cls() if shutil.which(cls.restore4) and shutil.which(cls.restore6) else cls.nft()
 
     def load(self, ns: str, document: str, *, ipv6: bool = False, noflush: bool = False) -> None:
         """Load `document` into namespace `ns`; every table it names is replaced in one commit."""

@@ -165,7 +165,7 @@ class SlotPool:
         self.uplink = uplink
         self.size = size
         self.upstream = upstream or Upstream.from_resolv_conf()
-        self.firewall = firewall_tools or Firewall()
+        self.firewall = firewall_tools or Firewall.default()
         self.tap_owner = tap_owner
         self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)

@@ -1,30 +1,21 @@
 """Fixtures for the network tests: a fake internet, a slot pool attached to it, a stand-in guest.
 
-Every fixture cleans up after itself, and the `pool` fixture asserts that nothing carrying the
+Every fixture cleans up after itself, and the `net` fixture asserts that nothing carrying the
 test's unique prefix (namespace, veth, thread) is left behind.
 """
 
 from __future__ import annotations
 
 import secrets
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-# pytest puts tests/ on sys.path, where tests/policy/ would shadow the `policy` package as a
-# namespace package; the project root first makes the real one win (project-wide fix:
-# `pythonpath = ["."]` in pyproject's pytest options).
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from runner.net import NamespaceUplink, Slot, SlotPool, Upstream, netns  # noqa: E402
-import net_fakes  # noqa: E402
+import net_fakes
+from runner.net import NamespaceUplink, Slot, SlotPool, Upstream, netns
 
 
 @dataclass

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from contextlib import ExitStack
 
 import pytest
 from pyroute2 import IPRoute, NFCTSocket
 
+import net_fakes
 from net_fakes import ALLOWED_HOST, ip, lookup, reach
 from policy import load_policy
-from runner.net import FirewallError, NamespaceUplink, Slot, SlotError, SlotPool, Upstream, addresses, netns
+from runner.net import Firewall, FirewallError, NamespaceUplink, Slot, SlotError, SlotPool, Upstream, addresses, netns
 
 CIDR_POLICY = "version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n  - host: web.test\n    ports: [9000]\n"
 
@@ -163,3 +165,26 @@ def test_releasing_a_slot_twice_leaves_its_next_holder_alone(net, slot, guest) -
     net.pool.release(slot)  # a stale second release from the previous VM
 
     assert holder.netns == slot.netns and reach(guest, ALLOWED_HOST, 8000)
+
+
+def test_the_nf_tables_backend_enforces_the_same_policy(need_netns, prefix) -> None:
+    """Hosts without legacy iptables get nf_tables (`Firewall.default()`); it must mean the same."""
+    with ExitStack() as cleanup:
+        internet, servers = net_fakes.build_internet(prefix)
+        cleanup.callback(netns.remove, internet)
+        cleanup.callback(netns.remove, f"{prefix}-guest")
+        cleanup.callback(servers.close)
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, firewall_tools=Firewall.nft(),
+                        upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        cleanup.callback(pool.close)
+        pool.start()
+        slot = pool.acquire()
+        guest = net_fakes.attach_guest(prefix, slot.netns)
+        slot.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
+
+        assert reach(guest, ALLOWED_HOST, 8000)
+        assert not reach(guest, ALLOWED_HOST, 9000)
+        assert lookup(guest, "web.test") is not None
+        assert reach(guest, ALLOWED_HOST, 9000)
+        assert not reach(slot.netns, ALLOWED_HOST, 8000)
+    assert net_fakes.leftovers(prefix) == []
