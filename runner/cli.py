@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "runner.vm.cli",  # doctor
     "policy.cli",  # policy check | render
     "runner.service.cli",  # serve | run | jobs
-    "runner.github.cli",  # register | deregister | runners | guard
+    "runner.github.cli",  # register | deregister | runners | guard | redeliver
 )
 
 
@@ -60,4 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the package, so that `python -m runner.cli` and the modules it loads share one UserError.
+    from runner.cli import main as package_main
+
+    sys.exit(package_main())
