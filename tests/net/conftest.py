@@ -43,7 +43,8 @@ def net(need_netns, prefix: str) -> Iterator[Net]:
         pool.start()
         yield Net(prefix, internet, pool)
     assert net_fakes.leftovers(prefix) == []
-    stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    ours = ("mvc-", "netns:", net_fakes.SERVER_THREAD)  # pyroute2's own helpers come and go
+    stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive() and t.name.startswith(ours)]
     assert stray == [], f"threads left running: {stray}"
 
 

@@ -35,6 +35,7 @@ ZONE = {
     "edge.cdn.example": ALLOWED_HOST,
     "rebind.test": METADATA,  # DNS rebinding: an allowed name pointing at the metadata service
 }
+SERVER_THREAD = "fake-server"
 ALIASES = {"files.web.test": "edge.cdn.example"}  # a CDN-style CNAME
 
 
@@ -81,7 +82,7 @@ class Servers:
 
     def _spawn(self, target, sock: socket.socket) -> None:  # type: ignore[no-untyped-def]
         self.sockets.append(sock)
-        thread = threading.Thread(target=target, daemon=True)
+        thread = threading.Thread(target=target, name=SERVER_THREAD, daemon=True)
         self.threads.append(thread)
         thread.start()
 
