@@ -79,7 +79,7 @@ class JobRun:
         extraction = self._artifacts()
         junit = self._junit(extraction)
         result = Result(record=record, exit_code=exit_code_of(record), junit=junit,
-                        artifacts=extraction.files, refused_artifacts=extraction.refused,
+                        artifacts=extraction.files, refused_artifacts=extraction.skipped,
                         log_dropped_bytes=dropped)
         self._report(result)
         return result.exit_code

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from action.artifacts import ArtifactLimits, clean_name
+from runner import tarsafe
 from runner.cli import UserError
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
@@ -72,7 +72,7 @@ def _artifact_globs(value: str) -> list[str]:
     globs = [line.strip() for line in value.splitlines() if line.strip()]
     for glob in globs:
         try:
-            clean_name(glob, ArtifactLimits())
+            tarsafe.safe_name(glob)
         except ValueError as exc:
             raise UserError(f"input 'artifacts': {glob!r} is not a relative glob inside the checkout ({exc})") from None
     return globs

@@ -196,8 +196,8 @@ class Sandbox:
     ) -> tarsafe.Extracted:
         """Copy a guest file or directory into `local_dir`, checking every name on the host.
 
-        Links in the guest are not copied (listed in the result's `skipped`): a link written on the
-        host is how a guest would reach outside `local_dir`.
+        Links in the guest are not copied (listed with the reason in the result's `skipped`): a link
+        written on the host is how a guest would reach outside `local_dir`.
         """
         parent, name = os.path.split(guest_path.rstrip("/"))
         read_fd, write_fd = os.pipe()
@@ -206,7 +206,7 @@ class Sandbox:
         def unpack() -> None:
             with os.fdopen(read_fd, "rb") as reader:
                 try:
-                    result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_bytes=max_bytes), skip_links=True)
+                    result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_total_bytes=max_bytes))
                 except tarsafe.UnsafeTar as exc:
                     result["error"] = exc
                 reader.read()  # drain so the writer never blocks on a reader that gave up

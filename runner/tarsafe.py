@@ -1,133 +1,209 @@
-"""Unpacking a tar stream that came from a guest, on the host, without trusting a byte of it.
+"""Tar streams whose names and bytes a guest chose, handled on the host without trusting any of it.
 
-Only regular files and directories are written, by our own code, under names we have checked:
-no absolute paths, no `..`, no links of any kind, no devices, each file created fresh with
-O_NOFOLLOW|O_EXCL. Since we never create a link, nothing written later can be redirected outside
-the destination. Count and size are bounded while streaming, so a tar bomb stops early.
-Python's own tarfile extraction filters are not used: several of their bypasses were only fixed
-in later patch releases than the ones Debian ships.
+One place for the rules, used wherever guest files reach the host (`Sandbox.copy_out`, the service's
+artifact check, `microvm-check run`, the action's artifact copy):
+
+- a member name is a plain relative path: no NUL or control characters, no backslash, not absolute,
+  no `..`, bounded in length and depth;
+- only regular files and directories are ever written, by our own code: never a link, a device or
+  a fifo, so nothing written later can be redirected by something written before;
+- directories are entered with O_NOFOLLOW, files are written to a fresh temporary name and renamed,
+  so neither a symlink nor a hard link already in the destination can redirect a write;
+- count, per-file and total size are bounded while streaming: a tar bomb stops with an error and
+  what was extracted until then stays.
+
+Python's tarfile extraction filters are not used: several of their bypasses were fixed only in later
+patch releases than the ones Debian ships.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import posixpath
+import secrets
+import stat
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-COPY_CHUNK = 1024 * 1024
+COPY_CHUNK = 256 * 1024
 
 
 class UnsafeTar(ValueError):
-    """The stream holds something we refuse to write; the message names the member."""
+    """The stream broke a rule or a bound; the message names the member and the rule."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
-    max_members: int = 10_000
-    max_bytes: int = 1024**3
-    max_name: int = 1024
+    max_files: int = 10_000
+    max_file_bytes: int = 1024**3
+    max_total_bytes: int = 2 * 1024**3
+    max_name_bytes: int = 1024
+    max_depth: int = 32
 
 
 @dataclass
 class Extracted:
-    files: list[str] = field(default_factory=list)
-    bytes: int = 0
-    skipped: list[str] = field(default_factory=list)  # links and other member types, by name
+    files: list[tuple[str, int]] = field(default_factory=list)  # (relative path, size)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name as given, why)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
 
 
-def safe_name(name: str, max_len: int = 1024) -> str:
-    """The member's relative path, normalised, or UnsafeTar."""
-    if not name or len(name) > max_len or "\0" in name:
-        raise UnsafeTar(f"member name {name[:80]!r} is empty, too long or has a NUL byte")
-    norm = posixpath.normpath(name)
-    if norm.startswith("/") or norm == ".." or norm.startswith("../"):
-        raise UnsafeTar(f"member {name!r} would land outside the destination")
-    return "" if norm == "." else norm
+def safe_name(raw: str, limits: Limits = Limits()) -> str:
+    """`raw` as a normalised relative path ("" for the archive's root), or UnsafeTar saying why not."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise UnsafeTar(f"member {raw[:80]!r}: control characters in the name")
+    if "\\" in raw:
+        raise UnsafeTar(f"member {raw[:80]!r}: backslash in the name")
+    encoded = raw.encode("utf-8", "surrogateescape")
+    if len(encoded) > limits.max_name_bytes:
+        raise UnsafeTar(f"member {raw[:80]!r}...: name longer than {limits.max_name_bytes} bytes")
+    if raw.startswith("/"):
+        raise UnsafeTar(f"member {raw[:80]!r}: absolute path")
+    parts = [part for part in raw.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeTar(f"member {raw[:80]!r}: '..' in the path")
+    if len(parts) > limits.max_depth:
+        raise UnsafeTar(f"member {raw[:80]!r}: deeper than {limits.max_depth} directories")
+    if any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in parts):
+        raise UnsafeTar(f"member {raw[:80]!r}: a path component is longer than 255 bytes")
+    return "/".join(parts)
 
 
-def extract(stream: BinaryIO, dest: Path, limits: Limits | None = None, skip_links: bool = False) -> Extracted:
-    """Unpack `stream` into the existing directory `dest`.
+def kind_error(member: tarfile.TarInfo) -> str | None:
+    """Why a member is not something we write (None for regular files and directories)."""
+    if member.issym() or member.islnk():
+        return f"links are not allowed (link to {member.linkname[:200]!r})"
+    if member.ischr() or member.isblk():
+        return "a device"
+    if member.isfifo():
+        return "a fifo"
+    if member.issparse():
+        return "sparse files are not allowed"
+    if not (member.isreg() or member.isdir()):
+        return f"unsupported member type {member.type!r}"
+    return None
 
-    Links raise UnsafeTar, or with `skip_links` are left out and listed in `skipped`.
+
+def extract(
+    stream: BinaryIO,
+    dest: Path,
+    limits: Limits = Limits(),
+    refuse: Callable[[str, tarfile.TarInfo], str | None] = lambda name, member: None,
+) -> Extracted:
+    """Write the acceptable members of `stream` under the existing directory `dest`.
+
+    Members with unsafe names or types, over the per-file size, refused by `refuse` (which returns a
+    reason), or blocked by what is already in `dest` are skipped and listed with the reason. The
+    stream itself being broken, or the count or total size going over the limits, raises UnsafeTar.
     """
-    limits = limits or Limits()
-    report = Extracted()
-    dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    result = Extracted()
+    dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for count, member in enumerate(tar, start=1):
-                if count > limits.max_members:
-                    raise UnsafeTar(f"more than {limits.max_members} members")
-                name = safe_name(member.name, limits.max_name)
-                if member.isdir():
-                    if name:
-                        _mkdirs(dest_fd, name)
-                elif member.isreg():
-                    if member.size > limits.max_bytes - report.bytes:
-                        raise UnsafeTar(f"member {name!r} would exceed the {limits.max_bytes}-byte limit")
-                    _write_file(dest_fd, name, tar.extractfile(member), member.mode, member.size)
-                    report.files.append(name)
-                    report.bytes += member.size
-                elif skip_links and (member.issym() or member.islnk()):
-                    report.skipped.append(name)
-                else:
-                    raise UnsafeTar(f"member {name!r} is a {_kind(member)}: only files and directories are accepted")
+        with tarfile.open(fileobj=stream, mode="r|") as archive:
+            for count, member in enumerate(archive, start=1):
+                if count > limits.max_files:
+                    raise UnsafeTar(f"more than {limits.max_files} entries: stopped extracting")
+                if member.isfile() and result.total_bytes + member.size > limits.max_total_bytes:
+                    raise UnsafeTar(f"files exceed {limits.max_total_bytes} bytes in total: stopped extracting")
+                _extract_member(archive, member, dest_fd, limits, refuse, result)
     except tarfile.TarError as exc:
-        raise UnsafeTar(f"not a valid tar stream: {exc}") from None
+        raise UnsafeTar(f"not a valid tar stream: {exc}") from exc
     finally:
         os.close(dest_fd)
-    return report
+    return result
 
 
-def _kind(member: tarfile.TarInfo) -> str:
-    if member.issym():
-        return "symbolic link"
-    if member.islnk():
-        return "hard link"
-    if member.isdev():
-        return "device"
-    if member.isfifo():
-        return "fifo"
-    return "special member"
+def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted) -> None:
+    try:
+        name = safe_name(member.name, limits)
+    except UnsafeTar as exc:
+        result.skipped.append((member.name[:300], str(exc)))
+        return
+    if not name:
+        return  # the archive's own root
+    why = kind_error(member) or refuse(name, member)
+    if why is None and member.isfile() and member.size > limits.max_file_bytes:
+        why = f"larger than {limits.max_file_bytes} bytes"
+    if why is not None:
+        if not member.isdir():  # a refused directory is only a parent of refused files
+            result.skipped.append((name, why))
+        return
+    try:
+        if member.isdir():
+            os.close(open_dirs(dest_fd, name.split("/")))
+            return
+        source = archive.extractfile(member)
+        assert source is not None  # regular members always have data
+        _write_file(dest_fd, name, source, member.size, 0o755 if member.mode & 0o111 else 0o644)
+    except OSError as exc:
+        result.skipped.append((name, _why(exc)))
+        return
+    result.files.append((name, member.size))
 
 
-def _mkdirs(dest_fd: int, rel: str) -> int:
-    """Create `rel` below dest_fd one component at a time, never following a link; return its fd."""
+def open_dirs(dest_fd: int, parts: list[str]) -> int:
+    """Open (creating) nested directories below dest_fd without following any symlink; an fd."""
     fd = os.dup(dest_fd)
-    for part in rel.split("/"):
-        try:
-            os.mkdir(part, 0o755, dir_fd=fd)
-        except FileExistsError:
-            pass
-        try:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-        except OSError as exc:
+    try:
+        for part in parts:
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
-            raise UnsafeTar(f"cannot enter {rel!r}: {exc.strerror}") from None
+            fd = next_fd
+    except BaseException:
         os.close(fd)
-        fd = nxt
+        raise
     return fd
 
 
-def _write_file(dest_fd: int, rel: str, src: BinaryIO, mode: int, size: int) -> None:
-    parent, _, base = rel.rpartition("/")
-    dir_fd = _mkdirs(dest_fd, parent) if parent else os.dup(dest_fd)
+def copy_exact(source: BinaryIO, out: BinaryIO, size: int) -> None:
+    left = size
+    while left:
+        chunk = source.read(min(COPY_CHUNK, left))
+        if not chunk:
+            raise UnsafeTar("the stream ended inside a file")
+        out.write(chunk)
+        left -= len(chunk)
+
+
+def _write_file(dest_fd: int, name: str, source: BinaryIO, size: int, mode: int) -> None:
+    *dirs, base = name.split("/")
+    dir_fd = open_dirs(dest_fd, dirs)
+    tmp = f".{base[:200]}.mvc-{secrets.token_hex(6)}"
     try:
-        perms = 0o755 if mode & 0o111 else 0o644
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
-            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, perms, dir_fd=dir_fd)
-        except FileExistsError:
-            raise UnsafeTar(f"member {rel!r} appears twice") from None
-        with os.fdopen(fd, "wb") as out:
-            left = size
-            while left:
-                chunk = src.read(min(COPY_CHUNK, left))
-                if not chunk:
-                    raise UnsafeTar(f"member {rel!r} is truncated")
-                out.write(chunk)
-                left -= len(chunk)
+            with os.fdopen(out_fd, "wb") as out:
+                copy_exact(source, out, size)
+                os.fchmod(out.fileno(), mode)
+            _replace_regular(dir_fd, tmp, base)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
     finally:
         os.close(dir_fd)
+
+
+def _replace_regular(dir_fd: int, tmp: str, base: str) -> None:
+    try:
+        existing = os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        raise OSError(errno.EEXIST, "exists in the destination and is not a regular file")
+    os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return "a parent in the destination is a symlink or not a directory"
+    return exc.strerror or str(exc)

@@ -14,13 +14,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from action.pack import PackError, pack_checkout
 from runner.cli import UserError
 from runner.service.client import JobAPIError, JobClient
-from runner.service.pack import PackError, scan, stream
 
 EXIT_FAILED = 1
 EXIT_CANCELLED = 130
@@ -40,7 +41,7 @@ class LocalRun:
     def run(self) -> int:
         root = self.directory.resolve()
         try:
-            paths = scan(root)
+            checkout = pack_checkout(root)  # walks the whole tree now: refused before a VM is spent
         except PackError as exc:
             raise UserError(f"cannot send the checkout: {exc}") from exc
         out_dir = Path.cwd() / ARTIFACTS_DIR
@@ -48,9 +49,9 @@ class LocalRun:
             raise UserError(f"{out_dir} is not empty: move it away so this run's artifacts do not mix with old ones")
         client = self._remote_client()
         if client is not None:
-            return self._drive(client, root, paths, out_dir)
+            return self._drive(client, root, checkout, out_dir)
         with InProcessService(self.template, self.timeout_seconds) as local:
-            return self._drive(local.client, root, paths, out_dir)
+            return self._drive(local.client, root, checkout, out_dir)
 
     def spec(self, root: Path) -> dict[str, Any]:
         command = self.command[0] if len(self.command) == 1 else shlex.join(self.command)
@@ -78,13 +79,13 @@ class LocalRun:
             return None
         return client
 
-    def _drive(self, client: JobClient, root: Path, paths: list[Path], out_dir: Path) -> int:
+    def _drive(self, client: JobClient, root: Path, checkout: Iterator[bytes], out_dir: Path) -> int:
         try:
             job = client.submit(self.spec(root))["id"]
         except JobAPIError as exc:
             raise UserError(f"the service refused the job: {exc}") from exc
         try:
-            client.upload_checkout(job, stream(root, paths))
+            client.upload_checkout(job, checkout)
             for entry in client.logs(job):
                 _show(entry.stream, entry.data)
         except KeyboardInterrupt:

@@ -13,12 +13,9 @@ import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
-MAX_NAME_BYTES = 1024
-_COPY_CHUNK = 1024 * 1024
+from runner.tarsafe import UnsafeTar, kind_error, safe_name
 
-
-class ArchiveError(ValueError):
-    """A tar stream the host refuses; the message names the offending member."""
+ArchiveError = UnsafeTar  # the host's one error for a guest tar it refuses
 
 
 @dataclass(frozen=True)
@@ -36,35 +33,10 @@ class Member:
         return {"path": self.path, "size": self.size}
 
 
-def clean_name(raw: str) -> str:
-    """A member name as a safe relative path, or ArchiveError saying why it is not one."""
-    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
-        raise ArchiveError(f"member {raw!r}: control characters in the name")
-    try:
-        encoded = raw.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ArchiveError(f"member {raw!r}: the name is not valid UTF-8") from None
-    if len(encoded) > MAX_NAME_BYTES:
-        raise ArchiveError(f"member {raw[:80]!r}...: name longer than {MAX_NAME_BYTES} bytes")
-    if raw.startswith("/"):
-        raise ArchiveError(f"member {raw!r}: absolute path")
-    if "\\" in raw:
-        raise ArchiveError(f"member {raw!r}: backslash in the name")
-    parts = [p for p in raw.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ArchiveError(f"member {raw!r}: '..' in the path")
-    return "/".join(parts)
-
-
 def _check_type(info: tarfile.TarInfo) -> None:
-    if info.issym() or info.islnk():
-        raise ArchiveError(f"member {info.name!r}: links are not allowed (link to {info.linkname!r})")
-    if info.ischr() or info.isblk() or info.isfifo():
-        raise ArchiveError(f"member {info.name!r}: device or fifo")
-    if info.issparse():
-        raise ArchiveError(f"member {info.name!r}: sparse files are not allowed")
-    if not (info.isreg() or info.isdir()):
-        raise ArchiveError(f"member {info.name!r}: unsupported type {info.type!r}")
+    why = kind_error(info)
+    if why is not None:
+        raise ArchiveError(f"member {info.name!r}: {why}")
 
 
 def _copy_exact(src: BinaryIO, dst: tarfile.TarFile, info: tarfile.TarInfo) -> None:
@@ -105,7 +77,7 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: TarLimits) -> list[Memb
         try:
             for info in source:
                 _check_type(info)
-                name = clean_name(info.name)
+                name = safe_name(info.name)
                 if not name:
                     continue  # "." : the archive's own root
                 if name in seen:

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import member, tar_of
 
-from runner.service.safetar import ArchiveError, TarLimits, check_tar, clean_name, copy_validated
+from runner.service.safetar import ArchiveError, TarLimits, check_tar, copy_validated
+from runner.tarsafe import safe_name as clean_name
 
 LIMITS = TarLimits(max_count=10, max_total_bytes=1000)
 
