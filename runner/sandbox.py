@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from runner import tarsafe
 from runner.state import StateDir
@@ -24,6 +24,9 @@ from runner.vm.agent import AgentClient, GuestOpError
 from runner.vm.engine import Engine
 from runner.vm.errors import AgentError, SandboxError
 from runner.vm.vm import VM
+
+if TYPE_CHECKING:
+    from runner.net import AuditRecord
 
 __all__ = ["ExecResult", "Sandbox", "SandboxError"]
 
@@ -43,8 +46,9 @@ class ExecResult:
 
 
 class _Capture:
-    def __init__(self, on_output: Callable[[str, bytes], None] | None) -> None:
+    def __init__(self, on_output: Callable[[str, bytes], None] | None, limit: int) -> None:
         self.on_output = on_output
+        self.limit = limit
         self.parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         self.sizes = {"stdout": 0, "stderr": 0}
         self.truncated = False
@@ -52,7 +56,7 @@ class _Capture:
     def __call__(self, stream: str, data: bytes) -> None:
         if self.on_output is not None:
             self.on_output(stream, data)
-        room = CAPTURE_LIMIT - self.sizes[stream]
+        room = self.limit - self.sizes[stream]
         if len(data) > room:
             self.truncated = True
             data = data[: max(room, 0)]
@@ -154,14 +158,19 @@ class Sandbox:
         cwd: str = "/workspace",
         user: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        capture_bytes: int = CAPTURE_LIMIT,
     ) -> ExecResult:
-        """Run `command` (a shell string, or an argv list run without a shell) and wait for it."""
+        """Run `command` (a shell string, or an argv list run without a shell) and wait for it.
+
+        At most `capture_bytes` of each stream are kept in the result (0 when `on_output` already
+        takes care of the output); `on_output` sees all of it, as it comes.
+        """
         message: dict = {"cwd": cwd, "env": dict(env or {}), "user": user}
         if isinstance(command, str):
             message["shell"] = command
         else:
             message["argv"] = [str(a) for a in command]
-        capture = _Capture(on_output)
+        capture = _Capture(on_output, capture_bytes)
         started = _now_ms()
         outcome = self._call(lambda a: a.exec(message, capture, timeout_seconds))
         return ExecResult(
@@ -222,7 +231,8 @@ class Sandbox:
             raise SandboxError(f"refused the guest's files from {guest_path}: {result['error']}")
         return result["ok"]
 
-    def blocked_egress(self) -> list[dict]:
+    def blocked_egress(self) -> list[AuditRecord]:
+        """What the guest tried that its policy does not allow (in audit mode: would not allow)."""
         slot = self._vm.slot
         return slot.audit_records() if slot is not None else []
 

@@ -80,7 +80,8 @@ class FakeSandbox:
                     self.files[f"{dest}/{info.name}"] = tar.extractfile(info).read()
 
     def exec(self, command: list[str], timeout_seconds: float = 0, env: dict | None = None, cwd: str = "/",
-             user: str | None = None, on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+             user: str | None = None, on_output: Callable[[str, bytes], None] | None = None,
+             capture_bytes: int = 0) -> ExecResult:
         self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
         assert command[:2] == ["sh", "-c"] and len(command) == 3, command
         program = self.engine.programs[command[2]]
