@@ -43,7 +43,9 @@ class Firewall:
 
     def load(self, ns: str, document: str, *, ipv6: bool = False, noflush: bool = False) -> None:
         """Load `document` into namespace `ns`; every table it names is replaced in one commit."""
-        argv = [self.restore6 if ipv6 else self.restore4]
+        # The legacy backend's lock (/run/xtables.lock) is host-wide, not per namespace: wait for it
+        # instead of failing when another slot (or anything else on the host) is loading rules.
+        argv = [self.restore6 if ipv6 else self.restore4, f"--wait={int(self.timeout)}"]
         if noflush:
             argv.append("--noflush")
 
