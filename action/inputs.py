@@ -178,6 +178,7 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> dic
         "run_id": _number(environ, "GITHUB_RUN_ID", "0"),
         "run_attempt": _number(environ, "GITHUB_RUN_ATTEMPT", "1"),
         "job_name": environ.get("GITHUB_JOB", ""),
+        "runner_name": environ.get("RUNNER_NAME", ""),
         "command": inputs.run,
         "working_directory": inputs.working_directory,
         "env": {name: environ[name] for name in inputs.env_names},

@@ -299,9 +299,9 @@ class JobService:
         key = RunKey(job.repository, job.run_id, job.run_attempt)
         self.warm.discard_job(key, job.job_id)
         for run in self._active_runs():
-            r = run.record
-            if (r.repository, r.run_id, r.run_attempt or 1, r.job_name) == (job.repository, job.run_id, job.run_attempt, job.job_name):
-                self.cancel(r.id, f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})")
+            if _same_github_job(run.spec, job):
+                why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
+                self.cancel(run.record.id, why)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -387,3 +387,17 @@ class JobService:
             for leftover in (CHECKOUT, f"{CHECKOUT}.part", "artifacts.raw", f"{ARTIFACTS}.part"):
                 (entry / leftover).unlink(missing_ok=True)
 
+
+def _same_github_job(spec: Any, job: Any) -> bool:
+    """Whether a submitted job is the GitHub job a webhook speaks of.
+
+    The webhook names a job by its display name (`build (3.11)`), the action by its key in the
+    workflow (`build`), so names only decide when the runner is unknown: a self-hosted runner runs
+    one job at a time, so the run plus the runner's name identify the job exactly.
+    """
+    if (spec.repository, spec.run_id, spec.run_attempt or 1) != (job.repository, job.run_id, job.run_attempt):
+        return False
+    runner = getattr(job, "runner_name", None)
+    if spec.runner_name and runner:
+        return spec.runner_name == runner
+    return spec.job_name == job.job_name

@@ -37,6 +37,7 @@ class JobSpec:
     sha: str
     command: str
     job_name: str = ""
+    runner_name: str = ""  # the self-hosted runner that took the job: with the run, identifies the job
     ref: str = ""
     event: str = ""
     run_id: int | None = None
@@ -154,6 +155,7 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         sha=sha,
         command=command,
         job_name=_text(data, "job_name", ""),
+        runner_name=_text(data, "runner_name", ""),
         ref=_text(data, "ref", ""),
         event=_text(data, "event", ""),
         run_id=_int(data, "run_id", 0),

@@ -232,6 +232,7 @@ class GitHubJob:  # the fields of runner.github.jobs.QueuedJob / CompletedJob th
     job_name: str = "test"
     labels: tuple[str, ...] = ("microvm",)
     conclusion: str | None = "cancelled"
+    runner_name: str | None = None
 
 
 def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_service, engine: FakeEngine) -> None:
@@ -261,6 +262,22 @@ def test_job_completed_discards_warm_vm_and_cancels_running(make_service, engine
     service.job_completed(GitHubJob(job_id=601, run_id=91))
     list(follow)
     assert service.get(job).state == "cancelled"
+    assert engine.alive() == []
+
+
+def test_job_completed_matches_by_runner_when_names_differ(make_service, engine: FakeEngine) -> None:
+    engine.programs["sleep"] = waits()
+    service = make_service()
+    other = run(service, "sleep", run_id=92, run_attempt=1, timeout_seconds=600, job_name="build", runner_name="host-b")
+    job = run(service, "sleep", run_id=92, run_attempt=1, timeout_seconds=600, job_name="build", runner_name="host-a")
+    follow = wait_started(service, job)
+    wait_started(service, other)
+    service.job_completed(GitHubJob(job_id=602, run_id=92, job_name="build (3.11)", runner_name="host-a"))
+    list(follow)
+    assert service.get(job).state == "cancelled"
+    assert service.get(other).state == "running"
+    service.cancel(other)
+    wait_final(service, other)
     assert engine.alive() == []
 
 
