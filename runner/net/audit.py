@@ -9,6 +9,7 @@ The packets come from the guest, so every header is parsed with bounds and anyth
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import struct
@@ -30,6 +31,7 @@ _NFULNL_MSG_PACKET = 0
 _NFULNL_MSG_CONFIG = 1
 _NFULA_CFG_CMD = 1
 _NFULA_CFG_MODE = 2
+_NFULA_CFG_QTHRESH = 5
 _NFULA_PAYLOAD = 9
 _CMD_BIND = 1
 _CMD_PF_BIND = 3
@@ -131,6 +133,10 @@ def open_nflog(ns: str, group: int = addresses.AUDIT_NFLOG_GROUP) -> socket.sock
         _expect_ack(sock, ns)
         sock.send(_config_message(group, _NFULA_CFG_MODE, struct.pack("!IBB", COPY_RANGE, _COPY_PACKET, 0)))
         _expect_ack(sock, ns)
+        # One packet per message: the kernel otherwise batches for up to a second, and records
+        # read when the job ends would miss its last attempts.
+        sock.send(_config_message(group, _NFULA_CFG_QTHRESH, struct.pack("!I", 1)))
+        _expect_ack(sock, ns)
     except BaseException:
         sock.close()
         raise
@@ -160,15 +166,26 @@ class SlotAudit:
             self.counts.clear()
 
     def records(self, names: dict[str, str]) -> list[AuditRecord]:
+        """Everything logged so far, including what the loop thread has not read yet."""
+        if self.sock is not None:
+            self._drain(self.sock)
         with self.lock:
             items = sorted(self.counts.items(), key=lambda item: (item[0][0], item[0][1] or 0, item[0][2]))
         return [AuditRecord(dest, port, proto, names.get(dest), count) for (dest, port, proto), count in items]
 
-    def _on_readable(self, sock: socket.socket) -> None:
+    def _drain(self, sock: socket.socket) -> None:
+        """Read every pending datagram (the loop thread may read concurrently: each goes to one)."""
+        while self._on_readable(sock):
+            pass
+
+    def _on_readable(self, sock: socket.socket) -> bool:
+        """Count one datagram's packets; False when there was none to read."""
         try:
-            datagram = sock.recv(65536)
-        except (BlockingIOError, OSError):
-            return  # ENOBUFS on overrun: the records stay a lower bound
+            datagram = sock.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:  # ENOBUFS after an overrun: records stay a lower bound, keep reading
+            return exc.errno == errno.ENOBUFS
         for payload in payloads(datagram):
             parsed = parse_packet(payload)
             if parsed is None:
@@ -176,6 +193,7 @@ class SlotAudit:
             with self.lock:
                 if parsed in self.counts or len(self.counts) < MAX_RECORDS_PER_SLOT:
                     self.counts[parsed] += 1
+        return True
 
 
 def suggest_policy(records: list[AuditRecord]) -> str:
