@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from action_harness import FORK_PR, HOST_SECRETS, Simulation, finish, interrupt, run_action, start
-from conftest import require
+from tests.conftest import require
 
 from action.workflow import ZWSP
 
