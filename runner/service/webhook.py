@@ -6,15 +6,59 @@ service config, so the config can be world-readable.
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runner.service.config import ConfigError, parse_size
 
-_KEYS = ("listen", "secret_path", "labels", "max_body")
+_KEYS = ("listen", "secret_path", "labels", "max_body", "redeliver_every", "github_config")
 
 
-def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") -> Any:
+@dataclass
+class Webhook:
+    """The running endpoint and, when configured, its redelivery sweep: stopped together."""
+
+    server: Any
+    sweep_stop: threading.Event | None = None
+    sweep: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self) -> None:
+        if self.sweep_stop is not None:
+            self.sweep_stop.set()
+            self.sweep.join()
+        self.server.stop()
+
+
+def _start_sweep(settings: dict[str, Any], where: str) -> tuple[threading.Event, threading.Thread] | None:
+    """GitHub drops webhooks under load: ask it every `redeliver_every` seconds to redeliver failed ones."""
+    every = settings.get("redeliver_every")
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, (int, float)) or every < 30:
+        raise ConfigError(f"{where}.redeliver_every: seconds between sweeps, at least 30 (got {every!r})")
+    from runner.github.app import GitHubApp
+    from runner.github.config import load_settings
+    from runner.github.deliveries import RedeliverySweep
+    from runner.github.errors import GitHubError
+
+    try:
+        github = load_settings(Path(settings["github_config"]) if settings.get("github_config") else None)
+        sweep = RedeliverySweep(GitHubApp(github.credentials(), api_url=github.api_url).as_app)
+    except GitHubError as exc:
+        raise ConfigError(f"{where}.redeliver_every: needs the GitHub App settings: {exc}") from exc
+    stop = threading.Event()
+    thread = threading.Thread(target=sweep.run, args=(stop, float(every)), name="redelivery-sweep", daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings`; None when it is not configured."""
     if not settings.get("listen"):
         return None
@@ -40,6 +84,7 @@ def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") 
         raise ConfigError(f"{where}.labels: expected a list of runner labels")
     config = WebhookConfig(secret=secret, labels=tuple(labels),
                            max_body=parse_size(settings.get("max_body", 1024 * 1024), f"{where}.max_body"))
+    sweep = _start_sweep(settings, where)
     server = WebhookServer(WebhookReceiver(config, hooks), host.strip("[]"), int(port))
     server.start()
-    return server
+    return Webhook(server, *(sweep or (None, None)))

@@ -79,3 +79,27 @@ def test_webhook_settings_are_checked(make_service, tmp_path: Path) -> None:
         start_webhook({"listen": "127.0.0.1:0", "secret_path": str(tmp_path / "none")}, service)
     with pytest.raises(ConfigError, match="webhook.port: unknown setting"):
         start_webhook({"listen": "127.0.0.1:0", "port": 1}, service)
+
+
+def test_redelivery_sweep_runs_beside_the_endpoint_and_stops_with_it(make_service, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = tmp_path / "app.pem"
+    pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+    github = tmp_path / "github.yml"
+    github.write_text(f"client_id: Iv1.test\nprivate_key_path: {pem}\norg: octo\n")
+    base = {"listen": "127.0.0.1:0", "secret_path": str(secret)}
+    service = make_service()
+    with pytest.raises(ConfigError, match="at least 30"):
+        start_webhook({**base, "redeliver_every": 5, "github_config": str(github)}, service)
+    with pytest.raises(ConfigError, match="needs the GitHub App settings"):
+        start_webhook({**base, "redeliver_every": 300, "github_config": str(tmp_path / "missing.yml")}, service)
+    webhook = start_webhook({**base, "redeliver_every": 300, "github_config": str(github)}, service)
+    assert webhook.sweep.is_alive()
+    webhook.stop()
+    assert not webhook.sweep.is_alive()
