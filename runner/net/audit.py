@@ -162,6 +162,10 @@ class SlotAudit:
             self.sock = None
 
     def clear(self) -> None:
+        """Forget the job's records, including those still queued in the socket (the slot's rules
+        no longer log by now, so nothing of the old job arrives afterwards)."""
+        if self.sock is not None:
+            self._drain(self.sock)
         with self.lock:
             self.counts.clear()
 
