@@ -297,3 +297,53 @@ def test_log_flood_is_truncated(vm_service) -> None:
     assert any(n.endswith(b"bytes of output were dropped") for n in notes)
     assert client.get(job)["state"] == "finished"
     assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 512 * 1024
+
+
+QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
+COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
+
+
+def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_path: Path, external: Path) -> None:
+    """Real deliveries in, real VMs out: `queued` warms the VM the submit then gets, `completed` ends a job."""
+    import json
+    import uuid
+
+    import requests
+
+    from runner.github.signature import sign
+    from runner.service.webhook import start_webhook
+
+    def deliver(port: int, payload: dict) -> int:
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json", "X-GitHub-Event": "workflow_job",
+                   "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(b"s3cret", body)}
+        return requests.post(f"http://127.0.0.1:{port}/github/webhook", data=body, headers=headers, timeout=30).status_code
+
+    service, client = vm_service()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret")
+    hook = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["macos-11"]}, service)
+    try:
+        queued = json.loads((external / QUEUED).read_text())
+        assert deliver(hook.port, queued) == 200
+        (warm,) = list(service.warm._vms)
+        assert warm.ready.wait(120) and warm.sandbox is not None
+        job = submit(client, "echo warm", repository=queued["repository"]["full_name"],
+                     run_id=queued["workflow_job"]["run_id"], run_attempt=1)
+        assert output(client, job) == b"warm\n"
+        record = client.get(job)
+        assert record["warm"] is True and record["vm_id"] == warm.sandbox.id
+
+        completed = json.loads((external / COMPLETED).read_text())
+        gh_job = completed["workflow_job"]
+        running = submit(client, "echo started; sleep 300", repository=completed["repository"]["full_name"],
+                         run_id=gh_job["run_id"], run_attempt=gh_job["run_attempt"],
+                         runner_name=gh_job["runner_name"], job_name="osx", timeout_seconds=600)
+        logs = client.logs(running)
+        assert next(e.data for e in logs if e.stream == "stdout") == b"started\n"
+        assert deliver(hook.port, completed) == 200
+        for _ in logs:
+            pass  # the stream ends when the job does
+        assert client.get(running)["state"] == "cancelled"  # final only once its VM is destroyed
+    finally:
+        hook.stop()
