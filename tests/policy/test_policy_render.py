@@ -100,6 +100,7 @@ def test_input_admits_only_dns_and_operator_allowances_from_the_guest():
         "-A INPUT -i tap0 -d 169.254.169.254/32 -p tcp -m multiport --dports 80 -j ACCEPT",
         "-A INPUT -i tap0 -d 172.16.0.1/32 -p tcp -m multiport --dports 3128 -j ACCEPT",
         "-A INPUT -i tap0 -j DROP",
+        "-A INPUT -i veth0 -j DROP",
     ]
 
 
