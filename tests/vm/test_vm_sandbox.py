@@ -168,3 +168,17 @@ def test_resources_must_match_the_template(engine):
 def test_unknown_template_says_how_to_build_it(engine):
     with pytest.raises(SandboxError, match="template build nope"):
         Sandbox.create(engine=engine, template="nope")
+
+
+def test_put_tar_keeps_links_and_modes_and_reports_a_broken_stream(sandbox, tmp_path):
+    src = tmp_path / "src"
+    (src / "bin").mkdir(parents=True)
+    (src / "bin" / "tool").write_bytes(b"#!/bin/sh\necho tool\n")
+    (src / "bin" / "tool").chmod(0o755)
+    (src / "current").symlink_to("bin")
+    sandbox.copy_in(src, "/workspace/t")
+    r = sandbox.exec("./current/tool && stat -c '%U %a' bin/tool && readlink current", cwd="/workspace/t")
+    assert r.stdout == b"tool\nroot 755\nbin\n"
+    with pytest.raises(SandboxError, match="cannot unpack"):
+        sandbox.put_tar([b"this is not a tar stream" * 100], "/workspace/bad")
+    assert sandbox.exec("true").exit_code == 0
