@@ -7,17 +7,18 @@ connection exists from the first instant, so a pooled QEMU costs no work at rest
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shlex
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
 
-from qemu.qmp import QMPError
-from qemu.qmp.legacy import QEMUMonitorProtocol
+from qemu.qmp import QMPClient, QMPError
 
 from runner.net.addresses import GUEST_MAC  # the same in every VM: each has its own namespace
 from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
@@ -79,6 +80,36 @@ def device_args(config: MachineConfig, mem_file: Path, share: bool, launch: Laun
     return args
 
 
+class Monitor:
+    """QMP over an already connected socket, on an event loop of its own.
+
+    qemu.qmp is asyncio; its sync shim borrows the creating thread's loop, and VMs are restored by
+    pool threads and destroyed by others, so two machines could end up driving one loop from two
+    threads. A private loop per machine, used under a lock, keeps each machine's QMP to itself.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = QMPClient()
+        self._lock = threading.Lock()
+        self._run(self._client.connect(sock))
+
+    def _run(self, coroutine, timeout: float = QMP_TIMEOUT_S):
+        return self._loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
+
+    def execute(self, command: str, arguments: dict) -> object:
+        with self._lock:
+            return self._run(self._client.execute(command, arguments or None))
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._run(self._client.disconnect(), timeout=5)
+            except (QMPError, OSError, EOFError, asyncio.TimeoutError):
+                pass  # QEMU is gone: there is nobody left to say goodbye to
+            self._loop.close()
+
+
 class QemuMachine(Machine):
     def __init__(self, argv: list[str], launch: Launch) -> None:
         qmp_host, qmp_vm = socket.socketpair()
@@ -106,25 +137,24 @@ class QemuMachine(Machine):
         self.pid = self.proc.pid
         self.agent = agent_host
         self._qmp_sock = qmp_host
-        self._qmp: QEMUMonitorProtocol | None = None
+        self._qmp: Monitor | None = None
+        self._qmp_lock = threading.Lock()
         self._stderr_path = launch.vm_dir / "qemu.stderr"
 
-    # QMP is connected lazily, in the thread that uses it (qemu.qmp's sync shim owns an event loop).
-    def _monitor(self) -> QEMUMonitorProtocol:
-        if self._qmp is None:
-            qmp = QEMUMonitorProtocol(self._qmp_sock)
-            qmp.settimeout(QMP_TIMEOUT_S)
-            try:
-                qmp.connect(negotiate=True)
-            except (QMPError, OSError) as exc:
-                raise VMError(f"QEMU did not answer on QMP: {exc}{self._stderr_tail()}") from None
-            self._qmp = qmp
-        return self._qmp
+    def _monitor(self) -> Monitor:
+        """QMP, connected on first use (a pooled QEMU may never need it before it is killed)."""
+        with self._qmp_lock:
+            if self._qmp is None:
+                try:
+                    self._qmp = Monitor(self._qmp_sock)
+                except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+                    raise VMError(f"QEMU did not answer on QMP: {exc}{self._stderr_tail()}") from None
+            return self._qmp
 
     def qmp(self, command: str, **arguments):
         try:
-            return self._monitor().cmd(command, **arguments)
-        except (QMPError, OSError, EOFError) as exc:
+            return self._monitor().execute(command, arguments)
+        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
             raise VMError(f"QMP {command} failed: {exc}{self._stderr_tail()}") from None
 
     def _stderr_tail(self) -> str:
@@ -173,12 +203,10 @@ class QemuMachine(Machine):
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        if self._qmp is not None:
-            try:
-                self._qmp.close()
-            except (QMPError, OSError, EOFError):
-                pass  # QEMU is gone: there is nobody left to say goodbye to
-            self._qmp = None
+        with self._qmp_lock:
+            monitor, self._qmp = self._qmp, None
+        if monitor is not None:
+            monitor.close()
         for sock in (self.agent, self._qmp_sock):
             sock.close()
 

@@ -182,3 +182,35 @@ def test_put_tar_keeps_links_and_modes_and_reports_a_broken_stream(sandbox, tmp_
     with pytest.raises(SandboxError, match="cannot unpack"):
         sandbox.put_tar([b"this is not a tar stream" * 100], "/workspace/bad")
     assert sandbox.exec("true").exit_code == 0
+
+
+def test_machines_made_by_one_thread_can_be_killed_by_another_while_it_works(engine):
+    """Pool fillers restore VMs that job threads destroy: one machine's QMP must never borrow another's
+    event loop, or killing it fails ('This event loop is already running')."""
+    import threading
+
+    snapshot = engine.template("base").snapshot(False)
+    made: dict = {}
+    busy = threading.Event()
+    stop = threading.Event()
+
+    def filler() -> None:
+        made["first"], made["second"] = engine._spawn(snapshot), engine._spawn(snapshot)
+        made["first"].machine.qmp("query-status")  # both now have QMP sessions made in this thread
+        made["second"].machine.qmp("query-status")
+        busy.set()
+        while not stop.is_set():
+            made["second"].machine.qmp("query-status")
+
+    thread = threading.Thread(target=filler)
+    thread.start()
+    try:
+        assert busy.wait(60)
+        for _ in range(20):
+            time.sleep(0.01)
+        made["first"].destroy()  # from this thread, while the filler keeps talking to its other VM
+    finally:
+        stop.set()
+        thread.join()
+        for vm in made.values():
+            vm.destroy()
