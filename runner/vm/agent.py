@@ -259,19 +259,25 @@ class AgentClient:
         for rid in list(self._execs):
             self.call({"op": "kill", "target": rid}, timeout=10.0)
 
-    def read_file(self, path: str, max_bytes: int, timeout: float) -> bytes:
-        parts: list[bytes] = []
-        got = 0
+    def _receive(self, message: dict, timeout: float, write: Callable[[bytes], object], max_bytes: int, what: str) -> int:
+        """A call whose DATA goes to `write`; a guest sending more than it was allowed is abuse."""
+        received = 0
 
         def take(frame: P.Frame) -> None:
-            nonlocal got
+            nonlocal received
             if frame.kind == P.DATA:
-                got += len(frame.payload)
-                if got > max_bytes:
-                    self._abuse(f"the guest sent more than the {max_bytes} bytes allowed for {path}")
-                parts.append(frame.payload)
+                received += len(frame.payload)
+                if received > max_bytes:
+                    self._abuse(f"the guest sent more than the {max_bytes} bytes allowed for {what}")
+                write(frame.payload)
 
-        self.call({"op": "read_file", "path": path, "max_bytes": max_bytes}, timeout, on_frame=take)
+        self.call(message, timeout, on_frame=take)
+        return received
+
+    def read_file(self, path: str, max_bytes: int, timeout: float) -> bytes:
+        parts: list[bytes] = []
+        message = {"op": "read_file", "path": path, "max_bytes": max_bytes}
+        self._receive(message, timeout, parts.append, max_bytes, path)
         return b"".join(parts)
 
     def write_file(self, path: str, chunks: Iterable[bytes], mode: int, timeout: float) -> None:
@@ -281,19 +287,8 @@ class AgentClient:
         self.call({"op": "put_tar", "dest": dest}, timeout, data=chunks)
 
     def get_tar(self, paths: list[str], cwd: str, out: BinaryIO, max_bytes: int, timeout: float) -> int:
-        written = 0
-
-        def take(frame: P.Frame) -> None:
-            nonlocal written
-            if frame.kind == P.DATA:
-                written += len(frame.payload)
-                if written > max_bytes:
-                    self._abuse(f"the guest sent more than the {max_bytes} bytes allowed for a tar stream")
-                out.write(frame.payload)
-
         message = {"op": "get_tar", "paths": paths, "cwd": cwd, "max_bytes": max_bytes}
-        self.call(message, timeout, on_frame=take)
-        return written
+        return self._receive(message, timeout, out.write, max_bytes, "a tar stream")
 
 
 class GuestOpError(AgentError):
