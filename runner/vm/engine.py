@@ -207,7 +207,7 @@ class Engine:
                 if vm.destroyed:
                     self.destroy(vm)
                 elif now >= vm.expires_at:
-                    vm.fail(f"the sandbox expired after its TTL")
+                    vm.fail("the sandbox expired after its TTL")
                     self.destroy(vm)
                 elif not vm.machine.alive():
                     vm.fail(f"the VM's hypervisor process exited (status {vm.machine.exit_status()})")
