@@ -134,7 +134,6 @@ class Engine:
                 raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
-        vm.write_meta(template=tpl.name, digest=tpl.digest, network=network)
         self.pool.refill(snapshot)
         return vm
 

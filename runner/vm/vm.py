@@ -6,7 +6,6 @@ every path: a normal end, an error, a TTL expiry, a dead VMM, a hostile guest.
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -33,10 +32,6 @@ class VM:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _destroyed: bool = False
     _killed_by_us: bool = False
-
-    def write_meta(self, **extra) -> None:
-        meta = {"id": self.id, "pid": self.machine.pid, "created": time.time(), **extra}
-        (self.dir / "meta.json").write_text(json.dumps(meta))
 
     def fail(self, why: str) -> None:
         """Record why the VM is unusable (first reason wins) and destroy it."""
