@@ -74,15 +74,26 @@ def service(template: None) -> Iterator[object]:
     from runner.service.config import config_from_mapping
     from runner.service.service import JobService
 
+    import functools
+
+    from runner.sandbox import Sandbox
+    from runner.state import StateDir
+    from runner.vm.engine import Engine
+    from vmimages.store import TemplateStore
+
     short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))
     config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state")})
-    svc = JobService(config)  # the production sandbox factory: real VMs
+    # Real VMs, from an engine of this test's own: a service running on the host keeps its state dir.
+    engine = Engine(StateDir(short / "state"), templates=TemplateStore(StateDir.default().templates), pool_size=1)
+    svc = JobService(config, functools.partial(Sandbox.create, engine=engine))
     svc.start()
     api = ApiServers(svc)
     api.start()
     yield svc
     api.stop()
     svc.shutdown(30)
+    assert engine.live() == [], "a job's VM outlived the service"
+    engine.shutdown()
     shutil.rmtree(short, ignore_errors=True)
 
 
