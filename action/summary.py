@@ -8,13 +8,19 @@ goes in: a guest must not be able to inject links, images or fake table rows int
 from __future__ import annotations
 
 import html
+import ipaddress
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from action.junit import Failure, Totals
 from action.workflow import annotation
+from runner.net.audit import AuditRecord, suggest_policy
+
+HOSTNAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+MAX_SUGGESTED = 256
 
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
 MAX_ROWS = 50
@@ -113,7 +119,34 @@ def _blocked(blocked: list[Any]) -> list[str]:
                     f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} |")
     if len(blocked) > MAX_ROWS:
         rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | |")
-    return rows
+    return rows + _suggestion(blocked)
+
+
+def _suggestion(blocked: list[Any]) -> list[str]:
+    """The policy that would have let the job do what it tried: how an audit run becomes a policy."""
+    records = [record for record in map(_audit_record, blocked[:MAX_SUGGESTED]) if record is not None]
+    if not records:
+        return []
+    return ["", "A policy that would allow these attempts (review before adopting it):", "", "```yaml",
+            *suggest_policy(records).splitlines(), "```"]
+
+
+def _audit_record(item: Any) -> AuditRecord | None:
+    """Only well-formed entries make it into the suggestion: they came from the guest's traffic."""
+    if not isinstance(item, dict):
+        return None
+    try:
+        dest = str(ipaddress.ip_address(item.get("dest")))
+    except ValueError:
+        return None
+    port, proto, name = item.get("port"), item.get("proto"), item.get("name")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        return None
+    if proto not in ("tcp", "udp", "icmp", "icmpv6"):
+        return None
+    if name is not None and not (isinstance(name, str) and HOSTNAME.fullmatch(name)):
+        name = None
+    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1)
 
 
 def _failures(failures: list[Failure]) -> list[str]:

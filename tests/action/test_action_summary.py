@@ -75,3 +75,24 @@ def test_outputs_without_junit_are_empty_strings() -> None:
 ])
 def test_report_paths_become_repository_paths(file: str | None, expected: str | None) -> None:
     assert repository_path(file, "sub/") == expected
+
+
+def test_blocked_egress_comes_with_a_policy_that_would_allow_it() -> None:
+    record = {**RECORD, "blocked_egress": [
+        {"dest": "203.0.113.9", "port": 443, "proto": "tcp", "name": "pypi.org", "count": 3},
+        {"dest": "198.51.100.7", "port": 8080, "proto": "tcp", "name": None, "count": 1},
+        {"dest": "203.0.113.9", "port": 53, "proto": "udp", "name": "bad`name|x", "count": 1},  # name dropped
+        {"dest": "not-an-ip", "port": 1, "proto": "tcp", "name": None, "count": 1},  # left out
+        {"dest": "203.0.113.1", "port": 70000, "proto": "tcp", "name": None, "count": 1},  # left out
+    ]}
+    text = markdown(Result(record, 0, None, [], []))
+    yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    from policy import load_policy
+
+    suggested = load_policy(yaml_text, "suggestion")
+    assert suggested.mode == "block"
+    assert suggested.allows(443, "tcp", name="pypi.org")
+    assert suggested.allows(8080, "tcp", address="198.51.100.7")
+    assert suggested.allows(53, "udp", address="203.0.113.9")
+    assert not suggested.allows(1, "tcp", address="203.0.113.1")
+    assert "`" not in yaml_text and "not-an-ip" not in yaml_text and "70000" not in yaml_text
