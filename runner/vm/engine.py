@@ -140,7 +140,10 @@ class Engine:
     def _claim(self, vm: VM, policy, hostname: str) -> None:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
         if vm.slot is not None:
-            vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
+            try:
+                vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
+            except Exception as exc:  # the guest must not run on with an unknown ruleset
+                raise SandboxError(f"the egress policy could not be loaded into the VM's network: {exc}") from exc
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
     def _restore(self, snapshot: Snapshot) -> VM:
