@@ -108,30 +108,22 @@ class WebhookReceiver:
             return Answer(200, f"ignored: event {event!r} is not used")
         action = payload.get("action")
         if action == "queued":
-            return self._queued(payload)
+            return self._job_event(payload, action, jobs.queued_job, self.hooks.prewarm, "prewarming for job")
         if action == "completed":
-            return self._completed(payload)
+            return self._job_event(payload, action, jobs.completed_job, self.hooks.job_completed, "completed: job")
         if action in IGNORED_JOB_ACTIONS:
             return Answer(200, f"ignored: workflow_job {action}")
         return Answer(200, f"ignored: unknown workflow_job action {str(action)[:50]!r}")
 
-    def _queued(self, payload: dict[str, Any]) -> Answer:
-        job = jobs.queued_job(payload)
+    def _job_event(self, payload: dict[str, Any], action: str, parse, hook, done: str) -> Answer:
+        """Parse a workflow_job payload and hand it to `hook` when the job runs on our labels."""
+        job = parse(payload)
         if job is None:
-            return Answer(200, "ignored: queued job without a usable repository, ids or labels")
+            return Answer(200, f"ignored: {action} job without a usable repository, ids or labels")
         if not jobs.is_ours(job.labels, self.config.labels):
             return Answer(200, "ignored: the job's labels are not ours")
-        self.hooks.prewarm(job)
-        return Answer(200, f"prewarming for job {job.job_id}")
-
-    def _completed(self, payload: dict[str, Any]) -> Answer:
-        job = jobs.completed_job(payload)
-        if job is None:
-            return Answer(200, "ignored: completed job without a usable repository, ids or labels")
-        if not jobs.is_ours(job.labels, self.config.labels):
-            return Answer(200, "ignored: the job's labels are not ours")
-        self.hooks.job_completed(job)
-        return Answer(200, f"job {job.job_id} completed")
+        hook(job)
+        return Answer(200, f"{done} {job.job_id}")
 
 
 class _Handler(BaseHTTPRequestHandler):
