@@ -10,6 +10,7 @@ machine's forwarding and NAT.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from runner.net import addresses, netns
 
@@ -66,11 +68,22 @@ class Uplink(ABC):
         return self.run(names)
 
     def delete_link(self, ifname: str) -> None:
+        """Delete the outer veth end if it is still there.
+
+        Removing a slot's namespace makes the kernel destroy the veth pair on its own, asynchronously,
+        so the link may vanish between the lookup and the delete: ENODEV means done, not failed.
+        """
+
         def delete() -> None:
             with IPRoute() as ipr:
                 found = ipr.link_lookup(ifname=ifname)
-                if found:
+                if not found:
+                    return
+                try:
                     ipr.link("del", index=found[0])
+                except NetlinkError as exc:
+                    if exc.code != errno.ENODEV:
+                        raise
 
         self.run(delete)
 

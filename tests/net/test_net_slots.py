@@ -188,3 +188,25 @@ def test_the_nf_tables_backend_enforces_the_same_policy(need_netns, prefix) -> N
         assert reach(guest, ALLOWED_HOST, 9000)
         assert not reach(slot.netns, ALLOWED_HOST, 8000)
     assert net_fakes.leftovers(prefix) == []
+
+
+def test_a_veth_the_kernel_removes_mid_delete_counts_as_deleted(need_netns, prefix, monkeypatch) -> None:
+    """Removing a namespace makes the kernel drop its veth pair asynchronously, racing our own delete."""
+    ns = f"{prefix}-up"
+    netns.create(ns)
+    try:
+        uplink = NamespaceUplink(ns)
+        ip("-n", ns, "link", "add", f"{prefix}-a", "type", "veth", "peer", "name", f"{prefix}-b")
+
+        class RacingIPRoute(IPRoute):
+            def link_lookup(self, **spec):  # type: ignore[no-untyped-def]
+                found = IPRoute.__getattr__(self, "link_lookup")(**spec)  # pyroute2 delegates by name
+                self.link("del", index=found[0])  # the kernel's cleanup wins the race
+                return found
+
+        monkeypatch.setattr("runner.net.uplink.IPRoute", RacingIPRoute)
+        uplink.delete_link(f"{prefix}-a")
+        monkeypatch.undo()
+        assert f"{prefix}-a" not in uplink.link_names()
+    finally:
+        netns.remove(ns)
