@@ -17,7 +17,7 @@ from typing import Any
 
 from action.junit import Failure, Totals
 from action.workflow import annotation
-from runner.net.audit import AuditRecord, suggest_policy
+from runner.net.audit import ALWAYS_DENIED, POLICY, AuditRecord, suggest_policy
 
 HOSTNAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_SUGGESTED = 256
@@ -111,15 +111,22 @@ def markdown(result: Result) -> str:
 def _blocked(blocked: list[Any]) -> list[str]:
     if not blocked:
         return []
-    rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count | why |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for item in blocked[:MAX_ROWS]:
         item = item if isinstance(item, dict) else {}
         rows.append(f"| {cell(item.get('dest', ''))} | {cell(item.get('port', ''))} | "
-                    f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} |")
+                    f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} | "
+                    f"{_why(item.get('reason'))} |")
     if len(blocked) > MAX_ROWS:
-        rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | |")
+        rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | | |")
     return rows + _suggestion(blocked)
+
+
+def _why(reason: Any) -> str:
+    if reason == ALWAYS_DENIED:
+        return "always denied (host, metadata or loopback)"
+    return "not in the policy"
 
 
 def _suggestion(blocked: list[Any]) -> list[str]:
@@ -146,7 +153,8 @@ def _audit_record(item: Any) -> AuditRecord | None:
         return None
     if name is not None and not (isinstance(name, str) and HOSTNAME.fullmatch(name)):
         name = None
-    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1)
+    reason = ALWAYS_DENIED if item.get("reason") == ALWAYS_DENIED else POLICY
+    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1, reason=reason)
 
 
 def _failures(failures: list[Failure]) -> list[str]:

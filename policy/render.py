@@ -8,7 +8,8 @@ The documents fill the `filter` table of the VM's own network namespace, where t
    anything not leaving by the uplink dropped, and anti-spoofing: only `guest_ip` with `guest_mac`;
 3. the DNS service, then the operator's allowances (`OperatorAllowances`);
 4. the always-denied destinations (see `policy.reserved`, plus the host's addresses and the gateway)
-   dropped, which *clips* every rule below, including addresses a DNS answer points at;
+   dropped by `MVC-DENIED` after an NFLOG tagged `DENIED_LOG_PREFIX`, which *clips* every rule
+   below, including addresses a DNS answer points at;
 5. the policy's CIDR rules, then a jump to the per-VM chain `MVC-DNS-ALLOW` that the DNS resolver
    fills at run time with the addresses it handed out for permitted names (`dns_allow_rule`);
 6. NFLOG of what is left, then the verdict, which is the chain's last rule: REJECT in block mode
@@ -39,6 +40,10 @@ from policy.model import PROTOCOLS, Address, Network, Policy, Rule
 from policy.reserved import always_denied
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
+DENIED_CHAIN = "MVC-DENIED"
+# NFLOG prefix of always-denied hits; "!" is outside `RenderContext.log_prefix`'s alphabet, so no job's
+# prefix can pass for it and the audit reader can tell "no policy may allow this" from "not allowed".
+DENIED_LOG_PREFIX = "mvc!always-denied"
 MULTIPORT_SLOTS = 15  # iptables' multiport limit; a range a:b takes two slots
 
 _IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
@@ -124,7 +129,8 @@ def render(policy: Policy, context: RenderContext,
     """Both documents for one VM (see the module doc for the order and its reasons)."""
     ipv6_enabled = context.guest_ip6 is not None and any(
         rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
-    common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN}
+    common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN,
+              "denied_chain": DENIED_CHAIN, "denied_prefix": DENIED_LOG_PREFIX}
     ipv4 = _templates.get_template("filter4.rules.j2").render(
         **common, **_family_view(4, policy, context, allowances))
     ipv6 = _templates.get_template("filter6.rules.j2").render(

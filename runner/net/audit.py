@@ -4,6 +4,9 @@ Measured on this machine: NFLOG works inside a network namespace (a netlink sock
 namespace receives its packets), whereas LOG output of a non-initial namespace is dropped unless the
 host sets net.netfilter.nf_log_all_netns, and then all slots share one kernel log. So the renderer's
 audit rules log to NFLOG group `AUDIT_NFLOG_GROUP` before accepting, and each slot reads its own.
+Hits on always-denied destinations (the host, the metadata service, loopback) arrive on the same
+group tagged `DENIED_LOG_PREFIX`: they are recorded with reason "always-denied", which no policy can
+change, so the suggested policy leaves them out. The prefix comes from our rules, not the guest.
 The packets come from the guest, so every header is parsed with bounds and anything odd is skipped.
 """
 
@@ -19,10 +22,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from policy.render import DENIED_LOG_PREFIX
 from runner.net import addresses, netns
 from runner.net.loop import NetLoop
 
 MAX_RECORDS_PER_SLOT = 4096
+POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
+ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
 COPY_RANGE = 64  # enough for an IPv6 header plus the ports
 
 _NETLINK_NETFILTER = 12
@@ -33,6 +39,7 @@ _NFULA_CFG_CMD = 1
 _NFULA_CFG_MODE = 2
 _NFULA_CFG_QTHRESH = 5
 _NFULA_PAYLOAD = 9
+_NFULA_PREFIX = 10
 _CMD_BIND = 1
 _CMD_PF_BIND = 3
 _COPY_PACKET = 2
@@ -43,16 +50,18 @@ _PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
 
 @dataclass(frozen=True)
 class AuditRecord:
-    """One would-be-blocked destination and how often the guest tried it."""
+    """One blocked (or, in audit mode, would-be-blocked) destination and how often the guest tried it."""
 
     dest: str
     port: int | None
     proto: str
     name: str | None
     count: int
+    reason: str = POLICY
 
     def as_json(self) -> dict[str, object]:
-        return {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name, "count": self.count}
+        return {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name, "count": self.count,
+                "reason": self.reason}
 
 
 def parse_packet(payload: bytes) -> tuple[str, int | None, str] | None:
@@ -88,20 +97,25 @@ def _attributes(data: bytes) -> dict[int, bytes]:
     return found
 
 
-def payloads(datagram: bytes) -> list[bytes]:
-    """The packet payloads carried by one netlink datagram of NFLOG messages."""
-    found: list[bytes] = []
+def payloads(datagram: bytes) -> list[tuple[bytes, str]]:
+    """(packet, reason) of each NFLOG message in one netlink datagram."""
+    found: list[tuple[bytes, str]] = []
     offset = 0
     while offset + 16 <= len(datagram):
         length, kind = struct.unpack_from("=IH", datagram, offset)
         if length < 16 or offset + length > len(datagram):
             break
         if kind == (_NFNL_SUBSYS_ULOG << 8) | _NFULNL_MSG_PACKET:
-            payload = _attributes(datagram[offset + 20 : offset + length]).get(_NFULA_PAYLOAD)
+            attributes = _attributes(datagram[offset + 20 : offset + length])
+            payload = attributes.get(_NFULA_PAYLOAD)
             if payload:
-                found.append(payload)
+                found.append((payload, _reason(attributes.get(_NFULA_PREFIX, b""))))
         offset += (length + 3) & ~3
     return found
+
+
+def _reason(prefix: bytes) -> str:
+    return ALWAYS_DENIED if prefix.rstrip(b"\0") == DENIED_LOG_PREFIX.encode() else POLICY
 
 
 def _config_message(group: int, attr_type: int, value: bytes, family: int = socket.AF_UNSPEC) -> bytes:
@@ -148,7 +162,7 @@ class SlotAudit:
     """Counts of would-be-blocked (dest, port, proto) for one slot, fed by its NFLOG socket."""
 
     netns: str
-    counts: Counter[tuple[str, int | None, str]] = field(default_factory=Counter)
+    counts: Counter[tuple[str, int | None, str, str]] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
 
@@ -174,8 +188,9 @@ class SlotAudit:
         if self.sock is not None:
             self._drain(self.sock)
         with self.lock:
-            items = sorted(self.counts.items(), key=lambda item: (item[0][0], item[0][1] or 0, item[0][2]))
-        return [AuditRecord(dest, port, proto, names.get(dest), count) for (dest, port, proto), count in items]
+            items = sorted(self.counts.items(), key=lambda item: (item[0][0], item[0][1] or 0, item[0][2], item[0][3]))
+        return [AuditRecord(dest, port, proto, names.get(dest), count, reason)
+                for (dest, port, proto, reason), count in items]
 
     def _drain(self, sock: socket.socket) -> None:
         """Read every pending datagram (the loop thread may read concurrently: each goes to one)."""
@@ -190,13 +205,14 @@ class SlotAudit:
             return False
         except OSError as exc:  # ENOBUFS after an overrun: records stay a lower bound, keep reading
             return exc.errno == errno.ENOBUFS
-        for payload in payloads(datagram):
+        for payload, reason in payloads(datagram):
             parsed = parse_packet(payload)
             if parsed is None:
                 continue
+            key = (*parsed, reason)
             with self.lock:
-                if parsed in self.counts or len(self.counts) < MAX_RECORDS_PER_SLOT:
-                    self.counts[parsed] += 1
+                if key in self.counts or len(self.counts) < MAX_RECORDS_PER_SLOT:
+                    self.counts[key] += 1
         return True
 
 
@@ -205,13 +221,16 @@ def suggest_policy(records: list[AuditRecord]) -> str:
 
     Destinations the resolver handed out are allowed by name (addresses behind a name change);
     others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
-    and are listed as a comment instead.
+    and always-denied destinations cannot be allowed by one: both are listed as comments instead.
     """
     by_target: dict[tuple[str, str, str], set[int]] = {}
-    unexpressible: list[str] = []
+    comments: set[str] = set()
     for record in records:
+        if record.reason == ALWAYS_DENIED:
+            comments.add(f"# always denied, no policy can allow it, was attempted: {_attempt(record)}\n")
+            continue
         if record.port is None or record.proto not in ("tcp", "udp"):
-            unexpressible.append(f"{record.proto} to {record.name or record.dest}")
+            comments.add(f"# not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}\n")
             continue
         if record.name:
             target = ("host", record.name, record.proto)
@@ -226,6 +245,9 @@ def suggest_policy(records: list[AuditRecord]) -> str:
             entry["protocol"] = proto
         allow.append(entry)
     text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
-    if unexpressible:
-        text += "".join(f"# not expressible in a policy, was attempted: {item}\n" for item in sorted(set(unexpressible)))
-    return text
+    return text + "".join(sorted(comments))
+
+
+def _attempt(record: AuditRecord) -> str:
+    port = f" port {record.port}" if record.port is not None else ""
+    return f"{record.proto} to {record.dest}{port}"

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX
 from runner.net import addresses, netns
 
 POLICY_TABLES = frozenset({"filter"})
@@ -92,7 +93,8 @@ def guard4() -> str:
     """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
 
     Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
-    only at the DNS service, and never the uplink range, link-local, loopback or multicast. The
+    only at the DNS service, and never the uplink range, link-local, loopback or multicast (the first
+    three and the namespace's own addresses logged as always-denied, see `_denied_chain`). The
     namespace itself (where QEMU runs) originates nothing towards the uplink: the resolver asks
     upstream from outside, so a process that escaped the guest into QEMU gains no network. And
     nothing from the uplink side reaches the namespace's own sockets (mangle INPUT, after NAT has
@@ -105,17 +107,19 @@ def guard4() -> str:
             ":PREROUTING ACCEPT [0:0]",
             ":OUTPUT ACCEPT [0:0]",
             ":MVC-GUARD - [0:0]",
+            f":{DENIED_CHAIN} - [0:0]",
             f"-A PREROUTING -i {tap} -j MVC-GUARD",
             f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
             f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
             f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
             f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
-            "-A MVC-GUARD -m addrtype --dst-type LOCAL -j DROP",
+            f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
             "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
-            f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j DROP",
-            "-A MVC-GUARD -d 169.254.0.0/16 -j DROP",
-            "-A MVC-GUARD -d 127.0.0.0/8 -j DROP",
+            f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j {DENIED_CHAIN}",
+            f"-A MVC-GUARD -d 169.254.0.0/16 -j {DENIED_CHAIN}",
+            f"-A MVC-GUARD -d 127.0.0.0/8 -j {DENIED_CHAIN}",
             "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
+            *_denied_chain(),
             f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
             "COMMIT",
             "*mangle",
@@ -131,6 +135,18 @@ def guard4() -> str:
     )
 
 
+def _denied_chain() -> list[str]:
+    """Log, then drop: a job's summary shows that it tried the host or the metadata service.
+
+    Broadcast, multicast and spoofed frames are dropped unlogged: they are not connection attempts,
+    and a guest kernel sends some on its own.
+    """
+    return [
+        f'-A {DENIED_CHAIN} -j NFLOG --nflog-group {addresses.AUDIT_NFLOG_GROUP} --nflog-prefix "{DENIED_LOG_PREFIX}"',
+        f"-A {DENIED_CHAIN} -j DROP",
+    ]
+
+
 def guard6() -> str:
     """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
     and nothing but neighbour discovery originated by the namespace towards the uplink."""
@@ -140,11 +156,13 @@ def guard6() -> str:
             ":PREROUTING ACCEPT [0:0]",
             ":OUTPUT ACCEPT [0:0]",
             ":MVC-GUARD - [0:0]",
+            f":{DENIED_CHAIN} - [0:0]",
             f"-A PREROUTING -i {addresses.TAP_NAME} -j MVC-GUARD",
             f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j RETURN",
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j RETURN",
-            "-A MVC-GUARD -m addrtype --dst-type LOCAL -j DROP",
+            f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
+            *_denied_chain(),
             f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j ACCEPT",
             f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j ACCEPT",
             f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",

@@ -46,7 +46,7 @@ def test_summary_shows_timings_and_escapes_guest_text() -> None:
     assert "| tests | 1 passed, 1 failed, 1 skipped |" in text
     assert "<img" not in text and "<b>" not in text and "](" not in text and "https://" not in text
     row = next(line for line in text.splitlines() if "203.0.113.9" in line)
-    assert row.count("|") == 6  # the guest's pipe did not add a column
+    assert row.count("|") == 7  # the guest's pipe did not add a column
 
 
 def test_cell_bounds_and_flattens() -> None:
@@ -96,3 +96,21 @@ def test_blocked_egress_comes_with_a_policy_that_would_allow_it() -> None:
     assert suggested.allows(53, "udp", address="203.0.113.9")
     assert not suggested.allows(1, "tcp", address="203.0.113.1")
     assert "`" not in yaml_text and "not-an-ip" not in yaml_text and "70000" not in yaml_text
+
+
+def test_always_denied_attempts_are_marked_and_left_out_of_the_suggestion() -> None:
+    record = {**RECORD, "blocked_egress": [
+        {"dest": "169.254.169.254", "port": 80, "proto": "tcp", "name": None, "count": 4, "reason": "always-denied"},
+        {"dest": "198.51.100.7", "port": 8080, "proto": "tcp", "name": None, "count": 1, "reason": "policy"},
+        {"dest": "198.51.100.8", "port": 8080, "proto": "tcp", "name": None, "count": 1, "reason": "<b>"},
+    ]}
+    text = markdown(Result(record, 0, None, [], []))
+    yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    from policy import load_policy
+
+    suggested = load_policy(yaml_text, "suggestion")
+    assert "| 169.254.169.254 | 80 | tcp |  | 4 | always denied (host, metadata or loopback) |" in text
+    assert "| 198.51.100.8 | 8080 | tcp |  | 1 | not in the policy |" in text  # an unknown reason is not echoed
+    assert not suggested.allows(80, "tcp", address="169.254.169.254")
+    assert suggested.allows(8080, "tcp", address="198.51.100.7")
+    assert "# always denied, no policy can allow it, was attempted: tcp to 169.254.169.254 port 80" in yaml_text

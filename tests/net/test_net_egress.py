@@ -11,6 +11,7 @@ import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
 from policy import load_policy
 from runner.net import addresses
+from runner.net.audit import ALWAYS_DENIED, POLICY
 
 WEB_POLICY = """\
 version: 1
@@ -79,8 +80,26 @@ def test_cidr_rule_is_clipped_at_metadata_gateway_and_uplink(net, slot, guest) -
         assert not reach(guest, addresses.GATEWAY_IP, gateway_port)  # the gateway,
         assert not reach(guest, addresses.veth_ip(slot.index), gateway_port)  # the slot's own uplink address
         assert not reach(guest, addresses.uplink_ip(slot.index), 8000)  # or the uplink's
+
+        records = {(r.dest, r.port, r.proto): r.reason for r in slot.audit_records()}
+        assert records == {  # each attempt is reported, as something no policy can allow
+            (METADATA, 80, "tcp"): ALWAYS_DENIED,
+            (addresses.GATEWAY_IP, gateway_port, "tcp"): ALWAYS_DENIED,
+            (addresses.veth_ip(slot.index), gateway_port, "tcp"): ALWAYS_DENIED,
+            (addresses.uplink_ip(slot.index), 8000, "tcp"): ALWAYS_DENIED,
+        }
     finally:
         net_fakes_tcp.close()
+
+
+def test_always_denied_stays_denied_and_reported_in_audit_mode(slot, guest) -> None:
+    slot.apply_policy(policy("version: 1\nmode: audit\nallow: []\n"))
+
+    assert reach(guest, DENIED_HOST, 8000)  # audit lets the policy's blocks through ...
+    assert not reach(guest, METADATA, 80)  # ... never the always-denied ones
+
+    assert {(r.dest, r.port, r.reason) for r in slot.audit_records()} == {
+        (DENIED_HOST, 8000, POLICY), (METADATA, 80, ALWAYS_DENIED)}
 
 
 def test_spoofed_source_ip_is_dropped(slot, guest) -> None:

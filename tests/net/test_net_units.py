@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from net_fakes import ALLOWED_HOST, Servers
 from policy import load_policy
 from runner.net import AuditRecord, Upstream, suggest_policy
-from runner.net.audit import parse_packet, payloads
+from runner.net.audit import ALWAYS_DENIED, POLICY, parse_packet, payloads
 from runner.net.dns import MAX_OPENED_ADDRESSES, DnsService, SlotResolver
 from runner.net.loop import NetLoop
 
@@ -41,9 +41,29 @@ def test_truncated_packets_are_skipped() -> None:
     assert parse_packet(ipv4_packet("203.0.113.9", 6, 443)[:22]) == ("203.0.113.9", None, "tcp")
 
 
+def nflog_message(packet: bytes, prefix: bytes | None) -> bytes:
+    """One NFULNL_MSG_PACKET as the kernel frames it: nlmsghdr, nfgenmsg, then attributes."""
+    def attribute(kind: int, value: bytes) -> bytes:
+        raw = struct.pack("=HH", 4 + len(value), kind) + value
+        return raw + b"\0" * (-len(raw) % 4)
+
+    body = struct.pack("=BBH", socket.AF_INET, 0, socket.htons(100))
+    if prefix is not None:
+        body += attribute(10, prefix + b"\0")
+    body += attribute(9, packet)
+    return struct.pack("=IHHII", 16 + len(body), 4 << 8, 0, 0, 0) + body
+
+
+def test_nflog_prefix_tells_always_denied_hits_from_policy_blocks() -> None:
+    metadata, web = ipv4_packet("169.254.169.254", 6, 80), ipv4_packet("203.0.113.9", 6, 443)
+    datagram = (nflog_message(metadata, b"mvc!always-denied") + nflog_message(web, b"mvc:job-1")
+                + nflog_message(web, None) + nflog_message(web, b"mvc!always-denied-not"))
+    assert payloads(datagram) == [(metadata, ALWAYS_DENIED), (web, POLICY), (web, POLICY), (web, POLICY)]
+
+
 @given(st.binary(max_size=300))
 def test_hostile_bytes_never_break_the_audit_parsers(data: bytes) -> None:
-    for payload in payloads(data):
+    for payload, _ in payloads(data):
         parse_packet(payload)
     parse_packet(data)
 
@@ -66,6 +86,21 @@ def test_suggested_policy_allows_every_record_in_block_mode() -> None:
         assert policy.allows(record.port, record.proto, name=record.name, address=record.dest), record
     assert not policy.allows(22, "tcp", address="203.0.113.20")
     assert "# not expressible in a policy, was attempted: icmp to 203.0.113.20" in text
+
+
+def test_always_denied_attempts_are_reported_but_never_suggested() -> None:
+    records = [AuditRecord("169.254.169.254", 80, "tcp", None, 2, ALWAYS_DENIED),
+               AuditRecord("172.16.0.1", 22, "tcp", None, 1, ALWAYS_DENIED),
+               AuditRecord("203.0.113.20", 8000, "tcp", None, 1)]
+
+    text = suggest_policy(records)
+    policy = load_policy(text, "suggested.yml")
+
+    assert [rule.network and str(rule.network) for rule in policy.rules] == ["203.0.113.20/32"]
+    assert not policy.allows(80, "tcp", address="169.254.169.254")
+    assert "# always denied, no policy can allow it, was attempted: tcp to 169.254.169.254 port 80" in text
+    assert "# always denied, no policy can allow it, was attempted: tcp to 172.16.0.1 port 22" in text
+    assert records[0].as_json()["reason"] == "always-denied" and records[2].as_json()["reason"] == "policy"
 
 
 def test_no_records_suggest_deny_all() -> None:

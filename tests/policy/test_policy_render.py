@@ -83,11 +83,22 @@ def test_block_forward_ends_in_reject_and_audit_in_accept_after_nflog():
 def test_always_denied_destinations_come_before_every_policy_accept():
     lines = forward(render(BLOCK, CONTEXT, OPERATOR).ipv4)
     metadata_allowance = lines.index("-A FORWARD -d 169.254.169.254/32 -p tcp -m multiport --dports 80 -j ACCEPT")
-    drops = [lines.index(f"-A FORWARD -d {net} -j DROP") for net in
+    drops = [lines.index(f"-A FORWARD -d {net} -j MVC-DENIED") for net in
              ("169.254.0.0/16", "127.0.0.0/8", "224.0.0.0/4", "255.255.255.255/32", "192.0.2.10/32", "172.16.0.1/32")]
     first_policy_accept = lines.index("-A FORWARD -d 0.0.0.0/0 -p udp -m multiport --dports 53 -j ACCEPT")
     dns_jump = lines.index("-A FORWARD -j MVC-DNS-ALLOW")
     assert metadata_allowance < min(drops) and max(drops) < first_policy_accept < dns_jump
+
+
+def test_always_denied_hits_are_logged_apart_from_the_policy_then_dropped():
+    rendered = render(BLOCK, CONTEXT, OPERATOR)
+    for document in (rendered.ipv4, rendered.ipv6):
+        chain = [line for line in document.splitlines() if line.startswith("-A MVC-DENIED ")]
+        assert chain == ['-A MVC-DENIED -j NFLOG --nflog-group 100 --nflog-prefix "mvc!always-denied"',
+                         "-A MVC-DENIED -j DROP"]
+    with pytest.raises(ValueError):  # no job's own prefix can pass for the always-denied one
+        RenderContext(guest_ip="10.0.0.2", guest_mac="52:54:00:00:00:01", gateway_ip="10.0.0.1",
+                      dns_ip="10.0.0.1", log_prefix="mvc!always-denied")
 
 
 def test_input_admits_only_dns_and_operator_allowances_from_the_guest():
@@ -117,7 +128,7 @@ def test_only_ipv6_rules_land_in_the_ipv6_document():
     document = render(BLOCK, CONTEXT, OPERATOR).ipv6
     assert "10.20.0.0" not in document and "169.254" not in document
     assert "-A FORWARD -d 2001:db8::/32 -p tcp -m multiport --dports 443 -j ACCEPT" in document
-    assert "-A FORWARD -d 2001:db8:ff::1/128 -j DROP" in document
+    assert "-A FORWARD -d 2001:db8:ff::1/128 -j MVC-DENIED" in document
 
 
 def test_dns_allow_rule_shape():

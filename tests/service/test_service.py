@@ -53,8 +53,8 @@ def test_success_and_failure_exit_codes(make_service: Callable[..., JobService],
     assert call["cwd"] == "/workspace" and call["env"]["CI"] == "true"
     rec = service.get(ok)
     assert rec.blocked_egress == [
-        {"dest": "192.0.2.7", "port": 443, "proto": "tcp", "name": "blocked.example", "count": 2},
-        {"dest": "198.51.100.1", "port": None, "proto": "icmp", "name": None, "count": 1}]
+        {"dest": "192.0.2.7", "port": 443, "proto": "tcp", "name": "blocked.example", "count": 2, "reason": "policy"},
+        {"dest": "198.51.100.1", "port": None, "proto": "icmp", "name": None, "count": 1, "reason": "policy"}]
     assert rec.policy_digest.startswith("sha256:")
     t = rec.timings
     assert t.queued_at <= t.vm_ready_at <= t.started_at <= t.finished_at
