@@ -36,7 +36,7 @@ from typing import Iterable
 
 import jinja2
 
-from policy.model import PROTOCOLS, Address, Network, Policy, Rule
+from policy.model import Address, Network, Policy, Rule
 from policy.reserved import always_denied
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
@@ -148,14 +148,18 @@ def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> st
     parsed here, so a hostile DNS answer cannot inject options; addresses in always-denied ranges
     are harmless because the chain is consulted only after those are dropped.
     """
-    address = ip_address(ip)
-    _check(protocol in PROTOCOLS, f"protocol {protocol!r} must be one of {PROTOCOLS}")
-    port_set = frozenset(ports)
-    _check(bool(port_set) and all(type(p) is int and 1 <= p <= 65535 for p in port_set),
-           f"ports {sorted(port_set, key=repr)} must be a non-empty set of integers 1..65535")
-    accept = _accept_for(ip_network(address), protocol, port_set)
-    return "\n".join(f"-A {DNS_ALLOW_CHAIN} -d {accept.destination} -p {protocol} -m multiport "
-                     f"--dports {group} -j ACCEPT" for group in accept.port_groups)
+    rule = Rule(frozenset(ports), protocol, network=ip_network(ip_address(ip)))  # checks ports and protocol
+    return "\n".join(rule_lines(DNS_ALLOW_CHAIN, rule, "ACCEPT"))
+
+
+def rule_lines(chain: str, rule: Rule, target: str, match: str = "") -> list[str]:
+    """`-A <chain> [match]-d <network> -p <proto> -m multiport --dports <group> -j <target>`, one line
+    per port group, for places outside the rendered documents that must agree with them (the
+    resolver's chain, the slot's guard, the host's own chains)."""
+    _check(rule.network is not None, f"{rule.destination} must be a network, not a host name")
+    accept = _accept(rule)
+    return [f"-A {chain} {match}-d {accept.destination} -p {accept.protocol} -m multiport --dports {group} -j {target}"
+            for group in accept.port_groups]
 
 
 def _family_view(version: int, policy: Policy, context: RenderContext,

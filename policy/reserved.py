@@ -1,4 +1,4 @@
-"""Destinations no repository or job policy can open: only the operator's own config can.
+"""Destinations no repository or job policy can open: only the operator's own config (`network.allow`) can.
 
 These are the addresses through which a guest could reach the host or things that trust the host
 (cloud metadata at 169.254.169.254, services on loopback, multicast neighbours). The renderer drops

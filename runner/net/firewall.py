@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX
+from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX, OperatorAllowances, rule_lines
 from runner.net import addresses, netns
 
 POLICY_TABLES = frozenset({"filter"})
@@ -89,7 +89,7 @@ def deny_all() -> str:
     return "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
 
 
-def guard4() -> str:
+def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
     """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
 
     Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
@@ -113,6 +113,7 @@ def guard4() -> str:
             f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
             f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
             f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
+            *_allowed(allowances, 4),
             f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
             "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
             f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j {DENIED_CHAIN}",
@@ -135,6 +136,13 @@ def guard4() -> str:
     )
 
 
+def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:
+    """The operator's allowances pass the guard (to the policy, which admits them first): the
+    operator's config is the one place that may open what the guard otherwise closes."""
+    return [line for rule in allowances.rules if rule.network is not None and rule.network.version == version
+            for line in rule_lines("MVC-GUARD", rule, "RETURN")]
+
+
 def _denied_chain() -> list[str]:
     """Log, then drop: a job's summary shows that it tried the host or the metadata service.
 
@@ -147,7 +155,7 @@ def _denied_chain() -> list[str]:
     ]
 
 
-def guard6() -> str:
+def guard6(allowances: OperatorAllowances = OperatorAllowances()) -> str:
     """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
     and nothing but neighbour discovery originated by the namespace towards the uplink."""
     return "\n".join(
@@ -161,6 +169,7 @@ def guard6() -> str:
             f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j RETURN",
             "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j RETURN",
+            *_allowed(allowances, 6),
             f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
             *_denied_chain(),
             f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j ACCEPT",

@@ -186,7 +186,7 @@ class SlotPool:
 
     def start(self) -> None:
         self.sweep()
-        self.uplink.prepare(self.prefix)
+        self.uplink.prepare(self.prefix, self.allowances)
         self._loop = NetLoop()
         self._dns = DnsService(self._loop, self.upstream)
         for _ in range(self.size):
@@ -278,8 +278,8 @@ class SlotPool:
             self.uplink.run(lambda: _add_veth(name))
             self.uplink.configure_end(name, index)
             netns.run_in(name, lambda: _configure_inside(index, self.tap_owner))
-            self.firewall.load(name, firewall.guard4() + firewall.masquerade() + firewall.deny_all())
-            self.firewall.load(name, firewall.guard6(), ipv6=True)
+            self.firewall.load(name, firewall.guard4(self.allowances) + firewall.masquerade() + firewall.deny_all())
+            self.firewall.load(name, firewall.guard6(self.allowances), ipv6=True)
             slot.resolver = self._dns.attach(name, slot.open_addresses)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)

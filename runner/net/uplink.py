@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from policy.render import OperatorAllowances, rule_lines
 from runner.net import addresses, netns
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class Uplink(ABC):
         """Namespace holding the outer veth ends (None: the root namespace)."""
 
     @abstractmethod
-    def prepare(self, prefix: str) -> None:
-        """Make the namespace ready to carry traffic of slots named `prefix`-N (idempotent)."""
+    def prepare(self, prefix: str, allowances: OperatorAllowances = OperatorAllowances()) -> None:
+        """Make the namespace ready to carry traffic of slots named `prefix`-N (idempotent); the
+        operator's `allowances` may open what the uplink otherwise closes to guests."""
 
     @abstractmethod
     def close(self, prefix: str) -> None:
@@ -98,7 +100,7 @@ class NamespaceUplink(Uplink):
     def netns(self) -> str | None:
         return self.name
 
-    def prepare(self, prefix: str) -> None:
+    def prepare(self, prefix: str, allowances: OperatorAllowances = OperatorAllowances()) -> None:
         if not netns.exists(self.name):
             raise UplinkError(f"uplink namespace {self.name} does not exist; create it before the slot pool")
 
@@ -111,8 +113,9 @@ class HostUplink(Uplink):
     """Production: the host forwards the slots' traffic and masquerades it out of `out_iface`.
 
     The host itself is closed to the slots (INPUT drop: no host service, address or resolver is
-    reachable from a guest through its uplink), slots may only leave by `out_iface` (never reach each
-    other or another host interface), and nothing from outside may open a connection to a slot.
+    reachable from a guest through its uplink, except what the operator's allowances open), slots
+    may only leave by `out_iface` (never reach each other or another host interface), and nothing
+    from outside may open a connection to a slot.
     `out_iface` defaults to the interface of the default route. `namespace` is the namespace playing
     the host: None (the root namespace) in production; the tests pass a namespace they built, so that
     this code runs for real without touching the machine. Enabling forwarding is host-wide: a host
@@ -127,13 +130,13 @@ class HostUplink(Uplink):
     def netns(self) -> str | None:
         return self.namespace
 
-    def prepare(self, prefix: str) -> None:
-        self.run(lambda: self._prepare(prefix))
+    def prepare(self, prefix: str, allowances: OperatorAllowances = OperatorAllowances()) -> None:
+        self.run(lambda: self._prepare(prefix, allowances))
 
     def close(self, prefix: str) -> None:
         self.run(lambda: self._remove_chains(prefix))
 
-    def _prepare(self, prefix: str) -> None:
+    def _prepare(self, prefix: str, allowances: OperatorAllowances) -> None:
         out = self.out_iface or _default_route_iface()
         self._remove_chains(prefix)
         with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
@@ -145,6 +148,10 @@ class HostUplink(Uplink):
             self._ipt("-t", table, "-N", chain)
             self._ipt("-t", table, "-I", hook, "-j", chain)
         (_, _, into_host), (_, _, through), (_, _, nat) = _hooks(prefix)
+        for rule in allowances.rules:  # e.g. a caching proxy the operator runs on the host
+            if rule.network is not None and rule.network.version == 4:
+                for line in rule_lines(into_host, rule, "ACCEPT", match=f"-i {slots} "):
+                    self._ipt(*line.split())
         self._ipt("-A", into_host, "-i", slots, "-j", "DROP")
         self._ipt("-A", through, "-i", slots, "-o", out, "-s", pool, "-j", "ACCEPT")
         self._ipt("-A", through, "-i", slots, "-j", "DROP")

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from policy.model import Rule
+from policy.render import OperatorAllowances
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 DEFAULT_STATE_DIR = "/var/lib/microvm-check"
@@ -64,6 +68,7 @@ class Network:
     uplink_interface: str | None = None  # None: the interface of the default route
     slot_prefix: str = "mvc"
     slots: int = 0  # network slots made ahead of time
+    allow: OperatorAllowances = field(default_factory=OperatorAllowances)  # opens always-denied destinations
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,39 @@ def _listen(value: str | None, where: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def _allowances(value: Any, where: str) -> OperatorAllowances:
+    """`network.allow`: the operator's network rules, applied to every networked VM before the
+    always-denied destinations, so they alone can open e.g. a proxy on the host or the metadata service."""
+    if value is None:
+        return OperatorAllowances()
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of rules like {{cidr: 10.0.0.5/32, ports: [3128]}}, "
+                          f"got {type(value).__name__}")
+    return OperatorAllowances(tuple(_allowance(item, f"{where}[{index}]") for index, item in enumerate(value)))
+
+
+def _allowance(item: Any, where: str) -> Rule:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected a mapping with cidr, ports and protocol, got {type(item).__name__}")
+    unknown = sorted(set(item) - {"cidr", "ports", "protocol"}, key=str)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; a rule has cidr, ports and protocol "
+                          "(no host names here)")
+    try:
+        network = ip_network(str(item["cidr"]), strict=True)
+    except KeyError:
+        raise ConfigError(f"{where}.cidr: missing; give a network like 169.254.169.254/32") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}.cidr: {exc}; give a network like 169.254.169.254/32") from None
+    ports = item.get("ports")
+    if not isinstance(ports, list):
+        raise ConfigError(f"{where}.ports: expected a list of port numbers like [80, 443], got {ports!r}")
+    try:
+        return Rule(frozenset(ports), item.get("protocol", "tcp"), network=network)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def _token(top: _Reader, listen: tuple[str, int] | None, base: Path) -> str | None:
     token = top.string("token", None)
     token_file = top.string("token_file", None)
@@ -264,6 +302,7 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
             uplink_interface=network.string("uplink_interface", None),
             slot_prefix=network.string("slot_prefix", "mvc"),
             slots=network.number("slots", 0, 0),
+            allow=_allowances(network._get("allow"), network.at("allow")),
         ),
         shutdown_grace_seconds=top.number("shutdown_grace_seconds", 30.0, 0, float),
         env_allowlist=top.string_list("env_allowlist", ("CI", "GITHUB_*", "RUNNER_*")),
@@ -275,6 +314,9 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
         raise ConfigError(f"{top.at('default_timeout_seconds')}: larger than max_timeout_seconds")
     if not re.fullmatch(r"[a-z][a-z0-9]{0,8}", config.network.slot_prefix):
         raise ConfigError(f"{network.at('slot_prefix')}: 1-9 lowercase letters or digits, starting with a letter")
+    if config.network.allow.rules and not config.network.enabled:
+        raise ConfigError(f"{network.at('allow')}: has no effect while network.enabled is false; "
+                          "enable networking or remove allow")
     if config.logs.max_entry_bytes < 1:
         raise ConfigError(f"{logs.at('max_entry_bytes')}: must be at least 1")
     return config

@@ -79,7 +79,7 @@ def start_engine(config: ServiceConfig) -> EngineHandle:
             from runner.net import HostUplink, SlotPool
 
             slots = SlotPool(config.network.slot_prefix, HostUplink(out_iface=config.network.uplink_interface),
-                             size=config.network.slots)
+                             size=config.network.slots, allowances=config.network.allow)
             slots.start()
         return EngineHandle(Engine.shared(StateDir(config.state_dir), net=slots), slots)
     except Exception as exc:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import subprocess
+from contextlib import ExitStack
+from ipaddress import ip_network
 
 import pytest
 from dnslib import QTYPE, RCODE
 
 import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
-from policy import load_policy
-from runner.net import addresses
+from policy import OperatorAllowances, Rule, load_policy
+from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
 from runner.net.audit import ALWAYS_DENIED, POLICY
 
 WEB_POLICY = """\
@@ -199,3 +201,33 @@ def test_an_allowed_name_rebound_to_the_metadata_service_stays_blocked(slot, gue
 
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [METADATA]
     assert not reach(guest, METADATA, 80)
+
+
+def test_only_the_operators_allowances_open_always_denied_destinations(need_netns, prefix) -> None:
+    """The operator's config (never a repository's policy) may open the metadata service or a port of
+    the gateway: guard, policy and audit must all agree on that."""
+    operator = OperatorAllowances((Rule(frozenset({80}), network=ip_network(f"{METADATA}/32")),
+                                   Rule(frozenset({2222}), network=ip_network(f"{addresses.GATEWAY_IP}/32"))))
+    with ExitStack() as cleanup:
+        internet, servers = net_fakes.build_internet(prefix)
+        cleanup.callback(netns.remove, internet)
+        cleanup.callback(servers.close)
+        cleanup.callback(netns.remove, f"{prefix}-guest")
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet),
+                        allowances=operator)
+        cleanup.callback(pool.close)
+        pool.start()
+        slot = pool.acquire(job="operator")
+        guest = net_fakes.attach_guest(prefix, slot.netns)
+        for port in (2222, 2223):
+            servers.tcp(slot.netns, "0.0.0.0", port)
+        slot.apply_policy(policy(WEB_POLICY))
+
+        assert reach(guest, METADATA, 80)
+        assert reach(guest, addresses.GATEWAY_IP, 2222)
+        assert not reach(guest, addresses.GATEWAY_IP, 2223)  # the rest of the gateway stays closed
+        assert lookup(guest, "web.test") is not None  # and the repository's policy works as before
+        assert reach(guest, ALLOWED_HOST, 8000) and not reach(guest, DENIED_HOST, 8000)
+        assert {(r.dest, r.port, r.reason) for r in slot.audit_records()} == {
+            (addresses.GATEWAY_IP, 2223, ALWAYS_DENIED), (DENIED_HOST, 8000, POLICY)}
+    assert net_fakes.leftovers(prefix) == []

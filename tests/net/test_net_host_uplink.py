@@ -10,12 +10,13 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack
+from ipaddress import ip_network
 
 import pytest
 
 import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, ip, lookup, reach
-from policy import load_policy
+from policy import OperatorAllowances, Rule, load_policy
 from runner.net import HostUplink, SlotPool, Upstream, netns
 
 HOST_WAN = "100.64.0.2"
@@ -32,7 +33,12 @@ def root_state() -> tuple[str, str]:
 
 
 @pytest.fixture
-def host_net(need_netns, prefix: str) -> Iterator[tuple[str, str, SlotPool]]:
+def allowances() -> OperatorAllowances:
+    return OperatorAllowances()
+
+
+@pytest.fixture
+def host_net(need_netns, prefix: str, allowances: OperatorAllowances) -> Iterator[tuple[str, str, SlotPool]]:
     before = root_state()
     host = f"{prefix}-host"
     with ExitStack() as cleanup:
@@ -49,8 +55,10 @@ def host_net(need_netns, prefix: str) -> Iterator[tuple[str, str, SlotPool]]:
         ip("-n", host, "route", "add", "default", "via", ISP)
         ip("-n", internet, "addr", "add", f"{ISP}/30", "dev", "isp0")
         ip("-n", internet, "link", "set", "isp0", "up")
-        servers.tcp(host, HOST_WAN, 8000)  # a service of "the host" itself
-        pool = SlotPool(prefix, HostUplink(namespace=host), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=host))
+        servers.tcp(host, HOST_WAN, 8000)  # services of "the host" itself
+        servers.tcp(host, HOST_WAN, 3128)
+        pool = SlotPool(prefix, HostUplink(namespace=host), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=host),
+                        allowances=allowances)
         cleanup.callback(pool.close)
         pool.start()
         yield host, internet, pool
@@ -78,6 +86,20 @@ def test_the_host_itself_is_closed_to_guests(host_net) -> None:
 
     assert reach(internet, HOST_WAN, 8000)  # the host's service is up ...
     assert not reach(guest, HOST_WAN, 8000)  # ... but not for a guest, even under a 0.0.0.0/0 rule
+
+
+PROXY = OperatorAllowances((Rule(frozenset({3128}), network=ip_network(f"{HOST_WAN}/32")),))
+
+
+@pytest.mark.parametrize("allowances", [PROXY])
+def test_the_operators_allowance_opens_one_port_of_the_host(host_net) -> None:
+    host, internet, pool = host_net
+    slot = pool.acquire()
+    guest = net_fakes.attach_guest(pool.prefix, slot.netns)
+    slot.apply_policy(load_policy(POLICY, "host.yml"))
+
+    assert reach(guest, HOST_WAN, 3128)  # e.g. the operator's caching proxy
+    assert not reach(guest, HOST_WAN, 8000)  # nothing else of the host
 
 
 def test_the_outside_cannot_open_connections_to_slots(host_net) -> None:

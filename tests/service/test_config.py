@@ -103,3 +103,35 @@ def test_network_section(tmp_path: Path) -> None:
         load_config(write(tmp_path, "network: {enabled: yes please}\n"))
     with pytest.raises(ConfigError, match="network.slot_prefix: 1-9 lowercase"):
         load_config(write(tmp_path, "network: {slot_prefix: Bad-Prefix}\n"))
+
+
+def test_operator_allowances(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "network:\n  enabled: true\n  allow:\n"
+                                         "    - {cidr: 169.254.169.254/32, ports: [80]}\n"
+                                         "    - {cidr: 10.0.0.0/24, ports: [53], protocol: udp}\n"))
+    assert [(str(r.network), sorted(r.ports), r.protocol) for r in config.network.allow.rules] == [
+        ("169.254.169.254/32", [80], "tcp"), ("10.0.0.0/24", [53], "udp")]
+    assert load_config(write(tmp_path, "network: {enabled: true}\n")).network.allow.rules == ()
+
+
+@pytest.mark.parametrize("allow, message", [
+    ("allow: {cidr: 10.0.0.1/32}", "network.allow: expected a list of rules"),
+    ("allow: [10.0.0.1/32]", "network.allow[0]: expected a mapping"),
+    ("allow: [{host: pypi.org, ports: [443]}]", "network.allow[0].host: unknown key"),
+    ("allow: [{ports: [443]}]", "network.allow[0].cidr: missing"),
+    ("allow: [{cidr: 10.0.0.1/24, ports: [443]}]", "network.allow[0].cidr: 10.0.0.1/24 has host bits set"),
+    ("allow: [{cidr: 10.0.0.0/24, ports: 443}]", "network.allow[0].ports: expected a list"),
+    ("allow: [{cidr: 10.0.0.0/24, ports: [0]}]", "network.allow[0]: a Rule needs integer ports"),
+    ("allow: [{cidr: 10.0.0.0/24, ports: ['443']}]", "network.allow[0]: a Rule needs integer ports"),
+    ("allow: [{cidr: 10.0.0.0/24, ports: [443], protocol: icmp}]", "network.allow[0]: protocol must be one of"),
+])
+def test_bad_operator_allowances_name_the_rule(tmp_path: Path, allow: str, message: str) -> None:
+    path = write(tmp_path, f"network:\n  enabled: true\n  {allow}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: {message}")
+
+
+def test_operator_allowances_need_networking(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="network.allow: has no effect while network.enabled is false"):
+        load_config(write(tmp_path, "network:\n  allow: [{cidr: 10.0.0.0/24, ports: [443]}]\n"))
