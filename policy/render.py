@@ -44,6 +44,10 @@ DENIED_CHAIN = "MVC-DENIED"
 # NFLOG prefix of always-denied hits; "!" is outside `RenderContext.log_prefix`'s alphabet, so no job's
 # prefix can pass for it and the audit reader can tell "no policy may allow this" from "not allowed".
 DENIED_LOG_PREFIX = "mvc!always-denied"
+# Every NFLOG rule is rate-limited per VM: a guest flooding denied destinations would otherwise make the
+# host parse each packet on the loop thread that also answers every VM's DNS. 100 new attempts a second
+# (bursts of 200) is far more than a job's connection attempts; under a flood the counts are lower bounds.
+LOG_LIMIT = "-m limit --limit 100/second --limit-burst 200"
 MULTIPORT_SLOTS = 15  # iptables' multiport limit; a range a:b takes two slots
 
 _IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
@@ -130,7 +134,7 @@ def render(policy: Policy, context: RenderContext,
     ipv6_enabled = context.guest_ip6 is not None and any(
         rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
     common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN,
-              "denied_chain": DENIED_CHAIN, "denied_prefix": DENIED_LOG_PREFIX}
+              "denied_chain": DENIED_CHAIN, "denied_prefix": DENIED_LOG_PREFIX, "log_limit": LOG_LIMIT}
     ipv4 = _templates.get_template("filter4.rules.j2").render(
         **common, **_family_view(4, policy, context, allowances))
     ipv6 = _templates.get_template("filter6.rules.j2").render(

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX, OperatorAllowances, rule_lines
+from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX, LOG_LIMIT, OperatorAllowances, rule_lines
 from runner.net import addresses, netns
 
 POLICY_TABLES = frozenset({"filter"})
@@ -150,7 +150,8 @@ def _denied_chain() -> list[str]:
     and a guest kernel sends some on its own.
     """
     return [
-        f'-A {DENIED_CHAIN} -j NFLOG --nflog-group {addresses.AUDIT_NFLOG_GROUP} --nflog-prefix "{DENIED_LOG_PREFIX}"',
+        f"-A {DENIED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {addresses.AUDIT_NFLOG_GROUP} "
+        f'--nflog-prefix "{DENIED_LOG_PREFIX}"',
         f"-A {DENIED_CHAIN} -j DROP",
     ]
 

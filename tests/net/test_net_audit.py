@@ -3,9 +3,12 @@ policy lets the same job pass in block mode."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 from net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
 from policy import load_policy
-from runner.net import suggest_policy
+from runner.net import netns, suggest_policy
 
 
 def the_job(guest: str) -> tuple[bool, bool]:
@@ -40,3 +43,25 @@ def test_audit_records_and_suggested_policy_passes_in_block_mode(net, slot, gues
     assert not reach(guest, ALLOWED_HOST, 9000)  # and nothing more than the job needed
     blocked = again.audit_records()
     assert [(r.dest, r.port) for r in blocked] == [(ALLOWED_HOST, 9000)]
+
+
+def test_a_flood_of_denied_packets_is_logged_at_a_bounded_rate(slot, guest) -> None:
+    """The host parses NFLOG on the loop that answers every VM's DNS: a hostile guest must not be able
+    to hand it unbounded work. Records under a flood are a lower bound, and still name the destination."""
+    slot.apply_policy(load_policy("version: 1\nmode: block\nallow: []\n", "block.yml"))
+    flood = 5000
+    sender = netns.socket_in(guest, socket.AF_INET, socket.SOCK_DGRAM)
+    started = time.monotonic()
+    with sender:
+        for _ in range(flood):
+            try:
+                sender.sendto(b"x", (DENIED_HOST, 9))
+            except OSError:  # ICMP errors from earlier rejects surface on later sends
+                pass
+    elapsed = time.monotonic() - started
+
+    counted = {(r.dest, r.port): r.count for r in slot.audit_records()}
+    assert 1 <= counted[(DENIED_HOST, 9)] <= 200 + 100 * elapsed + 10  # the burst, then 100 a second
+    time.sleep(0.1)  # the bucket refills: the next attempt is logged again
+    assert not reach(guest, ALLOWED_HOST, 8000)
+    assert (ALLOWED_HOST, 8000) in {(r.dest, r.port) for r in slot.audit_records()}

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from policy import OperatorAllowances, Policy, PolicyError, RenderContext, Rule, intersect, load_policy, render
 from policy.load import RULE_KEYS, TOP_KEYS
 
+LIMIT = "-m limit --limit 100/second --limit-burst 200"  # every NFLOG rule is rate-limited
+
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTEXT = RenderContext(guest_ip="172.16.0.2", guest_mac="52:54:00:00:00:02", gateway_ip="172.16.0.1",
                         dns_ip="172.16.0.1", guest_ip6="fd00::2", host_addresses=("192.0.2.1",))
@@ -100,7 +102,7 @@ def test_every_forward_chain_ends_in_the_verdict(policy: Policy, operator_rules)
         assert forward4[-1] == "-A FORWARD -j REJECT --reject-with icmp-admin-prohibited"
         assert forward6[-1] in ("-A FORWARD -j REJECT --reject-with icmp6-adm-prohibited", "-A FORWARD -j DROP")
     else:
-        assert forward4[-2:] == ['-A FORWARD -j NFLOG --nflog-group 100 --nflog-prefix "mvc"', "-A FORWARD -j ACCEPT"]
+        assert forward4[-2:] == [f'-A FORWARD {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc"', "-A FORWARD -j ACCEPT"]
     for document in (rendered.ipv4, rendered.ipv6):
         assert all(line.startswith(("#", "*filter", ":", "-A ", "COMMIT")) for line in document.splitlines())
         assert ":FORWARD DROP [0:0]" in document and document.rstrip().endswith("COMMIT")

@@ -16,6 +16,8 @@ from policy import (DENY_ALL, OperatorAllowances, RenderContext, Rule, dns_allow
                     render)
 from policy.render import port_groups
 
+LIMIT = "-m limit --limit 100/second --limit-burst 200"  # every NFLOG rule is rate-limited
+
 GOLDEN = Path(__file__).parent / "golden"
 
 CONTEXT = RenderContext(
@@ -70,13 +72,13 @@ def forward(document: str) -> list[str]:
 def test_block_forward_ends_in_reject_and_audit_in_accept_after_nflog():
     block = render(BLOCK, CONTEXT, OPERATOR)
     assert forward(block.ipv4)[-3:] == [
-        '-A FORWARD -j NFLOG --nflog-group 100 --nflog-prefix "mvc:job-42"',
+        f'-A FORWARD {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc:job-42"',
         "-A FORWARD -p tcp -j REJECT --reject-with tcp-reset",
         "-A FORWARD -j REJECT --reject-with icmp-admin-prohibited",
     ]
     assert forward(block.ipv6)[-1] == "-A FORWARD -j REJECT --reject-with icmp6-adm-prohibited"
     audit = render(AUDIT, CONTEXT)
-    assert forward(audit.ipv4)[-2:] == ['-A FORWARD -j NFLOG --nflog-group 100 --nflog-prefix "mvc:job-42"',
+    assert forward(audit.ipv4)[-2:] == [f'-A FORWARD {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc:job-42"',
                                         "-A FORWARD -j ACCEPT"]
 
 
@@ -94,7 +96,7 @@ def test_always_denied_hits_are_logged_apart_from_the_policy_then_dropped():
     rendered = render(BLOCK, CONTEXT, OPERATOR)
     for document in (rendered.ipv4, rendered.ipv6):
         chain = [line for line in document.splitlines() if line.startswith("-A MVC-DENIED ")]
-        assert chain == ['-A MVC-DENIED -j NFLOG --nflog-group 100 --nflog-prefix "mvc!always-denied"',
+        assert chain == [f'-A MVC-DENIED {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc!always-denied"',
                          "-A MVC-DENIED -j DROP"]
     with pytest.raises(ValueError):  # no job's own prefix can pass for the always-denied one
         RenderContext(guest_ip="10.0.0.2", guest_mac="52:54:00:00:00:01", gateway_ip="10.0.0.1",
