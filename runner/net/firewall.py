@@ -100,40 +100,49 @@ def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
     nothing from the uplink side reaches the namespace's own sockets (mangle INPUT, after NAT has
     turned replies for the guest back into forwarded traffic), e.g. the resolver.
     """
-    tap, dns = addresses.TAP_NAME, addresses.DNS_IP
-    return "\n".join(
-        [
-            "*raw",
-            ":PREROUTING ACCEPT [0:0]",
-            ":OUTPUT ACCEPT [0:0]",
-            ":MVC-GUARD - [0:0]",
-            f":{DENIED_CHAIN} - [0:0]",
-            f"-A PREROUTING -i {tap} -j MVC-GUARD",
-            f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
-            f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
-            f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
-            f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
-            *_allowed(allowances, 4),
-            f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
-            "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
-            f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j {DENIED_CHAIN}",
-            f"-A MVC-GUARD -d 169.254.0.0/16 -j {DENIED_CHAIN}",
-            f"-A MVC-GUARD -d 127.0.0.0/8 -j {DENIED_CHAIN}",
-            "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
-            *_denied_chain(),
-            f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
-            "COMMIT",
-            "*mangle",
-            ":PREROUTING ACCEPT [0:0]",
-            ":INPUT ACCEPT [0:0]",
-            ":FORWARD ACCEPT [0:0]",
-            ":OUTPUT ACCEPT [0:0]",
-            ":POSTROUTING ACCEPT [0:0]",
-            f"-A INPUT -i {addresses.VETH_NAME} -j DROP",
-            "COMMIT",
-            "",
-        ]
-    )
+    dns = addresses.DNS_IP
+    raw = [
+        f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
+        f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
+        f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
+        *_allowed(allowances, 4),
+        f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
+        "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
+        f"-A MVC-GUARD -d {addresses.UPLINK_POOL} -j {DENIED_CHAIN}",
+        f"-A MVC-GUARD -d 169.254.0.0/16 -j {DENIED_CHAIN}",
+        f"-A MVC-GUARD -d 127.0.0.0/8 -j {DENIED_CHAIN}",
+        "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
+        *_denied_chain(),
+        f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
+    ]
+    mangle = [f"-A INPUT -i {addresses.VETH_NAME} -j DROP"]
+    return _document(_guard_table(raw), _table("mangle", mangle))
+
+
+def guard6(allowances: OperatorAllowances = OperatorAllowances()) -> str:
+    """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
+    and nothing but neighbour discovery originated by the namespace towards the uplink."""
+    veth, nd = addresses.VETH_NAME, ("neighbour-solicitation", "neighbour-advertisement")
+    raw = [
+        *(f"-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j RETURN" for kind in nd),
+        *_allowed(allowances, 6),
+        f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
+        *_denied_chain(),
+        *(f"-A OUTPUT -o {veth} -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j ACCEPT" for kind in nd),
+        f"-A OUTPUT -o {veth} -j DROP",
+    ]
+    mangle = [
+        *(f"-A INPUT -i {veth} -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j ACCEPT" for kind in nd),
+        f"-A INPUT -i {veth} -j DROP",
+    ]
+    return _document(_guard_table(raw), _table("mangle", mangle))
+
+
+def _guard_table(rules: list[str]) -> list[str]:
+    """The raw table of both families: everything from the tap goes through `MVC-GUARD`, which
+    first drops any frame not carrying the guest's MAC, then applies the family's `rules`."""
+    entry = [f"-A PREROUTING -i {addresses.TAP_NAME} -j MVC-GUARD", f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP"]
+    return _table("raw", [*entry, *rules], chains=("MVC-GUARD", DENIED_CHAIN))
 
 
 def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:
@@ -156,56 +165,26 @@ def _denied_chain() -> list[str]:
     ]
 
 
-def guard6(allowances: OperatorAllowances = OperatorAllowances()) -> str:
-    """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
-    and nothing but neighbour discovery originated by the namespace towards the uplink."""
-    return "\n".join(
-        [
-            "*raw",
-            ":PREROUTING ACCEPT [0:0]",
-            ":OUTPUT ACCEPT [0:0]",
-            ":MVC-GUARD - [0:0]",
-            f":{DENIED_CHAIN} - [0:0]",
-            f"-A PREROUTING -i {addresses.TAP_NAME} -j MVC-GUARD",
-            f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP",
-            "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j RETURN",
-            "-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j RETURN",
-            *_allowed(allowances, 6),
-            f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
-            *_denied_chain(),
-            f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j ACCEPT",
-            f"-A OUTPUT -o {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j ACCEPT",
-            f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
-            "COMMIT",
-            "*mangle",
-            ":PREROUTING ACCEPT [0:0]",
-            ":INPUT ACCEPT [0:0]",
-            ":FORWARD ACCEPT [0:0]",
-            ":OUTPUT ACCEPT [0:0]",
-            ":POSTROUTING ACCEPT [0:0]",
-            f"-A INPUT -i {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-solicitation -j ACCEPT",
-            f"-A INPUT -i {addresses.VETH_NAME} -p ipv6-icmp -m icmp6 --icmpv6-type neighbour-advertisement -j ACCEPT",
-            f"-A INPUT -i {addresses.VETH_NAME} -j DROP",
-            "COMMIT",
-            "",
-        ]
-    )
-
-
 def masquerade() -> str:
     """Every guest has the same IP, so its traffic leaves as the slot's unique veth address."""
-    return "\n".join(
-        [
-            "*nat",
-            ":PREROUTING ACCEPT [0:0]",
-            ":INPUT ACCEPT [0:0]",
-            ":OUTPUT ACCEPT [0:0]",
-            ":POSTROUTING ACCEPT [0:0]",
-            f"-A POSTROUTING -s {addresses.GUEST_IP}/32 -o {addresses.VETH_NAME} -j MASQUERADE",
-            "COMMIT",
-            "",
-        ]
-    )
+    return _document(_table("nat", [f"-A POSTROUTING -s {addresses.GUEST_IP}/32 -o {addresses.VETH_NAME} -j MASQUERADE"]))
+
+
+_BUILTIN_CHAINS = {
+    "raw": ("PREROUTING", "OUTPUT"),
+    "mangle": ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+}
+
+
+def _table(name: str, rules: list[str], chains: tuple[str, ...] = ()) -> list[str]:
+    """One table of an iptables-restore document: built-in chains accepting, our `chains` declared."""
+    return [f"*{name}", *(f":{chain} ACCEPT [0:0]" for chain in _BUILTIN_CHAINS[name]),
+            *(f":{chain} - [0:0]" for chain in chains), *rules, "COMMIT"]
+
+
+def _document(*tables: list[str]) -> str:
+    return "\n".join([line for table in tables for line in table] + [""])
 
 
 def append_document(rules: list[str]) -> str:
