@@ -217,8 +217,14 @@ class Sandbox:
                 try:
                     result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_total_bytes=max_bytes))
                 except tarsafe.UnsafeTar as exc:
-                    result["error"] = exc
-                reader.read()  # drain so the writer never blocks on a reader that gave up
+                    result["error"] = f"refused the guest's files from {guest_path}: {exc}"
+                except Exception as exc:  # noqa: BLE001 - reported to the caller below
+                    result["error"] = f"could not copy {guest_path} into {local_dir}: {exc}"
+                finally:
+                    # Drain in bounded chunks so the writer never blocks on a reader that gave up,
+                    # without holding the rest of a guest-sized stream in memory.
+                    while reader.read(STREAM_CHUNK):
+                        pass
 
         worker = threading.Thread(target=unpack, daemon=True)
         worker.start()
@@ -228,7 +234,7 @@ class Sandbox:
         finally:
             worker.join()
         if "error" in result:
-            raise SandboxError(f"refused the guest's files from {guest_path}: {result['error']}")
+            raise SandboxError(result["error"])
         return result["ok"]
 
     def blocked_egress(self) -> list[AuditRecord]:

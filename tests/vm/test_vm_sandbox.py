@@ -214,3 +214,30 @@ def test_machines_made_by_one_thread_can_be_killed_by_another_while_it_works(eng
         thread.join()
         for vm in made.values():
             vm.destroy()
+
+
+class _FakeVM:
+    destroyed = False
+    slot = None
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+
+
+class _TarSendingAgent:
+    """Plays the guest's side of get_tar: writes `size` bytes to the host's pipe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_tar(self, paths, cwd, out, max_bytes, timeout) -> int:
+        block = b"\0" * 65536
+        for _ in range(self.size // len(block)):
+            out.write(block)
+        return self.size
+
+
+def test_copy_out_into_a_missing_directory_is_a_clear_error(tmp_path):
+    sbx = Sandbox(engine=None, vm=_FakeVM(_TarSendingAgent(8 * 1024 * 1024)))
+    with pytest.raises(SandboxError, match="could not copy /workspace/out into"):
+        sbx.copy_out("/workspace/out", tmp_path / "missing")
