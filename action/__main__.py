@@ -29,7 +29,7 @@ from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.cli import UserError
 
 TERMINAL = ("finished", "failed", "cancelled", "timed_out")
-LOG_RETRIES = 5
+LOG_RETRIES = 5  # consecutive log-stream failures without progress before the step gives up
 
 
 class Interrupted(Exception):
@@ -85,20 +85,30 @@ class JobRun:
         return result.exit_code
 
     def _relay_logs(self) -> int:
-        """Relay until the job ends; a dropped stream resumes after the last sequence number seen."""
+        """Relay until the job ends; a dropped stream resumes after the last sequence number seen.
+
+        Only failures in a row without progress count against LOG_RETRIES: new entries reset the
+        count, and a read timeout on a job that is still running is a job that prints nothing for
+        a while, which is normal (the stream has no keep-alives), not a lost stream.
+        """
         after, failures = 0, 0
         last_error: Exception | None = None
         title = f"microvm-check: {self.inputs.run.strip().splitlines()[0][:100]}"
         with LogRelay(self.out, title) as relay:
             while True:
+                before, timed_out = after, False
                 try:
                     for entry in self.client.logs(self.job_id, after=after):
                         relay.feed(str(entry.stream), bytes(entry.data))
                         after = max(after, int(entry.seq))
                 except self.api_errors as exc:
-                    last_error = exc
+                    last_error, timed_out = exc, _is_timeout(exc)
                 if self.client.get(self.job_id).get("state") in TERMINAL:
                     return relay.dropped_bytes
+                if after > before:
+                    failures = 0
+                if timed_out:
+                    continue  # the service answered get() just now: the job is alive, only silent
                 failures += 1
                 if failures > LOG_RETRIES:
                     why = last_error or "it keeps ending before the job does"
@@ -178,6 +188,21 @@ class JobRun:
     def _say(self, text: str) -> None:
         self.out.write(f"[microvm-check] {safe_text(text)}\n")
         self.out.flush()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether a read timeout is behind `exc` (the client wraps it, possibly more than once)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, TimeoutError):
+            return True
+        todo += [cur.__cause__, cur.__context__]
+    return False
 
 
 class _SafeFormatter(logging.Formatter):
