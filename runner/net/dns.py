@@ -35,10 +35,14 @@ MAX_TCP_QUERY_BYTES = 4096
 MAX_ANSWERS = 16
 MAX_OPENED_ADDRESSES = 256
 MAX_REFUSED_NAMES = 1024
-MAX_IN_FLIGHT = 8  # per slot, UDP and TCP together: a flooding guest only delays itself
+# Per slot, UDP and TCP together. Every slot shares the loop's few workers, so the cap stays below
+# their number: one flooding guest always leaves a worker for the other VMs. Several hostile guests
+# together can still occupy every worker, but each query holds one for at most TCP_READ_TIMEOUT
+# plus the upstream's timeout, so the others' lookups are delayed, never stalled for good.
+MAX_IN_FLIGHT = 3
 MAX_TTL = 300
 MAX_CNAME_HOPS = 8
-TCP_READ_TIMEOUT = 2.0
+TCP_READ_TIMEOUT = 2.0  # for a whole TCP query, not per recv: trickled bytes cannot hold a worker longer
 _IP_FREEBIND = 15
 _LABEL = re.compile(rb"[A-Za-z0-9_-]{1,63}")
 
@@ -196,6 +200,9 @@ class DnsService:
     """Serves every slot's resolver from one loop; upstream lookups run on the loop's workers."""
 
     def __init__(self, loop: NetLoop, upstream: Upstream) -> None:
+        if loop is not None and loop.workers <= MAX_IN_FLIGHT:
+            raise ValueError(f"the DNS loop needs more than {MAX_IN_FLIGHT} workers (the per-slot cap), "
+                             f"or one guest can take them all; it has {loop.workers}")
         self.loop = loop
         self.upstream = upstream
 
@@ -256,13 +263,14 @@ class DnsService:
         try:
             with conn:
                 conn.setblocking(True)
-                conn.settimeout(TCP_READ_TIMEOUT)
-                (length,) = struct.unpack("!H", _read_exactly(conn, 2))
+                deadline = time.monotonic() + TCP_READ_TIMEOUT  # one deadline for the whole query
+                (length,) = struct.unpack("!H", _read_exactly(conn, 2, deadline))
                 if length > MAX_TCP_QUERY_BYTES:
                     return
-                data = _read_exactly(conn, length)
+                data = _read_exactly(conn, length, deadline)
                 answer = self._answer(resolver, data)
                 if answer is not None:
+                    conn.settimeout(TCP_READ_TIMEOUT)  # the total for sendall, not per chunk
                     conn.sendall(struct.pack("!H", len(answer)) + answer)
         except (OSError, ValueError):
             return
@@ -318,9 +326,14 @@ def _error(query: DNSRecord, rcode: int) -> bytes:
     return answer.pack()
 
 
-def _read_exactly(conn: socket.socket, size: int) -> bytes:
+def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
+    """`size` bytes from `conn`, all of them before `deadline` (time.monotonic()), else TimeoutError."""
     data = b""
     while len(data) < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the guest did not send its TCP query in time")
+        conn.settimeout(remaining)
         chunk = conn.recv(size - len(data))
         if not chunk:
             raise ValueError("connection closed mid-query")

@@ -22,6 +22,7 @@ class NetLoop:
     """A selector thread plus a small worker pool for blocking follow-up work."""
 
     def __init__(self, workers: int = 4) -> None:
+        self.workers = workers
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()

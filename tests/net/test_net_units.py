@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,8 @@ from net_fakes import ALLOWED_HOST, Servers
 from policy import load_policy
 from runner.net import AuditRecord, Upstream, suggest_policy
 from runner.net.audit import ALWAYS_DENIED, POLICY, parse_packet, payloads
-from runner.net.dns import MAX_OPENED_ADDRESSES, DnsService, SlotResolver
+from runner.net import dns as dns_module
+from runner.net.dns import MAX_IN_FLIGHT, MAX_OPENED_ADDRESSES, DnsService, SlotResolver
 from runner.net.loop import NetLoop
 
 
@@ -218,6 +221,52 @@ def test_resolved_addresses_per_slot_are_bounded(service) -> None:
 
     assert ask(dns, slot, "web.test").header.rcode == RCODE.SERVFAIL
     assert opened == []
+
+
+def test_a_trickled_tcp_query_holds_a_worker_only_until_one_deadline(service, monkeypatch) -> None:
+    dns, upstream = service
+    monkeypatch.setattr(dns_module, "TCP_READ_TIMEOUT", 0.5)
+    slot = resolver(WEB, [])
+    query = DNSRecord.question("web.test").pack()
+    guest, conn = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:  # one byte every 0.2 s: each recv alone is well within the timeout
+        for byte in struct.pack("!H", len(query)) + query:
+            if stop.wait(0.2):
+                return
+            try:
+                guest.send(bytes([byte]))
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    assert slot.begin()
+    started = time.monotonic()
+    try:
+        dns._serve_tcp(slot, conn)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        sender.join()
+        guest.close()
+
+    assert elapsed < 1.5 and upstream.queries == 0 and slot.in_flight == 0
+
+
+def test_one_slot_cannot_take_every_dns_worker(service) -> None:
+    dns, _ = service
+    slot = resolver(WEB, [])
+
+    assert all(slot.begin() for _ in range(MAX_IN_FLIGHT)) and not slot.begin()
+    assert MAX_IN_FLIGHT < dns.loop.workers
+    small = NetLoop(workers=MAX_IN_FLIGHT)
+    try:
+        with pytest.raises(ValueError, match="workers"):
+            DnsService(small, dns.upstream)
+    finally:
+        small.close()
 
 
 @settings(max_examples=200, deadline=None)
