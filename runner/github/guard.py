@@ -235,9 +235,23 @@ def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClien
             f"and the author of #{pr.number} is {pr.author_association or 'unknown'}."
         )
     if pr and pr.from_fork and job.event_name in PR_EVENTS:
-        reasons.extend(_fork_workflow_reasons(job, pr, client))
-        reasons.extend(_protected_path_reasons(job, pr, rules.protected_paths, client))
+        api = _once(client)  # both checks share one client, so one installation token
+        reasons.extend(_fork_workflow_reasons(job, pr, api))
+        reasons.extend(_protected_path_reasons(job, pr, rules.protected_paths, api))
     return Verdict(allowed=not reasons, reasons=tuple(reasons))
+
+
+def _once(client: Callable[[], GitHubClient]) -> Callable[[], GitHubClient]:
+    """`client`, called at most once: the first check that needs GitHub creates the client, and
+    the other reuses it (each call of the CLI's factory would mint a new installation token)."""
+    made: list[GitHubClient] = []
+
+    def get() -> GitHubClient:
+        if not made:
+            made.append(client())
+        return made[0]
+
+    return get
 
 
 def _fork_workflow_reasons(job: JobContext, pr: PullRequest, client: Callable[[], GitHubClient]) -> list[str]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, example, load_payload, run_cli
+from github_fakes import (API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, TOKEN_OP, example, load_payload,
+                          run_cli)
 from responses import matchers
 
 from runner.github import guard
@@ -301,3 +302,25 @@ def test_protected_paths_must_be_plain_repository_paths(tmp_path) -> None:
     path.write_text("default:\n  protected_paths: [../outside]\n")
     with pytest.raises(guard.GuardError, match="protected_paths"):
         guard.load_rules(path)
+
+
+@responses.activate
+def test_guard_command_mints_one_installation_token(tmp_path, monkeypatch, capsys, operations, private_pem,
+                                                    token_endpoint) -> None:
+    """The workflow check and the protected-path check share one client, so one token request."""
+    key = tmp_path / "app.pem"
+    key.write_text(private_pem)
+    config = tmp_path / "github.yml"
+    config.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
+    rules = tmp_path / "rules.yml"
+    rules.write_text("default:\n  protected_paths: [lib/octokit]\n")
+    token = example(operations, TOKEN_OP, "201")
+    token["expires_at"] = "2099-01-01T00:00:00Z"  # the documented one expired in 2016: it would be re-minted
+    tokens = token_endpoint(responses, body=token)
+    fake_workflows(operations, base=SAFE, head=SAFE)
+    fake_lib_listings(operations, "a" * 40, "a" * 40)
+    for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
+        monkeypatch.setenv(name, value)
+    assert run_cli(["guard", "--config", str(config), "--rules", str(rules)]) == 0
+    assert tokens.call_count == 1
+    assert len(responses.calls) == 5  # one token, two workflow files, two listings
