@@ -10,16 +10,15 @@ from __future__ import annotations
 import html
 import ipaddress
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from action.junit import Failure, Totals
 from action.workflow import annotation
+from policy.load import host_error
 from runner.net.audit import ALWAYS_DENIED, POLICY, AuditRecord, suggest_policy
 
-HOSTNAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_SUGGESTED = 256
 
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
@@ -151,10 +150,18 @@ def _audit_record(item: Any) -> AuditRecord | None:
         return None
     if proto not in ("tcp", "udp", "icmp", "icmpv6"):
         return None
-    if name is not None and not (isinstance(name, str) and HOSTNAME.fullmatch(name)):
+    if name is not None and not _policy_host(name):
         name = None
     reason = ALWAYS_DENIED if item.get("reason") == ALWAYS_DENIED else POLICY
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1, reason=reason)
+
+
+def _policy_host(name: Any) -> bool:
+    """Whether `name` is a host the policy loader accepts: the one rule, so a suggestion always loads.
+
+    A resolver name has no wildcard, so `*` (which host_error allows as a leading `*.`) is refused.
+    """
+    return isinstance(name, str) and "*" not in name and host_error(name) is None
 
 
 def _failures(failures: list[Failure]) -> list[str]:

@@ -114,3 +114,19 @@ def test_always_denied_attempts_are_marked_and_left_out_of_the_suggestion() -> N
     assert not suggested.allows(80, "tcp", address="169.254.169.254")
     assert suggested.allows(8080, "tcp", address="198.51.100.7")
     assert "# always denied, no policy can allow it, was attempted: tcp to 169.254.169.254 port 80" in yaml_text
+
+
+@pytest.mark.parametrize("name", ["1.2.3.4", "a.123", "*.example.org", "*", "-bad.example", "x" * 64 + ".org",
+                                  "ends.with.dot."])
+def test_a_name_the_policy_loader_rejects_is_dropped_and_the_suggestion_still_loads(name: str) -> None:
+    record = {**RECORD, "blocked_egress": [
+        {"dest": "203.0.113.9", "port": 443, "proto": "tcp", "name": name, "count": 1},
+        {"dest": "203.0.113.10", "port": 443, "proto": "tcp", "name": "Files.Example.ORG", "count": 1},
+    ]}
+    text = markdown(Result(record, 0, None, [], []))
+    yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    from policy import load_policy
+
+    suggested = load_policy(yaml_text, "suggestion")  # raises if a rejected name made it in
+    assert suggested.allows(443, "tcp", address="203.0.113.9")  # by address instead of the bad name
+    assert suggested.allows(443, "tcp", name="files.example.org")
