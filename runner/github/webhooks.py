@@ -95,7 +95,8 @@ class WebhookReceiver:
         if content_type != "application/json":
             return Answer(415, "set the webhook's content type to application/json", close=True)
         length = headers.get("Content-Length", "")
-        if not length.isdigit() or headers.get("Transfer-Encoding"):
+        # isdigit() alone also takes "²" and other Unicode digits, which int() then refuses
+        if not (length.isascii() and length.isdigit()) or headers.get("Transfer-Encoding"):
             return Answer(411, "a Content-Length is required", close=True)
         if int(length) > self.config.max_body:
             return Answer(413, f"the body is larger than {self.config.max_body} bytes", close=True)

@@ -318,6 +318,15 @@ def test_missing_content_length_is_411(server) -> None:
     assert send(server, b"", headers=headers, send_body=False).status == 411
 
 
+@pytest.mark.parametrize("length", ["²", "1²", "¹"])
+def test_unicode_digit_content_length_is_411(server, length) -> None:
+    """str.isdigit() accepts "²"; the server must still answer instead of dropping the connection."""
+    headers = github_headers(BODY, "workflow_job")
+    headers["Content-Length"] = length  # latin-1, so http.client sends it as it is
+    reply = send(server, b"", headers=headers, send_body=False)
+    assert reply.status == 411 and reply.headers["Connection"] == "close"
+
+
 def test_missing_delivery_id_is_400(server) -> None:
     headers = github_headers(BODY, "workflow_job")
     del headers["X-GitHub-Delivery"]
