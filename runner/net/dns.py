@@ -208,15 +208,22 @@ class DnsService:
 
     def attach(self, ns: str, opener: Opener) -> SlotResolver:
         resolver = SlotResolver(ns, opener)
-        udp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
-        tcp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
+        made: list[socket.socket] = []
+        try:
+            for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                sock = netns.socket_in(ns, socket.AF_INET, kind)
+                made.append(sock)
+                # FREEBIND: the gateway address may be (re)configured after the socket exists.
+                sock.setsockopt(socket.SOL_IP, _IP_FREEBIND, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((addresses.DNS_IP, addresses.DNS_PORT))
+            udp, tcp = made
+            tcp.listen(8)
+        except BaseException:
+            for sock in made:  # they would pin the namespace the caller is about to remove
+                sock.close()
+            raise
         resolver.sockets = [udp, tcp]
-        for sock in (udp, tcp):
-            # FREEBIND: the gateway address may be (re)configured after the socket exists.
-            sock.setsockopt(socket.SOL_IP, _IP_FREEBIND, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((addresses.DNS_IP, addresses.DNS_PORT))
-        tcp.listen(8)
         self.loop.add_reader(udp, lambda s: self._on_udp(resolver, s))
         self.loop.add_reader(tcp, lambda s: self._on_tcp(resolver, s))
         return resolver

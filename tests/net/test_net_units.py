@@ -269,6 +269,23 @@ def test_one_slot_cannot_take_every_dns_worker(service) -> None:
         small.close()
 
 
+def test_attach_closes_its_sockets_when_it_fails(service, monkeypatch) -> None:
+    dns, _ = service
+    made: list[socket.socket] = []
+
+    def socket_in(ns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
+        if made:
+            raise OSError("no second socket")
+        made.append(socket.socket(family, kind, proto))
+        return made[-1]
+
+    monkeypatch.setattr(dns_module.netns, "socket_in", socket_in)
+    with pytest.raises(OSError, match="no second socket"):
+        dns.attach("unit", lambda opened: None)
+
+    assert [sock.fileno() for sock in made] == [-1]  # closed: an open one would pin the namespace
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=600))
 def test_hostile_queries_get_an_answer_or_nothing(data: bytes) -> None:
