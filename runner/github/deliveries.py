@@ -128,6 +128,9 @@ class RedeliverySweep:
         by_guid: dict[str, list[Delivery]] = {}
         for delivery in self._recent():
             by_guid.setdefault(delivery.guid, []).append(delivery)
+        # A GUID that has left the window is never redelivered again, so forget it: a long-running
+        # service would otherwise keep every failed GUID it ever saw.
+        self._requested.intersection_update(by_guid)
         redelivered: list[int] = []
         for guid, deliveries in by_guid.items():
             if len(redelivered) >= self.max_per_sweep:

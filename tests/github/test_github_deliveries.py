@@ -63,6 +63,18 @@ def test_failed_deliveries_are_redelivered_once(sweep) -> None:
 
 
 @responses.activate
+def test_requested_guids_are_forgotten_once_they_leave_the_window(sweep) -> None:
+    responses.get(DELIVERIES, json=[item(9, "guid-new", 1, 502), item(8, "guid-old", 50, 502)])
+    responses.post(f"{DELIVERIES}/9/attempts", status=202, json={})
+    responses.post(f"{DELIVERIES}/8/attempts", status=202, json={})
+    assert sweep.sweep() == [9, 8]
+    assert sweep._requested == {"guid-new", "guid-old"}
+    sweep.clock.now += 20 * 60  # guid-old is now 70 minutes old, outside the one-hour window
+    assert sweep.sweep() == []
+    assert sweep._requested == {"guid-new"}
+
+
+@responses.activate
 def test_sweep_stops_at_the_window(sweep) -> None:
     responses.get(DELIVERIES, json=[item(5, "guid-old", 61, 502)],
                   headers={"Link": f'<{DELIVERIES}?cursor=never>; rel="next"'})
