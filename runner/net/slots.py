@@ -227,7 +227,12 @@ class SlotPool:
             self._idle.append(slot)
 
     def discard(self, slot: Slot) -> None:
-        """Destroy `slot` instead of reusing it (e.g. when its VM misbehaved)."""
+        """Destroy `slot` instead of reusing it (e.g. when its VM misbehaved); like `release`, a
+        handle that is no longer out is ignored, since destroying it would take another VM's network."""
+        with self._lock:
+            if self._busy.get(slot.index) is not slot:
+                log.warning("slot %s discarded but not acquired from pool %s: ignored", slot.netns, self.prefix)
+                return
         self._destroy(slot)
 
     def live(self) -> list[Slot]:

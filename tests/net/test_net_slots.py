@@ -167,6 +167,19 @@ def test_releasing_a_slot_twice_leaves_its_next_holder_alone(net, slot, guest) -
     assert holder.netns == slot.netns and reach(guest, ALLOWED_HOST, 8000)
 
 
+def test_discarding_a_stale_handle_leaves_the_next_holder_alone(net, slot, guest) -> None:
+    net.pool.release(slot)
+    holder = net.pool.acquire()
+    holder.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
+
+    net.pool.discard(slot)  # the previous VM's handle, discarded after its release
+
+    assert holder.netns == slot.netns and holder.netns in netns.names()
+    assert reach(guest, ALLOWED_HOST, 8000)
+    net.pool.discard(holder)
+    assert holder.netns not in netns.names()
+
+
 def test_the_nf_tables_backend_enforces_the_same_policy(need_netns, prefix) -> None:
     """Hosts without legacy iptables get nf_tables (`Firewall.default()`); it must mean the same."""
     with ExitStack() as cleanup:
