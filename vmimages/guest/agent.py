@@ -293,8 +293,8 @@ def op_read_file(req: Request) -> dict:
         return {"ok": False, "error": f"{path} is {size} bytes, over the {limit}-byte limit"}
     sent = 0
     with open(path, "rb") as f:
-        while sent <= limit:
-            chunk = f.read(P.MAX_CHUNK)
+        while sent < limit:  # the file may grow after the stat: never send more than the limit
+            chunk = f.read(min(P.MAX_CHUNK, limit - sent))
             if not chunk:
                 break
             req.channel.send(P.DATA, req.rid, chunk)
