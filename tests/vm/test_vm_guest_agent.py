@@ -46,3 +46,28 @@ def test_read_file_never_sends_more_than_the_limit_when_the_file_grows(tmp_path)
     assert sent == limit and reply == {"ok": True, "size": limit}
     assert channel.frames[-1][0] == P.END
 
+
+def test_output_of_a_daemon_after_the_reply_is_drained_not_sent(monkeypatch):
+    """`server &` keeps the exec's pipes open: after the reply its output must not reach the host,
+    which counts frames for finished requests as abuse."""
+    channel = FakeChannel()
+    read_fd, write_fd = os.pipe()
+    pumps: list[threading.Thread] = []
+
+    def fake_exec(req: G.Request) -> dict:
+        pump = threading.Thread(target=G._pump, args=(os.fdopen(read_fd, "rb"), P.STDOUT, req), daemon=True)
+        pump.start()
+        pumps.append(pump)
+        os.write(write_fd, b"before")
+        assert channel.sent.wait(5)
+        return {"ok": True}
+
+    monkeypatch.setitem(G.OPS, "exec", fake_exec)
+    G.handle(G.Request(channel, 3, {"op": "exec"}))
+    for _ in range(100):  # more than a pipe holds: the pump must keep reading
+        os.write(write_fd, b"after" * 1000)
+    os.close(write_fd)
+    pumps[0].join(timeout=5)
+    assert not pumps[0].is_alive()
+    assert [(kind, payload) for kind, _, payload in channel.frames if kind != P.MSG] == [(P.STDOUT, b"before")]
+    assert channel.frames[-1][0] == P.MSG

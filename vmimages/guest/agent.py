@@ -77,6 +77,19 @@ class Request:
         self.message = message
         self.inbox: queue.Queue = queue.Queue(maxsize=INBOX_FRAMES)
         self.ended = False
+        # Set (under the lock) just before the final reply: frames for a request the host has
+        # finished count against its bound on stray frames, so none may follow the reply.
+        self.done = False
+        self.lock = threading.Lock()
+
+    def send_unless_done(self, kind: int, payload: bytes) -> None:
+        with self.lock:
+            if not self.done:
+                self.channel.send(kind, self.rid, payload)
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done = True
 
     def data(self):
         """Yield the host's DATA payloads until END."""
@@ -160,12 +173,14 @@ def _preexec(cgroup: str, ids):
 
 
 def _pump(stream, kind: int, req: Request) -> None:
+    """Forward output until the exec has replied; after that (daemons left running with the pipe
+    open) keep reading so they never block on a full pipe, but send nothing."""
     fd = stream.fileno()
     while True:
         chunk = os.read(fd, READ_SIZE)
         if not chunk:
             return
-        req.channel.send(kind, req.rid, chunk)
+        req.send_unless_done(kind, chunk)
 
 
 def op_exec(req: Request) -> dict:
@@ -378,6 +393,7 @@ def handle(req: Request) -> None:
             reply = op(req)
     except Exception as exc:  # the host gets every failure as a reply, never silence
         reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    req.finish()
     req.channel.reply(req.rid, reply)
 
 
