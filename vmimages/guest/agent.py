@@ -63,10 +63,6 @@ class Channel:
             while view:
                 view = view[os.write(self.fd, view) :]
 
-    def send_bytes(self, kind: int, rid: int, data: bytes) -> None:
-        for start in range(0, len(data), P.MAX_CHUNK):
-            self.send(kind, rid, data[start : start + P.MAX_CHUNK])
-
 
 class Request:
     """One request in flight: its own inbox of DATA/END frames from the host."""
