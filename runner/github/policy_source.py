@@ -15,13 +15,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+# the policy loader's own limit: a file it would refuse is refused here before it is cached
+from policy.load import MAX_BYTES as MAX_POLICY_BYTES
 from runner.github.client import Clock, GitHubClient
 from runner.github.contents import RepoFile, get_file
 from runner.github.errors import GitHubError, NotFound
 from runner.github.jobs import REPOSITORY_RE
 
 POLICY_PATH = ".github/microvm-check.yml"
-MAX_POLICY_BYTES = 256 * 1024  # the policy loader's own limit; anything larger is refused here already
 BRANCH_TTL = 300.0  # a renamed default branch is picked up within five minutes
 
 

@@ -10,6 +10,7 @@ import responses
 from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example, load_payload
 from responses import matchers
 
+from policy.load import MAX_BYTES
 from runner.github.client import GitHubClient
 from runner.github.contents import check_path, get_file
 from runner.github.errors import GitHubError, NotFound
@@ -159,7 +160,7 @@ def test_unusable_files_are_refused(client, operations, repository_answer, mutat
 @responses.activate
 def test_oversize_policy_is_refused(client, operations, repository_answer) -> None:
     responses.get(f"{API}/repos/{REPO}", json=repository_answer)
-    responses.get(CONTENTS, json=file_answer(operations, b"#" * (256 * 1024 + 1)))
+    responses.get(CONTENTS, json=file_answer(operations, b"#" * (MAX_BYTES + 1)))
     with pytest.raises(GitHubError, match="at most"):
         PolicySource(client).for_repository(REPO)
 
