@@ -169,17 +169,18 @@ class JobService:
         job_id = "j" + secrets.token_hex(8)
         self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
         job_dir = self.config.jobs_dir / job_id
-        try:
-            job_dir.mkdir(mode=0o700)
-        except OSError:
-            self.queue.discard(job_id)
-            raise
         record = JobRecord(
             id=job_id, state="awaiting_checkout", repository=spec.repository, sha=spec.sha,
             run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
             policy_digest=policy.digest(),
         )
-        run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
+        try:  # a reservation that never became a job would shrink the queue for good
+            job_dir.mkdir(mode=0o700)
+            run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
+        except OSError:
+            self.queue.discard(job_id)
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise
         with self._lock:
             self._runs[job_id] = run
         self.records.put(record)
@@ -198,6 +199,7 @@ class JobService:
             run.uploading = False
         with run.lock:
             if run.record.final or run.cancel_reason:
+                run.checkout_path.unlink(missing_ok=True)  # the job's clean-up ran before the checkout landed
                 raise JobError(409, f"job {job_id} was {run.record.state} while its checkout was uploading")
             run.record.state = "queued"
             run.record.timings.queued_at = time.time()

@@ -113,6 +113,33 @@ def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeEngin
     assert len(engine.created) == 1  # the cancelled jobs never got a VM
 
 
+def test_cancel_during_the_upload_leaves_no_checkout_behind(make_service, make_config) -> None:
+    service = make_service()
+    job = service.submit(spec("ok")).id
+
+    def chunks():
+        yield checkout_tar()
+        service.cancel(job)  # the job's clean-up runs while the upload is still open
+
+    with pytest.raises(JobError) as err:
+        service.put_checkout(job, chunks())
+    assert err.value.status == 409
+    assert list((service.config.jobs_dir / job).glob("checkout*")) == []
+
+
+def test_a_submit_that_fails_after_reserving_gives_its_place_back(make_service, monkeypatch) -> None:
+    service = make_service(max_queued_jobs=1)
+
+    def broken_log(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr("runner.service.service.JobLog", broken_log)
+    for _ in range(2):  # the second would be QueueFull if the first had kept its reservation
+        with pytest.raises(OSError):
+            service.submit(spec("ok"))
+    assert list(service.config.jobs_dir.iterdir()) == []
+
+
 def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
     engine.programs["flood"] = floods(8 * 1024 * 1024)
     service = make_service(logs={"max_bytes": "64KiB"})
