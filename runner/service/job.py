@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog
 from runner.service.records import JobRecord
-from runner.service.safetar import TarLimits, copy_validated
+from runner.service.safetar import copy_validated
 from runner.service.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class JobRun:
         """
         if not self.spec.artifacts:
             return None
-        limits = TarLimits(config.artifacts.max_count, config.artifacts.max_total_bytes)
+        limits = config.artifacts
         raw, clean = self.dir / "artifacts.raw", self.dir / ARTIFACTS
         # Headers and padding take at most 1.5 KiB a member plus the end blocks.
         budget = limits.max_total_bytes + 1536 * (limits.max_count + 2) + 10240
@@ -213,9 +213,9 @@ class JobRun:
                 members = copy_validated(src, dst, limits)
             os.replace(f"{clean}.part", clean)
         except Exception as exc:  # a refused tar, or the guest failing to produce one
+            _remove(Path(f"{clean}.part"))
             if self.cancel_reason:
                 raise
-            _remove(Path(f"{clean}.part"))
             self.log.system(f"artifacts rejected: {exc}")
             return f"artifacts rejected: {exc}"
         finally:

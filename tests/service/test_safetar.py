@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import io
 import tarfile
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import member, tar_of
 
-from runner.service.safetar import ArchiveError, TarLimits, check_tar, copy_validated
+from runner.service.config import ArtifactLimits
+from runner.service.safetar import ArchiveError, check_tar, copy_validated
 from runner.tarsafe import safe_name as clean_name
 
-LIMITS = TarLimits(max_count=10, max_total_bytes=1000)
+LIMITS = ArtifactLimits(max_count=10, max_total_bytes=1000)
 
 
-def validate(data: bytes, limits: TarLimits = LIMITS) -> tuple[list, bytes]:
+def validate(data: bytes, limits: ArtifactLimits = LIMITS) -> tuple[list, bytes]:
     out = io.BytesIO()
     files = copy_validated(io.BytesIO(data), out, limits)
     return files, out.getvalue()
@@ -108,3 +110,16 @@ def test_check_tar_counts_and_rejects_garbage() -> None:
     assert check_tar(io.BytesIO(tar_of([(member("a"), b"1"), (member("b"), b"2")]))) == 2
     with pytest.raises(ArchiveError, match="not a valid tar"):
         check_tar(io.BytesIO(b"\x01" * 2048))
+
+
+def test_check_tar_memory_stays_flat_however_many_headers() -> None:
+    """A checkout within the byte limit can hold millions of empty files: only count their headers."""
+    count = 20_000
+    data = tar_of([(member(f"f{i}"), b"") for i in range(count)])
+    tracemalloc.start()
+    try:
+        assert check_tar(io.BytesIO(data)) == count
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 1024 * 1024  # keeping every TarInfo would take about 8 MiB here
