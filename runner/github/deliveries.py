@@ -33,12 +33,9 @@ class DeliveryLog:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
-    def claim(self, key: str) -> bool:
-        """True the first time a key is seen (the caller processes it), False for a repeat."""
-        return self.claim_all((key,))
-
     def claim_all(self, keys: tuple[str, ...]) -> bool:
-        """Claim several keys of one delivery at once: False (claiming none) if any was seen."""
+        """Claim the keys of one delivery at once: True the first time (the caller processes it),
+        False (claiming none) if any of them was seen."""
         with self._lock:
             now = self.clock()
             self._expire(now)
@@ -49,9 +46,6 @@ class DeliveryLog:
             while len(self._seen) > self.capacity:
                 self._seen.popitem(last=False)
             return True
-
-    def release(self, key: str) -> None:
-        self.release_all((key,))
 
     def release_all(self, keys: tuple[str, ...]) -> None:
         """Forget a delivery whose processing failed, so its redelivery is processed."""

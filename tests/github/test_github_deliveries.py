@@ -92,18 +92,27 @@ def test_unreadable_records_are_skipped(sweep) -> None:
 def test_delivery_log_is_bounded_and_forgets_after_ttl() -> None:
     clock = FakeClock(0.0)
     log = DeliveryLog(capacity=3, ttl=60, clock=clock)
-    assert all(log.claim(guid) for guid in "abcd")
-    assert len(log) == 3 and log.claim("a")  # the oldest was evicted
-    assert not log.claim("d")
+    assert all(log.claim_all((guid,)) for guid in "abcd")
+    assert len(log) == 3 and log.claim_all(("a",))  # the oldest was evicted
+    assert not log.claim_all(("d",))
     clock.now += 61
-    assert log.claim("d") and len(log) == 1
+    assert log.claim_all(("d",)) and len(log) == 1
 
 
 def test_released_delivery_can_be_claimed_again() -> None:
     log = DeliveryLog()
-    assert log.claim("x") and not log.claim("x")
-    log.release("x")
-    assert log.claim("x")
+    assert log.claim_all(("x",)) and not log.claim_all(("x",))
+    log.release_all(("x",))
+    assert log.claim_all(("x",))
+
+
+def test_a_delivery_with_any_seen_key_claims_none() -> None:
+    log = DeliveryLog()
+    assert log.claim_all(("guid-1", "digest-1"))
+    assert not log.claim_all(("guid-2", "digest-1"))  # same body under a new GUID
+    assert log.claim_all(("guid-2", "digest-2"))  # guid-2 was not claimed by the refused call
+    log.release_all(("guid-1", "digest-1"))
+    assert log.claim_all(("guid-1", "digest-1"))
 
 
 @responses.activate
