@@ -194,7 +194,12 @@ class Engine:
 
     # ---- ending ------------------------------------------------------------------------------
     def destroy(self, vm: VM) -> None:
-        vm.destroy()
+        try:
+            vm.destroy()
+        finally:
+            self._forget(vm)
+
+    def _forget(self, vm: VM) -> None:
         with self._vms_lock:
             self._vms.pop(vm.id, None)
 
@@ -206,14 +211,25 @@ class Engine:
         while not self._stop.wait(REAP_INTERVAL_S):
             now = time.monotonic()
             for vm in self.live():
-                if vm.destroyed:
-                    self.destroy(vm)
-                elif now >= vm.expires_at:
-                    vm.fail("the sandbox expired after its TTL")
-                    self.destroy(vm)
-                elif not vm.machine.alive():
-                    vm.fail(f"the VM's hypervisor process exited (status {vm.machine.exit_status()})")
-                    self.destroy(vm)
+                try:
+                    self._reap(vm, now)
+                except Exception:  # one VM failing to end must not stop the reaper for all others
+                    log.exception("could not end VM %s cleanly", vm.id)
+
+    def _reap(self, vm: VM, now: float) -> None:
+        if vm.destroyed:
+            self._forget(vm)
+            return
+        if now >= vm.expires_at:
+            why = "the sandbox expired after its TTL"
+        elif not vm.machine.alive():
+            why = f"the VM's hypervisor process exited (status {vm.machine.exit_status()})"
+        else:
+            return
+        try:
+            vm.fail(why)  # destroys the VM
+        finally:
+            self._forget(vm)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -222,8 +238,12 @@ class Engine:
         self._stop.set()
         self.pool.close()
         for vm in self.live():
-            vm.fail("the engine shut down")
-            self.destroy(vm)
+            try:
+                vm.fail("the engine shut down")  # destroys the VM
+            except Exception:
+                log.exception("could not end VM %s cleanly", vm.id)
+            finally:
+                self._forget(vm)
         self._lock_file.close()
 
 

@@ -68,6 +68,8 @@ class VM:
             self.agent.close()
         self._killed_by_us = self.machine.alive()
         self.machine.kill()
-        if self.slot is not None and self.release_slot is not None:
-            self.release_slot(self.slot)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if self.slot is not None and self.release_slot is not None:
+                self.release_slot(self.slot)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""Engine and VM bookkeeping with fake machines: no QEMU needed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from runner.state import StateDir
+from runner.vm.engine import Engine
+from runner.vm.vm import VM
+
+
+class FakeMachine:
+    def __init__(self) -> None:
+        self.running = True
+
+    def alive(self) -> bool:
+        return self.running
+
+    def kill(self) -> None:
+        self.running = False
+
+    def exit_status(self):
+        return None if self.running else -9
+
+
+def release_that_fails(slot) -> None:
+    raise RuntimeError("the slot could not be released")
+
+
+def fake_vm(tmp_path, name: str, release=None) -> VM:
+    vm_dir = tmp_path / name
+    vm_dir.mkdir(parents=True)
+    (vm_dir / "disk.qcow2").write_bytes(b"overlay")
+    return VM(id=name, dir=vm_dir, machine=FakeMachine(), snapshot=None, slot=object() if release else None, release_slot=release)
+
+
+def test_the_vm_directory_goes_even_when_releasing_the_slot_fails(tmp_path):
+    vm = fake_vm(tmp_path, "a", release_that_fails)
+    with pytest.raises(RuntimeError, match="could not be released"):
+        vm.destroy()
+    assert not vm.dir.exists()
+    assert vm.destroyed
+
+
+def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
+    engine = Engine(StateDir(tmp_path / "state"), hypervisor=object(), pool_size=0)
+    try:
+        vms = [fake_vm(engine.state.vms, "bad", release_that_fails), fake_vm(engine.state.vms, "good")]
+        for vm in vms:
+            vm.expires_at = 0.0
+            engine._vms[vm.id] = vm
+        deadline = time.monotonic() + 5
+        while engine.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.live() == []
+        assert all(vm.destroyed and not vm.dir.exists() for vm in vms)
+        late = fake_vm(engine.state.vms, "late")
+        late.expires_at = 0.0
+        engine._vms[late.id] = late
+        deadline = time.monotonic() + 5
+        while engine.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.live() == [] and late.destroyed, "the reaper thread died"
+        assert engine._reaper.is_alive()
+    finally:
+        engine.shutdown()
