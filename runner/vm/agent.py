@@ -238,7 +238,8 @@ class AgentClient:
         """Run a command; output goes to `on_output` as it arrives. The host enforces the timeout too."""
         limit = timeout + KILL_GRACE_S if timeout is not None else 7 * 24 * 3600.0
         deadline = time.monotonic() + limit
-        req = self._open({**message, "op": "exec", "timeout": timeout}, deadline)
+        message = {**message, "op": "exec", "timeout": timeout}
+        req = self._open(message, deadline)
         self._execs.add(req.rid)
         try:
             for frame in self._frames(req, deadline):

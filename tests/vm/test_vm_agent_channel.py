@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from runner.vm.agent import AgentClient
+from runner.vm.agent import AgentClient, GuestOpError
 from runner.vm.errors import AgentError
 from vmimages.guest import protocol as P
 
@@ -147,6 +147,14 @@ def test_exit_code_of_wrong_type_is_rejected(pair):
     answer_after_request(guest, P.encode_msg(1, {"ok": True, "exit_code": "0", "timed_out": False}))
     with pytest.raises(AgentError, match="invalid exit code"):
         client.exec({"shell": "true"}, lambda s, d: None, timeout=5)
+
+
+def test_a_failed_exec_names_the_operation(pair):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode_msg(1, {"ok": False, "error": "cannot start 'nope'"}))
+    with pytest.raises(GuestOpError, match="^exec failed in the guest: cannot start 'nope'"):
+        client.exec({"argv": ["nope"]}, lambda s, d: None, timeout=5)
+    assert broken == []
 
 
 def test_read_file_beyond_the_limit_breaks_the_channel(pair):
