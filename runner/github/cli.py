@@ -68,7 +68,7 @@ def _setup(args: argparse.Namespace) -> tuple[GitHubSettings, GitHubApp, str]:
     org = args.org or settings.org
     if not org:
         raise GitHubError("no organisation: pass --org or set org in the GitHub config")
-    app = GitHubApp(settings.credentials(), api_url=settings.api_url)
+    app = settings.app()
     return settings, app, org
 
 
@@ -148,7 +148,7 @@ def cmd_runners(args: argparse.Namespace) -> int:
 def cmd_redeliver(args: argparse.Namespace) -> int:
     """One sweep (for a timer), or a loop with --every (for a service) until interrupted."""
     settings = load_settings(args.config)
-    sweep = RedeliverySweep(GitHubApp(settings.credentials(), api_url=settings.api_url).as_app, window=args.window)
+    sweep = RedeliverySweep(settings.app().as_app, window=args.window)
     if args.every:
         sweep.run(threading.Event(), interval=args.every)
         return 0
@@ -174,8 +174,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
 
 
 def _installation_client(config: Path | None) -> GitHubClient:
-    settings = load_settings(config)
-    return GitHubApp(settings.credentials(), api_url=settings.api_url).as_installation
+    return load_settings(config).app().as_installation
 
 
 def _group_id(value: str | None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from runner.github.app import AppCredentials
+from runner.github.app import AppCredentials, GitHubApp
 from runner.github.client import DEFAULT_API_URL
 from runner.github.errors import GitHubError
 
@@ -46,6 +46,10 @@ class GitHubSettings:
             org=self.org,
             app_slug=self.app_slug,
         )
+
+    def app(self) -> GitHubApp:
+        """The App these settings describe; it reads the private key now."""
+        return GitHubApp(self.credentials(), api_url=self.api_url)
 
 
 def load_settings(path: Path | None = None, env: Mapping[str, str] = os.environ) -> GitHubSettings:

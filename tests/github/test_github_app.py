@@ -127,3 +127,15 @@ def test_uninstalled_installation_id_is_explained(app) -> None:
     responses.post(url, json={"message": "Not Found"}, status=404)
     with pytest.raises(NotFound, match="uninstalled"):
         app.installation_token()
+
+
+def test_settings_build_the_app_for_their_api_url(tmp_path, private_pem) -> None:
+    from runner.github.config import load_settings
+
+    key = tmp_path / "app.pem"
+    key.write_text(private_pem)
+    config = tmp_path / "github.yml"
+    config.write_text(f"app_id: 7\nprivate_key_path: {key}\napi_url: https://ghe.example/api/v3/\n")
+    app = load_settings(config, env={}).app()
+    assert app.credentials.app_id == 7
+    assert app.as_app.api_url == app.as_installation.api_url == "https://ghe.example/api/v3"
