@@ -32,15 +32,16 @@ HOSTILE_LINES = [
 ]
 
 
-# Lines playing on ICU's ignorable characters, which culture-sensitive matching skips.
+# Lines playing on ICU's ignorable characters, which culture-sensitive matching skips: each one is a
+# command in at least one runner model as it stands (test_ignorable_tricks_are_commands_when_raw).
 IGNORABLE_TRICKS = [
-    "\u200b::set-output name=exit-code::0",
-    ":\u200b:set-output name=exit-code::0",
-    "\ufeff::add-mask::bom",
-    "\x01::add-mask::control",
-    "#\u200b#[set-output name=a;]b",
+    "::set-output name=exit-code:\u200b:0",  # ICU finds the closing `::` across the ZWSP
+    "x\u200b##[set-output name=a;]b",
+    "::add-mask:\ufeff:bom",
+    "::add-mask:\x01:control",
+    "a\x01##[add-mask]ctl",
     "\u00ad##[add-mask]soft-hyphen",
-    f"{ZWSP}{ZWSP}::add-path::/tmp/x",
+    f"::add-path:{ZWSP}{ZWSP}:/tmp/x",
 ]
 
 
@@ -92,6 +93,16 @@ def test_the_model_does_execute_the_raw_lines() -> None:
         for model in runner_models():
             model.feed(line + "\n")
             assert model.executed, line
+
+
+@pytest.mark.parametrize("line", IGNORABLE_TRICKS)
+def test_ignorable_tricks_are_commands_when_raw(line: str) -> None:
+    # Guards the trick tests: a line no model executes even raw would pass them with no neutralising.
+    executed = []
+    for model in runner_models():
+        model.feed(line + "\n")
+        executed += model.executed
+    assert executed, line
 
 
 def test_icu_model_matches_across_ignorables() -> None:
