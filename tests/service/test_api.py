@@ -18,6 +18,7 @@ from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec
 
 from runner.service.api import ApiServers, BodyFramingError, UnixApiServer, read_chunked
 from runner.service.client import JobAPIError, JobClient, Transport
+from tests.conftest import require
 
 TOKEN = "a-long-enough-test-token-1234"
 
@@ -223,9 +224,9 @@ def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine
 def test_socket_group(make_service) -> None:
     import grp
 
-    group = next((g for g in ("nogroup", "users", "daemon") if _group_exists(g)), None)
-    if group is None:
-        pytest.skip("no spare group on this host")
+    group = _spare_group()
+    require(group is not None, "no group other than the effective one that this user may chown to")
+    assert grp.getgrnam(group).gr_gid != os.getegid()  # else the socket would have it without the chown
     service = make_service(socket_group=group)
     server = UnixApiServer(service.config.socket, service, group)
     try:
@@ -237,14 +238,18 @@ def test_socket_group(make_service) -> None:
     assert not os.path.exists(service.config.socket)
 
 
-def _group_exists(name: str) -> bool:
+def _spare_group() -> str | None:
+    """A named group, not the effective one, that this process may give a file: any for root."""
     import grp
 
-    try:
-        grp.getgrnam(name)
-        return True
-    except KeyError:
-        return False
+    egid = os.getegid()
+    gids = [g.gr_gid for g in grp.getgrall()] if os.geteuid() == 0 else os.getgroups()
+    for gid in sorted(set(gids) - {egid}):
+        try:
+            return grp.getgrgid(gid).gr_name
+        except KeyError:
+            continue
+    return None
 
 
 @settings(max_examples=200, deadline=None)
