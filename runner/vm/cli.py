@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from runner.state import StateDir
 from runner.vm import accel
+from runner.vm.errors import VMError
 from vmimages.store import TemplateNotFound, TemplateStore
 
 
@@ -58,9 +59,15 @@ def cmd_doctor(args) -> int:
         print(line if check.ok else f"{line}: {check.fix}")
     verdict = accel.static_checks()
     if verdict is None and args.selftest:
-        template = TemplateStore(state.templates).get("base")
-        ok, why = accel.selftest(shutil.which("qemu-system-x86_64"), template.path / "vmlinuz", template.path / "initrd.img", "kvm")
-        verdict = accel.Accel("kvm" if ok else "tcg", why)
+        from runner.vm.qemu import qemu_binary
+
+        try:
+            template = TemplateStore(state.templates).get("base")
+            qemu = qemu_binary()
+        except (TemplateNotFound, VMError) as exc:
+            print(f"accelerator: cannot test-boot the guest: {exc}")
+            return 1
+        verdict = accel.detect(qemu, template.path / "vmlinuz", template.path / "initrd.img")
     if verdict is None:
         print("accelerator: KVM looks usable; 'doctor --selftest' test-boots the guest to be sure "
               "(template build does this before choosing)")
