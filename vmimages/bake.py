@@ -8,14 +8,13 @@ agent has answered, run the warm-up commands, sync, and leave it idle before `st
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from runner.vm.agent import AgentClient
 from runner.vm.hypervisor import Hypervisor, Launch, MachineConfig, Snapshot
-from vmimages.run import BuildError
+from vmimages.run import BuildError, run
 
 BOOT_TIMEOUT_S = 300.0  # a cold boot under TCG on a busy 2-core machine
 QUIESCE_S = 3.0
@@ -31,7 +30,7 @@ def bake(
 ) -> Snapshot:
     variant_dir.mkdir(parents=True)
     disk = variant_dir / "disk.img"
-    subprocess.run(["cp", "--sparse=always", str(pristine_disk), str(disk)], check=True)
+    run(["cp", "--sparse=always", str(pristine_disk), str(disk)])
     bake_dir = variant_dir / "bake"
     bake_dir.mkdir()
     launch = Launch(vm_dir=bake_dir, disk=disk, disk_format="raw", console_log=bake_dir / "console.log")

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmimages.run import run
+from vmimages.run import BuildError, run
 
 # Everything the template's devices need, by the name modprobe knows them by.
 GUEST_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "virtio-rng", "ext4")
@@ -51,7 +50,7 @@ def resolve_package(meta: str = "linux-image-amd64") -> str:
     out = run(["apt-cache", "depends", meta])
     match = re.search(r"Depends:\s*(linux-image-\S+)", out)
     if not match:
-        raise RuntimeError(f"cannot resolve {meta} with apt-cache: run 'apt-get update' first")
+        raise BuildError(f"cannot resolve {meta} with apt-cache: run 'apt-get update' first")
     return match.group(1)
 
 
@@ -63,7 +62,7 @@ def fetch(package: str, cache: Path) -> Kernel:
         work = cache / "kernel" / f"{version}.partial"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        subprocess.run(["apt-get", "download", package], cwd=work, check=True, capture_output=True)
+        run(["apt-get", "download", package], cwd=work)
         (deb,) = work.glob("*.deb")
         run(["dpkg", "-x", str(deb), str(work / "tree")])
         run(["depmod", "-b", str(work / "tree"), version])
