@@ -35,10 +35,6 @@ class StateDir:
         """One directory per live VM (overlay, sockets, pid); anything here at start-up is an orphan."""
         return self.root / "vms"
 
-    @property
-    def jobs(self) -> Path:
-        return self.root / "jobs"
-
     def ensure(self) -> "StateDir":
         for path in (self.root, self.cache, self.templates, self.vms):
             path.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -85,7 +85,7 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
             store.publish(name, digest)
             return store.get(name)
         with progress(f"debootstrap {recipe.suite} (cached after the first time)"):
-            base = rootfs.debootstrap(recipe.suite, recipe.packages, None, state.cache)
+            base = rootfs.debootstrap(recipe.suite, recipe.packages, state.cache)
         with progress("customise the root filesystem and make its ext4 image"):
             tree = rootfs.customise(base, staging / "rootfs")
             image = rootfs.make_image(tree, staging / "disk.img")

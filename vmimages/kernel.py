@@ -27,10 +27,6 @@ class Kernel:
     def vmlinuz(self) -> Path:
         return self.tree / "boot" / f"vmlinuz-{self.version}"
 
-    @property
-    def modules_dir(self) -> Path:
-        return self.tree / "lib" / "modules" / self.version
-
     def module_files(self) -> list[Path]:
         """Module files to load for GUEST_MODULES, dependencies first, each once."""
         ordered: list[Path] = []

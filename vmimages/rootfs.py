@@ -18,7 +18,7 @@ FREE_SPACE_MIB = 2048  # room for the job's checkout, venvs and build output (ov
 GUEST_USER = ("runner", 1000)
 
 
-def debootstrap(suite: str, packages: tuple[str, ...], mirror: str | None, cache: Path) -> Path:
+def debootstrap(suite: str, packages: tuple[str, ...], cache: Path) -> Path:
     """A cached debootstrap tree for (suite, packages)."""
     key = hashlib.sha256(f"{suite}|{','.join(sorted(packages))}".encode()).hexdigest()[:16]
     tree = cache / "rootfs" / f"{suite}-{key}"
@@ -28,7 +28,7 @@ def debootstrap(suite: str, packages: tuple[str, ...], mirror: str | None, cache
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     argv = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(partial)]
-    run(argv + ([mirror] if mirror else []))
+    run(argv)
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         shutil.rmtree(partial / junk, ignore_errors=True)
         (partial / junk).mkdir(parents=True)
