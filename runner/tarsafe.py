@@ -48,10 +48,7 @@ class Limits:
 class Extracted:
     files: list[tuple[str, int]] = field(default_factory=list)  # (relative path, size)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name as given, why)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(size for _, size in self.files)
+    total_bytes: int = 0  # of `files`, kept as they are added: re-summing per member is quadratic
 
 
 def safe_name(raw: str, limits: Limits = Limits()) -> str:
@@ -145,6 +142,7 @@ def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted)
         result.skipped.append((name, _why(exc)))
         return
     result.files.append((name, member.size))
+    result.total_bytes += member.size
 
 
 def open_dirs(dest_fd: int, parts: list[str]) -> int:

@@ -32,7 +32,6 @@ class WarmVM:
     policy_digest: str
     expires_at: float
     sandbox: Any = None  # None while it is being restored
-    claimed: bool = False
     discarded: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -82,9 +81,8 @@ class WarmPool:
         with self._lock:
             for vm in self._vms:
                 if (vm.key == key and vm.template == template and vm.policy_digest == policy_digest
-                        and vm.sandbox is not None and not vm.claimed):
-                    vm.claimed = True
-                    self._forget(vm)
+                        and vm.sandbox is not None):
+                    self._forget(vm)  # claimed: no longer the pool's to expire or discard
                     return vm.sandbox
         return None
 
@@ -111,7 +109,7 @@ class WarmPool:
 
     def _discard(self, match: Callable[[WarmVM], bool]) -> int:
         with self._lock:
-            chosen = [vm for vm in self._vms if match(vm) and not vm.claimed]
+            chosen = [vm for vm in self._vms if match(vm)]
             ready = [vm.sandbox for vm in chosen if vm.sandbox is not None]
             for vm in chosen:
                 vm.discarded = True  # one still restoring is destroyed by _restore when it is ready
