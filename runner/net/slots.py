@@ -72,6 +72,10 @@ class Slot:
         The IPv6 document is loaded only when its rules differ from what the slot already has:
         guests have no IPv6 address, so it is nearly always the deny-all the slot was reset to,
         and skipping it halves the cost of readying a slot.
+
+        Audit records are cleared once the rules are loaded: a warm-pool VM runs in the slot before
+        a job claims it, and what it tried until now (the guard logs always-denied hits whatever the
+        policy) is not the job's. The job's own code runs only after this returns.
         """
         rendered = render(policy, self.render_context(), self.allowances)
         for document, family in ((rendered.ipv4, "IPv4"), (rendered.ipv6, "IPv6")):
@@ -80,6 +84,8 @@ class Slot:
             self.resolver.configure(policy)
         self.firewall.load(self.netns, rendered.ipv4)
         self._load_ipv6(rendered.ipv6)
+        if self.audit is not None:
+            self.audit.clear()
 
     def audit_records(self) -> list[AuditRecord]:
         """What the guest tried that the policy does not allow (logged in both modes)."""

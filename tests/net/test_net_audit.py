@@ -65,3 +65,19 @@ def test_a_flood_of_denied_packets_is_logged_at_a_bounded_rate(slot, guest) -> N
     time.sleep(0.1)  # the bucket refills: the next attempt is logged again
     assert not reach(guest, ALLOWED_HOST, 8000)
     assert (ALLOWED_HOST, 8000) in {(r.dest, r.port) for r in slot.audit_records()}
+
+
+def test_attempts_before_the_job_policy_is_loaded_are_not_the_jobs(slot, guest) -> None:
+    """A warm-pool VM runs in its slot before a job claims it; what it tried then (the guard logs
+    always-denied hits whatever the policy) must not end up in the job's blocked egress."""
+    metadata = ("169.254.169.254", 80)
+    sender = netns.socket_in(guest, socket.AF_INET, socket.SOCK_DGRAM)
+    with sender:
+        sender.sendto(b"x", metadata)
+        assert metadata in {(r.dest, r.port) for r in slot.audit_records()}  # logged while pooled
+
+        slot.apply_policy(load_policy("version: 1\nmode: block\nallow: []\n", "block.yml"))
+        assert slot.audit_records() == []
+
+        sender.sendto(b"x", metadata)  # the job's own attempt is recorded
+        assert [(r.dest, r.port, r.reason) for r in slot.audit_records()] == [(*metadata, "always-denied")]
