@@ -46,6 +46,7 @@ _CMD_PF_BIND = 3
 _COPY_PACKET = 2
 _NLM_F_REQUEST = 1
 _NLM_F_ACK = 4
+_NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED (0x8000) and NLA_F_NET_BYTEORDER (0x4000)
 _PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
 
 
@@ -93,7 +94,7 @@ def _attributes(data: bytes) -> dict[int, bytes]:
         length, kind = struct.unpack_from("=HH", data, offset)
         if length < 4 or offset + length > len(data):
             break
-        found[kind & 0x7FFF] = data[offset + 4 : offset + length]
+        found[kind & _NLA_TYPE_MASK] = data[offset + 4 : offset + length]
         offset += (length + 3) & ~3
     return found
 

@@ -44,10 +44,11 @@ def test_truncated_packets_are_skipped() -> None:
     assert parse_packet(ipv4_packet("203.0.113.9", 6, 443)[:22]) == ("203.0.113.9", None, "tcp")
 
 
-def nflog_message(packet: bytes, prefix: bytes | None) -> bytes:
-    """One NFULNL_MSG_PACKET as the kernel frames it: nlmsghdr, nfgenmsg, then attributes."""
+def nflog_message(packet: bytes, prefix: bytes | None, flags: int = 0) -> bytes:
+    """One NFULNL_MSG_PACKET as the kernel frames it: nlmsghdr, nfgenmsg, then attributes (whose
+    type may carry the NLA_F_NESTED / NLA_F_NET_BYTEORDER `flags`)."""
     def attribute(kind: int, value: bytes) -> bytes:
-        raw = struct.pack("=HH", 4 + len(value), kind) + value
+        raw = struct.pack("=HH", 4 + len(value), kind | flags) + value
         return raw + b"\0" * (-len(raw) % 4)
 
     body = struct.pack("=BBH", socket.AF_INET, 0, socket.htons(100))
@@ -62,6 +63,12 @@ def test_nflog_prefix_tells_always_denied_hits_from_policy_blocks() -> None:
     datagram = (nflog_message(metadata, b"mvc!always-denied") + nflog_message(web, b"mvc:job-1")
                 + nflog_message(web, None) + nflog_message(web, b"mvc!always-denied-not"))
     assert payloads(datagram) == [(metadata, ALWAYS_DENIED), (web, POLICY), (web, POLICY), (web, POLICY)]
+
+
+@pytest.mark.parametrize("flags", [0x4000, 0x8000, 0xC000])  # NLA_F_NET_BYTEORDER, NLA_F_NESTED
+def test_attribute_flags_do_not_change_the_attribute_type(flags: int) -> None:
+    metadata = ipv4_packet("169.254.169.254", 6, 80)
+    assert payloads(nflog_message(metadata, b"mvc!always-denied", flags)) == [(metadata, ALWAYS_DENIED)]
 
 
 @given(st.binary(max_size=300))
