@@ -191,11 +191,9 @@ class _Reader:
             raise ConfigError(f"{self.where}{unknown[0]}: unknown setting (a typo?)")
 
 
-def _listen(value: str | None, where: str) -> tuple[str, int] | None:
-    if value is None:
-        return None
+def parse_listen(value: str, where: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise ConfigError(f"{where}: expected HOST:PORT like 127.0.0.1:8470, got {value!r}")
     return host.strip("[]"), int(port)
 
@@ -233,6 +231,26 @@ def _allowance(item: Any, where: str) -> Rule:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+WEBHOOK_KEYS = ("listen", "secret_path", "labels", "max_body", "redeliver_every", "github_config")
+
+
+def webhook_settings(value: Any, where: str, base: Path = Path(".")) -> dict[str, Any]:
+    """The `webhook:` section checked like the rest of the config, when it is loaded: unknown keys,
+    `listen`, and file paths relative to the config file. `runner.service.webhook` starts the endpoint."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(WEBHOOK_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown setting (expected {', '.join(WEBHOOK_KEYS)})")
+    settings = dict(value)
+    if settings.get("listen"):
+        parse_listen(str(settings["listen"]), f"{where}.listen")
+    for key in ("secret_path", "github_config"):
+        if settings.get(key):
+            settings[key] = str(base / str(settings[key]))
+    return settings
+
+
 def _token(top: _Reader, listen: tuple[str, int] | None, base: Path) -> str | None:
     token = top.string("token", None)
     token_file = top.string("token_file", None)
@@ -252,7 +270,8 @@ def _token(top: _Reader, listen: tuple[str, int] | None, base: Path) -> str | No
 def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path(".")) -> ServiceConfig:
     """Build a validated config; `where` prefixes error messages (the file name), `base` resolves relative paths."""
     top = _Reader(data, where)
-    listen = _listen(top.string("listen", None), top.at("listen"))
+    listen_at = top.string("listen", None)
+    listen = parse_listen(listen_at, top.at("listen")) if listen_at is not None else None
     resources = top.section("resources")
     artifacts = top.section("artifacts")
     logs = top.section("logs")
@@ -260,9 +279,6 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
     prewarm = top.section("prewarm")
     network = top.section("network")
     policy_dir = top.string("policy_dir", None)
-    webhook = top._get("webhook") or {}
-    if not isinstance(webhook, dict):
-        raise ConfigError(f"{top.at('webhook')}: expected a mapping, got {type(webhook).__name__}")
     config = ServiceConfig(
         socket=top.string("socket", DEFAULT_SOCKET),
         socket_group=top.string("socket_group", None),
@@ -306,7 +322,7 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
         ),
         shutdown_grace_seconds=top.number("shutdown_grace_seconds", 30.0, 0, float),
         env_allowlist=top.string_list("env_allowlist", ("CI", "GITHUB_*", "RUNNER_*")),
-        webhook=dict(webhook),
+        webhook=webhook_settings(top._get("webhook") or {}, top.at("webhook"), base),
     )
     for reader in (top, resources, artifacts, logs, retention, prewarm, network):
         reader.check_unknown()

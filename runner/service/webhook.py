@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.service.config import ConfigError, parse_size
-
-_KEYS = ("listen", "secret_path", "labels", "max_body", "redeliver_every", "github_config")
+from runner.service.config import ConfigError, parse_listen, parse_size, webhook_settings
 
 
 @dataclass
@@ -42,14 +40,13 @@ def _start_sweep(settings: dict[str, Any], where: str) -> tuple[threading.Event,
         return None
     if isinstance(every, bool) or not isinstance(every, (int, float)) or every < 30:
         raise ConfigError(f"{where}.redeliver_every: seconds between sweeps, at least 30 (got {every!r})")
-    from runner.github.app import GitHubApp
     from runner.github.config import load_settings
     from runner.github.deliveries import RedeliverySweep
     from runner.github.errors import GitHubError
 
     try:
         github = load_settings(Path(settings["github_config"]) if settings.get("github_config") else None)
-        sweep = RedeliverySweep(GitHubApp(github.credentials(), api_url=github.api_url).as_app)
+        sweep = RedeliverySweep(github.app().as_app)
     except GitHubError as exc:
         raise ConfigError(f"{where}.redeliver_every: needs the GitHub App settings: {exc}") from exc
     stop = threading.Event()
@@ -60,16 +57,12 @@ def _start_sweep(settings: dict[str, Any], where: str) -> tuple[threading.Event,
 
 def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings`; None when it is not configured."""
+    settings = webhook_settings(settings, where)
     if not settings.get("listen"):
         return None
     from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer  # only when used
 
-    unknown = sorted(set(settings) - set(_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown setting (expected {', '.join(_KEYS)})")
-    host, _, port = str(settings["listen"]).rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"{where}.listen: expected HOST:PORT, got {settings['listen']!r}")
+    host, port = parse_listen(str(settings["listen"]), f"{where}.listen")
     secret_path = settings.get("secret_path")
     if not secret_path:
         raise ConfigError(f"{where}.secret_path: required when listen is set (a file holding the webhook secret)")
@@ -85,6 +78,6 @@ def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") 
     config = WebhookConfig(secret=secret, labels=tuple(labels),
                            max_body=parse_size(settings.get("max_body", 1024 * 1024), f"{where}.max_body"))
     sweep = _start_sweep(settings, where)
-    server = WebhookServer(WebhookReceiver(config, hooks), host.strip("[]"), int(port))
+    server = WebhookServer(WebhookReceiver(config, hooks), host, port)
     server.start()
     return Webhook(server, *(sweep or (None, None)))

@@ -135,3 +135,14 @@ def test_bad_operator_allowances_name_the_rule(tmp_path: Path, allow: str, messa
 def test_operator_allowances_need_networking(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="network.allow: has no effect while network.enabled is false"):
         load_config(write(tmp_path, "network:\n  allow: [{cidr: 10.0.0.0/24, ports: [443]}]\n"))
+
+
+def test_the_webhook_section_is_checked_when_the_config_loads(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "webhook: {listen: '127.0.0.1:8471', secret_path: secret, "
+                                         "github_config: gh/app.yml}\n"))
+    assert config.webhook["secret_path"] == str(tmp_path / "secret")  # relative to the config, like token_file
+    assert config.webhook["github_config"] == str(tmp_path / "gh" / "app.yml")
+    with pytest.raises(ConfigError, match="webhook.lisen: unknown setting"):  # a typo must not turn it off
+        load_config(write(tmp_path, "webhook: {lisen: '127.0.0.1:8471'}\n"))
+    with pytest.raises(ConfigError, match="webhook.listen: expected HOST:PORT"):
+        load_config(write(tmp_path, "webhook: {listen: '127.0.0.1:99999'}\n"))
