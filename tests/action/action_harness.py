@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gha_runner_model import ICU_IGNORABLE, RunnerModel
 
 ROOT = Path(__file__).resolve().parents[2]
 ACTION = ROOT / "action.yml"
@@ -171,3 +172,29 @@ def run_action(sim: Simulation, inputs: dict[str, str], timeout: float = 900) ->
 def interrupt(steps: list[StepProcess], signum: int = signal.SIGINT) -> None:
     """What the runner does when a step is cancelled: SIGINT first, SIGTERM if that is ignored."""
     steps[0].process.send_signal(signum)
+
+
+ACTION_COMMANDS = ("error", "warning", "notice")  # what the action itself may say outside the relay
+
+
+def runner_commands(log: str) -> list[list[tuple[str, str]]]:
+    """What the GitHub runner would execute from a step's log, per runner model (ordinal and ICU)."""
+    results = []
+    for model in (RunnerModel(), RunnerModel(ignorable=ICU_IGNORABLE),
+                  RunnerModel(ignorable=ICU_IGNORABLE, include_leading=True)):
+        model.feed(log)
+        results.append(model.executed)
+    return results
+
+
+def assert_only_action_commands(log: str) -> None:
+    """In every runner model only the relay's own frame and the action's annotations act as commands.
+
+    The relay opens a group and stops commands, resumes them with its token at the end and closes the
+    group; after that the action may only annotate. Guest lines must execute nothing at all.
+    """
+    for executed in runner_commands(log):
+        names = [name for name, _ in executed]
+        assert names[:4] == ["group", "stop-commands", "resume", "endgroup"], executed
+        assert executed[2] == ("resume", executed[1][1].lower()), executed
+        assert all(name in ACTION_COMMANDS for name in names[4:]), executed

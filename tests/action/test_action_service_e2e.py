@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, HOST_SECRETS, PYTHON, Simulation, finish, interrupt, run_action, start
+from action_harness import (FORK_PR, HOST_SECRETS, PYTHON, Simulation, assert_only_action_commands, finish,
+                            interrupt, run_action, start)
 from local_sandbox import LocalEngine
 
 from runner.service.api import ApiServers
@@ -152,6 +153,7 @@ def test_guest_output_cannot_set_outputs_or_see_host_secrets(service: JobService
     for secret in HOST_SECRETS.values():
         assert secret not in result.log
     assert "\u200b::set-output name=exit-code::0" in result.log
+    assert_only_action_commands(result.log)
 
 
 def test_a_checkout_cannot_shadow_the_action_module(service: JobService, sim: Simulation) -> None:
