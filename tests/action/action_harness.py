@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,28 @@ def run_action(sim: Simulation, inputs: dict[str, str], timeout: float = 900) ->
 def interrupt(steps: list[StepProcess], signum: int = signal.SIGINT) -> None:
     """What the runner does when a step is cancelled: SIGINT first, SIGTERM if that is ignored."""
     steps[0].process.send_signal(signum)
+
+
+def wait_for_state(client: Any, state: str, job_id: str | None = None, timeout: float = 60.0,
+                   interval: float = 0.1) -> dict[str, Any]:
+    """Poll the job service until the job (without `job_id`, the newest job) is in `state`; its record.
+
+    Fails the test, with the last state seen, when `timeout` seconds pass first.
+    """
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] | None = None
+    while True:
+        if job_id is None:
+            jobs = client.list(limit=1)
+            last = jobs[0] if jobs else None
+        else:
+            last = client.get(job_id)
+        if last is not None and last.get("state") == state:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no job reached {state!r} within {timeout:g} s; last seen: "
+                                 f"{None if last is None else last.get('state')!r}")
+        time.sleep(interval)
 
 
 ACTION_COMMANDS = ("error", "warning", "notice")  # what the action itself may say outside the relay

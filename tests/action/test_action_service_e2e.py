@@ -11,13 +11,12 @@ import json
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from action_harness import (FORK_PR, HOST_SECRETS, PYTHON, Simulation, assert_only_action_commands, finish,
-                            interrupt, run_action, start)
+                            interrupt, run_action, start, wait_for_state)
 from local_sandbox import LocalEngine
 
 from runner.service.api import ApiServers
@@ -123,22 +122,12 @@ def test_timeout(service: JobService, sim: Simulation) -> None:
 def test_cancel(service: JobService, sim: Simulation, engine: LocalEngine, signum: int) -> None:
     metadata, steps = start(sim, {"run": "echo begin; sleep 120", "socket": service.config.socket})
     client = JobClient(socket=service.config.socket)
-    for _ in range(600):
-        jobs = client.list()
-        if jobs and jobs[0]["state"] == "running":
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the job never started running")
+    job_id = wait_for_state(client, "running", timeout=60)["id"]
     interrupt(steps, signum)
     result = finish(sim, metadata, steps, timeout=60)
     assert result.returncode == 128 + signum
     assert result.outputs["exit-code"] == str(128 + signum)
-    job_id = jobs[0]["id"]
-    for _ in range(300):
-        if client.get(job_id)["state"] == "cancelled":
-            break
-        time.sleep(0.1)
+    wait_for_state(client, "cancelled", job_id, timeout=30)
     assert client.get(job_id)["state"] == "cancelled"
     assert all(sandbox.destroyed.is_set() for sandbox in engine.created)
     assert result.log.count("::stop-commands::") == 1 and "::endgroup::" in result.log

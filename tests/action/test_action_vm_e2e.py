@@ -10,13 +10,12 @@ import os
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from action_harness import (FORK_PR, HOST_SECRETS, Simulation, assert_only_action_commands, finish, interrupt,
-                            run_action, start)
+                            run_action, start, wait_for_state)
 from tests.conftest import require
 
 from action.logs import LogLimits
@@ -142,21 +141,12 @@ def test_cancel_in_a_vm(service, sim: Simulation) -> None:
 
     metadata, steps = start(sim, {"run": "echo started; sleep 600", "socket": service.config.socket})
     client = JobClient(socket=service.config.socket)
-    for _ in range(1200):
-        jobs = client.list()
-        if jobs and jobs[0]["state"] == "running":
-            break
-        time.sleep(0.25)
-    else:
-        pytest.fail("the job never started running")
+    job_id = wait_for_state(client, "running", timeout=300, interval=0.25)["id"]
     interrupt(steps)
     result = finish(sim, metadata, steps, timeout=120)
     assert result.returncode == 130
-    for _ in range(600):
-        if client.get(jobs[0]["id"])["state"] == "cancelled":
-            break
-        time.sleep(0.1)
-    assert client.get(jobs[0]["id"])["state"] == "cancelled"
+    wait_for_state(client, "cancelled", job_id, timeout=60)
+    assert client.get(job_id)["state"] == "cancelled"
 
 
 def test_hostile_checkout_changes_nothing_and_still_reports(service, sim: Simulation, tmp_path: Path) -> None:
