@@ -34,6 +34,7 @@ from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stats import percentile  # noqa: E402
 from runner.sandbox import Sandbox  # noqa: E402
 from runner.service.api import ApiServers  # noqa: E402
 from runner.service.client import JobClient  # noqa: E402
@@ -44,11 +45,6 @@ from runner.vm.engine import Engine  # noqa: E402
 
 SHA = "0" * 40
 MIB = 1024 * 1024
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def tar_of_file(path: Path, name: str) -> Iterator[bytes]:
@@ -191,6 +187,8 @@ def main() -> int:
         "job_overhead_p50_ms": round(statistics.median(jobs), 1),
         "job_overhead_p99_ms": round(percentile(jobs, 0.99), 1),
         "bare_subprocess_p50_ms": round(statistics.median(bare), 2),
+        # Same-run ratio: how many bare `sh -c true` runs one whole VM job costs on this host right now.
+        "overhead_vs_bare": round(statistics.median(jobs) / statistics.median(bare), 1),
         "log_first_byte_p99_ms": round(percentile(logs, 0.99), 2),
         "checkout_mb_per_s": round(checkout_mb_s, 1),
     }))

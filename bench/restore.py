@@ -18,17 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.stats import percentile as pct  # noqa: E402
 from runner.sandbox import Sandbox  # noqa: E402
 from runner.state import StateDir  # noqa: E402
 from runner.vm.agent import AgentClient  # noqa: E402
 from runner.vm.engine import Engine, _make_overlay  # noqa: E402
 from runner.vm.hypervisor import Launch  # noqa: E402
 from vmimages.store import TemplateStore  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def summary(name: str, values: list[float]) -> None:
