@@ -36,7 +36,7 @@ from typing import Iterable
 
 import jinja2
 
-from policy.model import Address, Network, Policy, Rule
+from policy.model import Address, Policy, Rule
 from policy.reserved import always_denied
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
@@ -119,22 +119,14 @@ class RenderedRules:
     ipv6: str  # for ip6tables-restore
 
 
-@dataclass(frozen=True)
-class _Accept:
-    """One rule as the templates print it: destination, protocol and port groups."""
-
-    destination: str
-    protocol: str
-    port_groups: tuple[str, ...]
-
-
 def render(policy: Policy, context: RenderContext,
            allowances: OperatorAllowances = OperatorAllowances()) -> RenderedRules:
     """Both documents for one VM (see the module doc for the order and its reasons)."""
     ipv6_enabled = context.guest_ip6 is not None and any(
         rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
     common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN,
-              "denied_chain": DENIED_CHAIN, "denied_prefix": DENIED_LOG_PREFIX, "log_limit": LOG_LIMIT}
+              "denied_chain": DENIED_CHAIN, "denied_lines": denied_chain_lines(context.nflog_group),
+              "log_limit": LOG_LIMIT}
     ipv4 = _templates.get_template("filter4.rules.j2").render(
         **common, **_family_view(4, policy, context, allowances))
     ipv6 = _templates.get_template("filter6.rules.j2").render(
@@ -161,9 +153,17 @@ def rule_lines(chain: str, rule: Rule, target: str, match: str = "") -> list[str
     per port group, for places outside the rendered documents that must agree with them (the
     resolver's chain, the slot's guard, the host's own chains)."""
     _check(rule.network is not None, f"{rule.destination} must be a network, not a host name")
-    accept = _accept(rule)
-    return [f"-A {chain} {match}-d {accept.destination} -p {accept.protocol} -m multiport --dports {group} -j {target}"
-            for group in accept.port_groups]
+    return [f"-A {chain} {match}-d {rule.network} -p {rule.protocol} -m multiport --dports {group} -j {target}"
+            for group in port_groups(rule.ports)]
+
+
+def denied_chain_lines(nflog_group: int) -> list[str]:
+    """The `MVC-DENIED` chain's rules, in the rendered documents and the slot's raw guard alike: log
+    (tagged `DENIED_LOG_PREFIX`, rate-limited), then drop."""
+    return [
+        f'-A {DENIED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {nflog_group} --nflog-prefix "{DENIED_LOG_PREFIX}"',
+        f"-A {DENIED_CHAIN} -j DROP",
+    ]
 
 
 def _family_view(version: int, policy: Policy, context: RenderContext,
@@ -172,19 +172,16 @@ def _family_view(version: int, policy: Policy, context: RenderContext,
     denied += [str(ip_network(a)) for a in context.host_addresses if a.version == version]
     if version == 4:
         denied.append(str(ip_network(context.gateway_ip)))
+    operator = [rule for rule in allowances.rules if rule.network.version == version]
+    source = f"-s {context.guest_ip6}/128 " if version == 6 else ""  # v4 INPUT checks the source earlier
     return {
-        "operator": [_accept(rule) for rule in allowances.rules if rule.network.version == version],
+        "operator_input": [line for rule in operator
+                           for line in rule_lines("INPUT", rule, "ACCEPT", f"-i {context.guest_iface} {source}")],
+        "operator_forward": [line for rule in operator for line in rule_lines("FORWARD", rule, "ACCEPT")],
         "denied": list(dict.fromkeys(denied)),
-        "accepts": [_accept(rule) for rule in policy.network_rules if rule.network.version == version],
+        "accepts": [line for rule in policy.network_rules if rule.network.version == version
+                    for line in rule_lines("FORWARD", rule, "ACCEPT")],
     }
-
-
-def _accept(rule: Rule) -> _Accept:
-    return _accept_for(rule.network, rule.protocol, rule.ports)
-
-
-def _accept_for(network: Network, protocol: str, ports: frozenset[int]) -> _Accept:
-    return _Accept(str(network), protocol, tuple(port_groups(ports)))
 
 
 def port_groups(ports: Iterable[int]) -> list[str]:

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from policy.render import DENIED_CHAIN, DENIED_LOG_PREFIX, LOG_LIMIT, OperatorAllowances, rule_lines
+from policy.render import DENIED_CHAIN, OperatorAllowances, denied_chain_lines, rule_lines
 from runner.net import addresses, netns
 
 POLICY_TABLES = frozenset({"filter"})
@@ -153,16 +153,13 @@ def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:
 
 
 def _denied_chain() -> list[str]:
-    """Log, then drop: a job's summary shows that it tried the host or the metadata service.
+    """Log, then drop, as the policy's own MVC-DENIED chain does: a job's summary shows that it
+    tried the host or the metadata service.
 
     Broadcast, multicast and spoofed frames are dropped unlogged: they are not connection attempts,
     and a guest kernel sends some on its own.
     """
-    return [
-        f"-A {DENIED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {addresses.AUDIT_NFLOG_GROUP} "
-        f'--nflog-prefix "{DENIED_LOG_PREFIX}"',
-        f"-A {DENIED_CHAIN} -j DROP",
-    ]
+    return denied_chain_lines(addresses.AUDIT_NFLOG_GROUP)
 
 
 def masquerade() -> str:
