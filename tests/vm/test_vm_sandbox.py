@@ -107,6 +107,16 @@ def test_copy_in_and_out_directories(sandbox, tmp_path):
     assert "proj/out/link" in [name for name, why in report.skipped]
 
 
+def test_a_chatty_background_process_sends_nothing_after_its_exec_ended(sandbox):
+    """`server &` keeps the exec's pipes: its later output must not reach the host, which counts
+    frames for finished requests against a bound and destroys the VM past it."""
+    r = sandbox.exec("(while true; do echo tick; sleep 0.02; done) &")
+    assert r.exit_code == 0
+    time.sleep(1.0)
+    assert sandbox._vm.agent._stray == 0
+    assert sandbox.exec("echo still-here").stdout == b"still-here\n"
+
+
 def test_read_of_missing_file_is_a_clear_error_and_the_sandbox_survives(sandbox):
     with pytest.raises(SandboxError, match="No such file"):
         sandbox.files.read("/nope")
