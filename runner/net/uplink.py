@@ -149,7 +149,7 @@ class HostUplink(Uplink):
             self._ipt("-t", table, "-I", hook, "-j", chain)
         (_, _, into_host), (_, _, through), (_, _, nat) = _hooks(prefix)
         for rule in allowances.rules:  # e.g. a caching proxy the operator runs on the host
-            if rule.network is not None and rule.network.version == 4:
+            if rule.network.version == 4:  # OperatorAllowances holds networks only
                 for line in rule_lines(into_host, rule, "ACCEPT", match=f"-i {slots} "):
                     self._ipt(*line.split())
         self._ipt("-A", into_host, "-i", slots, "-j", "DROP")
