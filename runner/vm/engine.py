@@ -119,7 +119,7 @@ class Engine:
         vm = self.pool.take(snapshot)
         try:
             if vm is None:
-                vm = self._restore(snapshot)
+                vm = self._restore(snapshot, identity=False)  # _claim gives it its identity
             vm.expires_at = started + ttl_seconds
             with self._vms_lock:
                 self._vms[vm.id] = vm
@@ -146,21 +146,23 @@ class Engine:
                 raise SandboxError(f"the egress policy could not be loaded into the VM's network: {exc}") from exc
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
-    def _restore(self, snapshot: Snapshot) -> VM:
+    def _restore(self, snapshot: Snapshot, identity: bool = True) -> VM:
         """Spawn, restore and resume a VM, and run the agent's paths once.
 
         Under TCG every clone starts with an empty translation cache, so the first answer from a
         restored guest costs 100-300 ms of translation; doing that here, before any job owns the VM,
         is what lets the warm pool hand out VMs that answer in milliseconds. A networked VM's slot
         denies all traffic from its creation until `_claim` loads the job's policy, so the guest
-        never runs unfiltered.
+        never runs unfiltered. `identity=False` skips the placeholder identity for a VM that is
+        claimed right away (a pool miss): `_claim` sends the real one.
         """
         vm = self._spawn(snapshot)
         try:
             vm.machine.restore(snapshot)
             vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken)
             vm.machine.resume()
-            vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
+            if identity:
+                vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
             vm.agent.exec({"argv": ["true"], "cwd": "/"}, lambda stream, data: None, timeout=READY_TIMEOUT_S)
         except BaseException:
             vm.destroy()

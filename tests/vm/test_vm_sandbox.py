@@ -138,6 +138,17 @@ def test_two_restores_differ_in_randomness_and_follow_the_host_clock(engine):
     assert seen[0] != seen[1]
 
 
+def test_a_pool_miss_sends_the_identity_once(make_engine, monkeypatch):
+    from runner.vm.agent import AgentClient
+
+    sent: list[str] = []
+    original = AgentClient.identity
+    monkeypatch.setattr(AgentClient, "identity", lambda self, hostname, **kw: (sent.append(hostname), original(self, hostname, **kw))[1])
+    with Sandbox.create(engine=make_engine(pool_size=0), job_id="miss") as sbx:
+        assert sbx.exec("hostname").stdout == b"miss\n"
+    assert sent == ["miss"]
+
+
 def test_a_file_written_in_one_vm_is_absent_from_the_next(engine):
     with Sandbox.create(engine=engine) as first:
         first.exec("echo secret > /workspace/left-behind; echo x > /root/also; sync")
