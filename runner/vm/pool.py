@@ -41,7 +41,12 @@ class WarmPool:
             vm.destroy()
 
     def refill(self, snapshot: Snapshot) -> None:
-        """Top up the pool for `snapshot` in the background (one filler per snapshot)."""
+        """Top up the pool for `snapshot` in the background (one filler per snapshot).
+
+        VMs ready for an older build of the same template and variant are ended: after a rebuild
+        (a new digest) no one asks for them again.
+        """
+        self._evict_older_builds(snapshot)
         if self.size <= 0:
             return
         with self._lock:
@@ -50,6 +55,14 @@ class WarmPool:
             filler = threading.Thread(target=self._fill, args=(snapshot,), name="pool-fill", daemon=True)
             self._filling[snapshot] = filler
         filler.start()
+
+    def _evict_older_builds(self, snapshot: Snapshot) -> None:
+        lineage = _lineage(snapshot)
+        with self._lock:
+            stale = [s for s in self._ready if s != snapshot and _lineage(s) == lineage]
+            evicted = [vm for s in stale for vm in self._ready.pop(s)]
+        for vm in evicted:
+            vm.destroy()
 
     def _fill(self, snapshot: Snapshot) -> None:
         try:
@@ -81,3 +94,11 @@ class WarmPool:
             self._ready.clear()
         for vm in entries:
             vm.destroy()
+
+
+def _lineage(snapshot: Snapshot) -> tuple:
+    """(template directory, variant) of a snapshot, whatever its digest.
+
+    Its files are <templates>/<name>/<digest>/<variant>/state.bin (vmimages.store)."""
+    variant_dir = snapshot.state_file.parent
+    return variant_dir.parent.parent, variant_dir.name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -66,3 +67,37 @@ def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
         assert engine._reaper.is_alive()
     finally:
         engine.shutdown()
+
+
+def snapshot_of(root, digest: str, variant: str = "nonet"):
+    from runner.vm.hypervisor import MachineConfig, Snapshot
+
+    vdir = root / "base" / digest / variant
+    config = MachineConfig(vdir / "vmlinuz", vdir / "initrd.img", "", 512, 1, variant == "net", "tcg")
+    return Snapshot(config=config, mem_file=vdir / "mem.ram", state_file=vdir / "state.bin", disk=vdir / "disk.img")
+
+
+def test_a_rebuilt_template_evicts_vms_pooled_for_the_old_build(tmp_path):
+    from runner.vm.pool import WarmPool
+
+    made: list[VM] = []
+    names = itertools.count()
+
+    def prepare(snapshot) -> VM:
+        vm = fake_vm(tmp_path / "vms", f"vm{next(names)}")
+        made.append(vm)
+        return vm
+
+    pool = WarmPool(prepare, size=1)
+    old, other_variant, new = snapshot_of(tmp_path, "d1"), snapshot_of(tmp_path, "d1", "net"), snapshot_of(tmp_path, "d2")
+    for snapshot in (old, other_variant):
+        pool.refill(snapshot)
+    deadline = time.monotonic() + 5
+    while (len(made) < 2 or pool._filling) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (stale,), (kept,) = pool._ready[old], pool._ready[other_variant]
+    pool.refill(new)
+    assert stale.destroyed and not kept.destroyed
+    assert pool.take(old) is None
+    assert pool.take(other_variant) is kept
+    pool.close()
