@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import reduce
 
-from policy.model import Network, Policy, Rule
+from policy.model import Network, Policy, Rule, host_matches
 
 
 def intersect(first: Policy, *others: Policy) -> Policy:
@@ -68,12 +68,9 @@ def intersect_hosts(a: str, b: str) -> str | None:
 
 
 def _host_within(inner: str, outer: str) -> bool:
-    """Whether every name `inner` admits is admitted by `outer`."""
-    if inner == outer:
-        return True
-    if not outer.startswith("*."):
-        return False
-    return inner.endswith(outer[1:])
+    """Whether every name `inner` admits is admitted by `outer`: a wildcard `inner` is matched like a
+    name, since `*.a.example.org` ends with `.example.org` exactly when `*.example.org` covers it."""
+    return inner == outer or host_matches(outer, inner)
 
 
 def intersect_networks(a: Network, b: Network) -> Network | None:
