@@ -8,7 +8,8 @@ Hits on always-denied destinations (the host, the metadata service, loopback) ar
 group tagged `DENIED_LOG_PREFIX`: they are recorded with reason "always-denied", which no policy can
 change, so the suggested policy leaves them out. The prefix comes from our rules, not the guest.
 The packets come from the guest, so every header is parsed with bounds and anything odd is skipped,
-and the rules log at most `policy.render.LOG_LIMIT` packets a second: under a flood, counts are lower bounds.
+and each logging rule logs at most `policy.render.LOG_LIMIT` packets a second (a few such rules per
+slot, see there): under a flood, counts are lower bounds.
 """
 
 from __future__ import annotations
