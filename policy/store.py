@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from policy.compose import intersect
@@ -22,37 +23,45 @@ from policy.load import load_policy
 from policy.model import DENY_ALL, Policy
 
 ORG_FILE = "_org.yml"
+Fallback = Callable[[], "Policy | None"]
 _OWNER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})")
 _REPO = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
 
 @dataclass(frozen=True)
 class PolicyStore:
-    directory: Path
+    directory: Path | None  # None: a service without a store, where only `fallback` can give a policy
 
-    def for_repository(self, repository: str) -> Policy:
+    def for_repository(self, repository: str, fallback: Fallback | None = None) -> Policy:
         """The repository's file intersected with the org default; the org default alone when the
-        repository has no file; deny-all when neither exists. Raises `PolicyError` when a store file
-        is invalid (the job must not run with a policy nobody meant) and `ValueError` for a name
-        that is not `owner/repo`."""
+        repository has no file; deny-all when neither exists. `fallback` (e.g. the repository's
+        own file on its default branch) is asked only when the store has no file for it, and
+        stands in for that file. Raises `PolicyError` when a file is invalid (the job must not
+        run with a policy nobody meant) and `ValueError` for a name that is not `owner/repo`."""
         owner, repo = split_repository(repository)
-        layers = [load_policy(path) for path in (self._org_file(), self._repository_file(owner, repo))
-                  if path is not None]
+        org, own = self._org_file(), self._repository_file(owner, repo)
+        layers = [load_policy(path) for path in (org, own) if path is not None]
+        if own is None and fallback is not None:
+            layers += [found for found in (fallback(),) if found is not None]
         return intersect(*layers) if layers else DENY_ALL
 
-    def for_job(self, repository: str, job_policy: str | None) -> Policy:
+    def for_job(self, repository: str, job_policy: str | None, fallback: Fallback | None = None) -> Policy:
         """The effective policy of one job: the repository's, narrowed by the YAML the job brought
         (the JobSpec's `policy` field). The job's text can only narrow, never widen."""
-        policy = self.for_repository(repository)
+        policy = self.for_repository(repository, fallback)
         if job_policy is None:
             return policy
         return intersect(policy, load_policy(job_policy, "job policy"))
 
     def _org_file(self) -> Path | None:
+        if self.directory is None:
+            return None
         path = self.directory / ORG_FILE
         return path if path.is_file() else None
 
     def _repository_file(self, owner: str, repo: str) -> Path | None:
+        if self.directory is None:
+            return None
         owner_dir = _find_casefold(self.directory, owner, want_dir=True)
         if owner_dir is None:
             return None

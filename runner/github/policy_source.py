@@ -1,10 +1,11 @@
-"""Where a repository's egress policy is read from: places the pull request cannot write to.
+"""A repository's egress policy file on its default branch: a place the pull request cannot write to.
 
-A pull request (from a fork above all) must not be able to widen its own egress, so the policy is
-either the service's own policy store or `.github/microvm-check.yml` on the repository's default
-branch as GitHub reports it. There is deliberately no parameter for a ref: no caller can ask for
-the PR head by mistake. Files are cached by blob sha (and their ETag, so an unchanged file costs a
-304 that does not count against the rate limit).
+A pull request (from a fork above all) must not be able to widen its own egress, so the file is
+`.github/microvm-check.yml` on the repository's default branch as GitHub reports it; the service
+consults it only for repositories its own policy store has no file for (`policy.PolicyStore`).
+There is deliberately no parameter for a ref: no caller can ask for the PR head by mistake. Files
+are cached by blob sha (and their ETag, so an unchanged file costs a 304 that does not count
+against the rate limit).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 # the policy loader's own limit: a file it would refuse is refused here before it is cached
 from policy.load import MAX_BYTES as MAX_POLICY_BYTES
@@ -26,47 +26,35 @@ POLICY_PATH = ".github/microvm-check.yml"
 BRANCH_TTL = 300.0  # a renamed default branch is picked up within five minutes
 
 
-class PolicyStoreLike(Protocol):
-    """The service's policy store (`policy.PolicyStore`): a repository's policy, or None if it has none."""
-
-    def for_repository(self, repository: str) -> Any | None: ...
-
-
 @dataclass(frozen=True)
 class Provenance:
     """Where a policy came from, for the job record and for error messages."""
 
     repository: str
     ref: str
-    sha: str | None
-    source: str  # "store" or "github"
+    sha: str
 
     def describe(self) -> str:
-        if self.source == "store":
-            return f"the service's policy store entry for {self.repository}"
         return f"{self.repository}:{POLICY_PATH}@{self.ref} (blob {self.sha})"
 
 
 @dataclass(frozen=True)
 class TrustedPolicy:
-    """Either a policy object from the store or YAML text from the default branch, never both."""
+    """The YAML text of the default branch's policy file and where it came from."""
 
     provenance: Provenance
-    text: str | None = None
-    policy: Any | None = None
+    text: str
 
 
 class PolicySource:
     def __init__(
         self,
         client: GitHubClient,
-        store: PolicyStoreLike | None = None,
         *,
         cache_size: int = 1024,
         clock: Clock = time.monotonic,
     ) -> None:
         self.client = client
-        self.store = store
         self.clock = clock
         self.cache_size = cache_size
         self._texts: OrderedDict[str, str] = OrderedDict()  # blob sha -> decoded YAML
@@ -75,14 +63,9 @@ class PolicySource:
         self._lock = threading.Lock()
 
     def for_repository(self, repository: str) -> TrustedPolicy | None:
-        """The repository's trusted policy, or None when neither place has one (the caller then
-        applies its default, which blocks everything)."""
+        """The default branch's policy file, or None when the repository has none."""
         if not REPOSITORY_RE.match(repository):
             raise GitHubError(f"{repository!r} is not an owner/repo name")
-        if self.store is not None:
-            stored = self.store.for_repository(repository)
-            if stored is not None:
-                return TrustedPolicy(Provenance(repository, "", None, "store"), policy=stored)
         with self._lock:  # the caches are shared by the service's threads; lookups are rare
             return self._from_branch(repository, self.default_branch(repository))
 
@@ -116,7 +99,7 @@ class PolicySource:
                 self._remember(sha, self._text(found))
         assert sha is not None  # a 304 is only possible for an ETag we stored with its sha
         self._texts.move_to_end(sha)
-        return TrustedPolicy(Provenance(repository, branch, sha, "github"), text=self._texts[sha])
+        return TrustedPolicy(Provenance(repository, branch, sha), text=self._texts[sha])
 
     def _text(self, found: RepoFile) -> str:
         where = f"{found.repository}:{found.path}@{found.ref}"

@@ -57,7 +57,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    service = JobService(config, default_sandbox_factory(config.state_dir))
+    try:
+        service = JobService(config, default_sandbox_factory(config.state_dir))
+    except ValueError as exc:  # e.g. unreadable GitHub App settings
+        raise UserError(f"{args.config}: {exc}") from exc
     try:
         engine = start_engine(config)  # it sweeps a crashed predecessor's VMs now, not at the first job
     except ValueError as exc:

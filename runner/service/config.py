@@ -89,6 +89,7 @@ class ServiceConfig:
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
     logs: LogLimits = field(default_factory=LogLimits)
     policy_dir: Path | None = None
+    github_config: Path | None = None  # App settings: policies from the repositories' default branches
     retention: Retention = field(default_factory=Retention)
     prewarm: Prewarm = field(default_factory=Prewarm)
     network: Network = field(default_factory=Network)
@@ -279,6 +280,7 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
     prewarm = top.section("prewarm")
     network = top.section("network")
     policy_dir = top.string("policy_dir", None)
+    github_config = top.string("github_config", None)
     config = ServiceConfig(
         socket=top.string("socket", DEFAULT_SOCKET),
         socket_group=top.string("socket_group", None),
@@ -305,6 +307,7 @@ def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path
             max_entry_bytes=logs.size("max_entry_bytes", 64 * 1024),
         ),
         policy_dir=(base / policy_dir).resolve() if policy_dir else None,
+        github_config=(base / github_config).resolve() if github_config else None,
         retention=Retention(
             days=retention.number("days", 14.0, 0, float),
             max_records=retention.number("max_records", 10000, 1),

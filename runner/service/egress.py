@@ -1,9 +1,12 @@
 """Which egress a job's VM gets: the repository's policy, narrowed by the job's own.
 
 A job's policy comes from the pull request itself, so it may only narrow what the operator allowed
-the repository (`policy.intersect`); it can never widen it. Without a policy store a served
-repository gets nothing (deny all). Only `microvm-check run` on the operator's own checkout trusts
-the job's policy as given, because there the operator wrote it.
+the repository (`policy.intersect`); it can never widen it. The repository's policy is the
+operator's store file for it or, when the store has none and the service has GitHub App settings,
+`.github/microvm-check.yml` on the repository's default branch (never the pull request's head);
+either is intersected with the store's org default. With neither, a served repository gets
+nothing (deny all). Only `microvm-check run` on the operator's own checkout trusts the job's
+policy as given, because there the operator wrote it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import policy
 from policy.model import DENY_ALL, Policy
+from runner.github.errors import GitHubError
+from runner.github.policy_source import POLICY_PATH, PolicySource
 
 
 class EgressPolicyError(ValueError):
@@ -23,14 +28,22 @@ class EgressPolicyError(ValueError):
 class EgressPolicies:
     policy_dir: Path | None
     trust_job_policy: bool = False
+    branch_files: PolicySource | None = None  # the repositories' own files on their default branches
 
     def effective(self, repository: str, job_policy: str | None) -> Policy:
-        """The job's policy: raises EgressPolicyError for a job policy (or a store file) that does not load."""
+        """The job's policy: raises EgressPolicyError for a policy that does not load or cannot be read."""
         try:
             if self.trust_job_policy:
                 return policy.load_policy(job_policy, "job policy") if job_policy is not None else DENY_ALL
-            if self.policy_dir is None:  # no store: the repository gets nothing, the job can only narrow that
-                return DENY_ALL if job_policy is None else policy.intersect(DENY_ALL, policy.load_policy(job_policy, "job policy"))
-            return policy.PolicyStore(self.policy_dir).for_job(repository, job_policy)
+            fallback = (lambda: self._from_branch(repository)) if self.branch_files is not None else None
+            return policy.PolicyStore(self.policy_dir).for_job(repository, job_policy, fallback)
         except (policy.PolicyError, ValueError) as exc:
             raise EgressPolicyError(f"policy: {exc}") from exc
+        except GitHubError as exc:
+            raise EgressPolicyError(f"policy: cannot read {repository}'s {POLICY_PATH} from GitHub ({exc}); "
+                                    "retry, or give the repository a file in the service's policy store") from exc
+
+    def _from_branch(self, repository: str) -> Policy | None:
+        assert self.branch_files is not None
+        found = self.branch_files.for_repository(repository)
+        return None if found is None else policy.load_policy(found.text, found.provenance.describe())

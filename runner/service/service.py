@@ -88,12 +88,26 @@ def start_engine(config: ServiceConfig) -> EngineHandle:
         raise ValueError(f"the VM engine could not start on {config.state_dir}: {exc}") from exc
 
 
+def _branch_files(config: ServiceConfig) -> Any:
+    """The repositories' own policy files, read as the org's GitHub App; None without App settings."""
+    if config.github_config is None:
+        return None
+    from runner.github.config import load_settings
+    from runner.github.errors import GitHubError
+    from runner.github.policy_source import PolicySource
+
+    try:
+        return PolicySource(load_settings(config.github_config).app().as_installation)
+    except GitHubError as exc:
+        raise ValueError(f"github_config: {exc}") from exc
+
+
 class JobService:
     def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory | None = None,
                  policies: EgressPolicies | None = None) -> None:
         self.config = config
         self._create = create_sandbox or default_sandbox_factory()
-        self.policies = policies or EgressPolicies(config.policy_dir)
+        self.policies = policies or EgressPolicies(config.policy_dir, branch_files=_branch_files(config))
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)

@@ -1,4 +1,5 @@
-"""The trusted policy source: the store, or the default branch's file, cached by blob sha."""
+"""The trusted policy source: the default branch's file, cached by blob sha (the store comes first:
+tests/service/test_egress.py)."""
 
 from __future__ import annotations
 
@@ -47,16 +48,6 @@ def repository_answer() -> dict:
     return load_payload("listendev-lstn.pull_request.opened.from-fork.json")["repository"]
 
 
-class Store:
-    def __init__(self, policies: dict) -> None:
-        self.policies = policies
-        self.asked: list[str] = []
-
-    def for_repository(self, repository: str):
-        self.asked.append(repository)
-        return self.policies.get(repository)
-
-
 @responses.activate
 def test_policy_comes_from_the_default_branch(client, operations, repository_answer) -> None:
     responses.get(f"{API}/repos/{REPO}", json=repository_answer)
@@ -64,9 +55,8 @@ def test_policy_comes_from_the_default_branch(client, operations, repository_ans
     responses.get(CONTENTS, json=file_answer(operations, data), headers={"ETag": '"v1"'},
                   match=[matchers.query_param_matcher({"ref": "main"})])
     found = PolicySource(client).for_repository(REPO)
-    assert found.text == POLICY and found.policy is None
+    assert found.text == POLICY
     assert (found.provenance.repository, found.provenance.ref, found.provenance.sha) == (REPO, "main", blob_sha(data))
-    assert found.provenance.source == "github"
     assert "listendev/lstn:.github/microvm-check.yml@main" in found.provenance.describe()
 
 
@@ -103,22 +93,6 @@ def test_no_policy_file_means_none(client, repository_answer) -> None:
     responses.get(f"{API}/repos/{REPO}", json=repository_answer)
     responses.get(CONTENTS, status=404, json={"message": "Not Found"})
     assert PolicySource(client).for_repository(REPO) is None
-
-
-@responses.activate
-def test_the_store_comes_first_and_github_is_not_asked(client) -> None:
-    store = Store({REPO: "stored policy object"})
-    found = PolicySource(client, store).for_repository(REPO)
-    assert found.policy == "stored policy object" and found.text is None
-    assert found.provenance.source == "store" and store.asked == [REPO]
-    assert len(responses.calls) == 0
-
-
-@responses.activate
-def test_repository_without_store_entry_falls_back_to_github(client, operations, repository_answer) -> None:
-    responses.get(f"{API}/repos/{REPO}", json=repository_answer)
-    responses.get(CONTENTS, json=file_answer(operations, POLICY.encode()))
-    assert PolicySource(client, Store({})).for_repository(REPO).text == POLICY
 
 
 @responses.activate

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from pathlib import Path
 
 import pytest
+import responses
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from service_fakes import FakeEngine, checkout_tar, prints, spec
 
 from policy import DENY_ALL, load_policy
+from runner.github.client import GitHubClient
+from runner.github.policy_source import PolicySource
 from runner.service.egress import EgressPolicies, EgressPolicyError
+from tests.github.github_fakes import (API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, TOKEN_OP, example,
+                                       load_operations, load_payload)
 from runner.service.service import JobError
 
 REPO_POLICY = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n  - host: files.pythonhosted.org\n    ports: [443]\n"
@@ -77,3 +86,91 @@ def test_invalid_job_policy_is_a_400(make_service, store: Path) -> None:
     with pytest.raises(JobError) as err:
         service.submit(spec("ok", policy="version: 1\nallow:\n  - host: x\n    ports: [70000]\n"))
     assert err.value.status == 400 and "job policy" in str(err.value)
+
+
+BRANCH_POLICY = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n  - host: github.com\n    ports: [443]\n"
+BRANCH_REPO = "listendev/lstn"  # the repository of the real pull request payloads
+BRANCH_FILE = f"{API}/repos/{BRANCH_REPO}/contents/.github/microvm-check.yml"
+
+
+def branch_file(text: str) -> dict:
+    """The documented contents answer for a file, carrying `text`."""
+    body = example(load_operations(), CONTENTS_OP, "200", CONTENTS_FILE)
+    data = text.encode()
+    body.update(content=base64.b64encode(data).decode(), size=len(data),
+                sha=hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+                name="microvm-check.yml", path=".github/microvm-check.yml")
+    return body
+
+
+def on_github(text: str | None) -> None:
+    """GitHub as the service sees it: the repository (from a real delivery) and its policy file."""
+    repository = load_payload("listendev-lstn.pull_request.opened.from-fork.json")["repository"]
+    responses.get(f"{API}/repos/{BRANCH_REPO}", json=repository)
+    if text is None:
+        responses.get(BRANCH_FILE, status=404, json={"message": "Not Found"})
+    else:
+        responses.get(BRANCH_FILE, json=branch_file(text))
+
+
+def branch_source() -> PolicySource:
+    return PolicySource(GitHubClient(lambda: "ghs_installation_token", sleep=lambda _: None))
+
+
+@responses.activate
+def test_the_store_comes_first_and_github_is_not_asked(tmp_path: Path) -> None:
+    (tmp_path / "listendev").mkdir()
+    (tmp_path / "listendev" / "lstn.yml").write_text(REPO_POLICY)
+    policies = EgressPolicies(tmp_path, branch_files=branch_source())
+    assert policies.effective(BRANCH_REPO, None) == load_policy(REPO_POLICY)
+    assert len(responses.calls) == 0
+
+
+@responses.activate
+def test_without_a_store_file_the_default_branch_file_applies_within_the_org_default(tmp_path: Path) -> None:
+    (tmp_path / "_org.yml").write_text(REPO_POLICY)  # pypi.org and files.pythonhosted.org
+    on_github(BRANCH_POLICY)  # pypi.org and github.com
+    policies = EgressPolicies(tmp_path, branch_files=branch_source())
+    effective = policies.effective(BRANCH_REPO, None)
+    assert effective.allows(443, "tcp", name="pypi.org")
+    assert not effective.allows(443, "tcp", name="github.com")  # the org default does not allow it
+    assert not effective.allows(443, "tcp", name="files.pythonhosted.org")  # the repository does not ask for it
+    assert EgressPolicies(None, branch_files=branch_source()).effective(BRANCH_REPO, NARROWER) == load_policy(NARROWER)
+
+
+@responses.activate
+def test_a_repository_without_any_policy_file_gets_nothing(tmp_path: Path) -> None:
+    on_github(None)
+    assert EgressPolicies(None, branch_files=branch_source()).effective(BRANCH_REPO, WIDER) == DENY_ALL
+
+
+@responses.activate
+def test_github_failing_is_a_clear_policy_error(tmp_path: Path) -> None:
+    responses.get(f"{API}/repos/{BRANCH_REPO}", status=404, json={"message": "Not Found"})
+    unreadable = r"cannot read listendev/lstn's \.github/microvm-check\.yml from GitHub.*install the App"
+    with pytest.raises(EgressPolicyError, match=unreadable):
+        EgressPolicies(None, branch_files=branch_source()).effective(BRANCH_REPO, None)
+    on_github("version: 1\nallow: 7\n")
+    with pytest.raises(EgressPolicyError, match=r"listendev/lstn:\.github/microvm-check\.yml@main"):
+        EgressPolicies(None, branch_files=branch_source()).effective(BRANCH_REPO, None)
+
+
+@responses.activate
+def test_the_service_reads_policies_from_default_branches_with_its_app(make_service, engine: FakeEngine,
+                                                                       tmp_path: Path) -> None:
+    """End to end: service config github_config -> App token -> the default branch's file -> the job's VM."""
+    key = tmp_path / "app.pem"
+    key.write_bytes(rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    settings = tmp_path / "github.yml"
+    settings.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
+    token = example(load_operations(), TOKEN_OP, "201") | {"expires_at": "2100-01-01T00:00:00Z"}
+    responses.post(f"{API}/app/installations/{INSTALLATION_ID}/access_tokens", json=token, status=201)
+    on_github(BRANCH_POLICY)
+    engine.programs["ok"] = prints(b"")
+    service = make_service(github_config=str(settings), network={"enabled": True})
+
+    rec = service.submit(spec("ok", repository=BRANCH_REPO))
+
+    assert rec.policy_digest == load_policy(BRANCH_POLICY).digest()
+    assert responses.calls[-1].request.headers["Authorization"] == f"Bearer {token['token']}"
