@@ -35,11 +35,13 @@ MAX_TCP_QUERY_BYTES = 4096
 MAX_ANSWERS = 16
 MAX_OPENED_ADDRESSES = 256
 MAX_REFUSED_NAMES = 1024
-# Per slot, UDP and TCP together. Every slot shares the loop's few workers, so the cap stays below
-# their number: one flooding guest always leaves a worker for the other VMs. Several hostile guests
+# Per slot, UDP and TCP together: enough for a job's parallel lookups (glibc asks A and AAAA at
+# once, package managers resolve several hosts), since a dropped query costs the guest a 5 s retry.
+# Every slot shares the loop's workers, so the cap stays below their number: one flooding guest
+# always leaves workers for the other VMs. Several hostile guests
 # together can still occupy every worker, but each query holds one for at most TCP_READ_TIMEOUT
 # plus the upstream's timeout, so the others' lookups are delayed, never stalled for good.
-MAX_IN_FLIGHT = 3
+MAX_IN_FLIGHT = 8
 MAX_TTL = 300
 MAX_CNAME_HOPS = 8
 TCP_READ_TIMEOUT = 2.0  # for a whole TCP query, not per recv: trickled bytes cannot hold a worker longer

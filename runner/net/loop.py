@@ -21,7 +21,7 @@ Callback = Callable[[socket.socket], None]
 class NetLoop:
     """A selector thread plus a small worker pool for blocking follow-up work."""
 
-    def __init__(self, workers: int = 4) -> None:
+    def __init__(self, workers: int = 16) -> None:  # more than dns.MAX_IN_FLIGHT: see there
         self.workers = workers
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
