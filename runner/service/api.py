@@ -54,13 +54,7 @@ def read_chunked(rfile: Any) -> Iterator[bytes]:
             raise BodyFramingError("negative chunk size")
         if size == 0:
             break
-        left = size
-        while left:
-            data = rfile.read(min(left, _CHUNK))
-            if not data:
-                raise BodyFramingError("the body ended inside a chunk")
-            left -= len(data)
-            yield data
+        yield from read_sized(rfile, size, "the body ended inside a chunk")
         if rfile.readline(_MAX_CHUNK_LINE + 1).strip():
             raise BodyFramingError("missing CRLF after a chunk")
     for _ in range(64):  # trailers
@@ -70,12 +64,12 @@ def read_chunked(rfile: Any) -> Iterator[bytes]:
     raise BodyFramingError("too many trailer lines")
 
 
-def read_sized(rfile: Any, length: int) -> Iterator[bytes]:
+def read_sized(rfile: Any, length: int, short: str = "the body ended before Content-Length bytes") -> Iterator[bytes]:
     left = length
     while left:
         data = rfile.read(min(left, _CHUNK))
         if not data:
-            raise BodyFramingError("the body ended before Content-Length bytes")
+            raise BodyFramingError(short)
         left -= len(data)
         yield data
 
@@ -104,7 +98,7 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             return iter(())
-        if not length.isdigit():
+        if not _decimal(length):
             raise BodyFramingError("invalid Content-Length")
         return read_sized(self.rfile, int(length))
 
@@ -250,9 +244,14 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, h
     if not values:
         return default
     value = values[-1]
-    if not value.isdigit() or not low <= int(value) <= high:
+    if not _decimal(value) or not low <= int(value) <= high:
         raise JobError(400, f"query parameter {name}: expected an integer between {low} and {high}, got {value!r}")
     return int(value)
+
+
+def _decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts e.g. "²", which int() then refuses."""
+    return text.isascii() and text.isdigit()
 
 
 class _BoundedThreading(socketserver.ThreadingMixIn):

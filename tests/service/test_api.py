@@ -120,6 +120,10 @@ def test_protocol_errors(api) -> None:
     assert raw(path, bad_query).startswith(b"HTTP/1.1 400")
     huge = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n" + b" " * 2000000
     assert raw(path, huge).startswith(b"HTTP/1.1 413")
+    superscript = "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\nConnection: close\r\n\r\n"
+    assert raw(path, superscript.encode("latin-1")).startswith(b"HTTP/1.1 400")  # a digit to str.isdigit()
+    odd_query = f"GET /v1/jobs/{job}/logs?after=\u00b2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    assert raw(path, odd_query.encode()).startswith(b"HTTP/1.1 400")
 
 
 def test_tcp_needs_the_token(make_service) -> None:
