@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import socket
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -112,7 +112,7 @@ def _install_guard(args: argparse.Namespace) -> None:
     if args.runner_dir is None:
         print(f"then refuse untrusted fork workflows: save this as a script and set {hook.HOOK_VARIABLE}=<its path>")
         print("in the runner's .env (or pass --runner-dir to have it done):")
-        print(f"  #!/bin/sh\n  exec {shlex.join(argv)}")
+        print(textwrap.indent(hook.hook_script(argv), "  "), end="")
         return
     if not args.runner_dir.is_dir():
         raise GitHubError(f"--runner-dir {args.runner_dir} is not a directory: unpack the actions/runner release there")

@@ -3,6 +3,13 @@
 The actions runner reads `.env` in its own directory at start, and runs the script named by
 `ACTIONS_RUNNER_HOOK_JOB_STARTED` before the first step of every job; a non-zero exit fails the job.
 Registration installs the guard there, so no job reaches this host's runner unchecked.
+
+The runner starts the hook in the job's workspace, which on a long-lived runner still holds the
+previous job's checkout: possibly a fork's. A plain `python -m runner.cli` there would import a
+committed `runner/cli.py` or `sitecustomize.py` from it, on the host, before any check. So the
+script leaves that directory first, drops every `PYTHON*` variable, and runs the interpreter by
+absolute path with `-I` (no current or script directory on `sys.path`, `PYTHON*` ignored, no user
+site-packages): nothing the job controls decides what code the hook runs.
 """
 
 from __future__ import annotations
@@ -13,13 +20,32 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from runner.github.errors import GitHubError
+
 HOOK_VARIABLE = "ACTIONS_RUNNER_HOOK_JOB_STARTED"
 HOOK_SCRIPT = "microvm-check-guard.sh"
+# POSIX sh, builtins only (no PATH lookup before the exec). `set -f`: the unquoted `export -p`
+# words must not be globbed. A word is unset only when it looks like `PYTHON<name>=`: a variable's
+# value split into words can at worst name another PYTHON* variable, which is unset as well.
+ISOLATION = """\
+set -f
+cd / || exit 1
+for word in $(export -p); do
+  name=${word%%=*}
+  case $word in PYTHON*=*) case $name in *[!A-Za-z0-9_]*) ;; *) unset "$name" ;; esac ;; esac
+done
+"""
 
 
 def guard_argv(config: Path | None, rules: Path | None) -> list[str]:
-    """This interpreter running this code base's CLI, so the hook works without a PATH."""
-    argv = [sys.executable, "-m", "runner.cli", "guard"]
+    """This interpreter, isolated (`-I`), running this code base's CLI; every path absolute, so
+    the hook works without a PATH and whatever its working directory."""
+    if not os.path.isabs(sys.executable):
+        raise GitHubError(
+            f"cannot tell this Python's absolute path ({sys.executable!r}): run microvm-check register "
+            "with the installation's own interpreter, e.g. /opt/microvm-check/.venv/bin/microvm-check"
+        )
+    argv = [sys.executable, "-I", "-m", "runner.cli", "guard"]
     if config:
         argv += ["--config", str(config.resolve())]
     if rules:
@@ -27,18 +53,28 @@ def guard_argv(config: Path | None, rules: Path | None) -> list[str]:
     return argv
 
 
+def hook_script(argv: Sequence[str]) -> str:
+    """The hook's text: leave the workspace, clear `PYTHON*`, then exec `argv` (absolute)."""
+    if not argv or not os.path.isabs(argv[0]):
+        raise GitHubError(f"the hook's command must start with an absolute path, not {argv[:1]!r}")
+    header = (
+        "#!/bin/sh\n# Installed by `microvm-check register`: see runner/github/hook.py.\n"
+        "# Runs in the job's workspace, which a fork may have filled: leave it, trust nothing in it.\n"
+    )
+    return f"{header}{ISOLATION}exec {shlex.join(argv)}\n"
+
+
 def install_guard_hook(runner_dir: Path, argv: Sequence[str]) -> Path:
     """Write the hook script and point the runner's `.env` at it; returns the script's path.
 
     Other `.env` settings are kept; an older hook setting is replaced, never duplicated.
     """
-    script = runner_dir / HOOK_SCRIPT
-    header = "#!/bin/sh\n# Installed by `microvm-check register`: see runner/github/guard.py.\n"
-    _write(script, f"{header}exec {shlex.join(argv)}\n", 0o755)
+    script = runner_dir.resolve() / HOOK_SCRIPT
+    _write(script, hook_script(argv), 0o755)
     env_file = runner_dir / ".env"
     lines = env_file.read_text().splitlines() if env_file.exists() else []
     kept = [line for line in lines if not line.startswith(f"{HOOK_VARIABLE}=")]
-    _write(env_file, "\n".join([*kept, f"{HOOK_VARIABLE}={script.resolve()}"]) + "\n", 0o644)
+    _write(env_file, "\n".join([*kept, f"{HOOK_VARIABLE}={script}"]) + "\n", 0o644)
     return script
 
 
