@@ -18,11 +18,15 @@ MAX_POLICY_BYTES = 64 * 1024
 MAX_ENV = 128
 MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_ARTIFACT_GLOBS = 64
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no guest path is longer
+MAX_RUN_ID = 2**63 - 1  # run ids and attempts are stored in SQLite, whose integers are signed 64-bit
 
-_REPOSITORY = re.compile(r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
-_SHA = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# fullmatch, not `$`: `$` also matches before a trailing newline, so "<sha>\n" would pass.
+_REPOSITORY = re.compile(r"[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}")
+_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _SHORT_TEXT = 256
+_SHOWN = 80  # how much of a refused value an error message repeats: errors never echo unbounded input
 # Never forwarded whatever the allowlist says: these name credentials, and the guest is hostile.
 ENV_DENYLIST = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*", "*_KEY", "ACTIONS_*")
 
@@ -56,41 +60,60 @@ class JobSpec:
         return "/workspace" if rel in ("", ".") else f"/workspace/{rel}"
 
 
+def _show(value: Any) -> str:
+    """A refused value for an error message, cut short: the client may have sent megabytes."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+def checked_text(value: Any, where: str, limit: int) -> str:
+    """A string that is valid UTF-8 (JSON may carry lone surrogates such as "\\ud800", which no file,
+    database or guest can take), holds no NUL (it would cut a path or a command short) and fits `limit` bytes."""
+    if not isinstance(value, str):
+        raise SpecError(f"{where}: expected a string, got {type(value).__name__}")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise SpecError(f"{where}: not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    if size > limit:
+        raise SpecError(f"{where}: longer than {limit} bytes")
+    if "\x00" in value:
+        raise SpecError(f"{where}: contains a NUL byte")
+    return value
+
+
 def _text(data: dict[str, Any], key: str, default: str | None, limit: int = _SHORT_TEXT) -> str:
     value = data.get(key, default)
     if value is None:
         raise SpecError(f"{key}: required")
-    if not isinstance(value, str):
-        raise SpecError(f"{key}: expected a string, got {type(value).__name__}")
-    if len(value.encode()) > limit:
-        raise SpecError(f"{key}: longer than {limit} bytes")
-    if "\x00" in value:
-        raise SpecError(f"{key}: contains a NUL byte")
-    return value
+    return checked_text(value, key, limit)
 
 
-def _int(data: dict[str, Any], key: str, minimum: int, maximum: int | None = None) -> int | None:
+def _int(data: dict[str, Any], key: str, minimum: int, maximum: int) -> int | None:
+    """An optional integer within [minimum, maximum]: every integer from a client has both bounds."""
     value = data.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{key}: expected an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise SpecError(f"{key}: must be between {minimum} and {maximum}, got {value}")
+        raise SpecError(f"{key}: expected an integer, got {_show(value)}")
+    if not minimum <= value <= maximum:
+        shown = value if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+        raise SpecError(f"{key}: must be between {minimum} and {maximum}, got {shown}")
     return value
 
 
 def relative_path(value: str, where: str, allow_glob: bool = False) -> str:
     """A guest path relative to the checkout; refuses absolute paths and `..` so it stays in /workspace."""
+    checked_text(value, where, MAX_PATH_BYTES)
     if not value or value.startswith("/") or "\\" in value:
-        raise SpecError(f"{where}: expected a relative path inside the checkout, got {value!r}")
+        raise SpecError(f"{where}: expected a relative path inside the checkout, got {_show(value)}")
     parts = value.split("/")
     if ".." in parts:
-        raise SpecError(f"{where}: '..' is not allowed, got {value!r}")
+        raise SpecError(f"{where}: '..' is not allowed, got {_show(value)}")
     if not allow_glob and any(c in value for c in "*?["):
-        raise SpecError(f"{where}: wildcards are not allowed here, got {value!r}")
-    if any(ord(c) < 32 for c in value):
-        raise SpecError(f"{where}: control characters in {value!r}")
+        raise SpecError(f"{where}: wildcards are not allowed here, got {_show(value)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise SpecError(f"{where}: control characters in {_show(value)}")
     return value
 
 
@@ -101,16 +124,17 @@ def env_allowed(name: str, allowlist: tuple[str, ...]) -> bool:
 
 
 def _env(data: dict[str, Any], allowlist: tuple[str, ...]) -> dict[str, str]:
-    env = data.get("env") or {}
+    env = data.get("env")
+    if env is None:
+        return {}
     if not isinstance(env, dict):
         raise SpecError("env: expected a mapping of NAME: value")
     if len(env) > MAX_ENV:
         raise SpecError(f"env: more than {MAX_ENV} variables")
     for name, value in env.items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise SpecError(f"env: {name!r} is not a valid variable name")
-        if not isinstance(value, str) or "\x00" in value or len(value.encode()) > MAX_ENV_VALUE_BYTES:
-            raise SpecError(f"env.{name}: expected a string without NUL of at most {MAX_ENV_VALUE_BYTES} bytes")
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise SpecError(f"env: {_show(name)} is not a valid variable name")
+        checked_text(value, f"env.{name}", MAX_ENV_VALUE_BYTES)
         if not env_allowed(name, allowlist):
             raise SpecError(
                 f"env.{name}: not forwarded to the guest; the service allows {', '.join(allowlist)} "
@@ -120,7 +144,9 @@ def _env(data: dict[str, Any], allowlist: tuple[str, ...]) -> dict[str, str]:
 
 
 def _artifacts(data: dict[str, Any]) -> tuple[str, ...]:
-    globs = data.get("artifacts") or []
+    globs = data.get("artifacts")
+    if globs is None:
+        return ()
     if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
         raise SpecError("artifacts: expected a list of path globs")
     if len(globs) > MAX_ARTIFACT_GLOBS:
@@ -131,21 +157,23 @@ def _artifacts(data: dict[str, Any]) -> tuple[str, ...]:
 def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError("the body must be a JSON object (a JobSpec)")
-    unknown = sorted(set(data) - {f for f in JobSpec.__dataclass_fields__})
+    unknown = [key for key in data if key not in JobSpec.__dataclass_fields__]
     if unknown:
-        raise SpecError(f"{unknown[0]}: unknown field")
+        key = unknown[0]
+        name = key if isinstance(key, str) and key.isprintable() and len(key) <= _SHOWN else _show(key)
+        raise SpecError(f"{name}: unknown field")
     repository = _text(data, "repository", None)
-    if not _REPOSITORY.match(repository):
-        raise SpecError(f"repository: expected owner/name, got {repository!r}")
+    if not _REPOSITORY.fullmatch(repository):
+        raise SpecError(f"repository: expected owner/name, got {_show(repository)}")
     sha = _text(data, "sha", None)
-    if not _SHA.match(sha):
-        raise SpecError(f"sha: expected a lowercase hex commit id, got {sha!r}")
+    if not _SHA.fullmatch(sha):
+        raise SpecError(f"sha: expected a lowercase hex commit id, got {_show(sha)}")
     command = _text(data, "command", None, MAX_COMMAND_BYTES)
     if not command.strip():
         raise SpecError("command: must not be empty")
     template = _text(data, "template", config.default_template)
     if template not in config.templates:
-        raise SpecError(f"template: {template!r} is not offered here; choose one of {', '.join(config.templates)}")
+        raise SpecError(f"template: {_show(template)} is not offered here; choose one of {', '.join(config.templates)}")
     policy = data.get("policy")
     if policy is not None:
         policy = _text(data, "policy", None, MAX_POLICY_BYTES)
@@ -158,8 +186,8 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         runner_name=_text(data, "runner_name", ""),
         ref=_text(data, "ref", ""),
         event=_text(data, "event", ""),
-        run_id=_int(data, "run_id", 0),
-        run_attempt=_int(data, "run_attempt", 1),
+        run_id=_int(data, "run_id", 0, MAX_RUN_ID),
+        run_attempt=_int(data, "run_attempt", 1, MAX_RUN_ID),
         working_directory=relative_path(_text(data, "working_directory", "."), "working_directory"),
         env=_env(data, config.env_allowlist),
         artifacts=_artifacts(data),

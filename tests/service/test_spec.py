@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,14 +70,51 @@ def test_env_allowlist_and_denylist(name: str, allowed: bool) -> None:
     assert env_allowed(name, ("CI", "GITHUB_*", "RUNNER_*")) is allowed
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"run_id": 2**63}, "run_id: must be between 0 and 9223372036854775807, got 9223372036854775808"),
+    ({"run_attempt": 2**63}, "run_attempt: must be between 1 and 9223372036854775807"),
+    ({"run_id": -1}, "run_id: must be between 0"),
+    ({"run_id": 10**400}, "run_id: must be between 0 and 9223372036854775807, got an integer of 1329 bits"),
+    ({"run_id": 1.5}, "run_id: expected an integer, got 1.5"),
+    ({"run_id": float("inf")}, "run_id: expected an integer, got inf"),
+    ({"command": "\ud800"}, "command: not valid Unicode text (a lone surrogate at character 0)"),
+    ({"command": "echo \x00"}, "command: contains a NUL byte"),
+    ({"env": {"CI": "\ud800"}}, "env.CI: not valid Unicode text"),
+    ({"env": {"CI": "a\x00b"}}, "env.CI: contains a NUL byte"),
+    ({"env": {"CI\n": "x"}}, "env: 'CI\\n' is not a valid variable name"),
+    ({"env": []}, "env: expected a mapping"),
+    ({"job_name": "\udfff"}, "job_name: not valid Unicode text"),
+    ({"working_directory": "sub/\ud800"}, "working_directory: not valid Unicode text"),
+    ({"artifacts": ["dist/\udc80.whl"]}, "artifacts[0]: not valid Unicode text"),
+    ({"artifacts": ["a" * 5000]}, "artifacts[0]: longer than 4096 bytes"),
+    ({"artifacts": ""}, "artifacts: expected a list"),
+    ({"sha": "a" * 40 + "\n"}, "sha: expected a lowercase hex commit id"),
+    ({"repository": "octo/hello\n"}, "repository: expected owner/name"),
+    ({"x" * 10_000: 1}, "unknown field"),
+])
+def test_out_of_range_and_malformed_text_are_spec_errors(fields: dict, message: str) -> None:
+    """Each of these used to pass validation and fail later, in SQLite or an encoder, as a 500."""
+    with pytest.raises(SpecError, match=re.escape(message)) as err:
+        parse_spec(spec(**fields), CONFIG)
+    assert len(str(err.value)) < 300  # the message never echoes the whole value back
+
+
+def test_the_largest_sqlite_integer_is_a_valid_run_id() -> None:
+    job = parse_spec(spec(run_id=2**63 - 1, run_attempt=2**63 - 1), CONFIG)
+    assert (job.run_id, job.run_attempt) == (2**63 - 1, 2**63 - 1)
+
+
+# Lone surrogates (category Cs) are what json.loads gives for "\ud800"; hypothesis leaves them out by default.
+any_text = st.text(st.characters(codec=None, categories=None), max_size=20)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    st.none() | st.booleans() | st.integers() | st.sampled_from([2**63 - 1, 2**63, -(2**63) - 1, 2**64])
+    | st.floats() | any_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
     max_leaves=12,
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.dictionaries(st.sampled_from(sorted(JobSpec.__dataclass_fields__) + ["x"]), json_values, max_size=8))
 def test_any_json_is_a_spec_or_a_spec_error(data: dict) -> None:
     try:
@@ -85,3 +124,8 @@ def test_any_json_is_a_spec_or_a_spec_error(data: dict) -> None:
     assert job.workdir.startswith("/workspace")
     assert ".." not in job.workdir.split("/")
     assert all(not g.startswith("/") and ".." not in g.split("/") for g in job.artifacts)
+    # what the service stores and sends to the guest: UTF-8 text and integers SQLite takes
+    texts = [job.repository, job.sha, job.command, job.job_name, job.runner_name, job.ref, job.event,
+             job.working_directory, job.template, job.policy or "", *job.env, *job.env.values(), *job.artifacts]
+    assert all(isinstance(t, str) and t.encode() for t in texts if t)
+    assert all(i is None or 0 <= i < 2**63 for i in (job.run_id, job.run_attempt))
