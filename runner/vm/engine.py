@@ -178,10 +178,11 @@ class Engine:
             overlay = vm_dir / "disk.qcow2"
             _make_overlay(snapshot.disk, overlay)
             prefix: tuple[str, ...] = ()
+            namespace = ""
             if snapshot.config.network:
                 slot = self.net.acquire()
-                prefix = tuple(slot.qemu_prefix())
-            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns_prefix=prefix)
+                prefix, namespace = tuple(slot.qemu_prefix()), slot.netns
+            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns_prefix=prefix, netns=namespace)
             machine = self.hv.spawn(snapshot, launch)
         except BaseException:
             if slot is not None:

@@ -50,6 +50,7 @@ class Launch:
     disk: Path  # the template disk itself (bake) or a per-VM overlay (restore)
     disk_format: str  # "raw" | "qcow2"
     netns_prefix: tuple[str, ...] = ()  # argv prefix that runs the VMM inside the VM's namespace
+    netns: str = ""  # that namespace's name: the host opens the VM's tap there
     console_log: Path | None = None
 
 

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shlex
+import os
 import shutil
 import socket
 import subprocess
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qemu.qmp import QMPClient, QMPError
 
-from runner.net.addresses import GUEST_MAC  # the same in every VM: each has its own namespace
+from runner.net import netns
+from runner.net.addresses import GUEST_MAC, TAP_NAME  # the same in every VM: each has its own namespace
+from runner.vm import cgroup, jail
 from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
 from vmimages.guest.protocol import PORT_NAME
 
@@ -45,7 +48,31 @@ def _opt_path(path: Path) -> str:
     return text
 
 
-def device_args(config: MachineConfig, mem_file: Path, share: bool, launch: Launch, bake: bool) -> list[str]:
+@dataclass
+class Backends:
+    """How QEMU reaches the files behind the machine model.
+
+    The bake (trusted, as root) names paths. A restored VM gets descriptors the host opened, named
+    `/proc/self/fd/N` or `fd=N`, so its unprivileged VMM needs no path into the state directory.
+    `fds` are passed to QEMU and closed in the host once it has them.
+    """
+
+    mem: str
+    share: bool
+    kernel: str
+    initrd: str
+    drive: str
+    netdev: str
+    serial: str = "null"
+    fds: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def device_args(config: MachineConfig, backends: Backends, bake: bool) -> list[str]:
     """The machine model: identical for the bake and every restore, except for backends."""
     cpu = "host" if config.accel == "kvm" else "qemu64"
     args = [
@@ -56,14 +83,14 @@ def device_args(config: MachineConfig, mem_file: Path, share: bool, launch: Laun
         "-m", f"{config.memory_mib}M",
         "-object",
         f"memory-backend-file,id=mem,size={config.memory_mib}M,"
-        f"mem-path={_opt_path(mem_file)},share={'on' if share else 'off'}",
+        f"mem-path={backends.mem},share={'on' if backends.share else 'off'}",
         "-nodefaults", "-no-user-config", "-display", "none", "-vga", "none", "-no-reboot",
-        "-kernel", _opt_path(config.kernel),
-        "-initrd", _opt_path(config.initrd),
+        "-sandbox", jail.SANDBOX,
+        "-kernel", backends.kernel,
+        "-initrd", backends.initrd,
         "-append", config.cmdline,
-        "-serial", f"file:{_opt_path(launch.console_log)}" if launch.console_log else "null",
-        "-drive",
-        f"file={_opt_path(launch.disk)},if=none,id=disk0,format={launch.disk_format},cache=unsafe",
+        "-serial", backends.serial,
+        "-drive", backends.drive,
         "-device", "virtio-blk-pci,drive=disk0",
         "-device", "virtio-serial-pci,id=vser0",
         "-device", f"virtserialport,bus=vser0.0,chardev=agent,name={PORT_NAME}",
@@ -74,10 +101,49 @@ def device_args(config: MachineConfig, mem_file: Path, share: bool, launch: Laun
         "-device", "virtio-rng-pci,rng=rng0",
     ]
     if config.network:
-        # The bake has no tap to attach to; the netdev backend is not part of the snapshot.
-        netdev = "hubport,id=net0,hubid=0" if bake else "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off"
-        args += ["-netdev", netdev, "-device", f"virtio-net-pci,netdev=net0,mac={GUEST_MAC}"]
+        args += ["-netdev", backends.netdev, "-device", f"virtio-net-pci,netdev=net0,mac={GUEST_MAC}"]
     return args
+
+
+def bake_backends(config: MachineConfig, mem_file: Path, launch: Launch) -> Backends:
+    """The bake's files by path; it has no tap to attach to (the netdev backend is not in the snapshot)."""
+    return Backends(
+        mem=_opt_path(mem_file),
+        share=True,
+        kernel=_opt_path(config.kernel),
+        initrd=_opt_path(config.initrd),
+        drive=f"file={_opt_path(launch.disk)},if=none,id=disk0,format={launch.disk_format},cache=unsafe",
+        netdev="hubport,id=net0,hubid=0",
+        serial=f"file:{_opt_path(launch.console_log)}" if launch.console_log else "null",
+    )
+
+
+def restore_backends(snapshot: Snapshot, launch: Launch, ram_fd: int, user: jail.VMUser) -> Backends:
+    """A restore's files as descriptors: the template's read-only, the RAM a sealed memfd (mapped
+    private), the VM's own overlay handed to the VM user, the tap opened in the VM's namespace."""
+    backends = Backends(mem="", share=False, kernel="", initrd="", drive="", netdev="")
+    try:
+        def hand(fd: int) -> str:
+            backends.fds.append(fd)
+            return jail.proc_fd(fd)
+
+        backends.mem = hand(os.dup(ram_fd))
+        backends.kernel = hand(os.open(snapshot.config.kernel, os.O_RDONLY | os.O_CLOEXEC))
+        backends.initrd = hand(os.open(snapshot.config.initrd, os.O_RDONLY | os.O_CLOEXEC))
+        base = hand(os.open(snapshot.disk, os.O_RDONLY | os.O_CLOEXEC))
+        overlay_fd = os.open(launch.disk, os.O_RDWR | os.O_CLOEXEC)
+        overlay = hand(overlay_fd)
+        os.fchown(overlay_fd, user.uid, user.gid)
+        backends.drive = (f"file={overlay},if=none,id=disk0,format={launch.disk_format},cache=unsafe,"
+                          f"backing.driver=raw,backing.file.filename={base}")
+        if snapshot.config.network:
+            tap = netns.run_in(launch.netns, lambda: jail.open_tap(TAP_NAME))
+            backends.fds.append(tap)
+            backends.netdev = f"tap,id=net0,fd={tap},vhost=off"
+    except BaseException:
+        backends.close()
+        raise
+    return backends
 
 
 class Monitor:
@@ -101,6 +167,12 @@ class Monitor:
         with self._lock:
             return self._run(self._client.execute(command, arguments or None))
 
+    def give_fd(self, fd: int, name: str) -> None:
+        """Hand QEMU an open file (SCM_RIGHTS) under `name`, for a `fd:<name>` migration URI."""
+        with self._lock:
+            self._client.send_fd_scm(fd)
+            self._run(self._client.execute("getfd", {"fdname": name}))
+
     def close(self) -> None:
         with self._lock:
             try:
@@ -111,35 +183,49 @@ class Monitor:
 
 
 class QemuMachine(Machine):
-    def __init__(self, argv: list[str], launch: Launch) -> None:
+    """A QEMU process, forked by the jail's long-lived spawner thread and confined to `group` if given."""
+
+    def __init__(self, argv: list[str], launch: Launch, backends: Backends, group: cgroup.VMCgroup | None = None) -> None:
         qmp_host, qmp_vm = socket.socketpair()
         agent_host, agent_vm = socket.socketpair()
         argv = argv + [
+            # The VM directory in the command line is how a later engine's sweep recognises this
+            # process (sweep.processes_under): all its files are descriptors, not paths.
+            "-name", f"guest={_opt_path(launch.vm_dir)}",
             "-chardev", f"socket,id=agent,fd={agent_vm.fileno()}",
             "-chardev", f"socket,id=qmp,fd={qmp_vm.fileno()}",
             "-mon", "chardev=qmp,mode=control",
         ]
-        self.argv = [*launch.netns_prefix, *argv]
+        self.argv = argv
+        self.group = group
         stderr = open(launch.vm_dir / "qemu.stderr", "wb")
         try:
-            self.proc = subprocess.Popen(
-                self.argv,
+            self.proc = jail.spawner().run(lambda: subprocess.Popen(
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
-                pass_fds=(agent_vm.fileno(), qmp_vm.fileno()),
+                pass_fds=(agent_vm.fileno(), qmp_vm.fileno(), *backends.fds),
                 start_new_session=True,  # a Ctrl-C aimed at the service is not aimed at its VMs
-            )
+            ))
         finally:
             stderr.close()
             agent_vm.close()
             qmp_vm.close()
+            backends.close()
         self.pid = self.proc.pid
         self.agent = agent_host
         self._qmp_sock = qmp_host
         self._qmp: Monitor | None = None
         self._qmp_lock = threading.Lock()
         self._stderr_path = launch.vm_dir / "qemu.stderr"
+        if group is not None:
+            try:
+                # The guest runs only after restore and `cont`, long after this: it never runs outside.
+                group.add(self.pid)
+            except OSError as exc:
+                self.kill()
+                raise VMError(f"cannot move QEMU into its cgroup: {exc}") from None
 
     def _monitor(self) -> Monitor:
         """QMP, connected on first use (a pooled QEMU may never need it before it is killed)."""
@@ -156,6 +242,16 @@ class QemuMachine(Machine):
             return self._monitor().execute(command, arguments)
         except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
             raise VMError(f"QMP {command} failed: {exc}{self._stderr_tail()}") from None
+
+    def _give_file(self, path: Path, flags: int, name: str) -> None:
+        """Open `path` here and hand QEMU the descriptor: with spawn=deny it cannot run `exec:cat`."""
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            self._monitor().give_fd(fd, name)
+        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise VMError(f"could not hand QEMU {path}: {exc}{self._stderr_tail()}") from None
+        finally:
+            os.close(fd)
 
     def _stderr_tail(self) -> str:
         try:
@@ -181,7 +277,8 @@ class QemuMachine(Machine):
 
     def restore(self, snapshot: Snapshot) -> None:
         self._ignore_shared()
-        self.qmp("migrate-incoming", uri="exec:cat " + shlex.quote(str(snapshot.state_file)))
+        self._give_file(snapshot.state_file, os.O_RDONLY, "state")
+        self.qmp("migrate-incoming", uri="fd:state")
         self._wait_migration()
 
     def resume(self) -> None:
@@ -190,7 +287,8 @@ class QemuMachine(Machine):
     def snapshot(self, state_file: Path) -> None:
         self._ignore_shared()
         self.qmp("stop")
-        self.qmp("migrate", uri="exec:cat > " + shlex.quote(str(state_file)))
+        self._give_file(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "state")
+        self.qmp("migrate", uri="fd:state")
         self._wait_migration()
 
     def alive(self) -> bool:
@@ -209,14 +307,24 @@ class QemuMachine(Machine):
             monitor.close()
         for sock in (self.agent, self._qmp_sock):
             sock.close()
+        if self.group is not None:
+            self.group.remove()
 
 
 class QemuHypervisor(Hypervisor):
+    """QEMU with seccomp everywhere; restored VMs also run as the VM user, in a cgroup of their own.
+
+    The bake boots our own template recipe (no job's code) as root: it must write the RAM file
+    it shares with the guest, which no restore may ever do.
+    """
+
     name = "qemu"
 
     def __init__(self) -> None:
         self.binary = qemu_binary()
         self._version: str | None = None
+        self._ram: dict[Path, int] = {}  # template RAM file -> its sealed memfd
+        self._ram_lock = threading.Lock()
 
     def version(self) -> str:
         if self._version is None:
@@ -225,9 +333,38 @@ class QemuHypervisor(Hypervisor):
         return self._version
 
     def boot(self, config: MachineConfig, mem_file: Path, launch: Launch) -> Machine:
-        args = device_args(config, mem_file, share=True, launch=launch, bake=True)
-        return QemuMachine([self.binary, *args], launch)
+        backends = bake_backends(config, mem_file, launch)
+        argv = [*launch.netns_prefix, *jail.drop_prefix(None), self.binary, *device_args(config, backends, bake=True)]
+        return QemuMachine(argv, launch, backends)
 
     def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
-        args = device_args(snapshot.config, snapshot.mem_file, share=False, launch=launch, bake=False)
-        return QemuMachine([self.binary, *args, "-incoming", "defer"], launch)
+        user = jail.vm_user()
+        backends = restore_backends(snapshot, launch, self._sealed_ram(snapshot.mem_file), user)
+        try:
+            args = device_args(snapshot.config, backends, bake=False)
+            argv = [*launch.netns_prefix, *jail.drop_prefix(user), self.binary, *args, "-incoming", "defer"]
+            config = snapshot.config
+            group = cgroup.VMCgroup.create(cgroup.scope_for(launch.vm_dir.parent), launch.vm_dir.name,
+                                           cgroup.limits_for(config.vcpus, config.memory_mib))
+        except BaseException:
+            backends.close()
+            raise
+        try:
+            return QemuMachine(argv, launch, backends, group)
+        except BaseException:
+            group.remove()
+            raise
+
+    def _sealed_ram(self, mem_file: Path) -> int:
+        """The template's RAM as a sealed memfd, made once per file and kept for every later restore."""
+        with self._ram_lock:
+            fd = self._ram.get(mem_file)
+            if fd is None:
+                self._drop_unpublished()
+                fd = self._ram[mem_file] = jail.sealed_copy(mem_file)
+            return fd
+
+    def _drop_unpublished(self) -> None:
+        """Free the copies of templates that a rebuild removed (VMs already running keep their mapping)."""
+        for path in [p for p in self._ram if not p.exists()]:
+            os.close(self._ram.pop(path))

@@ -12,6 +12,8 @@ import shutil
 import signal
 from pathlib import Path
 
+from runner.vm import cgroup
+
 
 def processes_under(vms_dir: Path) -> list[int]:
     marker = (str(vms_dir).rstrip("/") + "/").encode()
@@ -30,8 +32,9 @@ def processes_under(vms_dir: Path) -> list[int]:
 
 
 def sweep(vms_dir: Path, keep: frozenset[str] = frozenset()) -> list[str]:
-    """Kill orphaned VMMs and delete VM directories (except names in `keep`); say what was found."""
-    found = []
+    """Kill orphaned VMMs, remove their cgroups and delete VM directories (except names in `keep`);
+    say what was found."""
+    found = cgroup.sweep(cgroup.scope_for(vms_dir))
     for pid in processes_under(vms_dir):
         try:
             os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,169 @@
+"""One cgroup per VM with CPU, memory and pids limits: a guest cannot take the host's CPUs, memory or
+process table, whatever it makes its VMM do.
+
+cgroup v2 when /sys/fs/cgroup is the unified hierarchy, otherwise v1's cpu, memory and pids
+hierarchies (wherever they are mounted). A VM's cgroups are `microvm-check/<scope>/<vm id>`; the
+scope is derived from the engine's VM directory, so an engine's start-up sweep only ever touches
+what an earlier engine of the same state directory left.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.vm.errors import VMError
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "microvm-check"
+V1_CONTROLLERS = ("cpu", "memory", "pids")
+CPU_PERIOD_US = 100_000
+RMDIR_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpus: float  # CPU time per wall-clock time (1.0 = one core)
+    memory_bytes: int
+    pids: int
+
+
+def limits_for(vcpus: int, memory_mib: int) -> Limits:
+    """The guest's vCPUs plus one core for QEMU's main loop and I/O; its RAM plus room for QEMU's own
+    memory and the TCG translation cache; pids for QEMU's threads (vCPUs, RCU, I/O workers)."""
+    return Limits(cpus=vcpus + 1.0, memory_bytes=(memory_mib + 512) << 20, pids=128)
+
+
+def scope_for(vms_dir: Path) -> str:
+    return hashlib.sha256(str(vms_dir.resolve()).encode()).hexdigest()[:12]
+
+
+def version() -> str | None:
+    """'v2', 'v1', or None when neither has the cpu, memory and pids controllers."""
+    controllers = ROOT / "cgroup.controllers"
+    if controllers.exists():
+        have = set(controllers.read_text().split())
+        return "v2" if set(V1_CONTROLLERS) <= have else None
+    return "v1" if all(_v1_mount(c) is not None for c in V1_CONTROLLERS) else None
+
+
+def _v1_mount(controller: str) -> Path | None:
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) >= 4 and fields[2] == "cgroup" and controller in fields[3].split(","):
+                return Path(fields[1])
+    return None
+
+
+def _bases(scope: str) -> list[Path]:
+    """The directories under which this scope's VM cgroups live (one per v1 hierarchy)."""
+    found = version()
+    if found == "v2":
+        return [ROOT / PARENT / scope]
+    if found == "v1":
+        return [_v1_mount(c) / PARENT / scope for c in V1_CONTROLLERS]
+    raise VMError("no usable cgroup hierarchy with the cpu, memory and pids controllers: "
+                  "mount cgroup v2 at /sys/fs/cgroup (or v1's cpu, memory and pids hierarchies)")
+
+
+def _enable_v2_controllers(base: Path) -> None:
+    """In v2 a controller works in a child only if every ancestor delegates it (subtree_control)."""
+    wanted = " ".join(f"+{c}" for c in V1_CONTROLLERS)
+    for directory in (ROOT, ROOT / PARENT, base):
+        directory.mkdir(exist_ok=True)
+        (directory / "cgroup.subtree_control").write_text(wanted)
+
+
+@dataclass
+class VMCgroup:
+    """The cgroup directories of one VM (one in v2, one per controller in v1)."""
+
+    paths: list[Path]
+    version: str
+
+    @classmethod
+    def create(cls, scope: str, name: str, limits: Limits) -> "VMCgroup":
+        bases = _bases(scope)
+        found = "v2" if len(bases) == 1 else "v1"
+        try:
+            if found == "v2":
+                _enable_v2_controllers(bases[0])
+            else:
+                for base in bases:
+                    base.mkdir(parents=True, exist_ok=True)
+            group = cls([base / name for base in bases], found)
+            for path in group.paths:
+                path.mkdir()
+            group._limit(limits)
+        except OSError as exc:
+            raise VMError(f"cannot create the VM's cgroup under {bases[0]}: {exc}") from None
+        return group
+
+    def _limit(self, limits: Limits) -> None:
+        quota = int(limits.cpus * CPU_PERIOD_US)
+        if self.version == "v2":
+            path = self.paths[0]
+            (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+            (path / "memory.max").write_text(str(limits.memory_bytes))
+            (path / "pids.max").write_text(str(limits.pids))
+            return
+        cpu, memory, pids = self.paths
+        (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+        (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+        (pids / "pids.max").write_text(str(limits.pids))
+
+    def add(self, pid: int) -> None:
+        for path in self.paths:
+            (path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        """Kill whatever is still inside, then remove the directories (idempotent)."""
+        for path in self.paths:
+            _remove(path)
+
+
+def _pids(path: Path) -> list[int]:
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _remove(path: Path) -> None:
+    deadline = time.monotonic() + RMDIR_TIMEOUT_S
+    while True:
+        for pid in _pids(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # EBUSY: a killed process has not exited yet
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise VMError(f"cannot remove cgroup {path}: {exc}") from None
+            time.sleep(0.01)
+
+
+def sweep(scope: str) -> list[str]:
+    """Kill and remove the VM cgroups an earlier engine of this scope left; say what was found."""
+    if version() is None:
+        return []
+    found = []
+    for base in _bases(scope):
+        if base.is_dir():
+            for entry in base.iterdir():
+                if entry.is_dir():
+                    _remove(entry)
+                    found.append(f"cgroup {entry}")
+    return found
