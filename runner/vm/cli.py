@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
+import subprocess
 from dataclasses import dataclass
 
 from runner.state import StateDir
-from runner.vm import accel
+from runner.vm import accel, cgroup, jail
 from runner.vm.errors import VMError
 from vmimages.store import TemplateNotFound, TemplateStore
 
@@ -42,6 +44,37 @@ def host_checks() -> list[Check]:
     return checks
 
 
+def confinement_checks() -> list[Check]:
+    """What confines a restored VM's QEMU: seccomp, the unprivileged user, the parent-death tie, cgroups."""
+    qemu = shutil.which("qemu-system-x86_64")
+    seccomp = qemu is not None and _qemu_has_sandbox(qemu)
+    checks = [Check(seccomp, f"QEMU seccomp sandbox: -sandbox {jail.SANDBOX}",
+                    "install a QEMU built with seccomp (Debian's qemu-system-x86 is)")]
+    try:
+        entry = pwd.getpwnam(jail.VM_USER)
+        checks.append(Check(entry.pw_uid != 0, f"privilege drop: VMs run as {jail.VM_USER} (uid {entry.pw_uid}), "
+                            "files handed over as descriptors, template RAM a sealed memfd"))
+    except KeyError:
+        checks.append(Check(True, f"privilege drop: VMs run as {jail.VM_USER}, created on first use "
+                            "(or by scripts/setup)"))
+    checks.append(Check(shutil.which("setpriv") is not None,
+                        "setpriv is installed (privilege drop and parent-death signal: VMs die with the service)",
+                        "apt-get install util-linux"))
+    version = cgroup.version()
+    checks.append(Check(version is not None, f"cgroup {version}: one per VM with cpu, memory and pids limits",
+                        "mount cgroup v2 at /sys/fs/cgroup, or v1's cpu, memory and pids hierarchies"))
+    return checks
+
+
+def _qemu_has_sandbox(qemu: str) -> bool:
+    """QEMU lists -sandbox in its help only when it was built with seccomp."""
+    try:
+        out = subprocess.run([qemu, "-help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "-sandbox" in out
+
+
 def template_check(state: StateDir) -> Check:
     try:
         template = TemplateStore(state.templates).get("base")
@@ -53,7 +86,7 @@ def template_check(state: StateDir) -> Check:
 
 def cmd_doctor(args) -> int:
     state = StateDir.default()
-    checks = [*host_checks(), template_check(state)]
+    checks = [*host_checks(), *confinement_checks(), template_check(state)]
     for check in checks:
         line = f"{'ok ' if check.ok else 'NO '} {check.what}"
         print(line if check.ok else f"{line}: {check.fix}")
