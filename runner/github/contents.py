@@ -62,27 +62,42 @@ def get_file(
     return _parse(response, repository, path, ref, decode)
 
 
-def entry_sha(client: GitHubClient, repository: str, path: str, ref: str) -> str | None:
-    """The git object sha of a file or directory (its tree) at `ref`, or None when it is absent.
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a directory listing: its kind (`file`, `dir`, `symlink`, `submodule`) and git object sha."""
 
-    Read from the parent directory's listing, which names the sha of every entry, so a whole
-    directory can be compared between two commits with one request each.
+    kind: str
+    sha: str
+
+
+def list_dir(client: GitHubClient, repository: str, path: str, ref: str) -> dict[str, Entry] | None:
+    """The entries of directory `path` (`""` is the root) at `ref` by name, or None when it is absent.
+
+    The listing names the sha of every entry, a directory's being its tree's, so whole directories
+    can be compared between two commits with one request each.
     """
-    parent, _, name = check_path(path).rpartition("/")
-    url = f"/repos/{repository}/contents/{quote(parent)}"
+    url = f"/repos/{repository}/contents/{quote(check_path(path) if path else '')}"
     try:
         listing = client.get(url, ref=ref)
     except NotFound:
         return None
     if not isinstance(listing, list):
-        raise GitHubError(f"{repository}:{parent or '/'}@{ref} is not a directory")
-    for entry in listing:
-        if isinstance(entry, dict) and entry.get("name") == name:
-            sha = entry.get("sha")
-            if not isinstance(sha, str) or not SHA_RE.match(sha):
-                raise GitHubError(f"GitHub's listing of {repository}:{path}@{ref} lacks a valid sha")
-            return sha
-    return None
+        raise GitHubError(f"{repository}:{path or '/'}@{ref} is not a directory")
+    entries = {}
+    for item in listing:
+        name, kind, sha = (item.get(key) if isinstance(item, dict) else None for key in ("name", "type", "sha"))
+        if not isinstance(name, str) or not isinstance(kind, str) or not isinstance(sha, str) or not SHA_RE.match(sha):
+            raise GitHubError(f"GitHub's listing of {repository}:{path or '/'}@{ref} has an entry without a valid sha")
+        entries[name] = Entry(kind, sha)
+    return entries
+
+
+def entry_sha(client: GitHubClient, repository: str, path: str, ref: str) -> str | None:
+    """The git object sha of a file or directory (its tree) at `ref`, or None when it is absent,
+    read from the parent directory's listing."""
+    parent, _, name = check_path(path).rpartition("/")
+    entry = (list_dir(client, repository, parent, ref) or {}).get(name)
+    return entry.sha if entry else None
 
 
 def _parse(response: requests.Response, repository: str, path: str, ref: str, decode: bool) -> RepoFile:

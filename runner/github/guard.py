@@ -2,10 +2,13 @@
 
 A `pull_request` job runs the workflow file as the pull request has it. From a fork, that file is
 written by a stranger, who could drop `uses: org/microvm-check@v1` and run commands straight on this
-host. The guard therefore refuses a fork's `pull_request` job whose workflow file differs from the
-base branch's (compared by blob sha at the base and head commits), and, per repository, jobs from
-untrusted triggers or authors. Every value read from the event file or the environment is checked
-before use; anything unreadable refuses the job (the guard fails closed).
+host; or leave it alone and rewrite a workflow it calls or a local action it uses. The guard
+therefore refuses a fork's `pull_request` (and `pull_request_review[_comment]`) job when anything
+under `.github/` differs between the pull request's base and head (by tree sha), unless the
+repository's rules let forks change those paths (`fork_may_change`), and always when the workflow
+or anything it reaches (called workflows, local actions: see reach.py) differs. Per repository it
+also refuses jobs from untrusted triggers or authors. Every value read from the event file or the
+environment is checked before use; anything unreadable refuses the job (the guard fails closed).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from runner.github.client import GitHubClient
 from runner.github.contents import SHA_RE, check_path, entry_sha, get_file
 from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
+from runner.github.reach import GITHUB_DIR, MAX_REACHED, Change, Revisions, github_changes, reached_changes
 
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
 # Events that run the workflow as the pull request has it; pull_request_target runs the base's.
@@ -48,14 +52,16 @@ class GuardError(GitHubError):
 class RepoRules:
     """Per-repository requirements; empty tuples mean "no requirement".
 
-    `protected_paths` are files or directories (e.g. `.github`, local actions, scripts the
-    workflow runs on the host) that a fork's pull request must not change either, beyond the
-    workflow file itself, which is always compared.
+    `protected_paths` are files or directories (e.g. scripts the workflow runs on the host) that a
+    fork's pull request must not change either, beyond `.github/` and what the workflow reaches,
+    which are always compared. `fork_may_change` are paths under `.github/` that nothing runs
+    (issue templates, CODEOWNERS, ...) which a fork may change; never workflows or `.github/actions`.
     """
 
     trusted_triggers: tuple[str, ...] = ()
     author_associations: tuple[str, ...] = ()
     protected_paths: tuple[str, ...] = ()
+    fork_may_change: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ class Verdict:
 
 def load_rules(path: Path | None) -> GuardRules:
     """Rules file: `default:` and `repositories: {owner/repo: {...}}`, each with optional
-    `trusted_triggers` and `author_associations` lists. No file means no extra rules."""
+    `trusted_triggers`, `author_associations`, `protected_paths` and `fork_may_change` lists.
+    No file means no extra rules."""
     if path is None:
         return GuardRules()
     try:
@@ -118,7 +125,8 @@ def load_rules(path: Path | None) -> GuardRules:
     )
 
 
-RULE_KEYS = ("trusted_triggers", "author_associations", "protected_paths")
+RULE_KEYS = ("trusted_triggers", "author_associations", "protected_paths", "fork_may_change")
+NEVER_MAY_CHANGE = (".github/workflows", ".github/actions")
 
 
 def _repo_rules(raw: Any, where: str) -> RepoRules:
@@ -135,7 +143,22 @@ def _repo_rules(raw: Any, where: str) -> RepoRules:
             check_path(path)
         except GitHubError as exc:
             raise GuardError(f"{where}: protected_paths: {exc}") from exc
+    lists["fork_may_change"] = tuple(_may_change(path, where) for path in lists["fork_may_change"])
     return RepoRules(**lists)
+
+
+def _may_change(path: str, where: str) -> str:
+    """A path under `.github/` that is not, and is not inside, the workflows or `.github/actions`."""
+    path = path.rstrip("/")
+    try:
+        check_path(path)
+    except GitHubError as exc:
+        raise GuardError(f"{where}: fork_may_change: {exc}") from exc
+    if not path.startswith(f"{GITHUB_DIR}/"):
+        raise GuardError(f"{where}: fork_may_change: {path!r} is not under {GITHUB_DIR}/ (only .github is compared)")
+    if any(path == never or path.startswith(f"{never}/") for never in NEVER_MAY_CHANGE):
+        raise GuardError(f"{where}: fork_may_change: {path!r} holds workflows or actions, which forks may never change")
+    return path
 
 
 def job_context(env: Mapping[str, str]) -> JobContext:
@@ -235,8 +258,8 @@ def evaluate(job: JobContext, rules: RepoRules, client: Callable[[], GitHubClien
             f"and the author of #{pr.number} is {pr.author_association or 'unknown'}."
         )
     if pr and pr.from_fork and job.event_name in PR_EVENTS:
-        api = _once(client)  # both checks share one client, so one installation token
-        reasons.extend(_fork_workflow_reasons(job, pr, api))
+        api = _once(client)  # all checks share one client, so one installation token
+        reasons.extend(_fork_workflow_reasons(job, pr, rules, api))
         reasons.extend(_protected_path_reasons(job, pr, rules.protected_paths, api))
     return Verdict(allowed=not reasons, reasons=tuple(reasons))
 
@@ -254,21 +277,54 @@ def _once(client: Callable[[], GitHubClient]) -> Callable[[], GitHubClient]:
     return get
 
 
-def _fork_workflow_reasons(job: JobContext, pr: PullRequest, client: Callable[[], GitHubClient]) -> list[str]:
+def _fork_workflow_reasons(
+    job: JobContext, pr: PullRequest, rules: RepoRules, client: Callable[[], GitHubClient]
+) -> list[str]:
+    """Why the fork's pull request may change what this job runs: its workflow or anything the
+    workflow reaches differs, or something under `.github/` the rules do not let forks change."""
     source = pr.head_repo or "a deleted fork"
     if job.workflow_path is None:
         return [f"this {job.event_name} job from {source} runs a workflow the guard cannot identify."]
-    api = client()
-    # Fork commits are reachable from the base repository (GitHub keeps refs/pull/N/head there).
-    base = get_file(api, pr.base_repo, job.workflow_path, pr.base_sha, decode=False)
-    head = get_file(api, pr.base_repo, job.workflow_path, pr.head_sha, decode=False)
-    if base is not None and head is not None and base.sha == head.sha:
-        return []
-    change = "is new in" if base is None else "was changed by"
-    return [
-        f"this {job.event_name} job comes from the fork {source}, and its workflow {job.workflow_path} "
-        f"{change} pull request #{pr.number}, so it could run anything on this host."
+    rev = Revisions(client(), pr.base_repo, pr.base_sha, pr.head_sha)
+    github = github_changes(rev, rules.fork_may_change)
+    prefix = f"this {job.event_name} job comes from the fork {source}, and"
+    reasons = [
+        f"{prefix} {_describe(change, job.workflow_path, pr.number)}, so it could run anything on this host."
+        for change in reached_changes(rev, job.workflow_path, github_unchanged=github.same)
     ]
+    if github.refused:
+        reasons.append(
+            f"{prefix} pull request #{pr.number} changes {_github_paths(github.refused)}, where workflows, "
+            f"actions and the scripts they run live, so forks may not change it. If these files never run "
+            f"(issue templates, say), the host's guard rules may list them under fork_may_change for {job.repository}."
+        )
+    return reasons
+
+
+def _describe(change: Change, workflow: str, number: int) -> str:
+    path = change.target.path
+    if change.target.kind == "action":
+        what = f"the local action ./{path}, which it uses,"
+    elif path == workflow:
+        what = f"its workflow {path}"
+    else:
+        what = f"the workflow {path}, which it calls,"
+    how = {
+        "changed": f"was changed by pull request #{number}",
+        "added": f"is new in pull request #{number}",
+        "removed": f"was removed by pull request #{number}",
+        "root": "is the repository's root (`uses: ./`), which every pull request changes",
+        "unresolvable": "is a path the guard cannot compare (a symlink, a submodule or a '..')",
+        "unparseable": "is YAML the guard cannot read",
+        "too-many": f"is more than the {MAX_REACHED} workflows and actions the guard follows",
+    }[change.status]
+    return f"{what} {how}"
+
+
+def _github_paths(paths: tuple[str, ...]) -> str:
+    if paths == (GITHUB_DIR,):
+        return f"files under {GITHUB_DIR}/"
+    return ", ".join(paths)
 
 
 def _protected_path_reasons(

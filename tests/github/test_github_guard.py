@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import (API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, TOKEN_OP, example, load_payload,
-                          run_cli)
-from responses import matchers
+from github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_payload, run_cli
+from repo_fakes import FakeRepo
 
 from runner.github import guard
 from runner.github.client import GitHubClient, RetryPolicy
@@ -21,7 +19,7 @@ SAME_REPO_PR = "listendev-lstn.pull_request.opened.same-repo.reviewdog.json"
 WORKFLOW = ".github/workflows/ci.yml"
 BASE_SHA = "e15189e841439da251f852a11d8fc9b339c1be68"  # from the fork payload
 HEAD_SHA = "5864e328f129b98726813940b5bfa44707963bdc"
-CONTENTS = f"{API}/repos/listendev/lstn/contents/{WORKFLOW}"
+ANY_CONTENTS = re.compile(rf"{API}/repos/listendev/lstn/contents/.*")
 
 
 def write_event(tmp_path: Path, payload: dict) -> Path:
@@ -40,21 +38,22 @@ def job_env(tmp_path: Path, payload: dict, event: str = "pull_request", reposito
     }
 
 
-def workflow_file(operations, text: str) -> dict:
-    data = text.encode()
-    body = example(operations, CONTENTS_OP, "200", CONTENTS_FILE)
-    body.update(content=base64.b64encode(data).decode(), size=len(data), path=WORKFLOW, name="ci.yml",
-                sha=hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
-    return body
+def lstn_tree(workflow: str | None, **files: str) -> dict[str, str]:
+    """A commit of the repository: a few files, the workflow when given, and `files` by path."""
+    tree = {"README.md": "# lstn\n", "lib/octokit/client.rb": "class Client\nend\n", **files}
+    if workflow is not None:
+        tree[WORKFLOW] = workflow
+    return tree
 
 
-def fake_workflows(operations, base: str | None, head: str | None) -> None:
-    for sha, text in ((BASE_SHA, base), (HEAD_SHA, head)):
-        match = [matchers.query_param_matcher({"ref": sha})]
-        if text is None:
-            responses.get(CONTENTS, status=404, json={"message": "Not Found"}, match=match)
-        else:
-            responses.get(CONTENTS, json=workflow_file(operations, text), match=match)
+def fake_repo(operations, base: dict[str, str], head: dict[str, str]) -> FakeRepo:
+    repo = FakeRepo(operations, "listendev/lstn", {BASE_SHA: base, HEAD_SHA: head})
+    repo.register()
+    return repo
+
+
+def fake_workflows(operations, base: str | None, head: str | None) -> FakeRepo:
+    return fake_repo(operations, lstn_tree(base), lstn_tree(head))
 
 
 def client() -> GitHubClient:
@@ -90,7 +89,7 @@ def test_real_fork_pr_with_the_base_workflow_is_allowed(tmp_path, operations) ->
     fake_workflows(operations, base=SAFE, head=SAFE)
     verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), guard.RepoRules(), client)
     assert verdict == guard.Verdict(True, ())
-    assert len(responses.calls) == 2
+    assert len(responses.calls) == 3  # the root at base and head (same .github), the workflow at base
 
 
 @responses.activate
@@ -108,7 +107,7 @@ def test_github_failing_refuses_the_fork_job(tmp_path, monkeypatch, capsys, priv
     config = tmp_path / "github.yml"
     config.write_text(f"app_id: 1\nprivate_key_path: {key}\ninstallation_id: {INSTALLATION_ID}\n")
     token_endpoint(responses)
-    responses.get(CONTENTS, status=403, json={"message": "Resource not accessible by integration"})
+    responses.get(ANY_CONTENTS, status=403, json={"message": "Resource not accessible by integration"})
     for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
         monkeypatch.setenv(name, value)
     assert run_cli(["guard", "--config", str(config)]) == 1
@@ -261,37 +260,23 @@ def test_a_sha_with_a_trailing_newline_is_malformed(tmp_path) -> None:
         guard.job_context(job_env(tmp_path, payload))
 
 
-def listing(operations, dir_sha: str) -> list:
-    """The documented directory listing of lib/, with its `octokit` subdirectory at `dir_sha`."""
-    entries = example(operations, CONTENTS_OP, "200", "application/json:response-if-content-is-a-directory")
-    entries[1]["sha"] = dir_sha
-    return entries
-
-
-def fake_lib_listings(operations, base_sha: str, head_sha: str) -> None:
-    url = f"{API}/repos/listendev/lstn/contents/lib"
-    for ref, sha in ((BASE_SHA, base_sha), (HEAD_SHA, head_sha)):
-        responses.get(url, json=listing(operations, sha), match=[matchers.query_param_matcher({"ref": ref})])
-
-
-@pytest.mark.parametrize(("head_dir_sha", "allowed"), [("a" * 40, True), ("b" * 40, False)])
+@pytest.mark.parametrize(("head_client", "allowed"), [("class Client\nend\n", True), ("system('id')\n", False)])
 @responses.activate
-def test_protected_directories_are_compared_by_tree_sha(tmp_path, operations, head_dir_sha, allowed) -> None:
-    fake_workflows(operations, base=SAFE, head=SAFE)
-    fake_lib_listings(operations, "a" * 40, head_dir_sha)
+def test_protected_directories_are_compared_by_tree_sha(tmp_path, operations, head_client, allowed) -> None:
+    repo = fake_repo(operations, lstn_tree(SAFE), lstn_tree(SAFE, **{"lib/octokit/client.rb": head_client}))
     rules = guard.RepoRules(protected_paths=("lib/octokit",))
     verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), rules, client)
     assert verdict.allowed is allowed
+    assert ("lib", BASE_SHA) in repo.requests and ("lib/octokit", BASE_SHA) not in repo.requests  # one listing
     if not allowed:
         assert "changes lib/octokit, which listendev/lstn protects from forks" in verdict.reasons[0]
 
 
 @responses.activate
 def test_a_protected_path_added_by_the_fork_counts_as_changed(tmp_path, operations) -> None:
-    fake_workflows(operations, base=SAFE, head=SAFE)
-    url = f"{API}/repos/listendev/lstn/contents/lib"
-    responses.get(url, json=listing(operations, "a" * 40)[:1], match=[matchers.query_param_matcher({"ref": BASE_SHA})])
-    responses.get(url, json=listing(operations, "a" * 40), match=[matchers.query_param_matcher({"ref": HEAD_SHA})])
+    base = lstn_tree(SAFE)
+    del base["lib/octokit/client.rb"]
+    fake_repo(operations, {**base, "lib/version.rb": "1\n"}, lstn_tree(SAFE, **{"lib/version.rb": "1\n"}))
     job = guard.job_context(job_env(tmp_path, load_payload(FORK_PR)))
     assert not guard.evaluate(job, guard.RepoRules(protected_paths=("lib/octokit",)), client).allowed
     assert guard.evaluate(job, guard.RepoRules(protected_paths=("lib/absent",)), client).allowed
@@ -318,9 +303,8 @@ def test_guard_command_mints_one_installation_token(tmp_path, monkeypatch, capsy
     token["expires_at"] = "2099-01-01T00:00:00Z"  # the documented one expired in 2016: it would be re-minted
     tokens = token_endpoint(responses, body=token)
     fake_workflows(operations, base=SAFE, head=SAFE)
-    fake_lib_listings(operations, "a" * 40, "a" * 40)
     for name, value in job_env(tmp_path, load_payload(FORK_PR)).items():
         monkeypatch.setenv(name, value)
     assert run_cli(["guard", "--config", str(config), "--rules", str(rules)]) == 0
     assert tokens.call_count == 1
-    assert len(responses.calls) == 5  # one token, two workflow files, two listings
+    assert len(responses.calls) == 6  # one token, two root listings, the workflow at base, two lib listings

@@ -1,0 +1,230 @@
+"""What a fork's pull request changes that a `pull_request` job would run on the host.
+
+Such a job runs the workflow as the pull request has it, and with it every same-repository
+workflow it calls (`jobs.<id>.uses: ./.github/workflows/x.yml`) and every local action a step uses
+(`uses: ./path`, recursively through composite actions). Comparing only the caller file misses a
+fork that leaves it alone and rewrites what it calls, so this module compares, between the PR's
+base and head commits:
+
+- the `.github` directory as a whole (one root listing per commit names its tree sha), minus the
+  paths the operator lets forks change (`fork_may_change`, e.g. issue templates);
+- each workflow and local action the job's workflow reaches, found by a bounded walk.
+
+The walk reads further references only from files that are identical at both commits, so the
+only YAML it parses is the base's: a fork cannot steer the walk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from runner.github.client import GitHubClient
+from runner.github.contents import Entry, RepoFile, check_path, get_file, list_dir
+from runner.github.errors import GitHubError
+
+GITHUB_DIR = ".github"
+MAX_REACHED = 32  # workflows and actions one job's walk follows; more is refused, not guessed
+MAX_LISTINGS = 16  # directories compared under .github when some of it may change
+ACTION_FILES = ("action.yml", "action.yaml")
+# How a reached thing differs. "changed", "added", "removed": between base and head; "root": a
+# `uses: ./` action is the whole repository, which every pull request changes; "unresolvable": a
+# path the guard cannot compare (`..`, a symlink or submodule as an action); "unparseable": YAML
+# the guard cannot read; "too-many": the walk hit MAX_REACHED.
+Status = Literal["changed", "added", "removed", "root", "unresolvable", "unparseable", "too-many"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A workflow file or a local action directory, relative to the repository root."""
+
+    kind: Literal["workflow", "action"]
+    path: str
+
+
+@dataclass(frozen=True)
+class Change:
+    target: Target
+    status: Status
+
+
+@dataclass(frozen=True)
+class Revisions:
+    """One repository at the pull request's base and head commits (fork commits are readable in
+    the base repository, which keeps refs/pull/N/head)."""
+
+    client: GitHubClient
+    repository: str
+    base: str
+    head: str
+
+    def root_entry(self, ref: str, name: str) -> Entry | None:
+        return (list_dir(self.client, self.repository, "", ref) or {}).get(name)
+
+    def listings(self, path: str) -> tuple[dict[str, Entry], dict[str, Entry]]:
+        return (list_dir(self.client, self.repository, path, self.base) or {},
+                list_dir(self.client, self.repository, path, self.head) or {})
+
+    def file(self, path: str, ref: str, *, decode: bool) -> RepoFile | None:
+        return get_file(self.client, self.repository, path, ref, decode=decode)
+
+    def entry(self, path: str, ref: str) -> Entry | None:
+        parent, _, name = path.rpartition("/")
+        return (list_dir(self.client, self.repository, parent, ref) or {}).get(name)
+
+
+@dataclass(frozen=True)
+class GithubDiff:
+    """`same`: `.github` has one tree sha at base and head. `refused`: what differs there that
+    `fork_may_change` does not cover (`(".github",)` when nothing may change)."""
+
+    same: bool
+    refused: tuple[str, ...] = ()
+
+
+def github_changes(rev: Revisions, may_change: tuple[str, ...]) -> GithubDiff:
+    """Compares `.github` between base and head: by its tree sha alone, or when some of it may
+    change, directory by directory down to the allowed paths (at most MAX_LISTINGS directories;
+    past that, whatever differs counts as refused)."""
+    if rev.root_entry(rev.base, GITHUB_DIR) == rev.root_entry(rev.head, GITHUB_DIR):
+        return GithubDiff(same=True)
+    if not may_change:
+        return GithubDiff(same=False, refused=(GITHUB_DIR,))
+    return GithubDiff(same=False, refused=tuple(_differing(rev, GITHUB_DIR, may_change, [MAX_LISTINGS])))
+
+
+def _differing(rev: Revisions, path: str, may_change: tuple[str, ...], budget: list[int]) -> Iterator[str]:
+    """Differing entries under `path`, descending only into directories that hold an allowed path."""
+    budget[0] -= 1
+    base, head = rev.listings(path)
+    for name in sorted(set(base) | set(head)):
+        child = f"{path}/{name}"
+        if base.get(name) == head.get(name) or _covered(child, may_change):
+            continue
+        both_dirs = all(entry is None or entry.kind == "dir" for entry in (base.get(name), head.get(name)))
+        if both_dirs and budget[0] > 0 and any(allowed.startswith(f"{child}/") for allowed in may_change):
+            yield from _differing(rev, child, may_change, budget)
+        else:
+            yield child
+
+
+def _covered(path: str, may_change: tuple[str, ...]) -> bool:
+    return any(path == allowed or path.startswith(f"{allowed}/") for allowed in may_change)
+
+
+def reached_changes(rev: Revisions, workflow: str, github_unchanged: bool) -> list[Change]:
+    """Every workflow or local action the job's workflow reaches that differs between base and head.
+
+    `github_unchanged`: `.github` has one tree sha at both commits, so nothing under it needs comparing
+    (only reading, to follow its references).
+    """
+    compare = _Compare(rev, github_unchanged)
+    queue: deque[Target] = deque([Target("workflow", workflow)])
+    seen: set[Target] = set()
+    changes: list[Change] = []
+    while queue:
+        target = queue.popleft()
+        if target in seen:
+            continue
+        if len(seen) == MAX_REACHED:
+            return [*changes, Change(target, "too-many")]
+        seen.add(target)
+        status, text = compare.workflow(target.path) if target.kind == "workflow" else compare.action(target.path)
+        if status is None and text is not None:
+            try:
+                queue.extend(local_uses(text))
+            except ValueError:
+                status = "unparseable"
+        if status is not None:
+            changes.append(Change(target, status))
+    return changes
+
+
+@dataclass(frozen=True)
+class _Compare:
+    rev: Revisions
+    github_unchanged: bool
+
+    def _known_same(self, path: str) -> bool:
+        return self.github_unchanged and path.startswith(f"{GITHUB_DIR}/")
+
+    def workflow(self, path: str) -> tuple[Status | None, str | None]:
+        """How the workflow file differs (None: it does not), and its text when it does not."""
+        if not _checkable(path):
+            return "unresolvable", None
+        base = self.rev.file(path, self.rev.base, decode=True)
+        head = base if self._known_same(path) else self.rev.file(path, self.rev.head, decode=False)
+        status = _status(base.sha if base else None, head.sha if head else None)
+        if status or base is None or base.content is None:
+            return status, None
+        return None, base.content.decode("utf-8", errors="replace")
+
+    def action(self, path: str) -> tuple[Status | None, str | None]:
+        """How the action's directory differs (None: it does not), and its metadata's text when it does not."""
+        if path == "":
+            return "root", None
+        if not _checkable(path):
+            return "unresolvable", None
+        if not self._known_same(path):
+            base, head = self.rev.entry(path, self.rev.base), self.rev.entry(path, self.rev.head)
+            if any(entry is not None and entry.kind != "dir" for entry in (base, head)):
+                return "unresolvable", None  # a symlink's target or a submodule's content is not in its sha
+            status = _status(base.sha if base else None, head.sha if head else None)
+            if status or base is None:
+                return status, None
+        for name in ACTION_FILES:
+            found = self.rev.file(f"{path}/{name}", self.rev.base, decode=True)
+            if found is not None and found.content is not None:
+                return None, found.content.decode("utf-8", errors="replace")
+        return None, None  # no metadata at either commit: the step fails, nothing of it runs
+
+
+def _checkable(path: str) -> bool:
+    try:
+        check_path(path)
+    except GitHubError:
+        return False
+    return True
+
+
+def _status(base: str | None, head: str | None) -> Status | None:
+    if base == head:
+        return None
+    if base is None:
+        return "added"
+    return "removed" if head is None else "changed"
+
+
+def local_uses(text: str) -> list[Target]:
+    """The same-repository workflows and local actions a workflow or action file refers to:
+    `jobs.<id>.uses` and `jobs.<id>.steps[].uses` in a workflow, `runs.steps[].uses` in a composite
+    action, each starting with `./`. Raises ValueError when the text is not YAML."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from exc
+    if not isinstance(document, dict):
+        return []
+    targets = []
+    jobs = document.get("jobs")
+    for job in jobs.values() if isinstance(jobs, dict) else ():
+        if isinstance(job, dict):
+            targets += _locals([job.get("uses")], "workflow") + _locals(_step_uses(job.get("steps")), "action")
+    runs = document.get("runs")
+    if isinstance(runs, dict):
+        targets += _locals(_step_uses(runs.get("steps")), "action")
+    return targets
+
+
+def _step_uses(steps: Any) -> list[Any]:
+    return [step.get("uses") for step in steps if isinstance(step, dict)] if isinstance(steps, list) else []
+
+
+def _locals(values: list[Any], kind: Literal["workflow", "action"]) -> list[Target]:
+    """`./a/b/` becomes `a/b`, `./` the root (`""`); other values (remote, docker) are not ours to compare."""
+    return [Target(kind, value[2:].strip("/")) for value in values if isinstance(value, str) and value.startswith("./")]
+
