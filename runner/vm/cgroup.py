@@ -155,15 +155,17 @@ def _remove(path: Path) -> None:
             time.sleep(0.01)
 
 
-def sweep(scope: str) -> list[str]:
-    """Kill and remove the VM cgroups an earlier engine of this scope left; say what was found."""
+def groups(scope: str) -> list[Path]:
+    """The VM cgroup directories that exist in this scope (one per VM and hierarchy)."""
     if version() is None:
         return []
+    return [entry for base in _bases(scope) if base.is_dir() for entry in base.iterdir() if entry.is_dir()]
+
+
+def sweep(scope: str) -> list[str]:
+    """Kill and remove the VM cgroups an earlier engine of this scope left; say what was found."""
     found = []
-    for base in _bases(scope):
-        if base.is_dir():
-            for entry in base.iterdir():
-                if entry.is_dir():
-                    _remove(entry)
-                    found.append(f"cgroup {entry}")
+    for entry in groups(scope):
+        _remove(entry)
+        found.append(f"cgroup {entry}")
     return found

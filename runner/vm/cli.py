@@ -61,7 +61,9 @@ def confinement_checks() -> list[Check]:
                         "setpriv is installed (privilege drop and parent-death signal: VMs die with the service)",
                         "apt-get install util-linux"))
     version = cgroup.version()
-    checks.append(Check(version is not None, f"cgroup {version}: one per VM with cpu, memory and pids limits",
+    what = f"cgroup {version}: one per VM with cpu, memory and pids limits" if version else \
+        "a cgroup hierarchy (v2 or v1) with the cpu, memory and pids controllers"
+    checks.append(Check(version is not None, what,
                         "mount cgroup v2 at /sys/fs/cgroup, or v1's cpu, memory and pids hierarchies"))
     return checks
 

@@ -30,12 +30,15 @@ def template_store():
 
 
 def assert_no_leftovers(state: StateDir) -> None:
+    from runner.vm import cgroup
     from runner.vm.engine import LOCK_NAME
     from runner.vm.sweep import processes_under
 
     assert processes_under(state.vms) == [], "VMM processes left running"
     left = [p.name for p in state.vms.iterdir() if p.name != LOCK_NAME]
     assert left == [], f"VM directories left behind: {left}"
+    groups = cgroup.groups(cgroup.scope_for(state.vms))
+    assert groups == [], f"VM cgroups left behind: {groups}"
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""VM lifecycle across crashes: what a killed predecessor leaves is swept at the next start."""
+"""VM lifecycle across crashes: a killed service takes its VMs with it, and what it leaves on disk
+or in cgroups is swept at the next start."""
 
 from __future__ import annotations
 
@@ -7,31 +8,47 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from runner.state import StateDir
+from runner.vm import cgroup
 from runner.vm.errors import VMError
 from runner.vm.sweep import processes_under
 from tests.vm.conftest import assert_no_leftovers
 
 CRASHING_SERVICE = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
     from pathlib import Path
     from runner.state import StateDir
     from runner.sandbox import Sandbox
     from runner.vm.engine import Engine
     from vmimages.store import TemplateStore
-    engine = Engine(StateDir(Path(sys.argv[1])), templates=TemplateStore(StateDir.default().templates), pool_size=1)
+    engine = Engine(StateDir(Path(sys.argv[1])), templates=TemplateStore(StateDir.default().templates), pool_size=2)
     sbx = Sandbox.create(engine=engine)
+    # The pool refills from a thread of its own that ends when it is done: its VMs must not die with it.
+    while any(t.name == "pool-fill" for t in threading.enumerate()) or sum(map(len, engine.pool._ready.values())) < 2:
+        time.sleep(0.1)
     print("ready", flush=True)
     sbx.exec("sleep 600")
     """
 )
+GONE_TIMEOUT_S = 60.0  # generous: the machine is shared; what matters is that they go
 
 
-def test_start_up_sweeps_what_a_killed_predecessor_left(template_store, tmp_path, make_engine):
+def _wait_gone(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def test_vms_die_with_a_killed_service_and_its_leftovers_are_swept(template_store, tmp_path, make_engine):
     state = StateDir(tmp_path / "state")
     child = subprocess.Popen(
         [sys.executable, "-c", CRASHING_SERVICE, str(state.root)],
@@ -40,12 +57,13 @@ def test_start_up_sweeps_what_a_killed_predecessor_left(template_store, tmp_path
     )
     try:
         assert child.stdout.readline().strip() == b"ready"
-        assert processes_under(state.vms), "the child should have a running VM"
+        vmms = processes_under(state.vms)
+        assert len(vmms) == 3, f"the child should have a VM running a job and two pooled ones: {vmms}"
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    orphans = processes_under(state.vms)
-    assert orphans, "QEMU runs in its own session, so it outlives a killed service"
+    assert _wait_gone(vmms) == [], "QEMU processes outlived the service that supervised them"
+    assert cgroup.groups(cgroup.scope_for(state.vms)), "the killed service leaves its VMs' (now empty) cgroups"
     engine = make_engine()  # same state directory: the new engine sweeps at start
     assert engine.state == state
     engine.shutdown()

@@ -1,0 +1,118 @@
+"""A restored VM's QEMU is confined: seccomp, an unprivileged user, no writable template file, its own
+cgroup with limits; and the template RAM it maps is a sealed copy nobody can write."""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.vm import cgroup, cli, jail
+from runner.vm.errors import VMError
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def _writable_files(pid: int) -> list[str]:
+    """Paths of the regular files `pid` holds open for writing."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        flags = int(Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+        if target.startswith("/") and flags & os.O_ACCMODE != os.O_RDONLY:
+            found.append(target)
+    return found
+
+
+def _wait_exit(machine, timeout: float = 30.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while machine.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return machine.exit_status()
+
+
+def test_restored_qemu_is_unprivileged_sandboxed_and_in_a_limited_cgroup(make_engine, template_store):
+    engine = make_engine(pool_size=0)
+    vm = engine.create("base", network=False)
+    pid = vm.machine.pid
+    status = _status(pid)
+    assert status["Uid"].split() == [str(jail.vm_user().uid)] * 4
+    assert "0" not in status["Gid"].split() and status["Groups"] == ""
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    assert status["CapEff"] == "0000000000000000"
+
+    template_dir = str(template_store.get("base").path)
+    writable = _writable_files(pid)
+    assert [f for f in writable if f.startswith(template_dir)] == [], "QEMU holds a template file open for writing"
+    assert str(vm.dir / "disk.qcow2") in writable  # its own overlay, and that is all it writes
+
+    paths = vm.machine.group.paths
+    assert paths and all(str(pid) in (p / "cgroup.procs").read_text().split() for p in paths)
+    limits = cgroup.limits_for(vm.snapshot.config.vcpus, vm.snapshot.config.memory_mib)
+    if vm.machine.group.version == "v1":
+        cpu, memory, pids = paths
+        assert int((cpu / "cpu.cfs_quota_us").read_text()) == int(limits.cpus * cgroup.CPU_PERIOD_US)
+        assert int((memory / "memory.limit_in_bytes").read_text()) == limits.memory_bytes
+        assert int((pids / "pids.max").read_text()) == limits.pids
+    else:
+        assert (paths[0] / "memory.max").read_text().strip() == str(limits.memory_bytes)
+        assert (paths[0] / "pids.max").read_text().strip() == str(limits.pids)
+
+    engine.destroy(vm)
+    assert [p for p in paths if p.exists()] == [], "the VM's cgroup outlived it"
+
+
+def test_a_qemu_that_tries_to_exec_is_killed_by_seccomp(make_engine):
+    engine = make_engine(pool_size=0)
+    vm = engine.create("base", network=False)
+    # An outgoing migration to "exec:" makes QEMU fork and exec a shell: what an escaped guest would do.
+    with pytest.raises(VMError, match="QMP migrate failed"):
+        vm.machine.qmp("migrate", uri="exec:/bin/true")
+    assert _wait_exit(vm.machine) == -signal.SIGSYS
+    engine.destroy(vm)
+
+
+def test_template_ram_copy_is_sealed_but_maps_privately_writable(tmp_path):
+    ram = tmp_path / "mem.ram"
+    with open(ram, "wb") as f:  # data, a zero chunk, a hole, data
+        f.write(b"A" * 4096 + bytes(jail._COPY_CHUNK))
+        f.seek(8 << 20)
+        f.write(b"B" * 4096)
+    fd = jail.sealed_copy(ram)
+    try:
+        assert os.pread(fd, os.fstat(fd).st_size, 0) == ram.read_bytes()
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        private = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        private[:1] = b"z"  # the guest's writes land in its own copy-on-write pages
+        private.close()
+        assert os.pread(fd, 1, 0) == b"A"
+    finally:
+        os.close(fd)
+
+
+def test_doctor_reports_sandbox_privilege_drop_and_cgroup_version(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MICROVM_CHECK_STATE", str(tmp_path / "state"))
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    monkeypatch.setattr(cgroup, "ROOT", tmp_path)  # a cgroup v2 host
+    cli.cmd_doctor(argparse.Namespace(selftest=False))
+    out = capsys.readouterr().out
+    assert f"-sandbox {jail.SANDBOX}" in out
+    assert f"privilege drop: VMs run as {jail.VM_USER}" in out
+    assert "cgroup v2: one per VM with cpu, memory and pids limits" in out
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # v2 without the memory and pids controllers
+    cli.cmd_doctor(argparse.Namespace(selftest=False))
+    assert "NO  a cgroup hierarchy (v2 or v1) with the cpu, memory and pids controllers" in capsys.readouterr().out
