@@ -1,9 +1,11 @@
 """The `/github/webhook` endpoint: authenticated `workflow_job` events become job-service calls.
 
-It listens on its own port (off unless configured) with `http.server`, because it takes one kind of
-request and must refuse everything else cheaply: the method, content type and declared size are
-checked before the body is read, the body is read only up to the limit, and the signature is
-checked before anything in the body is believed. Rejections use one rule: 403 for a missing or
+It listens on its own port (off unless configured) through `runner.httpserve`, because it takes one
+kind of request from the internet and must refuse everything else cheaply: the method, path,
+content type, declared size and the form of the signature header are checked on the head alone;
+only then is the body read, by the connection loop under an overall deadline, and only a complete
+body takes one of the `max_concurrent` delivery workers, which check the signature before anything
+in the body is believed. Rejections use one rule: 403 for a missing or
 wrong signature (GitHub's documented validation answers 403 in both cases; there is no auth scheme
 to challenge with, so 401 would be the wrong word), 405/411/413/415 for the request's form, 400 for
 a signed body we cannot read. Anything signed and well-formed but uninteresting (other events,
@@ -16,13 +18,13 @@ import hashlib
 import json
 import logging
 import re
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from runner import jsonbody
 from runner.github import jobs, signature
+from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
 from runner.github.deliveries import DeliveryLog
 from runner.github.jobs import JobHooks
 
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 WEBHOOK_PATH = "/github/webhook"
 DEFAULT_MAX_BODY = 1024 * 1024
 GUID_RE = re.compile(r"^[A-Za-z0-9-]{1,100}\Z")  # GitHub sends UUIDs
+SIGNATURE_RE = re.compile(r"sha256=[0-9a-f]{64}\Z")
 IGNORED_JOB_ACTIONS = frozenset({"in_progress", "waiting", "started"})  # "started" is no longer sent
 
 
@@ -39,7 +42,8 @@ class WebhookConfig:
     secret: bytes
     labels: tuple[str, ...]
     max_body: int = DEFAULT_MAX_BODY
-    max_concurrent: int = 16
+    max_concurrent: int = 16  # deliveries processed at once (worker threads)
+    max_connections: int = 512  # open connections, most of them still sending; the oldest give way
 
 
 @dataclass(frozen=True)
@@ -57,21 +61,17 @@ class WebhookReceiver:
         self.hooks = hooks
         self.deliveries = deliveries or DeliveryLog()
 
-    def receive(self, method: str, path: str, headers: Mapping[str, str], read: Callable[[int], bytes]) -> Answer:
-        early = self._check_form(method, path, headers)
-        if early:
-            return early
-        body = read(int(headers["Content-Length"]))
+    def deliver(self, headers: Mapping[str, str], body: bytes) -> Answer:
+        """A whole body whose head passed `check_form`: check its signature, then act on it."""
         if not signature.verify(self.config.secret, body, headers.get("X-Hub-Signature-256")):
-            why = "missing" if not headers.get("X-Hub-Signature-256") else "wrong"
-            return Answer(403, f"X-Hub-Signature-256 is {why}: check the webhook secret shared with GitHub")
+            return Answer(403, "X-Hub-Signature-256 is wrong: check the webhook secret shared with GitHub")
         guid = headers.get("X-GitHub-Delivery", "")
         if not GUID_RE.match(guid):
             return Answer(400, "X-GitHub-Delivery is missing or malformed")
         try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return Answer(400, "the body is not JSON")
+            payload = jsonbody.loads(body)
+        except jsonbody.JsonBodyError as exc:
+            return Answer(400, f"the body is not JSON: {exc}")
         if not isinstance(payload, dict):
             return Answer(400, "the body is not a JSON object")
         # The signature covers the body but not the headers, so a captured delivery replayed under a
@@ -86,7 +86,8 @@ class WebhookReceiver:
             log.exception("processing webhook delivery %s failed", guid)
             return Answer(500, f"processing delivery {guid} failed; see the service log")
 
-    def _check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
+    def check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
+        """The checks a head alone allows, made before the body is read: None when it may be sent."""
         if path.split("?", 1)[0] != WEBHOOK_PATH:
             return Answer(404, f"no such endpoint: webhooks go to {WEBHOOK_PATH}", close=True)
         if method != "POST":
@@ -94,12 +95,15 @@ class WebhookReceiver:
         content_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if content_type != "application/json":
             return Answer(415, "set the webhook's content type to application/json", close=True)
-        length = headers.get("Content-Length", "")
-        # isdigit() alone also takes "²" and other Unicode digits, which int() then refuses
-        if not (length.isascii() and length.isdigit()) or headers.get("Transfer-Encoding"):
+        length = parse_decimal(headers.get("Content-Length", "").strip())
+        if length is None or headers.get("Transfer-Encoding"):
             return Answer(411, "a Content-Length is required", close=True)
-        if int(length) > self.config.max_body:
+        if length > self.config.max_body:
             return Answer(413, f"the body is larger than {self.config.max_body} bytes", close=True)
+        offered = headers.get("X-Hub-Signature-256")
+        if not offered or not SIGNATURE_RE.match(offered):
+            why = "missing" if not offered else "malformed"
+            return Answer(403, f"X-Hub-Signature-256 is {why}: check the webhook secret shared with GitHub", close=True)
         return None
 
     def _dispatch(self, event: str, payload: dict[str, Any]) -> Answer:
@@ -127,80 +131,60 @@ class WebhookReceiver:
         return Answer(200, f"{done} {job.job_id}")
 
 
-class _Handler(BaseHTTPRequestHandler):
-    receiver: WebhookReceiver
-    slots: threading.BoundedSemaphore
-    timeout = 10  # a slow or stalled client cannot hold a thread for long
+class _Handler(ServedRequest):
+    """Runs on a delivery worker, with the whole body already read by the connection loop."""
+
+    server: "_Server"
     server_version = "microvm-check-webhook"
     sys_version = ""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        self._handle()
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._handle()
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._handle()
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._handle()
-
-    def _handle(self) -> None:
-        if not self.slots.acquire(blocking=False):
-            self._answer(Answer(503, "too many concurrent deliveries; GitHub can redeliver", close=True))
-            return
-        try:
-            self._answer(self.receiver.receive(self.command, self.path, self.headers, self.rfile.read))
-        except (OSError, ValueError):
-            self.close_connection = True
-        finally:
-            self.slots.release()
+        body = self.read_body(parse_decimal(self.headers["Content-Length"].strip()) or 0)
+        self._answer(self.server.receiver.deliver(self.headers, body))
 
     def _answer(self, answer: Answer) -> None:
         body = json.dumps({"message": answer.message}).encode()
         self.send_response(answer.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
-        if answer.status == 405:
-            self.send_header("Allow", "POST")
         if answer.close:
             self.send_header("Connection", "close")
-            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
-        log.debug("webhook %s: " + format, self.client_address[0], *args)
+
+class _Server(BoundedHTTPServer):
+    def __init__(self, receiver: WebhookReceiver, host: str, port: int) -> None:
+        self.receiver = receiver
+        config = receiver.config
+        limits = Limits(max_connections=config.max_connections, max_workers=config.max_concurrent,
+                        buffer_body_max=config.max_body)
+        super().__init__(listen_tcp(host, port), _Handler, limits, name="github-webhooks",
+                         error_body=_message_body, gate=self._gate)
+
+    def _gate(self, head: Head) -> Refusal | None:
+        answer = self.receiver.check_form(head.method, head.target, head.headers)
+        if answer is None:
+            return None
+        return Refusal(answer.status, answer.message, (("Allow", "POST"),) if answer.status == 405 else ())
+
+
+def _message_body(message: str) -> bytes:
+    return json.dumps({"message": message}).encode()
 
 
 class WebhookServer:
     """The endpoint on its own thread; `port` is the bound port (useful when asked for port 0)."""
 
     def __init__(self, receiver: WebhookReceiver, host: str = "127.0.0.1", port: int = 0) -> None:
-        handler = type(
-            "WebhookHandler",
-            (_Handler,),
-            {"receiver": receiver, "slots": threading.BoundedSemaphore(receiver.config.max_concurrent)},
-        )
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        self.httpd = _Server(receiver, host, port)
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1])
+        return int(self.httpd.address[1])
 
-    def start(self, poll_interval: float = 0.5) -> None:
-        """Serve on a thread; `poll_interval` is how long `stop()` may wait for it to notice."""
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, args=(poll_interval,), name="github-webhooks", daemon=True
-        )
-        self._thread.start()
+    def start(self) -> None:
+        self.httpd.start()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread:
-            self._thread.join()
-
+        self.httpd.close()

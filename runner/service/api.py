@@ -1,9 +1,10 @@
 """The job API over HTTP/1.1: a Unix socket (group-restricted) and, when configured, TCP with a token.
 
-Standard library only (`http.server` with a thread per connection, bounded in number). Bodies are
-streamed both ways: a checkout goes straight from the socket to the job's spool file, logs are a
-chunked NDJSON stream copied from the job's log file, artifacts are copied from disk in chunks. See
-docs/job-api.md for the routes.
+Served by `runner.httpserve`: heads are read by one selector thread under overall deadlines, the
+TCP token is checked right after the headers (before any body is read or a worker is taken), and
+at most MAX_WORKERS requests are served at once. Bodies are streamed both ways: a checkout goes
+straight from the socket to the job's spool file, logs are a chunked NDJSON stream copied from the
+job's log file, artifacts are copied from disk in chunks. See docs/job-api.md for the routes.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ import logging
 import os
 import re
 import socket
-import socketserver
 import stat
-import threading
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qs, urlsplit
 
+from runner import jsonbody
+from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.service import JobError, JobService
 
 log = logging.getLogger(__name__)
 
 MAX_JSON_BODY = 1024 * 1024
-MAX_CONNECTIONS = 64
-IO_TIMEOUT_SECONDS = 120
+# Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
+LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
 _CHUNK = 1024 * 1024
 _MAX_CHUNK_LINE = 1024
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}\Z")
 _ROUTE = re.compile(r"^/v1/jobs/(?P<id>[^/]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?$")
 
 
@@ -46,12 +47,10 @@ def read_chunked(rfile: Any) -> Iterator[bytes]:
         line = rfile.readline(_MAX_CHUNK_LINE + 1)
         if len(line) > _MAX_CHUNK_LINE or not line.endswith(b"\n"):
             raise BodyFramingError("malformed chunk size line")
-        try:
-            size = int(line.split(b";", 1)[0].strip(), 16)
-        except ValueError:
-            raise BodyFramingError("malformed chunk size") from None
-        if size < 0:
-            raise BodyFramingError("negative chunk size")
+        digits = line.split(b";", 1)[0].strip()
+        if not _HEX.match(digits):  # int(x, 16) would also take "0x10", "-5", "1_0"
+            raise BodyFramingError("malformed chunk size")
+        size = int(digits, 16)
         if size == 0:
             break
         yield from read_sized(rfile, size, "the body ended inside a chunk")
@@ -74,19 +73,11 @@ def read_sized(rfile: Any, length: int, short: str = "the body ended before Cont
         yield data
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(ServedRequest):
     server_version = "microvm-check"
-    timeout = IO_TIMEOUT_SECONDS
     server: Any
 
     # -- plumbing -----------------------------------------------------------------------------
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("api: " + format, *args)
-
-    def address_string(self) -> str:
-        return str(self.client_address[0]) if self.client_address else "unix"
 
     @property
     def service(self) -> JobService:
@@ -98,9 +89,10 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             return iter(())
-        if not _decimal(length):
+        size = parse_decimal(length.strip())  # the server refused anything else before this request got here
+        if size is None:
             raise BodyFramingError("invalid Content-Length")
-        return read_sized(self.rfile, int(length))
+        return read_sized(self.rfile, size)
 
     def _json_body(self) -> Any:
         data = bytearray()
@@ -110,8 +102,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 raise JobError(413, f"the request body is larger than {MAX_JSON_BODY} bytes")
         try:
-            return json.loads(data or b"null")
-        except ValueError as exc:
+            return jsonbody.loads(data or b"null")
+        except jsonbody.JsonBodyError as exc:
             raise JobError(400, f"the body is not valid JSON: {exc}") from exc
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
@@ -129,26 +121,18 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         self._send_json(status, {"error": message}, headers)
 
-    def _authorized(self) -> bool:
-        token = self.server.token
-        if token is None:
-            return True
-        offered = self.headers.get("Authorization", "")
-        scheme, _, value = offered.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
-
     def _dispatch(self, method: str) -> None:
+        """Answer the route; errors become statuses. A client gone away propagates to the server (logged at debug)."""
         expects_body = method in ("POST", "PUT")
         try:
-            if not self._authorized():
-                self.close_connection = True
-                return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
-                                   {"WWW-Authenticate": "Bearer"})
             self._route(method)
         except JobError as exc:
             if expects_body:
                 self.close_connection = True  # the body may be unread; the connection cannot be reused
             self._error(exc.status, str(exc))
+        except UnicodeError as exc:  # e.g. a lone surrogate that reached a field
+            self.close_connection = True
+            self._error(400, f"bad request: text that is not valid Unicode ({exc.reason})")
         except QueueFull as exc:
             self.close_connection = True
             self._error(429, str(exc), {"Retry-After": str(exc.retry_after)})
@@ -157,8 +141,8 @@ class Handler(BaseHTTPRequestHandler):
         except BodyFramingError as exc:
             self.close_connection = True
             self._error(400, f"bad request: {exc}")
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
-            self.close_connection = True
+        except (ConnectionError, TimeoutError):
+            raise
         except Exception:
             log.exception("api: %s %s failed", method, self.path)
             self.close_connection = True
@@ -243,76 +227,67 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, h
     values = query.get(name)
     if not values:
         return default
-    value = values[-1]
-    if not _decimal(value) or not low <= int(value) <= high:
-        raise JobError(400, f"query parameter {name}: expected an integer between {low} and {high}, got {value!r}")
-    return int(value)
+    value = parse_decimal(values[-1], max_digits=len(str(high)))
+    if value is None or not low <= value <= high:
+        raise JobError(400, f"query parameter {name}: expected an integer between {low} and {high}, "
+                            f"got {values[-1][:40]!r}")
+    return value
 
 
-def _decimal(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also accepts e.g. "²", which int() then refuses."""
-    return text.isascii() and text.isdigit()
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode() + b"\n"
 
 
-class _BoundedThreading(socketserver.ThreadingMixIn):
-    """A thread per connection, at most MAX_CONNECTIONS at once: more are answered 503 and closed."""
+def _token_gate(token: str):
+    """Checked on the head alone: a client without the token never sends its body or takes a worker."""
+    expected = token.encode()
 
-    daemon_threads = True
-    block_on_close = False
-    request_queue_size = 128  # the default 5 makes a burst of clients fail with EAGAIN on a Unix socket
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def gate(head: Head) -> Refusal | None:
+        scheme, _, value = head.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected):
+            return None
+        return Refusal(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
+                       (("WWW-Authenticate", "Bearer"),))
+    return gate
 
 
-class UnixApiServer(_BoundedThreading, socketserver.UnixStreamServer):
-    def __init__(self, path: str, service: JobService, group: str | None = None) -> None:
-        self.service, self.token = service, None
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+class UnixApiServer(BoundedHTTPServer):
+    def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
+        self.service, self.path = service, path
         _prepare_socket_path(Path(path))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o117)  # created 0660 from the start: no window where others could connect
         try:
-            super().__init__(path, Handler)
+            listener.bind(path)
+        except OSError:
+            listener.close()
+            raise
         finally:
             os.umask(old)
+        listener.listen(1024)
         os.chmod(path, 0o660)
         if group:
             try:
                 os.chown(path, -1, grp.getgrnam(group).gr_gid)
             except KeyError:
-                self.server_close()
+                listener.close()
+                os.unlink(path)
                 raise ValueError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
+        super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body)
 
-    def server_close(self) -> None:
-        super().server_close()
+    def close(self) -> None:
+        super().close()
         try:
-            os.unlink(self.server_address)
-        except (FileNotFoundError, TypeError):
+            os.unlink(self.path)
+        except FileNotFoundError:
             pass
 
 
-class TcpApiServer(_BoundedThreading, socketserver.TCPServer):
-    allow_reuse_address = True
-
-    def __init__(self, address: tuple[str, int], service: JobService, token: str) -> None:
-        self.service, self.token = service, token
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, Handler)
+class TcpApiServer(BoundedHTTPServer):
+    def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS) -> None:
+        self.service = service
+        super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
+                         gate=_token_gate(token))
 
 
 def _prepare_socket_path(path: Path) -> None:
@@ -336,33 +311,26 @@ def _prepare_socket_path(path: Path) -> None:
 
 
 class ApiServers:
-    """The Unix server and the optional TCP server, each serving in its own thread."""
+    """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
-    def __init__(self, service: JobService) -> None:
+    def __init__(self, service: JobService, limits: Limits = LIMITS) -> None:
         config = service.config
-        self.servers: list[socketserver.BaseServer] = [UnixApiServer(config.socket, service, config.socket_group)]
+        self.servers: list[BoundedHTTPServer] = [UnixApiServer(config.socket, service, config.socket_group, limits)]
         if config.listen:
             assert config.token  # the config refuses a listen address without one
-            self.servers.append(TcpApiServer(config.listen, service, config.token))
-        self._threads: list[threading.Thread] = []
+            self.servers.append(TcpApiServer(config.listen, service, config.token, limits))
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
         for server in self.servers:
             if isinstance(server, TcpApiServer):
-                return server.server_address[:2]
+                return server.address[:2]
         return None
 
     def start(self) -> None:
         for server in self.servers:
-            thread = threading.Thread(target=server.serve_forever, name=f"api-{type(server).__name__}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            server.start()
 
     def stop(self) -> None:
         for server in self.servers:
-            server.shutdown()
-            server.server_close()
-        for thread in self._threads:
-            thread.join()
-
+            server.close()

@@ -57,7 +57,7 @@ def make_server(hooks):
     def make(labels: tuple[str, ...] = ("microvm",)) -> WebhookServer:
         receiver = WebhookReceiver(WebhookConfig(secret=SECRET, labels=labels, max_body=MAX_BODY), hooks)
         server = WebhookServer(receiver, "127.0.0.1", 0)
-        server.start(poll_interval=0.02)
+        server.start()
         servers.append(server)
         return server
 

@@ -162,7 +162,7 @@ def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> Non
     stale.bind(path)
     stale.close()
     server = UnixApiServer(path, service)
-    server.server_close()
+    server.close()
     assert not os.path.exists(path)
 
 
@@ -236,7 +236,7 @@ def test_socket_group(make_service) -> None:
     try:
         assert os.stat(service.config.socket).st_gid == grp.getgrnam(group).gr_gid
     finally:
-        server.server_close()
+        server.close()
     with pytest.raises(ValueError, match="no group named 'no-such-group-mvc'"):
         UnixApiServer(service.config.socket, service, "no-such-group-mvc")
     assert not os.path.exists(service.config.socket)
