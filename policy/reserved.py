@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from ipaddress import ip_network
 
-from policy.model import Network
+from policy.model import Address, Network
 
 
 @dataclass(frozen=True)
@@ -45,5 +45,41 @@ def reserved_containing(network: Network) -> ReservedRange | None:
     """The always-denied range that wholly contains `network`, if any."""
     for reserved in always_denied(network.version):
         if network.subnet_of(reserved.network):
+            return reserved
+    return None
+
+
+# Addresses a DNS answer may not point a `host:` rule at (see `internal_range_containing`). A name
+# is only as trustworthy as whoever controls its DNS today (a wildcard rule, a lapsed domain, a
+# compromised zone), so an answer for one must not become a way into the network behind the runner
+# host: its LAN, its VPC, its carrier's NAT, the slots' own uplink. A policy that means to reach such
+# an address says so with a `cidr:` rule (which allows it by address anyway, with or without DNS).
+#
+# The list is IANA's special-purpose registries (RFC 6890 and successors) minus what is routed on
+# the internet, and minus the three documentation networks (TEST-NET-1/2/3: 192.0.2.0/24,
+# 198.51.100.0/24, 203.0.113.0/24): they are never routed and, by convention, never numbered on
+# a LAN, so no internal host can be reached through them, and the tests' fake internet lives there.
+# Guests get no AAAA answers at all; the IPv6 part keeps the check complete for when they do.
+INTERNAL: tuple[ReservedRange, ...] = (
+    *ALWAYS_DENIED,
+    ReservedRange(ip_network("10.0.0.0/8"), "private (RFC 1918)"),
+    ReservedRange(ip_network("100.64.0.0/10"), "carrier-grade NAT (RFC 6598)"),
+    ReservedRange(ip_network("172.16.0.0/12"), "private (RFC 1918)"),
+    ReservedRange(ip_network("192.0.0.0/24"), "IETF protocol assignments (RFC 6890)"),
+    ReservedRange(ip_network("192.168.0.0/16"), "private (RFC 1918)"),
+    ReservedRange(ip_network("198.18.0.0/15"), "benchmarking (RFC 2544; the slots' uplinks)"),
+    ReservedRange(ip_network("240.0.0.0/4"), "reserved (RFC 1112)"),
+    ReservedRange(ip_network("64:ff9b:1::/48"), "local-use NAT64 (RFC 8215)"),
+    ReservedRange(ip_network("100::/64"), "IPv6 discard-only (RFC 6666)"),
+    ReservedRange(ip_network("fc00::/7"), "IPv6 unique local (ULA, RFC 4193)"),
+    ReservedRange(ip_network("fec0::/10"), "IPv6 site-local (deprecated, RFC 3879)"),
+)
+
+
+def internal_range_containing(address: Address) -> ReservedRange | None:
+    """The internal range `address` lies in (private, CGNAT, link-local, loopback, multicast,
+    reserved, ULA, ...: `INTERNAL`), or None for an address that may be public."""
+    for reserved in INTERNAL:
+        if address.version == reserved.network.version and address in reserved.network:
             return reserved
     return None

@@ -31,6 +31,9 @@ from runner.net.loop import NetLoop
 MAX_RECORDS_PER_SLOT = 4096
 POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
 ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
+# An allowed name resolved to an internal address (private, CGNAT, ULA, ...) that no `cidr:` rule
+# covers, so the resolver refused it: the record's port is None and its proto "dns".
+REFUSED_ANSWER = "internal-address"
 COPY_RANGE = 64  # enough for an IPv6 header plus the ports
 
 _NETLINK_NETFILTER = 12
@@ -219,18 +222,28 @@ class SlotAudit:
         return True
 
 
+def refused_answer_record(address: str, name: str, count: int) -> AuditRecord:
+    """The record of an internal address the resolver refused to hand out for `name` `count` times."""
+    return AuditRecord(dest=address, port=None, proto="dns", name=name, count=count, reason=REFUSED_ANSWER)
+
+
 def suggest_policy(records: list[AuditRecord]) -> str:
     """A block-mode policy YAML that allows exactly what the audited job tried.
 
     Destinations the resolver handed out are allowed by name (addresses behind a name change);
     others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
-    and always-denied destinations cannot be allowed by one: both are listed as comments instead.
+    and always-denied destinations cannot be allowed by one: both are listed as comments instead,
+    as are internal addresses the resolver refused (allowing one is a decision, not a suggestion).
     """
     by_target: dict[tuple[str, str, str], set[int]] = {}
     comments: set[str] = set()
     for record in records:
         if record.reason == ALWAYS_DENIED:
             comments.add(f"# always denied, no policy can allow it, was attempted: {_attempt(record)}\n")
+            continue
+        if record.reason == REFUSED_ANSWER:
+            comments.add(f"# {record.name} resolved to the internal address {record.dest}, refused; "
+                         f"a cidr: rule for it allows it, if it is meant to be reached\n")
             continue
         if record.port is None or record.proto not in ("tcp", "udp"):
             comments.add(f"# not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}\n")

@@ -5,6 +5,13 @@ serves them all. A guest query is never forwarded as-is: the resolver asks the u
 question of its own (so nothing the guest puts in a packet reaches the upstream but the name), keeps
 only the address records for that name, opens exactly those addresses on the rule's ports in the
 slot's allow chain, and only then answers, so the guest's first connection is already allowed.
+
+What a name resolves to is only as trustworthy as whoever controls its DNS today (a wildcard rule, a
+lapsed domain), so answers pointing into internal ranges (private, CGNAT, link-local, ULA, ...:
+`policy.reserved.INTERNAL`) are refused unless a network rule already admits them, and openings
+last as long as the answer's TTL (clamped), not the VM's life: a name that moves stops reaching
+its old address once the guest has had time to look it up again. Connections already made stay up
+(conntrack admits their replies); only new ones need a live opening.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from ipaddress import ip_address, ip_network
 from typing import Callable
 
 from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
 from policy.model import DENY_ALL, Policy, Rule
+from policy.reserved import internal_range_containing, reserved_containing
 
 from runner.net import addresses, netns
 from runner.net.firewall import FirewallError
@@ -33,7 +42,8 @@ log = logging.getLogger(__name__)
 MAX_QUERY_BYTES = 512
 MAX_TCP_QUERY_BYTES = 4096
 MAX_ANSWERS = 16
-MAX_OPENED_ADDRESSES = 256
+MAX_OPENED_ADDRESSES = 256  # open at once per slot; expired ones free their place
+MAX_NAMED_ADDRESSES = 1024  # addresses whose name the audit records can show; later ones show none
 MAX_REFUSED_NAMES = 1024
 # Per slot, UDP and TCP together: enough for a job's parallel lookups (glibc asks A and AAAA at
 # once, package managers resolve several hosts), since a dropped query costs the guest a 5 s retry.
@@ -42,7 +52,19 @@ MAX_REFUSED_NAMES = 1024
 # together can still occupy every worker, but each query holds one for at most TCP_READ_TIMEOUT
 # plus the upstream's timeout, so the others' lookups are delayed, never stalled for good.
 MAX_IN_FLIGHT = 8
-MAX_TTL = 300
+MAX_TTL = 300  # the longest TTL a guest is told: at most how long it keeps using an answer
+# How long an answer's addresses stay open: its TTL, clamped. At least a minute, because a TTL of
+# 0..30 s is common at load balancers and a client may use an answer a little past it (the JVM
+# caches lookups for 30 s whatever the TTL; a lookup is often made well before its connection).
+# At most an hour: however long the TTL it was served with, an address its name no longer points
+# at (a moved or lapsed domain) closes within the hour unless a fresh lookup hands it out again.
+# The guest is told min(ttl, MAX_TTL), never longer than the opening lasts (MAX_TTL <= MAX_OPEN_SECONDS).
+MIN_OPEN_SECONDS = 60
+MAX_OPEN_SECONDS = 3600
+# How often the openings of every slot are checked for expiry between lookups (each answer also
+# closes its slot's expired ones): an opening outlives its time by at most this. A check costs a
+# dict scan per slot; the chain is only rewritten when something expired.
+SWEEP_SECONDS = 2.0
 MAX_CNAME_HOPS = 8
 TCP_READ_TIMEOUT = 2.0  # for a whole TCP query, not per recv: trickled bytes cannot hold a worker longer
 _IP_FREEBIND = 15
@@ -113,27 +135,57 @@ def valid_name(labels: tuple[bytes, ...]) -> bool:
     return bool(labels) and sum(len(label) + 1 for label in labels) <= 254 and all(_LABEL.fullmatch(label) for label in labels)
 
 
-Opener = Callable[[list[tuple[str, Rule]]], None]
+@dataclass(frozen=True, order=True)
+class Opening:
+    """One line group of the slot's DNS allow chain: `address` on `ports` of `protocol`."""
+
+    address: str
+    protocol: str
+    ports: tuple[int, ...]
 
 
-@dataclass
+# Rewrites the slot's whole DNS allow chain to hold exactly these openings, in one commit: an
+# expiry then needs no rule deletion (which fails the whole commit when a rule is already gone).
+ChainWriter = Callable[[list[Opening]], None]
+
+
+def open_seconds(ttl: int) -> float:
+    """How long an answer with `ttl` keeps its addresses open (see MIN/MAX_OPEN_SECONDS)."""
+    return float(min(max(ttl, MIN_OPEN_SECONDS), MAX_OPEN_SECONDS))
+
+
+@dataclass(eq=False)  # one object per slot: compared and hashed by identity
 class SlotResolver:
-    """One slot's DNS state: what it may resolve and what it has been handed."""
+    """One slot's DNS state: what it may resolve, what it has handed out and what is open.
+
+    `openings` maps each rule of the slot's DNS allow chain to when it expires (`clock()` time):
+    an answer opens its addresses until its TTL runs out (clamped), a later lookup of the name
+    extends them, and `expire()` (run at every answer and by the service's periodic sweep) closes
+    the rest. `allowances` are the operator's network rules, which let an answer through like a
+    `cidr:` rule of the policy does (see `_screen`).
+    """
 
     netns: str
-    open_addresses: Opener
+    write_chain: ChainWriter
+    allowances: tuple[Rule, ...] = ()
+    clock: Callable[[], float] = time.monotonic
     policy: Policy = DENY_ALL
     generation: int = 0
     handed_out: dict[str, str] = field(default_factory=dict)
     refused: Counter[str] = field(default_factory=Counter)
-    opened: set[tuple[str, int, str]] = field(default_factory=set)
+    refused_answers: Counter[tuple[str, str]] = field(default_factory=Counter)  # (address, name)
+    openings: dict[Opening, float] = field(default_factory=dict)
     sockets: list[socket.socket] = field(default_factory=list)
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def configure(self, policy: Policy) -> None:
+        """Take `policy`; the caller then reloads the slot's rules, which empties the DNS allow
+        chain, so earlier openings are forgotten, and lookups still in flight open nothing."""
         with self.lock:
             self.policy = policy
+            self.generation += 1
+            self.openings.clear()
 
     def clear(self) -> None:
         """Forget everything: a released slot's next job starts from nothing."""
@@ -142,39 +194,85 @@ class SlotResolver:
             self.generation += 1
             self.handed_out.clear()
             self.refused.clear()
-            self.opened.clear()
+            self.refused_answers.clear()
+            self.openings.clear()
 
     def snapshot(self) -> tuple[Policy, int]:
         with self.lock:
             return self.policy, self.generation
 
-    def remember(self, name: str, records: list[tuple[str, int]], rules: tuple[Rule, ...], generation: int) -> None:
-        """Record the hand-out and open what `rules` allow for it (bounded per slot).
+    def remember(self, name: str, records: list[tuple[str, int]], rules: tuple[Rule, ...],
+                 generation: int) -> list[tuple[str, int]]:
+        """Open what `rules` allow of the answer `records` for `name` until their TTL runs out,
+        closing what has expired meanwhile; returns the records the guest may be handed.
 
+        An address in an internal range (`policy.reserved.INTERNAL`) is refused, dropped from the
+        answer and counted in `refused_answers`, unless a network rule already lets the guest reach
+        it on one of the rules' ports (in audit mode it is handed out, and still counted).
         The lock is held while the firewall is changed, so `clear()` (slot release) waits for an
         opening in flight, and an answer that outlived its job (older generation) opens nothing.
         """
         with self.lock:
             if generation != self.generation:
                 raise StaleQuery(f"slot {self.netns} was released while resolving {name}")
-            fresh: list[tuple[str, Rule]] = []
-            for address, _ttl in records:
-                if address not in self.handed_out and len(self.handed_out) >= MAX_OPENED_ADDRESSES:
-                    raise OverflowError(f"slot {self.netns} reached {MAX_OPENED_ADDRESSES} resolved addresses")
-                self.handed_out[address] = name
-                for rule in rules:
-                    keys = {(address, port, rule.protocol) for port in rule.ports}
-                    if not keys <= self.opened:
-                        fresh.append((address, rule))
-                        self.opened |= keys
-            if not fresh:
-                return
-            try:
-                self.open_addresses(fresh)
-            except Exception:  # not opened after all: let the next lookup try again
-                for address, rule in fresh:
-                    self.opened -= {(address, port, rule.protocol) for port in rule.ports}
-                raise
+            now = self.clock()
+            live = {opening: expiry for opening, expiry in self.openings.items() if expiry > now}
+            kept: list[tuple[str, int]] = []
+            for address, ttl in records:
+                verdict = self._screen(address, rules)
+                if verdict == _REFUSED:
+                    self._note_refused_answer(name, address)
+                    if self.policy.mode != "audit":
+                        continue
+                elif verdict == _OPEN:
+                    for rule in rules:
+                        opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)))
+                        live[opening] = max(live.get(opening, 0.0), now + open_seconds(ttl))
+                if address in self.handed_out or len(self.handed_out) < MAX_NAMED_ADDRESSES:
+                    self.handed_out[address] = name
+                kept.append((address, ttl))
+            if len({opening.address for opening in live}) > MAX_OPENED_ADDRESSES:
+                raise OverflowError(f"slot {self.netns} has more than {MAX_OPENED_ADDRESSES} resolved addresses open")
+            self._commit(live)
+            return kept
+
+    def expire(self) -> None:
+        """Close the openings whose time has run out (a failed write leaves them for the next try)."""
+        with self.lock:
+            now = self.clock()
+            self._commit({opening: expiry for opening, expiry in self.openings.items() if expiry > now})
+
+    def refused_answer_counts(self) -> list[tuple[str, str, int]]:
+        """(address, name, count) of every internal address an answer was refused for."""
+        with self.lock:
+            return [(address, name, count) for (address, name), count in sorted(self.refused_answers.items())]
+
+    def _commit(self, live: dict[Opening, float]) -> None:
+        """Make `live` the slot's openings, rewriting the chain only when the set changed (a
+        refreshed expiry alone changes no rule). Call with the lock held."""
+        if live.keys() != self.openings.keys():
+            self.write_chain(sorted(live))
+        self.openings = live
+
+    def _screen(self, address: str, rules: tuple[Rule, ...]) -> str:
+        """_OPEN for an address the rules may open; for an internal one _COVERED when a network
+        rule (the policy's `cidr:`, or the operator's allowance, the only thing that can open an
+        always-denied address) already admits it on one of the rules' ports, else _REFUSED."""
+        parsed = ip_address(address)
+        if internal_range_containing(parsed) is None:
+            return _OPEN
+        networks = self.allowances
+        if reserved_containing(ip_network(parsed)) is None:
+            networks = (*self.policy.network_rules, *networks)
+        covered = any(network.allows(port, rule.protocol, address=parsed)
+                      for rule in rules for port in rule.ports for network in networks)
+        return _COVERED if covered else _REFUSED
+
+    def _note_refused_answer(self, name: str, address: str) -> None:
+        key = (address, name)
+        if key in self.refused_answers or len(self.refused_answers) < MAX_REFUSED_NAMES:
+            self.refused_answers[key] += 1
+        log.info("refused %s for %s in %s: an internal address no network rule allows", address, name, self.netns)
 
     def begin(self) -> bool:
         """Claim one of the slot's in-flight query places; False when all are taken."""
@@ -194,6 +292,9 @@ class SlotResolver:
                 self.refused[name] += 1
 
 
+_OPEN, _COVERED, _REFUSED = "open", "covered", "refused"
+
+
 class StaleQuery(RuntimeError):
     """The slot was released while its query was being resolved."""
 
@@ -201,15 +302,24 @@ class StaleQuery(RuntimeError):
 class DnsService:
     """Serves every slot's resolver from one loop; upstream lookups run on the loop's workers."""
 
-    def __init__(self, loop: NetLoop, upstream: Upstream) -> None:
+    def __init__(self, loop: NetLoop, upstream: Upstream, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` (seconds, monotonic) times the openings; tests pass one they can move."""
         if loop is not None and loop.workers <= MAX_IN_FLIGHT:
             raise ValueError(f"the DNS loop needs more than {MAX_IN_FLIGHT} workers (the per-slot cap), "
                              f"or one guest can take them all; it has {loop.workers}")
         self.loop = loop
         self.upstream = upstream
+        self.clock = clock
+        self._resolvers: set[SlotResolver] = set()
+        self._lock = threading.Lock()
+        self._sweeping = False
+        if loop is not None:
+            loop.every(SWEEP_SECONDS, self._start_sweep)
 
-    def attach(self, ns: str, opener: Opener) -> SlotResolver:
-        resolver = SlotResolver(ns, opener)
+    def attach(self, ns: str, write_chain: ChainWriter, allowances: tuple[Rule, ...] = ()) -> SlotResolver:
+        """Serve DNS in namespace `ns`; `write_chain` replaces its DNS allow chain, `allowances`
+        are the operator's network rules (see `SlotResolver`)."""
+        resolver = SlotResolver(ns, write_chain, tuple(allowances), self.clock)
         made: list[socket.socket] = []
         try:
             for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
@@ -226,14 +336,45 @@ class DnsService:
                 sock.close()
             raise
         resolver.sockets = [udp, tcp]
+        with self._lock:
+            self._resolvers.add(resolver)
         self.loop.add_reader(udp, lambda s: self._on_udp(resolver, s))
         self.loop.add_reader(tcp, lambda s: self._on_tcp(resolver, s))
         return resolver
 
     def detach(self, resolver: SlotResolver) -> None:
+        with self._lock:
+            self._resolvers.discard(resolver)
         for sock in resolver.sockets:
             self.loop.remove_reader(sock)
         resolver.sockets = []
+
+    def sweep(self) -> None:
+        """Close every slot's expired openings; one slot's failure leaves the others' sweep alone."""
+        with self._lock:
+            resolvers = list(self._resolvers)
+        for resolver in resolvers:
+            try:
+                resolver.expire()
+            except (FirewallError, OSError) as exc:
+                log.warning("closing expired DNS openings of %s failed (retried at the next sweep): %s",
+                            resolver.netns, exc)
+
+    def _start_sweep(self) -> None:
+        """On the loop thread: hand the sweep to a worker (it writes firewall rules), one at a time."""
+        with self._lock:
+            if self._sweeping:
+                return
+            self._sweeping = True
+
+        def run() -> None:
+            try:
+                self.sweep()
+            finally:
+                with self._lock:
+                    self._sweeping = False
+
+        self.loop.submit(run)
 
     def _on_udp(self, resolver: SlotResolver, sock: socket.socket) -> None:
         try:
@@ -314,15 +455,21 @@ class DnsService:
     def _resolve(
         self, resolver: SlotResolver, query: DNSRecord, name: str, rules: tuple[Rule, ...], generation: int
     ) -> bytes:
-        """Ask upstream; in audit mode a refused name is resolved too but opens nothing."""
+        """Ask upstream; in audit mode a refused name is resolved too but opens nothing. An
+        answer whose every address was refused (internal, see `SlotResolver.remember`) is REFUSED,
+        not an empty success: the guest's error then says the resolver would not, not that the
+        name has no address."""
         try:
             records, rcode = self.upstream.resolve(name, "A")
-            resolver.remember(name, records, rules, generation)
+            kept = resolver.remember(name, records, rules, generation)
         except (OSError, DNSError, struct.error, ValueError, OverflowError, FirewallError, StaleQuery) as exc:
             log.warning("resolving %s for %s failed: %s", name, resolver.netns, exc)
             return _error(query, RCODE.SERVFAIL)
         if rcode != RCODE.NOERROR:
             return _error(query, rcode)
+        if records and not kept:
+            return _error(query, RCODE.REFUSED)
+        records = kept
         answer = query.reply()
         for address, ttl in records:
             answer.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(address), ttl=min(ttl, MAX_TTL)))

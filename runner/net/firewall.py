@@ -185,6 +185,8 @@ def _document(*tables: list[str]) -> str:
     return "\n".join([line for table in tables for line in table] + [""])
 
 
-def append_document(rules: list[str]) -> str:
-    """A `--noflush` document that appends `rules` (lines from `policy.render.dns_allow_rule`)."""
-    return "*filter\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"
+def chain_document(chain: str, rules: list[str]) -> str:
+    """A `--noflush` document that replaces user chain `chain` of the filter table with `rules`
+    (`-A chain ...` lines) in one commit, and leaves every other chain alone: declaring a chain
+    empties it, with the legacy and the nf_tables backend alike."""
+    return f"*filter\n:{chain} - [0:0]\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"

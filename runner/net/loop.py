@@ -1,7 +1,9 @@
-"""One thread that waits on every slot's DNS and audit sockets.
+"""One thread that waits on every slot's DNS and audit sockets, and runs their periodic chores.
 
 A thread per slot would cost thousands of threads at pool sizes the uplink allows; one selector
-serves them all. Callbacks must not block: slow work (upstream DNS) goes to `NetLoop.submit`.
+serves them all, and `every` gives periodic work (closing expired resolver openings) the same
+thread instead of a timer thread per item. Callbacks must not block: slow work (upstream DNS, a
+firewall write) goes to `NetLoop.submit`.
 """
 
 from __future__ import annotations
@@ -10,12 +12,23 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
 Callback = Callable[[socket.socket], None]
+MAX_WAIT = 1.0  # the selector's longest sleep: how soon a close() is noticed without a wake-up
+
+
+class _Every:
+    """A periodic callback and when it is next due (time.monotonic())."""
+
+    def __init__(self, seconds: float, fn: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self.fn = fn
+        self.due = time.monotonic() + seconds
 
 
 class NetLoop:
@@ -29,6 +42,7 @@ class NetLoop:
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending: list[Callable[[], None]] = []
+        self._periodic: list[_Every] = []
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mvc-net")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mvc-netloop", daemon=True)
@@ -54,6 +68,13 @@ class NetLoop:
         if threading.current_thread() is not self._thread:
             done.wait()
 
+    def every(self, seconds: float, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread every `seconds` until the loop closes; like a reader's
+        callback it must not block (hand slow work to `submit`)."""
+        if seconds <= 0:
+            raise ValueError(f"a periodic callback needs a positive interval, got {seconds}")
+        self._call(lambda: self._periodic.append(_Every(seconds, fn)))
+
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         return self._workers.submit(fn)
 
@@ -77,7 +98,7 @@ class NetLoop:
 
     def _run(self) -> None:
         while not self._stopping:
-            for key, _ in self._selector.select(timeout=1.0):
+            for key, _ in self._selector.select(timeout=self._wait()):
                 if key.data is None:
                     self._drain_wakeups()
                     continue
@@ -85,6 +106,22 @@ class NetLoop:
                     key.data(key.fileobj)
                 except Exception:  # one bad packet or slot must not stop the others
                     log.exception("network callback failed")
+            self._run_due()
+
+    def _wait(self) -> float:
+        """Seconds until the next periodic callback is due, at most `MAX_WAIT`."""
+        now = time.monotonic()
+        return max(0.0, min([MAX_WAIT, *(every.due - now for every in self._periodic)]))
+
+    def _run_due(self) -> None:
+        now = time.monotonic()
+        for every in self._periodic:
+            if every.due <= now:
+                every.due = now + every.seconds
+                try:
+                    every.fn()
+                except Exception:
+                    log.exception("periodic network callback failed")
 
     def _drain_wakeups(self) -> None:
         try:

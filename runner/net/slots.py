@@ -12,15 +12,17 @@ import logging
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from pyroute2 import IPRoute, NFCTSocket
 
-from policy.model import DENY_ALL, Policy, Rule
-from policy.render import OperatorAllowances, RenderContext, dns_allow_rule, render
+from policy.model import DENY_ALL, Policy
+from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
 from runner.net import addresses, firewall, netns
-from runner.net.audit import AuditRecord, SlotAudit
-from runner.net.dns import DnsService, SlotResolver, Upstream
+from runner.net.audit import AuditRecord, SlotAudit, refused_answer_record
+from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
 from runner.net.firewall import Firewall
 from runner.net.loop import NetLoop
 from runner.net.uplink import Uplink
@@ -88,18 +90,21 @@ class Slot:
             self.audit.clear()
 
     def audit_records(self) -> list[AuditRecord]:
-        """What the guest tried that the policy does not allow (logged in both modes)."""
+        """What the guest tried that the policy does not allow (logged in both modes), and the
+        internal addresses the resolver refused to hand out for an allowed name."""
         if self.audit is None:
             return []
-        names = dict(self.resolver.handed_out) if self.resolver is not None else {}
-        return self.audit.records(names)
+        if self.resolver is None:
+            return self.audit.records({})
+        refused = [refused_answer_record(*entry) for entry in self.resolver.refused_answer_counts()]
+        return self.audit.records(dict(self.resolver.handed_out)) + refused
 
-    def open_addresses(self, opened: list[tuple[str, Rule]]) -> None:
-        """Append resolver-opened addresses to the slot's allow chain in one commit."""
+    def write_dns_chain(self, openings: list[Opening]) -> None:
+        """Make the slot's DNS allow chain hold exactly the resolver's live `openings`, in one commit."""
         lines: list[str] = []
-        for address, rule in opened:
-            lines.extend(dns_allow_rule(address, rule.ports, rule.protocol).splitlines())
-        self.firewall.load(self.netns, firewall.append_document(lines), noflush=True)
+        for opening in openings:
+            lines.extend(dns_allow_rule(opening.address, opening.ports, opening.protocol).splitlines())
+        self.firewall.load(self.netns, firewall.chain_document(DNS_ALLOW_CHAIN, lines), noflush=True)
 
     def reset(self) -> None:
         """Back to the pooled state: deny-all, no connections, no resolver or audit memory."""
@@ -162,7 +167,9 @@ class SlotPool:
         tap_owner: tuple[int, int] | None = None,
         allowances: OperatorAllowances | None = None,
         max_slots: int = addresses.MAX_SLOTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` times the resolver's openings (see `runner.net.dns`); tests pass one they can move."""
         if not _PREFIX.fullmatch(prefix):
             raise ValueError(f"slot prefix {prefix!r} must be 1-9 lowercase letters/digits starting with a letter")
         if uplink is None:
@@ -175,6 +182,7 @@ class SlotPool:
         self.tap_owner = tap_owner
         self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)
+        self.clock = clock
         self._lock = threading.Lock()
         self._idle: list[Slot] = []
         self._busy: dict[int, Slot] = {}
@@ -194,7 +202,7 @@ class SlotPool:
         self.sweep()
         self.uplink.prepare(self.prefix, self.allowances)
         self._loop = NetLoop()
-        self._dns = DnsService(self._loop, self.upstream)
+        self._dns = DnsService(self._loop, self.upstream, self.clock)
         for _ in range(self.size):
             slot = self._create(self._free_index())
             with self._lock:
@@ -291,7 +299,7 @@ class SlotPool:
             netns.run_in(name, lambda: _configure_inside(index, self.tap_owner))
             self.firewall.load(name, firewall.guard4(self.allowances) + firewall.masquerade() + firewall.deny_all())
             self.firewall.load(name, firewall.guard6(self.allowances), ipv6=True)
-            slot.resolver = self._dns.attach(name, slot.open_addresses)
+            slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)
             slot.reset()

@@ -23,6 +23,7 @@ class Net:
     prefix: str
     internet: str
     pool: SlotPool
+    clock: net_fakes.Clock  # times the resolver's openings: advance it to expire them
 
 
 @pytest.fixture
@@ -38,10 +39,12 @@ def net(need_netns, prefix: str) -> Iterator[Net]:
         cleanup.callback(netns.remove, internet)
         cleanup.callback(netns.remove, f"{prefix}-guest")
         cleanup.callback(servers.close)
-        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        clock = net_fakes.Clock()
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet),
+                        clock=clock)
         cleanup.callback(pool.close)
         pool.start()
-        yield Net(prefix, internet, pool)
+        yield Net(prefix, internet, pool, clock)
     assert net_fakes.leftovers(prefix) == []
     ours = ("mvc-", "netns:", net_fakes.SERVER_THREAD)  # pyroute2's own helpers come and go
     stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive() and t.name.startswith(ours)]

@@ -4,7 +4,8 @@ Topology (every name carries the test's unique prefix P):
 
     P-guest: eth0 52:54:00:00:00:02 192.0.2.2/30 --veth-- tap0 192.0.2.1/30 in the slot P-N
     P-N: veth0 198.18.x.2 --veth-- P-N 198.18.x.1 in P-inet
-    P-inet: the fake hosts' addresses on its loopback (allowed web, denied web, upstream DNS, metadata)
+    P-inet: the fake hosts' addresses on its loopback (allowed web, denied web, upstream DNS, metadata,
+            and a "LAN" host at a private address, standing for what lies behind a runner host)
 
 The stand-in guest is a namespace whose veth end replaces the slot's tap0 under the same name:
 the slot's rules match on the interface name, so the kernel treats it exactly like the tap QEMU
@@ -17,6 +18,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 
 from dnslib import CNAME, QTYPE, RCODE, RR, A, DNSRecord
@@ -27,14 +29,18 @@ ALLOWED_HOST = "203.0.113.10"
 DENIED_HOST = "203.0.113.20"
 UPSTREAM_DNS = "203.0.113.53"
 METADATA = "169.254.169.254"
+LAN_HOST = "10.0.0.5"  # private (RFC 1918): what an allowed name must not lead to without a cidr: rule
 SERVER_IP6 = "2001:db8:3::10"
-ZONE = {
+ZONE: dict[str, str | list[str]] = {
     "web.test": ALLOWED_HOST,
     "denied.test": DENIED_HOST,
     "a.cdn.test": ALLOWED_HOST,
     "edge.cdn.example": ALLOWED_HOST,
     "rebind.test": METADATA,  # DNS rebinding: an allowed name pointing at the metadata service
+    "lan.test": LAN_HOST,  # ... or at the LAN behind the runner host
+    "mixed.test": [ALLOWED_HOST, LAN_HOST],
 }
+TTL = 60
 SERVER_THREAD = "fake-server"
 ALIASES = {"files.web.test": "edge.cdn.example"}  # a CDN-style CNAME
 
@@ -45,6 +51,19 @@ def ip(*args: str) -> None:
 
 def in_ns(name: str, fn):  # type: ignore[no-untyped-def]
     return netns.run_in(name, fn)
+
+
+class Clock:
+    """time.monotonic() plus an offset a test moves forward: expiries without waiting for them."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
 
 
 @dataclass
@@ -107,11 +126,13 @@ class Servers:
             name = str(query.q.qname).rstrip(".")
             reply = query.reply()
             if name in ALIASES:
-                reply.add_answer(RR(query.q.qname, QTYPE.CNAME, rdata=CNAME(ALIASES[name]), ttl=60))
-                reply.add_answer(RR(ALIASES[name], QTYPE.A, rdata=A(ZONE[ALIASES[name]]), ttl=60))
-                reply.add_answer(RR("unrelated.example", QTYPE.A, rdata=A(DENIED_HOST), ttl=60))
+                reply.add_answer(RR(query.q.qname, QTYPE.CNAME, rdata=CNAME(ALIASES[name]), ttl=TTL))
+                reply.add_answer(RR(ALIASES[name], QTYPE.A, rdata=A(ZONE[ALIASES[name]]), ttl=TTL))
+                reply.add_answer(RR("unrelated.example", QTYPE.A, rdata=A(DENIED_HOST), ttl=TTL))
             elif name in ZONE and query.q.qtype == QTYPE.A:
-                reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(ZONE[name]), ttl=60))
+                found = ZONE[name]
+                for address in [found] if isinstance(found, str) else found:
+                    reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(address), ttl=TTL))
             elif name not in ZONE:
                 reply.header.rcode = RCODE.NXDOMAIN
             sock.sendto(reply.pack(), peer)
@@ -124,10 +145,11 @@ def build_internet(prefix: str) -> tuple[str, Servers]:
     servers = Servers()
     try:
         ip("-n", name, "link", "set", "lo", "up")
-        for address in (ALLOWED_HOST, DENIED_HOST, UPSTREAM_DNS, METADATA):
+        for address in (ALLOWED_HOST, DENIED_HOST, UPSTREAM_DNS, METADATA, LAN_HOST):
             ip("-n", name, "addr", "add", f"{address}/32", "dev", "lo")
         ip("-n", name, "-6", "addr", "add", f"{SERVER_IP6}/128", "dev", "lo", "nodad")
-        for host, port in ((ALLOWED_HOST, 8000), (ALLOWED_HOST, 9000), (DENIED_HOST, 8000), (METADATA, 80)):
+        for host, port in ((ALLOWED_HOST, 8000), (ALLOWED_HOST, 9000), (DENIED_HOST, 8000), (METADATA, 80),
+                           (LAN_HOST, 8000)):
             servers.tcp(name, host, port)
         servers.tcp(name, SERVER_IP6, 8000)
         servers.dns(name, UPSTREAM_DNS)

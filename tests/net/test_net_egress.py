@@ -199,7 +199,7 @@ def test_an_allowed_name_rebound_to_the_metadata_service_stays_blocked(slot, gue
 
     answer = lookup(guest, "rebind.test")
 
-    assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [METADATA]
+    assert answer is not None and answer.header.rcode == RCODE.REFUSED and answer.rr == []  # not even handed out
     assert not reach(guest, METADATA, 80)
 
 

@@ -69,7 +69,7 @@ def test_release_leaves_nothing_of_the_job(net, slot, guest) -> None:
     net.pool.release(slot)
 
     assert conntrack_entries(slot.netns) == 0
-    assert slot.resolver.handed_out == {} and slot.resolver.opened == set()
+    assert slot.resolver.handed_out == {} and slot.resolver.openings == {}
     assert slot.audit_records() == []
     assert not reach(guest, ALLOWED_HOST, 8000)  # deny-all again
     assert lookup(guest, "web.test") is None

@@ -8,18 +8,22 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from ipaddress import ip_address, ip_network
 
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from net_fakes import ALLOWED_HOST, Servers
-from policy import load_policy
+from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, Servers
+from policy import Rule, load_policy
+from policy.reserved import internal_range_containing
 from runner.net import AuditRecord, Upstream, suggest_policy
-from runner.net.audit import ALWAYS_DENIED, POLICY, parse_packet, payloads
+from runner.net.audit import ALWAYS_DENIED, POLICY, REFUSED_ANSWER, parse_packet, payloads, refused_answer_record
 from runner.net import dns as dns_module
-from runner.net.dns import MAX_IN_FLIGHT, MAX_OPENED_ADDRESSES, DnsService, SlotResolver
+from runner.net.dns import (MAX_IN_FLIGHT, MAX_OPEN_SECONDS, MAX_OPENED_ADDRESSES, MIN_OPEN_SECONDS, DnsService, Opening,
+                            SlotResolver, open_seconds)
+from runner.net.firewall import FirewallError
 from runner.net.loop import NetLoop
 
 
@@ -129,8 +133,9 @@ def service() -> Iterator[tuple[DnsService, Servers]]:
         servers.close()
 
 
-def resolver(policy_text: str, opened: list) -> SlotResolver:  # type: ignore[type-arg]
-    slot = SlotResolver("unit", opened.extend)
+def resolver(policy_text: str, writes: list, clock: Clock | None = None) -> SlotResolver:  # type: ignore[type-arg]
+    """A slot's resolver whose DNS allow chain is `writes[-1]` (every rewrite appended)."""
+    slot = SlotResolver("unit", writes.append, clock=clock or Clock())
     slot.configure(load_policy(policy_text, "unit.yml"))
     return slot
 
@@ -154,7 +159,7 @@ def test_allowed_name_is_answered_and_opened_once(service) -> None:
 
     assert [str(rr.rdata) for rr in first.rr] == [ALLOWED_HOST]
     assert str(second.rr[0].rdata) == ALLOWED_HOST
-    assert [(address, sorted(rule.ports)) for address, rule in opened] == [(ALLOWED_HOST, [443, 8000])]
+    assert opened == [[Opening(ALLOWED_HOST, "tcp", (443, 8000))]]  # the second only extends it
     assert slot.handed_out == {ALLOWED_HOST: "web.test"}
     assert upstream.queries == 2
 
@@ -168,7 +173,7 @@ def test_cname_chains_are_followed_but_unrelated_records_dropped(service) -> Non
 
     assert [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
     assert str(answer.rr[0].rname).rstrip(".") == "files.web.test"
-    assert [address for address, _ in opened] == [ALLOWED_HOST]
+    assert [opening.address for opening in opened[-1]] == [ALLOWED_HOST]
 
 
 def test_names_that_are_not_host_names_are_refused(service) -> None:
@@ -224,7 +229,8 @@ def test_resolved_addresses_per_slot_are_bounded(service) -> None:
     dns, _ = service
     opened: list = []  # type: ignore[type-arg]
     slot = resolver(WEB, opened)
-    slot.handed_out.update({f"10.0.{i // 256}.{i % 256}": "x.test" for i in range(MAX_OPENED_ADDRESSES)})
+    far = slot.clock() + 3600
+    slot.openings.update({Opening(f"198.51.{i // 256}.{i % 256}", "tcp", (443,)): far for i in range(MAX_OPENED_ADDRESSES)})
 
     assert ask(dns, slot, "web.test").header.rcode == RCODE.SERVFAIL
     assert opened == []
@@ -300,3 +306,171 @@ def test_hostile_queries_get_an_answer_or_nothing(data: bytes) -> None:
     dns = DnsService(loop=None, upstream=Upstream("127.0.0.1", 9, timeout=0.01))  # type: ignore[arg-type]
     answer = dns._answer(slot, data)
     assert answer is None or DNSRecord.parse(answer).header.qr == 1
+
+
+LAN = "version: 1\nallow:\n  - host: lan.test\n    ports: [8000]\n"
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "172.16.3.4", "192.168.1.1", "100.64.0.1", "100.127.255.254",
+                                     "169.254.169.254", "127.0.0.1", "0.1.2.3", "224.0.0.251", "240.0.0.1",
+                                     "255.255.255.255", "198.18.0.1", "192.0.0.8", "fd12::1", "fe80::1", "::1",
+                                     "::ffff:10.0.0.5"])
+def test_internal_ranges(address: str) -> None:
+    assert internal_range_containing(ip_address(address)) is not None
+
+
+@pytest.mark.parametrize("address", ["203.0.113.10", "198.51.100.1", "192.0.2.10", "8.8.8.8", "100.128.0.1",
+                                     "172.32.0.1", "11.0.0.1", "2001:db8::1", "2606:4700::1"])
+def test_public_looking_ranges(address: str) -> None:
+    assert internal_range_containing(ip_address(address)) is None
+
+
+def test_an_allowed_name_answered_with_a_private_address_is_refused(service) -> None:
+    dns, _ = service
+    writes: list = []  # type: ignore[type-arg]
+    slot = resolver(LAN, writes)
+
+    answer = ask(dns, slot, "lan.test")
+
+    assert answer.header.rcode == RCODE.REFUSED and answer.rr == []
+    assert writes == [] and slot.handed_out == {}
+    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 1)]
+
+
+def test_only_the_internal_addresses_of_an_answer_are_dropped(service) -> None:
+    dns, _ = service
+    writes: list = []  # type: ignore[type-arg]
+    slot = resolver("version: 1\nallow:\n  - host: mixed.test\n    ports: [8000]\n", writes)
+
+    answer = ask(dns, slot, "mixed.test")
+
+    assert answer.header.rcode == RCODE.NOERROR and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
+    assert writes == [[Opening(ALLOWED_HOST, "tcp", (8000,))]]
+    assert slot.refused_answer_counts() == [(LAN_HOST, "mixed.test", 1)]
+
+
+@pytest.mark.parametrize("cidr, ports, handed_out", [("10.0.0.0/24", "[8000]", True), ("10.0.0.5/32", "[8000, 9000]", True),
+                                                    ("10.0.0.0/24", "[9000]", False), ("10.0.1.0/24", "[8000]", False)])
+def test_a_cidr_rule_covering_the_address_and_port_lets_it_through(service, cidr: str, ports: str, handed_out: bool) -> None:
+    dns, _ = service
+    writes: list = []  # type: ignore[type-arg]
+    slot = resolver(LAN + f"  - cidr: {cidr}\n    ports: {ports}\n", writes)
+
+    answer = ask(dns, slot, "lan.test")
+
+    assert ([str(rr.rdata) for rr in answer.rr] == [LAN_HOST]) is handed_out
+    assert writes == []  # the cidr rule admits it already: nothing to open, nothing to expire
+    assert (slot.refused_answer_counts() == []) is handed_out
+
+
+def test_always_denied_answers_pass_only_an_operator_allowance(service) -> None:
+    dns, _ = service
+    rebind = "version: 1\nallow:\n  - host: rebind.test\n    ports: [80]\n  - cidr: 0.0.0.0/0\n    ports: [80]\n"
+    slot = resolver(rebind, [])
+    assert ask(dns, slot, "rebind.test").header.rcode == RCODE.REFUSED  # no policy can open the metadata service
+
+    operator = (Rule(frozenset({80}), network=ip_network(f"{METADATA}/32")),)
+    allowed = SlotResolver("unit", [].append, allowances=operator)
+    allowed.configure(load_policy(rebind, "unit.yml"))
+    assert [str(rr.rdata) for rr in ask(dns, allowed, "rebind.test").rr] == [METADATA]
+
+
+def test_audit_mode_hands_out_internal_answers_but_records_them(service) -> None:
+    dns, _ = service
+    writes: list = []  # type: ignore[type-arg]
+    slot = resolver("version: 1\nmode: audit\nallow:\n  - host: lan.test\n    ports: [8000]\n", writes)
+
+    answer = ask(dns, slot, "lan.test")
+
+    assert [str(rr.rdata) for rr in answer.rr] == [LAN_HOST] and writes == []
+    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 1)]
+
+
+def test_open_seconds_are_the_ttl_clamped() -> None:
+    assert open_seconds(0) == MIN_OPEN_SECONDS == 60
+    assert open_seconds(300) == 300
+    assert open_seconds(7 * 86400) == MAX_OPEN_SECONDS == 3600
+    assert dns_module.MAX_TTL <= MAX_OPEN_SECONDS  # a guest is never told to use an answer longer than it is open
+
+
+def test_openings_expire_with_their_ttl_and_a_lookup_extends_them(service) -> None:
+    dns, _ = service
+    clock, writes = Clock(), []  # type: ignore[var-annotated]
+    slot = resolver(WEB, writes, clock)
+    web = [Opening(ALLOWED_HOST, "tcp", (443, 8000))]
+
+    ask(dns, slot, "web.test")  # the fake upstream's TTL is 60 s
+    clock.advance(50)
+    ask(dns, slot, "web.test")  # open until 110 s now
+    clock.advance(15)
+    slot.expire()
+    assert writes == [web]
+    clock.advance(50)
+    slot.expire()
+    assert writes == [web, []]  # closed, without a lookup
+    ask(dns, slot, "web.test")
+    assert writes == [web, [], web]  # and opened again by the next one
+
+
+def test_each_answer_also_closes_what_has_expired(service) -> None:
+    dns, _ = service
+    clock, writes = Clock(), []  # type: ignore[var-annotated]
+    slot = resolver(WEB + '  - host: "*.cdn.test"\n    ports: [9000]\n', writes, clock)
+
+    ask(dns, slot, "web.test")
+    clock.advance(61)
+    ask(dns, slot, "a.cdn.test")  # same address, another rule: web.test's opening is gone in the same write
+
+    assert writes[-1] == [Opening(ALLOWED_HOST, "tcp", (9000,))]
+
+
+def test_a_failed_expiry_is_retried_and_other_slots_are_still_swept(service, monkeypatch) -> None:
+    dns, _ = service
+    monkeypatch.setattr(dns_module.netns, "socket_in", lambda ns, family, kind, proto=0: socket.socket(family, kind, proto))
+    monkeypatch.setattr(dns_module.addresses, "DNS_IP", "127.0.0.1")
+    monkeypatch.setattr(dns_module.addresses, "DNS_PORT", 0)
+    clock = Clock()
+    dns.clock = clock
+    failing, good = [], []  # type: ignore[var-annotated]
+
+    def refuse(openings: list) -> None:  # type: ignore[type-arg]
+        failing.append(openings)
+        if len(failing) > 1:
+            raise FirewallError("iptables-restore rejected the rules")
+
+    slots = [dns.attach("bad", refuse), dns.attach("good", good.append)]
+    try:
+        for slot in slots:
+            slot.configure(load_policy(WEB, "unit.yml"))
+            ask(dns, slot, "web.test")
+        clock.advance(61)
+        dns.sweep()
+        assert good[-1] == [] and len(slots[0].openings) == 1  # kept, to be closed at the next sweep
+    finally:
+        for slot in slots:
+            dns.detach(slot)
+
+
+def test_the_loop_runs_periodic_callbacks_on_its_thread() -> None:
+    loop = NetLoop(workers=1)
+    ran = threading.Event()
+    threads: list[str] = []
+    try:
+        loop.every(0.05, lambda: (threads.append(threading.current_thread().name), ran.set()))
+        assert ran.wait(5)
+    finally:
+        loop.close()
+    assert threads[0] == "mvc-netloop"
+    with pytest.raises(ValueError, match="positive interval"):
+        loop.every(0, lambda: None)
+
+
+def test_refused_answers_are_suggested_as_a_comment_only() -> None:
+    records = [refused_answer_record(LAN_HOST, "lan.test", 2), AuditRecord("203.0.113.20", 8000, "tcp", None, 1)]
+
+    text = suggest_policy(records)
+
+    assert [str(rule.network) for rule in load_policy(text, "suggested.yml").rules] == ["203.0.113.20/32"]
+    assert f"# lan.test resolved to the internal address {LAN_HOST}, refused" in text
+    assert records[0].as_json() == {"dest": LAN_HOST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
+                                    "reason": REFUSED_ANSWER}
