@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, extract
+from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
 from action.inputs import Inputs, job_spec, read_inputs
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
@@ -58,6 +58,7 @@ class JobRun:
         self.out = out
         self.environ = environ
         self.job_id: str | None = None
+        self.artifact_trouble: list[str] = []  # why artifacts did not all come back (artifacts-required)
 
     def run(self, spec: dict[str, Any]) -> int:
         try:
@@ -77,7 +78,7 @@ class JobRun:
         record = self.client.get(self.job_id)
         extraction = self._artifacts()
         junit = self._junit(extraction)
-        result = Result(record=record, exit_code=exit_code_of(record), junit=junit,
+        result = Result(record=record, exit_code=self._exit_code(record, extraction), junit=junit,
                         artifacts=extraction.files, refused_artifacts=extraction.skipped,
                         log_dropped_bytes=dropped)
         self._report(result)
@@ -115,30 +116,44 @@ class JobRun:
                 time.sleep(1)
 
     def _artifacts(self) -> Extraction:
+        """The artifacts, in a new directory of the workspace (see action/artifacts.py); trouble is a warning."""
         if not self.inputs.artifacts:
             return Extraction()
-        dest = self._artifact_dir()
         limits = ArtifactLimits()
-        with tempfile.TemporaryFile(dir=self.environ.get("RUNNER_TEMP") or None) as spool:
+        temp = self.environ.get("RUNNER_TEMP") or None
+        with tempfile.TemporaryFile(dir=temp) as spool:
             try:
                 self.client.artifacts(self.job_id, BoundedWriter(spool, limits.max_total_bytes + 64 * 1024 * 1024))
                 spool.seek(0)
-                return extract(spool, dest, self.inputs.artifacts, limits)
+                return deliver(spool, self.workspace, self.inputs.artifacts_path, self.inputs.artifacts,
+                               Path(temp) if temp else None, limits)
             except self.api_errors as exc:
                 if getattr(exc, "status", None) == 404:  # nothing matched: the record says why
+                    self.artifact_trouble.append("no file matched the artifact globs")
                     return Extraction()
-                self.out.write(annotation("warning", f"artifacts not copied: {exc}") + "\n")
+                self._artifact_warning(f"artifacts not copied: {exc}")
             except ArtifactError as exc:
-                self.out.write(annotation("warning", f"artifacts: {exc}") + "\n")
+                self._artifact_warning(f"artifacts: {exc}")
         return Extraction()
 
+    def _artifact_warning(self, text: str) -> None:
+        self.artifact_trouble.append(text)
+        self.out.write(annotation("warning", text) + "\n")
+
+    def _exit_code(self, record: Mapping[str, Any], extraction: Extraction) -> int:
+        """The command's exit code; with artifacts-required, 1 instead of 0 when artifacts are missing."""
+        code = exit_code_of(record)
+        trouble = self.artifact_trouble + [f"{name}: {why}" for name, why in extraction.skipped]
+        if self.inputs.artifacts and not extraction.files and not trouble:
+            trouble.append("no artifact came back")
+        if code == 0 and self.inputs.artifacts_required and trouble:
+            self.out.write(annotation("error", f"artifacts-required: {len(trouble)} problem(s) with the artifacts, "
+                                               f"first: {trouble[0]}") + "\n")
+            return 1
+        return code
+
     def _artifact_dir(self) -> Path:
-        dest = (self.workspace / self.inputs.working_directory).resolve()
-        root = self.workspace.resolve()
-        if dest != root and root not in dest.parents:
-            raise UserError(f"working-directory {self.inputs.working_directory} leaves the workspace")
-        dest.mkdir(parents=True, exist_ok=True)
-        return dest
+        return self.workspace / self.inputs.artifacts_path
 
     def _junit(self, extraction: Extraction) -> Totals | None:
         dest = self._artifact_dir() if extraction.files else None

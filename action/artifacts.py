@@ -2,14 +2,24 @@
 
 The service validates artifacts already, but their names and bytes come from the guest, so this side
 checks again instead of trusting one layer, with the host's rules for guest tars (`runner.tarsafe`:
-plain relative names, only files and directories, no write through a link already in the workspace,
-bounded count and size), and takes only what matches the globs the workflow asked for.
+plain relative names, no `.git` component, only files and directories, bounded count and size), and
+takes only what matches the globs the workflow asked for.
+
+Artifacts never land where the host executes or configures anything: they are extracted into a fresh
+directory under RUNNER_TEMP, which is then moved to a directory of the workspace that must not exist
+yet (`artifacts/` unless the workflow names another), reached without following any symlink. So no
+artifact is ever written over a file of the checkout, into its `.git`, or through a link a fork
+committed (`sub -> .git`).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import shutil
 import tarfile
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
@@ -18,7 +28,8 @@ from runner import tarsafe
 from runner.tarsafe import Extracted as Extraction
 from runner.tarsafe import Limits as ArtifactLimits
 
-__all__ = ["ArtifactError", "ArtifactLimits", "BoundedWriter", "Extraction", "extract", "glob_regex", "matches"]
+__all__ = ["ArtifactError", "ArtifactLimits", "BoundedWriter", "Extraction", "deliver", "extract", "glob_regex",
+           "matches", "place"]
 
 
 class ArtifactError(Exception):
@@ -89,3 +100,82 @@ def extract(stream: BinaryIO, dest: Path, globs: list[str],
         return tarsafe.extract(stream, dest, limits, refuse)
     except tarsafe.UnsafeTar as exc:
         raise ArtifactError(f"artifacts: {exc}") from exc
+
+
+def deliver(stream: BinaryIO, workspace: Path, target: str, globs: list[str], temp_root: Path | None,
+            limits: ArtifactLimits = ArtifactLimits()) -> Extraction:
+    """Extract into a fresh directory under `temp_root`, then move it to `target` in the workspace.
+
+    Nothing is placed when extraction fails as a whole (ArtifactError); skipped members are listed.
+    """
+    fresh = Path(tempfile.mkdtemp(prefix="microvm-check-artifacts-", dir=temp_root))
+    try:
+        result = extract(stream, fresh, globs, limits)
+        if result.files:
+            place(fresh, workspace, target)
+        return result
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
+def place(fresh: Path, workspace: Path, target: str) -> None:
+    """Move the directory `fresh` to `target` under `workspace`, which must not exist yet.
+
+    Parents are opened (created if missing) without following symlinks, and `target` is created
+    with mkdir first, so an existing file, directory or link of that name stops the move.
+    """
+    try:
+        name = tarsafe.safe_name(target)
+    except tarsafe.UnsafeTar as exc:
+        raise ArtifactError(f"artifacts-path {target!r} refused: {exc}") from None
+    if not name or tarsafe.refused_name(name):
+        raise ArtifactError(f"artifacts-path {target!r} refused: not a plain directory outside .git")
+    *parents, base = name.split("/")
+    root_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parent_fd = tarsafe.open_dirs(root_fd, parents)
+    except OSError as exc:
+        raise ArtifactError(f"cannot reach {name} in the workspace without following a link: {exc.strerror}") from None
+    finally:
+        os.close(root_fd)
+    try:
+        _take_name(parent_fd, name, base)
+        try:
+            os.rename(fresh, base, dst_dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise ArtifactError(f"cannot move the artifacts to {name}: {exc.strerror}") from None
+            _copy_tree(fresh, parent_fd, base)
+    finally:
+        os.close(parent_fd)
+
+
+def _take_name(parent_fd: int, name: str, base: str) -> None:
+    try:
+        os.mkdir(base, 0o755, dir_fd=parent_fd)
+    except FileExistsError:
+        raise ArtifactError(f"{name} already exists in the workspace: artifacts are never written over the "
+                            "checkout's files; remove it first or name another directory with artifacts-path") from None
+
+
+def _copy_tree(src: Path, parent_fd: int, base: str) -> None:
+    """The fallback when RUNNER_TEMP is on another file system: our own writes, no links followed."""
+    dest_fd = tarsafe.open_dirs(parent_fd, [base])
+    try:
+        for dirpath, _dirs, files in os.walk(src):
+            rel = os.path.relpath(dirpath, src)
+            dir_fd = tarsafe.open_dirs(dest_fd, [] if rel == "." else rel.split(os.sep))
+            try:
+                for file_name in files:
+                    _copy_file(Path(dirpath) / file_name, dir_fd, file_name)
+            finally:
+                os.close(dir_fd)
+    finally:
+        os.close(dest_fd)
+
+
+def _copy_file(src: Path, dir_fd: int, name: str) -> None:
+    mode = os.stat(src, follow_symlinks=False).st_mode & 0o755
+    out_fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    with open(src, "rb") as source, os.fdopen(out_fd, "wb") as out:
+        shutil.copyfileobj(source, out, tarsafe.COPY_CHUNK)

@@ -38,6 +38,8 @@ class Inputs:
     env_names: list[str]
     socket: str
     include_git: bool
+    artifacts_path: str = "artifacts"
+    artifacts_required: bool = False
 
 
 def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
@@ -58,6 +60,8 @@ def read_inputs(environ: Mapping[str, str]) -> Inputs:
         env_names=_env_names(_get(environ, "env")),
         socket=_get(environ, "socket", DEFAULT_SOCKET) or DEFAULT_SOCKET,
         include_git=_boolean("include-git", _get(environ, "include-git", "false") or "false"),
+        artifacts_path=_artifacts_path(_get(environ, "artifacts-path", "artifacts") or "artifacts"),
+        artifacts_required=_boolean("artifacts-required", _get(environ, "artifacts-required", "false") or "false"),
     )
 
 
@@ -65,7 +69,20 @@ def _working_directory(value: str) -> str:
     path = PurePosixPath(value)
     if path.is_absolute() or ".." in path.parts or "\0" in value:
         raise UserError(f"input 'working-directory' must be a relative path inside the checkout, got {value!r}")
+    if tarsafe.refused_name(str(path)):
+        raise UserError(f"input 'working-directory' may not be or be inside a .git directory, got {value!r}")
     return str(path)
+
+
+def _artifacts_path(value: str) -> str:
+    """Where artifacts land in the workspace: a new directory, never `.git`, never the checkout's root."""
+    try:
+        name = tarsafe.safe_name(value)
+    except ValueError as exc:
+        raise UserError(f"input 'artifacts-path' must be a relative path inside the workspace ({exc})") from None
+    if not name or tarsafe.refused_name(name):
+        raise UserError(f"input 'artifacts-path' must name a new directory in the workspace, outside .git, got {value!r}")
+    return name
 
 
 def _artifact_globs(value: str) -> list[str]:

@@ -1,16 +1,23 @@
 """Tar streams whose names and bytes a guest chose, handled on the host without trusting any of it.
 
-One place for the rules, used wherever guest files reach the host (`Sandbox.copy_out`, the service's
-artifact check, `microvm-check run`, the action's artifact copy):
+The one place for the rules, used wherever a tar reaches the host from outside: `Sandbox.copy_out`,
+the service's artifact check (`copy_validated`) and checkout check (`check_tar`), `microvm-check
+run` and the action's artifact copy (`extract`).
 
-- a member name is a plain relative path: no NUL or control characters, no backslash, not absolute,
-  no `..`, bounded in length and depth;
-- only regular files and directories are ever written, by our own code: never a link, a device or
-  a fifo, so nothing written later can be redirected by something written before;
-- directories are entered with O_NOFOLLOW, files are written to a fresh temporary name and renamed,
-  so neither a symlink nor a hard link already in the destination can redirect a write;
-- count, per-file and total size are bounded while streaming: a tar bomb stops with an error and
-  what was extracted until then stays.
+- Every 512-byte header is read by `HeaderScanner` before `tarfile` sees it: pax, GNU long-name and
+  long-link members over 64 KiB, global pax headers, sparse members, bad checksums and malformed pax
+  records end the stream. stdlib `tarfile` reads an extended header whole and, before Python
+  3.11.10 / 3.12.6, parses it with a backtracking regex (CVE-2024-6232): a 1 MiB header cost minutes
+  of CPU, a 32 MiB one hundreds of MiB of memory even when patched.
+- A member name is a plain relative path: no NUL or control characters, no backslash, not absolute,
+  no `..`, bounded in length and depth, and no `.git` component in any letter case (that is where
+  git finds hooks and `core.fsmonitor`, which run on the next git command on the host).
+- Only regular files and directories are ever written, by our own code: never a link, a device or a
+  fifo. Directories are entered with O_NOFOLLOW and files are created with O_EXCL, so nothing already
+  in the destination can redirect a write.
+- A member that breaks a rule (a link, a device, an oversize file, a refused name, a repeat) is
+  skipped and listed with the reason; the others still come through. Only a stream that is broken as
+  a whole (framing, headers, the count or total bounds) raises `UnsafeTar`.
 
 Python's tarfile extraction filters are not used: several of their bypasses were fixed only in later
 patch releases than the ones Debian ships.
@@ -19,16 +26,35 @@ patch releases than the ones Debian ships.
 from __future__ import annotations
 
 import errno
+import io
 import os
+import posixpath
 import secrets
-import stat
+import sys
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 COPY_CHUNK = 256 * 1024
+BLOCK = 512
+MAX_EXTENDED_BYTES = 64 * 1024  # a pax or GNU long-name/long-link header; real ones are a few hundred bytes
+MAX_PENDING_MEMBERS = 4096  # headers the scanner has passed on that tarfile has not reported yet
+# A zero-size member carrying this pax key stands for a file its producer left out, with the reason:
+# the guest agent marks oversize files and specials this way, and the service passes on what it skipped.
+SKIPPED_KEY = "MICROVM_CHECK.skipped"
+MAX_REASON_CHARS = 300
+
+_DATA_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+_NO_DATA_TYPES = (tarfile.LNKTYPE, tarfile.SYMTYPE, tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.DIRTYPE,
+                  tarfile.FIFOTYPE)
+_EXTENDED = {tarfile.XHDTYPE: "pax", tarfile.SOLARIS_XHDTYPE: "pax",
+             tarfile.GNUTYPE_LONGNAME: "GNU long-name", tarfile.GNUTYPE_LONGLINK: "GNU long-link"}
+
+# The first releases whose tarfile no longer backtracks on pax headers (CVE-2024-6232), per minor.
+PATCHED_PYTHON = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10),
+                  (3, 12): (3, 12, 6)}
 
 
 class UnsafeTar(ValueError):
@@ -49,6 +75,48 @@ class Extracted:
     files: list[tuple[str, int]] = field(default_factory=list)  # (relative path, size)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name as given, why)
     total_bytes: int = 0  # of `files`, kept as they are added: re-summing per member is quadratic
+
+
+# ---- Python itself ----------------------------------------------------------------------------
+
+
+def python_problem(version: tuple[int, int, int] = tuple(sys.version_info[:3]), module=tarfile) -> str | None:
+    """Why this Python's tarfile is known to be unsafe on hostile pax headers, or None.
+
+    A release at or past the fix is fine, and so is an older version number whose tarfile carries
+    the fix (distributions backport it: Debian's 3.11.2-6+deb12u3 and later).
+    """
+    fixed = PATCHED_PYTHON.get(tuple(version[:2]))
+    if version[:2] < (3, 8) or (fixed is not None and tuple(version) < fixed):
+        if hasattr(module, "_header_length_prefix_re"):  # the upstream fix, backported
+            return None
+        want = " / ".join(".".join(map(str, v)) for v in PATCHED_PYTHON.values() if v[:2] >= (3, 11))
+        return (f"Python {'.'.join(map(str, version))} has CVE-2024-6232 (tarfile parses pax headers with a "
+                f"backtracking regex, so a guest's artifact tar could stall the service for minutes): run "
+                f"microvm-check on Python {want} or later, or a distribution build with the fix "
+                f"(Debian 12's python3.11 has it: recreate the venv with /usr/bin/python3 -m venv)")
+    return None
+
+
+ALLOW_UNPATCHED_ENV = "MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON"
+
+
+def require_patched_python(environ: dict[str, str] | None = None) -> None:
+    """Refuse to start the service (or a run) on a Python whose tarfile is known to be unsafe.
+
+    The header scanner already bounds every extended header at 64 KiB and passes on only
+    well-formed pax records; this check keeps the second layer. Setting MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON=1
+    accepts such a Python anyway (development machines), with the scanner as the only layer.
+    """
+    problem = python_problem()
+    if problem and (os.environ if environ is None else environ).get(ALLOW_UNPATCHED_ENV) != "1":
+        from runner.cli import UserError
+
+        raise UserError(f"{problem}; or set {ALLOW_UNPATCHED_ENV}=1 to accept it with only the tar header "
+                        "scanner as protection")
+
+
+# ---- names ------------------------------------------------------------------------------------
 
 
 def safe_name(raw: str, limits: Limits = Limits()) -> str:
@@ -72,6 +140,18 @@ def safe_name(raw: str, limits: Limits = Limits()) -> str:
     return "/".join(parts)
 
 
+def refused_name(name: str) -> str | None:
+    """Why a normalised name may never be written on the host, or None.
+
+    `.git` in any letter case (case-insensitive file systems), and with the trailing dots and spaces
+    that Windows file systems drop: git runs hooks and `core.fsmonitor` from there.
+    """
+    for part in name.split("/"):
+        if part.rstrip(". ").lower() == ".git":
+            return "a .git path component (git would run or trust what is in it): never written on the host"
+    return None
+
+
 def kind_error(member: tarfile.TarInfo) -> str | None:
     """Why a member is not something we write (None for regular files and directories)."""
     if member.issym() or member.islnk():
@@ -87,6 +167,344 @@ def kind_error(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+def skip_marker(member: tarfile.TarInfo) -> str | None:
+    """The reason a producer gave for leaving this file out (a zero-size member with SKIPPED_KEY)."""
+    why = member.pax_headers.get(SKIPPED_KEY)
+    if why is None:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in why[:MAX_REASON_CHARS]) or "left out, no reason given"
+
+
+def marker(name: str, why: str) -> tarfile.TarInfo:
+    """A zero-size member that says `name` was left out and why (see SKIPPED_KEY)."""
+    info = tarfile.TarInfo(name)
+    info.pax_headers = {SKIPPED_KEY: why[:MAX_REASON_CHARS]}
+    return info
+
+
+# ---- the header scanner -----------------------------------------------------------------------
+
+
+def _number(field_bytes: bytes, what: str) -> int:
+    """A numeric header field as tarfile reads it (octal text, or GNU base-256); never negative."""
+    if field_bytes[:1] in (b"\x80", b"\xff"):
+        if field_bytes[:1] == b"\xff":
+            raise UnsafeTar(f"negative {what} in a tar header")
+        return int.from_bytes(field_bytes[1:], "big")
+    text = field_bytes.split(b"\0", 1)[0].strip()
+    if text and not all(48 <= c <= 55 for c in text):
+        raise UnsafeTar(f"the {what} field of a tar header is not a number")
+    return int(text or b"0", 8)
+
+
+def _checksum_ok(block: bytes) -> bool:
+    stored = _number(block[148:156], "checksum")
+    unsigned = 256 + sum(block[:148]) + sum(block[156:])
+    signed = 256 + sum(b - 256 if b > 127 else b for b in block[:148] + block[156:])
+    return stored in (unsigned, signed)
+
+
+def _padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def pax_records(body: bytes) -> dict[bytes, bytes]:
+    """The records of a pax header ("LEN key=value\\n" each), strictly: anything else is refused.
+
+    tarfile parses the whole block-padded body and stops at the first position where no record
+    starts; requiring the rest to be NUL padding means it sees exactly the records seen here, all
+    well formed, so its regex never backtracks on them.
+    """
+    records: dict[bytes, bytes] = {}
+    pos = 0
+    while pos < len(body) and body[pos] != 0:
+        space = body.find(b" ", pos, pos + 21)
+        if space <= pos or not body[pos:space].isdigit():
+            raise UnsafeTar(f"malformed pax header record at byte {pos}")
+        end = pos + int(body[pos:space])
+        if end > len(body) or end < space + 3 or body[end - 1] != 0x0A:
+            raise UnsafeTar(f"malformed pax header record at byte {pos}")
+        key, eq, value = body[space + 1 : end - 1].partition(b"=")
+        if not eq or not key:
+            raise UnsafeTar(f"malformed pax header record at byte {pos}")
+        records[key] = value
+        pos = end
+    if body[pos:].strip(b"\0"):
+        raise UnsafeTar("bytes after the records of a pax header")
+    return records
+
+
+class HeaderScanner(io.RawIOBase):
+    """A tar stream passed on unchanged, with every header checked before anyone parses it.
+
+    It walks the stream as tarfile does (header chains, member data, padding) and ends it with
+    UnsafeTar on anything tarfile would read whole or that could make the two disagree on where a
+    header starts. Memory is bounded by one extended header (64 KiB) plus one chunk, time by the
+    stream's length. `confirm` cross-checks each member tarfile reports against the walk.
+    """
+
+    def __init__(self, raw: BinaryIO, max_extended: int = MAX_EXTENDED_BYTES) -> None:
+        self._raw = raw
+        self._max_extended = max_extended
+        self._out = memoryview(b"")
+        self._data_left = 0  # member data and padding to pass on before the next header
+        self._offset = 0  # of the next byte read from `raw`
+        self._ended = False
+        self._chain: list[str] = []  # extended headers read for the member to come
+        self._pax_size: int | None = None
+        self._pending: dict[int, int] = {}  # data offset -> data bytes, per member passed on
+        self.members = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            if not self._advance(len(buffer)):
+                return 0
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def confirm(self, member: tarfile.TarInfo) -> None:
+        """Check that tarfile found `member` where the walk put a member (else the stream ends)."""
+        expected = self._pending.pop(member.offset_data, None)
+        carries_data = member.isreg() or member.type not in tarfile.SUPPORTED_TYPES
+        if expected is None or expected != (member.size if carries_data else 0):
+            raise UnsafeTar(f"member {member.name[:80]!r}: the tar stream is ambiguous about where it starts")
+
+    def skip_to_end(self) -> int:
+        """Walk the rest of the stream without passing it on (seeking over data when possible); members."""
+        while self._advance(COPY_CHUNK, seek=True):
+            self._out = memoryview(b"")
+        return self.members
+
+    def _advance(self, want: int, seek: bool = False) -> bool:
+        if self._ended:
+            return False
+        if self._data_left:
+            return self._pass_data(want, seek)
+        block = self._read_exact(BLOCK)
+        if not block:
+            return False
+        if len(block) < BLOCK:
+            raise UnsafeTar("the stream ended inside a tar header")
+        self._out = memoryview(self._header(block))
+        return True
+
+    def _pass_data(self, want: int, seek: bool) -> bool:
+        if seek and self._raw.seekable():
+            self._raw.seek(self._data_left, os.SEEK_CUR)
+            self._offset += self._data_left
+            self._data_left = 0
+            return True
+        chunk = self._raw.read(min(self._data_left, max(want, BLOCK), COPY_CHUNK))
+        if not chunk:
+            return False  # tarfile reports the truncated member
+        self._offset += len(chunk)
+        self._data_left -= len(chunk)
+        self._out = memoryview(chunk)
+        return True
+
+    def _read_exact(self, size: int) -> bytes:
+        parts, left = [], size
+        while left:
+            chunk = self._raw.read(left)
+            if not chunk:
+                break
+            parts.append(chunk)
+            left -= len(chunk)
+        data = b"".join(parts)
+        self._offset += len(data)
+        return data
+
+    def _header(self, block: bytes) -> bytes:
+        if block.count(0) == BLOCK:
+            self._ended = True  # tarfile stops at the first zero block, and so does the walk
+            return block
+        if not _checksum_ok(block):
+            raise UnsafeTar(f"corrupt tar header at byte {self._offset - BLOCK}")
+        kind, size = block[156:157], _number(block[124:136], "size")
+        if kind in _EXTENDED:
+            return block + self._extended(kind, size)
+        if kind == tarfile.XGLTYPE:
+            raise UnsafeTar("global pax headers are not accepted")
+        if kind == tarfile.GNUTYPE_SPARSE:
+            raise UnsafeTar("GNU sparse members are not accepted")
+        if kind == tarfile.AREGTYPE and block[:100].split(b"\0", 1)[0].endswith(b"/"):
+            kind = tarfile.DIRTYPE  # tarfile's reading of an old V7 directory
+        data = 0 if kind in _NO_DATA_TYPES else (size if self._pax_size is None else self._pax_size)
+        if len(self._pending) >= MAX_PENDING_MEMBERS:
+            raise UnsafeTar("the tar stream is ahead of its reader by too many members")
+        self._pending[self._offset] = data
+        self._chain, self._pax_size = [], None
+        self._data_left = _padded(data)
+        self.members += 1
+        return block
+
+    def _extended(self, kind: bytes, size: int) -> bytes:
+        what = _EXTENDED[kind]
+        if size > self._max_extended:
+            raise UnsafeTar(f"a {what} header of {size} bytes (the limit is {self._max_extended}): refused "
+                            "before parsing it")
+        if what in self._chain:
+            raise UnsafeTar(f"two {what} headers for one member")
+        self._chain.append(what)
+        body = self._read_exact(_padded(size))
+        if len(body) < _padded(size):
+            raise UnsafeTar(f"the stream ended inside a {what} header")
+        if what == "pax":
+            records = pax_records(body)
+            if any(key.startswith(b"GNU.sparse.") for key in records):
+                raise UnsafeTar("GNU sparse members are not accepted")
+            if b"size" in records:
+                value = records[b"size"]
+                if not value.isdigit() or len(value) > 20:
+                    raise UnsafeTar("a pax size that is not a number")
+                self._pax_size = int(value)
+        return body
+
+
+def open_stream(stream: BinaryIO) -> tuple[HeaderScanner, tarfile.TarFile]:
+    """tarfile in stream mode, reading through a HeaderScanner."""
+    scanner = HeaderScanner(stream)
+    try:
+        return scanner, tarfile.open(fileobj=scanner, mode="r|", errorlevel=2)
+    except tarfile.TarError as exc:
+        raise UnsafeTar(f"not a valid tar stream: {exc}") from exc
+
+
+def check_tar(src: BinaryIO) -> int:
+    """Walk a tar's headers to reject garbage before a VM is spent on it; returns the member count.
+
+    Only the scanner reads it (seeking over file data): a checkout within the size limit can hold
+    millions of empty files, and keeping a TarInfo for each would cost about 0.4 KiB apiece.
+    """
+    scanner = HeaderScanner(src)
+    try:
+        count = scanner.skip_to_end()
+    except UnsafeTar as exc:
+        raise UnsafeTar(f"not a valid tar archive: {exc}") from exc
+    if count == 0 and scanner._offset == 0:
+        raise UnsafeTar("not a valid tar archive: empty file")
+    return count
+
+
+# ---- the service: guest tar -> clean tar --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    path: str
+    size: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size}
+
+
+@dataclass
+class Copied:
+    """What `copy_validated` wrote, what it skipped and, if the stream broke, why it stopped."""
+
+    files: list[Member] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    stopped: str | None = None
+
+
+def copy_validated(src: BinaryIO, dst: BinaryIO, limits: Limits, stopped: str | None = None,
+                   stop_names: Sequence[str] = ()) -> Copied:
+    """Re-write the acceptable regular files of a guest tar into a clean tar with neutral metadata.
+
+    Skipped members (links, devices, oversize, refused names, repeats) go into `dst` as markers, so
+    whoever reads it can name them. A stream broken as a whole (or, per `stopped`, cut short before
+    it got here) stops the copy: `stopped` says why, `dst` is still a complete tar of what came
+    before, and each of `stop_names` (the requested globs) gets a marker saying the transfer ended.
+    """
+    done = Copied(stopped=stopped)
+    state = _CopyState(limits)
+    with tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as out:
+        try:
+            scanner, source = open_stream(src)
+            with source:
+                for count, info in enumerate(source, start=1):
+                    scanner.confirm(info)
+                    if count > limits.max_files:
+                        raise UnsafeTar(f"more than {limits.max_files} members")
+                    _copy_member(source, info, out, state, done)
+        except UnsafeTar as exc:
+            done.stopped = done.stopped or str(exc)
+        except tarfile.TarError as exc:
+            done.stopped = done.stopped or f"corrupt tar stream: {exc}"
+        for name, why in done.skipped:
+            out.addfile(marker(name, why))
+        for name in stop_names if done.stopped else ():
+            out.addfile(marker(name, f"the artifact transfer ended early: {done.stopped}"))
+    return done
+
+
+@dataclass
+class _CopyState:
+    limits: Limits
+    seen: set[str] = field(default_factory=set)
+    total: int = 0
+
+
+def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: tarfile.TarFile,
+                 state: _CopyState, done: Copied) -> None:
+    try:
+        name = safe_name(info.name, state.limits)
+    except UnsafeTar as exc:
+        done.skipped.append((_shown(info.name), str(exc)))
+        return
+    if not name or info.isdir():
+        return  # directories come with their files; the archive's root is nothing
+    why = _member_problem(info, name, state)
+    if why is not None:
+        done.skipped.append((name, why))
+        return
+    state.seen.add(name)
+    clean = tarfile.TarInfo(name)
+    clean.mtime = max(0, min(int(info.mtime), 2**33))
+    clean.size, clean.mode = info.size, 0o755 if info.mode & 0o111 else 0o644
+    data = source.extractfile(info)
+    assert data is not None  # a regular file always has a reader
+    out.addfile(clean, data)  # a short member raises ReadError ("unexpected end of data")
+    state.total += info.size
+    done.files.append(Member(name, info.size))
+
+
+def _member_problem(info: tarfile.TarInfo, name: str, state: _CopyState) -> str | None:
+    why = skip_marker(info) or kind_error(info) or refused_name(name)
+    if why is not None:
+        return why
+    if name in state.seen:
+        return "appears twice in the guest's tar (the first copy is kept)"
+    if _parent_seen(name, state.seen):
+        return "its parent is a file"
+    if info.size > state.limits.max_file_bytes:
+        return f"larger than {state.limits.max_file_bytes} bytes"
+    if state.total + info.size > state.limits.max_total_bytes:
+        return f"would take the artifacts over {state.limits.max_total_bytes} bytes in total"
+    return None
+
+
+def _parent_seen(name: str, file_names: set[str]) -> bool:
+    parent = posixpath.dirname(name)
+    while parent:
+        if parent in file_names:
+            return True
+        parent = posixpath.dirname(parent)
+    return False
+
+
+def _shown(raw: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in raw[:200])
+
+
+# ---- extraction on the host -------------------------------------------------------------------
+
+
 def extract(
     stream: BinaryIO,
     dest: Path,
@@ -95,20 +513,22 @@ def extract(
 ) -> Extracted:
     """Write the acceptable members of `stream` under the existing directory `dest`.
 
-    Members with unsafe names or types, over the per-file size, refused by `refuse` (which returns a
-    reason), or blocked by what is already in `dest` are skipped and listed with the reason. The
-    stream itself being broken, or the count or total size going over the limits, raises UnsafeTar.
+    Members with unsafe names or types, over the per-file or total size, refused by `refuse` (which
+    returns a reason), repeated, or blocked by what is already in `dest` are skipped and listed with
+    the reason. The stream itself being broken, or the member count going over, raises UnsafeTar;
+    what was extracted until then stays.
     """
     result = Extracted()
+    seen: set[str] = set()
     dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as archive:
+        scanner, archive = open_stream(stream)
+        with archive:
             for count, member in enumerate(archive, start=1):
+                scanner.confirm(member)
                 if count > limits.max_files:
                     raise UnsafeTar(f"more than {limits.max_files} entries: stopped extracting")
-                if member.isfile() and result.total_bytes + member.size > limits.max_total_bytes:
-                    raise UnsafeTar(f"files exceed {limits.max_total_bytes} bytes in total: stopped extracting")
-                _extract_member(archive, member, dest_fd, limits, refuse, result)
+                _extract_member(archive, member, dest_fd, limits, refuse, result, seen)
     except tarfile.TarError as exc:
         raise UnsafeTar(f"not a valid tar stream: {exc}") from exc
     finally:
@@ -116,17 +536,15 @@ def extract(
     return result
 
 
-def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted) -> None:
+def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted, seen: set[str]) -> None:
     try:
         name = safe_name(member.name, limits)
     except UnsafeTar as exc:
-        result.skipped.append((member.name[:300], str(exc)))
+        result.skipped.append((_shown(member.name), str(exc)))
         return
     if not name:
         return  # the archive's own root
-    why = kind_error(member) or refuse(name, member)
-    if why is None and member.isfile() and member.size > limits.max_file_bytes:
-        why = f"larger than {limits.max_file_bytes} bytes"
+    why = _extract_problem(member, name, limits, refuse, result, seen)
     if why is not None:
         if not member.isdir():  # a refused directory is only a parent of refused files
             result.skipped.append((name, why))
@@ -141,8 +559,22 @@ def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted)
     except OSError as exc:
         result.skipped.append((name, _why(exc)))
         return
+    seen.add(name)
     result.files.append((name, member.size))
     result.total_bytes += member.size
+
+
+def _extract_problem(member, name, limits, refuse, result: Extracted, seen: set[str]) -> str | None:
+    why = skip_marker(member) or kind_error(member) or refused_name(name) or refuse(name, member)
+    if why is not None or not member.isfile():
+        return why
+    if name in seen:
+        return "appears twice in the stream (the first copy is kept)"
+    if member.size > limits.max_file_bytes:
+        return f"larger than {limits.max_file_bytes} bytes"
+    if result.total_bytes + member.size > limits.max_total_bytes:
+        return f"would take the files over {limits.max_total_bytes} bytes in total"
+    return None
 
 
 def open_dirs(dest_fd: int, parts: list[str]) -> int:
@@ -174,6 +606,7 @@ def copy_exact(source: BinaryIO, out: BinaryIO, size: int) -> None:
 
 
 def _write_file(dest_fd: int, name: str, source: BinaryIO, size: int, mode: int) -> None:
+    """Write to a fresh temporary name, then link it in only where nothing exists yet."""
     *dirs, base = name.split("/")
     dir_fd = open_dirs(dest_fd, dirs)
     tmp = f".{base[:200]}.mvc-{secrets.token_hex(6)}"
@@ -183,25 +616,16 @@ def _write_file(dest_fd: int, name: str, source: BinaryIO, size: int, mode: int)
             with os.fdopen(out_fd, "wb") as out:
                 copy_exact(source, out, size)
                 os.fchmod(out.fileno(), mode)
-            _replace_regular(dir_fd, tmp, base)
-        except BaseException:
+            os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        finally:
             os.unlink(tmp, dir_fd=dir_fd)
-            raise
     finally:
         os.close(dir_fd)
-
-
-def _replace_regular(dir_fd: int, tmp: str, base: str) -> None:
-    try:
-        existing = os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        existing = None
-    if existing is not None and not stat.S_ISREG(existing.st_mode):
-        raise OSError(errno.EEXIST, "exists in the destination and is not a regular file")
-    os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _why(exc: OSError) -> str:
     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
         return "a parent in the destination is a symlink or not a directory"
+    if exc.errno == errno.EEXIST:
+        return "already exists in the destination (never overwritten)"
     return exc.strerror or str(exc)

@@ -14,6 +14,7 @@ from typing import Any
 from runner.cli import UserError
 from runner.service.config import DEFAULT_SOCKET, ConfigError, load_config
 from runner.service.records import RecordStore
+from runner.tarsafe import require_patched_python
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    require_patched_python()
     from runner.service.api import ApiServers
     from runner.service.service import JobService, default_sandbox_factory, start_engine
     from runner.service.webhook import start_webhook
@@ -134,6 +136,7 @@ def _row(rec: dict[str, Any]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    require_patched_python()
     from runner.service.localrun import LocalRun
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog
 from runner.service.records import JobRecord
-from runner.service.safetar import copy_validated
 from runner.service.spec import JobSpec
+from runner.tarsafe import Limits, copy_validated
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,14 @@ class JobRun:
         result = self._run_command(sandbox)
         if self.cancel_reason:
             return self._cancelled()
-        error = self._collect_artifacts(sandbox, config)
+        self._collect_artifacts(sandbox, config)
         blocked = _bounded_blocked(sandbox.blocked_egress())
         with self.lock:
             self.record.blocked_egress = blocked
         if result.timed_out:
             timeout = f"the command ran longer than {self.spec.timeout_seconds} s"
-            return "timed_out", EXIT_TIMEOUT, timeout if error is None else f"{timeout}; {error}"
-        return ("finished" if error is None else "failed"), _exit_code(result.exit_code), error
+            return "timed_out", EXIT_TIMEOUT, timeout
+        return "finished", _exit_code(result.exit_code), None
 
     def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> Sandbox | None:
         self.update(state="starting")
@@ -192,38 +192,50 @@ class JobRun:
             capture_bytes=0,  # the job log has it all; keeping another copy in memory helps no one
         )
 
-    def _collect_artifacts(self, sandbox: Sandbox, config: ServiceConfig) -> str | None:
-        """Validated artifacts into the job dir; the error to record if they could not be had.
+    def _collect_artifacts(self, sandbox: Sandbox, config: ServiceConfig) -> None:
+        """Validated artifacts into the job dir; trouble with them is a warning in the log.
 
-        The guest's exit code stands either way: an artifact problem is reported next to it.
+        The command's exit code is the job's result either way. Files that break a rule (links,
+        devices, oversize, refused names) are skipped and named; the clean tar carries them as
+        markers so the action can name them too. A guest that breaks the transfer as a whole (its
+        framing, the byte budget) ends it: what was validated before stays.
         """
         if not self.spec.artifacts:
-            return None
+            return
         limits = config.artifacts
         raw, clean = self.dir / "artifacts.raw", self.dir / ARTIFACTS
         # Headers and padding take at most 1.5 KiB a member plus the end blocks.
         budget = limits.max_total_bytes + 1536 * (limits.max_count + 2) + 10240
+        stopped: str | None = None
         try:
             with open(raw, "wb") as out:
                 size = sandbox.get_tar(list(self.spec.artifacts), out, budget, cwd=self.spec.workdir)
             if size == 0:
                 self.log.system(f"no files matched the artifact patterns {', '.join(self.spec.artifacts)}")
-                return None
-            with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
-                members = copy_validated(src, dst, limits)
-            os.replace(f"{clean}.part", clean)
-        except Exception as exc:  # a refused tar, or the guest failing to produce one
-            _remove(Path(f"{clean}.part"))
+                return
+        except Exception as exc:  # the guest failed or broke the transfer: keep what arrived intact
             if self.cancel_reason:
+                _remove(raw)
                 raise
-            self.log.system(f"artifacts rejected: {exc}")
-            return f"artifacts rejected: {exc}"
+            stopped = f"the guest's artifact transfer failed: {exc}"
+        try:
+            self._validate_artifacts(raw, clean, limits, stopped)
         finally:
             _remove(raw)
+
+    def _validate_artifacts(self, raw: Path, clean: Path, limits: Any, stopped: str | None) -> None:
+        tar_limits = Limits(max_files=limits.max_count, max_file_bytes=limits.max_total_bytes,
+                            max_total_bytes=limits.max_total_bytes)
+        with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
+            copied = copy_validated(src, dst, tar_limits, stopped=stopped, stop_names=self.spec.artifacts)
+        os.replace(f"{clean}.part", clean)
+        for name, why in copied.skipped:
+            self.log.system(f"warning: artifact {name} skipped: {why}")
+        if copied.stopped:
+            self.log.system(f"warning: artifact transfer ended early: {copied.stopped}")
         with self.lock:
-            self.record.artifacts = [m.to_json() for m in members]
-        self.log.system(f"collected {len(members)} artifact file(s)")
-        return None
+            self.record.artifacts = [m.to_json() for m in copied.files]
+        self.log.system(f"collected {len(copied.files)} artifact file(s)")
 
 
 def needs_network(policy: Any) -> bool:

@@ -25,7 +25,7 @@ from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory,
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import JobRecord, RecordStore
-from runner.service.safetar import ArchiveError, check_tar
+from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
 from runner.service.spec import SpecError, parse_spec
 from runner.service.warm import RunKey, WarmPool
 

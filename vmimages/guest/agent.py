@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -332,40 +333,160 @@ def op_put_tar(req: Request) -> dict:
     return {"ok": True}
 
 
+SKIPPED_KEY = "MICROVM_CHECK.skipped"  # runner/tarsafe.py: a zero-size member naming a file left out
+TAR_END_RESERVE = 10240  # tarfile pads the end of a stream to a 10 KiB record
+
+
+def artifact_paths(cwd: str, patterns: list[str]) -> list[str]:
+    """The files the patterns name, each once however many patterns match it.
+
+    A matched directory stands for everything under it (never for a directory member of its own,
+    which would repeat its files). Nothing reached through a symlinked directory is included: the
+    link itself is, and the host names it as a link it refused.
+    """
+    found: dict[str, None] = {}
+    for pattern in patterns:
+        for match in sorted(glob.glob(pattern, root_dir=cwd, recursive=True)):
+            rel = os.path.normpath(match)
+            if rel in (".", "..") or rel.startswith("../") or rel.startswith("/") or _through_link(cwd, rel):
+                continue
+            full = os.path.join(cwd, rel)
+            if os.path.isdir(full) and not os.path.islink(full):
+                found.update(dict.fromkeys(_walk(cwd, rel)))
+            else:
+                found.setdefault(rel, None)
+    return list(found)
+
+
+def _through_link(cwd: str, rel: str) -> bool:
+    parts = rel.split("/")[:-1]
+    return any(os.path.islink(os.path.join(cwd, *parts[: n + 1])) for n in range(len(parts)))
+
+
+def _walk(cwd: str, rel: str):
+    for dirpath, dirnames, filenames in os.walk(os.path.join(cwd, rel)):
+        dirnames.sort()
+        base = os.path.relpath(dirpath, cwd)
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        for name in sorted(filenames + links):
+            yield os.path.join(base, name)
+
+
+class ExactFile(io.RawIOBase):
+    """A file read as exactly `size` bytes (zero-padded if it shrank), so a changing file cannot
+    break the tar stream in the middle of a member."""
+
+    def __init__(self, handle, size: int) -> None:
+        self._handle = handle
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._left)
+        data = self._handle.read(n) if n else b""
+        data += bytes(n - len(data))
+        buffer[:n] = data
+        self._left -= n
+        return n
+
+
+class FrameWriter(io.RawIOBase):
+    """The tar stream as DATA frames to the host."""
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+        self.sent = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        for start in range(0, len(view), P.MAX_CHUNK):
+            self._req.channel.send(P.DATA, self._req.rid, bytes(view[start : start + P.MAX_CHUNK]))
+        self.sent += len(view)
+        return len(view)
+
+
+class ArtifactTar:
+    """Writes artifact members within the host's byte budget; what does not fit becomes a marker."""
+
+    def __init__(self, tar: tarfile.TarFile, limit: int) -> None:
+        self.tar = tar
+        self.room = limit - TAR_END_RESERVE
+        self.members = 0
+        self.skipped = 0
+        self.full = False
+
+    def _cost(self, info: tarfile.TarInfo) -> int:
+        header = len(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        return header + -(-info.size // 512) * 512
+
+    def add(self, info: tarfile.TarInfo, handle=None) -> None:
+        cost = self._cost(info)
+        if cost > self.room:
+            self.skip(info.name, f"left out in the VM: larger than the {max(self.room, 0)} bytes left for artifacts")
+            return
+        self.room -= cost
+        self.tar.addfile(info, ExactFile(handle, info.size) if handle is not None else None)
+        self.members += 1
+
+    def skip(self, name: str, why: str) -> None:
+        info = tarfile.TarInfo(name)
+        info.pax_headers = {SKIPPED_KEY: why[:300]}
+        cost = self._cost(info)
+        if self.full or cost > self.room:
+            self.full = True  # not even the note fits: the host sees the files that did
+            return
+        self.room -= cost
+        self.tar.addfile(info)
+        self.skipped += 1
+
+
+def add_artifact(out: ArtifactTar, cwd: str, rel: str) -> None:
+    full = os.path.join(cwd, rel)
+    try:
+        st = os.lstat(full)
+        info = tarfile.TarInfo(rel)
+        info.mtime, info.mode = int(st.st_mtime), st.st_mode & 0o777
+        if stat.S_ISREG(st.st_mode):
+            with open(full, "rb") as handle:
+                info.size = os.fstat(handle.fileno()).st_size
+                out.add(info, handle)
+            return
+        if stat.S_ISLNK(st.st_mode):
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(full)[:1000]
+        elif stat.S_ISFIFO(st.st_mode):
+            info.type = tarfile.FIFOTYPE
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            info.type = tarfile.CHRTYPE if stat.S_ISCHR(st.st_mode) else tarfile.BLKTYPE
+        else:
+            out.skip(rel, "left out in the VM: not a regular file, link, fifo or device (a socket?)")
+            return
+        out.add(info)  # the host names what it refuses, with the link target
+    except OSError as exc:
+        out.skip(rel, f"left out in the VM: cannot read it: {exc.strerror}")
+
+
 def op_get_tar(req: Request) -> dict:
+    """The matched files as one tar stream, in this process, each file once and within the budget."""
     cwd = req.message.get("cwd") or "/"
     limit = int(req.message["max_bytes"])
-    names: list[str] = []
-    for pattern in req.message["paths"]:
-        matches = sorted(glob.glob(pattern, root_dir=cwd, recursive=True))
-        names.extend(m for m in matches if m not in names)
+    names = artifact_paths(cwd, [str(p) for p in req.message["paths"]])
     if not names:
         req.channel.send(P.END, req.rid)
         return {"ok": True, "members": 0, "size": 0}
-    tar = subprocess.Popen(
-        ["tar", "-c", "-C", cwd, "-f", "-", "--", *names],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    sent = 0
-    fd = tar.stdout.fileno()
-    while True:
-        chunk = os.read(fd, P.MAX_CHUNK)
-        if not chunk:
-            break
-        sent += len(chunk)
-        if sent > limit:
-            tar.kill()
-            tar.wait()
-            req.channel.send(P.END, req.rid)
-            return {"ok": False, "error": f"the files exceed the {limit}-byte limit"}
-        req.channel.send(P.DATA, req.rid, chunk)
-    err = tar.stderr.read(4096).decode(errors="replace")
-    code = tar.wait()
-    req.channel.send(P.END, req.rid)
-    if code != 0:
-        return {"ok": False, "error": f"tar -c failed: {err.strip()}"}
-    return {"ok": True, "members": len(names), "size": sent}
+    writer = FrameWriter(req)
+    try:
+        with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT, bufsize=P.MAX_CHUNK) as tar:
+            out = ArtifactTar(tar, limit)
+            for rel in names:
+                add_artifact(out, cwd, rel)
+    finally:
+        req.channel.send(P.END, req.rid)
+    return {"ok": True, "members": out.members, "skipped": out.skipped, "size": writer.sent}
 
 
 OPS = {
