@@ -26,7 +26,8 @@ from runner.github.client import GitHubClient
 from runner.github.contents import SHA_RE, check_path, entry_sha, get_file
 from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
-from runner.github.reach import GITHUB_DIR, MAX_REACHED, Change, Revisions, github_changes, reached_changes
+from runner.github import reach
+from runner.github.reach import GITHUB_DIR, Change, Revisions, github_changes, reached_changes
 
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
 # Events that run the workflow as the pull request has it; pull_request_target runs the base's.
@@ -316,7 +317,7 @@ def _describe(change: Change, workflow: str, number: int) -> str:
         "root": "is the repository's root (`uses: ./`), which every pull request changes",
         "unresolvable": "is a path the guard cannot compare (a symlink, a submodule or a '..')",
         "unparseable": "is YAML the guard cannot read",
-        "too-many": f"is more than the {MAX_REACHED} workflows and actions the guard follows",
+        "too-many": f"is more than the {reach.MAX_REACHED} workflows and actions the guard follows",
     }[change.status]
     return f"{what} {how}"
 
