@@ -198,7 +198,8 @@ def test_local_actions_the_guard_cannot_compare_are_refused(tmp_path, operations
 def test_the_walk_is_bounded(tmp_path, operations, monkeypatch) -> None:
     """A chain of unchanged local actions longer than the bound is refused, not followed forever."""
     monkeypatch.setattr(reach, "MAX_REACHED", 5)
-    chain = {f"ci/a{i}/action.yml": f"runs:\n  using: composite\n  steps:\n    - uses: ./ci/a{i + 1}\n" for i in range(8)}
+    step = "runs:\n  using: composite\n  steps:\n    - uses: ./ci/a{}\n"
+    chain = {f"ci/a{i}/action.yml": step.format(i + 1) for i in range(8)}
     base = {**BASE, BUILD: BUILD_SAFE + "      - uses: ./ci/a0\n", **chain}
     serve(operations, {"main.go": "package fork\n"}, base=base)
     verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
