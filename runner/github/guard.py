@@ -317,6 +317,7 @@ def _describe(change: Change, workflow: str, number: int) -> str:
         "root": "is the repository's root (`uses: ./`), which every pull request changes",
         "unresolvable": "is a path the guard cannot compare (a symlink, a submodule or a '..')",
         "unparseable": "is YAML the guard cannot read",
+        "missing": "cannot be found at the pull request's base or head",
         "too-many": f"is more than the {reach.MAX_REACHED} workflows and actions the guard follows",
     }[change.status]
     return f"{what} {how}"

@@ -34,8 +34,9 @@ ACTION_FILES = ("action.yml", "action.yaml")
 # How a reached thing differs. "changed", "added", "removed": between base and head; "root": a
 # `uses: ./` action is the whole repository, which every pull request changes; "unresolvable": a
 # path the guard cannot compare (`..`, a symlink or submodule as an action); "unparseable": YAML
-# the guard cannot read; "too-many": the walk hit MAX_REACHED.
-Status = Literal["changed", "added", "removed", "root", "unresolvable", "unparseable", "too-many"]
+# the guard cannot read; "missing": absent at both commits (the guard fails closed: a workflow it
+# cannot read is one it cannot vouch for); "too-many": the walk hit MAX_REACHED.
+Status = Literal["changed", "added", "removed", "root", "unresolvable", "unparseable", "missing", "too-many"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,16 @@ class Revisions:
     head: str
 
     def root_entry(self, ref: str, name: str) -> Entry | None:
-        return (list_dir(self.client, self.repository, "", ref) or {}).get(name)
+        """`name` in the root listing at `ref`. A commit always has a root: a 404 means the App
+        cannot see the repository (GitHub hides what it may not read), which must not pass for
+        "nothing there"."""
+        root = list_dir(self.client, self.repository, "", ref)
+        if root is None:
+            raise GitHubError(
+                f"GitHub shows no files of {self.repository} at {ref}: check that the App is installed "
+                "on the repository with the permission contents: read"
+            )
+        return root.get(name)
 
     def listings(self, path: str) -> tuple[dict[str, Entry], dict[str, Entry]]:
         return (list_dir(self.client, self.repository, path, self.base) or {},
@@ -160,7 +170,7 @@ class _Compare:
         head = base if self._known_same(path) else self.rev.file(path, self.rev.head, decode=False)
         status = _status(base.sha if base else None, head.sha if head else None)
         if status or base is None or base.content is None:
-            return status, None
+            return status or "missing", None
         return None, base.content.decode("utf-8", errors="replace")
 
     def action(self, path: str) -> tuple[Status | None, str | None]:
@@ -175,12 +185,12 @@ class _Compare:
                 return "unresolvable", None  # a symlink's target or a submodule's content is not in its sha
             status = _status(base.sha if base else None, head.sha if head else None)
             if status or base is None:
-                return status, None
+                return status or "missing", None
         for name in ACTION_FILES:
             found = self.rev.file(f"{path}/{name}", self.rev.base, decode=True)
             if found is not None and found.content is not None:
                 return None, found.content.decode("utf-8", errors="replace")
-        return None, None  # no metadata at either commit: the step fails, nothing of it runs
+        return "missing", None
 
 
 def _checkable(path: str) -> bool:

@@ -7,6 +7,7 @@ repository's base and head commits served by a fake contents API.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from repo_fakes import FakeRepo
 
 from runner.github import guard, reach
 from runner.github.client import GitHubClient, RetryPolicy
+from runner.github.errors import GitHubError
 
 FORK_PR = "listendev-lstn.pull_request.opened.from-fork.json"
 BASE_SHA = "e15189e841439da251f852a11d8fc9b339c1be68"  # from the fork payload
@@ -178,6 +180,29 @@ def test_caller_and_removed_workflows(tmp_path, operations, changes, message) ->
     serve(operations, changes)
     verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
     assert message in verdict.reasons[0]
+
+
+@responses.activate
+def test_a_repository_github_hides_is_not_an_empty_one(tmp_path) -> None:
+    """GitHub answers 404 for a repository the App cannot read: that must not pass for "nothing changed"."""
+    responses.get(re.compile(r"https://api\.github\.com/repos/listendev/lstn/contents/.*"), status=404,
+                  json={"message": "Not Found"})
+    with pytest.raises(GitHubError, match="no files of listendev/lstn at e15189e8.*contents: read"):
+        guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+
+
+@pytest.mark.parametrize(
+    ("workflow", "uses", "message"),
+    [(".github/workflows/gone.yml", None, "its workflow .github/workflows/gone.yml cannot be found"),
+     (CI, "./.github/actions/none", "./.github/actions/none, which it uses, cannot be found"),
+     (CI, "./.github/workflows", "./.github/workflows, which it uses, cannot be found")],
+)
+@responses.activate
+def test_what_the_guard_cannot_find_is_refused(tmp_path, operations, workflow, uses, message) -> None:
+    base = {**BASE, BUILD: BUILD_SAFE + (f"      - uses: {uses}\n" if uses else "")}
+    serve(operations, {"main.go": "package fork\n"}, base=base)
+    verdict = guard.evaluate(job(tmp_path, workflow=workflow), guard.RepoRules(), client)
+    assert len(verdict.reasons) == 1 and message in verdict.reasons[0]
 
 
 @pytest.mark.parametrize(
