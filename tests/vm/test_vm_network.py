@@ -23,6 +23,7 @@ from policy import load_policy
 from policy.model import DENY_ALL
 from runner.net import NamespaceUplink, SlotPool, Upstream, netns, suggest_policy
 from runner.net import addresses
+from runner.net.audit import REFUSED_ANSWER
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
 
@@ -253,3 +254,35 @@ def test_audit_mode_records_attempts_and_its_suggestion_passes_in_block_mode(net
     assert got["tcp,web.test,8000"].startswith("open")
     assert got[f"tcp,{INDEX_HOST},{INDEX_PORT}"].startswith("open")
     assert got[f"tcp,{net_fakes.DENIED_HOST},8000"] == "closed"
+
+
+def test_an_allowed_name_pointing_into_the_lan_is_refused_unless_a_cidr_rule_allows_it(net_engine):
+    """The attack from issue 8: the upstream DNS answers an allowed name with a private address."""
+    lan = net_fakes.LAN_HOST
+    by_name = policy_of(
+        """
+        version: 1
+        allow:
+          - host: lan.test
+            ports: [8000]
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=by_name) as sbx:
+        got = probe(sbx, "name,lan.test", f"tcp,{lan},8000")
+        refused = [r.as_json() for r in sbx.blocked_egress() if r.reason == REFUSED_ANSWER]
+    assert got == {"name,lan.test": "nxdomain", f"tcp,{lan},8000": "closed"}
+    assert [(r["dest"], r["name"]) for r in refused] == [(lan, "lan.test")]
+
+    with_cidr = policy_of(
+        """
+        version: 1
+        allow:
+          - host: lan.test
+            ports: [8000]
+          - cidr: 10.0.0.0/24
+            ports: [8000]
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=with_cidr) as sbx:
+        got = probe(sbx, "name,lan.test", "tcp,lan.test,8000")
+    assert got == {"name,lan.test": lan, "tcp,lan.test,8000": f"open:{lan}:8000"}
