@@ -13,6 +13,7 @@ from runner.github.errors import GitHubError
 from runner.github.hook import guard_argv, hook_script, install_guard_hook
 
 SAME_REPO_PR = "listendev-lstn.pull_request.opened.same-repo.reviewdog.json"
+RUNNER_SHELL = ["/bin/bash", "-e"]  # how the runner starts a .sh job hook (GitHub's docs: bash -e FILE, else sh)
 
 
 def hostile_tree(root: Path, markers: Path) -> list[Path]:
@@ -41,6 +42,10 @@ def hook_env(tmp_path: Path, hostile: Path) -> dict[str, str]:
     }
 
 
+def run_hook(script: Path, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RUNNER_SHELL, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_the_installed_hook_imports_nothing_from_the_workspace(tmp_path) -> None:
     """Run the script `register` installs, as the runner would, in a workspace a fork filled,
     with PYTHONPATH and PYTHONSTARTUP pointing at more of the fork's files."""
@@ -53,24 +58,25 @@ def test_the_installed_hook_imports_nothing_from_the_workspace(tmp_path) -> None
     script = install_guard_hook(runner_dir, guard_argv(None, None))
     env = hook_env(tmp_path, elsewhere)
 
-    allowed = subprocess.run([str(script)], cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    allowed = run_hook(script, workspace, env)
 
     assert [marker.name for marker in planted if marker.exists()] == []
     assert allowed.returncode == 0, allowed.stderr
     assert "microvm-check guard: job allowed" in allowed.stderr  # the real guard ran, not a stand-in
     env["GITHUB_REPOSITORY"] = "someone/else"
-    refused = subprocess.run([str(script)], cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    refused = run_hook(script, workspace, env)
     assert refused.returncode == 1 and refused.stdout.startswith("::error title=microvm-check guard::")
     assert [marker.name for marker in planted if marker.exists()] == []
 
 
-def test_the_hook_leaves_the_workspace_and_drops_python_variables(tmp_path) -> None:
+@pytest.mark.parametrize("shell", [["/bin/bash", "-e"], ["/bin/sh", "-e"]])
+def test_the_hook_leaves_the_workspace_and_drops_python_variables(tmp_path, shell) -> None:
     """What the hook hands to the program it starts: `/` as its directory, no PYTHON* variable,
     every other variable (the guard needs GITHUB_*) untouched, even with odd values around."""
     script = install_guard_hook(tmp_path, ["/usr/bin/env"])
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "/x", "PYTHONINSPECT": "1", "PYTHONSAFEPATH": "",
            "GITHUB_EVENT_NAME": "pull_request", "ODD": "a *  PYTHON-bad=1 PYTHONHOME=/y\n;PATH=/evil"}
-    out = subprocess.run([str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run([*shell, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     names = {line.partition("=")[0] for line in out.stdout.splitlines()}
     assert not {name for name in names if name.startswith("PYTHON")}
