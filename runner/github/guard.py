@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from runner.github.client import GitHubClient
-from runner.github.contents import SHA_RE, check_path, entry_sha, get_file
+from runner.github.contents import SHA_RE, check_path, entry_sha
 from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
 from runner.github import reach
