@@ -253,6 +253,7 @@ class HeaderScanner(io.RawIOBase):
         self._chain: list[str] = []  # extended headers read for the member to come
         self._pax_size: int | None = None
         self._pending: dict[int, int] = {}  # data offset -> data bytes, per member passed on
+        self._track = True  # record members for `confirm` (not when walking alone)
         self.members = 0
 
     def readable(self) -> bool:
@@ -276,6 +277,7 @@ class HeaderScanner(io.RawIOBase):
 
     def skip_to_end(self) -> int:
         """Walk the rest of the stream without passing it on (seeking over data when possible); members."""
+        self._track = False
         while self._advance(COPY_CHUNK, seek=True):
             self._out = memoryview(b"")
         return self.members
@@ -323,7 +325,11 @@ class HeaderScanner(io.RawIOBase):
         if block.count(0) == BLOCK:
             self._ended = True  # tarfile stops at the first zero block, and so does the walk
             return block
-        if not _checksum_ok(block):
+        try:
+            intact = _checksum_ok(block)
+        except UnsafeTar:
+            intact = False
+        if not intact:
             raise UnsafeTar(f"corrupt tar header at byte {self._offset - BLOCK}")
         kind, size = block[156:157], _number(block[124:136], "size")
         if kind in _EXTENDED:
@@ -335,9 +341,10 @@ class HeaderScanner(io.RawIOBase):
         if kind == tarfile.AREGTYPE and block[:100].split(b"\0", 1)[0].endswith(b"/"):
             kind = tarfile.DIRTYPE  # tarfile's reading of an old V7 directory
         data = 0 if kind in _NO_DATA_TYPES else (size if self._pax_size is None else self._pax_size)
-        if len(self._pending) >= MAX_PENDING_MEMBERS:
-            raise UnsafeTar("the tar stream is ahead of its reader by too many members")
-        self._pending[self._offset] = data
+        if self._track:
+            if len(self._pending) >= MAX_PENDING_MEMBERS:
+                raise UnsafeTar("the tar stream is ahead of its reader by too many members")
+            self._pending[self._offset] = data
         self._chain, self._pax_size = [], None
         self._data_left = _padded(data)
         self.members += 1

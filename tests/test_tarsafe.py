@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,17 @@ def test_a_symlink_already_in_the_destination_is_not_followed(tmp_path: Path) ->
     assert result.skipped[0][0] == "sub/planted"
 
 
-def test_bombs_stop_early(tmp_path: Path) -> None:
+def test_count_bombs_stop_early(tmp_path: Path) -> None:
     with pytest.raises(tarsafe.UnsafeTar, match="more than 3 entries"):
         tarsafe.extract(tar_of(*[member(f"f{i}") for i in range(10)]), tmp_path, tarsafe.Limits(max_files=3))
-    sizes = tmp_path / "sizes"
-    sizes.mkdir()
-    with pytest.raises(tarsafe.UnsafeTar, match="in total"):
-        tarsafe.extract(tar_of(member("a", b"x" * 600), member("b", b"x" * 600)), sizes, tarsafe.Limits(max_total_bytes=1000))
-    assert [p.name for p in sizes.iterdir()] == ["a"], "what came before the bound stays"
+    assert len(list(tmp_path.iterdir())) == 3, "what came before the bound stays"
+
+
+def test_a_file_over_the_total_is_skipped_and_the_rest_still_comes(tmp_path: Path) -> None:
+    stream = tar_of(member("a", b"x" * 600), member("b", b"x" * 600), member("c", b"x" * 100))
+    result = tarsafe.extract(stream, tmp_path, tarsafe.Limits(max_total_bytes=1000))
+    assert result.files == [("a", 600), ("c", 100)]
+    assert result.skipped == [("b", "would take the files over 1000 bytes in total")]
 
 
 def test_exec_bit_is_kept_and_nothing_else(tmp_path: Path) -> None:
@@ -88,5 +92,185 @@ def test_exec_bit_is_kept_and_nothing_else(tmp_path: Path) -> None:
 
 
 def test_garbage_is_not_a_tar(tmp_path: Path) -> None:
-    with pytest.raises(tarsafe.UnsafeTar, match="not a valid tar"):
+    with pytest.raises(tarsafe.UnsafeTar, match="corrupt tar header at byte 0"):
         tarsafe.extract(io.BytesIO(b"garbage" * 300), tmp_path)
+
+
+# ---- .git, repeats and existing files --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [".git/hooks/post-checkout", ".git/config", ".GIT/config", "sub/.Git/hooks/x",
+                                  ".git", "a/.git./config", ".git /config"])
+def test_git_components_are_refused_in_any_case(tmp_path: Path, name: str) -> None:
+    result = tarsafe.extract(tar_of(member(name, b"#!/bin/sh\ntouch /tmp/pwned\n"), member("ok", b"1")), tmp_path)
+    assert result.files == [("ok", 1)]
+    assert result.skipped == [(name.rstrip("/"), tarsafe.refused_name(".git"))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+def test_a_repeated_name_keeps_the_first_copy(tmp_path: Path) -> None:
+    result = tarsafe.extract(tar_of(member("a", b"first"), member("./a", b"second")), tmp_path)
+    assert (tmp_path / "a").read_bytes() == b"first"
+    assert result.skipped == [("a", "appears twice in the stream (the first copy is kept)")]
+
+
+def test_an_existing_file_is_never_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "keep").write_bytes(b"mine")
+    result = tarsafe.extract(tar_of(member("keep", b"theirs")), tmp_path)
+    assert (tmp_path / "keep").read_bytes() == b"mine"
+    assert result.skipped == [("keep", "already exists in the destination (never overwritten)")]
+
+
+def test_a_skip_marker_is_listed_with_its_reason(tmp_path: Path) -> None:
+    info = tarsafe.marker("out/big.bin", "left out in the VM: larger than 10 bytes\x1b[2J")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info)
+    buf.seek(0)
+    result = tarsafe.extract(buf, tmp_path)
+    assert result.files == [] and list(tmp_path.iterdir()) == []
+    assert result.skipped == [("out/big.bin", "left out in the VM: larger than 10 bytes?[2J")]
+
+
+# ---- the header scanner ---------------------------------------------------------------------
+
+
+class Stream(io.RawIOBase):
+    """A tar whose one extended header claims `size` bytes of `fill`, made as it is read: the test's own
+    input never sits in memory, so the measured growth is the code's."""
+
+    def __init__(self, kind: bytes, size: int, fill: bytes = b"1") -> None:
+        header = tarfile.TarInfo("././@PaxHeader" if kind in (tarfile.XHDTYPE, tarfile.XGLTYPE) else "././@LongLink")
+        header.type, header.size = kind, size
+        self._head = header.tobuf(tarfile.USTAR_FORMAT)
+        self._left = size
+        self._fill = fill * (1 << 16)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n], self._head = self._head[:n], self._head[n:]
+            return n
+        n = min(len(buffer), self._left, len(self._fill))
+        buffer[:n] = self._fill[:n]
+        self._left -= n
+        return n
+
+
+def peak_growth(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("size", [1 << 20, 32 << 20])
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK])
+def test_huge_extended_headers_are_refused_before_parsing_in_bounded_memory(
+        tmp_path: Path, size: int, kind: bytes) -> None:
+    """CVE-2024-6232 and the 430 MiB growth per 32 MiB pax header: refused from the 512-byte header alone."""
+    def run() -> None:
+        with pytest.raises(tarsafe.UnsafeTar, match=f"header of {size} bytes \\(the limit is 65536\\): refused"):
+            tarsafe.extract(Stream(kind, size, b"1 " if kind == tarfile.XHDTYPE else b"a"), tmp_path)
+    assert peak_growth(run) < 8 * 1024 * 1024
+
+
+def test_huge_headers_are_refused_by_the_service_side_too() -> None:
+    out = io.BytesIO()
+    def run() -> None:
+        copied = tarsafe.copy_validated(Stream(tarfile.XHDTYPE, 32 << 20), out, tarsafe.Limits(), stop_names=["out/**"])
+        assert copied.files == [] and "pax header of 33554432 bytes" in copied.stopped
+    assert peak_growth(run) < 8 * 1024 * 1024
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:  # the clean tar still says why the transfer ended
+        assert [m.name for m in tar] == ["out/**"]
+
+
+def raw_tar(*blocks: tuple[bytes, bytes, bytes]) -> io.BytesIO:
+    """Hand-made members (type, name, body): what a hostile guest could write, not what tarfile would."""
+    out = b""
+    for kind, name, body in blocks:
+        info = tarfile.TarInfo(name.decode())
+        info.type, info.size = kind, len(body)
+        out += info.tobuf(tarfile.USTAR_FORMAT) + body + bytes(-len(body) % 512)
+    return io.BytesIO(out + bytes(1024))
+
+
+def pax_record(key: bytes, value: bytes) -> bytes:
+    body = b" " + key + b"=" + value + b"\n"
+    n = len(body) + 1
+    while len(str(n).encode()) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+@pytest.mark.parametrize("blocks,why", [
+    ([(tarfile.XHDTYPE, b"h", b"9" * 5000 + b"x")], "malformed pax header record"),  # the CVE's shape, small
+    ([(tarfile.XHDTYPE, b"h", pax_record(b"path", b"a") + b"junk")], "malformed pax header record"),
+    ([(tarfile.XGLTYPE, b"g", pax_record(b"path", b"a"))], "global pax headers"),
+    ([(tarfile.XHDTYPE, b"h", pax_record(b"GNU.sparse.map", b"0,1"))], "sparse"),
+    ([(tarfile.XHDTYPE, b"h", pax_record(b"size", b"-1"))], "pax size that is not a number"),
+    ([(tarfile.GNUTYPE_LONGNAME, b"L", b"a" * 100), (tarfile.GNUTYPE_LONGNAME, b"L", b"b" * 100)],
+     "two GNU long-name headers"),
+    ([(tarfile.GNUTYPE_SPARSE, b"s", b"")], "sparse"),
+])
+def test_headers_tarfile_would_mis_parse_end_the_stream(tmp_path: Path, blocks: list, why: str) -> None:
+    with pytest.raises(tarsafe.UnsafeTar, match=why):
+        tarsafe.extract(raw_tar(*blocks, (tarfile.REGTYPE, b"f", b"data")), tmp_path)
+
+
+def test_a_pax_size_override_keeps_the_walk_in_step(tmp_path: Path) -> None:
+    """The pax `size` decides where the next header is, for tarfile and for the scanner alike."""
+    stream = raw_tar((tarfile.XHDTYPE, b"h", pax_record(b"size", b"600")), (tarfile.REGTYPE, b"f", b""))
+    data = stream.getvalue()[:-1024] + b"y" * 600 + bytes(424)
+    file_two = tarfile.TarInfo("g")
+    file_two.size = 2
+    data += file_two.tobuf(tarfile.USTAR_FORMAT) + b"ok" + bytes(510) + bytes(1024)
+    result = tarsafe.extract(io.BytesIO(data), tmp_path)
+    assert result.files == [("f", 600), ("g", 2)]
+
+
+def test_a_corrupt_header_ends_the_stream(tmp_path: Path) -> None:
+    data = bytearray(tar_of(member("a", b"1"), member("b", b"2")).getvalue())
+    data[1024 + 148] ^= 1  # b's checksum
+    with pytest.raises(tarsafe.UnsafeTar, match="corrupt tar header at byte 1024"):
+        tarsafe.extract(io.BytesIO(bytes(data)), tmp_path)
+
+
+def test_check_tar_walks_without_tarfile_and_refuses_huge_headers() -> None:
+    assert tarsafe.check_tar(tar_of(member("a"), member("b" * 300), member("d", None, tarfile.DIRTYPE))) == 3
+    with pytest.raises(tarsafe.UnsafeTar, match="not a valid tar archive: a pax header of 1048576 bytes"):
+        tarsafe.check_tar(Stream(tarfile.XHDTYPE, 1 << 20))
+
+
+# ---- the Python it runs on ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version,fixed,problem", [
+    ((3, 11, 7), False, True), ((3, 11, 10), False, False), ((3, 12, 5), False, True), ((3, 12, 6), False, False),
+    ((3, 13, 0), False, False), ((3, 11, 2), True, False), ((3, 10, 14), False, True),
+])
+def test_known_vulnerable_pythons_are_named(version: tuple, fixed: bool, problem: bool) -> None:
+    module = type("tarfile", (), {"_header_length_prefix_re": None} if fixed else {})
+    assert (tarsafe.python_problem(version, module) is not None) is problem
+
+
+def test_serve_and_run_refuse_a_vulnerable_python(monkeypatch) -> None:
+    from runner.cli import UserError
+
+    monkeypatch.setattr(tarsafe, "python_problem", lambda: "Python 3.11.7 has CVE-2024-6232")
+    with pytest.raises(UserError, match="CVE-2024-6232.*MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON=1"):
+        tarsafe.require_patched_python({})
+    tarsafe.require_patched_python({"MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON": "1"})
+    from runner.service import cli
+
+    monkeypatch.delenv("MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON", raising=False)
+    with pytest.raises(UserError, match="CVE-2024-6232"):
+        cli.cmd_serve(None)
+    with pytest.raises(UserError, match="CVE-2024-6232"):
+        cli.cmd_run(None)

@@ -1,4 +1,4 @@
-"""Artifact tars from the guest: hostile members reject the whole archive, clean ones are re-written."""
+"""Artifact tars from the guest: hostile members are skipped and named, clean ones are re-written."""
 
 from __future__ import annotations
 
@@ -11,17 +11,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import member, tar_of
 
-from runner.service.config import ArtifactLimits
-from runner.service.safetar import ArchiveError, check_tar, copy_validated
+from runner.tarsafe import Limits, SKIPPED_KEY, check_tar, copy_validated
+from runner.tarsafe import UnsafeTar as ArchiveError
 from runner.tarsafe import safe_name as clean_name
 
-LIMITS = ArtifactLimits(max_count=10, max_total_bytes=1000)
+LIMITS = Limits(max_files=10, max_file_bytes=1000, max_total_bytes=1000)
 
 
-def validate(data: bytes, limits: ArtifactLimits = LIMITS) -> tuple[list, bytes]:
+def validate(data: bytes, limits: Limits = LIMITS, stop_names: list[str] = ()) -> tuple[list, bytes]:
     out = io.BytesIO()
-    files = copy_validated(io.BytesIO(data), out, limits)
-    return files, out.getvalue()
+    copied = copy_validated(io.BytesIO(data), out, limits, stop_names=stop_names)
+    if copied.stopped:
+        raise ArchiveError(copied.stopped)
+    return copied.files, out.getvalue()
+
+
+def copied(data: bytes, limits: Limits = LIMITS):
+    out = io.BytesIO()
+    result = copy_validated(io.BytesIO(data), out, limits, stop_names=["out/**"])
+    return result, out.getvalue()
+
+
+def markers(clean: bytes) -> dict[str, str]:
+    with tarfile.open(fileobj=io.BytesIO(clean)) as tar:
+        return {m.name: m.pax_headers[SKIPPED_KEY] for m in tar if SKIPPED_KEY in m.pax_headers}
 
 
 def test_clean_tar_is_rewritten_with_neutral_metadata() -> None:
@@ -32,7 +45,7 @@ def test_clean_tar_is_rewritten_with_neutral_metadata() -> None:
     assert [(f.path, f.size) for f in files] == [("dist/app.whl", 5), ("report.xml", 5)]
     with tarfile.open(fileobj=io.BytesIO(out)) as tar:
         members = tar.getmembers()
-        assert [m.name for m in members] == ["dist", "dist/app.whl", "report.xml"]
+        assert [m.name for m in members] == ["dist/app.whl", "report.xml"]  # directories come with their files
         whl = tar.getmember("dist/app.whl")
         assert (whl.uid, whl.uname, whl.mode) == (0, "", 0o755)
         assert tar.extractfile(whl).read() == b"wheel"
@@ -51,42 +64,58 @@ def test_clean_tar_is_rewritten_with_neutral_metadata() -> None:
     (member("evil\x1b[2Jname"), b"x", "control characters"),
     (member("back\\slash"), b"x", "backslash"),
     (member("x" * 2000), b"x", "longer than"),
+    (member(".git/hooks/post-checkout"), b"#!/bin/sh", "a .git path component"),
+    (member(".GIT/config"), b"[core]", "a .git path component"),
+    (member("big.bin"), b"\0" * 1001, "larger than 1000 bytes"),
 ])
-def test_hostile_members_are_refused(info: tarfile.TarInfo, data: bytes | None, why: str) -> None:
-    with pytest.raises(ArchiveError, match=why.replace("[", r"\[").replace("(", r"\(")):
-        validate(tar_of([(member("ok.txt"), b"fine"), (info, data)]))
+def test_hostile_members_are_skipped_and_named_and_the_rest_comes_back(
+        info: tarfile.TarInfo, data: bytes | None, why: str) -> None:
+    result, clean = copied(tar_of([(member("ok.txt"), b"fine"), (info, data), (member("z.txt"), b"too")]))
+    assert [(f.path, f.size) for f in result.files] == [("ok.txt", 4), ("z.txt", 3)]
+    assert result.stopped is None and len(result.skipped) == 1
+    name, reason = result.skipped[0]
+    assert why in reason
+    assert markers(clean) == {name: reason}
 
 
-def test_huge_member_is_refused_before_its_data_is_copied() -> None:
-    with pytest.raises(ArchiveError, match="larger than 1000 bytes in total"):
-        validate(tar_of([(member("big.bin"), b"\0" * 1001)]))
+def test_total_size_skips_what_would_go_over() -> None:
+    result, _ = copied(tar_of([(member(f"f{i}"), b"\0" * 400) for i in range(3)]))
+    assert [f.path for f in result.files] == ["f0", "f1"]
+    assert result.skipped == [("f2", "would take the artifacts over 1000 bytes in total")]
 
 
-def test_total_size_counts_all_members() -> None:
-    with pytest.raises(ArchiveError, match="in total"):
-        validate(tar_of([(member(f"f{i}"), b"\0" * 400) for i in range(3)]))
+def test_too_many_members_end_the_transfer_keeping_what_came_before() -> None:
+    result, clean = copied(tar_of([(member(f"f{i}"), b"") for i in range(11)]))
+    assert len(result.files) == 10 and result.stopped == "more than 10 members"
+    assert markers(clean) == {"out/**": "the artifact transfer ended early: more than 10 members"}
 
 
-def test_too_many_members() -> None:
-    with pytest.raises(ArchiveError, match="more than 10 members"):
-        validate(tar_of([(member(f"f{i}"), b"") for i in range(11)]))
+def test_duplicate_names_keep_the_first() -> None:
+    result, clean = copied(tar_of([(member("a"), b"1"), (member("./a"), b"2")]))
+    assert [(f.path, f.size) for f in result.files] == [("a", 1)]
+    assert "appears twice" in result.skipped[0][1]
+    with tarfile.open(fileobj=io.BytesIO(clean)) as tar:
+        first = tar.getmembers()[0]  # the marker for the repeat follows it, with the same name
+        assert (first.name, tar.extractfile(first).read()) == ("a", b"1")
 
 
-def test_duplicate_names_are_refused() -> None:
-    with pytest.raises(ArchiveError, match="appears twice"):
-        validate(tar_of([(member("a"), b"1"), (member("./a"), b"2")]))
+def test_member_below_a_file_is_skipped() -> None:
+    result, _ = copied(tar_of([(member("a"), b"1"), (member("a/b"), b"2")]))
+    assert result.skipped == [("a/b", "its parent is a file")]
 
 
-def test_member_below_a_file_is_refused() -> None:
-    with pytest.raises(ArchiveError, match="its parent is a file"):
-        validate(tar_of([(member("a"), b"1"), (member("a/b"), b"2")]))
+def test_a_guest_marker_is_passed_on() -> None:
+    info = member("out/huge.bin")
+    info.pax_headers = {SKIPPED_KEY: "left out in the VM: larger than the 100 bytes left"}
+    result, clean = copied(tar_of([(info, b"")]))
+    assert result.files == [] and markers(clean) == {"out/huge.bin": "left out in the VM: larger than the 100 bytes left"}
 
 
 def test_truncated_and_garbage_streams() -> None:
     data = tar_of([(member("a"), b"y" * 900)])
     with pytest.raises(ArchiveError):
         validate(data[:700])
-    with pytest.raises(ArchiveError, match="tar"):
+    with pytest.raises(ArchiveError, match="corrupt tar header"):
         validate(b"this is not a tar at all" * 40)
 
 
@@ -108,7 +137,7 @@ def test_clean_name_never_escapes(raw: str) -> None:
 
 def test_check_tar_counts_and_rejects_garbage() -> None:
     assert check_tar(io.BytesIO(tar_of([(member("a"), b"1"), (member("b"), b"2")]))) == 2
-    with pytest.raises(ArchiveError, match="not a valid tar"):
+    with pytest.raises(ArchiveError, match="not a valid tar archive: corrupt tar header at byte 0"):
         check_tar(io.BytesIO(b"\x01" * 2048))
 
 
