@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
@@ -197,13 +198,26 @@ def _minimal_git_config(config: Path) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+def host_git(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
+    """Run git on the host against a checkout a fork controls, giving that checkout no say.
+
+    Started from `/` (no repository discovery in the workspace), with the system and global
+    configs ignored and with the hooks, fsmonitor and pager that a checkout's `.git/config` could
+    name switched off, so the command reads what it is asked and executes nothing of the fork's.
+    """
+    git = shutil.which("git", path="/usr/local/bin:/usr/bin:/bin")
+    if git is None:
+        raise FileNotFoundError("git")
+    env = {"PATH": "/usr/bin:/bin", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+           "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent"}
+    safe = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat"]
+    return subprocess.run([git, *safe, *args], capture_output=True, check=True, timeout=timeout, cwd="/", env=env)
+
+
 def _read_git_config(config: Path) -> list[tuple[str, str]]:
     # `git config --file` never follows include.path, so only this file is read.
     try:
-        out = subprocess.run(
-            ["git", "config", "--file", str(config), "--null", "--list"],
-            capture_output=True, check=True, timeout=30,
-        ).stdout
+        out = host_git("config", "--file", str(config), "--null", "--list").stdout
     except FileNotFoundError as exc:
         raise PackError("include-git needs git on the runner host to read .git/config") from exc
     except subprocess.CalledProcessError as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from action.pack import PackError, pack_checkout
+from action.pack import PackError, host_git, pack_checkout
 from runner.cli import UserError
 from runner.service.client import JobAPIError, JobClient
 
@@ -190,8 +190,8 @@ def _cancel_quietly(client: JobClient, job: str) -> None:
 def _head(root: Path) -> str:
     """The checkout's commit when it is a git work tree (for the record), else zeros."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+        out = host_git("-C", str(root.resolve()), "rev-parse", "HEAD", timeout=10)
+    except (OSError, subprocess.SubprocessError):
         return "0" * 40
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha) else "0" * 40
+    sha = out.stdout.decode(errors="replace").strip()
+    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else "0" * 40

@@ -184,3 +184,23 @@ def test_file_shrinking_while_packing_is_an_error(tmp_path: Path) -> None:
     (root / "f").write_bytes(b"x")
     with pytest.raises(PackError, match="shrank"):
         list(stream)
+
+
+def test_host_git_ignores_the_workspace_and_ambient_git_settings(with_git: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Git run for a job's checkout takes nothing from the caller's cwd or GIT_* variables."""
+    from runner.service.localrun import _head
+
+    marker = tmp_path / "fsmonitor-ran"
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    monkeypatch.chdir(other)
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS", f"'core.fsmonitor'='touch {marker}'")
+    expected = subprocess.run(["git", "rev-parse", "HEAD"], cwd=with_git, capture_output=True, text=True,
+                              env={"PATH": os.environ["PATH"]}).stdout.strip()
+    assert _head(with_git) == expected
+    data = b"".join(pack_checkout(with_git, include_git=True))
+    assert data
+    assert not marker.exists()
