@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
@@ -26,12 +26,12 @@ from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import JobRecord, RecordStore
 from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
-from runner.service.spec import SpecError, parse_spec
+from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import RunKey, WarmPool
 
 log = logging.getLogger(__name__)
 
-JOB_ID = re.compile(r"^j[0-9a-f]{16}$")
+JOB_ID = re.compile(r"j[0-9a-f]{16}")  # used with fullmatch: `$` would also take a trailing newline
 _REAP_SECONDS = 5.0
 _PRUNE_SECONDS = 3600.0
 _CANCEL_WAIT_SECONDS = 10.0
@@ -169,6 +169,23 @@ class JobService:
     # -- the job API -------------------------------------------------------------------------
 
     def submit(self, data: Any) -> JobRecord:
+        """Validate, then reserve; whatever fails after the reservation releases all of it.
+
+        Everything a client sent is checked by `_admit` before anything is spent, so a bad request
+        costs no queue slot; past that point a failure (a full disk, SQLite) must not leave a
+        reservation, an in-memory job or a directory behind, or the queue shrinks for good.
+        """
+        spec, policy = self._admit(data)
+        job_id = "j" + secrets.token_hex(8)
+        self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
+        try:
+            return self._open_job(job_id, spec, policy)
+        except BaseException:
+            self._release(job_id)
+            raise
+
+    def _admit(self, data: Any) -> tuple[JobSpec, Any]:
+        """The validated spec and its effective policy, or a JobError; reserves nothing."""
         if self.stopping:
             raise JobError(503, "the service is shutting down; submit the job again later")
         try:
@@ -180,25 +197,33 @@ class JobService:
             raise JobError(400, f"the egress policy for {spec.repository} allows network access, but this service "
                                 f"runs VMs without networking (network.enabled is false in its config): narrow the "
                                 f"policy to deny all, or ask the operator to enable networking")
-        job_id = "j" + secrets.token_hex(8)
-        self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
+        return spec, policy
+
+    def _open_job(self, job_id: str, spec: JobSpec, policy: Any) -> JobRecord:
+        """The job's directory, log and first record; the job becomes visible only once all exist."""
         job_dir = self.config.jobs_dir / job_id
         record = JobRecord(
             id=job_id, state="awaiting_checkout", repository=spec.repository, sha=spec.sha,
             run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
             policy_digest=policy.digest(),
         )
-        try:  # a reservation that never became a job would shrink the queue for good
-            job_dir.mkdir(mode=0o700)
-            run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
-        except OSError:
-            self.queue.discard(job_id)
-            shutil.rmtree(job_dir, ignore_errors=True)
+        job_dir.mkdir(mode=0o700)
+        run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
+        try:
+            self.records.put(record)
+        except BaseException:
+            run.log.close()
             raise
         with self._lock:
             self._runs[job_id] = run
-        self.records.put(record)
         return record
+
+    def _release(self, job_id: str) -> None:
+        """Undo a submit that failed after its reservation: the slot, the in-memory job, its directory."""
+        self.queue.discard(job_id)
+        with self._lock:
+            self._runs.pop(job_id, None)
+        shutil.rmtree(self.config.jobs_dir / job_id, ignore_errors=True)
 
     def put_checkout(self, job_id: str, chunks: Iterable[bytes]) -> JobRecord:
         """Spool the checkout tar into the job's directory, bounded, then queue the job."""
@@ -217,7 +242,13 @@ class JobService:
                 raise JobError(409, f"job {job_id} was {run.record.state} while its checkout was uploading")
             run.record.state = "queued"
             run.record.timings.queued_at = time.time()
-            self.records.put(run.record)
+            try:
+                self.records.put(run.record)
+            except BaseException:  # not queued after all: the job waits for a checkout again, and expires
+                run.record.state = "awaiting_checkout"
+                run.record.timings.queued_at = None
+                run.checkout_path.unlink(missing_ok=True)
+                raise
         try:
             self.queue.put(job_id)
         except (KeyError, QueueClosed):
@@ -259,7 +290,7 @@ class JobService:
         run = self._run(job_id)
         if run:
             return run.record
-        record = self.records.get(job_id) if JOB_ID.match(job_id) else None
+        record = self.records.get(job_id) if JOB_ID.fullmatch(job_id) else None
         if record is None:
             raise JobError(404, f"no job {job_id!r} (records are kept {self.config.retention.days:g} days)")
         return record
@@ -327,6 +358,7 @@ class JobService:
         return sandbox
 
     def _work(self) -> None:
+        """A worker: one job at a time until the queue closes; no job can end the worker."""
         while True:
             job_id = self.queue.get()
             if job_id is None:
@@ -334,21 +366,43 @@ class JobService:
             run = self._run(job_id)
             if run is None:
                 continue
-            spec = run.spec
-            if spec.run_id is not None:
-                key = RunKey(spec.repository, spec.run_id, spec.run_attempt or 1)
-                run.warm = self.warm.claim(key, spec.template, run.record.policy_digest or "")
-                if run.warm is not None:
-                    run.update(warm=True)
-            run.execute(self._create_vm, self.config)
-            with self._lock:
-                self._runs.pop(job_id, None)
+            try:
+                self._claim_warm(run)
+                run.execute(self._create_vm, self.config)
+            except Exception:  # execute never raises by design; a record that cannot be saved still might
+                log.exception("job %s: the worker failed outside the job's own handling", job_id)
+                self._abandon(run)
+            finally:
+                with self._lock:
+                    self._runs.pop(job_id, None)
+
+    def _claim_warm(self, run: JobRun) -> None:
+        spec = run.spec
+        if spec.run_id is not None:
+            key = RunKey(spec.repository, spec.run_id, spec.run_attempt or 1)
+            run.warm = self.warm.claim(key, spec.template, run.record.policy_digest or "")
+            if run.warm is not None:
+                run.update(warm=True)
+
+    def _abandon(self, run: JobRun) -> None:
+        """Destroy whatever VM a job that failed outside `execute` holds, and end it, best effort."""
+        for sandbox in {id(s): s for s in (run.warm, run.sandbox) if s is not None}.values():
+            try:
+                sandbox.destroy()
+            except Exception:
+                log.exception("job %s: destroying VM %s failed", run.record.id, getattr(sandbox, "id", "?"))
+        try:
+            _finish(run, "failed", "the service failed to run this job; see the service log")
+        except Exception:
+            log.exception("job %s: its final record could not be saved", run.record.id)
 
     def _end(self, run: JobRun, state: str, reason: str) -> None:
-        """Finish a job no worker holds (it never started)."""
-        run.finish(state, None, reason)
-        with self._lock:
-            self._runs.pop(run.record.id, None)
+        """Finish a job no worker holds (it never started); it leaves the service even if its record fails."""
+        try:
+            _finish(run, state, reason)
+        finally:
+            with self._lock:
+                self._runs.pop(run.record.id, None)
 
     def _run(self, job_id: str) -> JobRun | None:
         with self._lock:
@@ -366,19 +420,28 @@ class JobService:
             return list(self._runs.values())
 
     def _reap(self) -> None:
+        """The reaper thread: nothing one pass meets may stop the next, or nothing expires until a restart."""
         while not self._stopping.wait(_REAP_SECONDS):
-            self.reap()
+            try:
+                self.reap()
+            except Exception:
+                log.exception("the reaper's pass failed; it runs again in %g s", _REAP_SECONDS)
 
     def reap(self, now: float | None = None) -> None:
-        """Expire unclaimed warm VMs and checkouts that never came; prune old records now and then."""
+        """Expire unclaimed warm VMs and checkouts that never came; prune old records now and then.
+
+        Each step and each job is handled on its own: one record that cannot be saved is logged and
+        the rest are still expired.
+        """
         now = time.time() if now is None else now
-        self.warm.expire()
+        _logged(self.warm.expire, "expiring pre-warmed VMs")
         for run in self._active_runs():
             if run.record.state == "awaiting_checkout" and now - run.record.created_at > self.config.checkout_wait_seconds:
                 if self.queue.discard(run.record.id):
-                    self._end(run, "failed", f"no checkout was uploaded within {self.config.checkout_wait_seconds:g} s")
+                    _logged(self._end, f"expiring job {run.record.id}", run, "failed",
+                            f"no checkout was uploaded within {self.config.checkout_wait_seconds:g} s")
         if now - self._last_prune > _PRUNE_SECONDS:
-            self.prune(now)
+            _logged(self.prune, "pruning old records", now)
 
     def prune(self, now: float | None = None) -> list[str]:
         """Apply the retention settings to records and job directories."""
@@ -402,6 +465,26 @@ class JobService:
                 continue
             for leftover in (CHECKOUT, f"{CHECKOUT}.part", "artifacts.raw", f"{ARTIFACTS}.part"):
                 (entry / leftover).unlink(missing_ok=True)
+
+
+def _finish(run: JobRun, state: str, reason: str) -> None:
+    """`run.finish`, and when its record cannot be saved, the rest of what finishing means anyway:
+    the spooled checkout goes, log followers and cancel() waiters are released."""
+    try:
+        run.finish(state, None, reason)
+    except BaseException:
+        run.checkout_path.unlink(missing_ok=True)
+        run.log.close()
+        run.done.set()
+        raise
+
+
+def _logged(step: Callable[..., Any], what: str, *args: Any) -> None:
+    """Run one step of a background pass; its failure is logged with a traceback and the pass goes on."""
+    try:
+        step(*args)
+    except Exception:
+        log.exception("%s failed", what)
 
 
 def _same_github_job(spec: Any, job: Any) -> bool:

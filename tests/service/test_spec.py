@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from service_fakes import spec
 
 from runner.service.config import config_from_mapping
-from runner.service.spec import JobSpec, SpecError, env_allowed, parse_spec
+from runner.service.spec import SpecError, env_allowed, parse_spec
 
 CONFIG = config_from_mapping({"templates": ["base", "big"], "max_timeout_seconds": 600, "default_timeout_seconds": 60})
 
@@ -104,18 +104,41 @@ def test_the_largest_sqlite_integer_is_a_valid_run_id() -> None:
     assert (job.run_id, job.run_attempt) == (2**63 - 1, 2**63 - 1)
 
 
-# Lone surrogates (category Cs) are what json.loads gives for "\ud800"; hypothesis leaves them out by default.
-any_text = st.text(st.characters(codec=None, categories=None), max_size=20)
+# Lone surrogates are what json.loads gives for "\ud800"; hypothesis rarely draws them, so they are mixed in
+# by hand, with NUL, a newline and path pieces, and the integers on either side of SQLite's range.
+any_text = st.text(st.characters(codec=None) | st.sampled_from(["\ud800", "\udfff", "\x00", "\n", "/", "."]),
+                   max_size=20)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.sampled_from([2**63 - 1, 2**63, -(2**63) - 1, 2**64])
     | st.floats() | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
     max_leaves=12,
 )
+VALID = {"repository": "octo/hello", "sha": spec()["sha"], "command": "true", "job_name": "test", "runner_name": "r1",
+         "ref": "refs/pull/1/merge", "event": "pull_request", "run_id": 9, "run_attempt": 1,
+         "working_directory": "pkg", "env": {"CI": "1"}, "artifacts": ["dist/*.whl"], "timeout_seconds": 30,
+         "template": "big", "policy": "version: 1\n"}
+
+
+def _near(value):
+    """Values of the same shape as a valid one, with hostile text or out-of-range numbers inside."""
+    if isinstance(value, str):
+        return st.builds(lambda text, at: value[:at] + text + value[at:], any_text, st.integers(0, len(value)))
+    if isinstance(value, int):
+        return st.sampled_from([0, -1, 2**63 - 1, 2**63, 2**64, 10**30, 1.0, float("inf"), float("nan")])
+    if isinstance(value, dict):
+        return st.dictionaries(st.sampled_from(["CI", "GITHUB_SHA"]) | any_text, any_text | json_values, max_size=3)
+    return st.lists(any_text | json_values, max_size=3)
+
+
+# Each field is left out, valid, near-valid or any JSON, so the hostile value often reaches its own check
+# instead of the spec failing at an earlier field.
+spec_dicts = st.fixed_dictionaries({}, optional={
+    **{key: st.just(value) | _near(value) | json_values for key, value in VALID.items()}, "x": json_values})
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.dictionaries(st.sampled_from(sorted(JobSpec.__dataclass_fields__) + ["x"]), json_values, max_size=8))
+@given(spec_dicts)
 def test_any_json_is_a_spec_or_a_spec_error(data: dict) -> None:
     try:
         job = parse_spec({**spec(), **data}, CONFIG)
