@@ -133,12 +133,15 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
                            f"a {limits.noun} needs a handful of {_entries(limits)}, not a text this size")
         return None
     before = len(problems.items)
+    aliases: list[yaml.Mark] = []
     try:
         depth = 0
         for event in yaml.parse(text, Loader=_LOADER):
             if isinstance(event, yaml.AliasEvent):
-                problems.add(event.start_mark, f"YAML aliases (*name) are not allowed in a {limits.noun}; "
-                                               "write the entry out in full")
+                aliases.append(event.start_mark)
+                if len(aliases) == 1:
+                    problems.add(event.start_mark, f"YAML aliases (*name) are not allowed in a {limits.noun}; "
+                                                   "write the entry out in full")
             elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 depth += 1
                 if depth > limits.max_depth:
@@ -147,6 +150,8 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
                     return None
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
+        if len(aliases) > 1:  # one problem for them all: a billion-laughs file has hundreds
+            problems.items[before] = _more(problems.items[before], f"{len(aliases) - 1} more aliases after it")
         if len(problems.items) != before:
             return None
         return yaml.compose(text, Loader=_LOADER)
@@ -164,11 +169,16 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
     return None
 
 
+def _more(problem: Problem, note: str) -> Problem:
+    return Problem(problem.file, problem.line, problem.column, f"{problem.message} ({note})")
+
+
 def mapping(node: yaml.MappingNode, known: tuple[str, ...], what: str, problems: Problems,
             unknown: str = "unknown key {key} in {what}; {hint}") -> tuple[dict[str, yaml.Node], list[tuple[str, yaml.Node]]]:
     """A mapping's values by key, and the values of repeated keys (to be checked too, so that
     every problem is reported), reporting non-string, unknown and duplicate keys. `unknown` words
-    the unknown-key message from `key` (quoted), `what` and `hint` (a close match or the known keys)."""
+    the unknown-key message from `key` (quoted and shortened), `name` (the same without quotes),
+    `what` and `hint` (a close match or the known keys)."""
     values: dict[str, yaml.Node] = {}
     first_lines: dict[str, int] = {}
     duplicates: list[tuple[str, yaml.Node]] = []
@@ -178,14 +188,15 @@ def mapping(node: yaml.MappingNode, known: tuple[str, ...], what: str, problems:
             continue
         key = key_node.value
         if key not in known:
-            problems.at(key_node, unknown.format(key=quote(key), what=what, hint=_hint(key, known)))
+            problems.at(key_node, unknown.format(key=quote(key), name=quote(key)[1:-1], what=what,
+                                                 hint=_hint(key, known)))
         elif key in values:
             problems.at(key_node, f"duplicate key {quote(key)} (first on line {first_lines[key]}); YAML "
                                   "would silently keep only the last one: merge them into one")
             duplicates.append((key, value_node))
         else:
             values[key] = value_node
-            first_lines[key] = key_node.start_mark.line + 1
+            first_lines[key] = key_node.start_mark.line + 1 if key_node.start_mark else 0
     return values, duplicates
 
 

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "runner.vm.cli",  # doctor
     "policy.cli",  # policy check | render
     "runner.service.cli",  # serve | run | jobs
+    "runner.service.config_cli",  # config check | schema
     "runner.github.cli",  # register | deregister | runners | guard | redeliver
 )
 

@@ -1,7 +1,9 @@
 """Where the GitHub integration's settings come from: one YAML file, overridable by environment.
 
 Secrets are never in the file itself, only the path to the App's private key, so the file can be
-world-readable and kept in configuration management. The webhook endpoint is configured in the
+world-readable and kept in configuration management. It is read like the service config and the
+policies (`policy.yamldoc`): no aliases, bounded size, unknown keys refused (a typo must not silently
+drop a setting), and every problem reported at once with its line. The webhook endpoint is configured in the
 service's own config (`runner.service.webhook`), which hands it to `runner.github.webhooks`.
 """
 
@@ -11,19 +13,27 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
-from runner.github.app import AppCredentials, GitHubApp
+from policy.yamldoc import (Limits, Problems, compose, decimal_int, is_null, kind, mapping, quote, read_text,
+                            sort_problems, string)
 from runner.github.client import DEFAULT_API_URL
 from runner.github.errors import GitHubError
+
+if TYPE_CHECKING:
+    from runner.github.app import AppCredentials, GitHubApp
 
 DEFAULT_CONFIG_PATH = Path("/etc/microvm-check/github.yml")
 CONFIG_ENV = "MICROVM_CHECK_GITHUB_CONFIG"
 ENV_PREFIX = "MICROVM_CHECK_GITHUB_"
 DEFAULT_LABELS = ("microvm",)
 ENV_FIELDS = ("app_id", "client_id", "private_key_path", "installation_id", "org", "app_slug", "api_url")
+KEYS = (*ENV_FIELDS, "labels")
+LIMITS = Limits("GitHub config", 64 * 1024, 4, "a GitHub config is a flat mapping of settings with a labels list")
+MAX_STRING = 4096
+MAX_LABELS = 64
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class GitHubSettings:
     labels: tuple[str, ...] = DEFAULT_LABELS
 
     def credentials(self) -> AppCredentials:
+        from runner.github.app import AppCredentials  # jwt and cryptography only when the App is used
+
         return AppCredentials.from_key_file(
             self.private_key_path,
             app_id=self.app_id,
@@ -49,62 +61,116 @@ class GitHubSettings:
 
     def app(self) -> GitHubApp:
         """The App these settings describe; it reads the private key now."""
+        from runner.github.app import GitHubApp
+
         return GitHubApp(self.credentials(), api_url=self.api_url)
 
 
 def load_settings(path: Path | None = None, env: Mapping[str, str] = os.environ) -> GitHubSettings:
-    """Read the config file (when present) and apply `MICROVM_CHECK_GITHUB_*` variables over it."""
+    """Read the config file (when present) and apply `MICROVM_CHECK_GITHUB_*` variables over it.
+    Raises `GitHubError` listing every problem, each with its file:line:col or variable name."""
     explicit = path or (Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None)
-    raw = _read_yaml(explicit or DEFAULT_CONFIG_PATH, required=explicit is not None)
+    source = explicit or DEFAULT_CONFIG_PATH
+    problems = Problems(str(source))
+    entries = _read_yaml(source, problems, required=explicit is not None)
     for name in ENV_FIELDS:
         if env.get(ENV_PREFIX + name.upper()):
-            raw[name] = env[ENV_PREFIX + name.upper()]
-    return _settings(raw, explicit or DEFAULT_CONFIG_PATH)
+            entries[name] = _Entry(env[ENV_PREFIX + name.upper()], None, ENV_PREFIX + name.upper())
+    settings = _settings(entries, problems, source) if not problems.items else None
+    if problems.items or settings is None:
+        raise GitHubError("\n".join(str(p) for p in sort_problems(problems.final())))
+    return settings
 
 
-def _read_yaml(path: Path, *, required: bool) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        if required:
-            raise GitHubError(f"GitHub config {path} does not exist: create it or fix {CONFIG_ENV}") from None
+@dataclass(frozen=True)
+class _Entry:
+    """One setting: its value (a node from the file, or text from the environment), and where it came from."""
+
+    text: str | None
+    node: yaml.Node | None
+    name: str
+
+    def problem(self, problems: Problems, message: str) -> None:
+        if self.node is not None:
+            problems.at(self.node, f"{self.name}: {message}")
+        else:
+            problems.add(None, f"{self.name}: {message}")
+
+
+def _read_yaml(path: Path, problems: Problems, *, required: bool) -> dict[str, _Entry]:
+    if not required and not path.exists():
         return {}
-    except OSError as exc:
-        raise GitHubError(f"cannot read GitHub config {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise GitHubError(f"GitHub config {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise GitHubError(f"GitHub config {path} must be a mapping of settings")
-    return data
+    if required and not path.exists():
+        raise GitHubError(f"GitHub config {path} does not exist: create it or fix {CONFIG_ENV}")
+    text = read_text(path, LIMITS, problems)
+    node = compose(text, LIMITS, problems) if text is not None else None
+    if node is None or is_null(node):
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        problems.at(node, f"a GitHub config must be a mapping of settings ({', '.join(KEYS)}), not {kind(node)}")
+        return {}
+    values, _ = mapping(node, KEYS, "the GitHub config", problems)
+    return {key: _Entry(string(value), value, key) for key, value in values.items()}
 
 
-def _settings(raw: dict[str, Any], source: Path) -> GitHubSettings:
+def _settings(entries: dict[str, _Entry], problems: Problems, source: Path) -> GitHubSettings | None:
     where = f"in {source} (or {ENV_PREFIX}*)"
-    if not raw.get("private_key_path"):
-        raise GitHubError(f"private_key_path is not set {where}: point it at the App's private key (.pem)")
-    if not (raw.get("app_id") or raw.get("client_id")):
-        raise GitHubError(f"neither client_id nor app_id is set {where}: copy one from the App's settings")
-    labels = raw.get("labels", list(DEFAULT_LABELS))
-    if not isinstance(labels, list) or not labels or not all(isinstance(x, str) and x for x in labels):
-        raise GitHubError(f"labels {where} must be a non-empty list of label names")
+    if "private_key_path" not in entries:
+        problems.add(None, f"private_key_path is not set {where}: point it at the App's private key (.pem)")
+    if "app_id" not in entries and "client_id" not in entries:
+        problems.add(None, f"neither client_id nor app_id is set {where}: copy one from the App's settings")
+    strings = {name: _text(entries.get(name), problems)
+               for name in ("private_key_path", "client_id", "org", "app_slug", "api_url")}
+    numbers = {name: _int(entries.get(name), problems) for name in ("app_id", "installation_id")}
+    labels = _labels(entries.get("labels"), problems)
+    if problems.items:
+        return None
     return GitHubSettings(
-        private_key_path=Path(str(raw["private_key_path"])),
-        app_id=_int(raw.get("app_id"), "app_id", where),
-        client_id=str(raw["client_id"]) if raw.get("client_id") else None,
-        installation_id=_int(raw.get("installation_id"), "installation_id", where),
-        org=str(raw["org"]) if raw.get("org") else None,
-        app_slug=str(raw["app_slug"]) if raw.get("app_slug") else None,
-        api_url=str(raw.get("api_url") or DEFAULT_API_URL),
-        labels=tuple(labels),
+        private_key_path=Path(strings["private_key_path"]),
+        app_id=numbers["app_id"],
+        client_id=strings["client_id"],
+        installation_id=numbers["installation_id"],
+        org=strings["org"],
+        app_slug=strings["app_slug"],
+        api_url=strings["api_url"] or DEFAULT_API_URL,
+        labels=labels,
     )
 
 
-def _int(value: Any, name: str, where: str) -> int | None:
-    if value is None or value == "":
+def _text(entry: _Entry | None, problems: Problems) -> str | None:
+    if entry is None:
         return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise GitHubError(f"{name} {where} must be a number, not {value!r}") from None
+    value = entry.text
+    if value is None:
+        entry.problem(problems, f"expected a string (in quotes if it looks like a number), not {kind(entry.node)}")
+    elif not value or len(value) > MAX_STRING or "\0" in value:
+        entry.problem(problems, f"expected a non-empty string of at most {MAX_STRING} characters without NUL, "
+                                f"not {quote(value)}")
+        return None
+    return value
+
+
+def _int(entry: _Entry | None, problems: Problems) -> int | None:
+    if entry is None:
+        return None
+    value = decimal_int(entry.node) if entry.node is not None else None
+    if entry.node is None and entry.text is not None and entry.text.isascii() and entry.text.isdigit() \
+            and len(entry.text) <= 10:
+        value = int(entry.text)
+    if value is None or not 0 < value < 2**63:
+        shown = kind(entry.node) if entry.node is not None else quote(entry.text or "")
+        entry.problem(problems, f"must be a positive whole number, not {shown}")
+        return None
+    return value
+
+
+def _labels(entry: _Entry | None, problems: Problems) -> tuple[str, ...]:
+    if entry is None:
+        return DEFAULT_LABELS
+    node = entry.node
+    items = [string(item) for item in node.value] if isinstance(node, yaml.SequenceNode) else []
+    if not items or len(items) > MAX_LABELS or not all(item and len(item) <= 100 for item in items):
+        entry.problem(problems, f"expected a non-empty list of at most {MAX_LABELS} label names, "
+                                f"not {kind(node) if node is not None else 'nothing'}")
+        return DEFAULT_LABELS
+    return tuple(items)

@@ -1,62 +1,109 @@
-"""The service's YAML configuration.
+"""The service's YAML configuration, read in one pass into typed, frozen dataclasses.
 
 Every limit the service enforces against hostile guests and clients lives here, so an operator can
-read in one file what a job may cost the host. Errors name the file and the key, because a service
-that refuses to start must say exactly what to fix.
+read in one file what a job may cost the host. The dataclasses below are the single source of truth:
+each field's default, range and help text is declared once (`setting(...)`), and both the loader and
+the published JSON Schema (`json_schema()`, docs/service-config.schema.json) are derived from them.
+
+The loader reads the file through `policy.yamldoc`, as the policy loader does: bounded size and
+depth, no aliases, UTF-8 only, duplicate keys refused. A service that refuses to start must say
+exactly what to fix, so every problem of the file is reported at once, each with its file:line:col
+and the key, and values quoted back are cut short. Numbers must be finite and within their range:
+`.inf` or `.nan` seconds would make timers that never fire or raise.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from ipaddress import ip_network
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import yaml
 
-from policy.model import Rule
+from policy.model import PROTOCOLS, Rule
 from policy.render import OperatorAllowances
+from policy.yamldoc import (BOOL_TAG, FLOAT_TAG, INT_TAG, STR_TAG, Limits, Problem, Problems, compose, decimal_int,
+                            is_null, kind, mapping, quote, read_text, sort_problems, string)
+from runner.github.config import DEFAULT_LABELS
+from runner.github.webhooks import DEFAULT_MAX_BODY
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 DEFAULT_STATE_DIR = "/var/lib/microvm-check"
+LIMITS = Limits("config", 64 * 1024, 8, "a config is a mapping of settings with a few small sections",
+                max_problems=20)
+MAX_STRING = 4096  # characters in a path, name or token
+MAX_LIST = 64  # templates, labels, env patterns
+MAX_ALLOW_RULES = 256
+MAX_TOKEN_FILE = 4096
+MINUTE, HOUR, DAY = 60, 3600, 86400
+KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+SIZE_PATTERN = r"^\s*([0-9]{1,15})\s*([KMGTkmgt][iI]?[bB]?|[bB])?\s*$"
+_SIZE = re.compile(SIZE_PATTERN)
+_UNITS = {"": 1, "B": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB}
+_INTEGER = re.compile(r"[-+]?[0-9]{1,19}")
+_NON_FINITE = re.compile(r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)")
+LISTEN_PATTERN = r"^.+:[0-9]{1,5}$"
+SLOT_PREFIX_PATTERN = r"^[a-z][a-z0-9]{0,8}$"
 
 
 class ConfigError(ValueError):
-    """A configuration the service refuses to start with; the message names the file and key."""
+    """A configuration the service refuses to start with: every problem, each naming file:line and key."""
+
+    def __init__(self, message: str | list[Problem]):
+        self.problems = sort_problems(message) if isinstance(message, list) else []
+        super().__init__("\n".join(str(p) for p in self.problems) if self.problems else message)
+
+
+def setting(default: Any, help: str, kind: str, *, minimum: float | None = None, maximum: float | None = None,
+            pattern: str | None = None, section: type | None = None) -> Any:
+    """A config field: its default, how it is read (`kind`), its range and what it is for, declared once."""
+    metadata = {"kind": kind, "help": help, "minimum": minimum, "maximum": maximum, "pattern": pattern,
+                "section": section}
+    if section is not None:
+        return field(default_factory=section, metadata=metadata)
+    if isinstance(default, OperatorAllowances):
+        return field(default_factory=OperatorAllowances, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class Resources:
-    vcpus: int | None = None
-    memory_mib: int | None = None
+    vcpus: int | None = setting(None, "vCPUs per job VM (default: the template's)", "int", minimum=1, maximum=64)
+    memory_mib: int | None = setting(None, "memory per job VM in MiB (default: the template's)", "int",
+                                     minimum=64, maximum=1024**2)
 
 
 @dataclass(frozen=True)
 class ArtifactLimits:
-    max_count: int = 1000
-    max_total_bytes: int = 512 * 1024**2
+    max_count: int = setting(1000, "files and directories a job may return", "int", minimum=0, maximum=10**6)
+    max_total_bytes: int = setting(512 * MIB, "bytes a job's artifacts may total", "size", minimum=0, maximum=TIB)
 
 
 @dataclass(frozen=True)
 class LogLimits:
-    max_bytes: int = 16 * 1024**2  # per job; beyond it output is dropped with a system note
-    max_entry_bytes: int = 64 * 1024  # larger chunks are split so no single entry is huge
+    max_bytes: int = setting(16 * MIB, "guest output kept per job; beyond it output is dropped with a system note",
+                             "size", minimum=0, maximum=TIB)
+    max_entry_bytes: int = setting(64 * KIB, "larger chunks are split so no single log entry is huge",
+                                   "size", minimum=1, maximum=16 * MIB)
 
 
 @dataclass(frozen=True)
 class Retention:
-    days: float = 14.0
-    max_records: int = 10000
+    days: float = setting(14.0, "job records and directories older than this are pruned", "number",
+                          minimum=0, maximum=36500)
+    max_records: int = setting(10000, "at most this many job records are kept", "int", minimum=1, maximum=10**9)
 
 
 @dataclass(frozen=True)
 class Prewarm:
-    max_vms: int = 2
-    expire_seconds: float = 300.0
+    max_vms: int = setting(2, "VMs restored ahead of a job announced by the webhook", "int", minimum=0, maximum=1024)
+    expire_seconds: float = setting(300.0, "an unclaimed pre-warmed VM is destroyed after this", "number",
+                                    minimum=1, maximum=DAY)
 
 
 @dataclass(frozen=True)
@@ -64,38 +111,66 @@ class Network:
     """Per-VM networking (runner.net). Off by default: then no job VM gets a network card, and a job
     whose effective policy allows any egress is refused at submit."""
 
-    enabled: bool = False
-    uplink_interface: str | None = None  # None: the interface of the default route
-    slot_prefix: str = "mvc"
-    slots: int = 0  # network slots made ahead of time
-    allow: OperatorAllowances = field(default_factory=OperatorAllowances)  # opens always-denied destinations
+    enabled: bool = setting(False, "give job VMs a filtered network card when their policy allows egress", "bool")
+    uplink_interface: str | None = setting(None, "the host's uplink (default: the default route's interface)",
+                                           "string")
+    slot_prefix: str = setting("mvc", "prefix of the network namespaces and interfaces (1-9 lowercase letters "
+                                      "or digits, starting with a letter)", "string", pattern=SLOT_PREFIX_PATTERN)
+    slots: int = setting(0, "network slots made ahead of time", "int", minimum=0, maximum=4096)
+    allow: OperatorAllowances = setting(OperatorAllowances(), "operator allowances: rules (cidr, ports, protocol) "
+                                        "applied to every networked VM before the always-denied destinations",
+                                        "allow")
+
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """The GitHub webhook endpoint (`runner.service.webhook`); off unless `listen` is set."""
+
+    listen: tuple[str, int] | None = setting(None, "HOST:PORT of the webhook endpoint; off when unset", "listen")
+    secret_path: Path | None = setting(None, "file holding the webhook secret (required with listen)", "path")
+    labels: tuple[str, ...] = setting(DEFAULT_LABELS, "runner labels whose queued jobs are pre-warmed", "strings")
+    max_body: int = setting(DEFAULT_MAX_BODY, "largest delivery body accepted", "size", minimum=1, maximum=64 * MIB)
+    redeliver_every: float | None = setting(None, "seconds between sweeps asking GitHub to redeliver failed "
+                                                  "deliveries (needs the App settings)", "number",
+                                            minimum=30, maximum=DAY)
+    github_config: Path | None = setting(None, "the GitHub App settings for the redelivery sweep", "path")
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    socket: str = DEFAULT_SOCKET
-    socket_group: str | None = None
-    listen: tuple[str, int] | None = None
-    token: str | None = None
-    state_dir: Path = Path(DEFAULT_STATE_DIR)
-    templates: tuple[str, ...] = ("base",)
-    resources: Resources = field(default_factory=Resources)
-    max_concurrent_jobs: int = 2
-    max_queued_jobs: int = 32
-    checkout_max_bytes: int = 1024**3
-    checkout_wait_seconds: float = 600.0  # a submitted job whose checkout never comes is dropped
-    default_timeout_seconds: int = 3600
-    max_timeout_seconds: int = 6 * 3600
-    artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
-    logs: LogLimits = field(default_factory=LogLimits)
-    policy_dir: Path | None = None
-    github_config: Path | None = None  # App settings: policies from the repositories' default branches
-    retention: Retention = field(default_factory=Retention)
-    prewarm: Prewarm = field(default_factory=Prewarm)
-    network: Network = field(default_factory=Network)
-    shutdown_grace_seconds: float = 30.0
-    env_allowlist: tuple[str, ...] = ("CI", "GITHUB_*", "RUNNER_*")
-    webhook: dict[str, Any] = field(default_factory=dict)
+    socket: str = setting(DEFAULT_SOCKET, "the job API's Unix socket", "string")
+    socket_group: str | None = setting(None, "the group allowed to use the socket (mode 0660)", "string")
+    listen: tuple[str, int] | None = setting(None, "optional TCP HOST:PORT for the job API; needs token or "
+                                                   "token_file", "listen")
+    token: str | None = setting(None, "bearer token for TCP clients (at least 16 characters)", "string")
+    token_file: Path | None = setting(None, "file holding the bearer token, instead of token", "path")
+    state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
+    templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
+    resources: Resources = setting(None, "job VM size", "section", section=Resources)
+    max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)
+    max_queued_jobs: int = setting(32, "submitted but not started jobs (incl. awaiting checkout); 429 beyond",
+                                   "int", minimum=1, maximum=100000)
+    checkout_max_bytes: int = setting(GIB, "largest checkout tar accepted", "size", minimum=1, maximum=TIB)
+    checkout_wait_seconds: float = setting(600.0, "a submitted job whose checkout never comes is dropped after "
+                                                  "this", "number", minimum=1, maximum=7 * DAY)
+    default_timeout_seconds: int = setting(HOUR, "a job's timeout when its spec names none", "int",
+                                           minimum=1, maximum=7 * DAY)
+    max_timeout_seconds: int = setting(6 * HOUR, "the largest timeout a job may ask for", "int",
+                                       minimum=1, maximum=7 * DAY)
+    artifacts: ArtifactLimits = setting(None, "artifact limits", "section", section=ArtifactLimits)
+    logs: LogLimits = setting(None, "log limits", "section", section=LogLimits)
+    policy_dir: Path | None = setting(None, "the policy store (policy.PolicyStore layout); without it: deny all",
+                                      "path")
+    github_config: Path | None = setting(None, "GitHub App settings: policies from the repositories' default "
+                                               "branches", "path")
+    retention: Retention = setting(None, "how long job records are kept", "section", section=Retention)
+    prewarm: Prewarm = setting(None, "VMs restored ahead of jobs the webhook announces", "section", section=Prewarm)
+    network: Network = setting(None, "per-VM networking", "section", section=Network)
+    shutdown_grace_seconds: float = setting(30.0, "at shutdown, running jobs get this long before they are "
+                                                  "cancelled", "number", minimum=0, maximum=DAY)
+    env_allowlist: tuple[str, ...] = setting(("CI", "GITHUB_*", "RUNNER_*"), "environment names (globs) a job "
+                                             "spec may set", "strings")
+    webhook: WebhookSettings = setting(None, "the GitHub webhook endpoint", "section", section=WebhookSettings)
 
     @property
     def default_template(self) -> str:
@@ -110,249 +185,414 @@ class ServiceConfig:
         return self.state_dir / "jobs.sqlite"
 
 
-def parse_size(value: Any, where: str) -> int:
-    """Accept `1048576`, `"512MiB"`, `"1G"`: operators write sizes by hand."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a size like 512MiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{where}: must not be negative")
+# -- reading --------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    """The config in the file at `path`; raises `ConfigError` with every problem, never anything else."""
+    path = Path(path)
+    problems = Problems(str(path), LIMITS.max_problems)
+    text = read_text(path, LIMITS, problems)
+    node = compose(text, LIMITS, problems) if text is not None else None
+    if problems.items:
+        raise ConfigError(problems.final())
+    return _build(node, problems, path.parent)
+
+
+def config_from_mapping(data: dict[str, Any], where: str = "<config>", base: Path = Path(".")) -> ServiceConfig:
+    """A config from Python values (tests, `run`, benchmarks), checked exactly like a file.
+    `where` names the source in messages, `base` resolves relative paths."""
+    problems = Problems(where, LIMITS.max_problems)
+    return _build(_to_node(data, problems), problems, base)
+
+
+def webhook_from_mapping(data: dict[str, Any], base: Path = Path(".")) -> WebhookSettings:
+    """A `webhook:` section from Python values, checked like the one in a config file."""
+    problems = Problems("<webhook settings>")
+    walk = _Walk(problems, base)
+    node = _to_node(data, problems)
+    settings = walk.section(WebhookSettings, node, "webhook.") if not problems.items else None
+    if settings is not None:
+        _check_webhook(settings, walk, "webhook.")
+    if problems.items or settings is None:
+        raise ConfigError(problems.final())
+    return settings
+
+
+def _build(node: yaml.Node | None, problems: Problems, base: Path) -> ServiceConfig:
+    walk = _Walk(problems, base)
+    config = walk.section(ServiceConfig, node, "") if not problems.items else None
+    if config is not None:
+        config = _check(config, walk)
+    if problems.items or config is None:
+        raise ConfigError(problems.final())
+    return config
+
+
+class _Representer(yaml.representer.SafeRepresenter):
+    """Python values as YAML nodes (without marks), so `config_from_mapping` checks them like a file."""
+
+
+_Representer.add_multi_representer(PurePath, lambda r, value: r.represent_str(str(value)))
+_Representer.add_representer(tuple, lambda r, value: r.represent_list(list(value)))
+
+
+def _to_node(data: Any, problems: Problems) -> yaml.Node | None:
+    representer = _Representer(sort_keys=False)
+    try:
+        return representer.represent_data(data)
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        problems.add(None, f"the config cannot be read as settings: {quote(str(exc), 200)}")
+        return None
+
+
+class _Walk:
+    """One pass over the node tree, guided by the dataclasses' fields; remembers each key's node so
+    that checks spanning several settings can point at a line too."""
+
+    def __init__(self, problems: Problems, base: Path) -> None:
+        self.problems = problems
+        self.base = base
+        self.nodes: dict[str, yaml.Node] = {}
+
+    def problem(self, node: yaml.Node | None, where: str, message: str) -> None:
+        self.problems.add(node.start_mark if node is not None else None, f"{where}: {message}")
+
+    def at(self, where: str, message: str) -> None:
+        """A problem with the setting at dotted path `where`, at its line when the file has it."""
+        self.problem(self.nodes.get(where), where, message)
+
+    def section(self, cls: type, node: yaml.Node | None, prefix: str) -> Any:
+        """An instance of `cls` from a mapping node; None after reporting problems."""
+        if node is None or is_null(node):
+            given: dict[str, yaml.Node] = {}
+        elif not isinstance(node, yaml.MappingNode):
+            where = prefix.rstrip(".") or "the config"
+            self.problem(node, where, f"expected a mapping of settings (key: value), not {kind(node)}")
+            return None
+        else:
+            known = tuple(f.name for f in fields(cls))
+            escaped = prefix.replace("{", "{{").replace("}", "}}")
+            given, _ = mapping(node, known, prefix.rstrip(".") or "the config", self.problems,
+                               unknown=escaped + "{name}: unknown setting (a typo?); {hint}")
+        before = len(self.problems.items) + self.problems.dropped
+        values = {}
+        for f in fields(cls):
+            value_node = given.get(f.name)
+            if value_node is not None:
+                self.nodes[prefix + f.name] = value_node
+            values[f.name] = self.value(f, value_node, prefix + f.name)
+        if len(self.problems.items) + self.problems.dropped != before:
+            return None
+        return cls(**values)
+
+    def value(self, f: Field, node: yaml.Node | None, where: str) -> Any:
+        meta = f.metadata
+        if meta["kind"] == "section":
+            return self.section(meta["section"], node, where + ".")
+        if node is None or is_null(node):
+            return f.default_factory() if f.default is MISSING else f.default
+        reader = getattr(self, "read_" + meta["kind"])
+        value = reader(node, where, meta)
+        if value is not None and meta["kind"] in ("int", "number", "size"):
+            self.check_range(node, where, value, meta)
         return value
-    match = _SIZE.match(str(value))
+
+    def check_range(self, node: yaml.Node, where: str, value: float, meta: Any) -> None:
+        low, high = meta["minimum"], meta["maximum"]
+        if low is not None and value < low:
+            self.problem(node, where, f"must be at least {_number(low)}, not {_number(value)}")
+        elif high is not None and value > high:
+            self.problem(node, where, f"must be at most {_number(high)}, not {_number(value)}")
+
+    def read_int(self, node: yaml.Node, where: str, meta: Any) -> int | None:
+        if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and _INTEGER.fullmatch(node.value):
+            return int(node.value)
+        self.problem(node, where, f"expected an integer in plain decimal digits, not {kind(node)}")
+        return None
+
+    def read_number(self, node: yaml.Node, where: str, meta: Any) -> float | None:
+        if isinstance(node, yaml.ScalarNode) and node.tag == FLOAT_TAG and _NON_FINITE.fullmatch(node.value):
+            self.problem(node, where, f"must be a finite number, not {kind(node)}")
+            return None
+        if isinstance(node, yaml.ScalarNode) and node.tag in (INT_TAG, FLOAT_TAG) and len(node.value) <= 40:
+            try:
+                value = float(node.value.replace("_", ""))
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value):
+                return value
+        self.problem(node, where, f"expected a number, not {kind(node)}")
+        return None
+
+    def read_size(self, node: yaml.Node, where: str, meta: Any) -> int | None:
+        if isinstance(node, yaml.ScalarNode) and node.tag in (INT_TAG, STR_TAG):
+            try:
+                return parse_size(node.value)
+            except ValueError:
+                pass
+        self.problem(node, where, f"expected a size like 512MiB or 1G, not {kind(node)}")
+        return None
+
+    def read_bool(self, node: yaml.Node, where: str, meta: Any) -> bool | None:
+        if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
+            return yaml.constructor.SafeConstructor.bool_values[node.value.lower()]
+        self.problem(node, where, f"expected true or false, not {kind(node)}")
+        return None
+
+    def read_string(self, node: yaml.Node, where: str, meta: Any) -> str | None:
+        value = string(node)
+        if value is None:
+            hint = " (put it in quotes)" if isinstance(node, yaml.ScalarNode) else ""
+            self.problem(node, where, f"expected a string{hint}, not {kind(node)}")
+            return None
+        error = _string_error(value)
+        if error is None and meta.get("pattern") and not re.fullmatch(meta["pattern"].strip("^$"), value):
+            error = f"{quote(value)} does not fit: {meta['help']}"
+        if error:
+            self.problem(node, where, error)
+            return None
+        return value
+
+    def read_path(self, node: yaml.Node, where: str, meta: Any) -> Path | None:
+        value = self.read_string(node, where, meta)
+        if value is None:
+            return None
+        try:
+            return (self.base / value).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.problem(node, where, f"cannot use the path {quote(value)}: {quote(str(exc), 100)}")
+            return None
+
+    def read_strings(self, node: yaml.Node, where: str, meta: Any) -> tuple[str, ...] | None:
+        if not isinstance(node, yaml.SequenceNode) or not node.value or len(node.value) > MAX_LIST:
+            self.problem(node, where, f"expected a list of 1 to {MAX_LIST} strings, not {_shape(node)}")
+            return None
+        items = [self.read_string(item, f"{where}[{index}]", {}) for index, item in enumerate(node.value)]
+        return None if None in items else tuple(items)
+
+    def read_listen(self, node: yaml.Node, where: str, meta: Any) -> tuple[str, int] | None:
+        value = self.read_string(node, where, meta)
+        if value is None:
+            return None
+        try:
+            return parse_listen(value)
+        except ValueError as exc:
+            self.problem(node, where, str(exc))
+            return None
+
+    def read_allow(self, node: yaml.Node, where: str, meta: Any) -> OperatorAllowances | None:
+        """`network.allow`: the operator's network rules, applied to every networked VM before the
+        always-denied destinations, so they alone can open e.g. a proxy on the host or the metadata service."""
+        if not isinstance(node, yaml.SequenceNode) or len(node.value) > MAX_ALLOW_RULES:
+            self.problem(node, where, f"expected a list of at most {MAX_ALLOW_RULES} rules like "
+                                      f"{{cidr: 10.0.0.5/32, ports: [3128]}}, not {_shape(node)}")
+            return None
+        rules = [self.allowance(item, f"{where}[{index}]") for index, item in enumerate(node.value)]
+        return None if None in rules else OperatorAllowances(tuple(rules))
+
+    def allowance(self, node: yaml.Node, where: str) -> Rule | None:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, where, f"expected a mapping with cidr, ports and protocol, not {kind(node)}")
+            return None
+        before = len(self.problems.items)
+        given, _ = mapping(node, ("cidr", "ports", "protocol"), where, self.problems,
+                           unknown=where.replace("{", "{{") + ".{name}: unknown key; a rule has cidr, ports and "
+                                                              "protocol (no host names here)")
+        network = self.rule_cidr(given.get("cidr"), node, where)
+        ports = self.rule_ports(given.get("ports"), node, where)
+        protocol = string(given["protocol"]) if "protocol" in given else "tcp"
+        if protocol not in PROTOCOLS:
+            self.problem(given["protocol"], f"{where}.protocol", f"use tcp or udp, not {kind(given['protocol'])}")
+        if len(self.problems.items) != before or network is None or ports is None:
+            return None
+        return Rule(frozenset(ports), protocol, network=network)
+
+    def rule_cidr(self, node: yaml.Node | None, rule: yaml.Node, where: str) -> Any:
+        if node is None:
+            self.problem(rule, f"{where}.cidr", "missing; give a network like 169.254.169.254/32")
+            return None
+        value = string(node)
+        try:
+            return ip_network(value or "", strict=True)
+        except ValueError as exc:
+            self.problem(node, f"{where}.cidr", f"{quote(str(exc), 100)}; give a network like 169.254.169.254/32")
+            return None
+
+    def rule_ports(self, node: yaml.Node | None, rule: yaml.Node, where: str) -> list[int] | None:
+        if not isinstance(node, yaml.SequenceNode) or not 1 <= len(node.value) <= 128:
+            self.problem(node if node is not None else rule, f"{where}.ports",
+                         f"expected a list of 1 to 128 port numbers like [80, 443], not "
+                         f"{_shape(node) if node is not None else 'nothing'}")
+            return None
+        ports = [decimal_int(item) for item in node.value]
+        for item, port in zip(node.value, ports):
+            if port is None or not 1 <= port <= 65535:
+                self.problem(item, f"{where}.ports", f"{kind(item)} is not a port number (1..65535)")
+        return None if any(p is None or not 1 <= p <= 65535 for p in ports) else ports
+
+
+def _check(config: ServiceConfig, walk: _Walk) -> ServiceConfig | None:
+    """What one setting alone cannot say: settings that need or exclude each other, the token file."""
+    token = config.token
+    if config.token and config.token_file:
+        walk.at("token", "set either token or token_file, not both")
+    elif config.token_file:
+        token = _read_token(config.token_file, walk)
+    if config.listen and (not token or len(token) < 16):
+        walk.at("listen", "TCP needs a bearer token of at least 16 characters (token or token_file)")
+    if config.default_timeout_seconds > config.max_timeout_seconds:
+        walk.at("default_timeout_seconds", f"larger than max_timeout_seconds ({config.max_timeout_seconds})")
+    if config.network.allow.rules and not config.network.enabled:
+        walk.at("network.allow", "has no effect while network.enabled is false; enable networking or remove allow")
+    _check_webhook(config.webhook, walk, "webhook.")
+    return replace(config, token=token)
+
+
+def _check_webhook(settings: WebhookSettings, walk: _Walk, prefix: str) -> None:
+    if settings.listen and not settings.secret_path:
+        walk.at(prefix + "listen", f"{prefix}secret_path: required when listen is set "
+                                   "(a file holding the webhook secret)")
+
+
+def _read_token(path: Path, walk: _Walk) -> str | None:
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_TOKEN_FILE + 1)
+    except OSError as exc:
+        walk.at("token_file", f"cannot read {quote(str(path), 200)}: {exc.strerror}")
+        return None
+    if len(data) > MAX_TOKEN_FILE:
+        walk.at("token_file", f"{quote(str(path), 200)} is larger than {MAX_TOKEN_FILE} bytes; it should hold one token")
+        return None
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        walk.at("token_file", f"{quote(str(path), 200)} is not ASCII text")
+        return None
+
+
+def parse_size(text: str) -> int:
+    """`1048576`, `"512MiB"`, `"1G"` as bytes: operators write sizes by hand. ValueError otherwise."""
+    match = _SIZE.match(text)
     if not match:
-        raise ConfigError(f"{where}: expected a size like 512MiB or 1G, got {value!r}")
+        raise ValueError(f"expected a size like 512MiB or 1G, not {quote(text)}")
     unit = (match.group(2) or "").upper().rstrip("B").rstrip("I")
     return int(match.group(1)) * _UNITS[unit]
 
 
-class _Reader:
-    """Pulls typed values out of one mapping and remembers which keys it consumed."""
-
-    def __init__(self, data: dict[str, Any], where: str) -> None:
-        self.data = data
-        self.where = where
-        self.seen: set[str] = set()
-
-    def _get(self, key: str) -> Any:
-        self.seen.add(key)
-        return self.data.get(key)
-
-    def at(self, key: str) -> str:
-        return f"{self.where}{key}"
-
-    def string(self, key: str, default: str | None) -> str | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{self.at(key)}: expected a non-empty string, got {value!r}")
-        return value
-
-    def number(self, key: str, default: float, minimum: float, kind: type = int) -> Any:
-        value = self._get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise ConfigError(f"{self.at(key)}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
-        if value < minimum:
-            raise ConfigError(f"{self.at(key)}: must be at least {minimum}, got {value}")
-        return kind(value)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self.at(key)}: expected true or false, got {value!r}")
-        return value
-
-    def size(self, key: str, default: int) -> int:
-        value = self._get(key)
-        return default if value is None else parse_size(value, self.at(key))
-
-    def section(self, key: str) -> _Reader:
-        value = self._get(key)
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self.at(key)}: expected a mapping, got {type(value).__name__}")
-        return _Reader(value, f"{self.at(key)}.")
-
-    def string_list(self, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
-        value = self._get(key)
-        if value is None:
-            return default
-        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{self.at(key)}: expected a non-empty list of strings, got {value!r}")
-        return tuple(value)
-
-    def check_unknown(self) -> None:
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(f"{self.where}{unknown[0]}: unknown setting (a typo?)")
-
-
-def parse_listen(value: str, where: str) -> tuple[str, int]:
+def parse_listen(value: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[::1]:8470` for IPv6) as (host, port); ValueError with the fix otherwise."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
-        raise ConfigError(f"{where}: expected HOST:PORT like 127.0.0.1:8470, got {value!r}")
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT like 127.0.0.1:8470, not {quote(value)}")
     return host.strip("[]"), int(port)
 
 
-def _allowances(value: Any, where: str) -> OperatorAllowances:
-    """`network.allow`: the operator's network rules, applied to every networked VM before the
-    always-denied destinations, so they alone can open e.g. a proxy on the host or the metadata service."""
-    if value is None:
-        return OperatorAllowances()
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: expected a list of rules like {{cidr: 10.0.0.5/32, ports: [3128]}}, "
-                          f"got {type(value).__name__}")
-    return OperatorAllowances(tuple(_allowance(item, f"{where}[{index}]") for index, item in enumerate(value)))
-
-
-def _allowance(item: Any, where: str) -> Rule:
-    if not isinstance(item, dict):
-        raise ConfigError(f"{where}: expected a mapping with cidr, ports and protocol, got {type(item).__name__}")
-    unknown = sorted(set(item) - {"cidr", "ports", "protocol"}, key=str)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key; a rule has cidr, ports and protocol "
-                          "(no host names here)")
+def _string_error(value: str) -> str | None:
+    if not value:
+        return "must not be empty"
+    if len(value) > MAX_STRING:
+        return f"longer than {MAX_STRING} characters: {quote(value)}"
+    if "\0" in value:
+        return f"contains a NUL character: {quote(value)}"
     try:
-        network = ip_network(str(item["cidr"]), strict=True)
-    except KeyError:
-        raise ConfigError(f"{where}.cidr: missing; give a network like 169.254.169.254/32") from None
-    except ValueError as exc:
-        raise ConfigError(f"{where}.cidr: {exc}; give a network like 169.254.169.254/32") from None
-    ports = item.get("ports")
-    if not isinstance(ports, list):
-        raise ConfigError(f"{where}.ports: expected a list of port numbers like [80, 443], got {ports!r}")
-    try:
-        return Rule(frozenset(ports), item.get("protocol", "tcp"), network=network)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"is not valid Unicode text: {quote(value)}"
+    return None
 
 
-WEBHOOK_KEYS = ("listen", "secret_path", "labels", "max_body", "redeliver_every", "github_config")
+def _shape(node: yaml.Node) -> str:
+    if isinstance(node, yaml.SequenceNode):
+        return f"a list of {len(node.value)}"
+    return kind(node)
 
 
-def webhook_settings(value: Any, where: str, base: Path = Path(".")) -> dict[str, Any]:
-    """The `webhook:` section checked like the rest of the config, when it is loaded: unknown keys,
-    `listen`, and file paths relative to the config file. `runner.service.webhook` starts the endpoint."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(WEBHOOK_KEYS), key=str)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown setting (expected {', '.join(WEBHOOK_KEYS)})")
-    settings = dict(value)
-    if settings.get("listen"):
-        parse_listen(str(settings["listen"]), f"{where}.listen")
-    for key in ("secret_path", "github_config"):
-        if settings.get(key):
-            settings[key] = str(base / str(settings[key]))
-    return settings
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def _token(top: _Reader, listen: tuple[str, int] | None, base: Path) -> str | None:
-    token = top.string("token", None)
-    token_file = top.string("token_file", None)
-    if token and token_file:
-        raise ConfigError(f"{top.at('token')}: set either token or token_file, not both")
-    if token_file:
-        path = (base / token_file).resolve()
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{top.at('token_file')}: cannot read {path}: {exc.strerror}") from exc
-    if listen and (not token or len(token) < 16):
-        raise ConfigError(f"{top.at('listen')}: TCP needs a bearer token of at least 16 characters (token or token_file)")
-    return token
+# -- the JSON Schema for editors ------------------------------------------------------------------
 
 
-def config_from_mapping(data: dict[str, Any], where: str = "", base: Path = Path(".")) -> ServiceConfig:
-    """Build a validated config; `where` prefixes error messages (the file name), `base` resolves relative paths."""
-    top = _Reader(data, where)
-    listen_at = top.string("listen", None)
-    listen = parse_listen(listen_at, top.at("listen")) if listen_at is not None else None
-    resources = top.section("resources")
-    artifacts = top.section("artifacts")
-    logs = top.section("logs")
-    retention = top.section("retention")
-    prewarm = top.section("prewarm")
-    network = top.section("network")
-    policy_dir = top.string("policy_dir", None)
-    github_config = top.string("github_config", None)
-    config = ServiceConfig(
-        socket=top.string("socket", DEFAULT_SOCKET),
-        socket_group=top.string("socket_group", None),
-        listen=listen,
-        token=_token(top, listen, base),
-        state_dir=(base / top.string("state_dir", DEFAULT_STATE_DIR)).resolve(),
-        templates=top.string_list("templates", ("base",)),
-        resources=Resources(
-            vcpus=resources.number("vcpus", None, 1),
-            memory_mib=resources.number("memory_mib", None, 64),
-        ),
-        max_concurrent_jobs=top.number("max_concurrent_jobs", 2, 1),
-        max_queued_jobs=top.number("max_queued_jobs", 32, 1),
-        checkout_max_bytes=top.size("checkout_max_bytes", 1024**3),
-        checkout_wait_seconds=top.number("checkout_wait_seconds", 600.0, 1, float),
-        default_timeout_seconds=top.number("default_timeout_seconds", 3600, 1),
-        max_timeout_seconds=top.number("max_timeout_seconds", 6 * 3600, 1),
-        artifacts=ArtifactLimits(
-            max_count=artifacts.number("max_count", 1000, 0),
-            max_total_bytes=artifacts.size("max_total_bytes", 512 * 1024**2),
-        ),
-        logs=LogLimits(
-            max_bytes=logs.size("max_bytes", 16 * 1024**2),
-            max_entry_bytes=logs.size("max_entry_bytes", 64 * 1024),
-        ),
-        policy_dir=(base / policy_dir).resolve() if policy_dir else None,
-        github_config=(base / github_config).resolve() if github_config else None,
-        retention=Retention(
-            days=retention.number("days", 14.0, 0, float),
-            max_records=retention.number("max_records", 10000, 1),
-        ),
-        prewarm=Prewarm(
-            max_vms=prewarm.number("max_vms", 2, 0),
-            expire_seconds=prewarm.number("expire_seconds", 300.0, 1, float),
-        ),
-        network=Network(
-            enabled=network.boolean("enabled", False),
-            uplink_interface=network.string("uplink_interface", None),
-            slot_prefix=network.string("slot_prefix", "mvc"),
-            slots=network.number("slots", 0, 0),
-            allow=_allowances(network._get("allow"), network.at("allow")),
-        ),
-        shutdown_grace_seconds=top.number("shutdown_grace_seconds", 30.0, 0, float),
-        env_allowlist=top.string_list("env_allowlist", ("CI", "GITHUB_*", "RUNNER_*")),
-        webhook=webhook_settings(top._get("webhook") or {}, top.at("webhook"), base),
-    )
-    for reader in (top, resources, artifacts, logs, retention, prewarm, network):
-        reader.check_unknown()
-    if config.default_timeout_seconds > config.max_timeout_seconds:
-        raise ConfigError(f"{top.at('default_timeout_seconds')}: larger than max_timeout_seconds")
-    if not re.fullmatch(r"[a-z][a-z0-9]{0,8}", config.network.slot_prefix):
-        raise ConfigError(f"{network.at('slot_prefix')}: 1-9 lowercase letters or digits, starting with a letter")
-    if config.network.allow.rules and not config.network.enabled:
-        raise ConfigError(f"{network.at('allow')}: has no effect while network.enabled is false; "
-                          "enable networking or remove allow")
-    if config.logs.max_entry_bytes < 1:
-        raise ConfigError(f"{logs.at('max_entry_bytes')}: must be at least 1")
-    return config
+def json_schema() -> dict[str, Any]:
+    """The config's JSON Schema, from the same dataclasses the loader walks (docs/service-config.schema.json).
+    Null is allowed wherever the loader reads it as "the default". What spans settings (token with
+    listen, default vs max timeout, allow without networking) only the loader checks."""
+    schema = _section_schema(ServiceConfig)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": "microvm-check service config (microvm-check serve --config FILE)", **schema}
 
 
-def load_config(path: str | Path) -> ServiceConfig:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings at the top level")
-    return config_from_mapping(data, where=f"{path}: ", base=path.parent)
+def schema_text() -> str:
+    return json.dumps(json_schema(), indent=2) + "\n"
+
+
+def _section_schema(cls: type) -> dict[str, Any]:
+    doc = (cls.__doc__ or "").split("\n\n")[0].replace("\n", " ").strip()
+    properties = {f.name: _nullable(_field_schema(f)) for f in fields(cls)}
+    schema: dict[str, Any] = {"type": ["object", "null"], "additionalProperties": False, "properties": properties}
+    if doc and not doc.startswith(cls.__name__ + "("):
+        schema["description"] = doc
+    return schema
+
+
+def _field_schema(f: Field) -> dict[str, Any]:
+    meta = f.metadata
+    if meta["kind"] == "section":
+        return {**_section_schema(meta["section"]), "description": meta["help"]}
+    schema = {**_KIND_SCHEMAS[meta["kind"]](meta), "description": meta["help"]}
+    default = _json_default(f.default)
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _bounds(meta: Any) -> dict[str, Any]:
+    return {key: meta[key] for key in ("minimum", "maximum") if meta[key] is not None}
+
+
+def _string_schema(meta: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_STRING}
+    if meta.get("pattern"):
+        schema["pattern"] = meta["pattern"]
+    return schema
+
+
+_KIND_SCHEMAS = {
+    "int": lambda meta: {"type": "integer", **_bounds(meta)},
+    "number": lambda meta: {"type": "number", **_bounds(meta)},
+    "size": lambda meta: {"oneOf": [{"type": "integer", **_bounds(meta)}, {"type": "string", "pattern": SIZE_PATTERN}]},
+    "bool": lambda meta: {"type": "boolean"},
+    "string": _string_schema,
+    "path": _string_schema,
+    "strings": lambda meta: {"type": "array", "minItems": 1, "maxItems": MAX_LIST,
+                             "items": {"type": "string", "minLength": 1, "maxLength": MAX_STRING}},
+    "listen": lambda meta: {"type": "string", "pattern": LISTEN_PATTERN},
+    "allow": lambda meta: {"type": "array", "maxItems": MAX_ALLOW_RULES, "items": {
+        "type": "object", "additionalProperties": False, "required": ["cidr", "ports"], "properties": {
+            "cidr": {"type": "string", "description": "a network like 169.254.169.254/32"},
+            "ports": {"type": "array", "minItems": 1, "maxItems": 128,
+                      "items": {"type": "integer", "minimum": 1, "maximum": 65535}},
+            "protocol": {"enum": sorted(PROTOCOLS), "default": "tcp"}}}},
+}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(schema.get("type"), str):
+        return {**schema, "type": [schema["type"], "null"]}
+    if "type" in schema:
+        return schema
+    return {"anyOf": [{"type": "null"}, {k: v for k, v in schema.items() if k not in ("description", "default")}],
+            **{k: v for k, v in schema.items() if k in ("description", "default")}}
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return None

@@ -1,17 +1,18 @@
 """The service config's `webhook:` section, handed to `runner.github.webhooks` with the service as its hooks.
 
 The endpoint is off unless `listen` is set. The secret is read from a file, never written in the
-service config, so the config can be world-readable.
+service config, so the config can be world-readable. The section is checked when the config loads
+(`runner.service.config.WebhookSettings`); here only what needs the file system or GitHub is done.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from runner.service.config import ConfigError, parse_listen, parse_size, webhook_settings
+from runner.service.config import ConfigError, WebhookSettings, webhook_from_mapping
 
 
 @dataclass
@@ -33,51 +34,50 @@ class Webhook:
         self.server.stop()
 
 
-def _start_sweep(settings: dict[str, Any], where: str) -> tuple[threading.Event, threading.Thread] | None:
+def _start_sweep(settings: WebhookSettings, where: str) -> tuple[threading.Event, threading.Thread] | None:
     """GitHub drops webhooks under load: ask it every `redeliver_every` seconds to redeliver failed ones."""
-    every = settings.get("redeliver_every")
-    if every is None:
+    if settings.redeliver_every is None:
         return None
-    if isinstance(every, bool) or not isinstance(every, (int, float)) or every < 30:
-        raise ConfigError(f"{where}.redeliver_every: seconds between sweeps, at least 30 (got {every!r})")
     from runner.github.config import load_settings
     from runner.github.deliveries import RedeliverySweep
     from runner.github.errors import GitHubError
 
     try:
-        github = load_settings(Path(settings["github_config"]) if settings.get("github_config") else None)
+        github = load_settings(settings.github_config)
         sweep = RedeliverySweep(github.app().as_app)
     except GitHubError as exc:
         raise ConfigError(f"{where}.redeliver_every: needs the GitHub App settings: {exc}") from exc
     stop = threading.Event()
-    thread = threading.Thread(target=sweep.run, args=(stop, float(every)), name="redelivery-sweep", daemon=True)
+    thread = threading.Thread(target=sweep.run, args=(stop, settings.redeliver_every), name="redelivery-sweep",
+                              daemon=True)
     thread.start()
     return stop, thread
 
 
-def start_webhook(settings: dict[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
-    """Start the GitHub webhook endpoint described by `settings`; None when it is not configured."""
-    settings = webhook_settings(settings, where)
-    if not settings.get("listen"):
+def _secret(settings: WebhookSettings, where: str) -> bytes:
+    path = settings.secret_path
+    if path is None:  # the loader already refuses listen without secret_path; this keeps the type honest
+        raise ConfigError(f"{where}.secret_path: required when listen is set (a file holding the webhook secret)")
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"{where}.secret_path: cannot read {path}: {exc.strerror}") from exc
+    if not secret:
+        raise ConfigError(f"{where}.secret_path: {path} is empty")
+    return secret
+
+
+def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
+    """Start the GitHub webhook endpoint described by `settings` (a loaded section, or a mapping that is
+    checked like one); None when it is not configured."""
+    if not isinstance(settings, WebhookSettings):
+        settings = webhook_from_mapping(dict(settings))
+    if settings.listen is None:
         return None
     from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer  # only when used
 
-    host, port = parse_listen(str(settings["listen"]), f"{where}.listen")
-    secret_path = settings.get("secret_path")
-    if not secret_path:
-        raise ConfigError(f"{where}.secret_path: required when listen is set (a file holding the webhook secret)")
-    try:
-        secret = Path(secret_path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"{where}.secret_path: cannot read {secret_path}: {exc.strerror}") from exc
-    if not secret:
-        raise ConfigError(f"{where}.secret_path: {secret_path} is empty")
-    labels = settings.get("labels") or ["microvm"]
-    if not isinstance(labels, list) or not all(isinstance(x, str) and x for x in labels):
-        raise ConfigError(f"{where}.labels: expected a list of runner labels")
-    config = WebhookConfig(secret=secret, labels=tuple(labels),
-                           max_body=parse_size(settings.get("max_body", 1024 * 1024), f"{where}.max_body"))
+    config = WebhookConfig(secret=_secret(settings, where), labels=settings.labels, max_body=settings.max_body)
     sweep = _start_sweep(settings, where)
-    server = WebhookServer(WebhookReceiver(config, hooks), host, port)
+    server = WebhookServer(WebhookReceiver(config, hooks), *settings.listen)
     server.start()
     return Webhook(server, *(sweep or (None, None)))

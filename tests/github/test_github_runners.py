@@ -221,7 +221,7 @@ def test_environment_overrides_the_config(config, monkeypatch) -> None:
         ("private_key_path: /k.pem\napp_id: abc\n", "app_id"),
         ("private_key_path: /k.pem\napp_id: 1\nlabels: []\n", "labels"),
         ("- a list\n", "mapping"),
-        ("a: [unclosed\n", "not valid YAML"),
+        ("a: [unclosed\n", r"github.yml:2:1: YAML syntax error"),
     ],
 )
 def test_bad_config_is_explained(tmp_path, text, message) -> None:
