@@ -17,7 +17,7 @@ from typing import Any
 from action.junit import Failure, Totals
 from action.workflow import annotation
 from policy.load import host_error
-from runner.net.audit import ALWAYS_DENIED, POLICY, AuditRecord, suggest_policy
+from runner.net.audit import ALWAYS_DENIED, POLICY, REFUSED_ANSWER, AuditRecord, suggest_policy
 
 MAX_SUGGESTED = 256
 
@@ -125,6 +125,8 @@ def _blocked(blocked: list[Any]) -> list[str]:
 def _why(reason: Any) -> str:
     if reason == ALWAYS_DENIED:
         return "always denied (host, metadata or loopback)"
+    if reason == REFUSED_ANSWER:
+        return "the allowed name resolved to an internal address (a cidr: rule can allow it)"
     return "not in the policy"
 
 

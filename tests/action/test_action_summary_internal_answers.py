@@ -1,0 +1,20 @@
+"""The job summary names an internal address the resolver refused for an allowed name as such."""
+
+from __future__ import annotations
+
+from action.summary import Result, markdown
+from runner.net.audit import refused_answer_record
+
+RECORD = {"id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "exit_code": 0, "error": None,
+          "blocked_egress": [refused_answer_record("10.0.0.5", "lan.test", 2).as_json(),
+                             {"dest": "198.51.100.7", "port": 8080, "proto": "tcp", "name": None, "count": 1,
+                              "reason": "policy"}]}
+
+
+def test_a_refused_internal_answer_is_explained_and_not_suggested() -> None:
+    text = markdown(Result(RECORD, 0, None, [], []))
+
+    row = next(line for line in text.splitlines() if "10.0.0.5" in line and line.startswith("|"))
+    assert "internal address" in row and "not in the policy" not in row
+    yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert "lan.test" not in yaml_text and "198.51.100.7/32" in yaml_text  # allowing it is the user's decision
