@@ -140,7 +140,7 @@ def test_serve_reports_a_bad_config(tmp_path: Path, capsys) -> None:
     path = tmp_path / "service.yml"
     path.write_text("max_concurrent_jobs: 0\n")
     assert main(["serve", "--config", str(path)]) == 1
-    assert f"{path}: max_concurrent_jobs: must be at least 1" in capsys.readouterr().err
+    assert f"{path}:1:22: max_concurrent_jobs: must be at least 1, not 0" in capsys.readouterr().err
 
 
 def test_guest_escape_sequences_are_defused_on_a_terminal(monkeypatch) -> None:
