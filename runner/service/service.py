@@ -144,7 +144,8 @@ class JobService:
         for job_id in self.queue.close():
             run = self._run(job_id)
             if run:
-                self._end(run, "cancelled", "the service shut down before the job started")
+                _logged(self._end, f"cancelling job {job_id}", run, "cancelled",
+                        "the service shut down before the job started")
         deadline = time.monotonic() + grace
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -153,7 +154,8 @@ class JobService:
         for worker in self._workers:
             worker.join()
         for run in self._active_runs():  # awaiting checkout, never queued
-            self._end(run, "cancelled", "the service shut down before the job started")
+            _logged(self._end, f"cancelling job {run.record.id}", run, "cancelled",
+                    "the service shut down before the job started")
         self.warm.close()
         if self._reaper:
             self._reaper.join()
