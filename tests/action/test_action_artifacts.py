@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import io
-import re
 import os
+import re
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, extract, glob_regex, matches
+from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, deliver, extract, glob_regex, matches
 
 
 def tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> io.BytesIO:
@@ -79,13 +80,13 @@ def test_symlink_already_in_the_workspace_is_not_followed(workspace: Path, tmp_p
     assert len(result.skipped) == 2
 
 
-def test_hard_link_in_the_workspace_is_replaced_not_written_through(workspace: Path, tmp_path: Path) -> None:
+def test_hard_link_in_the_destination_is_never_written_through(workspace: Path, tmp_path: Path) -> None:
     outside = tmp_path / "precious"
     outside.write_bytes(b"keep")
     os.link(outside, workspace / "report.xml")
-    extract(tar(file("report.xml", b"new")), workspace, ["report.xml"])
+    result = extract(tar(file("report.xml", b"new")), workspace, ["report.xml"])
     assert outside.read_bytes() == b"keep"
-    assert (workspace / "report.xml").read_bytes() == b"new"
+    assert result.skipped == [("report.xml", "already exists in the destination (never overwritten)")]
 
 
 def test_count_bomb_stops_with_an_error_and_keeps_what_was_extracted(workspace: Path) -> None:
@@ -95,10 +96,10 @@ def test_count_bomb_stops_with_an_error_and_keeps_what_was_extracted(workspace: 
     assert len(list(workspace.iterdir())) == 5
 
 
-def test_size_bomb_stops_with_an_error(workspace: Path) -> None:
+def test_a_file_over_the_total_is_skipped(workspace: Path) -> None:
     stream = tar(file("a", b"x" * 600), file("b", b"x" * 600))
-    with pytest.raises(ArtifactError, match="1000 bytes in total"):
-        extract(stream, workspace, ["*"], ArtifactLimits(max_total_bytes=1000))
+    result = extract(stream, workspace, ["*"], ArtifactLimits(max_total_bytes=1000))
+    assert result.skipped == [("b", "would take the files over 1000 bytes in total")]
     assert (workspace / "a").exists() and not (workspace / "b").exists()
 
 
@@ -116,7 +117,7 @@ def test_truncated_stream_is_an_error_and_leaves_no_partial_file(workspace: Path
 
 
 def test_not_a_tar_is_an_error(workspace: Path) -> None:
-    with pytest.raises(ArtifactError, match="not a valid tar"):
+    with pytest.raises(ArtifactError, match="corrupt tar header at byte 0"):
         extract(io.BytesIO(b"garbage" * 200), workspace, ["*"])
 
 
@@ -134,3 +135,41 @@ def test_bounded_writer_stops_a_download() -> None:
 ])
 def test_globs(pattern: str, name: str, expected: bool) -> None:
     assert matches(name, [glob_regex(pattern)]) is expected
+
+
+def test_overlapping_globs_take_each_file_once(workspace: Path) -> None:
+    stream = tar(file("out/a.txt", b"a"), file("out/sub/r.xml", b"<r/>"), file("report.xml", b"<x/>"))
+    result = extract(stream, workspace, ["out/**", "out/**/*.xml", "report.xml"])
+    assert result.files == [("out/a.txt", 1), ("out/sub/r.xml", 4), ("report.xml", 4)] and result.skipped == []
+
+
+def test_deliver_moves_a_fresh_directory_into_the_workspace(workspace: Path, tmp_path: Path) -> None:
+    temp = tmp_path / "runner-temp"
+    temp.mkdir()
+    (workspace / "out").mkdir()
+    (workspace / "out" / "a.txt").write_text("the checkout's own file")
+    result = deliver(tar(file("out/a.txt", b"guest"), special("out/l", tarfile.SYMTYPE, "/etc")), workspace,
+                     "build/artifacts", ["out/**"], temp)
+    assert result.files == [("out/a.txt", 5)] and result.skipped[0][0] == "out/l"
+    assert (workspace / "out" / "a.txt").read_text() == "the checkout's own file"
+    assert (workspace / "build" / "artifacts" / "out" / "a.txt").read_bytes() == b"guest"
+    assert list(temp.iterdir()) == []
+
+
+def test_deliver_across_file_systems_copies_with_its_own_writes(workspace: Path, tmp_path: Path, monkeypatch) -> None:
+    import action.artifacts as artifacts
+
+    def no_rename(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(artifacts.os, "rename", no_rename)
+    result = deliver(tar(file("out/sub/a.txt", b"guest"), file("run.sh", b"#!/bin/sh")), workspace, "artifacts",
+                     ["**"], tmp_path)
+    assert len(result.files) == 2
+    assert (workspace / "artifacts" / "out" / "sub" / "a.txt").read_bytes() == b"guest"
+
+
+@pytest.mark.parametrize("target", [".git", "x/.GIT/y", "../up", "/abs"])
+def test_deliver_refuses_a_target_in_git_or_outside(workspace: Path, tmp_path: Path, target: str) -> None:
+    with pytest.raises(ArtifactError, match="artifacts-path"):
+        deliver(tar(file("a")), workspace, target, ["*"], tmp_path)

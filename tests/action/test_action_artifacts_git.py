@@ -142,3 +142,22 @@ def test_an_existing_artifacts_path_is_never_written_into(checkout: Path, tmp_pa
     assert not (checkout / ".git" / "report.xml").exists()
     if existing == "dir":
         assert (target / "report.xml").read_text() == "the fork's own report\n"
+
+
+@pytest.mark.parametrize("required,expected", [(False, 0), (True, 1)])
+def test_skipped_artifacts_fail_the_step_only_when_required(checkout: Path, tmp_path: Path, required: bool,
+                                                            expected: int) -> None:
+    temp = tmp_path / "runner-temp"
+    temp.mkdir()
+    out = io.StringIO()
+    inputs = Inputs(run="true", working_directory=".", policy="", artifacts=["**"], timeout_minutes=10,
+                    template="base", env_names=[], socket="/nonexistent", include_git=False,
+                    artifacts_required=required)
+    run = JobRun(ArtifactClient(hostile_tar(tmp_path / "pwned")), inputs, checkout, out,
+                 {"RUNNER_TEMP": str(temp)}, api_errors=(JobAPIError, OSError))
+    run.job_id = "j1"
+    extraction = run._artifacts()
+    assert extraction.files and extraction.skipped
+    assert run._exit_code({"state": "finished", "exit_code": 0}, extraction) == expected
+    assert run._exit_code({"state": "finished", "exit_code": 3}, extraction) == 3
+    assert ("::error::artifacts-required: 5 problem(s)" in out.getvalue()) is required

@@ -92,7 +92,7 @@ def test_passing_suite(service: JobService, sim: Simulation) -> None:
     assert record["state"] == "finished"
     pull = sim.event_payload["pull_request"]
     assert record["sha"] == pull["head"]["sha"] and record["repository"] == pull["base"]["repo"]["full_name"]
-    assert (sim.workspace / "sub" / "out" / "report.xml").is_file()
+    assert (sim.workspace / "artifacts" / "out" / "report.xml").is_file()
     assert "2 passed" in result.log and "::stop-commands::" in result.log
     assert "2 passed, 0 failed, 0 skipped" in result.summary
 

@@ -162,20 +162,29 @@ def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
         assert tar.extractfile("dist/a.whl").read() == b"wheel"
 
 
-def test_hostile_artifacts_fail_the_job_and_keep_its_result(make_service, engine: FakeEngine) -> None:
+def system_log(service, job: str) -> str:
+    lines = (service.config.jobs_dir / job / "log.ndjson").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    return "\n".join(base64.b64decode(e["data"]).decode() for e in entries if e["stream"] == "system")
+
+
+def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(make_service, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"made a link\n", 0)
     engine.artifacts_tar = tar_of([(member("ok"), b"1"),
-                                   (member("evil", tarfile.SYMTYPE, "/etc/shadow"), None)])
+                                   (member("evil", tarfile.SYMTYPE, "/etc/shadow"), None),
+                                   (member(".git/hooks/post-checkout"), b"#!/bin/sh\n")])
     service = make_service()
     job = run(service, "ok", artifacts=["*"])
     wait_final(service, job)
     rec = service.get(job)
-    assert rec.state == "failed" and rec.exit_code == 0
-    assert "artifacts rejected" in rec.error and "links are not allowed" in rec.error
-    assert rec.artifacts == []
-    assert sorted(p.name for p in (service.config.jobs_dir / job).iterdir()) == ["log.ndjson"]
-    with pytest.raises(JobError):
-        service.artifacts_path(job)
+    assert (rec.state, rec.exit_code, rec.error) == ("finished", 0, None)
+    assert rec.artifacts == [{"path": "ok", "size": 1}]
+    log = system_log(service, job)
+    assert "artifact evil skipped: links are not allowed" in log
+    assert "artifact .git/hooks/post-checkout skipped: a .git path component" in log
+    with tarfile.open(service.artifacts_path(job)) as tar:
+        assert [m.name for m in tar] == ["ok", "evil", ".git/hooks/post-checkout"]  # the last two as markers
+        assert tar.extractfile("ok").read() == b"1"
 
 
 def test_engine_failure_fails_the_job_cleanly(make_service, engine: FakeEngine) -> None:
@@ -372,8 +381,8 @@ def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine
     job = run(service, "bad", artifacts=["big"])
     wait_final(service, job)
     rec = service.get(job)
-    assert (rec.state, rec.exit_code) == ("failed", 1)
-    assert "exceed" in rec.error
+    assert (rec.state, rec.exit_code, rec.artifacts) == ("finished", 1, [])
+    assert "artifact transfer ended early" in system_log(service, job)
 
 
 def test_a_dead_prewarmed_vm_is_replaced(make_service, engine: FakeEngine) -> None:
