@@ -17,7 +17,7 @@ from pathlib import Path
 from runner.state import StateDir
 from runner.vm import accel as accel_mod
 from runner.vm.hypervisor import Launch, MachineConfig
-from runner.vm.qemu import QemuHypervisor, device_args
+from runner.vm.qemu import QemuHypervisor, bake_backends, device_args
 from vmimages import bake, initramfs, kernel, rootfs
 from vmimages.recipe import KERNEL_CMDLINE, Recipe
 from vmimages.store import VARIANTS, Template, TemplateStore
@@ -48,7 +48,7 @@ def _machine_shape(recipe: Recipe, accel: str) -> list[str]:
     """The device model with placeholder paths: part of the digest, so a device change rebuilds."""
     placeholder = Path("/x")
     config = MachineConfig(placeholder, placeholder, KERNEL_CMDLINE, recipe.memory_mib, recipe.vcpus, True, accel)
-    return device_args(config, placeholder, share=True, launch=Launch(placeholder, placeholder, "qcow2"), bake=True)
+    return device_args(config, bake_backends(config, placeholder, Launch(placeholder, placeholder, "qcow2")), bake=True)
 
 
 @contextmanager

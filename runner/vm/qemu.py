@@ -73,7 +73,9 @@ class Backends:
 
 
 def device_args(config: MachineConfig, backends: Backends, bake: bool) -> list[str]:
-    """The machine model: identical for the bake and every restore, except for backends."""
+    """The machine model: identical for the bake and every restore, except for backends.
+
+    Part of the template's digest (vmimages.build), so host-side confinement (`sandbox_args`) is not."""
     cpu = "host" if config.accel == "kvm" else "qemu64"
     args = [
         "-accel", config.accel,
@@ -85,7 +87,6 @@ def device_args(config: MachineConfig, backends: Backends, bake: bool) -> list[s
         f"memory-backend-file,id=mem,size={config.memory_mib}M,"
         f"mem-path={backends.mem},share={'on' if backends.share else 'off'}",
         "-nodefaults", "-no-user-config", "-display", "none", "-vga", "none", "-no-reboot",
-        "-sandbox", jail.SANDBOX,
         "-kernel", backends.kernel,
         "-initrd", backends.initrd,
         "-append", config.cmdline,
@@ -103,6 +104,11 @@ def device_args(config: MachineConfig, backends: Backends, bake: bool) -> list[s
     if config.network:
         args += ["-netdev", backends.netdev, "-device", f"virtio-net-pci,netdev=net0,mac={GUEST_MAC}"]
     return args
+
+
+def sandbox_args() -> list[str]:
+    """seccomp for every QEMU we start: no exec, no privilege change, no scheduler or obsolete calls."""
+    return ["-sandbox", jail.SANDBOX]
 
 
 def bake_backends(config: MachineConfig, mem_file: Path, launch: Launch) -> Backends:
@@ -334,15 +340,16 @@ class QemuHypervisor(Hypervisor):
 
     def boot(self, config: MachineConfig, mem_file: Path, launch: Launch) -> Machine:
         backends = bake_backends(config, mem_file, launch)
-        argv = [*launch.netns_prefix, *jail.drop_prefix(None), self.binary, *device_args(config, backends, bake=True)]
+        args = [*device_args(config, backends, bake=True), *sandbox_args()]
+        argv = [*launch.netns_prefix, *jail.drop_prefix(None), self.binary, *args]
         return QemuMachine(argv, launch, backends)
 
     def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
         user = jail.vm_user()
         backends = restore_backends(snapshot, launch, self._sealed_ram(snapshot.mem_file), user)
         try:
-            args = device_args(snapshot.config, backends, bake=False)
-            argv = [*launch.netns_prefix, *jail.drop_prefix(user), self.binary, *args, "-incoming", "defer"]
+            args = [*device_args(snapshot.config, backends, bake=False), *sandbox_args(), "-incoming", "defer"]
+            argv = [*launch.netns_prefix, *jail.drop_prefix(user), self.binary, *args]
             config = snapshot.config
             group = cgroup.VMCgroup.create(cgroup.scope_for(launch.vm_dir.parent), launch.vm_dir.name,
                                            cgroup.limits_for(config.vcpus, config.memory_mib))
