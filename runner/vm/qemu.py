@@ -314,7 +314,10 @@ class QemuMachine(Machine):
         for sock in (self.agent, self._qmp_sock):
             sock.close()
         if self.group is not None:
-            self.group.remove()
+            try:
+                self.group.remove()
+            except VMError as exc:  # the next engine's start-up sweep removes it
+                log.warning("%s", exc)
 
 
 class QemuHypervisor(Hypervisor):

@@ -7,6 +7,7 @@ every path: a normal end, an error, a TTL expiry, a dead VMM, a hostile guest.
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class VM:
     def describe_failure(self) -> str:
         code = self.machine.exit_status()
         if self.failure and code is not None and code < 0 and not self._killed_by_us:
+            if code == -signal.SIGSYS:
+                return f"{self.failure} (the VM's hypervisor process was killed by its seccomp sandbox: it made a forbidden system call)"
             return f"{self.failure} (the VM's hypervisor process was killed by signal {-code})"
         return self.failure or "the sandbox was destroyed"
 

@@ -77,6 +77,8 @@ def test_a_qemu_that_tries_to_exec_is_killed_by_seccomp(make_engine):
     with pytest.raises(VMError, match="QMP migrate failed"):
         vm.machine.qmp("migrate", uri="exec:/bin/true")
     assert _wait_exit(vm.machine) == -signal.SIGSYS
+    vm.fail("the agent channel closed")
+    assert "killed by its seccomp sandbox" in vm.describe_failure()
     engine.destroy(vm)
 
 
