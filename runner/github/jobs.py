@@ -18,6 +18,7 @@ SELF_HOSTED = "self-hosted"
 REPOSITORY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}/(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,100}\Z")
 MAX_NAME = 1024
 MAX_LABELS = 100
+MAX_ID = 2**63 - 1  # GitHub's ids are 64-bit; the job service stores run ids in SQLite's signed integers
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,13 @@ def _job_fields(payload: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ID
 
 
 def _short_str(value: Any) -> str | None:
-    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME else None
+    """A name fit to log, store and compare: bounded, valid Unicode (JSON can carry lone surrogates such
+    as "\\ud800", which SQLite and every encoder refuse) and free of control characters: `isprintable()`
+    is False for both."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_NAME and value.isprintable():
+        return value
+    return None

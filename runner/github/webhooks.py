@@ -112,6 +112,8 @@ class WebhookReceiver:
         if event != "workflow_job":
             return Answer(200, f"ignored: event {event!r} is not used")
         action = payload.get("action")
+        if action is not None and not isinstance(action, str):  # [] once reached a frozenset lookup: a 500
+            return Answer(400, f"workflow_job action: expected a string, got {type(action).__name__}")
         if action == "queued":
             return self._job_event(payload, action, jobs.queued_job, self.hooks.prewarm, "prewarming for job")
         if action == "completed":
