@@ -9,6 +9,7 @@ App's delivery list to redeliver what failed while the service was down or busy.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -80,19 +81,37 @@ class Delivery:
         return 200 <= self.status_code < 300
 
 
+_GUID = re.compile(r"[A-Za-z0-9-]{1,100}")  # GitHub sends UUIDs
+_MAX_ID = 2**63 - 1
+_SHOWN = 200  # of a refused record in the log: GitHub's answer is not ours to print whole
+
+
 def _delivery(item: dict) -> Delivery | None:
+    """One row of the list, type-checked rather than coerced: `int()` of a float such as 1e400 raises
+    OverflowError, and a sweep must skip a record it cannot read, never stop on it."""
+    id_, guid, stamp = item.get("id"), item.get("guid"), item.get("delivered_at")
+    status_code, event = item.get("status_code"), item.get("event", "")
+    status_code = 0 if status_code is None else status_code  # none yet: the delivery did not complete
+    redelivery = item.get("redelivery", False)
+    readable = (_int_within(id_, 1, _MAX_ID) and _int_within(status_code, 0, 999)
+                and isinstance(guid, str) and _GUID.fullmatch(guid) is not None
+                and isinstance(stamp, str) and len(stamp) <= 64
+                and isinstance(event, str) and len(event) <= 64 and isinstance(redelivery, bool))
     try:
-        return Delivery(
-            id=int(item["id"]),
-            guid=str(item["guid"]),
-            delivered_at=parse_timestamp(str(item["delivered_at"])),
-            redelivery=bool(item.get("redelivery", False)),
-            status_code=int(item.get("status_code") or 0),
-            event=str(item.get("event", "")),
-        )
-    except (KeyError, TypeError, ValueError, GitHubError):
-        log.warning("ignoring an unreadable webhook delivery record: %r", item)
+        delivered_at = parse_timestamp(stamp) if readable else None
+    except GitHubError:
+        delivered_at = None
+    if delivered_at is None:
+        shown = repr(item)
+        log.warning("ignoring an unreadable webhook delivery record: %s%s", shown[:_SHOWN],
+                    "..." if len(shown) > _SHOWN else "")
         return None
+    return Delivery(id=id_, guid=guid, delivered_at=delivered_at, redelivery=redelivery,
+                    status_code=status_code, event=event)
+
+
+def _int_within(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 class RedeliverySweep:
@@ -146,6 +165,8 @@ class RedeliverySweep:
                     log.info("asked GitHub to redeliver %d failed webhook deliveries", len(ids))
             except GitHubError as exc:
                 log.warning("webhook redelivery sweep failed: %s", exc)
+            except Exception:  # anything else in one answer from GitHub must not end the sweeps for good
+                log.exception("webhook redelivery sweep failed; the next one runs in %g s", interval)
 
     def _recent(self) -> Iterator[Delivery]:
         """Deliveries newest first (GitHub's order), stopping at the first one older than the window."""

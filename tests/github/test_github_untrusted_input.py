@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
+import time
 import uuid
 
 import pytest
+import responses
 from github_fakes import event_name, load_payload, webhook_payloads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runner.github import guard, jobs
+from runner.github.app import parse_timestamp
+from runner.github.client import GitHubClient
+from runner.github.deliveries import RedeliverySweep
 from runner.github.signature import sign
 from runner.github.webhooks import Answer, WebhookConfig, WebhookReceiver
 
@@ -144,7 +150,8 @@ def test_a_non_string_action_is_a_400(action, caplog) -> None:
     payload = load_payload("queued.payload.json")
     payload["action"] = action
     answer = _deliver(receiver, payload)
-    assert (answer.status, answer.message) == (400, f"workflow_job action: expected a string, got {type(action).__name__}")
+    assert answer.status == 400
+    assert answer.message == f"workflow_job action: expected a string, got {type(action).__name__}"
     assert not [r for r in caplog.records if r.exc_info]
 
 
@@ -165,3 +172,60 @@ def test_names_that_cannot_be_stored_or_logged_are_dropped(field, value) -> None
     job = jobs.completed_job(payload)
     assert job is not None
     assert {"conclusion": job.conclusion, "runner_name": job.runner_name, "name": job.job_name or None}[field] is None
+
+
+# -- the redelivery sweep reads GitHub's list of deliveries: every record is checked, none stops it -------
+
+DELIVERIES = "https://api.github.com/app/hook/deliveries"
+
+
+def _delivery_item(id_, guid: str = "9b0a5c2e-1d1f-11ef-8c3e-1a2b3c4d5e6f", status_code=502) -> dict:
+    """A `hook-delivery-item` as GitHub lists it (see tests/github/test_github_deliveries.py)."""
+    return {"id": id_, "guid": guid, "delivered_at": "2026-11-30T11:59:00Z", "redelivery": False,
+            "duration": 0.27, "status": "Invalid HTTP Response: 502", "status_code": status_code,
+            "event": "workflow_job", "action": "queued", "installation_id": 123, "repository_id": 456}
+
+
+POISON_RECORDS = [
+    _delivery_item(float("inf")),  # int(inf): OverflowError, which the old sweep did not catch
+    _delivery_item(1e400),
+    _delivery_item(2**64),
+    _delivery_item(True),
+    _delivery_item(7, guid={"a": 1}),
+    _delivery_item(7, guid="x" * 5000),
+    _delivery_item(7, status_code=[]),
+    {**_delivery_item(7), "delivered_at": "\ud800"},
+    {**_delivery_item(7), "redelivery": "yes"},
+]
+
+
+@pytest.mark.parametrize("poison", POISON_RECORDS, ids=range(len(POISON_RECORDS)))
+@responses.activate
+def test_a_sweep_skips_a_record_it_cannot_read(poison, caplog) -> None:
+    clock = lambda: parse_timestamp("2026-11-30T12:00:00Z")  # noqa: E731
+    sweep = RedeliverySweep(GitHubClient(lambda: "jwt", clock=clock, sleep=lambda s: None), window=3600, clock=clock)
+    responses.get(DELIVERIES, json=[poison, _delivery_item(4, guid="guid-good")])
+    attempt = responses.post(f"{DELIVERIES}/4/attempts", status=202, json={})
+    assert sweep.sweep() == [4] and attempt.call_count == 1
+    assert all(len(r.getMessage()) < 400 for r in caplog.records)
+
+
+@responses.activate
+def test_the_sweep_thread_goes_on_after_a_record_it_cannot_read() -> None:
+    clock = lambda: parse_timestamp("2026-11-30T12:00:00Z")  # noqa: E731
+    sweep = RedeliverySweep(GitHubClient(lambda: "jwt", clock=clock, sleep=lambda s: None), window=3600, clock=clock)
+    responses.get(DELIVERIES, json=[_delivery_item(float("inf"))])
+    responses.get(DELIVERIES, json=[_delivery_item(4, guid="guid-good")])
+    attempt = responses.post(f"{DELIVERIES}/4/attempts", status=202, json={})
+    stop = threading.Event()
+    thread = threading.Thread(target=sweep.run, args=(stop, 0.001), daemon=True)
+    thread.start()
+    try:
+        for _ in range(2000):  # until the second sweep asked, or the thread ended (bounded: no timing asserted)
+            if attempt.call_count or not thread.is_alive():
+                break
+            time.sleep(0.005)
+        assert thread.is_alive() and attempt.call_count == 1
+    finally:
+        stop.set()
+        thread.join()
