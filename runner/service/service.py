@@ -470,15 +470,15 @@ class JobService:
 
 
 def _finish(run: JobRun, state: str, reason: str) -> None:
-    """`run.finish`, and when its record cannot be saved, the rest of what finishing means anyway:
-    the spooled checkout goes, log followers and cancel() waiters are released."""
+    """`run.finish`, then the rest of what finishing means even if a save of its record failed, now or in
+    an earlier `finish` (which then marked it final and stopped): the spooled checkout goes, log
+    followers and cancel() waiters are released. Each step is idempotent."""
     try:
         run.finish(state, None, reason)
-    except BaseException:
+    finally:
         run.checkout_path.unlink(missing_ok=True)
         run.log.close()
         run.done.set()
-        raise
 
 
 def _logged(step: Callable[..., Any], what: str, *args: Any) -> None:

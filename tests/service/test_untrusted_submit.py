@@ -148,13 +148,16 @@ def test_a_worker_survives_a_job_whose_record_cannot_be_saved(make_service, engi
     service.put_checkout(first, [checkout_tar()])
     bad = service.submit(spec("ok")).id
     service.put_checkout(bad, [checkout_tar()])
-    service._run(bad).record.job_name = LONE_SURROGATE  # every later save of its record fails
+    bad_run = service._run(bad)
+    bad_run.record.job_name = LONE_SURROGATE  # every later save of its record fails
     release.set()
     after = service.submit(spec("ok")).id
     service.put_checkout(after, [checkout_tar()])
     assert eventually(lambda: service._run(after) is None), "the only worker died: the next job never ran"
     assert service.get(after).state == "finished"
     assert service._run(bad) is None and engine.alive() == []
+    assert bad_run.done.is_set()  # cancel() and log followers are not left waiting on it
+    assert not (service.config.jobs_dir / bad / "checkout.tar").exists()
     assert any(r.exc_info for r in caplog.records if bad in r.getMessage())
 
 
