@@ -22,7 +22,8 @@ MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no guest path is longer
 MAX_RUN_ID = 2**63 - 1  # run ids and attempts are stored in SQLite, whose integers are signed 64-bit
 
 # fullmatch, not `$`: `$` also matches before a trailing newline, so "<sha>\n" would pass.
-_REPOSITORY = re.compile(r"[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}")
+# Neither part may be "." or "..": the name ends up in paths (policy files, API paths).
+_REPOSITORY = re.compile(r"(?!\.{1,2}/)[A-Za-z0-9_.-]{1,100}/(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,100}")
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _SHORT_TEXT = 256

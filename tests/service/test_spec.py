@@ -90,6 +90,8 @@ def test_env_allowlist_and_denylist(name: str, allowed: bool) -> None:
     ({"artifacts": ""}, "artifacts: expected a list"),
     ({"sha": "a" * 40 + "\n"}, "sha: expected a lowercase hex commit id"),
     ({"repository": "octo/hello\n"}, "repository: expected owner/name"),
+    ({"repository": "../.."}, "repository: expected owner/name"),
+    ({"repository": "octo/."}, "repository: expected owner/name"),
     ({"x" * 10_000: 1}, "unknown field"),
 ])
 def test_out_of_range_and_malformed_text_are_spec_errors(fields: dict, message: str) -> None:
