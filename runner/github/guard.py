@@ -315,7 +315,7 @@ def _describe(change: Change, workflow: str, number: int) -> str:
         "added": f"is new in pull request #{number}",
         "removed": f"was removed by pull request #{number}",
         "root": "is the repository's root (`uses: ./`), which every pull request changes",
-        "unresolvable": "is a path the guard cannot compare (a symlink, a submodule or a '..')",
+        "unresolvable": "is a path the guard cannot compare (a symlink, a submodule, a '..' or a backslash)",
         "unparseable": "is YAML the guard cannot read",
         "missing": "cannot be found at the pull request's base or head",
         "too-many": f"is more than the {reach.MAX_REACHED} workflows and actions the guard follows",

@@ -2,7 +2,7 @@
 
 Such a job runs the workflow as the pull request has it, and with it every same-repository
 workflow it calls (`jobs.<id>.uses: ./.github/workflows/x.yml`) and every local action a step uses
-(`uses: ./path`, recursively through composite actions). Comparing only the caller file misses a
+(`uses: ./path`, or `$/path`, recursively through composite actions). Comparing only the caller file misses a
 fork that leaves it alone and rewrites what it calls, so this module compares, between the PR's
 base and head commits:
 
@@ -31,9 +31,10 @@ GITHUB_DIR = ".github"
 MAX_REACHED = 32  # workflows and actions one job's walk follows; more is refused, not guessed
 MAX_LISTINGS = 16  # directories compared under .github when some of it may change
 ACTION_FILES = ("action.yml", "action.yaml")
+LOCAL_PREFIXES = ("./", ".\\", "$/")  # how a `uses:` names this repository (see _locals)
 # How a reached thing differs. "changed", "added", "removed": between base and head; "root": a
 # `uses: ./` action is the whole repository, which every pull request changes; "unresolvable": a
-# path the guard cannot compare (`..`, a symlink or submodule as an action); "unparseable": YAML
+# path the guard cannot compare (`..`, a backslash, a symlink or submodule as an action); "unparseable": YAML
 # the guard cannot read; "missing": absent at both commits (the guard fails closed: a workflow it
 # cannot read is one it cannot vouch for); "too-many": the walk hit MAX_REACHED.
 Status = Literal["changed", "added", "removed", "root", "unresolvable", "unparseable", "missing", "too-many"]
@@ -194,6 +195,8 @@ class _Compare:
 
 
 def _checkable(path: str) -> bool:
+    if "\\" in path:
+        return False
     try:
         check_path(path)
     except GitHubError:
@@ -235,6 +238,17 @@ def _step_uses(steps: Any) -> list[Any]:
 
 
 def _locals(values: list[Any], kind: Literal["workflow", "action"]) -> list[Target]:
-    """`./a/b/` becomes `a/b`, `./` the root (`""`); other values (remote, docker) are not ours to compare."""
-    return [Target(kind, value[2:].strip("/")) for value in values if isinstance(value, str) and value.startswith("./")]
+    """`./a/b/` becomes `a/b`, `./` the root (`""`); other values (remote, docker) are not ours to compare.
+
+    The runner takes three spellings as this repository: `./` and `.\\` (the workspace) and `$/` (this
+    repository at the workflow's own commit, which for a pull request is the merge of the fork's
+    changes). A backslash is kept in the path, which makes it one the guard cannot compare: on Linux
+    it is part of a name, and a fork can create that name.
+    """
+    targets = []
+    for value in values:
+        prefix = next((p for p in LOCAL_PREFIXES if isinstance(value, str) and value.startswith(p)), None)
+        if prefix is not None:
+            targets.append(Target(kind, value[len(prefix):].strip("/")))
+    return targets
 

@@ -279,3 +279,27 @@ def test_guard_command_refuses_a_changed_reusable_workflow(tmp_path, monkeypatch
     assert len(out) == 2 and all(line.startswith("::error title=microvm-check guard::") for line in out)
     assert ".github/workflows/build.yml, which it calls, was changed by pull request #217" in out[0]
     assert "changes .github/workflows, where" in out[1]
+
+
+@pytest.mark.parametrize("uses", ["$/ci/lint", "$//ci/lint/"])
+@responses.activate
+def test_a_self_repository_action_the_fork_changed_is_refused(tmp_path, operations, uses) -> None:
+    """`uses: $/path` (the runner's self-repository syntax) runs `path` of this repository at the workflow's
+    own commit: for a fork's pull request, the merge of the fork's changes. The fork rewrote only the action."""
+    base = {**BASE, BUILD: BUILD_SAFE + f"      - uses: {uses}\n",
+            "ci/lint/action.yml": SETUP_ACTION, "ci/lint/setup.sh": "true\n"}
+    serve(operations, {"ci/lint/setup.sh": EVIL}, base=base)
+    verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+    assert len(verdict.reasons) == 1
+    assert "the local action ./ci/lint, which it uses, was changed by pull request #217" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize("uses", [".\\ci\\lint", "./ci\\lint"])
+@responses.activate
+def test_a_local_action_spelled_with_backslashes_is_refused(tmp_path, operations, uses) -> None:
+    """The runner takes `.\\path` as a local action too; on Linux a backslash is part of a name, which a
+    fork can create (a root entry named `.\\ci\\lint`): the guard does not guess which one runs."""
+    base = {**BASE, BUILD: BUILD_SAFE + f"      - uses: '{uses}'\n"}
+    serve(operations, {"main.go": "package fork\n", ".\\ci\\lint/action.yml": SETUP_ACTION}, base=base)
+    verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+    assert len(verdict.reasons) == 1 and "is a path the guard cannot compare" in verdict.reasons[0]
