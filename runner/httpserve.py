@@ -389,13 +389,14 @@ class BoundedHTTPServer:
             log.warning("%s: accept failed (%s); closing idle connections and pausing accepts", self.name, exc.strerror)
         if self._evict_oldest(now):
             return
-        if self._reserve is not None:
+        if self._reserve is not None:  # one fd at a time: tell the waiting clients why, then let them go
             os.close(self._reserve)
-            try:
-                sock, _ = self.listener.accept()
+            for _ in range(64):
+                try:
+                    sock, _ = self.listener.accept()
+                except OSError:
+                    break
                 self._refuse_fresh(sock, self._busy("out of file descriptors"))
-            except OSError:
-                pass
             self._reserve = _open_reserve()
         self._paused_until = now + _ACCEPT_PAUSE_SECONDS
         self._selector.unregister(self.listener)
