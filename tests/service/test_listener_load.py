@@ -137,8 +137,8 @@ def test_500_idle_and_200_slow_connections_leave_room_for_a_real_client(kind: st
         open_flood(stack, port, 500)
         slow = open_flood(stack, port, 200, start)
         drip(slow, rounds=3, every=1.0)
+        during = server.stats()  # before the real request, whose job opens files of its own
         answer, latency = ask(port)
-        during = server.stats()
         print(f"{kind}: answered in {latency * 1000:.0f} ms under 700 connections; fds {baseline['fds']} -> "
               f"{during['fds']} (cap {caps['max_connections']}), threads {baseline['threads']} -> "
               f"{during['threads']} (cap {caps['max_workers']} workers)")
