@@ -3,22 +3,32 @@
 One reader thread turns the byte stream into validated frames and routes them to the request
 they belong to; callers wait on their own bounded queue with a deadline. Anything off (a bad
 header, an oversized or truncated frame, a reply to a request never sent, silence past a
-deadline) marks the channel broken: every waiter gets an `AgentError` and the owner is told, so
-the VM is destroyed rather than trusted again. Memory use is bounded by the queue sizes, and a
-guest that stops reading cannot block a sender past its deadline.
+deadline, a message that does not decode) marks the channel broken: every waiter gets an
+`AgentError` and the owner is told, so the VM is destroyed rather than trusted again. Memory use is
+bounded by the queue sizes, and a guest that stops reading cannot block a sender past its deadline.
+
+The guest also decides how many frames it sends, and every frame costs the host CPU outside the
+VM's budget. So the reader takes frames from the socket in large reads, merges consecutive output
+frames of one request into one item (flushed at 64 KiB, after 50 ms, or before any other frame, so
+order is kept and live output is late by at most 50 ms), and reads at most `FrameBudget.rate`
+frames a second: past that it stops reading for a moment and the guest's writes back up.
 """
 
 from __future__ import annotations
 
 import base64
 import itertools
+import json
+import logging
 import os
 import queue
+import re
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from runner.vm.errors import AgentError
@@ -28,6 +38,13 @@ QUEUE_FRAMES = 64  # per request: at most 64 x 256 KiB buffered before the reade
 POLL_S = 0.25
 MAX_STRAY_FRAMES = 10_000  # late frames for finished requests tolerated before we call it abuse
 KILL_GRACE_S = 10.0  # how long past its timeout a command may take before the host steps in
+RECV_SIZE = 256 * 1024  # one read takes many small frames at once
+COALESCE_BYTES = 64 * 1024  # output frames of one request are merged up to this size ...
+COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte at once
+MAX_FRAMES_PER_S = 20_000  # per channel (one VM): bounds the host CPU a frame flood can take
+MAX_JSON_DEPTH = 32  # our messages nest 2 levels; deeper would only exercise the parser's recursion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,13 +62,152 @@ class _Request:
 
 
 _BROKEN = object()
+OUTPUT_KINDS = frozenset({P.STDOUT, P.STDERR})
+
+
+@dataclass(frozen=True)
+class _Message(P.Frame):
+    """A MSG frame decoded once, in the reader, so a bad one breaks the channel there and then."""
+
+    message: dict = field(default_factory=dict)
+
+    def json(self) -> dict:
+        return self.message
+
+
+# A JSON string (escapes included) or one bracket: enough to measure nesting without parsing.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+
+
+def _check_depth(payload: bytes) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH before `json` recurses into it."""
+    if payload.count(b"[") + payload.count(b"{") <= MAX_JSON_DEPTH:
+        return  # cannot be deeper: the common case costs two C scans
+    depth = 0
+    for token in _JSON_TOKEN.finditer(payload):
+        if token.group() in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise P.ProtocolError(f"message nests deeper than {MAX_JSON_DEPTH} levels")
+        elif token.group() in (b"]", b"}"):
+            depth -= 1
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_message(payload: bytes) -> dict:
+    """A guest MSG as a dict, or ProtocolError: whatever the bytes, no other exception escapes."""
+    _check_depth(payload)
+    try:
+        value = json.loads(payload.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+        raise P.ProtocolError(f"message is not valid UTF-8 JSON: {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, dict):
+        raise P.ProtocolError(f"message is a JSON {type(value).__name__}, not an object")
+    if "ok" in value and not isinstance(value["ok"], bool):
+        raise P.ProtocolError(f"message member 'ok' is a {type(value['ok']).__name__}, not a boolean")
+    return value
+
+
+@dataclass
+class FrameBudget:
+    """A token bucket on frames read: past `rate` a second (after a burst) the reader pauses.
+
+    Pausing, not failing: the guest's writes back up, and an honest program's small writes then
+    reach its agent's pipe reader together and travel as fewer, larger frames, so chatty programs
+    (pytest -v, pip's progress) lose nothing, while a guest forging tiny frames gets a bounded
+    share of the host's CPU however long it keeps at it.
+    """
+
+    rate: float = MAX_FRAMES_PER_S
+    burst: float = MAX_FRAMES_PER_S
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    tokens: float = -1.0  # -1: start full
+    stamp: float = 0.0
+
+    def take(self) -> None:
+        """Account for one frame, first waiting as long as the bucket says (in 10 ms steps or more)."""
+        now = self.clock()
+        self.tokens = self.burst if self.tokens < 0 else min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            refill = max(1.0, self.rate / 100)  # sleep for a batch, not once per frame
+            self.sleep((refill - self.tokens) / self.rate)
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+        self.tokens -= 1
+
+
+class _Wire:
+    """Frames out of the socket with one `recv` for many of them; headers checked as soon as read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._buf = b""
+        self._pos = 0
+
+    def frame(self) -> P.Frame | None:
+        """The next whole frame already received, or None when more bytes are needed."""
+        start = self._pos + P.HEADER.size
+        if len(self._buf) < start:
+            return None
+        kind, rid, length = P.parse_header(self._buf[self._pos : start])
+        if len(self._buf) < start + length:
+            return None
+        self._pos = start + length
+        return P.Frame(kind, rid, self._buf[start : self._pos])
+
+    def fill(self, timeout: float) -> bool | None:
+        """Receive more: True on data, None when `timeout` passed first, False at the end of the stream."""
+        self._buf, self._pos = self._buf[self._pos :], 0
+        # Wait with poll, not the socket's timeout: that one is shared with the senders.
+        if not self._poll.poll(timeout * 1000):
+            return None
+        try:
+            chunk = self._sock.recv(RECV_SIZE)
+        except socket.timeout:
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if self._buf:
+                raise P.ProtocolError(f"channel closed in the middle of a frame ({len(self._buf)} bytes of it)")
+            return False
+        self._buf += chunk
+        return True
+
+
+@dataclass
+class _Run:
+    """Consecutive output frames of one request, merged into one queue item."""
+
+    req: _Request
+    kind: int
+    started: float
+    parts: list[bytes]
+    size: int = 0
+
+    def frame(self) -> P.Frame:
+        return P.Frame(self.kind, self.req.rid, b"".join(self.parts))
 
 
 class AgentClient:
-    def __init__(self, sock: socket.socket, on_broken: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_broken: Callable[[str], None] | None = None,
+        budget: FrameBudget | None = None,
+    ) -> None:
         self._sock = sock
         self._sock.settimeout(POLL_S)
         self._on_broken = on_broken
+        self._budget = budget or FrameBudget()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -59,7 +215,9 @@ class AgentClient:
         self._pending: dict[int, _Request] = {}
         self._stray = 0
         self._execs: set[int] = set()
+        self._run: _Run | None = None
         self.broken: str | None = None
+        self.broken_event = threading.Event()
         self._closed = False
         self._reader = threading.Thread(target=self._read_loop, name="agent-reader", daemon=True)
         self._reader.start()
@@ -69,32 +227,52 @@ class AgentClient:
         self._closed = True
         self._fail("the sandbox was destroyed")
 
-    def _recv(self, n: int) -> bytes:
-        while True:
-            if self._closed:
-                return b""
-            try:
-                return self._sock.recv(n)
-            except socket.timeout:
-                continue
-            except OSError:
-                return b""
-
     def _read_loop(self) -> None:
-        reader = P.FrameReader(self._recv)
+        """Never ends silently: whatever stops it marks the channel broken, with the reason."""
         try:
-            while True:
-                frame = reader.next()
-                if frame is None:
-                    self._fail("the guest closed its agent channel")
-                    return
-                self._route(frame)
+            self._read_frames(_Wire(self._sock))
         except P.ProtocolError as exc:
             self._fail(f"the guest agent broke the protocol: {exc}")
+        except Exception as exc:  # a bug of ours, or an input we did not foresee: still the guest's doing
+            log.exception("agent channel reader failed")
+            self._fail(f"the agent channel's reader failed: {type(exc).__name__}: {exc}")
+        else:
+            self._fail("the guest closed its agent channel")
+
+    def _read_frames(self, wire: _Wire) -> None:
+        while not self._closed:
+            frame = wire.frame()
+            if frame is not None:
+                self._budget.take()
+                self._route(frame)
+                continue
+            received = wire.fill(self._flush_due())
+            if received is False:
+                return
+            if self._run is not None and (received is None or self._run_expired()):
+                self._flush_run()
+
+    def _flush_due(self) -> float:
+        """How long the next read may wait: until the merged output is due, or a poll interval."""
+        if self._run is None:
+            return POLL_S
+        return max(0.001, self._run.started + COALESCE_S - time.monotonic())
+
+    def _run_expired(self) -> bool:
+        return self._run is not None and time.monotonic() - self._run.started >= COALESCE_S
 
     def _route(self, frame: P.Frame) -> None:
+        run = self._run
+        if run is not None:
+            if frame.kind == run.kind and frame.request_id == run.req.rid and run.size + len(frame.payload) <= COALESCE_BYTES:
+                run.parts.append(frame.payload)
+                run.size += len(frame.payload)
+                if self._run_expired():
+                    self._flush_run()
+                return
+            self._flush_run()
         if frame.kind == P.MSG:
-            frame.json()  # validate in the reader: a bad message breaks the channel now
+            frame = _Message(frame.kind, frame.request_id, frame.payload, decode_message(frame.payload))
         with self._lock:
             req = self._pending.get(frame.request_id)
             if req is None:
@@ -104,6 +282,17 @@ class AgentClient:
                 if self._stray > MAX_STRAY_FRAMES:
                     raise P.ProtocolError("too many frames for requests that already ended")
                 return
+        if frame.kind in OUTPUT_KINDS and len(frame.payload) < COALESCE_BYTES:
+            self._run = _Run(req, frame.kind, time.monotonic(), [frame.payload], len(frame.payload))
+            return
+        self._deliver(req, frame)
+
+    def _flush_run(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            self._deliver(run.req, run.frame())
+
+    def _deliver(self, req: _Request, frame: P.Frame) -> None:
         while not req.abandoned:
             try:
                 req.frames.put(frame, timeout=POLL_S)
@@ -118,10 +307,14 @@ class AgentClient:
                 return
             self.broken = why
             pending = list(self._pending.values())
+        self.broken_event.set()
         for req in pending:
             _offer(req.frames, _BROKEN)
         if self._on_broken and not self._closed:
-            self._on_broken(why)
+            try:
+                self._on_broken(why)
+            except Exception:  # the owner's cleanup failing must not hide that the channel broke
+                log.exception("handling the broken agent channel failed")
 
     def _abuse(self, why: str) -> None:
         """The guest ignored a limit it was told: stop trusting the channel."""

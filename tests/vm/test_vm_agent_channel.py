@@ -208,3 +208,69 @@ def test_header_layout_is_what_the_guest_speaks():
     frame = P.encode_msg(7, {"op": "ping"})
     magic, version, kind, rid, length = struct.unpack(">2sBBII", frame[:12])
     assert (magic, version, kind, rid, length) == (b"MV", 1, P.MSG, 7, len(frame) - 12)
+
+
+# ---- messages that do not decode: the reader must end the channel at once, never die silently ----
+
+
+def wait_broken(client: AgentClient, broken: list[str]) -> str:
+    """The reason the channel broke; event-driven, with a generous bound for a loaded machine."""
+    assert client.broken_event.wait(30), "the reader never marked the channel broken"
+    assert broken and broken[0] == client.broken
+    return client.broken
+
+
+def test_deeply_nested_json_breaks_the_channel_at_once(pair):
+    client, guest, broken = pair
+    nested = b'{"ok":true,"x":' + b"[" * 60_000
+    answer_after_request(guest, P.encode(P.MSG, 1, nested))
+    with pytest.raises(AgentError, match="nests deeper than 32 levels"):
+        client.ping(timeout=30)  # the reply's failure must end the call, not this deadline
+    assert "nests deeper than 32 levels" in wait_broken(client, broken)
+    with pytest.raises(AgentError, match="nests deeper"):
+        client.ping(timeout=1)
+
+
+def test_unsolicited_nested_json_breaks_an_idle_channel(pair):
+    client, guest, broken = pair
+    guest.sendall(P.encode(P.MSG, 0, b"[" * 60_000 + b"]" * 4_000))
+    assert "the guest agent broke the protocol: message nests deeper" in wait_broken(client, broken)
+
+
+def test_brackets_inside_strings_are_not_nesting(pair):
+    client, guest, broken = pair
+    text = "[{" * 5000 + '\\"]' * 10
+    answer_after_request(guest, P.encode_msg(1, {"ok": True, "version": 1, "text": text, "deep": [[[[1]]]]}))
+    reply = client.ping(timeout=30)
+    assert reply["text"] == text and reply["deep"] == [[[[1]]]]
+    assert broken == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b'{"ok": "yes"}', "member 'ok' is a str, not a boolean"),
+        (b'{"ok": true, "n": NaN}', "NaN is not JSON"),
+        (b'{"ok": true, "n": ' + b"9" * 5000 + b"}", "integer string conversion"),
+        (b'{"ok": true, "s": "\xc3"}', "UnicodeDecodeError"),
+    ],
+)
+def test_every_decoding_error_is_a_protocol_error(pair, payload, reason):
+    client, guest, broken = pair
+    answer_after_request(guest, P.encode(P.MSG, 1, payload))
+    with pytest.raises(AgentError, match=reason):
+        client.ping(timeout=30)
+    assert reason in wait_broken(client, broken)
+
+
+def test_an_unforeseen_failure_in_the_reader_still_breaks_the_channel(pair, monkeypatch):
+    client, guest, broken = pair
+
+    def explode(payload: bytes) -> dict:
+        raise KeyError("unforeseen")
+
+    monkeypatch.setattr("runner.vm.agent.decode_message", explode)
+    answer_after_request(guest, P.encode_msg(1, {"ok": True}))
+    with pytest.raises(AgentError, match="reader failed: KeyError"):
+        client.ping(timeout=30)
+    assert "reader failed: KeyError: 'unforeseen'" in wait_broken(client, broken)
