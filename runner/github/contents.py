@@ -19,6 +19,7 @@ from runner.github.client import GitHubClient
 from runner.github.errors import GitHubError, NotFound
 
 SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?\Z")  # SHA-1 or SHA-256 object names
+LISTING_LIMIT = 1000  # entries the contents API lists of one directory (its documented upper limit)
 PATH_RE = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f]{1,1024}\Z")
 
 
@@ -70,33 +71,74 @@ class Entry:
     sha: str
 
 
-def list_dir(client: GitHubClient, repository: str, path: str, ref: str) -> dict[str, Entry] | None:
-    """The entries of directory `path` (`""` is the root) at `ref` by name, or None when it is absent.
+@dataclass(frozen=True)
+class Listing:
+    """A directory's entries by name, as the contents API lists them.
+
+    GitHub lists at most LISTING_LIMIT entries of a directory and says nothing when it leaves some
+    out: in a listing that long, a name that is missing is unknown, not absent. Reading it as absent
+    would make a file hidden at both commits look unchanged, so both accessors refuse instead.
+    """
+
+    where: str
+    entries: dict[str, Entry]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.entries) < LISTING_LIMIT
+
+    def get(self, name: str) -> Entry | None:
+        entry = self.entries.get(name)
+        if entry is None and not self.complete:
+            raise GitHubError(f"{self._truncated()}, and {name!r} is not among them: {self._advice()}")
+        return entry
+
+    def every(self) -> dict[str, Entry]:
+        if not self.complete:
+            raise GitHubError(f"{self._truncated()}: {self._advice()}")
+        return self.entries
+
+    def _truncated(self) -> str:
+        return f"GitHub lists only the first {LISTING_LIMIT:,} entries of {self.where}"
+
+    @staticmethod
+    def _advice() -> str:
+        return "the guard cannot tell what changed there (keep fewer entries in that directory)"
+
+
+def list_dir(client: GitHubClient, repository: str, path: str, ref: str) -> Listing | None:
+    """The entries of directory `path` (`""` is the root) at `ref`, or None when it is absent.
 
     The listing names the sha of every entry, a directory's being its tree's, so whole directories
     can be compared between two commits with one request each.
     """
     url = f"/repos/{repository}/contents/{quote(check_path(path) if path else '')}"
+    where = f"{repository}:{path or '/'}@{ref}"
     try:
         listing = client.get(url, ref=ref)
     except NotFound:
         return None
     if not isinstance(listing, list):
-        raise GitHubError(f"{repository}:{path or '/'}@{ref} is not a directory")
+        raise GitHubError(f"{where} is not a directory")
     entries = {}
     for item in listing:
         name, kind, sha = (item.get(key) if isinstance(item, dict) else None for key in ("name", "type", "sha"))
         if not isinstance(name, str) or not isinstance(kind, str) or not isinstance(sha, str) or not SHA_RE.match(sha):
-            raise GitHubError(f"GitHub's listing of {repository}:{path or '/'}@{ref} has an entry without a valid sha")
+            raise GitHubError(f"GitHub's listing of {where} has an entry without a valid sha")
         entries[name] = Entry(kind, sha)
-    return entries
+    return Listing(where, entries)
+
+
+def find_entry(client: GitHubClient, repository: str, path: str, ref: str) -> Entry | None:
+    """The entry of a file or directory at `ref` from its parent's listing, or None when it is absent."""
+    parent, _, name = check_path(path).rpartition("/")
+    listing = list_dir(client, repository, parent, ref)
+    return listing.get(name) if listing else None
 
 
 def entry_sha(client: GitHubClient, repository: str, path: str, ref: str) -> str | None:
-    """The git object sha of a file or directory (its tree) at `ref`, or None when it is absent,
-    read from the parent directory's listing."""
-    parent, _, name = check_path(path).rpartition("/")
-    entry = (list_dir(client, repository, parent, ref) or {}).get(name)
+    """The git object sha of a file or directory (its tree) at `ref`, or None when it is absent."""
+    entry = find_entry(client, repository, path, ref)
     return entry.sha if entry else None
 
 

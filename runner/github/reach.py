@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from runner.github.client import GitHubClient
-from runner.github.contents import Entry, RepoFile, check_path, get_file, list_dir
+from runner.github.contents import Entry, RepoFile, check_path, find_entry, get_file, list_dir
 from runner.github.errors import GitHubError
 
 GITHUB_DIR = ".github"
@@ -77,15 +77,17 @@ class Revisions:
         return root.get(name)
 
     def listings(self, path: str) -> tuple[dict[str, Entry], dict[str, Entry]]:
-        return (list_dir(self.client, self.repository, path, self.base) or {},
-                list_dir(self.client, self.repository, path, self.head) or {})
+        return self._every(path, self.base), self._every(path, self.head)
+
+    def _every(self, path: str, ref: str) -> dict[str, Entry]:
+        listing = list_dir(self.client, self.repository, path, ref)
+        return listing.every() if listing else {}
 
     def file(self, path: str, ref: str, *, decode: bool) -> RepoFile | None:
         return get_file(self.client, self.repository, path, ref, decode=decode)
 
     def entry(self, path: str, ref: str) -> Entry | None:
-        parent, _, name = path.rpartition("/")
-        return (list_dir(self.client, self.repository, parent, ref) or {}).get(name)
+        return find_entry(self.client, self.repository, path, ref)
 
 
 @dataclass(frozen=True)

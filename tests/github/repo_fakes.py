@@ -21,6 +21,7 @@ import responses
 from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example
 
 DIRECTORY = "application/json:response-if-content-is-a-directory"
+LISTING_LIMIT = 1000  # "This API has an upper limit of 1,000 files for a directory" (the operation's description)
 Tree = Mapping[str, str]  # path -> text of one commit's files
 
 
@@ -53,7 +54,7 @@ class FakeRepo:
         entries = self._entries(tree, path)
         if not entries:
             return 404, {}, json.dumps({"message": "Not Found"})
-        return 200, {}, json.dumps(entries)
+        return 200, {}, json.dumps(entries[:LISTING_LIMIT])
 
     def _file(self, path: str, data: bytes) -> dict:
         body = copy.deepcopy(self.file_body)

@@ -303,3 +303,34 @@ def test_a_local_action_spelled_with_backslashes_is_refused(tmp_path, operations
     serve(operations, {"main.go": "package fork\n", ".\\ci\\lint/action.yml": SETUP_ACTION}, base=base)
     verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
     assert len(verdict.reasons) == 1 and "is a path the guard cannot compare" in verdict.reasons[0]
+
+
+def crowded(names: int, prefix: str = "-") -> dict[str, str]:
+    """Root files whose names sort before `.github`, enough to push it past the listing's 1,000 entries."""
+    return {f"{prefix}{i:04}": "x\n" for i in range(names)}
+
+
+@responses.activate
+def test_github_hidden_by_a_truncated_root_listing_is_not_unchanged(tmp_path, operations) -> None:
+    """GitHub lists at most 1,000 entries of a directory: in a root that holds more, `.github` may be
+    missing at both commits, which must not read as "the same tree" while the fork rewrote build.yml."""
+    base = {**BASE, **crowded(1000)}
+    serve(operations, {BUILD: BUILD_SAFE + f"      - run: {EVIL}"}, base=base)
+    with pytest.raises(GitHubError, match=r"lists only the first 1,000 entries of listendev/lstn:/@e15189e8"):
+        guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+
+
+@responses.activate
+def test_a_protected_path_hidden_by_a_truncated_listing_is_not_unchanged(tmp_path, operations) -> None:
+    base = {**BASE, **{f"scripts/{name}": text for name, text in crowded(1000).items()}, "scripts/z.sh": "true\n"}
+    serve(operations, {"scripts/z.sh": EVIL}, base=base)
+    with pytest.raises(GitHubError, match="lists only the first 1,000 entries of listendev/lstn:scripts@"):
+        guard.evaluate(job(tmp_path), guard.RepoRules(protected_paths=("scripts/z.sh",)), client)
+
+
+@responses.activate
+def test_a_big_directory_that_still_lists_what_the_guard_needs_is_fine(tmp_path, operations) -> None:
+    """Only a name the listing leaves out is unknown: `.github` sorts before the 1,000 shown here."""
+    base = {**BASE, **crowded(1000, prefix="z")}
+    serve(operations, {"main.go": "package fork\n"}, base=base)
+    assert guard.evaluate(job(tmp_path), guard.RepoRules(), client).allowed
