@@ -65,6 +65,16 @@ MAX_OPEN_SECONDS = 3600
 # closes its slot's expired ones): an opening outlives its time by at most this. A check costs a
 # dict scan per slot; the chain is only rewritten when something expired.
 SWEEP_SECONDS = 2.0
+# Rewrites of a slot's DNS allow chain that answers may cause. Each costs ~10 ms of iptables-restore
+# under the host-wide xtables lock (every slot's policy load waits for it), and a name that resolves
+# somewhere new on every lookup (a wildcard rule over a CDN, a DNS the attacker controls) would cost
+# one per query: 256 in the first second, then one per address that expired, for every hostile VM.
+# A job's start-up burst of lookups fits in WRITE_BURST; past it WRITES_PER_SECOND refill. An answer
+# that needs a new opening when none is left is SERVFAIL (the guest retries); one whose addresses
+# are open already needs no write and is answered. Closing (`expire`) is never refused: it is
+# bounded by the openings made and must not wait.
+WRITE_BURST = 64
+WRITES_PER_SECOND = 2
 MAX_CNAME_HOPS = 8
 TCP_READ_TIMEOUT = 2.0  # for a whole TCP query, not per recv: trickled bytes cannot hold a worker longer
 _IP_FREEBIND = 15
@@ -149,6 +159,29 @@ class Opening:
 ChainWriter = Callable[[list[Opening]], None]
 
 
+@dataclass
+class WriteBudget:
+    """A token bucket of chain rewrites: `burst` at once, refilled at `per_second` (clock time)."""
+
+    burst: float
+    per_second: float
+    tokens: float
+    stamp: float
+
+    @classmethod
+    def full(cls, now: float) -> "WriteBudget":
+        return cls(WRITE_BURST, WRITES_PER_SECOND, WRITE_BURST, now)
+
+    def take(self, now: float) -> bool:
+        """Spend one rewrite at `now`; False (and nothing spent) when none is left."""
+        self.tokens = min(self.burst, self.tokens + max(now - self.stamp, 0.0) * self.per_second)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
 def open_seconds(ttl: int) -> float:
     """How long an answer with `ttl` keeps its addresses open (see MIN/MAX_OPEN_SECONDS)."""
     return float(min(max(ttl, MIN_OPEN_SECONDS), MAX_OPEN_SECONDS))
@@ -162,7 +195,8 @@ class SlotResolver:
     an answer opens its addresses until its TTL runs out (clamped), a later lookup of the name
     extends them, and `expire()` (run at every answer and by the service's periodic sweep) closes
     the rest. `allowances` are the operator's network rules, which let an answer through like a
-    `cidr:` rule of the policy does (see `_screen`).
+    `cidr:` rule of the policy does (see `_screen`). `write_budget` bounds the rewrites answers
+    cause (see WRITE_BURST); a released slot's next job starts with a full one.
     """
 
     netns: str
@@ -177,7 +211,12 @@ class SlotResolver:
     openings: dict[Opening, float] = field(default_factory=dict)
     sockets: list[socket.socket] = field(default_factory=list)
     in_flight: int = 0
+    throttled: int = 0  # answers refused for want of write budget, this job
+    write_budget: WriteBudget = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.write_budget = WriteBudget.full(self.clock())
 
     def configure(self, policy: Policy) -> None:
         """Take `policy`; the caller then reloads the slot's rules, which empties the DNS allow
@@ -196,6 +235,8 @@ class SlotResolver:
             self.refused.clear()
             self.refused_answers.clear()
             self.openings.clear()
+            self.throttled = 0
+            self.write_budget = WriteBudget.full(self.clock())
 
     def snapshot(self) -> tuple[Policy, int]:
         with self.lock:
@@ -209,6 +250,7 @@ class SlotResolver:
         An address in an internal range (`policy.reserved.INTERNAL`) is refused, dropped from the
         answer and counted in `refused_answers`, unless a network rule already lets the guest reach
         it on one of the rules' ports (in audit mode it is handed out, and still counted).
+        An answer that needs a new opening when the write budget is spent raises `Throttled`.
         The lock is held while the firewall is changed, so `clear()` (slot release) waits for an
         opening in flight, and an answer that outlived its job (older generation) opens nothing.
         """
@@ -228,11 +270,16 @@ class SlotResolver:
                     for rule in rules:
                         opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)))
                         live[opening] = max(live.get(opening, 0.0), now + open_seconds(ttl))
-                if address in self.handed_out or len(self.handed_out) < MAX_NAMED_ADDRESSES:
-                    self.handed_out[address] = name
                 kept.append((address, ttl))
             if len({opening.address for opening in live}) > MAX_OPENED_ADDRESSES:
                 raise OverflowError(f"slot {self.netns} has more than {MAX_OPENED_ADDRESSES} resolved addresses open")
+            if not live.keys() <= self.openings.keys() and not self.write_budget.take(now):
+                self.throttled += 1
+                raise Throttled(f"slot {self.netns} opened new addresses faster than {WRITES_PER_SECOND}/s "
+                                f"after a burst of {WRITE_BURST}; {name} was not answered")
+            for address, _ in kept:
+                if address in self.handed_out or len(self.handed_out) < MAX_NAMED_ADDRESSES:
+                    self.handed_out[address] = name
             self._commit(live)
             return kept
 
@@ -297,6 +344,10 @@ _OPEN, _COVERED, _REFUSED = "open", "covered", "refused"
 
 class StaleQuery(RuntimeError):
     """The slot was released while its query was being resolved."""
+
+
+class Throttled(RuntimeError):
+    """The answer needs a new opening and the slot's write budget is spent (see WRITE_BURST)."""
 
 
 class DnsService:
@@ -462,6 +513,10 @@ class DnsService:
         try:
             records, rcode = self.upstream.resolve(name, "A")
             kept = resolver.remember(name, records, rules, generation)
+        except Throttled as exc:
+            if resolver.throttled == 1:  # once per job: the guest decides how often this happens
+                log.warning("%s (further ones not logged)", exc)
+            return _error(query, RCODE.SERVFAIL)
         except (OSError, DNSError, struct.error, ValueError, OverflowError, FirewallError, StaleQuery) as exc:
             log.warning("resolving %s for %s failed: %s", name, resolver.netns, exc)
             return _error(query, RCODE.SERVFAIL)

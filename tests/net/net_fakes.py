@@ -66,6 +66,13 @@ class Clock:
         self.offset += seconds
 
 
+class FrozenClock(Clock):
+    """A clock that moves only when a test advances it: counts that depend on time are exact."""
+
+    def __call__(self) -> float:
+        return 1000.0 + self.offset
+
+
 @dataclass
 class Servers:
     """TCP banner servers and a DNS server, all in the fake internet, stopped on close."""

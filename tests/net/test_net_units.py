@@ -15,7 +15,7 @@ from dnslib import QTYPE, RCODE, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, Servers
+from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, FrozenClock, Servers
 from policy import Rule, load_policy
 from policy.reserved import internal_range_containing
 from runner.net import AuditRecord, Upstream, suggest_policy
@@ -474,3 +474,42 @@ def test_refused_answers_are_suggested_as_a_comment_only() -> None:
     assert f"# lan.test resolved to the internal address {LAN_HOST}, refused" in text
     assert records[0].as_json() == {"dest": LAN_HOST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
                                     "reason": REFUSED_ANSWER}
+
+
+def test_a_name_that_resolves_somewhere_new_every_time_cannot_flood_the_firewall() -> None:
+    """Attack: a wildcard rule over a CDN (or a DNS the attacker controls) answers each lookup with
+    a new address, so every answer would rewrite the chain (~10 ms of iptables-restore under the
+    host-wide xtables lock). Rewrites caused by answers stay within the slot's write budget."""
+    clock, writes = FrozenClock(), []  # type: ignore[var-annotated]
+    slot = resolver("version: 1\nallow:\n  - host: \"*.cdn.test\"\n    ports: [443]\n", writes, clock)
+    rules = slot.policy.rules_for_host("a.cdn.test")
+    throttled = 0
+
+    def flood(count: int, first: int) -> None:
+        nonlocal throttled
+        for i in range(first, first + count):
+            try:
+                slot.remember(f"n{i}.cdn.test", [(f"198.51.{i // 200}.{i % 200 + 1}", 0)], rules, slot.generation)
+            except dns_module.Throttled:
+                throttled += 1
+
+    flood(1000, 0)
+    assert len(writes) == dns_module.WRITE_BURST and throttled == 1000 - dns_module.WRITE_BURST
+    clock.advance(10)
+    flood(100, 1000)
+    assert len(writes) == dns_module.WRITE_BURST + 10 * dns_module.WRITES_PER_SECOND
+
+
+def test_a_throttled_slot_still_answers_what_is_already_open_and_recovers(service) -> None:
+    dns, _ = service
+    clock, writes = FrozenClock(), []  # type: ignore[var-annotated]
+    slot = resolver(WEB + '  - host: "*.cdn.test"\n    ports: [9000]\n', writes, clock)
+    ask(dns, slot, "web.test")
+    slot.write_budget.tokens = 0.0  # spent by a flood of new addresses
+
+    assert [str(rr.rdata) for rr in ask(dns, slot, "web.test").rr] == [ALLOWED_HOST]  # open already: no write
+    assert ask(dns, slot, "a.cdn.test").header.rcode == RCODE.SERVFAIL  # a new opening: over budget
+    assert len(writes) == 1
+    clock.advance(1 / dns_module.WRITES_PER_SECOND)
+    assert ask(dns, slot, "a.cdn.test").header.rcode == RCODE.NOERROR
+    assert len(writes) == 2
