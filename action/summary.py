@@ -114,7 +114,8 @@ def _blocked(blocked: list[Any]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- |"]
     for item in blocked[:MAX_ROWS]:
         item = item if isinstance(item, dict) else {}
-        rows.append(f"| {cell(item.get('dest', ''))} | {cell(item.get('port', ''))} | "
+        port = item.get("port")  # None for ICMP and for refused DNS answers: no port was tried
+        rows.append(f"| {cell(item.get('dest', ''))} | {cell('-' if port is None else port)} | "
                     f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} | "
                     f"{_why(item.get('reason'))} |")
     if len(blocked) > MAX_ROWS:
