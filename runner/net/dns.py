@@ -316,10 +316,13 @@ class SlotResolver:
         return _COVERED if covered else _REFUSED
 
     def _note_refused_answer(self, name: str, address: str) -> None:
+        """Count it; log only the first of each (address, name): the guest decides how often it asks."""
         key = (address, name)
-        if key in self.refused_answers or len(self.refused_answers) < MAX_REFUSED_NAMES:
+        if key in self.refused_answers:
             self.refused_answers[key] += 1
-        log.info("refused %s for %s in %s: an internal address no network rule allows", address, name, self.netns)
+        elif len(self.refused_answers) < MAX_REFUSED_NAMES:
+            self.refused_answers[key] = 1
+            log.info("refused %s for %s in %s: an internal address no network rule allows", address, name, self.netns)
 
     def begin(self) -> bool:
         """Claim one of the slot's in-flight query places; False when all are taken."""

@@ -513,3 +513,16 @@ def test_a_throttled_slot_still_answers_what_is_already_open_and_recovers(servic
     clock.advance(1 / dns_module.WRITES_PER_SECOND)
     assert ask(dns, slot, "a.cdn.test").header.rcode == RCODE.NOERROR
     assert len(writes) == 2
+
+
+def test_repeated_internal_answers_are_counted_but_logged_once(service, caplog) -> None:
+    """Attack: a guest asking for an internally-answered name in a loop turns each query into a
+    service log line; the count goes to the job's record, the log gets the first one only."""
+    dns, _ = service
+    slot = resolver(LAN, [])
+    with caplog.at_level("INFO", logger="runner.net.dns"):
+        for _ in range(5):
+            assert ask(dns, slot, "lan.test").header.rcode == RCODE.REFUSED
+
+    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 5)]
+    assert len([r for r in caplog.records if LAN_HOST in r.getMessage()]) == 1
