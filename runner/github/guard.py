@@ -319,6 +319,10 @@ def _describe(change: Change, workflow: str, number: int) -> str:
         "unparseable": "is YAML the guard cannot read",
         "missing": "cannot be found at the pull request's base or head",
         "too-many": f"is more than the {reach.MAX_REACHED} workflows and actions the guard follows",
+        "linked": "holds a symbolic link, whose target (which the fork may have changed) the guard cannot compare",
+        "escapes": "runs a file outside its own directory (`..` or an absolute path in runs.main, pre, post "
+                   "or image), which the guard does not compare",
+        "too-big": f"has more than {reach.MAX_ACTION_LISTINGS} directories for the guard to search for symbolic links",
     }[change.status]
     return f"{what} {how}"
 

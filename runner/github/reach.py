@@ -30,14 +30,23 @@ from runner.github.errors import GitHubError
 GITHUB_DIR = ".github"
 MAX_REACHED = 32  # workflows and actions one job's walk follows; more is refused, not guessed
 MAX_LISTINGS = 16  # directories compared under .github when some of it may change
+MAX_ACTION_LISTINGS = 16  # directories of one action searched for symbolic links
+RUNS_FILES = ("main", "pre", "post", "image")  # `runs:` keys the runner joins to the action's directory
 ACTION_FILES = ("action.yml", "action.yaml")
 LOCAL_PREFIXES = ("./", ".\\", "$/")  # how a `uses:` names this repository (see _locals)
 # How a reached thing differs. "changed", "added", "removed": between base and head; "root": a
 # `uses: ./` action is the whole repository, which every pull request changes; "unresolvable": a
 # path the guard cannot compare (`..`, a backslash, a symlink or submodule as an action); "unparseable": YAML
 # the guard cannot read; "missing": absent at both commits (the guard fails closed: a workflow it
-# cannot read is one it cannot vouch for); "too-many": the walk hit MAX_REACHED.
-Status = Literal["changed", "added", "removed", "root", "unresolvable", "unparseable", "missing", "too-many"]
+# cannot read is one it cannot vouch for); "too-many": the walk hit MAX_REACHED. For an action whose
+# directory is unchanged: "linked", it holds a symbolic link (the checkout follows it to a file the
+# fork may have rewritten, while the tree sha covers only the link's text); "escapes", its `runs`
+# names a file outside its directory (`main: ../../dist/index.js`); "too-big", more than
+# MAX_ACTION_LISTINGS directories to search for links.
+Status = Literal[
+    "changed", "added", "removed", "root", "unresolvable", "unparseable", "missing", "too-many",
+    "linked", "escapes", "too-big",
+]
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,10 @@ class Revisions:
         return root.get(name)
 
     def listings(self, path: str) -> tuple[dict[str, Entry], dict[str, Entry]]:
-        return self._every(path, self.base), self._every(path, self.head)
+        return self.listing(path, self.base), self.listing(path, self.head)
 
-    def _every(self, path: str, ref: str) -> dict[str, Entry]:
+    def listing(self, path: str, ref: str) -> dict[str, Entry]:
+        """Every entry of directory `path` at `ref` (none when it is absent)."""
         listing = list_dir(self.client, self.repository, path, ref)
         return listing.every() if listing else {}
 
@@ -177,7 +187,8 @@ class _Compare:
         return None, base.content.decode("utf-8", errors="replace")
 
     def action(self, path: str) -> tuple[Status | None, str | None]:
-        """How the action's directory differs (None: it does not), and its metadata's text when it does not."""
+        """How the action's directory differs or reaches beyond itself (None: it does neither), and
+        its metadata's text."""
         if path == "":
             return "root", None
         if not _checkable(path):
@@ -189,11 +200,53 @@ class _Compare:
             status = _status(base.sha if base else None, head.sha if head else None)
             if status or base is None:
                 return status or "missing", None
+        text = self._metadata(path)
+        if text is None:
+            return "missing", None
+        return self._links(path) or _escapes(text), text
+
+    def _metadata(self, path: str) -> str | None:
         for name in ACTION_FILES:
             found = self.rev.file(f"{path}/{name}", self.rev.base, decode=True)
             if found is not None and found.content is not None:
-                return None, found.content.decode("utf-8", errors="replace")
-        return "missing", None
+                return found.content.decode("utf-8", errors="replace")
+        return None
+
+    def _links(self, path: str) -> Status | None:
+        """Status "linked" when the action's directory holds a symbolic link, at any depth (the
+        directory is the same at both commits, so the base's listings tell)."""
+        directories, budget = deque([path]), MAX_ACTION_LISTINGS
+        while directories:
+            if budget == 0:
+                return "too-big"
+            budget -= 1
+            directory = directories.popleft()
+            for name, entry in self.rev.listing(directory, self.rev.base).items():
+                if entry.kind == "symlink":
+                    return "linked"
+                if entry.kind == "dir":
+                    directories.append(f"{directory}/{name}")
+        return None
+
+
+def _escapes(text: str) -> Status | None:
+    """Status "escapes" when the action's `runs` names a file outside its directory: the runner joins `main`,
+    `pre`, `post` and a Dockerfile `image` to the directory without a check, so `../../dist/x.js` runs
+    a file the guard never compared. Unreadable YAML is "unparseable"."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return "unparseable"
+    runs = document.get("runs") if isinstance(document, dict) else None
+    if not isinstance(runs, dict):
+        return None
+    for key in RUNS_FILES:
+        value = runs.get(key)
+        if isinstance(value, str) and not value.startswith("docker://"):
+            parts = value.replace("\\", "/").split("/")
+            if value.startswith(("/", "\\")) or ".." in parts:
+                return "escapes"
+    return None
 
 
 def _checkable(path: str) -> bool:

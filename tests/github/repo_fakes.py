@@ -12,6 +12,7 @@ import base64
 import copy
 import hashlib
 import json
+import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,10 @@ from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example
 DIRECTORY = "application/json:response-if-content-is-a-directory"
 LISTING_LIMIT = 1000  # "This API has an upper limit of 1,000 files for a directory" (the operation's description)
 Tree = Mapping[str, str]  # path -> text of one commit's files
+
+
+class Link(str):
+    """A symbolic link in a tree: git stores its target as the blob's content."""
 
 
 def blob_sha(data: bytes) -> str:
@@ -49,6 +54,8 @@ class FakeRepo:
         tree = self.commits.get(ref)
         if tree is None:
             return 404, {}, json.dumps({"message": "No commit found for the ref " + ref})
+        if isinstance(tree.get(path), Link):
+            return 200, {}, json.dumps(self._link(tree, path))
         if path in tree:
             return 200, {}, json.dumps(self._file(path, tree[path].encode()))
         entries = self._entries(tree, path)
@@ -62,6 +69,16 @@ class FakeRepo:
                     content=base64.b64encode(data).decode())
         return body
 
+    def _link(self, tree: Tree, path: str) -> dict:
+        """As GitHub answers for a symlink: the target's file when it is a regular file of the tree,
+        else an object describing the link (here: the file shape with type symlink and its target)."""
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(path), tree[path]))
+        if target in tree and not isinstance(tree[target], Link):
+            return self._file(target, tree[target].encode())
+        body = self._file(path, tree[path].encode())
+        body.update(type="symlink", target=str(tree[path]))
+        return body
+
     def _entries(self, tree: Tree, directory: str) -> list[dict]:
         prefix = f"{directory}/" if directory else ""
         names = sorted({path[len(prefix):].split("/", 1)[0] for path in tree if path.startswith(prefix)})
@@ -71,7 +88,7 @@ class FakeRepo:
         if path in tree:
             entry = copy.deepcopy(self.file_entry)
             data = tree[path].encode()
-            entry.update(type="file", size=len(data), sha=blob_sha(data))
+            entry.update(type="symlink" if isinstance(tree[path], Link) else "file", size=len(data), sha=blob_sha(data))
         else:
             entry = copy.deepcopy(self.dir_entry)
             entry.update(type="dir", sha=self.tree_sha(tree, path))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import responses
 from github_fakes import INSTALLATION_ID, load_payload, run_cli
-from repo_fakes import FakeRepo
+from repo_fakes import FakeRepo, Link
 
 from runner.github import guard, reach
 from runner.github.client import GitHubClient, RetryPolicy
@@ -130,6 +130,7 @@ def test_an_unchanged_github_directory_passes(tmp_path, operations) -> None:
     assert repo.requests == [
         ("", BASE_SHA), ("", HEAD_SHA),  # the root listings name .github's tree sha
         (".github/workflows/usage.yml", BASE_SHA), (".github/actions/setup/action.yml", BASE_SHA),
+        (".github/actions/setup", BASE_SHA),  # searched for symbolic links
     ]
 
 
@@ -334,3 +335,65 @@ def test_a_big_directory_that_still_lists_what_the_guard_needs_is_fine(tmp_path,
     base = {**BASE, **crowded(1000, prefix="z")}
     serve(operations, {"main.go": "package fork\n"}, base=base)
     assert guard.evaluate(job(tmp_path), guard.RepoRules(), client).allowed
+
+
+COMPOSITE_LINT = "runs:\n  using: composite\n  steps:\n    - run: $GITHUB_ACTION_PATH/lint.sh\n      shell: sh\n"
+
+
+@pytest.mark.parametrize(
+    ("links", "changes"),
+    [  # a script of the action, and the action's metadata itself, linked to files outside its directory
+        ({".github/actions/setup/setup.sh": Link("../../../scripts/setup.sh"), "scripts/setup.sh": "true\n"},
+         {"scripts/setup.sh": EVIL}),
+        ({".github/actions/setup/action.yml": Link("../../../shared/setup.yml"), "shared/setup.yml": SETUP_ACTION},
+         {"shared/setup.yml": SETUP_ACTION.replace("$GITHUB_ACTION_PATH/setup.sh", EVIL.strip())}),
+    ],
+)
+@responses.activate
+def test_an_action_holding_a_symlink_is_refused(tmp_path, operations, links, changes) -> None:
+    """The checkout on the host follows the link to the fork's file, while the action directory's tree
+    sha (and .github's) only covers the link's text: the base's link is unchanged, its target is not."""
+    serve(operations, changes, base={**BASE, **links})
+    verdict = guard.evaluate(job(tmp_path, workflow=".github/workflows/usage.yml"), guard.RepoRules(), client)
+    assert len(verdict.reasons) == 1
+    assert "the local action ./.github/actions/setup, which it uses, holds a symbolic link" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize(
+    "runs",
+    ["using: node20\n  main: ../../dist/lint.js", "using: node20\n  main: index.js\n  post: ../x/post.js",
+     "using: node20\n  main: /tmp/lint.js", "using: node20\n  pre: sub/../../x.js\n  main: index.js",
+     "using: docker\n  image: ../../Dockerfile"],
+)
+@responses.activate
+def test_an_action_that_runs_a_file_outside_its_directory_is_refused(tmp_path, operations, runs) -> None:
+    """The runner joins `main`, `pre`, `post` and a Dockerfile `image` to the action's directory with no
+    check: `../../dist/lint.js` is a file the fork may rewrite, outside the tree the guard compared."""
+    base = {**BASE, BUILD: BUILD_SAFE + "      - uses: ./ci/lint\n", "ci/lint/action.yml": f"runs:\n  {runs}\n",
+            "ci/lint/index.js": "", "dist/lint.js": "// lint\n"}
+    serve(operations, {"dist/lint.js": "require('child_process').execSync('id')\n"}, base=base)
+    verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+    assert len(verdict.reasons) == 1
+    assert "the local action ./ci/lint, which it uses, runs a file outside its own directory" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize(
+    "runs", ["using: node20\n  main: dist/index.js\n  post: ./post.js", "using: docker\n  image: Dockerfile",
+             "using: docker\n  image: docker://alpine:3", COMPOSITE_LINT.removeprefix("runs:\n  ")],
+)
+@responses.activate
+def test_actions_that_stay_in_their_directory_pass(tmp_path, operations, runs) -> None:
+    base = {**BASE, BUILD: BUILD_SAFE + "      - uses: ./ci/lint\n", "ci/lint/action.yml": f"runs:\n  {runs}\n",
+            "ci/lint/dist/index.js": "", "ci/lint/lint.sh": "true\n"}
+    serve(operations, {"main.go": "package fork\n"}, base=base)
+    assert guard.evaluate(job(tmp_path), guard.RepoRules(), client).allowed
+
+
+@responses.activate
+def test_the_search_for_links_is_bounded(tmp_path, operations, monkeypatch) -> None:
+    monkeypatch.setattr(reach, "MAX_ACTION_LISTINGS", 2)
+    base = {**BASE, BUILD: BUILD_SAFE + "      - uses: ./ci/lint\n", "ci/lint/action.yml": COMPOSITE_LINT,
+            "ci/lint/a/b/c.sh": "true\n"}
+    serve(operations, {"main.go": "package fork\n"}, base=base)
+    verdict = guard.evaluate(job(tmp_path), guard.RepoRules(), client)
+    assert "./ci/lint, which it uses, has more than 2 directories for the guard to search" in verdict.reasons[0]
