@@ -238,6 +238,14 @@ class SlotResolver:
             self.throttled = 0
             self.write_budget = WriteBudget.full(self.clock())
 
+    def fence(self) -> None:
+        """Never write again: the slot's namespace is about to go, and a new slot may take its name.
+        Lookups in flight become stale and nothing is left for a sweep to close (waits for a write
+        in progress, which then lands in the old namespace)."""
+        with self.lock:
+            self.generation += 1
+            self.openings.clear()
+
     def snapshot(self) -> tuple[Policy, int]:
         with self.lock:
             return self.policy, self.generation
@@ -397,8 +405,10 @@ class DnsService:
         return resolver
 
     def detach(self, resolver: SlotResolver) -> None:
+        """Stop serving `resolver`'s slot; call before its namespace is removed (see `fence`)."""
         with self._lock:
             self._resolvers.discard(resolver)
+        resolver.fence()
         for sock in resolver.sockets:
             self.loop.remove_reader(sock)
         resolver.sockets = []

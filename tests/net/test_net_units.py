@@ -526,3 +526,27 @@ def test_repeated_internal_answers_are_counted_but_logged_once(service, caplog) 
 
     assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 5)]
     assert len([r for r in caplog.records if LAN_HOST in r.getMessage()]) == 1
+
+
+def test_a_detached_resolver_never_writes_again(service, monkeypatch) -> None:
+    """Attack: a lookup (or a sweep) still running when its slot is destroyed would write the old
+    job's openings into whatever namespace has that name by then: the next slot made at the same
+    index. Detaching fences the resolver; it writes nothing afterwards."""
+    dns, _ = service
+    monkeypatch.setattr(dns_module.netns, "socket_in", lambda ns, family, kind, proto=0: socket.socket(family, kind, proto))
+    monkeypatch.setattr(dns_module.addresses, "DNS_IP", "127.0.0.1")
+    monkeypatch.setattr(dns_module.addresses, "DNS_PORT", 0)
+    clock, writes = Clock(), []  # type: ignore[var-annotated]
+    dns.clock = clock
+    slot = dns.attach("old", writes.append)
+    slot.configure(load_policy(WEB, "unit.yml"))
+    ask(dns, slot, "web.test")
+    policy, generation = slot.snapshot()  # a second lookup, in flight while the slot goes away
+
+    dns.detach(slot)
+    with pytest.raises(dns_module.StaleQuery, match="released"):
+        slot.remember("web.test", [("198.51.100.7", 60)], policy.rules_for_host("web.test"), generation)
+    clock.advance(61)
+    slot.expire()
+
+    assert writes == [[Opening(ALLOWED_HOST, "tcp", (443, 8000))]]
