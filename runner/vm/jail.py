@@ -89,7 +89,8 @@ def drop_prefix(user: VMUser | None) -> list[str]:
         raise VMError("setpriv is not installed: apt-get install util-linux")
     prefix = []
     if user is not None:
-        prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs", "--"]
+        prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs",
+                  "--inh-caps=-all", "--bounding-set=-all", "--"]
     return [*prefix, setpriv, "--pdeathsig", "KILL", "--"]
 
 

@@ -211,6 +211,9 @@ class QemuMachine(Machine):
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
+                # Nothing of the service's: not its environment (tokens, key paths), not its cwd.
+                env={},
+                cwd="/",
                 pass_fds=(agent_vm.fileno(), qmp_vm.fileno(), *backends.fds),
                 start_new_session=True,  # a Ctrl-C aimed at the service is not aimed at its VMs
             ))

@@ -7,6 +7,7 @@ import argparse
 import mmap
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -118,3 +119,22 @@ def test_doctor_reports_sandbox_privilege_drop_and_cgroup_version(tmp_path, monk
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # v2 without the memory and pids controllers
     cli.cmd_doctor(argparse.Namespace(selftest=False))
     assert "NO  a cgroup hierarchy (v2 or v1) with the cpu, memory and pids controllers" in capsys.readouterr().out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+
+
+def test_restored_qemu_inherits_no_environment_cwd_or_capability_bound_from_the_service(make_engine, monkeypatch):
+    # What a service carries in its environment: an escaped guest must not read it in its own /proc.
+    monkeypatch.setenv("GITHUB_TOKEN", "ghs_secret")
+    monkeypatch.setenv("MICROVM_CHECK_APP_KEY", "/etc/microvm-check/app.pem")
+    engine = make_engine(pool_size=0)
+    vm = engine.create("base", network=False)
+    pid = vm.machine.pid
+    assert _environ(pid) == {}
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    assert _status(pid)["CapBnd"] == "0000000000000000"
+    engine.destroy(vm)
+
