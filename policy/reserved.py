@@ -12,7 +12,7 @@ The host's own addresses and the VM's gateway are only known when rendering; the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from ipaddress import ip_network
+from ipaddress import IPv4Address, ip_network
 
 from policy.model import Address, Network
 
@@ -59,7 +59,9 @@ def reserved_containing(network: Network) -> ReservedRange | None:
 # the internet, and minus the three documentation networks (TEST-NET-1/2/3: 192.0.2.0/24,
 # 198.51.100.0/24, 203.0.113.0/24): they are never routed and, by convention, never numbered on
 # a LAN, so no internal host can be reached through them, and the tests' fake internet lives there.
-# Guests get no AAAA answers at all; the IPv6 part keeps the check complete for when they do.
+# Guests get no AAAA answers at all; the IPv6 part keeps the check complete for when they do,
+# including the IPv6 forms that carry an IPv4 address a translator or relay would deliver to
+# (`embedded_ipv4`): such an address is as internal as the IPv4 address it carries.
 INTERNAL: tuple[ReservedRange, ...] = (
     *ALWAYS_DENIED,
     ReservedRange(ip_network("10.0.0.0/8"), "private (RFC 1918)"),
@@ -76,10 +78,28 @@ INTERNAL: tuple[ReservedRange, ...] = (
 )
 
 
+_NAT64_WELL_KNOWN = ip_network("64:ff9b::/96")  # RFC 6052: the IPv4 address is the last 32 bits
+_IPV4_COMPATIBLE = ip_network("::/96")  # deprecated (RFC 4291), still routed to IPv4 by some stacks
+
+
+def embedded_ipv4(address: Address) -> IPv4Address | None:
+    """The IPv4 address an IPv6 address hands traffic to: NAT64's well-known prefix, IPv4-compatible,
+    6to4 (2002::/16) and a Teredo client (IPv4-mapped is always denied outright)."""
+    if address.version != 6:
+        return None
+    if address in _NAT64_WELL_KNOWN or (address in _IPV4_COMPATIBLE and int(address) > 1):
+        return IPv4Address(int(address) & 0xFFFFFFFF)
+    if address.sixtofour is not None:
+        return address.sixtofour
+    return address.teredo[1] if address.teredo is not None else None
+
+
 def internal_range_containing(address: Address) -> ReservedRange | None:
     """The internal range `address` lies in (private, CGNAT, link-local, loopback, multicast,
-    reserved, ULA, ...: `INTERNAL`), or None for an address that may be public."""
+    reserved, ULA, ...: `INTERNAL`), or the one of the IPv4 address it carries, or None for an
+    address that may be public."""
     for reserved in INTERNAL:
         if address.version == reserved.network.version and address in reserved.network:
             return reserved
-    return None
+    carried = embedded_ipv4(address)
+    return internal_range_containing(carried) if carried is not None else None

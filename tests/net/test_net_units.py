@@ -314,13 +314,17 @@ LAN = "version: 1\nallow:\n  - host: lan.test\n    ports: [8000]\n"
 @pytest.mark.parametrize("address", ["10.0.0.5", "172.16.3.4", "192.168.1.1", "100.64.0.1", "100.127.255.254",
                                      "169.254.169.254", "127.0.0.1", "0.1.2.3", "224.0.0.251", "240.0.0.1",
                                      "255.255.255.255", "198.18.0.1", "192.0.0.8", "fd12::1", "fe80::1", "::1",
-                                     "::ffff:10.0.0.5"])
+                                     "::ffff:10.0.0.5",
+                                     # IPv6 forms that carry an internal IPv4 address a gateway may reach:
+                                     "64:ff9b::10.0.0.5", "::10.0.0.5", "2002:a00:5::1", "2002:c0a8:101::1",
+                                     "2001:0:4136:e378:8000:63bf:f5ff:fffa"])  # Teredo, client 10.0.0.5
 def test_internal_ranges(address: str) -> None:
     assert internal_range_containing(ip_address(address)) is not None
 
 
 @pytest.mark.parametrize("address", ["203.0.113.10", "198.51.100.1", "192.0.2.10", "8.8.8.8", "100.128.0.1",
-                                     "172.32.0.1", "11.0.0.1", "2001:db8::1", "2606:4700::1"])
+                                     "172.32.0.1", "11.0.0.1", "2001:db8::1", "2606:4700::1",
+                                     "64:ff9b::808:808", "2002:808:808::1"])
 def test_public_looking_ranges(address: str) -> None:
     assert internal_range_containing(ip_address(address)) is None
 
