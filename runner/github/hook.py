@@ -70,6 +70,11 @@ def install_guard_hook(runner_dir: Path, argv: Sequence[str]) -> Path:
     Other `.env` settings are kept; an older hook setting is replaced, never duplicated.
     """
     script = runner_dir.resolve() / HOOK_SCRIPT
+    if any(character.isspace() for character in str(script)):
+        raise GitHubError(
+            f"the runner passes the hook's path to bash unquoted (`bash -e PATH`), so a hook in {str(runner_dir)!r} "
+            "would not run and every job would fail: unpack the runner in a directory whose path has no spaces"
+        )
     _write(script, hook_script(argv), 0o755)
     env_file = runner_dir / ".env"
     lines = env_file.read_text().splitlines() if env_file.exists() else []

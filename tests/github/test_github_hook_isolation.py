@@ -90,3 +90,13 @@ def test_the_hook_argv_is_absolute_and_isolated(tmp_path) -> None:
     assert argv[argv.index("--config") + 1] == str((tmp_path / "github.yml").resolve())
     with pytest.raises(GitHubError, match="must start with an absolute path"):
         hook_script(["python3", "-I", "-m", "runner.cli", "guard"])
+
+
+def test_a_runner_directory_with_a_space_is_refused_before_every_job_fails(tmp_path) -> None:
+    """The runner starts the hook as `bash -e {path}` with the path unquoted: `/opt/actions runner/...`
+    would run `/opt/actions` and fail every job. Registration says so instead of installing it."""
+    runner_dir = tmp_path / "actions runner"
+    runner_dir.mkdir()
+    with pytest.raises(GitHubError, match=r"passes the hook's path to bash unquoted.*'.*actions runner'"):
+        install_guard_hook(runner_dir, ["/usr/bin/env"])
+    assert not (runner_dir / ".env").exists()
