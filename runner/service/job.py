@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from runner.service.config import ServiceConfig
-from runner.service.joblog import JobLog
+from runner.service.joblog import JobLog, LogFull
 from runner.service.records import JobRecord
 from runner.service.spec import JobSpec
 from runner.tarsafe import Limits, copy_validated
@@ -117,6 +117,8 @@ class JobRun:
         try:
             sandbox = self._start_vm(create, config)
             outcome = self._run_in(sandbox, config) if sandbox is not None else self._cancelled()
+        except LogFull as exc:  # the log already says so; the VM goes in `finally`
+            outcome = self._cancelled() if self.cancel_reason else ("failed", None, str(exc))
         except Exception as exc:  # an engine error, a hostile guest: the job fails, the service goes on
             if self.cancel_reason:
                 outcome = self._cancelled()

@@ -1,9 +1,13 @@
 """A job's log: append-only NDJSON on disk, followed live by any number of readers.
 
 The file holds exactly the lines the API serves, so a follower copies bytes instead of re-encoding,
-and a finished job's log survives a service restart. Guest output is untrusted and unbounded: the
-log keeps at most `max_bytes` of it and then records, in a system entry, how much it dropped; memory
-use is one entry at a time whatever the guest writes.
+and a finished job's log survives a service restart. Guest output is untrusted and unbounded, and
+what it costs is disk, kept for the retention period: so the budget `max_bytes` counts the bytes of
+its entries as written (JSON and base64 included), not the guest's bytes, and a write that would
+pass it writes what fits, a system note, and raises `LogFull` so the caller stops the command.
+Small writes are merged into larger entries before they get here (`runner.vm.agent`), which is
+what keeps an entry's fixed overhead from multiplying a byte-at-a-time writer's output. Memory use
+is one entry at a time whatever the guest writes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from typing import Callable, Iterator
 from runner.service.config import LogLimits
 
 
+class LogFull(Exception):
+    """The job's output reached its log budget on disk: the command must be stopped."""
+
+
 class JobLog:
     def __init__(self, path: Path, limits: LogLimits, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -27,8 +35,8 @@ class JobLog:
         self._file = open(self.path, "ab")
         self._size = self._file.tell()
         self._seq = _count_lines(self.path) if self._size else 0
-        self._kept = 0
-        self._dropped = 0
+        self._output_bytes = 0  # on disk, for guest output: what the budget counts
+        self._full: str | None = None
         self._closed = False
 
     @classmethod
@@ -43,50 +51,74 @@ class JobLog:
         return log
 
     @property
-    def dropped_bytes(self) -> int:
-        return self._dropped
+    def output_bytes(self) -> int:
+        """Bytes of guest output entries written to the file so far (the budget's measure)."""
+        return self._output_bytes
 
     def append(self, stream: str, data: bytes) -> None:
-        """Record guest output; anything beyond the job's log budget is counted and dropped."""
+        """Record guest output, split into entries of at most `max_entry_bytes`.
+
+        Raises LogFull once the entries would pass the job's budget on disk (after writing the
+        part that fits and a note), and on every later call: the caller must stop the command.
+        """
         if stream not in ("stdout", "stderr"):
             raise ValueError(f"unknown stream {stream!r}")
         with self._cond:
             if self._closed:
                 return
-            room = max(0, self.limits.max_bytes - self._kept)
-            kept, dropped = data[:room], len(data) - min(len(data), room)
-            step = self.limits.max_entry_bytes
-            for start in range(0, len(kept), step):
-                self._write(stream, kept[start : start + step])
-            self._kept += len(kept)
-            if dropped and not self._dropped:
-                self._write("system", f"log limit of {self.limits.max_bytes} bytes reached: further output is dropped".encode())
-            self._dropped += dropped
-            self._commit()
+            try:
+                step = self.limits.max_entry_bytes
+                for start in range(0, len(data), step):
+                    self._write_output(stream, data[start : start + step])
+            finally:
+                self._commit()
+
+    def _write_output(self, stream: str, data: bytes) -> None:
+        if self._full is not None:
+            raise LogFull(self._full)
+        ts = self._clock()
+        line = self._line(stream, data, ts)
+        room = self.limits.max_bytes - self._output_bytes
+        if len(line) <= room:
+            self._put_output(line)
+            return
+        fits = _fitting_bytes(len(line) - _b64_size(len(data)), room)
+        if fits > 0:
+            self._put_output(self._line(stream, data[:fits], ts))
+        self._full = (f"the command's output reached the log limit of {self.limits.max_bytes} bytes on disk "
+                      "(logs.max_bytes): the command was stopped")
+        self._put(self._line("system", self._full.encode(), ts))
+        raise LogFull(self._full)
+
+    def _put_output(self, line: bytes) -> None:
+        self._put(line)
+        self._output_bytes += len(line)
 
     def system(self, text: str) -> None:
         """A note from the service itself (not counted against the guest's budget)."""
         with self._cond:
             if self._closed:
                 return
-            self._write("system", text.encode()[: self.limits.max_entry_bytes])
+            self._put(self._line("system", text.encode()[: self.limits.max_entry_bytes], self._clock()))
             self._commit()
 
     def close(self) -> None:
         with self._cond:
             if self._closed:
                 return
-            if self._dropped:
-                self._write("system", f"{self._dropped} bytes of output were dropped".encode())
             self._commit()
             self._file.close()
             self._closed = True
             self._cond.notify_all()
 
-    def _write(self, stream: str, data: bytes) -> None:
+    def _line(self, stream: str, data: bytes, ts: float) -> bytes:
+        """The entry that `_put` would write next."""
+        entry = {"seq": self._seq + 1, "stream": stream, "ts": ts, "data": base64.b64encode(data).decode()}
+        return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+
+    def _put(self, line: bytes) -> None:
         self._seq += 1
-        line = {"seq": self._seq, "stream": stream, "ts": self._clock(), "data": base64.b64encode(data).decode()}
-        self._file.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        self._file.write(line)
 
     def _commit(self) -> None:
         self._file.flush()
@@ -113,6 +145,15 @@ class JobLog:
                         yield line
                 if closed or f.tell() < size:
                     return
+
+
+def _b64_size(n: int) -> int:
+    return 4 * ((n + 2) // 3)
+
+
+def _fitting_bytes(overhead: int, room: int) -> int:
+    """The most bytes whose entry (fixed `overhead` plus base64) takes at most `room` bytes."""
+    return max(0, (room - overhead) // 4 * 3)
 
 
 def _count_lines(path: Path) -> int:

@@ -7,8 +7,10 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from runner.service.config import LogLimits
-from runner.service.joblog import JobLog
+from runner.service.joblog import JobLog, LogFull
 
 
 def entries(lines: list[bytes]) -> list[tuple[int, str, bytes]]:
@@ -50,20 +52,33 @@ def test_follower_sees_live_output(tmp_path: Path) -> None:
     assert [e[2] for e in entries(seen)] == [b"early", b"late"]
 
 
-def test_flood_is_truncated_with_notes(tmp_path: Path) -> None:
+def test_flood_stops_at_the_budget_with_a_note(tmp_path: Path) -> None:
     log = JobLog(tmp_path / "log", LogLimits(max_bytes=1000, max_entry_bytes=300))
-    for _ in range(50):
-        log.append("stdout", b"y" * 100)
-    log.append("stdout", b"z" * 10**6)
+    with pytest.raises(LogFull, match="reached the log limit of 1000 bytes on disk"):
+        for _ in range(50):
+            log.append("stdout", b"y" * 100)
+    with pytest.raises(LogFull):  # and on every later write: the command must stop
+        log.append("stdout", b"z")
     log.close()
     got = entries(list(log.follow()))
     kept = b"".join(data for _, stream, data in got if stream == "stdout")
-    assert kept == b"y" * 1000
-    notes = [data for _, stream, data in got if stream == "system"]
-    assert notes[0].startswith(b"log limit of 1000 bytes reached")
-    assert notes[-1] == f"{50 * 100 - 1000 + 10**6} bytes of output were dropped".encode()
-    assert log.dropped_bytes == 4000 + 10**6
-    assert (tmp_path / "log").stat().st_size < 4000
+    assert kept == b"y" * len(kept) and len(kept) >= 400
+    assert got[-1][1:] == ("system", b"the command's output reached the log limit of 1000 bytes on disk "
+                                     b"(logs.max_bytes): the command was stopped")
+    assert log.output_bytes <= 1000
+
+
+def test_budget_counts_bytes_on_disk_not_guest_bytes(tmp_path: Path) -> None:
+    """One-byte entries cost ~70 bytes each on disk: the budget must see those, not the one byte."""
+    log = JobLog(tmp_path / "log", LogLimits(max_bytes=10_000))
+    with pytest.raises(LogFull):
+        for _ in range(10_000):
+            log.append("stdout", b"x")
+    log.close()
+    lines = (tmp_path / "log").read_bytes().splitlines(keepends=True)
+    output = sum(len(line) for line in lines if b'"stream":"stdout"' in line)
+    assert output == log.output_bytes <= 10_000
+    assert (tmp_path / "log").stat().st_size <= 10_000 + len(lines[-1])
 
 
 def test_large_chunks_are_split(tmp_path: Path) -> None:

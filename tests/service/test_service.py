@@ -145,8 +145,11 @@ def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
     service = make_service(logs={"max_bytes": "64KiB"})
     job = run(service, "flood")
     wait_final(service, job)
-    assert service.get(job).state == "finished"
-    assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 200 * 1024
+    record = service.get(job)
+    assert (record.state, record.exit_code) == ("failed", None)
+    assert "reached the log limit of 65536 bytes on disk" in record.error
+    assert engine.created[0].destroyed.is_set()
+    assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 64 * 1024 + 1024
 
 
 def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
