@@ -303,7 +303,10 @@ class HeaderScanner(io.RawIOBase):
             return True
         chunk = self._raw.read(min(self._data_left, max(want, BLOCK), COPY_CHUNK))
         if not chunk:
-            return False  # tarfile reports the truncated member
+            # Never report a plain end here: tarfile skips a member it was not asked to read with
+            # one read per 10 KiB of its declared size, ended stream or not (a 10**15-byte claim spins
+            # for days), and reports a short member no better than this.
+            raise UnsafeTar(f"the stream ended inside the data of a member ({self._data_left} bytes missing)")
         self._offset += len(chunk)
         self._data_left -= len(chunk)
         self._out = memoryview(chunk)

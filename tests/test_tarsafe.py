@@ -274,3 +274,44 @@ def test_serve_and_run_refuse_a_vulnerable_python(monkeypatch) -> None:
         cli.cmd_serve(None)
     with pytest.raises(UserError, match="CVE-2024-6232"):
         cli.cmd_run(None)
+
+
+# ---- hostile streams: where the scanner and tarfile could part ways ----------------------------
+
+
+class Source(io.RawIOBase):
+    """A guest's stream that counts how often it is read after it has ended."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+        self.reads_past_end = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self._data.readinto(buffer)
+        self.reads_past_end += n == 0
+        return n
+
+
+def truncated_member(size: int) -> bytes:
+    """One regular member that claims `size` bytes and brings 4 KiB: tarfile skips it by reading on."""
+    info = tarfile.TarInfo("big.bin")
+    info.size = size
+    return info.tobuf(tarfile.USTAR_FORMAT) + b"x" * 4096
+
+
+@pytest.mark.parametrize("side", ["extract", "copy_validated"])
+def test_a_member_longer_than_the_stream_ends_it_instead_of_spinning(tmp_path: Path, side: str) -> None:
+    """tarfile skips an unwanted member with `_Stream.seek`, one read per 10 KiB of the declared size
+    even after the stream has ended: a 10**15-byte member (pax `size`) kept the service's job thread
+    spinning for days. The scanner ends the stream at its real end instead."""
+    source = Source(truncated_member(8 * 1024**3 - 1))
+    if side == "extract":
+        with pytest.raises(tarsafe.UnsafeTar, match="ended inside the data of a member"):
+            tarsafe.extract(source, tmp_path, tarsafe.Limits(max_file_bytes=100))
+    else:
+        copied = tarsafe.copy_validated(source, io.BytesIO(), tarsafe.Limits(max_file_bytes=100))
+        assert copied.files == [] and "ended inside the data of a member" in copied.stopped
+    assert source.reads_past_end <= 2
