@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import stat
@@ -269,3 +271,131 @@ def test_chunked_decoder_never_reads_past_garbage(data: bytes) -> None:
 def test_chunked_decoder_round_trip() -> None:
     encoded = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nTrailer: x\r\n\r\n"
     assert b"".join(read_chunked(io.BytesIO(encoded))) == b"hello world!"
+
+
+def read_until_closed(sock: socket.socket, seconds: float = 10) -> tuple[bytes, bool]:
+    """Everything the server sends, and whether it closed the connection within `seconds`."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return data, False
+    return data, True
+
+
+def test_idle_and_unauthenticated_connections_do_not_lock_out_a_client_with_the_token(make_service) -> None:
+    service = make_service(listen="127.0.0.1:0", token=TOKEN)
+    servers = ApiServers(service)
+    servers.start()
+    try:
+        host, port = servers.tcp_address
+        with contextlib.ExitStack() as stack:
+            for _ in range(64):
+                stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)).connect(service.config.socket)
+            for _ in range(70):
+                sock = stack.enter_context(socket.create_connection((host, port), timeout=10))
+                sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n")  # no token, and the head never ends
+            assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health()["ok"] is True
+            assert JobClient(socket=service.config.socket, timeout=10).health()["ok"] is True
+    finally:
+        servers.stop()
+
+
+def test_the_token_is_checked_before_the_body_is_read(make_service) -> None:
+    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN))
+    servers.start()
+    try:
+        with socket.create_connection(servers.tcp_address, timeout=10) as sock:
+            sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")  # and no body
+            answer, closed = read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in answer and closed
+    finally:
+        servers.stop()
+
+
+HUGE = "1" * 4301  # one past Python's int() digit limit
+
+
+@pytest.mark.parametrize("request_line, headers", [
+    ("POST /v1/jobs", f"Content-Length: {HUGE}\r\n"),
+    (f"GET /v1/jobs?limit={HUGE}", ""),
+    (f"GET /v1/jobs/j0123456789abcdef/logs?after={HUGE}", ""),
+], ids=["content-length", "limit", "after"])
+def test_numbers_of_4301_digits_are_400(api, request_line: str, headers: str) -> None:
+    service, _ = api()
+    answer = raw(service.config.socket, f"{request_line} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 400") and b"error" in answer
+
+
+def test_chunk_sizes_are_plain_hex() -> None:
+    with pytest.raises(BodyFramingError, match="malformed chunk size"):
+        b"".join(read_chunked(io.BytesIO(b"0x5\r\nhello\r\n0\r\n\r\n")))  # int(x, 16) takes "0x5"
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"[" * 1000 + b"]" * 1000, b"nested deeper"),
+    (json.dumps(spec("\ud800")).encode(), b"surrogate"),
+    (json.dumps(spec("true", env={"A": "\ud800"})).encode(), b"surrogate"),
+    (b'{"command": "\xff"}', b"not UTF-8"),
+], ids=["nested-1000", "surrogate-command", "surrogate-env", "invalid-utf8"])
+def test_hostile_json_is_400(api, body: bytes, why: bytes) -> None:
+    service, _ = api()
+    head = f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    answer = raw(service.config.socket, head.encode() + body)
+    assert answer.startswith(b"HTTP/1.1 400") and why in answer
+
+
+def test_a_client_gone_before_its_answer_leaves_no_traceback(api, caplog, capfd) -> None:
+    service, _ = api()
+    caplog.set_level(logging.DEBUG, logger="runner")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(service.config.socket)
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{nope")
+    for _ in range(100):  # the worker notices when it writes the 400
+        if any("went away" in r.getMessage() for r in caplog.records):
+            break
+        threading.Event().wait(0.05)
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert [r.levelno for r in gone] == [logging.DEBUG]
+    assert not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_body_sent_with_get_or_cancel_is_never_read_as_a_request(api) -> None:
+    service, client = api()
+    job = client.submit(spec())["id"]
+    smuggled = b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n"
+    for line in (b"GET /v1/health", f"POST /v1/jobs/{job}/cancel".encode()):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(service.config.socket)
+            sock.sendall(line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
+            answer, closed = read_until_closed(sock)
+        assert answer.count(b"HTTP/1.1 ") == 1 and closed, answer
+
+
+def test_slow_heads_and_idle_keep_alive_connections_are_cut_off(api) -> None:
+    """One byte a second never completes a head within its 10 s; a kept-alive connection idles 5 s at most."""
+    service, _ = api()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+        idle.connect(service.config.socket)
+        idle.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        slow.connect(service.config.socket)
+        slow.setblocking(False)
+        cut = False
+        for byte in b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"y" * 40:  # 30 s at most
+            try:
+                slow.send(bytes([byte]))
+                cut = slow.recv(65536) is not None  # data (a 408) or b"" (closed): either way, cut off
+            except BlockingIOError:
+                pass
+            except OSError:
+                cut = True
+            if cut:
+                break
+            threading.Event().wait(1.0)
+        assert cut
+        answer, closed = read_until_closed(idle, 15)
+        assert answer.startswith(b"HTTP/1.1 200") and closed
