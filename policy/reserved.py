@@ -59,6 +59,13 @@ def reserved_containing(network: Network) -> ReservedRange | None:
 # the internet, and minus the three documentation networks (TEST-NET-1/2/3: 192.0.2.0/24,
 # 198.51.100.0/24, 203.0.113.0/24): they are never routed and, by convention, never numbered on
 # a LAN, so no internal host can be reached through them, and the tests' fake internet lives there.
+# Judged for a real runner host: no public name can legitimately resolve into TEST-NET, so refusing
+# it would cost honest jobs nothing; it stays open only for the tests (tests/net, tests/vm and
+# tests/service all serve their fake internet from it). The risk it leaves is a LAN numbered in it
+# by mistake (copied from documentation), which is the same risk as a LAN numbered in public space
+# the organisation does not own (1.1.1.0/24 is the classic), and that no fixed list can catch: this
+# list protects LANs numbered by the RFCs only. A host whose internal networks are numbered
+# otherwise needs them refused by the operator's own configuration (not available yet).
 # Guests get no AAAA answers at all; the IPv6 part keeps the check complete for when they do,
 # including the IPv6 forms that carry an IPv4 address a translator or relay would deliver to
 # (`embedded_ipv4`): such an address is as internal as the IPv4 address it carries.

@@ -13,6 +13,14 @@ Public API (everything else is internal):
 - `Upstream(address, port=53, netns=None)`: where the guests' resolver asks allowed names.
 - `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried.
 - Guest-side constants in `runner.net.addresses` (baked into the snapshot template).
+
+What the resolver promises (`runner.net.dns`): an allowed name's answer opens its addresses on the
+rule's ports only, never an address in `policy.reserved.INTERNAL` (RFC 1918, CGNAT, link-local,
+ULA, the uplink pool, and IPv6 forms carrying such an IPv4 address) unless a `cidr:` rule or an
+operator allowance covers it; openings last the answer's TTL clamped to 60 s..1 h and close within
+a sweep (2 s) of that; answers opening new addresses rewrite the chain at most 64 times at once and
+2 a second after (past that the guest gets SERVFAIL); a destroyed slot's resolver never writes again.
+TEST-NET answers are not refused (see `policy.reserved` for why, and what that leaves open).
 """
 
 from runner.net.audit import AuditRecord, suggest_policy
