@@ -57,9 +57,9 @@ def confinement_checks() -> list[Check]:
     except KeyError:
         checks.append(Check(True, f"privilege drop: VMs run as {jail.VM_USER}, created on first use "
                             "(or by scripts/setup)"))
-    checks.append(Check(shutil.which("setpriv") is not None,
-                        "setpriv is installed (privilege drop and parent-death signal: VMs die with the service)",
-                        "apt-get install util-linux"))
+    checks.append(Check(os.path.exists("/proc/self/ns/net"),
+                        "network namespaces: each VMM runs in an empty one; a parent-death signal ends it with the service",
+                        "use a kernel with network namespaces (CONFIG_NET_NS)"))
     version = cgroup.version()
     what = f"cgroup {version}: one per VM with cpu, memory and pids limits" if version else \
         "a cgroup hierarchy (v2 or v1) with the cpu, memory and pids controllers"

@@ -177,12 +177,11 @@ class Engine:
         try:
             overlay = vm_dir / "disk.qcow2"
             _make_overlay(snapshot.disk, overlay)
-            prefix: tuple[str, ...] = ()
             namespace = ""
             if snapshot.config.network:
                 slot = self.net.acquire()
-                prefix, namespace = tuple(slot.qemu_prefix()), slot.netns
-            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns_prefix=prefix, netns=namespace)
+                namespace = slot.netns  # where the host opens the VM's tap; QEMU itself runs in none
+            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns=namespace)
             machine = self.hv.spawn(snapshot, launch)
         except BaseException:
             if slot is not None:

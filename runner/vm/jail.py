@@ -11,20 +11,27 @@ hold nothing worth having:
 - the template's RAM is a sealed memfd (no writes, no growth, seals sealed): QEMU 7.2 opens a
   `memory-backend-file` read-write even for a private mapping, so handing it the template file
   itself would hand it a writable template. A sealed memfd still maps privately copy-on-write.
+- a network namespace of its own with nothing in it: the tap is a descriptor the host opened in
+  the VM's slot, so the VMM needs no network, and its own sockets reach neither the host's
+  loopback nor the slot's uplink;
 - a parent-death signal (SIGKILL) so that no guest outlives the service that supervises it.
 
-The parent-death signal fires when the *thread* that forked the VMM ends, and a uid change
-clears it; so VMMs are forked by one long-lived thread (`Spawner`), and the signal is set by a
-second `setpriv` that already runs as the VM user, just before it execs QEMU.
+All of it is done by `confine`, in the forked child just before it execs QEMU. The parent-death
+signal fires when the *thread* that forked the VMM ends, and a uid change clears it; so VMMs are
+forked by one long-lived thread (`Spawner`), the signal is armed after the uid change, and the
+child then checks that its parent is still the service: if the service died between the fork and
+the arming, no signal will ever come, and the child exits instead of starting an unsupervised VM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import pwd
 import queue
 import shutil
+import signal
 import struct
 import subprocess
 import threading
@@ -42,6 +49,9 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 _TUNSETIFF = 0x400454CA
 _IFF_TAP, _IFF_NO_PI, _IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
 _COPY_CHUNK = 1 << 20
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 24, 38
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 T = TypeVar("T")
 
@@ -79,19 +89,41 @@ def _create_user() -> None:
         raise VMError(f"could not create the VM user {VM_USER!r}: {proc.stderr.strip()}")
 
 
-def drop_prefix(user: VMUser | None) -> list[str]:
-    """argv prefix: become `user` (if given), then arm the parent-death signal and exec the VMM.
+def confine(user: VMUser | None) -> Callable[[], None]:
+    """The `preexec_fn` of a VMM: runs in the forked child, as root, after `setsid` and before exec.
 
-    The second setpriv already runs with the final credentials, so the signal survives (a uid
-    change would clear it)."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        raise VMError("setpriv is not installed: apt-get install util-linux")
-    prefix = []
-    if user is not None:
-        prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs",
-                  "--inh-caps=-all", "--bounding-set=-all", "--"]
-    return [*prefix, setpriv, "--pdeathsig", "KILL", "--"]
+    In order: an empty network namespace; for a restored VM, no bounding capabilities, no groups,
+    the VM user's gid and uid, no_new_privs; then the parent-death signal (after the uid change,
+    which would clear it) and the check that the parent has not died already. Everything it calls
+    is bound here, in the parent: the child of a threaded process must not import or take locks.
+    """
+    parent, unshare, prctl, fail = os.getpid(), _libc.unshare, _libc.prctl, _raise_errno
+    last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    setgroups, setresgid, setresuid, getppid = os.setgroups, os.setresgid, os.setresuid, os.getppid
+
+    def setup() -> None:
+        if unshare(_CLONE_NEWNET) != 0:
+            fail("unshare(CLONE_NEWNET)")
+        if user is not None:
+            for cap in range(last_cap + 1):
+                if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                    fail("PR_CAPBSET_DROP")
+            setgroups([])
+            setresgid(user.gid, user.gid, user.gid)
+            setresuid(user.uid, user.uid, user.uid)
+            if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                fail("PR_SET_NO_NEW_PRIVS")
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            fail("PR_SET_PDEATHSIG")
+        if getppid() != parent:  # the service died before the signal was armed
+            os._exit(1)
+
+    return setup
+
+
+def _raise_errno(what: str) -> None:
+    errno = ctypes.get_errno()
+    raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
 def proc_fd(fd: int) -> str:

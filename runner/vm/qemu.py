@@ -189,9 +189,11 @@ class Monitor:
 
 
 class QemuMachine(Machine):
-    """A QEMU process, forked by the jail's long-lived spawner thread and confined to `group` if given."""
+    """A QEMU process, forked by the jail's long-lived spawner thread, confined by `jail.confine`,
+    running as `user` and in `group` if given (a restored VM)."""
 
-    def __init__(self, argv: list[str], launch: Launch, backends: Backends, group: cgroup.VMCgroup | None = None) -> None:
+    def __init__(self, argv: list[str], launch: Launch, backends: Backends, user: jail.VMUser | None = None,
+                 group: cgroup.VMCgroup | None = None) -> None:
         qmp_host, qmp_vm = socket.socketpair()
         agent_host, agent_vm = socket.socketpair()
         argv = argv + [
@@ -216,7 +218,10 @@ class QemuMachine(Machine):
                 cwd="/",
                 pass_fds=(agent_vm.fileno(), qmp_vm.fileno(), *backends.fds),
                 start_new_session=True,  # a Ctrl-C aimed at the service is not aimed at its VMs
+                preexec_fn=jail.confine(user),
             ))
+        except subprocess.SubprocessError as exc:  # confine() failed in the child; QEMU never ran
+            raise VMError(f"could not confine QEMU (network namespace, user, parent-death signal): {exc}") from None
         finally:
             stderr.close()
             agent_vm.close()
@@ -347,7 +352,7 @@ class QemuHypervisor(Hypervisor):
     def boot(self, config: MachineConfig, mem_file: Path, launch: Launch) -> Machine:
         backends = bake_backends(config, mem_file, launch)
         args = [*device_args(config, backends, bake=True), *sandbox_args()]
-        argv = [*launch.netns_prefix, *jail.drop_prefix(None), self.binary, *args]
+        argv = [*launch.netns_prefix, self.binary, *args]
         return QemuMachine(argv, launch, backends)
 
     def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
@@ -355,7 +360,7 @@ class QemuHypervisor(Hypervisor):
         backends = restore_backends(snapshot, launch, self._sealed_ram(snapshot.mem_file), user)
         try:
             args = [*device_args(snapshot.config, backends, bake=False), *sandbox_args(), "-incoming", "defer"]
-            argv = [*launch.netns_prefix, *jail.drop_prefix(user), self.binary, *args]
+            argv = [self.binary, *args]  # never in the slot's namespace: the tap is a descriptor
             config = snapshot.config
             group = cgroup.VMCgroup.create(cgroup.scope_for(launch.vm_dir.parent), launch.vm_dir.name,
                                            cgroup.limits_for(config.vcpus, config.memory_mib))
@@ -363,7 +368,7 @@ class QemuHypervisor(Hypervisor):
             backends.close()
             raise
         try:
-            return QemuMachine(argv, launch, backends, group)
+            return QemuMachine(argv, launch, backends, user, group)
         except BaseException:
             group.remove()
             raise

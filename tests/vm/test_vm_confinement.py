@@ -8,6 +8,8 @@ import mmap
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,3 +140,46 @@ def test_restored_qemu_inherits_no_environment_cwd_or_capability_bound_from_the_
     assert _status(pid)["CapBnd"] == "0000000000000000"
     engine.destroy(vm)
 
+def test_restored_qemu_cannot_open_connections_on_the_hosts_network(make_engine):
+    """QEMU's own sockets (not the guest's, which go through the filtered tap) reach nothing: a
+    chardev that connects out stands in for code an escaped guest runs in the VMM."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    engine = make_engine(pool_size=0)
+    vm = engine.create("base", network=False)
+    try:
+        assert os.readlink(f"/proc/{vm.machine.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        with pytest.raises(VMError, match="QMP chardev-add failed"):
+            vm.machine.qmp("chardev-add", id="escape", backend={"type": "socket", "data": {
+                "addr": {"type": "inet", "data": {"host": "127.0.0.1", "port": str(port)}}, "server": False}})
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+        engine.destroy(vm)
+
+
+
+
+SERVICE_DYING_DURING_SPAWN = """
+import os, signal, subprocess, sys, time
+from runner.vm import jail
+setup = jail.confine(None)
+def service_dies_first():  # the worst moment: after the fork, before the signal is armed
+    service = os.getppid()
+    os.kill(service, signal.SIGKILL)
+    while os.getppid() == service:
+        time.sleep(0.001)
+    setup()
+subprocess.Popen(["/bin/sh", "-c", "echo started > " + sys.argv[1]], preexec_fn=service_dies_first)
+"""
+
+
+def test_a_vmm_whose_service_dies_before_the_parent_death_signal_is_armed_never_starts(need_root, tmp_path):
+    marker = tmp_path / "vmm-started"
+    service = subprocess.Popen([sys.executable, "-c", SERVICE_DYING_DURING_SPAWN, str(marker)],
+                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE)
+    service.stdout.read()  # EOF: every holder of the pipe, the orphaned child included, has exited
+    assert service.wait() == -signal.SIGKILL
+    assert not marker.exists(), "the VMM ran on although its service died before the death signal was armed"
