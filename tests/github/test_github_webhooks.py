@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -347,3 +351,45 @@ def test_pull_request_events_are_ignored(server, hooks) -> None:
     reply = deliver(server, load_payload("listendev-lstn.pull_request.opened.from-fork.json"), event="pull_request")
     assert reply.status == 200 and "ignored" in reply.message
 
+
+
+def test_content_length_of_4301_digits_is_411_with_an_answer(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["Content-Length"] = "1" * 4301  # one past Python's int() digit limit
+    reply = send(server, b"", headers=headers, send_body=False)
+    assert reply.status == 411 and reply.headers["Connection"] == "close"
+
+
+def test_signed_json_nested_1000_deep_is_400(server) -> None:
+    body = b"[" * 1000 + b"]" * 1000
+    reply = send(server, body, headers=github_headers(body, "workflow_job"))
+    assert reply.status == 400 and "nested deeper" in reply.message
+
+
+def test_a_malformed_signature_is_403_before_the_body_is_sent(server) -> None:
+    headers = github_headers(BODY, "workflow_job")
+    headers["X-Hub-Signature-256"] = "sha1=0123"
+    reply = send(server, b"", headers=headers, send_body=False)  # the server must not wait for the body
+    assert reply.status == 403 and "malformed" in reply.message
+
+
+def test_slow_bodies_do_not_take_the_delivery_slots(make_server, hooks) -> None:
+    """20 bodies at one byte a second, a well-formed but wrong signature each: 12 signed deliveries still get in."""
+    server = make_server(labels=OUR_LABELS)
+    head = (b"POST /github/webhook HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n"
+            b"X-GitHub-Delivery: 1\r\nX-Hub-Signature-256: sha256=" + b"0" * 64 + b"\r\n\r\n")
+    payloads = [load_payload("queued.payload.json") for _ in range(12)]
+    for n, payload in enumerate(payloads):
+        payload["workflow_job"]["id"] += n  # twelve different jobs, so none is a replay of another
+    with contextlib.ExitStack() as stack:
+        slow = [stack.enter_context(socket.create_connection(("127.0.0.1", server.port), timeout=10)) for _ in range(20)]
+        for sock in slow:
+            sock.sendall(head)
+        for _ in range(2):
+            for sock in slow:
+                sock.sendall(b" ")
+            time.sleep(1.0)
+        with ThreadPoolExecutor(12) as pool:
+            statuses = list(pool.map(lambda p: deliver(server, p).status, payloads))
+    assert statuses == [200] * 12
+    assert len(hooks.queued) == 12
