@@ -6,9 +6,11 @@ run` and the action's artifact copy (`extract`).
 
 - Every 512-byte header is read by `HeaderScanner` before `tarfile` sees it: pax, GNU long-name and
   long-link members over 64 KiB, global pax headers, sparse members, bad checksums and malformed pax
-  records end the stream. stdlib `tarfile` reads an extended header whole and, before Python
-  3.11.10 / 3.12.6, parses it with a backtracking regex (CVE-2024-6232): a 1 MiB header cost minutes
-  of CPU, a 32 MiB one hundreds of MiB of memory even when patched.
+  records end the stream, and so do pax headers an unpatched tarfile would still search slowly
+  (long runs of digits) or decode badly (a hdrcharset other than tarfile's own). stdlib `tarfile`
+  reads an extended header whole and, before Python 3.11.10 / 3.12.6, parses it with backtracking
+  regexes (CVE-2024-6232): a 1 MiB header cost minutes of CPU, a 32 MiB one hundreds of MiB of memory
+  even when patched. A stream that ends inside a member's data ends there, for tarfile too.
 - A member name is a plain relative path: no NUL or control characters, no backslash, not absolute,
   no `..`, bounded in length and depth, and no `.git` component in any letter case (that is where
   git finds hooks and `core.fsmonitor`, which run on the next git command on the host).
@@ -29,6 +31,7 @@ import errno
 import io
 import os
 import posixpath
+import re
 import secrets
 import sys
 import tarfile
@@ -51,6 +54,10 @@ _NO_DATA_TYPES = (tarfile.LNKTYPE, tarfile.SYMTYPE, tarfile.CHRTYPE, tarfile.BLK
                   tarfile.FIFOTYPE)
 _EXTENDED = {tarfile.XHDTYPE: "pax", tarfile.SOLARIS_XHDTYPE: "pax",
              tarfile.GNUTYPE_LONGNAME: "GNU long-name", tarfile.GNUTYPE_LONGLINK: "GNU long-link"}
+
+HDRCHARSETS = (b"BINARY", b"ISO-IR 10646 2000 UTF-8")  # the two values POSIX defines, as tarfile writes them
+MAX_DIGIT_COST = 1 << 16  # the sum of squared digit-run lengths in one pax header (see _unpatched_search_problem)
+_DIGIT_RUN = re.compile(rb"[0-9]+")
 
 # The first releases whose tarfile no longer backtracks on pax headers (CVE-2024-6232), per minor.
 PATCHED_PYTHON = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10),
@@ -213,7 +220,9 @@ def pax_records(body: bytes) -> dict[bytes, bytes]:
 
     tarfile parses the whole block-padded body and stops at the first position where no record
     starts; requiring the rest to be NUL padding means it sees exactly the records seen here, all
-    well formed, so its regex never backtracks on them.
+    well formed, so its regex never backtracks on them. An unpatched tarfile also searches the whole
+    body for `\\d+ hdrcharset=(...)\\n`, inside values too: `_unpatched_search_problem` keeps that
+    search cheap and its find harmless.
     """
     records: dict[bytes, bytes] = {}
     pos = 0
@@ -231,7 +240,25 @@ def pax_records(body: bytes) -> dict[bytes, bytes]:
         pos = end
     if body[pos:].strip(b"\0"):
         raise UnsafeTar("bytes after the records of a pax header")
+    if body.count(b"hdrcharset=") != (b"hdrcharset" in records) or records.get(b"hdrcharset", b"BINARY") not in HDRCHARSETS:
+        raise UnsafeTar("a pax hdrcharset other than one record of BINARY or UTF-8")
+    problem = _unpatched_search_problem(body)
+    if problem:
+        raise UnsafeTar(problem)
     return records
+
+
+def _unpatched_search_problem(body: bytes) -> str | None:
+    """Why the hdrcharset search of tarfile before 3.11.10 / 3.12.6 would be slow on `body`, or None.
+
+    `\\d+ ` is tried at every digit of a run and scans to the run's end: n*n/2 steps for a run of n
+    digits (a 64 KiB header of digits cost about 9 s). Real headers have runs of at most 20 (sizes,
+    times, lengths); MAX_DIGIT_COST allows a 256-digit run, or many short ones.
+    """
+    cost = sum(len(run) ** 2 for run in _DIGIT_RUN.findall(body))
+    if cost > MAX_DIGIT_COST:
+        return "a pax header with long runs of digits (an unpatched tarfile's regex backtracks on them)"
+    return None
 
 
 class HeaderScanner(io.RawIOBase):

@@ -315,3 +315,42 @@ def test_a_member_longer_than_the_stream_ends_it_instead_of_spinning(tmp_path: P
         copied = tarsafe.copy_validated(source, io.BytesIO(), tarsafe.Limits(max_file_bytes=100))
         assert copied.files == [] and "ended inside the data of a member" in copied.stopped
     assert source.reads_past_end <= 2
+
+
+@pytest.mark.parametrize("body", [
+    pax_record(b"path", b"1" * 60000),  # one run: an unpatched tarfile spent about 9 s on this header
+    b"".join(pax_record(b"comment", b"7" * 600) for _ in range(90)),
+])
+def test_long_digit_runs_in_a_pax_header_are_refused(body: bytes) -> None:
+    """Before 3.11.10 / 3.12.6 tarfile looks for `\\d+ hdrcharset=` anywhere in a pax header, and a run
+    of n digits costs it n*n/2 steps: within the 64 KiB bound, seconds per member, under the GIL."""
+    with pytest.raises(tarsafe.UnsafeTar, match="runs of digits"):
+        tarsafe.check_tar(raw_tar((tarfile.XHDTYPE, b"h", body), (tarfile.REGTYPE, b"f", b"data")))
+
+
+@pytest.mark.parametrize("body", [
+    pax_record(b"comment", b"1 hdrcharset=\xff"),  # found by tarfile's search inside another value
+    pax_record(b"hdrcharset", b"\xff"),
+    pax_record(b"hdrcharset", b"BINARY") + pax_record(b"path", b"x 1 hdrcharset=ISO-8859-1"),
+])
+def test_a_hdrcharset_other_than_tarfiles_own_is_refused(tmp_path: Path, body: bytes) -> None:
+    """An unpatched tarfile decodes the first `\\d+ hdrcharset=` it finds anywhere in the header with
+    strict UTF-8: the UnicodeDecodeError escaped every handler and failed the job."""
+    with pytest.raises(tarsafe.UnsafeTar, match="hdrcharset"):
+        tarsafe.extract(raw_tar((tarfile.XHDTYPE, b"h", body), (tarfile.REGTYPE, b"f", b"data")), tmp_path)
+
+
+def test_real_pax_headers_still_pass(tmp_path: Path) -> None:
+    """What tarfile and the guest agent write: times with fractions, long digit-laden names, BINARY."""
+    name = "out/build-" + "20261130" * 5 + "/r\u00e9sum\u00e9.txt"
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = 2, 1732000000.123456
+    buf = io.BytesIO()
+    tar = tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT)
+    tar.addfile(info, io.BytesIO(b"ok"))
+    tar.addfile(tarsafe.marker("out/big", "left out in the VM: larger than 1000000000000 bytes"))
+    body = pax_record(b"hdrcharset", b"BINARY") + pax_record(b"path", "x\u00e9".encode()) + pax_record(b"mtime", b"1.5")
+    stream = io.BytesIO(buf.getvalue() + raw_tar((tarfile.XHDTYPE, b"h", body), (tarfile.REGTYPE, b"f", b"data")).getvalue())
+    result = tarsafe.extract(stream, tmp_path)
+    assert result.files == [(name, 2), ("x\u00e9", 4)]
+    assert result.skipped == [("out/big", "left out in the VM: larger than 1000000000000 bytes")]
