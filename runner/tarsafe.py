@@ -132,7 +132,11 @@ def safe_name(raw: str, limits: Limits = Limits()) -> str:
         raise UnsafeTar(f"member {raw[:80]!r}: control characters in the name")
     if "\\" in raw:
         raise UnsafeTar(f"member {raw[:80]!r}: backslash in the name")
-    encoded = raw.encode("utf-8", "surrogateescape")
+    try:
+        encoded = raw.encode("utf-8")
+    except UnicodeEncodeError:  # tarfile's surrogateescape form of bytes that are not UTF-8
+        raise UnsafeTar(f"member {_shown(raw)[:80]!r}: the name is not UTF-8 (the host's logs, summary "
+                        "and outputs could not show it)") from None
     if len(encoded) > limits.max_name_bytes:
         raise UnsafeTar(f"member {raw[:80]!r}...: name longer than {limits.max_name_bytes} bytes")
     if raw.startswith("/"):
@@ -142,7 +146,7 @@ def safe_name(raw: str, limits: Limits = Limits()) -> str:
         raise UnsafeTar(f"member {raw[:80]!r}: '..' in the path")
     if len(parts) > limits.max_depth:
         raise UnsafeTar(f"member {raw[:80]!r}: deeper than {limits.max_depth} directories")
-    if any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in parts):
+    if any(len(part.encode("utf-8")) > 255 for part in parts):
         raise UnsafeTar(f"member {raw[:80]!r}: a path component is longer than 255 bytes")
     return "/".join(parts)
 

@@ -354,3 +354,32 @@ def test_real_pax_headers_still_pass(tmp_path: Path) -> None:
     result = tarsafe.extract(stream, tmp_path)
     assert result.files == [(name, 2), ("x\u00e9", 4)]
     assert result.skipped == [("out/big", "left out in the VM: larger than 1000000000000 bytes")]
+
+
+def non_utf8_tar() -> io.BytesIO:
+    """What the guest agent writes for files whose names are not UTF-8 (legal on Linux): BINARY pax paths."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(os.fsdecode(b"out/r\xe9sum\xe9.txt"))
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+        link = tarfile.TarInfo(os.fsdecode(b"out/l\xe9nk"))
+        link.type, link.linkname = tarfile.SYMTYPE, "x"
+        tar.addfile(link)
+        ok, data = member("out/ok.txt", b"ok")
+        tar.addfile(ok, io.BytesIO(data))
+    buf.seek(0)
+    return buf
+
+
+def test_names_that_are_not_utf8_are_skipped_and_shown_printable(tmp_path: Path) -> None:
+    """Such a name became a str with lone surrogates: the service's log note about it and the action's
+    job summary raised UnicodeEncodeError (job failed, step 'internal error')."""
+    result = tarsafe.extract(non_utf8_tar(), tmp_path)
+    assert result.files == [("out/ok.txt", 2)]
+    assert [name for name, _ in result.skipped] == ["out/r?sum?.txt", "out/l?nk"]
+    assert all("not UTF-8" in why for _, why in result.skipped)
+    copied = tarsafe.copy_validated(non_utf8_tar(), io.BytesIO(), tarsafe.Limits())
+    assert copied.files == [tarsafe.Member("out/ok.txt", 2)]
+    for name, why in copied.skipped:
+        f"{name}: {why}".encode("utf-8")
