@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import io
+import math
 import os
 import posixpath
 import re
@@ -506,7 +507,7 @@ def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: tarfile.Ta
         return
     state.seen.add(name)
     clean = tarfile.TarInfo(name)
-    clean.mtime = max(0, min(int(info.mtime), 2**33))
+    clean.mtime = 0 if math.isnan(info.mtime) else int(max(0, min(info.mtime, 2**33)))  # pax mtime is a float
     clean.size, clean.mode = info.size, 0o755 if info.mode & 0o111 else 0o644
     data = source.extractfile(info)
     assert data is not None  # a regular file always has a reader

@@ -356,6 +356,19 @@ def test_real_pax_headers_still_pass(tmp_path: Path) -> None:
     assert result.skipped == [("out/big", "left out in the VM: larger than 1000000000000 bytes")]
 
 
+@pytest.mark.parametrize("mtime,kept", [(b"nan", 0), (b"inf", 2**33), (b"-inf", 0), (b"1e400", 2**33)])
+def test_a_non_finite_pax_mtime_is_clamped_not_a_crash(mtime: bytes, kept: int) -> None:
+    """tarfile reads a pax mtime with float(): int() of it raised ValueError/OverflowError out of the
+    copy, which failed the job and lost the command's exit code."""
+    out = io.BytesIO()
+    stream = raw_tar((tarfile.XHDTYPE, b"h", pax_record(b"mtime", mtime)), (tarfile.REGTYPE, b"f", b"data"))
+    copied = tarsafe.copy_validated(stream, out, tarsafe.Limits())
+    assert copied.files == [tarsafe.Member("f", 4)] and copied.stopped is None
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:
+        assert [m.mtime for m in tar] == [kept]
+
+
 def non_utf8_tar() -> io.BytesIO:
     """What the guest agent writes for files whose names are not UTF-8 (legal on Linux): BINARY pax paths."""
     buf = io.BytesIO()
