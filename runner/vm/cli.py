@@ -52,11 +52,15 @@ def confinement_checks() -> list[Check]:
                     "install a QEMU built with seccomp (Debian's qemu-system-x86 is)")]
     try:
         entry = pwd.getpwnam(jail.VM_USER)
-        checks.append(Check(entry.pw_uid != 0, f"privilege drop: VMs run as {jail.VM_USER} (uid {entry.pw_uid}), "
+        checks.append(Check(entry.pw_gid != 0, f"privilege drop: VMs run as {jail.VM_USER} (group {entry.pw_gid}), "
                             "files handed over as descriptors, template RAM a sealed memfd"))
     except KeyError:
         checks.append(Check(True, f"privilege drop: VMs run as {jail.VM_USER}, created on first use "
                             "(or by scripts/setup)"))
+    taken = jail.taken_vm_uids()
+    checks.append(Check(not taken, f"each VM has a uid of its own ({jail.VM_UIDS.start}-{jail.VM_UIDS.stop - 1})"
+                        + (f": taken by {', '.join(taken[:5])}" if taken else ""),
+                        "move those accounts out of that range: a VMM would share their uid"))
     checks.append(Check(os.path.exists("/proc/self/ns/net"),
                         "network namespaces: each VMM runs in an empty one; a parent-death signal ends it with the service",
                         "use a kernel with network namespaces (CONFIG_NET_NS)"))

@@ -4,8 +4,10 @@ and a tie to the service's life.
 A device-emulation bug lets a hostile guest run code as its QEMU process. That process must then
 hold nothing worth having:
 - `-sandbox` (seccomp) with spawn, privilege elevation, resource control and obsolete calls denied;
-- the uid/gid of a dedicated system user (`VM_USER`) with no groups and no_new_privs, so no file of
-  root's (the App key, the webhook secret, the state directory) is readable or writable;
+- a uid of its own, leased from `VM_UIDS` for the VMM's life (`lease_uid`), the gid of a dedicated
+  system group (`VM_USER`), no supplementary groups and no_new_privs: no file of root's (the App
+  key, the webhook secret, the state directory) is readable or writable, and no VMM can signal,
+  trace or open the descriptors (/proc/PID/fd) of another, as it could if they shared a uid;
 - every file it needs is opened by the host and handed over as a descriptor (`/proc/self/fd/N`
   or `fd=N`): the VM user needs no path into the state directory, which stays root's 0700;
 - the template's RAM is a sealed memfd (no writes, no growth, seals sealed): QEMU 7.2 opens a
@@ -44,6 +46,10 @@ from typing import TypeVar
 from runner.vm.errors import VMError
 
 VM_USER = "microvm-check-vm"
+# One uid per running VMM, outside the ranges useradd (< 60000) and /etc/subuid (100000 + 65536 n,
+# by default far below this) hand out; no passwd entry needed. doctor checks that none is taken.
+VM_UIDS = range(0x6D760000, 0x6D760000 + 4096)
+UID_LEASES = Path("/run/microvm-check/vm-uids")
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 _TUNSETIFF = 0x400454CA
@@ -75,6 +81,39 @@ def vm_user(create: bool = True) -> VMUser:
     if entry.pw_uid == 0 or entry.pw_gid == 0:
         raise VMError(f"the VM user {VM_USER!r} has uid/gid 0: it must be an unprivileged system user")
     return VMUser(VM_USER, entry.pw_uid, entry.pw_gid)
+
+
+@dataclass
+class UidLease:
+    """A uid of `VM_UIDS` held for one VMM: an flock on `UID_LEASES/<uid>`, released by `close`
+    once the VMM is reaped, or by the kernel when the service dies (its VMMs die with it)."""
+
+    uid: int
+    _fd: int
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def lease_uid() -> UidLease:
+    """The lowest free uid of `VM_UIDS`; free across every engine and process on this host."""
+    UID_LEASES.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for uid in VM_UIDS:
+        fd = os.open(UID_LEASES / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return UidLease(uid, fd)
+    raise VMError(f"all {len(VM_UIDS)} VM uids are in use: this host runs as many VMs as it can")
+
+
+def taken_vm_uids() -> list[str]:
+    """Accounts whose uid lies in `VM_UIDS`: a VMM running as one would share it with them."""
+    return [f"{entry.pw_name} ({entry.pw_uid})" for entry in pwd.getpwall() if entry.pw_uid in VM_UIDS]
 
 
 def _create_user() -> None:

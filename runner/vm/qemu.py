@@ -190,10 +190,10 @@ class Monitor:
 
 class QemuMachine(Machine):
     """A QEMU process, forked by the jail's long-lived spawner thread, confined by `jail.confine`,
-    running as `user` and in `group` if given (a restored VM)."""
+    running as `user` (its uid held by `lease`) and in `group` if given (a restored VM)."""
 
     def __init__(self, argv: list[str], launch: Launch, backends: Backends, user: jail.VMUser | None = None,
-                 group: cgroup.VMCgroup | None = None) -> None:
+                 group: cgroup.VMCgroup | None = None, lease: jail.UidLease | None = None) -> None:
         qmp_host, qmp_vm = socket.socketpair()
         agent_host, agent_vm = socket.socketpair()
         argv = argv + [
@@ -206,6 +206,7 @@ class QemuMachine(Machine):
         ]
         self.argv = argv
         self.group = group
+        self.lease = lease
         stderr = open(launch.vm_dir / "qemu.stderr", "wb")
         try:
             self.proc = jail.spawner().run(lambda: subprocess.Popen(
@@ -315,6 +316,8 @@ class QemuMachine(Machine):
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        if self.lease is not None:  # reaped: no process runs as its uid any more
+            self.lease.close()
         with self._qmp_lock:
             monitor, self._qmp = self._qmp, None
         if monitor is not None:
@@ -329,7 +332,7 @@ class QemuMachine(Machine):
 
 
 class QemuHypervisor(Hypervisor):
-    """QEMU with seccomp everywhere; restored VMs also run as the VM user, in a cgroup of their own.
+    """QEMU with seccomp everywhere; restored VMs also run as a uid and in a cgroup of their own.
 
     The bake boots our own template recipe (no job's code) as root: it must write the RAM file
     it shares with the guest, which no restore may ever do.
@@ -356,8 +359,13 @@ class QemuHypervisor(Hypervisor):
         return QemuMachine(argv, launch, backends)
 
     def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
-        user = jail.vm_user()
-        backends = restore_backends(snapshot, launch, self._sealed_ram(snapshot.mem_file), user)
+        lease = jail.lease_uid()
+        user = jail.VMUser(jail.VM_USER, lease.uid, jail.vm_user().gid)
+        try:
+            backends = restore_backends(snapshot, launch, self._sealed_ram(snapshot.mem_file), user)
+        except BaseException:
+            lease.close()
+            raise
         try:
             args = [*device_args(snapshot.config, backends, bake=False), *sandbox_args(), "-incoming", "defer"]
             argv = [self.binary, *args]  # never in the slot's namespace: the tap is a descriptor
@@ -366,11 +374,13 @@ class QemuHypervisor(Hypervisor):
                                            cgroup.limits_for(config.vcpus, config.memory_mib))
         except BaseException:
             backends.close()
+            lease.close()
             raise
         try:
-            return QemuMachine(argv, launch, backends, user, group)
+            return QemuMachine(argv, launch, backends, user, group, lease)
         except BaseException:
             group.remove()
+            lease.close()
             raise
 
     def _sealed_ram(self, mem_file: Path) -> int:

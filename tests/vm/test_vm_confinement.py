@@ -4,6 +4,7 @@ cgroup with limits; and the template RAM it maps is a sealed copy nobody can wri
 from __future__ import annotations
 
 import argparse
+import fcntl
 import mmap
 import os
 import signal
@@ -47,8 +48,9 @@ def test_restored_qemu_is_unprivileged_sandboxed_and_in_a_limited_cgroup(make_en
     vm = engine.create("base", network=False)
     pid = vm.machine.pid
     status = _status(pid)
-    assert status["Uid"].split() == [str(jail.vm_user().uid)] * 4
-    assert "0" not in status["Gid"].split() and status["Groups"] == ""
+    uid = int(status["Uid"].split()[0])
+    assert uid in jail.VM_UIDS and status["Uid"].split() == [str(uid)] * 4
+    assert status["Gid"].split() == [str(jail.vm_user().gid)] * 4 and status["Groups"] == ""
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert status["CapEff"] == "0000000000000000"
 
@@ -183,3 +185,47 @@ def test_a_vmm_whose_service_dies_before_the_parent_death_signal_is_armed_never_
     service.stdout.read()  # EOF: every holder of the pipe, the orphaned child included, has exited
     assert service.wait() == -signal.SIGKILL
     assert not marker.exists(), "the VMM ran on although its service died before the death signal was armed"
+def _fd_of(pid: int, suffix: str) -> int:
+    return next(int(fd) for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(suffix))
+
+
+def test_one_vms_qemu_cannot_reach_another_vms_qemu(make_engine):
+    """Every VMM has a uid of its own: one cannot signal, trace or open the files of another (here:
+    VM a's QEMU asked to open VM b's writable disk overlay through /proc/<b>/fd)."""
+    engine = make_engine(pool_size=0)
+    a = engine.create("base", network=False)
+    b = engine.create("base", network=False)
+    try:
+        assert _status(a.machine.pid)["Uid"] != _status(b.machine.pid)["Uid"]
+        overlay = f"/proc/{b.machine.pid}/fd/{_fd_of(b.machine.pid, 'disk.qcow2')}"
+        with pytest.raises(VMError, match="QMP blockdev-add failed.*(Permission denied|Operation not permitted)"):
+            a.machine.qmp("blockdev-add", driver="file", filename=overlay, **{"node-name": "theirs"})
+    finally:
+        engine.destroy(a)
+        engine.destroy(b)
+    assert a.machine.exit_status() is not None and b.machine.exit_status() is not None
+    assert a.machine.lease.uid != b.machine.lease.uid
+
+
+def _lease_is_held(uid: int) -> bool:
+    fd = os.open(jail.UID_LEASES / str(uid), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_vm_uid_is_leased_once_across_engines_and_free_again_when_released(need_root):
+    first = jail.lease_uid()
+    second = jail.lease_uid()  # as another engine, in this or another process, would
+    try:
+        assert first.uid != second.uid and {first.uid, second.uid} <= set(jail.VM_UIDS)
+        assert _lease_is_held(first.uid)
+        first.close()
+        assert not _lease_is_held(first.uid)
+    finally:
+        first.close()
+        second.close()
