@@ -68,7 +68,7 @@ SWEEP_SECONDS = 2.0
 # Rewrites of a slot's DNS allow chain that answers may cause. Each costs ~10 ms of iptables-restore
 # under the host-wide xtables lock (every slot's policy load waits for it), and a name that resolves
 # somewhere new on every lookup (a wildcard rule over a CDN, a DNS the attacker controls) would cost
-# one per query: 256 in the first second, then one per address that expired, for every hostile VM.
+# one per query: 256 back to back, then one per address that expired, for every hostile VM.
 # A job's start-up burst of lookups fits in WRITE_BURST; past it WRITES_PER_SECOND refill. An answer
 # that needs a new opening when none is left is SERVFAIL (the guest retries); one whose addresses
 # are open already needs no write and is answered. Closing (`expire`) is never refused: it is
