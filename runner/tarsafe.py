@@ -36,6 +36,7 @@ import re
 import secrets
 import sys
 import tarfile
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,14 +153,22 @@ def safe_name(raw: str, limits: Limits = Limits()) -> str:
     return "/".join(parts)
 
 
+# Unicode's Default_Ignorable_Code_Point: name-folding file systems (HFS+; ext4's casefold before
+# Linux 6.12, as far as we know) drop them, and git's own core.protectHFS check skips them too.
+_IGNORABLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
+                        "\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3"
+                        "\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
+
+
 def refused_name(name: str) -> str | None:
     """Why a normalised name may never be written on the host, or None.
 
-    `.git` in any letter case (case-insensitive file systems), and with the trailing dots and spaces
-    that Windows file systems drop: git runs hooks and `core.fsmonitor` from there.
+    `.git` in any letter case (case-insensitive file systems), with the trailing dots and spaces
+    that Windows file systems drop, with ignorable code points anywhere and in compatibility forms
+    (fullwidth letters): git runs hooks and `core.fsmonitor` from there.
     """
     for part in name.split("/"):
-        if part.rstrip(". ").lower() == ".git":
+        if unicodedata.normalize("NFKC", _IGNORABLE.sub("", part)).casefold().rstrip(". ") == ".git":
             return "a .git path component (git would run or trust what is in it): never written on the host"
     return None
 

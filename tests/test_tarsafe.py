@@ -396,3 +396,20 @@ def test_names_that_are_not_utf8_are_skipped_and_shown_printable(tmp_path: Path)
     assert copied.files == [tarsafe.Member("out/ok.txt", 2)]
     for name, why in copied.skipped:
         f"{name}: {why}".encode("utf-8")
+
+
+@pytest.mark.parametrize("name", [
+    ".g\u200cit/hooks/post-checkout", "\ufeff.git/config", "out/.GIT\u200d/config", ".g\u00adit/x",
+    "\uff0e\uff47\uff49\uff54/config", ".git\uff0e/config", ".Git \u200b/config",
+])
+def test_git_hidden_behind_ignorable_or_compatibility_characters_is_refused(tmp_path: Path, name: str) -> None:
+    """File systems that fold names (HFS+, case-folding ext4 directories on older kernels) drop the
+    Unicode ignorables, as git's own core.protectHFS check does: `.g<ZWNJ>it` is `.git` there."""
+    assert tarsafe.refused_name(name) is not None
+    result = tarsafe.extract(tar_of(member(name, b"x"), member("fine/.gitignore", b"*")), tmp_path)
+    assert result.files == [("fine/.gitignore", 1)] and result.skipped[0][0] == name
+
+
+@pytest.mark.parametrize("name", [".gitignore", ".github/workflows/x", "git/config", "a.git/b", ".gi"])
+def test_names_that_only_look_like_git_are_kept(name: str) -> None:
+    assert tarsafe.refused_name(name) is None
