@@ -24,7 +24,7 @@ from action.inputs import Inputs, job_spec, read_inputs
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
-from action.summary import Result, annotations, exit_code_of, markdown, outputs
+from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
 from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.cli import UserError
 from runner.service.records import FINAL_STATES as TERMINAL
@@ -182,11 +182,19 @@ class JobRun:
             self.out.write(annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
         elif result.exit_code:
             self.out.write(annotation("error", f"command exited with {result.exit_code}") + "\n")
-        for name, why in result.refused_artifacts:
-            self.out.write(annotation("warning", f"artifact {name} not copied: {why}") + "\n")
+        self._refused_warnings(result.refused_artifacts)
         self.out.flush()
         append_file("GITHUB_STEP_SUMMARY", markdown(result), self.environ)
         append_file("GITHUB_OUTPUT", format_outputs(outputs(result)), self.environ)
+
+    def _refused_warnings(self, refused: list[tuple[str, str]]) -> None:
+        """One warning per refused artifact up to GitHub's per-step limit, then a count: the guest
+        decides how many there are (up to the service's max_count), so the lines must not scale with it."""
+        for name, why in refused[:MAX_ANNOTATIONS]:
+            self.out.write(annotation("warning", f"artifact {name} not copied: {why}") + "\n")
+        if len(refused) > MAX_ANNOTATIONS:
+            self.out.write(annotation("warning", f"{len(refused) - MAX_ANNOTATIONS} more artifacts not copied "
+                                                 "(the result-json output lists them all)") + "\n")
 
     def _cancel(self, exc: Interrupted) -> int:
         self._say(f"{exc}: cancelling job {self.job_id or '(not submitted yet)'}")
