@@ -4,6 +4,8 @@ cgroup with limits; and the template RAM it maps is a sealed copy nobody can wri
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -87,6 +89,13 @@ def test_a_qemu_that_tries_to_exec_is_killed_by_seccomp(make_engine):
     engine.destroy(vm)
 
 
+def _punch_hole(fd: int, offset: int, length: int) -> int:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE): would zero the template's pages under every VM; 0 or errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return 0 if libc.fallocate(fd, 0x02 | 0x01, offset, length) == 0 else ctypes.get_errno()
+
+
 def test_template_ram_copy_is_sealed_but_maps_privately_writable(tmp_path):
     ram = tmp_path / "mem.ram"
     with open(ram, "wb") as f:  # data, a zero chunk, a hole, data
@@ -100,6 +109,14 @@ def test_template_ram_copy_is_sealed_but_maps_privately_writable(tmp_path):
             os.pwrite(fd, b"x", 0)
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 0)
+        # what a VMM holds: the copy reopened read-write through /proc; the seals are the inode's
+        reopened = os.open(jail.proc_fd(fd), os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(reopened, b"x", 0)
+            assert _punch_hole(reopened, 0, 4096) == errno.EPERM
+        finally:
+            os.close(reopened)
         with pytest.raises(PermissionError):
             mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         private = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
