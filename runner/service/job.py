@@ -31,6 +31,7 @@ _TTL_MARGIN_SECONDS = 120  # the engine's own hard limit, past the job's timeout
 
 CHECKOUT = "checkout.tar"
 ARTIFACTS = "artifacts.tar"
+MAX_ARTIFACT_NOTES = 50  # log notes about skipped artifacts; they are outside the guest's log budget
 LOG = "log.ndjson"
 
 
@@ -231,8 +232,11 @@ class JobRun:
         with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
             copied = copy_validated(src, dst, tar_limits, stopped=stopped, stop_names=self.spec.artifacts)
         os.replace(f"{clean}.part", clean)
-        for name, why in copied.skipped:
+        for name, why in copied.skipped[:MAX_ARTIFACT_NOTES]:
             self.log.system(f"warning: artifact {name} skipped: {why}")
+        if len(copied.skipped) > MAX_ARTIFACT_NOTES:  # the guest chose how many; the clean tar names each
+            self.log.system(f"warning: {len(copied.skipped) - MAX_ARTIFACT_NOTES} more artifacts skipped "
+                            "(the artifact tar carries a note for each)")
         if copied.stopped:
             self.log.system(f"warning: artifact transfer ended early: {copied.stopped}")
         with self.lock:
