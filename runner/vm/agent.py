@@ -10,8 +10,9 @@ bounded by the queue sizes, and a guest that stops reading cannot block a sender
 The guest also decides how many frames it sends, and every frame costs the host CPU outside the
 VM's budget. So the reader takes frames from the socket in large reads, merges consecutive output
 frames of one request into one item (flushed at 64 KiB, after 50 ms, or before any other frame, so
-order is kept and live output is late by at most 50 ms), and reads at most `FrameBudget.rate`
-frames a second: past that it stops reading for a moment and the guest's writes back up.
+order is kept and live output is late by at most 50 ms), lets a trickle of small reads gather
+for those 50 ms instead of waking for each, and reads at most `FrameBudget.rate` frames a second:
+past that it stops reading for a moment and the guest's writes back up.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ KILL_GRACE_S = 10.0  # how long past its timeout a command may take before the h
 RECV_SIZE = 256 * 1024  # one read takes many small frames at once
 COALESCE_BYTES = 64 * 1024  # output frames of one request are merged up to this size ...
 COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte at once
+TRICKLE_BYTES = 16 * 1024  # a read smaller than this while merging: wait for the merge to be due
 MAX_FRAMES_PER_S = 20_000  # per channel (one VM): bounds the host CPU a frame flood can take
 MAX_JSON_DEPTH = 32  # our messages nest 2 levels; deeper would only exercise the parser's recursion
 
@@ -163,8 +165,8 @@ class _Wire:
         self._pos = start + length
         return P.Frame(kind, rid, self._buf[start : self._pos])
 
-    def fill(self, timeout: float) -> bool | None:
-        """Receive more: True on data, None when `timeout` passed first, False at the end of the stream."""
+    def fill(self, timeout: float) -> int | None:
+        """Receive more: the bytes received, None when `timeout` passed first, 0 at the end of the stream."""
         self._buf, self._pos = self._buf[self._pos :], 0
         # Wait with poll, not the socket's timeout: that one is shared with the senders.
         if not self._poll.poll(timeout * 1000):
@@ -178,9 +180,9 @@ class _Wire:
         if not chunk:
             if self._buf:
                 raise P.ProtocolError(f"channel closed in the middle of a frame ({len(self._buf)} bytes of it)")
-            return False
+            return 0
         self._buf += chunk
-        return True
+        return len(chunk)
 
 
 @dataclass
@@ -240,15 +242,21 @@ class AgentClient:
             self._fail("the guest closed its agent channel")
 
     def _read_frames(self, wire: _Wire) -> None:
+        trickling = False
         while not self._closed:
             frame = wire.frame()
             if frame is not None:
                 self._budget.take()
                 self._route(frame)
                 continue
+            if trickling and self._run is not None:
+                # Output is dribbling in and would wake us for every write (a wake-up costs far more
+                # than the bytes it brings): let it gather until the merged output is due anyway.
+                time.sleep(self._flush_due())
             received = wire.fill(self._flush_due())
-            if received is False:
+            if received == 0:
                 return
+            trickling = received is not None and received < TRICKLE_BYTES
             if self._run is not None and (received is None or self._run_expired()):
                 self._flush_run()
 
