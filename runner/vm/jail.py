@@ -16,6 +16,8 @@ hold nothing worth having:
 - a network namespace of its own with nothing in it: the tap is a descriptor the host opened in
   the VM's slot, so the VMM needs no network, and its own sockets reach neither the host's
   loopback nor the slot's uplink;
+- a file size limit (RLIMIT_FSIZE, hard): it writes its stderr and its disk overlay, and neither
+  may grow past the guest's disk plus qcow2 metadata, however much it writes;
 - a parent-death signal (SIGKILL) so that no guest outlives the service that supervises it.
 
 All of it is done by `confine`, in the forked child just before it execs QEMU. The parent-death
@@ -32,6 +34,7 @@ import fcntl
 import os
 import pwd
 import queue
+import resource
 import shutil
 import signal
 import struct
@@ -50,6 +53,7 @@ VM_USER = "microvm-check-vm"
 # by default far below this) hand out; no passwd entry needed. doctor checks that none is taken.
 VM_UIDS = range(0x6D760000, 0x6D760000 + 4096)
 UID_LEASES = Path("/run/microvm-check/vm-uids")
+FILE_SIZE_SLACK = 64 << 20  # a qcow2 overlay's metadata beyond the guest's data; plenty for any disk size
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 _TUNSETIFF = 0x400454CA
@@ -128,21 +132,25 @@ def _create_user() -> None:
         raise VMError(f"could not create the VM user {VM_USER!r}: {proc.stderr.strip()}")
 
 
-def confine(user: VMUser | None) -> Callable[[], None]:
+def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[[], None]:
     """The `preexec_fn` of a VMM: runs in the forked child, as root, after `setsid` and before exec.
 
-    In order: an empty network namespace; for a restored VM, no bounding capabilities, no groups,
-    the VM user's gid and uid, no_new_privs; then the parent-death signal (after the uid change,
+    In order: an empty network namespace; the file size limit (soft and hard: the VMM cannot raise
+    it); for a restored VM, no bounding capabilities, no groups, the VM user's gid and uid,
+    no_new_privs; then the parent-death signal (after the uid change,
     which would clear it) and the check that the parent has not died already. Everything it calls
     is bound here, in the parent: the child of a threaded process must not import or take locks.
     """
     parent, unshare, prctl, fail = os.getpid(), _libc.unshare, _libc.prctl, _raise_errno
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     setgroups, setresgid, setresuid, getppid = os.setgroups, os.setresgid, os.setresuid, os.getppid
+    setrlimit, fsize = resource.setrlimit, resource.RLIMIT_FSIZE
 
     def setup() -> None:
         if unshare(_CLONE_NEWNET) != 0:
             fail("unshare(CLONE_NEWNET)")
+        if max_file_bytes is not None:
+            setrlimit(fsize, (max_file_bytes, max_file_bytes))
         if user is not None:
             for cap in range(last_cap + 1):
                 if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:

@@ -190,10 +190,12 @@ class Monitor:
 
 class QemuMachine(Machine):
     """A QEMU process, forked by the jail's long-lived spawner thread, confined by `jail.confine`,
-    running as `user` (its uid held by `lease`) and in `group` if given (a restored VM)."""
+    running as `user` (its uid held by `lease`), in `group` and writing files of at most
+    `max_file_bytes` if given (a restored VM)."""
 
     def __init__(self, argv: list[str], launch: Launch, backends: Backends, user: jail.VMUser | None = None,
-                 group: cgroup.VMCgroup | None = None, lease: jail.UidLease | None = None) -> None:
+                 group: cgroup.VMCgroup | None = None, lease: jail.UidLease | None = None,
+                 max_file_bytes: int | None = None) -> None:
         qmp_host, qmp_vm = socket.socketpair()
         agent_host, agent_vm = socket.socketpair()
         argv = argv + [
@@ -219,7 +221,7 @@ class QemuMachine(Machine):
                 cwd="/",
                 pass_fds=(agent_vm.fileno(), qmp_vm.fileno(), *backends.fds),
                 start_new_session=True,  # a Ctrl-C aimed at the service is not aimed at its VMs
-                preexec_fn=jail.confine(user),
+                preexec_fn=jail.confine(user, max_file_bytes),
             ))
         except subprocess.SubprocessError as exc:  # confine() failed in the child; QEMU never ran
             raise VMError(f"could not confine QEMU (network namespace, user, parent-death signal): {exc}") from None
@@ -377,7 +379,8 @@ class QemuHypervisor(Hypervisor):
             lease.close()
             raise
         try:
-            return QemuMachine(argv, launch, backends, user, group, lease)
+            max_file_bytes = snapshot.disk.stat().st_size + jail.FILE_SIZE_SLACK  # the overlay's most
+            return QemuMachine(argv, launch, backends, user, group, lease, max_file_bytes)
         except BaseException:
             group.remove()
             lease.close()

@@ -246,3 +246,20 @@ def test_a_vm_uid_is_leased_once_across_engines_and_free_again_when_released(nee
     finally:
         first.close()
         second.close()
+
+
+def test_a_vmm_cannot_write_files_larger_than_its_disk(need_root, tmp_path):
+    """A VMM writes through its stderr and its overlay: bounded by RLIMIT_FSIZE, not by the host's disk."""
+    target = tmp_path / "out"
+    proc = subprocess.run(["/bin/sh", "-c", f"exec head -c 8192 /dev/zero > {target}"],
+                          preexec_fn=jail.confine(None, max_file_bytes=4096))
+    assert proc.returncode == -signal.SIGXFSZ and target.stat().st_size == 4096
+
+
+def test_restored_qemu_file_size_limit_is_its_disk_plus_metadata(make_engine):
+    engine = make_engine(pool_size=0)
+    vm = engine.create("base", network=False)
+    limits = Path(f"/proc/{vm.machine.pid}/limits").read_text().splitlines()
+    soft, hard = next(line for line in limits if line.startswith("Max file size")).split()[3:5]
+    assert int(soft) == int(hard) == vm.snapshot.disk.stat().st_size + jail.FILE_SIZE_SLACK
+    engine.destroy(vm)
