@@ -15,12 +15,13 @@ committed (`sub -> .git`).
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
-import re
 import shutil
 import tarfile
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,8 +29,8 @@ from runner import tarsafe
 from runner.tarsafe import Extracted as Extraction
 from runner.tarsafe import Limits as ArtifactLimits
 
-__all__ = ["ArtifactError", "ArtifactLimits", "BoundedWriter", "Extraction", "deliver", "extract", "glob_regex",
-           "matches", "place"]
+__all__ = ["ArtifactError", "ArtifactLimits", "BoundedWriter", "Extraction", "Glob", "deliver", "extract",
+           "glob_regex", "matches", "place"]
 
 
 class ArtifactError(Exception):
@@ -51,34 +52,33 @@ class BoundedWriter:
         return self._handle.write(data)
 
 
-def glob_regex(pattern: str) -> re.Pattern[str]:
-    """A glob as a regex: `*` and `?` stay inside one path segment, `**` spans segments."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and "]" in pattern[i + 2 :]:
-            end = pattern.index("]", i + 2)
-            body = pattern[i + 1 : end].replace("\\", "\\\\")
-            out.append(f"[^{body[1:]}]" if body.startswith("!") else f"[{body}]")
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out))
+@dataclass(frozen=True)
+class Glob:
+    """A glob read as the guest's `glob.glob(recursive=True)` reads it, so the host never drops a file
+    the guest matched: each path segment is an fnmatch pattern (`*`, `?`, `[...]`, `[!...]`, with
+    fnmatch's rules for `]`, `^` and empty ranges), and a `**` segment spans any number of segments."""
+
+    segments: tuple[str, ...]
+
+    def fullmatch(self, path: str) -> bool:
+        parts = path.split("/")
+        reach = {0}  # how many leading parts the segments so far can match
+        for segment in self.segments:
+            if segment == "**":
+                reach = set(range(min(reach), len(parts) + 1))
+            else:
+                reach = {j + 1 for j in reach if j < len(parts) and fnmatch.fnmatchcase(parts[j], segment)}
+            if not reach:
+                return False
+        return len(parts) in reach
 
 
-def matches(name: str, patterns: Iterable[re.Pattern[str]]) -> bool:
+def glob_regex(pattern: str) -> Glob:
+    """The matcher for one requested glob (a normalised relative path, see tarsafe.safe_name)."""
+    return Glob(tuple(pattern.split("/")))
+
+
+def matches(name: str, patterns: Iterable[Glob]) -> bool:
     """True when `name` or one of its parent directories matches a requested glob."""
     parts = name.split("/")
     candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]

@@ -173,3 +173,22 @@ def test_deliver_across_file_systems_copies_with_its_own_writes(workspace: Path,
 def test_deliver_refuses_a_target_in_git_or_outside(workspace: Path, tmp_path: Path, target: str) -> None:
     with pytest.raises(ArtifactError, match="artifacts-path"):
         deliver(tar(file("a")), workspace, target, ["*"], tmp_path)
+
+
+@pytest.mark.parametrize("pattern,name,expected", [
+    ("[^b]x", "ax", False), ("[^b]x", "^x", True), ("[^b]x", "bx", True),  # `^` is a literal, as in glob()
+    ("[[]x", "[x", True), ("[!]]x", "ax", True),
+])
+def test_globs_match_like_the_guests_glob(pattern: str, name: str, expected: bool) -> None:
+    """The guest picks files with Python's glob (fnmatch classes); the host must not drop what it sent."""
+    import fnmatch
+
+    assert fnmatch.fnmatchcase(name, pattern) is expected
+    assert matches(name, [glob_regex(pattern)]) is expected
+
+
+def test_a_glob_with_an_empty_range_matches_nothing_instead_of_crashing(workspace: Path) -> None:
+    """`[z-a]` is a glob that matches nothing for the guest; as a regex it raised re.error after the job
+    had run (an internal error with a traceback instead of the artifacts of the other globs)."""
+    result = extract(tar(file("out/a.txt", b"a"), file("b.txt", b"b")), workspace, ["out/[z-a]", "b.txt"])
+    assert result.files == [("b.txt", 1)]
