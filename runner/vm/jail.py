@@ -16,6 +16,9 @@ hold nothing worth having:
 - a network namespace of its own with nothing in it: the tap is a descriptor the host opened in
   the VM's slot, so the VMM needs no network, and its own sockets reach neither the host's
   loopback nor the slot's uplink;
+- a seccomp filter of our own under QEMU's, refusing what `-sandbox` lets through and an
+  unprivileged process can still use to widen the kernel it reaches: new namespaces (unshare,
+  setns, namespace-creating clones; a user namespace gives CAP_NET_ADMIN & co. over it);
 - a file size limit (RLIMIT_FSIZE, hard): it writes its stderr and its disk overlay, and neither
   may grow past the guest's disk plus qcow2 metadata, however much it writes;
 - a parent-death signal (SIGKILL) so that no guest outlives the service that supervises it.
@@ -30,7 +33,9 @@ the arming, no signal will ever come, and the child exits instead of starting an
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
+import functools
 import os
 import pwd
 import queue
@@ -62,6 +67,9 @@ _COPY_CHUNK = 1 << 20
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 24, 38
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_CLONE_NAMESPACES = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_SCMP_ACT_ALLOW, _SCMP_CMP_MASKED_EQ = 0x7FFF0000, 7
 
 T = TypeVar("T")
 
@@ -145,6 +153,7 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     setgroups, setresgid, setresuid, getppid = os.setgroups, os.setresgid, os.setresuid, os.getppid
     setrlimit, fsize = resource.setrlimit, resource.RLIMIT_FSIZE
+    program = _SockFprog.of(_namespace_filter()) if user is not None else None
 
     def setup() -> None:
         if unshare(_CLONE_NEWNET) != 0:
@@ -160,6 +169,8 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
             setresuid(user.uid, user.uid, user.uid)
             if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 fail("PR_SET_NO_NEW_PRIVS")
+            if prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0) != 0:
+                fail("PR_SET_SECCOMP")
         if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             fail("PR_SET_PDEATHSIG")
         if getppid() != parent:  # the service died before the signal was armed
@@ -168,9 +179,69 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
     return setup
 
 
+class _SockFprog(ctypes.Structure):
+    """struct sock_fprog: a classic BPF program as PR_SET_SECCOMP takes it (8 bytes an instruction)."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    @classmethod
+    def of(cls, bpf: bytes) -> "_SockFprog":
+        return cls(len(bpf) // 8, bpf)
+
+
+class _ArgCmp(ctypes.Structure):
+    """libseccomp's struct scmp_arg_cmp."""
+
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+
+@functools.cache
+def _namespace_filter() -> bytes:
+    """The BPF of the jail's own seccomp filter, built once with libseccomp (QEMU's dependency).
+
+    unshare and setns fail with EPERM, so does clone with any CLONE_NEW* flag, and clone3 (whose
+    flags a filter cannot see) with ENOSYS, on which glibc falls back to clone. Other
+    architectures' system calls (int 0x80) kill the process: libseccomp's default for them."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        raise VMError("libseccomp is not installed: apt-get install libseccomp2") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+
+    def deny(ctx: int, name: str, code: int, *conditions: _ArgCmp) -> None:
+        array = (_ArgCmp * len(conditions))(*conditions) if conditions else None
+        rc = lib.seccomp_rule_add_array(ctx, 0x00050000 | code, lib.seccomp_syscall_resolve_name(name.encode()),
+                                        len(conditions), array)
+        if rc < 0:
+            raise VMError(f"libseccomp refused the rule for {name}: {os.strerror(-rc)}")
+
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise VMError("libseccomp could not start a filter")
+    out = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+    try:
+        deny(ctx, "unshare", errno.EPERM)
+        deny(ctx, "setns", errno.EPERM)
+        deny(ctx, "clone3", errno.ENOSYS)
+        for flag in _CLONE_NAMESPACES:
+            deny(ctx, "clone", errno.EPERM, _ArgCmp(0, _SCMP_CMP_MASKED_EQ, flag, flag))
+        if lib.seccomp_export_bpf(ctx, out) < 0:
+            raise VMError("libseccomp could not export the filter")
+        return os.pread(out, os.fstat(out).st_size, 0)
+    finally:
+        os.close(out)
+        lib.seccomp_release(ctx)
+
+
 def _raise_errno(what: str) -> None:
-    errno = ctypes.get_errno()
-    raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    code = ctypes.get_errno()
+    raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
 def proc_fd(fd: int) -> str:

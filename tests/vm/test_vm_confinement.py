@@ -54,6 +54,7 @@ def test_restored_qemu_is_unprivileged_sandboxed_and_in_a_limited_cgroup(make_en
     assert uid in jail.VM_UIDS and status["Uid"].split() == [str(uid)] * 4
     assert status["Gid"].split() == [str(jail.vm_user().gid)] * 4 and status["Groups"] == ""
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    assert status["Seccomp_filters"] == "2"  # the jail's own, then QEMU's -sandbox
     assert status["CapEff"] == "0000000000000000"
 
     template_dir = str(template_store.get("base").path)
@@ -263,3 +264,31 @@ def test_restored_qemu_file_size_limit_is_its_disk_plus_metadata(make_engine):
     soft, hard = next(line for line in limits if line.startswith("Max file size")).split()[3:5]
     assert int(soft) == int(hard) == vm.snapshot.disk.stat().st_size + jail.FILE_SIZE_SLACK
     engine.destroy(vm)
+
+
+NAMESPACE_ESCAPES = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD, SYS_CLONE = 0x10000000, 0x40000000, 17, 56
+pid = libc.syscall(SYS_CLONE, CLONE_NEWUSER | CLONE_NEWNET | SIGCHLD, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+results = {"clone": pid > 0, "unshare": libc.unshare(CLONE_NEWUSER) == 0}
+print(results)
+"""
+
+
+def test_a_confined_vmm_cannot_enter_or_create_namespaces(need_root):
+    """User namespaces are how an unprivileged process gets CAP_NET_ADMIN & co. over a fresh
+    namespace, the usual way into the kernel's nf_tables and friends; QEMU's -sandbox lets unshare
+    and namespace-creating clones through, so the jail adds a filter of its own."""
+    lease = jail.lease_uid()
+    try:
+        user = jail.VMUser(jail.VM_USER, lease.uid, jail.vm_user().gid)
+        # the system's Python: the VM's uid cannot read root's home, where this one may live
+        proc = subprocess.run(["/usr/bin/python3", "-I", "-c", NAMESPACE_ESCAPES], preexec_fn=jail.confine(user),
+                              capture_output=True, text=True, cwd="/")
+    finally:
+        lease.close()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str({"clone": False, "unshare": False})
