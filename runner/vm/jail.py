@@ -145,7 +145,7 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
 
     In order: an empty network namespace; the file size limit (soft and hard: the VMM cannot raise
     it); for a restored VM, no bounding capabilities, no groups, the VM user's gid and uid,
-    no_new_privs; then the parent-death signal (after the uid change,
+    no_new_privs and the namespace filter; then the parent-death signal (after the uid change,
     which would clear it) and the check that the parent has not died already. Everything it calls
     is bound here, in the parent: the child of a threaded process must not import or take locks.
     """
@@ -153,7 +153,7 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     setgroups, setresgid, setresuid, getppid = os.setgroups, os.setresgid, os.setresuid, os.getppid
     setrlimit, fsize = resource.setrlimit, resource.RLIMIT_FSIZE
-    program = _SockFprog.of(_namespace_filter()) if user is not None else None
+    program = ctypes.byref(_SockFprog.of(_namespace_filter())) if user is not None else None
 
     def setup() -> None:
         if unshare(_CLONE_NEWNET) != 0:
@@ -169,7 +169,7 @@ def confine(user: VMUser | None, max_file_bytes: int | None = None) -> Callable[
             setresuid(user.uid, user.uid, user.uid)
             if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 fail("PR_SET_NO_NEW_PRIVS")
-            if prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0) != 0:
+            if prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, program, 0, 0) != 0:
                 fail("PR_SET_SECCOMP")
         if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             fail("PR_SET_PDEATHSIG")
