@@ -199,7 +199,11 @@ exit 7
         # The guest printed ~30 MB; the relay shows at most LogLimits().max_bytes of it (the service keeps
         # 16 MiB by default too), plus the action's own lines: 1 MiB is far more than those take.
         assert "log truncated" in result.log and len(result.log) < LogLimits().max_bytes + 1024**2
+        # The symlink is named in a warning (an annotation the runner models accept below) and never
+        # written: not into the checkout, not into the artifacts directory.
+        assert "::warning::artifact out/evil.xml not copied: links are not allowed" in result.log
         assert not os.path.lexists(sim.workspace / "out" / "evil.xml")
+        assert not os.path.lexists(sim.workspace / "artifacts" / "out" / "evil.xml")
         assert not os.path.exists("/tmp/evil-path")
         # What the runner would do with this log: none of the guest's commands (outputs, masks, paths,
         # env, its own stop/resume token, echo) executes; only the relay's frame and the action's annotations.
