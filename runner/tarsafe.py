@@ -60,6 +60,7 @@ _EXTENDED = {tarfile.XHDTYPE: "pax", tarfile.SOLARIS_XHDTYPE: "pax",
 HDRCHARSETS = (b"BINARY", b"ISO-IR 10646 2000 UTF-8")  # the two values POSIX defines, as tarfile writes them
 MAX_DIGIT_COST = 1 << 16  # the sum of squared digit-run lengths in one pax header (see _unpatched_search_problem)
 _DIGIT_RUN = re.compile(rb"[0-9]+")
+_LONG_DIGIT_RUN = re.compile(r"[0-9]{41,}")
 
 # The first releases whose tarfile no longer backtracks on pax headers (CVE-2024-6232), per minor.
 PATCHED_PYTHON = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10),
@@ -143,6 +144,9 @@ def safe_name(raw: str, limits: Limits = Limits()) -> str:
         raise UnsafeTar(f"member {raw[:80]!r}...: name longer than {limits.max_name_bytes} bytes")
     if raw.startswith("/"):
         raise UnsafeTar(f"member {raw[:80]!r}: absolute path")
+    if "hdrcharset=" in raw or _digit_cost(encoded) > MAX_DIGIT_COST // 2:
+        raise UnsafeTar(f"member {raw[:80]!r}: the name would make a pax header that the host's own tar "
+                        "reader refuses (long runs of digits, or 'hdrcharset=')")
     parts = [part for part in raw.split("/") if part not in ("", ".")]
     if ".." in parts:
         raise UnsafeTar(f"member {raw[:80]!r}: '..' in the path")
@@ -197,10 +201,19 @@ def skip_marker(member: tarfile.TarInfo) -> str | None:
 
 
 def marker(name: str, why: str) -> tarfile.TarInfo:
-    """A zero-size member that says `name` was left out and why (see SKIPPED_KEY)."""
-    info = tarfile.TarInfo(name)
-    info.pax_headers = {SKIPPED_KEY: why[:MAX_REASON_CHARS]}
+    """A zero-size member that says `name` was left out and why (see SKIPPED_KEY).
+
+    Both are made inert for the scanner that reads the marker back (no digit run over 40, no
+    `hdrcharset=`): a guest chose them, and one refused header would end the whole stream.
+    """
+    info = tarfile.TarInfo(_inert(name))
+    info.pax_headers = {SKIPPED_KEY: _inert(why[:MAX_REASON_CHARS])}
     return info
+
+
+def _inert(text: str) -> str:
+    text = _LONG_DIGIT_RUN.sub(lambda run: run[0][:40] + "\u2026", text)
+    return text.replace("hdrcharset=", "hdrcharset:")
 
 
 # ---- the header scanner -----------------------------------------------------------------------
@@ -269,10 +282,13 @@ def _unpatched_search_problem(body: bytes) -> str | None:
     digits (a 64 KiB header of digits cost about 9 s). Real headers have runs of at most 20 (sizes,
     times, lengths); MAX_DIGIT_COST allows a 256-digit run, or many short ones.
     """
-    cost = sum(len(run) ** 2 for run in _DIGIT_RUN.findall(body))
-    if cost > MAX_DIGIT_COST:
+    if _digit_cost(body) > MAX_DIGIT_COST:
         return "a pax header with long runs of digits (an unpatched tarfile's regex backtracks on them)"
     return None
+
+
+def _digit_cost(data: bytes) -> int:
+    return sum(len(run) ** 2 for run in _DIGIT_RUN.findall(data))
 
 
 class HeaderScanner(io.RawIOBase):

@@ -413,3 +413,23 @@ def test_git_hidden_behind_ignorable_or_compatibility_characters_is_refused(tmp_
 @pytest.mark.parametrize("name", [".gitignore", ".github/workflows/x", "git/config", "a.git/b", ".gi"])
 def test_names_that_only_look_like_git_are_kept(name: str) -> None:
     assert tarsafe.refused_name(name) is None
+
+
+def test_the_services_clean_tar_always_passes_the_actions_scanner(tmp_path: Path) -> None:
+    """Names (through GNU long-name headers, which carry no pax records) and marker reasons a guest
+    chose became pax records of the service's own clean tar; long digit runs or `hdrcharset=` in them
+    made the action refuse the whole clean tar, every good artifact with it."""
+    guest = raw_tar(
+        (tarfile.GNUTYPE_LONGNAME, b"././@LongLink", b"1" * 200 + b"/" + b"2" * 200 + b"\0"), (tarfile.REGTYPE, b"x", b"ok"),
+        (tarfile.REGTYPE, b"a hdrcharset=BINARY", b"ok"),
+        (tarfile.GNUTYPE_LONGNAME, b"././@LongLink", b"3" * 180 + b"\0"),
+        (tarfile.XHDTYPE, b"h", pax_record(tarsafe.SKIPPED_KEY.encode(), b"9" * 200)), (tarfile.REGTYPE, b"x", b""),
+        (tarfile.REGTYPE, b"good.txt", b"ok"),
+    )
+    clean = io.BytesIO()
+    copied = tarsafe.copy_validated(guest, clean, tarsafe.Limits())
+    assert copied.stopped is None and copied.files == [tarsafe.Member("good.txt", 2)]
+    assert len(copied.skipped) == 3
+    clean.seek(0)
+    result = tarsafe.extract(clean, tmp_path)
+    assert result.files == [("good.txt", 2)] and len(result.skipped) == 3
