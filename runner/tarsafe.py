@@ -11,9 +11,10 @@ run` and the action's artifact copy (`extract`).
   reads an extended header whole and, before Python 3.11.10 / 3.12.6, parses it with backtracking
   regexes (CVE-2024-6232): a 1 MiB header cost minutes of CPU, a 32 MiB one hundreds of MiB of memory
   even when patched. A stream that ends inside a member's data ends there, for tarfile too.
-- A member name is a plain relative path: no NUL or control characters, no backslash, not absolute,
-  no `..`, bounded in length and depth, and no `.git` component in any letter case (that is where
-  git finds hooks and `core.fsmonitor`, which run on the next git command on the host).
+- A member name is a plain relative path: UTF-8, no NUL or control characters, no backslash, not
+  absolute, no `..`, bounded in length and depth, nothing the scanner would refuse when the name is
+  written back as a pax record, and no `.git` component in any letter case or folded form (that is
+  where git finds hooks and `core.fsmonitor`, which run on the next git command on the host).
 - Only regular files and directories are ever written, by our own code: never a link, a device or a
   fifo. Directories are entered with O_NOFOLLOW and files are created with O_EXCL, so nothing already
   in the destination can redirect a write.
