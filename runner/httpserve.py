@@ -519,7 +519,8 @@ class BoundedHTTPServer:
         self._open -= 1
 
     def _refuse(self, conn: _Conn, refusal: Refusal) -> None:
-        if self._send_once(conn.sock, self._render(refusal)):
+        head_only = conn.buf.startswith(b"HEAD ")  # the buffer starts with the request being refused
+        if self._send_once(conn.sock, self._render(refusal, head_only)):
             self._linger(conn)
         else:
             self._close(conn)
@@ -550,12 +551,14 @@ class BoundedHTTPServer:
         retry = str(self.limits.retry_after_seconds)
         return Refusal(503, f"{why}; try again in {retry} s", (("Retry-After", retry),))
 
-    def _render(self, refusal: Refusal) -> bytes:
+    def _render(self, refusal: Refusal, head_only: bool = False) -> bytes:
+        """The answer's bytes; to a HEAD request without the body (RFC 9110 9.3.2: a client reads none, so
+        one sent would be taken for the next answer), as BaseHTTPRequestHandler answers HEAD too."""
         body = self.error_body(refusal.message)
         lines = [f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}",
                  "Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close",
                  *(f"{name}: {value}" for name, value in refusal.headers)]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
 
     def _wake(self) -> None:
         try:

@@ -1,0 +1,29 @@
+"""What the job API fuzz (tests/fuzz/test_fuzz_job_api.py) found, each pinned with the input it found."""
+
+from __future__ import annotations
+
+import socket
+
+from runner.service import api
+
+
+def raw(path: str, request: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+
+def test_a_refusal_to_head_has_no_body(api) -> None:
+    """A body after the answer to HEAD is read by the client as its next answer (RFC 9110 9.3.2)."""
+    service, _ = api()
+    many = b"".join(b"X-Many: %d\r\n" % i for i in range(120))  # http.client's limit is 100: 431 from the selector
+    answer = raw(service.config.socket, b"HEAD / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 ") and answer.endswith(b"\r\n\r\n") and answer.count(b"\r\n\r\n") == 1
+    get = raw(service.config.socket, b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert get.startswith(b"HTTP/1.1 431 ") and get.endswith(b"more than 100 headers\"}\n")
