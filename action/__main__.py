@@ -26,7 +26,7 @@ from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
 from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
 from action.workflow import annotation, append_file, format_outputs, safe_text
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.service.records import FINAL_STATES as TERMINAL
 LOG_RETRIES = 5  # consecutive log-stream failures without progress before the step gives up
 

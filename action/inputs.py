@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from runner import tarsafe
-from runner.cli import UserError
+from runner.errors import UserError
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 MAX_POLICY_BYTES = 64 * 1024

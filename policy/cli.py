@@ -7,7 +7,7 @@ from pathlib import Path
 
 from policy.load import PolicyError, load_policy
 from policy.render import RenderContext, render
-from runner.cli import UserError
+from runner.errors import UserError
 
 # What `policy render` shows rules for: a typical VM namespace, so that the output reads like the real thing.
 EXAMPLE_CONTEXT = RenderContext(

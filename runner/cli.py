@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from runner.errors import UserError
+
 COMMAND_MODULES = (
     "vmimages.cli",  # template build | list | rm
     "runner.vm.cli",  # doctor
@@ -20,10 +22,6 @@ COMMAND_MODULES = (
     "runner.service.config_cli",  # config check | schema
     "runner.github.cli",  # register | deregister | runners | guard | redeliver
 )
-
-
-class UserError(Exception):
-    """An error the user can act on: printed as one message, never as a traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +59,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the package, so that `python -m runner.cli` and the modules it loads share one UserError.
-    from runner.cli import main as package_main
-
-    sys.exit(package_main())
+    sys.exit(main())

@@ -121,7 +121,7 @@ def require_patched_python(environ: dict[str, str] | None = None) -> None:
     """
     problem = python_problem()
     if problem and (os.environ if environ is None else environ).get(ALLOW_UNPATCHED_ENV) != "1":
-        from runner.cli import UserError
+        from runner.errors import UserError
 
         raise UserError(f"{problem}; or set {ALLOW_UNPATCHED_ENV}=1 to accept it with only the tar header "
                         "scanner as protection")

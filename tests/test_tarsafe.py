@@ -261,7 +261,7 @@ def test_known_vulnerable_pythons_are_named(version: tuple, fixed: bool, problem
 
 
 def test_serve_and_run_refuse_a_vulnerable_python(monkeypatch) -> None:
-    from runner.cli import UserError
+    from runner.errors import UserError
 
     monkeypatch.setattr(tarsafe, "python_problem", lambda: "Python 3.11.7 has CVE-2024-6232")
     with pytest.raises(UserError, match="CVE-2024-6232.*MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON=1"):

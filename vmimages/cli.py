@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.state import StateDir
 from vmimages.recipe import RecipeError
 from vmimages.run import BuildError

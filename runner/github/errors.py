@@ -1,12 +1,12 @@
 """Errors from GitHub, worded so the operator knows what failed and what to do next.
 
-They derive from `runner.cli.UserError` so the CLI prints them as one line instead of a traceback;
+They derive from `runner.errors.UserError` so the CLI prints them as one line instead of a traceback;
 the webhook server and the guard catch them too and report them in their own channels.
 """
 
 from __future__ import annotations
 
-from runner.cli import UserError
+from runner.errors import UserError
 
 
 class GitHubError(UserError):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.service.config import DEFAULT_SOCKET, ConfigError, load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python

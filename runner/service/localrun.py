@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from action.pack import PackError, host_git, pack_checkout
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.service.client import JobAPIError, JobClient
 
 EXIT_FAILED = 1

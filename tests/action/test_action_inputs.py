@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from action.inputs import job_spec, read_inputs
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.service.config import ServiceConfig
 from runner.service.spec import parse_spec
 

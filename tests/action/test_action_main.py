@@ -13,7 +13,7 @@ import pytest
 import action.__main__ as main_mod
 from action.__main__ import LOG_RETRIES, JobRun, _is_timeout
 from action.inputs import Inputs
-from runner.cli import UserError
+from runner.errors import UserError
 from runner.service.client import JobAPIError, JobClient, LogEntry
 
 

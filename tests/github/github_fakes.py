@@ -92,7 +92,7 @@ def run_cli(argv: list[str]) -> int:
     import argparse
     import sys
 
-    from runner.cli import UserError
+    from runner.errors import UserError
     from runner.github import cli
 
     parser = argparse.ArgumentParser(prog="microvm-check")
