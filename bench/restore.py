@@ -24,7 +24,7 @@ from runner.state import StateDir  # noqa: E402
 from runner.vm.agent import AgentClient  # noqa: E402
 from runner.vm.engine import Engine, _make_overlay  # noqa: E402
 from runner.vm.hypervisor import Launch  # noqa: E402
-from vmimages.store import TemplateStore  # noqa: E402
+from runner.vm.templates import TemplateStore  # noqa: E402
 
 
 def summary(name: str, values: list[float]) -> None:

@@ -7,9 +7,9 @@ import os
 
 from runner.errors import UserError
 from runner.state import StateDir
+from runner.vm.templates import TemplateNotFound, TemplateStore
 from vmimages.recipe import RecipeError
 from vmimages.run import BuildError
-from vmimages.store import TemplateNotFound, TemplateStore
 
 
 def register(subparsers) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from runner.state import StateDir
 from runner.vm import accel, cgroup, jail
 from runner.vm.errors import VMError
-from vmimages.store import TemplateNotFound, TemplateStore
+from runner.vm.templates import TemplateNotFound, TemplateStore
 
 
 @dataclass(frozen=True)

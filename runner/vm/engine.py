@@ -26,8 +26,8 @@ from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
 from runner.vm.pool import WarmPool
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.sweep import sweep
+from runner.vm.templates import Template, TemplateNotFound, TemplateStore
 from runner.vm.vm import VM
-from vmimages.store import Template, TemplateNotFound, TemplateStore
 
 log = logging.getLogger(__name__)
 

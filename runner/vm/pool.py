@@ -99,6 +99,6 @@ class WarmPool:
 def _lineage(snapshot: Snapshot) -> tuple:
     """(template directory, variant) of a snapshot, whatever its digest.
 
-    Its files are <templates>/<name>/<digest>/<variant>/state.bin (vmimages.store)."""
+    Its files are <templates>/<name>/<digest>/<variant>/state.bin (runner.vm.templates)."""
     variant_dir = snapshot.state_file.parent
     return variant_dir.parent.parent, variant_dir.name

@@ -61,7 +61,7 @@ def template() -> None:
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
     require(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing")
     from runner.state import StateDir
-    from vmimages.store import TemplateNotFound, TemplateStore
+    from runner.vm.templates import TemplateNotFound, TemplateStore
 
     try:
         TemplateStore(StateDir.default().templates).get("base")
@@ -80,7 +80,7 @@ def service(template: None) -> Iterator[object]:
     from runner.sandbox import Sandbox
     from runner.state import StateDir
     from runner.vm.engine import Engine
-    from vmimages.store import TemplateStore
+    from runner.vm.templates import TemplateStore
 
     short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))
     config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state")})

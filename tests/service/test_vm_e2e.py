@@ -40,7 +40,7 @@ def templates() -> Path:
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
     from runner.state import StateDir
-    from vmimages.store import TemplateNotFound, TemplateStore
+    from runner.vm.templates import TemplateNotFound, TemplateStore
 
     path = StateDir.default().templates
     try:

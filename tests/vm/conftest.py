@@ -19,7 +19,7 @@ from tests.conftest import require
 def template_store():
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
-    from vmimages.store import TemplateNotFound, TemplateStore
+    from runner.vm.templates import TemplateNotFound, TemplateStore
 
     store = TemplateStore(StateDir.default().templates)
     try:

@@ -25,7 +25,7 @@ CRASHING_SERVICE = textwrap.dedent(
     from runner.state import StateDir
     from runner.sandbox import Sandbox
     from runner.vm.engine import Engine
-    from vmimages.store import TemplateStore
+    from runner.vm.templates import TemplateStore
     engine = Engine(StateDir(Path(sys.argv[1])), templates=TemplateStore(StateDir.default().templates), pool_size=2)
     sbx = Sandbox.create(engine=engine)
     # The pool refills from a thread of its own that ends when it is done: its VMs must not die with it.

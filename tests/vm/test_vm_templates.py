@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
+from runner.vm.templates import TemplateNotFound, TemplateStore
 from vmimages.recipe import Recipe, RecipeError
-from vmimages.store import TemplateNotFound, TemplateStore
 
 
 def fake_template(root: Path, name: str, digest: str) -> None:
