@@ -46,8 +46,9 @@ def _on_signal(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
 
-class JobRun:
-    """Drives one job through a JobClient (runner/service/client.py)."""
+class JobDriver:
+    """Drives one job through a JobClient (runner/service/client.py): the action's side of a job; the
+    service's side is runner.service.job.JobRun."""
 
     def __init__(self, client: Any, inputs: Inputs, workspace: Path, out: TextIO,
                  environ: Mapping[str, str], api_errors: tuple[type[Exception], ...] = (OSError,)) -> None:
@@ -240,7 +241,7 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
 
 
-def _abandon(job: JobRun | None, out: TextIO) -> None:
+def _abandon(job: JobDriver | None, out: TextIO) -> None:
     """Cancel a job this step submitted but can no longer follow, so its VM does not run on."""
     if job is None or job.job_id is None:
         return
@@ -256,12 +257,12 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
     signal.signal(signal.SIGTERM, _on_signal)
     from runner.service.client import JobAPIError, JobClient
 
-    job: JobRun | None = None
+    job: JobDriver | None = None
     try:
         inputs = read_inputs(environ)
         workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
         spec = job_spec(inputs, environ, workspace)
-        job = JobRun(JobClient(socket=inputs.socket), inputs, workspace, out, environ,
+        job = JobDriver(JobClient(socket=inputs.socket), inputs, workspace, out, environ,
                      api_errors=(JobAPIError, OSError))
         return job.run(spec)
     except Interrupted as exc:

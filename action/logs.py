@@ -20,7 +20,10 @@ from action.workflow import neutralise_line, split_lines, stop_token
 
 
 @dataclass(frozen=True)
-class LogLimits:
+class RelayLimits:
+    """How much of the guest's log the relay shows in the Actions job log (the service bounds its own
+    copy separately: runner.service.config.LogLimits)."""
+
     max_bytes: int = 16 * 1024 * 1024  # guest bytes shown in the job log
     max_lines: int = 200_000
     max_line_chars: int = 8192  # longer lines are wrapped
@@ -41,7 +44,7 @@ class LogRelay:
     lines and resumes commands, even when the job is interrupted, so the rest of the step works.
     """
 
-    def __init__(self, out: TextIO, title: str, limits: LogLimits = LogLimits()) -> None:
+    def __init__(self, out: TextIO, title: str, limits: RelayLimits = RelayLimits()) -> None:
         self._out = out
         self._title = title
         self._limits = limits

@@ -1,7 +1,7 @@
 """A hostile artifact tar cannot reach the runner checkout's .git (issue 8, item 3).
 
 The tar is hand-made, as root in the guest could make it, and fed to the action's real artifact path
-(`JobRun._artifacts`); then real `git` commands run on the host checkout, the way the next job's
+(`JobDriver._artifacts`); then real `git` commands run on the host checkout, the way the next job's
 `actions/checkout` would, and must run no hook and find the config unchanged.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from action.__main__ import JobRun
+from action.__main__ import JobDriver
 from action.inputs import Inputs
 from runner.service.client import JobAPIError
 
@@ -76,7 +76,7 @@ def fetch(workspace: Path, temp: Path, data: bytes, **inputs: object):
     fields = dict(run="true", working_directory="sub", policy="", artifacts=GLOBS, timeout_minutes=10,
                   template="base", env_names=[], socket="/nonexistent", include_git=False)
     out = io.StringIO()
-    run = JobRun(ArtifactClient(data), Inputs(**{**fields, **inputs}), workspace, out,
+    run = JobDriver(ArtifactClient(data), Inputs(**{**fields, **inputs}), workspace, out,
                  {"RUNNER_TEMP": str(temp)}, api_errors=(JobAPIError, OSError))
     run.job_id = "j1"
     return run._artifacts(), out.getvalue()
@@ -153,7 +153,7 @@ def test_skipped_artifacts_fail_the_step_only_when_required(checkout: Path, tmp_
     inputs = Inputs(run="true", working_directory=".", policy="", artifacts=["**"], timeout_minutes=10,
                     template="base", env_names=[], socket="/nonexistent", include_git=False,
                     artifacts_required=required)
-    run = JobRun(ArtifactClient(hostile_tar(tmp_path / "pwned")), inputs, checkout, out,
+    run = JobDriver(ArtifactClient(hostile_tar(tmp_path / "pwned")), inputs, checkout, out,
                  {"RUNNER_TEMP": str(temp)}, api_errors=(JobAPIError, OSError))
     run.job_id = "j1"
     extraction = run._artifacts()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from action.logs import LogLimits, LogRelay
+from action.logs import LogRelay, RelayLimits
 from action.workflow import ZWSP, neutralise_line, safe_text
 from gha_runner_model import ICU_IGNORABLE, RunnerModel
 
@@ -51,7 +51,7 @@ def runner_models() -> list[RunnerModel]:
             RunnerModel(ignorable=ICU_IGNORABLE, include_leading=True)]
 
 
-def relay(chunks: list[tuple[str, bytes]], limits: LogLimits = LogLimits()) -> tuple[str, LogRelay]:
+def relay(chunks: list[tuple[str, bytes]], limits: RelayLimits = RelayLimits()) -> tuple[str, LogRelay]:
     out = io.StringIO()
     with LogRelay(out, "check", limits) as r:
         for stream, data in chunks:
@@ -163,7 +163,7 @@ def test_partial_last_line_is_flushed_at_the_end() -> None:
 
 
 def test_flood_is_bounded_and_commands_still_resume() -> None:
-    limits = LogLimits(max_bytes=10_000, max_lines=100, max_line_chars=50)
+    limits = RelayLimits(max_bytes=10_000, max_lines=100, max_line_chars=50)
     chunks = [("stdout", b"x" * 1000 + b"\n::add-mask::y\n")] * 1000
     output, r = relay(chunks, limits)
     only_our_commands(output)
@@ -173,7 +173,7 @@ def test_flood_is_bounded_and_commands_still_resume() -> None:
 
 
 def test_long_lines_are_wrapped_and_each_piece_neutralised() -> None:
-    limits = LogLimits(max_line_chars=10)
+    limits = RelayLimits(max_line_chars=10)
     output, _ = relay([("stdout", b"0123456789::set-output name=a::b\n")], limits)
     only_our_commands(output)
     assert max(len(line) for line in output.splitlines()[2:-2]) <= 11

@@ -1,4 +1,4 @@
-"""JobRun's log following (action/__main__.py) against fake clients and a silent real socket."""
+"""JobDriver's log following (action/__main__.py) against fake clients and a silent real socket."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import action.__main__ as main_mod
-from action.__main__ import LOG_RETRIES, JobRun, _is_timeout
+from action.__main__ import LOG_RETRIES, JobDriver, _is_timeout
 from action.inputs import Inputs
 from runner.errors import UserError
 from runner.service.client import JobAPIError, JobClient, LogEntry
@@ -63,7 +63,7 @@ class FakeClient:
 def _relay(client: FakeClient, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
     monkeypatch.setattr(main_mod.time, "sleep", lambda _s: None)
     out = io.StringIO()
-    run = JobRun(client, _inputs(), Path("."), out, {}, api_errors=(JobAPIError, OSError))
+    run = JobDriver(client, _inputs(), Path("."), out, {}, api_errors=(JobAPIError, OSError))
     run.job_id = "j1"
     return run._relay_logs(), out.getvalue()
 

@@ -18,7 +18,7 @@ from action_harness import (FORK_PR, HOST_SECRETS, Simulation, assert_only_actio
                             run_action, start, wait_for_state)
 from tests.conftest import require
 
-from action.logs import LogLimits
+from action.logs import RelayLimits
 from action.workflow import ZWSP
 
 pytestmark = pytest.mark.vm
@@ -196,9 +196,9 @@ exit 7
         for secret in [*HOST_SECRETS.values(), host_marker]:
             assert secret not in result.log
         assert "NET-REACHED" not in result.log
-        # The guest printed ~30 MB; the relay shows at most LogLimits().max_bytes of it (the service keeps
+        # The guest printed ~30 MB; the relay shows at most RelayLimits().max_bytes of it (the service keeps
         # 16 MiB by default too), plus the action's own lines: 1 MiB is far more than those take.
-        assert "log truncated" in result.log and len(result.log) < LogLimits().max_bytes + 1024**2
+        assert "log truncated" in result.log and len(result.log) < RelayLimits().max_bytes + 1024**2
         # The symlink is named in a warning (an annotation the runner models accept below) and never
         # written: not into the checkout, not into the artifacts directory.
         assert "::warning::artifact out/evil.xml not copied: links are not allowed" in result.log
