@@ -10,11 +10,17 @@ The documents fill the `filter` table of the VM's own network namespace, where t
 4. the always-denied destinations (see `policy.reserved`, plus the host's addresses and the gateway)
    dropped by `MVC-DENIED` after an NFLOG tagged `DENIED_LOG_PREFIX`, which *clips* every rule
    below, including addresses a DNS answer points at;
-5. the policy's CIDR rules, then a jump to the per-VM chain `MVC-DNS-ALLOW` that the DNS resolver
-   fills at run time with the addresses it handed out for permitted names (`dns_allow_rule`);
-6. NFLOG of what is left, then the verdict, which is the chain's last rule: REJECT in block mode
+5. the policy's CIDR rules that opt into an internal range (wholly inside one, `policy.reserved.opted_in`);
+6. the internal ranges (private, CGNAT, ULA, ...: `policy.reserved.internal_ranges`) sent to
+   `MVC-INTERNAL`, which logs them tagged `INTERNAL_LOG_PREFIX` and rejects them, in *both* modes:
+   audit mode means "let public egress through and record what block mode would stop", never
+   "open the LAN", and a broad rule such as `0.0.0.0/0` is clipped here as it is at step 4;
+7. the policy's other CIDR rules, then a jump to the per-VM chain `MVC-DNS-ALLOW` that the DNS
+   resolver fills at run time with the addresses it handed out for permitted names (`dns_allow_rule`;
+   it hands out an internal address only when a rule of step 5 admits it already);
+8. NFLOG of what is left, then the verdict, which is the chain's last rule: REJECT in block mode
    (TCP reset, else ICMP admin-prohibited, so a denied client fails at once instead of timing
-   out), ACCEPT in audit mode.
+   out), ACCEPT in audit mode. `MVC-INTERNAL` rejects the same way, for the same reason.
 
 NFLOG rather than LOG: the service needs what was blocked as data (`blocked_egress` in the job
 record), which NFLOG hands to a netlink listener inside the VM's namespace, tagged with the job's
@@ -37,19 +43,23 @@ from typing import Iterable
 import jinja2
 
 from policy.model import Address, Policy, Rule
-from policy.reserved import always_denied
+from policy.reserved import always_denied, internal_ranges, opted_in
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
 DENIED_CHAIN = "MVC-DENIED"
 # NFLOG prefix of always-denied hits; "!" is outside `RenderContext.log_prefix`'s alphabet, so no job's
 # prefix can pass for it and the audit reader can tell "no policy may allow this" from "not allowed".
 DENIED_LOG_PREFIX = "mvc!always-denied"
+INTERNAL_CHAIN = "MVC-INTERNAL"
+# NFLOG prefix of internal-range hits that no opting-in rule admits (reason `internal-address`); "!" as above.
+INTERNAL_LOG_PREFIX = "mvc!internal-address"
 # Every NFLOG rule is rate-limited: a guest flooding denied destinations would otherwise make the host
 # parse each packet on the loop thread that also answers every VM's DNS. The limit is per rule, not per
 # VM: each of a slot's NFLOG rules (the raw guard's MVC-DENIED in IPv4 and IPv6, and the filter table's
-# MVC-DENIED and final FORWARD log, in IPv4 and in IPv6 when it is enabled) has its own 100 a second
-# (bursts of 200), so one VM can have about 400 packets a second logged, 600 with IPv6 rules. That is
-# far more than a job's connection attempts, and still bounded; under a flood the counts are lower bounds.
+# MVC-DENIED, MVC-INTERNAL and final FORWARD log, in IPv4 and in IPv6 when it is enabled) has its own
+# 100 a second (bursts of 200), so one VM can have about 500 packets a second logged, 800 with IPv6
+# rules. That is far more than a job's connection attempts, and still bounded; under a flood the
+# counts are lower bounds.
 LOG_LIMIT = "-m limit --limit 100/second --limit-burst 200"
 MULTIPORT_SLOTS = 15  # iptables' multiport limit; a range a:b takes two slots
 
@@ -129,6 +139,7 @@ def render(policy: Policy, context: RenderContext,
         rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
     common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN,
               "denied_chain": DENIED_CHAIN, "denied_lines": denied_chain_lines(context.nflog_group),
+              "internal_chain": INTERNAL_CHAIN, "internal_log_prefix": INTERNAL_LOG_PREFIX,
               "log_limit": LOG_LIMIT}
     ipv4 = _templates.get_template("filter4.rules.j2").render(
         **common, **_family_view(4, policy, context, allowances))
@@ -144,8 +155,8 @@ def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> st
     line per 15-slot port group (newline-separated). Each line is valid both inside an
     `iptables-restore --noflush` document (`*filter` ... `COMMIT`) and, split on whitespace, as the
     arguments of `iptables`/`ip6tables` (use `ip6tables` when the address is IPv6). The address is
-    parsed here, so a hostile DNS answer cannot inject options; addresses in always-denied ranges
-    are harmless because the chain is consulted only after those are dropped.
+    parsed here, so a hostile DNS answer cannot inject options; addresses in always-denied and
+    internal ranges are harmless because the chain is consulted only after those are refused.
     """
     rule = Rule(frozenset(ports), protocol, network=ip_network(ip_address(ip)))  # checks ports and protocol
     return "\n".join(rule_lines(DNS_ALLOW_CHAIN, rule, "ACCEPT"))
@@ -177,12 +188,16 @@ def _family_view(version: int, policy: Policy, context: RenderContext,
         denied.append(str(ip_network(context.gateway_ip)))
     operator = [rule for rule in allowances.rules if rule.network.version == version]
     source = f"-s {context.guest_ip6}/128 " if version == 6 else ""  # v4 INPUT checks the source earlier
+    networks = [rule for rule in policy.network_rules if rule.network.version == version]
     return {
         "operator_input": [line for rule in operator
                            for line in rule_lines("INPUT", rule, "ACCEPT", f"-i {context.guest_iface} {source}")],
         "operator_forward": [line for rule in operator for line in rule_lines("FORWARD", rule, "ACCEPT")],
         "denied": list(dict.fromkeys(denied)),
-        "accepts": [line for rule in policy.network_rules if rule.network.version == version
+        "internal_accepts": [line for rule in networks if opted_in(rule.network)
+                             for line in rule_lines("FORWARD", rule, "ACCEPT")],
+        "internal": [internal.match for internal in internal_ranges(version) if not internal.always_denied],
+        "accepts": [line for rule in networks if not opted_in(rule.network)
                     for line in rule_lines("FORWARD", rule, "ACCEPT")],
     }
 

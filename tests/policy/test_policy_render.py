@@ -92,6 +92,32 @@ def test_always_denied_destinations_come_before_every_policy_accept():
     assert metadata_allowance < min(drops) and max(drops) < first_policy_accept < dns_jump
 
 
+@pytest.mark.parametrize("policy", [BLOCK, AUDIT], ids=["block", "audit"])
+def test_internal_ranges_are_refused_before_broad_rules_and_resolver_openings_in_every_mode(policy):
+    """Audit mode ends in ACCEPT, so without these a guest reached the LAN by address; and a broad
+    `cidr: 0.0.0.0/0` (meant for the internet) reached it in block mode. Only a rule inside the range
+    (10.20.0.0/16 inside 10/8) comes before the refusals."""
+    rendered = render(policy, CONTEXT)
+    lines = forward(rendered.ipv4)
+    refusals = [lines.index(f"-A FORWARD -d {net} -j MVC-INTERNAL")
+                for net in ("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16")]
+    opted_in = [i for i, line in enumerate(lines) if line.startswith("-A FORWARD -d 10.20.0.0/16 ")]
+    broad = [i for i, line in enumerate(lines) if line.startswith("-A FORWARD -d 0.0.0.0/0 ")]
+    assert opted_in and max(opted_in) < min(refusals)
+    assert max(refusals) < min(broad + [lines.index("-A FORWARD -j MVC-DNS-ALLOW")])
+    assert (broad != []) is (policy is BLOCK)
+    chain = [line for line in rendered.ipv4.splitlines() if line.startswith("-A MVC-INTERNAL ")]
+    assert chain == [f'-A MVC-INTERNAL {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc!internal-address"',
+                     "-A MVC-INTERNAL -p tcp -j REJECT --reject-with tcp-reset",
+                     "-A MVC-INTERNAL -j REJECT --reject-with icmp-admin-prohibited"]
+
+
+def test_ipv6_refuses_ula_and_the_forms_carrying_a_private_ipv4_address():
+    lines = forward(render(BLOCK, CONTEXT, OPERATOR).ipv6)
+    for match in ("fc00::/7", "64:ff9b::a00:0/104", "2002:a00::/24", "2001::f500:0/ffff:ffff::ff00:0"):
+        assert lines.index(f"-A FORWARD -d {match} -j MVC-INTERNAL") < lines.index("-A FORWARD -j MVC-DNS-ALLOW")
+
+
 def test_always_denied_hits_are_logged_apart_from_the_policy_then_dropped():
     rendered = render(BLOCK, CONTEXT, OPERATOR)
     for document in (rendered.ipv4, rendered.ipv6):
