@@ -17,7 +17,7 @@ from typing import Any
 from action.junit import Failure, Totals
 from action.workflow import annotation
 from policy.load import host_error
-from runner.net.audit import ALWAYS_DENIED, POLICY, REFUSED_ANSWER, AuditRecord, suggest_policy
+from runner.net.audit import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord, suggest_policy
 
 MAX_SUGGESTED = 256
 
@@ -115,7 +115,7 @@ def _blocked(blocked: list[Any]) -> list[str]:
     for item in blocked[:MAX_ROWS]:
         item = item if isinstance(item, dict) else {}
         port = item.get("port")  # None for ICMP and for refused DNS answers: no port was tried
-        rows.append(f"| {cell(item.get('dest', ''))} | {cell('-' if port is None else port)} | "
+        rows.append(f"| {cell(_destination(item))} | {cell('-' if port is None else port)} | "
                     f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} | "
                     f"{_why(item.get('reason'))} |")
     if len(blocked) > MAX_ROWS:
@@ -123,11 +123,22 @@ def _blocked(blocked: list[Any]) -> list[str]:
     return rows + _suggestion(blocked)
 
 
+def _refused_answer(item: Mapping[str, Any]) -> bool:
+    return item.get("reason") == INTERNAL_ADDRESS and item.get("proto") == "dns"
+
+
+def _destination(item: Mapping[str, Any]) -> Any:
+    """The address dialled, but never one the resolver refused: the guest was not given it, and this
+    summary is public (a fork could CNAME an allowed name to an internal one and read a split-horizon
+    answer here). Also for a record from a service that still put it in."""
+    return REFUSED_DEST if _refused_answer(item) else item.get("dest", "")
+
+
 def _why(reason: Any) -> str:
     if reason == ALWAYS_DENIED:
         return "always denied (host, metadata or loopback)"
-    if reason == REFUSED_ANSWER:
-        return "the allowed name resolved to an internal address (a cidr: rule can allow it)"
+    if reason == INTERNAL_ADDRESS:
+        return "an internal address, refused in every mode (a cidr: rule inside its range can allow it)"
     return "not in the policy"
 
 
@@ -155,7 +166,7 @@ def _audit_record(item: Any) -> AuditRecord | None:
         return None
     if name is not None and not _policy_host(name):
         name = None
-    reason = ALWAYS_DENIED if item.get("reason") == ALWAYS_DENIED else POLICY
+    reason = item.get("reason") if item.get("reason") in (ALWAYS_DENIED, INTERNAL_ADDRESS) else POLICY
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1, reason=reason)
 
 

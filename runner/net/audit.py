@@ -6,7 +6,10 @@ host sets net.netfilter.nf_log_all_netns, and then all slots share one kernel lo
 audit rules log to NFLOG group `AUDIT_NFLOG_GROUP` before accepting, and each slot reads its own.
 Hits on always-denied destinations (the host, the metadata service, loopback) arrive on the same
 group tagged `DENIED_LOG_PREFIX`: they are recorded with reason "always-denied", which no policy can
-change, so the suggested policy leaves them out. The prefix comes from our rules, not the guest.
+change, so the suggested policy leaves them out. Hits on internal ranges (private, CGNAT, ULA, ...)
+that no `cidr:` rule opts into are tagged `INTERNAL_LOG_PREFIX` and refused in audit mode too: they
+are recorded with reason "internal-address" and only named in the suggestion, never allowed by it.
+The prefixes come from our rules, not the guest.
 The packets come from the guest, so every header is parsed with bounds and anything odd is skipped,
 and each logging rule logs at most `policy.render.LOG_LIMIT` packets a second (a few such rules per
 slot, see there): under a flood, counts are lower bounds.
@@ -24,16 +27,22 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from policy.render import DENIED_LOG_PREFIX
+from policy.render import DENIED_LOG_PREFIX, INTERNAL_LOG_PREFIX
 from runner.net import addresses, netns
 from runner.net.loop import NetLoop
 
 MAX_RECORDS_PER_SLOT = 4096
 POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
 ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
-# An allowed name resolved to an internal address (private, CGNAT, ULA, ...) that no `cidr:` rule
-# covers, so the resolver refused it: the record's port is None and its proto "dns".
-REFUSED_ANSWER = "internal-address"
+# An internal address (private, CGNAT, ULA, ...) that no `cidr:` rule opts into (`policy.reserved.opted_in`),
+# refused in every mode: dialled directly (the record has the address the guest dialled), or handed to
+# the resolver as an allowed name's answer (proto "dns", no port, and no address: see `refused_answer_record`).
+INTERNAL_ADDRESS = "internal-address"
+REFUSED_ANSWER = INTERNAL_ADDRESS  # the resolver's refusals, by their older name
+# What a refused answer's record shows instead of the address: the guest never got it, and the record
+# reaches the public job summary (a fork could point an allowed name at an internal name through a
+# CNAME and read a split-horizon resolver's private answer there). The service log keeps the address.
+REFUSED_DEST = "internal address refused"
 COPY_RANGE = 64  # enough for an IPv6 header plus the ports
 
 _NETLINK_NETFILTER = 12
@@ -58,7 +67,7 @@ _PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
 class AuditRecord:
     """One blocked (or, in audit mode, would-be-blocked) destination and how often the guest tried it."""
 
-    dest: str
+    dest: str  # the address dialled, or REFUSED_DEST
     port: int | None
     proto: str
     name: str | None
@@ -120,8 +129,11 @@ def payloads(datagram: bytes) -> list[tuple[bytes, str]]:
     return found
 
 
+_REASONS = {DENIED_LOG_PREFIX.encode(): ALWAYS_DENIED, INTERNAL_LOG_PREFIX.encode(): INTERNAL_ADDRESS}
+
+
 def _reason(prefix: bytes) -> str:
-    return ALWAYS_DENIED if prefix.rstrip(b"\0") == DENIED_LOG_PREFIX.encode() else POLICY
+    return _REASONS.get(prefix.rstrip(b"\0"), POLICY)
 
 
 def _config_message(group: int, attr_type: int, value: bytes, family: int = socket.AF_UNSPEC) -> bytes:
@@ -222,9 +234,10 @@ class SlotAudit:
         return True
 
 
-def refused_answer_record(address: str, name: str, count: int) -> AuditRecord:
-    """The record of an internal address the resolver refused to hand out for `name` `count` times."""
-    return AuditRecord(dest=address, port=None, proto="dns", name=name, count=count, reason=REFUSED_ANSWER)
+def refused_answer_record(name: str, count: int) -> AuditRecord:
+    """The record of `name`'s answers the resolver refused `count` times for pointing at internal
+    addresses: without them (`REFUSED_DEST`), since the guest must not learn them from its record."""
+    return AuditRecord(dest=REFUSED_DEST, port=None, proto="dns", name=name, count=count, reason=INTERNAL_ADDRESS)
 
 
 def suggest_policy(records: list[AuditRecord]) -> str:
@@ -233,7 +246,8 @@ def suggest_policy(records: list[AuditRecord]) -> str:
     Destinations the resolver handed out are allowed by name (addresses behind a name change);
     others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
     and always-denied destinations cannot be allowed by one: both are listed as comments instead,
-    as are internal addresses the resolver refused (allowing one is a decision, not a suggestion).
+    as are internal addresses, dialled or refused by the resolver (allowing one is a decision, not
+    a suggestion, and a host rule never could).
     """
     by_target: dict[tuple[str, str, str], set[int]] = {}
     comments: set[str] = set()
@@ -241,9 +255,13 @@ def suggest_policy(records: list[AuditRecord]) -> str:
         if record.reason == ALWAYS_DENIED:
             comments.add(f"# always denied, no policy can allow it, was attempted: {_attempt(record)}\n")
             continue
-        if record.reason == REFUSED_ANSWER:
-            comments.add(f"# {record.name} resolved to the internal address {record.dest}, refused; "
-                         f"a cidr: rule for it allows it, if it is meant to be reached\n")
+        if record.reason == INTERNAL_ADDRESS and record.proto == "dns":
+            comments.add(f"# {record.name} resolved to an internal address, refused; a cidr: rule inside "
+                         f"its range allows it, if it is meant to be reached\n")
+            continue
+        if record.reason == INTERNAL_ADDRESS:
+            comments.add(f"# an internal address, refused in every mode, was attempted: {_attempt(record)}; "
+                         f"a cidr: rule inside its range allows it, if it is meant to be reached\n")
             continue
         if record.port is None or record.proto not in ("tcp", "udp"):
             comments.add(f"# not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}\n")

@@ -8,7 +8,9 @@ slot's allow chain, and only then answers, so the guest's first connection is al
 
 What a name resolves to is only as trustworthy as whoever controls its DNS today (a wildcard rule, a
 lapsed domain), so answers pointing into internal ranges (private, CGNAT, link-local, ULA, ...:
-`policy.reserved.INTERNAL`) are refused unless a network rule already admits them, and openings
+`policy.reserved.internal_ranges`) are refused, in audit mode too, unless a network rule that opts
+into the range (`policy.reserved.opted_in`: not `0.0.0.0/0`) or the operator's allowance already
+admits them: the same rule the rendered FORWARD chain applies to direct traffic. Openings
 last as long as the answer's TTL (clamped), not the VM's life: a name that moves stops reaching
 its old address once the guest has had time to look it up again. Connections already made stay up
 (conntrack admits their replies); only new ones need a live opening.
@@ -25,13 +27,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from ipaddress import ip_address, ip_network
+from ipaddress import ip_address
 from typing import Callable
 
 from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
 from policy.model import DENY_ALL, Policy, Rule
-from policy.reserved import internal_range_containing, reserved_containing
+from policy.reserved import internal_range_containing, opted_in
 
 from runner.net import addresses, netns
 from runner.net.firewall import FirewallError
@@ -194,8 +196,8 @@ class SlotResolver:
     `openings` maps each rule of the slot's DNS allow chain to when it expires (`clock()` time):
     an answer opens its addresses until its TTL runs out (clamped), a later lookup of the name
     extends them, and `expire()` (run at every answer and by the service's periodic sweep) closes
-    the rest. `allowances` are the operator's network rules, which let an answer through like a
-    `cidr:` rule of the policy does (see `_screen`). `write_budget` bounds the rewrites answers
+    the rest. `allowances` are the operator's network rules, which let an answer through like an
+    opting-in `cidr:` rule of the policy does (see `_screen`). `write_budget` bounds the rewrites answers
     cause (see WRITE_BURST); a released slot's next job starts with a full one.
     """
 
@@ -255,9 +257,9 @@ class SlotResolver:
         """Open what `rules` allow of the answer `records` for `name` until their TTL runs out,
         closing what has expired meanwhile; returns the records the guest may be handed.
 
-        An address in an internal range (`policy.reserved.INTERNAL`) is refused, dropped from the
-        answer and counted in `refused_answers`, unless a network rule already lets the guest reach
-        it on one of the rules' ports (in audit mode it is handed out, and still counted).
+        An address in an internal range (`policy.reserved.internal_ranges`) is refused, dropped from
+        the answer and counted in `refused_answers`, in either mode, unless a network rule already
+        lets the guest reach it on one of the rules' ports (see `_screen`).
         An answer that needs a new opening when the write budget is spent raises `Throttled`.
         The lock is held while the firewall is changed, so `clear()` (slot release) waits for an
         opening in flight, and an answer that outlived its job (older generation) opens nothing.
@@ -272,9 +274,8 @@ class SlotResolver:
                 verdict = self._screen(address, rules)
                 if verdict == _REFUSED:
                     self._note_refused_answer(name, address)
-                    if self.policy.mode != "audit":
-                        continue
-                elif verdict == _OPEN:
+                    continue
+                if verdict == _OPEN:
                     for rule in rules:
                         opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)))
                         live[opening] = max(live.get(opening, 0.0), now + open_seconds(ttl))
@@ -297,10 +298,15 @@ class SlotResolver:
             now = self.clock()
             self._commit({opening: expiry for opening, expiry in self.openings.items() if expiry > now})
 
-    def refused_answer_counts(self) -> list[tuple[str, str, int]]:
-        """(address, name, count) of every internal address an answer was refused for."""
+    def refused_answer_counts(self) -> list[tuple[str, int]]:
+        """(name, count) of every name whose answers had internal addresses refused, counted per
+        address: what the job's record may show. The addresses stay in the service log only, since
+        the guest was refused them (see `runner.net.audit.refused_answer_record`)."""
         with self.lock:
-            return [(address, name, count) for (address, name), count in sorted(self.refused_answers.items())]
+            counts: Counter[str] = Counter()
+            for (_, name), count in self.refused_answers.items():
+                counts[name] += count
+            return sorted(counts.items())
 
     def _commit(self, live: dict[Opening, float]) -> None:
         """Make `live` the slot's openings, rewriting the chain only when the set changed (a
@@ -311,14 +317,17 @@ class SlotResolver:
 
     def _screen(self, address: str, rules: tuple[Rule, ...]) -> str:
         """_OPEN for an address the rules may open; for an internal one _COVERED when a network
-        rule (the policy's `cidr:`, or the operator's allowance, the only thing that can open an
-        always-denied address) already admits it on one of the rules' ports, else _REFUSED."""
+        rule already admits it on one of the rules' ports, else _REFUSED. The rule is the rendered
+        FORWARD chain's: the operator's allowances admit anything, the policy's `cidr:` rules only
+        an address in a range they opt into (`opted_in`; never an always-denied one), so a broad
+        `0.0.0.0/0` admits no LAN address here either."""
         parsed = ip_address(address)
-        if internal_range_containing(parsed) is None:
+        internal = internal_range_containing(parsed)
+        if internal is None:
             return _OPEN
         networks = self.allowances
-        if reserved_containing(ip_network(parsed)) is None:
-            networks = (*self.policy.network_rules, *networks)
+        if not internal.always_denied:
+            networks = (*(rule for rule in self.policy.network_rules if opted_in(rule.network)), *networks)
         covered = any(network.allows(port, rule.protocol, address=parsed)
                       for rule in rules for port in rule.ports for network in networks)
         return _COVERED if covered else _REFUSED
@@ -330,7 +339,8 @@ class SlotResolver:
             self.refused_answers[key] += 1
         elif len(self.refused_answers) < MAX_REFUSED_NAMES:
             self.refused_answers[key] = 1
-            log.info("refused %s for %s in %s: an internal address no network rule allows", address, name, self.netns)
+            log.info("refused %s for %s in %s: an internal address no network rule opts into (the job's "
+                     "record shows the name only)", address, name, self.netns)
 
     def begin(self) -> bool:
         """Claim one of the slot's in-flight query places; False when all are taken."""

@@ -39,10 +39,12 @@ ZONE: dict[str, str | list[str]] = {
     "rebind.test": METADATA,  # DNS rebinding: an allowed name pointing at the metadata service
     "lan.test": LAN_HOST,  # ... or at the LAN behind the runner host
     "mixed.test": [ALLOWED_HOST, LAN_HOST],
+    "wiki.corp.example": LAN_HOST,  # a name only the host's (split-horizon) resolver knows
 }
 TTL = 60
 SERVER_THREAD = "fake-server"
-ALIASES = {"files.web.test": "edge.cdn.example"}  # a CDN-style CNAME
+ALIASES = {"files.web.test": "edge.cdn.example",  # a CDN-style CNAME
+           "intranet.web.test": "wiki.corp.example"}  # a fork's allowed name pointed at an internal one
 
 
 def ip(*args: str) -> None:

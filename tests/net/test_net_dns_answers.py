@@ -9,7 +9,7 @@ from dnslib import RCODE
 
 from net_fakes import ALLOWED_HOST, LAN_HOST, lookup, reach
 from policy import load_policy
-from runner.net.audit import REFUSED_ANSWER
+from runner.net.audit import INTERNAL_ADDRESS, REFUSED_DEST
 from runner.net.dns import MIN_OPEN_SECONDS, SWEEP_SECONDS
 
 LAN_POLICY = "version: 1\nmode: block\nallow:\n  - host: lan.test\n    ports: [8000]\n"
@@ -27,9 +27,10 @@ def test_an_allowed_name_answered_with_a_private_address_is_refused(slot, guest)
 
     assert answers(guest, "lan.test") == (RCODE.REFUSED, [])
     assert not reach(guest, LAN_HOST, 8000)  # the LAN host listens there: nothing was opened
-    refused = [r.as_json() for r in slot.audit_records() if r.reason == REFUSED_ANSWER]
-    assert refused == [{"dest": LAN_HOST, "port": None, "proto": "dns", "name": "lan.test", "count": 1,
-                        "reason": REFUSED_ANSWER}]
+    refused = [r.as_json() for r in slot.audit_records() if r.reason == INTERNAL_ADDRESS]
+    assert refused == [  # the answer, without its address; the attempt by address, which the guest knew
+        {"dest": LAN_HOST, "port": 8000, "proto": "tcp", "name": None, "count": 1, "reason": INTERNAL_ADDRESS},
+        {"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "lan.test", "count": 1, "reason": INTERNAL_ADDRESS}]
 
 
 def test_a_cidr_rule_for_the_private_address_lets_the_name_resolve(slot, guest) -> None:
@@ -37,7 +38,7 @@ def test_a_cidr_rule_for_the_private_address_lets_the_name_resolve(slot, guest) 
 
     assert answers(guest, "lan.test") == (RCODE.NOERROR, [LAN_HOST])
     assert reach(guest, LAN_HOST, 8000)
-    assert [r for r in slot.audit_records() if r.reason == REFUSED_ANSWER] == []
+    assert [r for r in slot.audit_records() if r.reason == INTERNAL_ADDRESS] == []
 
 
 def closed_within(guest: str, seconds: float) -> bool:

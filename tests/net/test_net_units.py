@@ -19,7 +19,8 @@ from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, FrozenClock, Serv
 from policy import Rule, load_policy
 from policy.reserved import internal_range_containing
 from runner.net import AuditRecord, Upstream, suggest_policy
-from runner.net.audit import ALWAYS_DENIED, POLICY, REFUSED_ANSWER, parse_packet, payloads, refused_answer_record
+from runner.net.audit import (ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, parse_packet, payloads,
+                              refused_answer_record)
 from runner.net import dns as dns_module
 from runner.net.dns import (MAX_IN_FLIGHT, MAX_OPEN_SECONDS, MAX_OPENED_ADDRESSES, MIN_OPEN_SECONDS, DnsService, Opening,
                             SlotResolver, open_seconds)
@@ -64,9 +65,12 @@ def nflog_message(packet: bytes, prefix: bytes | None, flags: int = 0) -> bytes:
 
 def test_nflog_prefix_tells_always_denied_hits_from_policy_blocks() -> None:
     metadata, web = ipv4_packet("169.254.169.254", 6, 80), ipv4_packet("203.0.113.9", 6, 443)
+    lan = ipv4_packet(LAN_HOST, 6, 8000)
     datagram = (nflog_message(metadata, b"mvc!always-denied") + nflog_message(web, b"mvc:job-1")
-                + nflog_message(web, None) + nflog_message(web, b"mvc!always-denied-not"))
-    assert payloads(datagram) == [(metadata, ALWAYS_DENIED), (web, POLICY), (web, POLICY), (web, POLICY)]
+                + nflog_message(web, None) + nflog_message(web, b"mvc!always-denied-not")
+                + nflog_message(lan, b"mvc!internal-address"))
+    assert payloads(datagram) == [(metadata, ALWAYS_DENIED), (web, POLICY), (web, POLICY), (web, POLICY),
+                                  (lan, INTERNAL_ADDRESS)]
 
 
 @pytest.mark.parametrize("flags", [0x4000, 0x8000, 0xC000])  # NLA_F_NET_BYTEORDER, NLA_F_NESTED
@@ -338,7 +342,7 @@ def test_an_allowed_name_answered_with_a_private_address_is_refused(service) -> 
 
     assert answer.header.rcode == RCODE.REFUSED and answer.rr == []
     assert writes == [] and slot.handed_out == {}
-    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 1)]
+    assert slot.refused_answer_counts() == [("lan.test", 1)]
 
 
 def test_only_the_internal_addresses_of_an_answer_are_dropped(service) -> None:
@@ -350,7 +354,7 @@ def test_only_the_internal_addresses_of_an_answer_are_dropped(service) -> None:
 
     assert answer.header.rcode == RCODE.NOERROR and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
     assert writes == [[Opening(ALLOWED_HOST, "tcp", (8000,))]]
-    assert slot.refused_answer_counts() == [(LAN_HOST, "mixed.test", 1)]
+    assert slot.refused_answer_counts() == [("mixed.test", 1)]
 
 
 @pytest.mark.parametrize("cidr, ports, handed_out", [("10.0.0.0/24", "[8000]", True), ("10.0.0.5/32", "[8000, 9000]", True),
@@ -379,15 +383,32 @@ def test_always_denied_answers_pass_only_an_operator_allowance(service) -> None:
     assert [str(rr.rdata) for rr in ask(dns, allowed, "rebind.test").rr] == [METADATA]
 
 
-def test_audit_mode_hands_out_internal_answers_but_records_them(service) -> None:
+@pytest.mark.parametrize("allow", ["  - host: lan.test\n    ports: [8000]\n", ""])  # allowed or not: audit asks either way
+def test_audit_mode_refuses_internal_answers_too(service, allow: str) -> None:
+    """Audit mode lets public egress through to see what block mode would stop; it never opens the LAN."""
     dns, _ = service
     writes: list = []  # type: ignore[type-arg]
-    slot = resolver("version: 1\nmode: audit\nallow:\n  - host: lan.test\n    ports: [8000]\n", writes)
+    slot = resolver(f"version: 1\nmode: audit\nallow:\n{allow or '  []'}\n", writes)
 
     answer = ask(dns, slot, "lan.test")
 
-    assert [str(rr.rdata) for rr in answer.rr] == [LAN_HOST] and writes == []
-    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 1)]
+    assert answer.header.rcode == RCODE.REFUSED and answer.rr == [] and writes == []
+    assert slot.handed_out == {} and slot.refused_answer_counts() == [("lan.test", 1)]
+
+
+@pytest.mark.parametrize("mode", ["block", "audit"])
+@pytest.mark.parametrize("cidr, handed_out", [("0.0.0.0/0", False), ("8.0.0.0/6", False), ("10.0.0.0/7", False),
+                                             ("10.0.0.0/8", True), ("10.0.0.0/24", True)])
+def test_only_a_cidr_rule_inside_the_internal_range_opts_into_it(service, mode: str, cidr: str, handed_out: bool) -> None:
+    """A rule for the whole internet (or any range wider than the private one it overlaps) is meant
+    for the internet: it does not make an allowed name's LAN answer reachable, in either mode."""
+    dns, _ = service
+    slot = resolver(f"version: 1\nmode: {mode}\n" + LAN.split("\n", 1)[1] + f"  - cidr: {cidr}\n    ports: [8000]\n", [])
+
+    answer = ask(dns, slot, "lan.test")
+
+    assert ([str(rr.rdata) for rr in answer.rr] == [LAN_HOST]) is handed_out
+    assert (answer.header.rcode == RCODE.REFUSED) is not handed_out
 
 
 def test_open_seconds_are_the_ttl_clamped() -> None:
@@ -469,15 +490,17 @@ def test_the_loop_runs_periodic_callbacks_on_its_thread() -> None:
         loop.every(0, lambda: None)
 
 
-def test_refused_answers_are_suggested_as_a_comment_only() -> None:
-    records = [refused_answer_record(LAN_HOST, "lan.test", 2), AuditRecord("203.0.113.20", 8000, "tcp", None, 1)]
+def test_internal_addresses_are_suggested_as_a_comment_only() -> None:
+    records = [refused_answer_record("lan.test", 2), AuditRecord("203.0.113.20", 8000, "tcp", None, 1),
+               AuditRecord(LAN_HOST, 8000, "tcp", "lan.test", 1, INTERNAL_ADDRESS)]
 
     text = suggest_policy(records)
 
     assert [str(rule.network) for rule in load_policy(text, "suggested.yml").rules] == ["203.0.113.20/32"]
-    assert f"# lan.test resolved to the internal address {LAN_HOST}, refused" in text
-    assert records[0].as_json() == {"dest": LAN_HOST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
-                                    "reason": REFUSED_ANSWER}
+    assert "# lan.test resolved to an internal address, refused" in text
+    assert f"# an internal address, refused in every mode, was attempted: tcp to {LAN_HOST} port 8000" in text
+    assert records[0].as_json() == {"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
+                                    "reason": INTERNAL_ADDRESS}
 
 
 def test_a_name_that_resolves_somewhere_new_every_time_cannot_flood_the_firewall() -> None:
@@ -528,7 +551,7 @@ def test_repeated_internal_answers_are_counted_but_logged_once(service, caplog) 
         for _ in range(5):
             assert ask(dns, slot, "lan.test").header.rcode == RCODE.REFUSED
 
-    assert slot.refused_answer_counts() == [(LAN_HOST, "lan.test", 5)]
+    assert slot.refused_answer_counts() == [("lan.test", 5)]
     assert len([r for r in caplog.records if LAN_HOST in r.getMessage()]) == 1
 
 
