@@ -34,7 +34,9 @@ LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min
 _CHUNK = 1024 * 1024
 _MAX_CHUNK_LINE = 1024
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}\Z")
-_ROUTE = re.compile(r"^/v1/jobs/(?P<id>[^/]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?$")
+# Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
+# (and the id may hold no whitespace, so the newline cannot become part of it either).
+_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?")
 
 
 class BodyFramingError(Exception):
@@ -171,10 +173,10 @@ class Handler(ServedRequest):
             if method == "GET":
                 limit = _int_param(query, "limit", 50, 1, 1000)
                 return self._send_json(200, {"jobs": [r.to_json() for r in self.service.list(limit)]})
-        match = _ROUTE.match(url.path)
-        if not match:
+        route = job_route(url.path)
+        if route is None:
             raise JobError(404, f"no route {method} {url.path}; see docs/job-api.md")
-        job_id, rest = match.group("id"), match.group("rest") or ""
+        job_id, rest = route
         handler = {
             ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_json()),
             ("PUT", "/checkout"): lambda: self._checkout(job_id),
@@ -221,6 +223,12 @@ class Handler(ServedRequest):
                     raise OSError(f"{path} shrank while being sent")
                 self.wfile.write(data)
                 left -= len(data)
+
+
+def job_route(path: str) -> tuple[str, str] | None:
+    """(job id, sub-route such as "/logs" or "") for a path under /v1/jobs/<id>, else None."""
+    match = _ROUTE.fullmatch(path)
+    return (match.group("id"), match.group("rest") or "") if match else None
 
 
 def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, high: int) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from runner.service import api
 
 
@@ -27,3 +29,14 @@ def test_a_refusal_to_head_has_no_body(api) -> None:
     assert answer.startswith(b"HTTP/1.1 431 ") and answer.endswith(b"\r\n\r\n") and answer.count(b"\r\n\r\n") == 1
     get = raw(service.config.socket, b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
     assert get.startswith(b"HTTP/1.1 431 ") and get.endswith(b"more than 100 headers\"}\n")
+
+
+@pytest.mark.parametrize("path, route", [
+    ("/v1/jobs/j0123456789abcdef", ("j0123456789abcdef", "")),
+    ("/v1/jobs/j0123456789abcdef/logs", ("j0123456789abcdef", "/logs")),
+    ("/v1/jobs/j0123456789abcdef\n", None),  # `$` matched before the newline: routed to job "j...\n"
+    ("/v1/jobs/j0123456789abcdef/cancel\n", None),
+    ("/v1/jobs/j0123456789abcdef/nothing", None),
+])
+def test_job_routes_match_the_whole_path(path: str, route: tuple[str, str] | None) -> None:
+    assert api.job_route(path) == route
