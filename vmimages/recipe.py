@@ -10,9 +10,10 @@ from pathlib import Path
 import yaml
 
 from vmimages.initramfs import GUEST_DIR
+from vmimages.rootfs import AGENT_FILES
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
-GUEST_FILES = ("agent.py", "protocol.py", "init", "initramfs-init")
+GUEST_FILES = {**AGENT_FILES, "init": GUEST_DIR / "init", "initramfs-init": GUEST_DIR / "initramfs-init"}
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 i8042.noaux i8042.nokbd"
 
 
@@ -49,6 +50,6 @@ class Recipe:
         h = hashlib.sha256()
         h.update(json.dumps(asdict(self), sort_keys=True).encode())
         h.update(json.dumps([kernel_package, accel, hypervisor_version, KERNEL_CMDLINE, machine_args]).encode())
-        for name in GUEST_FILES:
-            h.update(name.encode() + b"\0" + (GUEST_DIR / name).read_bytes())
+        for name, source in GUEST_FILES.items():
+            h.update(name.encode() + b"\0" + source.read_bytes())
         return h.hexdigest()[:20]

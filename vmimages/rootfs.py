@@ -10,10 +10,13 @@ import hashlib
 import shutil
 from pathlib import Path
 
+from runner.vm import guestwire
 from vmimages.initramfs import GUEST_DIR
 from vmimages.run import run
 
-AGENT_FILES = ("agent.py", "protocol.py")
+# The guest's /opt/microvm-check: installed name -> source. The agent imports the wire protocol by
+# its installed name; the host imports the same file as runner.vm.guestwire, so the two cannot drift.
+AGENT_FILES = {"agent.py": GUEST_DIR / "agent.py", "guestwire.py": Path(guestwire.__file__)}
 FREE_SPACE_MIB = 2048  # room for the job's checkout, venvs and build output (overlay grows sparse)
 GUEST_USER = ("runner", 1000)
 
@@ -43,10 +46,7 @@ def customise(base: Path, work: Path) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     run(["cp", "-a", "--reflink=auto", str(base), str(work)])
     (work / ".complete").unlink(missing_ok=True)
-    agent_dir = work / "opt" / "microvm-check"
-    agent_dir.mkdir(parents=True)
-    for name in AGENT_FILES:
-        shutil.copy2(GUEST_DIR / name, agent_dir / name)
+    install_agent(work / "opt" / "microvm-check")
     shutil.copy2(GUEST_DIR / "init", work / "sbin" / "microvm-init")
     (work / "sbin" / "microvm-init").chmod(0o755)
     user, uid = GUEST_USER
@@ -57,6 +57,13 @@ def customise(base: Path, work: Path) -> Path:
     (work / "etc" / "hosts").write_text("127.0.0.1 localhost microvm\n")
     (work / "etc" / "fstab").write_text("/dev/vda / ext4 rw,noatime 0 1\n")
     return work
+
+
+def install_agent(agent_dir: Path) -> None:
+    """Lay out the agent as the guest runs it (also how the host's tests load it, to test that layout)."""
+    agent_dir.mkdir(parents=True)
+    for name, source in AGENT_FILES.items():
+        shutil.copy2(source, agent_dir / name)
 
 
 def make_image(tree: Path, image: Path) -> Path:

@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from runner.vm import guestwire as P
 from runner.vm.errors import AgentError
-from vmimages.guest import protocol as P
 
 QUEUE_FRAMES = 64  # per request: at most 64 x 256 KiB buffered before the reader waits
 POLL_S = 0.25

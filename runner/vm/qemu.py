@@ -24,8 +24,8 @@ from qemu.qmp import QMPClient, QMPError
 from runner.net import netns
 from runner.net.addresses import GUEST_MAC, TAP_NAME  # the same in every VM: each has its own namespace
 from runner.vm import cgroup, jail
+from runner.vm.guestwire import PORT_NAME
 from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
-from vmimages.guest.protocol import PORT_NAME
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Fuzz the host's side of the guest protocol, playing a hostile guest.
 
-Two targets: the frame reader on its own (`vmimages.guest.protocol.FrameReader`, fed a byte stream in
+Two targets: the frame reader on its own (`runner.vm.guestwire.FrameReader`, fed a byte stream in
 random pieces: every frame it yields is within the limits, anything else is a `ProtocolError`), and the
 whole agent client (`runner.vm.agent.AgentClient` on a socketpair: a `ping` whose reply stream is fuzzed
 must return a reply or raise `AgentError`, the channel is marked broken with a reason the guest caused,
@@ -19,9 +19,9 @@ from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runner.vm import guestwire as P
 from runner.vm.agent import AgentClient
 from runner.vm.errors import AgentError
-from vmimages.guest import protocol as P
 
 JSON_DOCS = st.one_of(
     st.just({"ok": True, "version": 1}), st.just({"ok": False, "error": "no"}), st.just({"ev": "started"}),

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from runner.vm import guestwire as P
 from runner.vm.agent import AgentClient, GuestOpError
 from runner.vm.errors import AgentError
-from vmimages.guest import protocol as P
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 
 from runner.service.config import LogLimits
 from runner.service.joblog import JobLog, LogFull
+from runner.vm import guestwire as P
 from runner.vm.agent import COALESCE_BYTES, AgentClient, FrameBudget
-from vmimages.guest import protocol as P
 
 DONE = P.encode_msg(1, {"ok": True, "exit_code": 0, "timed_out": False})
 FIXED_OVERHEAD = 64 * 1024  # bytes on disk allowed beyond 2 per guest byte

@@ -28,7 +28,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import protocol as P  # noqa: E402  (installed next to this file in the guest)
+import guestwire as P  # noqa: E402  (runner/vm/guestwire.py, installed next to this file: vmimages/rootfs.py)
 
 CGROUP_ROOT = "/sys/fs/cgroup/mvc"
 BASE_ENV = {

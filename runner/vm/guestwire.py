@@ -1,5 +1,9 @@
 """Wire format between the host and the guest agent, shared by both sides (stdlib only).
 
+The single source for both: the host imports it as `runner.vm.guestwire`, and the rootfs builder
+(vmimages/rootfs.py) installs this file as `guestwire.py` next to the guest agent, which imports it
+by that name. So it must stay a standalone module: the standard library only, no project imports.
+
 The channel is a virtio-serial port: a reliable byte stream with no message boundaries, and on
 the host side the other end is a guest we do not trust. So every frame carries a fixed header
 with a magic, a version and an explicit length that the reader checks *before* reading the
