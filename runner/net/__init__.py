@@ -8,22 +8,22 @@ Public API (everything else is internal):
 - `Slot`: `netns`, `tap`; `qemu_prefix() -> list[str]` (argv prefix running QEMU in the namespace,
   which then opens `-netdev tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off`);
   `apply_policy(policy: policy.Policy) -> None` (raises; the VM must not start then);
-  `audit_records() -> list[AuditRecord]` (`AuditRecord.as_json()` is a `blocked_egress` entry).
+  `audit_records() -> list[AuditRecord]` (`policy.AuditRecord`; `policy.suggest_policy` reads them).
 - Uplinks: `HostUplink(out_iface)` (production, root namespace, NAT) and `NamespaceUplink(name)`.
 - `Upstream(address, port=53, netns=None)`: where the guests' resolver asks allowed names.
-- `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried.
 - Guest-side constants in `runner.net.addresses` (baked into the snapshot template).
 
 What the resolver promises (`runner.net.dns`): an allowed name's answer opens its addresses on the
 rule's ports only, never an address in `policy.reserved.INTERNAL` (RFC 1918, CGNAT, link-local,
-ULA, the uplink pool, and IPv6 forms carrying such an IPv4 address) unless a `cidr:` rule or an
-operator allowance covers it; openings last the answer's TTL clamped to 60 s..1 h and close within
+ULA, the uplink pool, and IPv6 forms carrying such an IPv4 address), in audit mode too, unless an
+operator allowance or a `cidr:` rule lying inside that range (`policy.reserved.opted_in`) covers
+it; openings last the answer's TTL clamped to 60 s..1 h and close within
 a sweep (2 s) of that; answers opening new addresses rewrite the chain at most 64 times at once and
 2 a second after (past that the guest gets SERVFAIL); a destroyed slot's resolver never writes again.
 TEST-NET answers are not refused (see `policy.reserved` for why, and what that leaves open).
 """
 
-from runner.net.audit import AuditRecord, suggest_policy
+from policy.suggest import AuditRecord
 from runner.net.dns import Upstream
 from runner.net.firewall import Firewall, FirewallError
 from runner.net.slots import Slot, SlotError, SlotPool
@@ -41,5 +41,4 @@ __all__ = [
     "Uplink",
     "UplinkError",
     "Upstream",
-    "suggest_policy",
 ]

@@ -91,7 +91,7 @@ class Slot:
 
     def audit_records(self) -> list[AuditRecord]:
         """What the guest tried that the policy does not allow (logged in both modes), and the
-        internal addresses the resolver refused to hand out for an allowed name."""
+        names whose internal answers the resolver refused (without the addresses: the guest reads this)."""
         if self.audit is None:
             return []
         if self.resolver is None:
