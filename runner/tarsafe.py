@@ -456,6 +456,8 @@ def check_tar(src: BinaryIO) -> int:
         raise UnsafeTar(f"not a valid tar archive: {exc}") from exc
     if count == 0 and scanner._offset == 0:
         raise UnsafeTar("not a valid tar archive: empty file")
+    if src.seekable() and src.seek(0, os.SEEK_END) < scanner._offset:  # the walk seeks over data past the end
+        raise UnsafeTar("not a valid tar archive: it ends inside a member's data (cut short?)")
     return count
 
 
