@@ -17,7 +17,7 @@ from typing import Any
 from action.junit import Failure, Totals
 from action.workflow import annotation
 from policy.load import host_error
-from runner.net.audit import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord, suggest_policy
+from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord, suggest_policy
 
 MAX_SUGGESTED = 256
 

@@ -11,6 +11,8 @@ Public API (everything else is internal):
 - `PolicyStore(directory).for_repository("owner/repo")` and `.for_job(repository, job_yaml)`.
 - `render(policy, RenderContext(...), OperatorAllowances(...)) -> RenderedRules(ipv4, ipv6)`;
   `dns_allow_rule(ip, ports, protocol)` is the rule shape the resolver appends to `MVC-DNS-ALLOW`.
+- `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried, from
+  its `AuditRecord`s (`AuditRecord.as_json()` is a job record's `blocked_egress` entry).
 """
 
 from policy.compose import intersect
@@ -19,9 +21,10 @@ from policy.model import DENY_ALL, Policy, Rule
 from policy.render import (DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules,
                            dns_allow_rule, render)
 from policy.store import PolicyStore
+from policy.suggest import AuditRecord, suggest_policy
 
 __all__ = [
-    "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
+    "AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
     "Problem", "RenderContext", "RenderedRules", "Rule", "dns_allow_rule", "intersect",
-    "load_policy", "render",
+    "load_policy", "render", "suggest_policy",
 ]

@@ -1,4 +1,4 @@
-"""Audit mode: what block mode would have stopped, read from NFLOG, and the policy that allows it.
+"""Audit mode: what block mode would have stopped, read from NFLOG (`policy.suggest` turns it into a policy).
 
 Measured on this machine: NFLOG works inside a network namespace (a netlink socket created in the
 namespace receives its packets), whereas LOG output of a non-initial namespace is dropped unless the
@@ -25,24 +25,13 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-import yaml
-
 from policy.render import DENIED_LOG_PREFIX, INTERNAL_LOG_PREFIX
+from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord
 from runner.net import addresses, netns
 from runner.net.loop import NetLoop
 
 MAX_RECORDS_PER_SLOT = 4096
-POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
-ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
-# An internal address (private, CGNAT, ULA, ...) that no `cidr:` rule opts into (`policy.reserved.opted_in`),
-# refused in every mode: dialled directly (the record has the address the guest dialled), or handed to
-# the resolver as an allowed name's answer (proto "dns", no port, and no address: see `refused_answer_record`).
-INTERNAL_ADDRESS = "internal-address"
 REFUSED_ANSWER = INTERNAL_ADDRESS  # the resolver's refusals, by their older name
-# What a refused answer's record shows instead of the address: the guest never got it, and the record
-# reaches the public job summary (a fork could point an allowed name at an internal name through a
-# CNAME and read a split-horizon resolver's private answer there). The service log keeps the address.
-REFUSED_DEST = "internal address refused"
 COPY_RANGE = 64  # enough for an IPv6 header plus the ports
 
 _NETLINK_NETFILTER = 12
@@ -61,22 +50,6 @@ _NLM_F_REQUEST = 1
 _NLM_F_ACK = 4
 _NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED (0x8000) and NLA_F_NET_BYTEORDER (0x4000)
 _PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
-
-
-@dataclass(frozen=True)
-class AuditRecord:
-    """One blocked (or, in audit mode, would-be-blocked) destination and how often the guest tried it."""
-
-    dest: str  # the address dialled, or REFUSED_DEST
-    port: int | None
-    proto: str
-    name: str | None
-    count: int
-    reason: str = POLICY
-
-    def as_json(self) -> dict[str, object]:
-        return {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name, "count": self.count,
-                "reason": self.reason}
 
 
 def parse_packet(payload: bytes) -> tuple[str, int | None, str] | None:
@@ -238,50 +211,3 @@ def refused_answer_record(name: str, count: int) -> AuditRecord:
     """The record of `name`'s answers the resolver refused `count` times for pointing at internal
     addresses: without them (`REFUSED_DEST`), since the guest must not learn them from its record."""
     return AuditRecord(dest=REFUSED_DEST, port=None, proto="dns", name=name, count=count, reason=INTERNAL_ADDRESS)
-
-
-def suggest_policy(records: list[AuditRecord]) -> str:
-    """A block-mode policy YAML that allows exactly what the audited job tried.
-
-    Destinations the resolver handed out are allowed by name (addresses behind a name change);
-    others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
-    and always-denied destinations cannot be allowed by one: both are listed as comments instead,
-    as are internal addresses, dialled or refused by the resolver (allowing one is a decision, not
-    a suggestion, and a host rule never could).
-    """
-    by_target: dict[tuple[str, str, str], set[int]] = {}
-    comments: set[str] = set()
-    for record in records:
-        if record.reason == ALWAYS_DENIED:
-            comments.add(f"# always denied, no policy can allow it, was attempted: {_attempt(record)}\n")
-            continue
-        if record.reason == INTERNAL_ADDRESS and record.proto == "dns":
-            comments.add(f"# {record.name} resolved to an internal address, refused; a cidr: rule inside "
-                         f"its range allows it, if it is meant to be reached\n")
-            continue
-        if record.reason == INTERNAL_ADDRESS:
-            comments.add(f"# an internal address, refused in every mode, was attempted: {_attempt(record)}; "
-                         f"a cidr: rule inside its range allows it, if it is meant to be reached\n")
-            continue
-        if record.port is None or record.proto not in ("tcp", "udp"):
-            comments.add(f"# not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}\n")
-            continue
-        if record.name:
-            target = ("host", record.name, record.proto)
-        else:
-            bits = 128 if ":" in record.dest else 32
-            target = ("cidr", f"{record.dest}/{bits}", record.proto)
-        by_target.setdefault(target, set()).add(record.port)
-    allow = []
-    for (kind, value, proto), ports in sorted(by_target.items()):
-        entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
-        if proto != "tcp":
-            entry["protocol"] = proto
-        allow.append(entry)
-    text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
-    return text + "".join(sorted(comments))
-
-
-def _attempt(record: AuditRecord) -> str:
-    port = f" port {record.port}" if record.port is not None else ""
-    return f"{record.proto} to {record.dest}{port}"

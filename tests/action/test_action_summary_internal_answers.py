@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from action.summary import Result, markdown, outputs
 from policy import load_policy
-from runner.net.audit import REFUSED_DEST, refused_answer_record
+from policy.suggest import REFUSED_DEST
+from runner.net.audit import refused_answer_record
 
 LAN_ADDRESS = "10.0.0.5"
 RECORD = {"id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "exit_code": 0, "error": None,

@@ -7,8 +7,8 @@ import socket
 import time
 
 from net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
-from policy import load_policy
-from runner.net import netns, suggest_policy
+from policy import load_policy, suggest_policy
+from runner.net import netns
 
 
 def the_job(guest: str) -> tuple[bool, bool]:

@@ -9,7 +9,7 @@ from dnslib import RCODE
 
 from net_fakes import ALLOWED_HOST, LAN_HOST, lookup, reach
 from policy import load_policy
-from runner.net.audit import INTERNAL_ADDRESS, REFUSED_DEST
+from policy.suggest import INTERNAL_ADDRESS, REFUSED_DEST
 from runner.net.dns import MIN_OPEN_SECONDS, SWEEP_SECONDS
 
 LAN_POLICY = "version: 1\nmode: block\nallow:\n  - host: lan.test\n    ports: [8000]\n"

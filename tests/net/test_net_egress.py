@@ -12,8 +12,8 @@ from dnslib import QTYPE, RCODE
 import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
 from policy import OperatorAllowances, Rule, load_policy
+from policy.suggest import ALWAYS_DENIED, POLICY
 from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
-from runner.net.audit import ALWAYS_DENIED, POLICY
 
 WEB_POLICY = """\
 version: 1

@@ -12,9 +12,8 @@ from dnslib import RCODE
 
 from action.summary import Result, markdown
 from net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
-from policy import load_policy
-from runner.net import suggest_policy
-from runner.net.audit import INTERNAL_ADDRESS, POLICY, REFUSED_DEST
+from policy import load_policy, suggest_policy
+from policy.suggest import INTERNAL_ADDRESS, POLICY, REFUSED_DEST
 
 
 def answers(guest: str, name: str) -> tuple[int, list[str]]:

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from runner.net.audit import AuditRecord
+from policy.suggest import AuditRecord
 from runner.vm.errors import SandboxError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

@@ -19,9 +19,9 @@ from contextlib import ExitStack
 
 import pytest
 
-from policy import load_policy
+from policy import load_policy, suggest_policy
 from policy.model import DENY_ALL
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns, suggest_policy
+from runner.net import NamespaceUplink, SlotPool, Upstream, netns
 from runner.net import addresses
 from runner.net.audit import REFUSED_ANSWER
 from runner.sandbox import Sandbox
