@@ -5,10 +5,15 @@ and of valid configs, as text and as Python values) and the host's side of the g
 (frame reading and message decoding, as a hostile guest on a socketpair would drive them). Each
 target asserts its contract for every input: a result or the module's own error (with a file:line
 for configs, a broken channel for the agent), never another exception, never an unbounded message.
+And the two listeners, each through its real socket with the service on the fake engine: the job API
+(Unix socket, and TCP with the token) and the GitHub webhook (signed mutations of the stored real
+payloads, and garbled framing). For every request: no 5xx but a 503 with Retry-After, no traceback
+in the log; after the batch, a valid request is answered within a second and the process is back to
+its threads and file descriptors (wire.py has what the two share).
 
 Hypothesis runs derandomized (a fixed seed from each test's name), without deadlines and without an
 example database, so a run is the same on every machine and CI never flakes on a new example.
-The default counts keep the whole directory within about 25 s on this project's 2-core machines.
+The default counts keep the whole directory within about 40 s on this project's 2-core machines.
 
     .venv/bin/pytest -q -p no:cacheprovider tests/fuzz                          # the bounded run
     FUZZ_EXAMPLES=20000 .venv/bin/pytest -q -p no:cacheprovider tests/fuzz      # longer: N per target
