@@ -18,7 +18,6 @@ Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--ru
 from __future__ import annotations
 
 import argparse
-import functools
 import io
 import json
 import os
@@ -35,11 +34,9 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stats import percentile  # noqa: E402
-from runner.sandbox import Sandbox  # noqa: E402
-from runner.service.api import ApiServers  # noqa: E402
 from runner.service.client import JobClient  # noqa: E402
 from runner.service.config import config_from_mapping  # noqa: E402
-from runner.service.service import JobService  # noqa: E402
+from runner.service.host import EngineSettings, ServiceHost  # noqa: E402
 from runner.state import StateDir  # noqa: E402
 from runner.vm.engine import Engine  # noqa: E402
 
@@ -152,25 +149,20 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mvc-bench-job-", dir="/tmp"))
     (tmp / "state").mkdir()
     os.symlink(templates, tmp / "state" / "templates")
-    engine = Engine(StateDir(tmp / "state"), pool_size=2)
     config = config_from_mapping({"socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
-                                  "max_concurrent_jobs": 1, "checkout_max_bytes": "200MiB"})
-    service = JobService(config, functools.partial(Sandbox.create, engine=engine))
-    service.start()
-    servers = ApiServers(service)
-    servers.start()
+                                  "max_concurrent_jobs": 1, "checkout_max_bytes": "200MiB",
+                                  "shutdown_grace_seconds": 0})
     client = JobClient(socket=config.socket)
     try:
-        jobs, records, bare = bench_overhead(client, engine, args.runs)
-        logs, exec_to_first = bench_log_latency(client)
-        upload_mb_s, checkout_mb_s = bench_checkout(client, tmp)
+        with ServiceHost(config, engine=EngineSettings(pool_size=2)) as host:
+            assert host.engine is not None and host.service is not None
+            jobs, records, bare = bench_overhead(client, host.engine, args.runs)
+            logs, exec_to_first = bench_log_latency(client)
+            upload_mb_s, checkout_mb_s = bench_checkout(client, tmp)
+            accel = host.service.accel
     finally:
-        service.shutdown(0)
-        servers.stop()
-        service.close()
-        engine.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"accel: {service.accel}")
+    print(f"accel: {accel}")
     print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "
           f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms")
     print(f"  where it went (medians): {phases(records)}")

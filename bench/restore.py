@@ -158,13 +158,13 @@ def main() -> None:
             pss = pss_per_vm(engine, 8)
             print(f"PSS per VM with 8 idle VMs up: {pss:.1f} MiB")
         finally:
-            engine.shutdown()
+            engine.close()
         parallel = Engine(StateDir(Path(tmp) / "parallel"), templates=templates, pool_size=4)
         try:
             rate = creates_per_second(parallel, threads=4, per_thread=max(3, args.samples // 5))
             print(f"creates per second, 4 in parallel: {rate:.2f}")
         finally:
-            parallel.shutdown()
+            parallel.close()
     ready_p50 = pct(ready, 0.5)
     result = {
         "ready_p50_ms": round(ready_p50, 1),

@@ -1,10 +1,11 @@
 """The Sandbox API: a fresh microVM per use, in the shape users of sandbox SDKs know.
 
-    with Sandbox.create(template="base", ttl_seconds=600) as sbx:
+    with Sandbox.create(template="base", ttl_seconds=600, engine=engine) as sbx:
         r = sbx.exec("pytest -q", timeout_seconds=300, cwd="/workspace", on_output=print_chunk)
 
 A non-zero exit is a result, not an exception. `SandboxError` means the sandbox itself is gone
-(its VM died, expired or misbehaved) and has already been destroyed.
+(its VM died, expired or misbehaved) and has already been destroyed. The engine is its owner's
+(`runner.service.host.ServiceHost`, a test, a benchmark), passed in: there is no global one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from runner import tarsafe
-from runner.state import StateDir
 from runner.vm.agent import AgentClient, GuestOpError
 from runner.vm.engine import Engine
 from runner.vm.errors import AgentError, SandboxError
@@ -103,13 +103,11 @@ class Sandbox:
         network: bool | None = None,
         policy=None,
         job_id: str | None = None,
-        state_dir: str | os.PathLike | None = None,
-        engine: Engine | None = None,
+        *,
+        engine: Engine,
     ) -> "Sandbox":
         """Restore a fresh VM. Without a policy there is no network card at all unless network=True
         is asked for, and then the policy defaults to deny-all."""
-        if engine is None:
-            engine = Engine.shared(StateDir(Path(state_dir)) if state_dir else None)
         if network is None:
             network = policy is not None
         vm = engine.create(

@@ -188,5 +188,5 @@ class WebhookServer:
     def start(self) -> None:
         self.httpd.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self.httpd.close()

@@ -326,7 +326,11 @@ class ApiServers:
         self.servers: list[BoundedHTTPServer] = [UnixApiServer(config.socket, service, config.socket_group, limits)]
         if config.listen:
             assert config.token  # the config refuses a listen address without one
-            self.servers.append(TcpApiServer(config.listen, service, config.token, limits))
+            try:
+                self.servers.append(TcpApiServer(config.listen, service, config.token, limits))
+            except BaseException:  # e.g. the port is taken: leave no bound Unix socket behind
+                self.close()
+                raise
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
@@ -339,6 +343,6 @@ class ApiServers:
         for server in self.servers:
             server.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         for server in self.servers:
             server.close()

@@ -51,43 +51,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     require_patched_python()
-    from runner.service.api import ApiServers
-    from runner.service.service import JobService, default_sandbox_factory, start_engine
-    from runner.service.webhook import start_webhook
+    from runner.service.host import ServiceHost
 
     config = _config(args.config)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        service = JobService(config, default_sandbox_factory(config.state_dir))
-    except ValueError as exc:  # e.g. unreadable GitHub App settings
-        raise UserError(f"{args.config}: {exc}") from exc
-    try:
-        engine = start_engine(config)  # it sweeps a crashed predecessor's VMs now, not at the first job
-    except ValueError as exc:
-        service.close()
+        with ServiceHost(config, origin=str(args.config)) as host:
+            assert host.api is not None
+            print(f"microvm-check: serving jobs on {config.socket}"
+                  + (f" and {config.listen[0]}:{host.api.tcp_address[1]}" if config.listen else ""), file=sys.stderr)
+            stop.wait()
+            print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # a config the host cannot start with: a file, a port, a socket
         raise UserError(str(exc)) from exc
-    service.start()
-    webhook = servers = None
-    try:
-        servers = ApiServers(service)
-        webhook = start_webhook(config.webhook, service, f"{args.config}: webhook")
-        servers.start()
-        print(f"microvm-check: serving jobs on {config.socket}"
-              + (f" and {config.listen[0]}:{servers.tcp_address[1]}" if config.listen else ""), file=sys.stderr)
-        stop.wait()
-        print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
-    except (ValueError, OSError) as exc:
-        raise UserError(str(exc)) from exc
-    finally:
-        if webhook is not None:
-            webhook.stop()
-        service.shutdown()
-        if servers is not None:
-            servers.stop()
-        service.close()
-        engine.shutdown()
     return 0
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,8 @@ class LocalRun:
         client = self._remote_client()
         if client is not None:
             return self._drive(client, root, checkout, out_dir)
-        with InProcessService(self.template, self.timeout_seconds) as local:
-            return self._drive(local.client, root, checkout, out_dir)
+        with in_process_service(self.template, self.timeout_seconds) as local:
+            return self._drive(local, root, checkout, out_dir)
 
     def spec(self, root: Path) -> dict[str, Any]:
         command = self.command[0] if len(self.command) == 1 else shlex.join(self.command)
@@ -101,40 +102,37 @@ class LocalRun:
         return _exit_status(record)
 
 
-class InProcessService:
-    """A private service (socket in a temporary directory) for one `run`, torn down afterwards."""
+@contextmanager
+def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[JobClient]:
+    """A private service (socket in a temporary directory) for one `run`, closed afterwards.
 
-    def __init__(self, template: str | None, timeout_seconds: int) -> None:
-        self.template = template or "base"
-        self.timeout_seconds = timeout_seconds
+    Its engine is the host's usual one (`MICROVM_CHECK_STATE`, where the templates are); the job's
+    policy is trusted as given, and a job still running at the end is cancelled at once."""
+    from runner.service.config import config_from_mapping
+    from runner.service.egress import EgressPolicies
+    from runner.service.host import EngineSettings, ServiceHost
+    from runner.state import StateDir
 
-    def __enter__(self) -> "InProcessService":
-        from runner.service.api import ApiServers
-        from runner.service.config import config_from_mapping
-        from runner.service.egress import EgressPolicies
-        from runner.service.service import JobService, default_sandbox_factory
-
-        self.tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
+    tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
+    try:
         config = config_from_mapping({
-            "socket": str(self.tmp / "api.sock"), "state_dir": str(self.tmp / "state"),
-            "templates": [self.template], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
-            "max_timeout_seconds": max(self.timeout_seconds, 1), "default_timeout_seconds": max(self.timeout_seconds, 1),
-            "prewarm": {"max_vms": 0},
+            "socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
+            "templates": [template or "base"], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
+            "max_timeout_seconds": max(timeout_seconds, 1), "default_timeout_seconds": max(timeout_seconds, 1),
+            "prewarm": {"max_vms": 0}, "shutdown_grace_seconds": 0,
         })
-        self.service = JobService(config, default_sandbox_factory(), EgressPolicies(None, trust_job_policy=True))
-        self.service.start()
-        self.servers = ApiServers(self.service)
-        self.servers.start()
-        self.client = JobClient(socket=config.socket)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+        host = ServiceHost(config, engine=EngineSettings(state=StateDir.default()),
+                           policies=EgressPolicies(None, trust_job_policy=True))
         try:
-            self.service.shutdown(0)
-            self.servers.stop()
-            self.service.close()
+            host.__enter__()  # not `with`: only a failure to start is the user's to fix
+        except (ValueError, OSError) as exc:
+            raise UserError(f"cannot start a service for this run: {exc}") from exc
+        try:
+            yield JobClient(socket=config.socket)
         finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            host.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _show(stream_name: str, data: bytes) -> None:

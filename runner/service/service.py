@@ -7,7 +7,6 @@ it never speaks HTTP itself. It also implements the GitHub webhook's `JobHooks` 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -15,7 +14,6 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -45,49 +43,6 @@ class JobError(Exception):
         self.status = status
 
 
-def default_sandbox_factory(state_dir: Path | None = None) -> SandboxFactory:
-    """`Sandbox.create` on the engine rooted at `state_dir` (the engine's own default when None)."""
-    from runner.sandbox import Sandbox  # imported late: the engine needs root and QEMU, the CLI does not
-
-    return functools.partial(Sandbox.create, state_dir=state_dir)
-
-
-@dataclass
-class EngineHandle:
-    """The VM engine `serve` runs on, with its network slot pool when networking is on."""
-
-    engine: Any
-    slots: Any = None
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-        if self.slots is not None:
-            self.slots.close()
-
-
-def start_engine(config: ServiceConfig) -> EngineHandle:
-    """Bring up the VM engine on the state dir (it sweeps orphaned VMs as it starts), networked if configured.
-
-    `Sandbox.create(state_dir=...)` then finds this engine through `Engine.shared`.
-    """
-    from runner.state import StateDir
-    from runner.vm.engine import Engine
-
-    slots = None
-    try:
-        if config.network.enabled:
-            from runner.net import HostUplink, SlotPool
-
-            slots = SlotPool(config.network.slot_prefix, HostUplink(out_iface=config.network.uplink_interface),
-                             size=config.network.slots, allowances=config.network.allow)
-            slots.start()
-        return EngineHandle(Engine.shared(StateDir(config.state_dir), net=slots), slots)
-    except Exception as exc:
-        if slots is not None:
-            slots.close()
-        raise ValueError(f"the VM engine could not start on {config.state_dir}: {exc}") from exc
-
-
 def _branch_files(config: ServiceConfig) -> Any:
     """The repositories' own policy files, read as the org's GitHub App; None without App settings."""
     if config.github_config is None:
@@ -103,10 +58,12 @@ def _branch_files(config: ServiceConfig) -> Any:
 
 
 class JobService:
-    def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory | None = None,
+    def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory,
                  policies: EgressPolicies | None = None) -> None:
+        """`create_sandbox` makes a job's VM: `Sandbox.create` bound to the engine its owner built
+        (`runner.service.host.ServiceHost`), or a stand-in in tests."""
         self.config = config
-        self._create = create_sandbox or default_sandbox_factory()
+        self._create = create_sandbox
         self.policies = policies or EgressPolicies(config.policy_dir, branch_files=_branch_files(config))
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
@@ -117,6 +74,7 @@ class JobService:
         self._runs: dict[str, JobRun] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._drained = False
         self._workers: list[threading.Thread] = []
         self._reaper: threading.Thread | None = None
         self._last_prune = 0.0
@@ -137,8 +95,15 @@ class JobService:
         self._reaper = threading.Thread(target=self._reap, name="job-reaper", daemon=True)
         self._reaper.start()
 
-    def shutdown(self, grace_seconds: float | None = None) -> None:
-        """Stop taking jobs; give running ones `grace_seconds` to finish, then cancel them; destroy every VM."""
+    def drain(self, grace_seconds: float | None = None) -> None:
+        """Stop taking jobs; give running ones `grace_seconds` to finish, then cancel them; destroy every VM.
+
+        The first half of `close()`, on its own so that the API can go on serving while jobs end (their
+        clients see the final records and the ends of the log streams) and stop only after. Runs once.
+        """
+        if self._drained:
+            return
+        self._drained = True
         grace = self.config.shutdown_grace_seconds if grace_seconds is None else grace_seconds
         self._stopping.set()
         for job_id in self.queue.close():
@@ -161,7 +126,9 @@ class JobService:
             self._reaper.join()
 
     def close(self) -> None:
-        """Release the records database, after `shutdown` and after the API has stopped serving."""
+        """End every job (`drain` with the configured grace, unless drained already), then release the
+        records database: call it after the API has stopped serving."""
+        self.drain()
         self.records.close()
 
     @property

@@ -17,7 +17,7 @@ from runner.service.config import ConfigError, WebhookSettings, webhook_from_map
 
 @dataclass
 class Webhook:
-    """The running endpoint and, when configured, its redelivery sweep: stopped together."""
+    """The running endpoint and, when configured, its redelivery sweep: closed together."""
 
     server: Any
     sweep_stop: threading.Event | None = None
@@ -27,15 +27,16 @@ class Webhook:
     def port(self) -> int:
         return self.server.port
 
-    def stop(self) -> None:
-        if self.sweep_stop is not None:
+    def close(self) -> None:
+        if self.sweep_stop is not None and self.sweep is not None:
             self.sweep_stop.set()
             self.sweep.join()
-        self.server.stop()
+        self.server.close()
 
 
-def _start_sweep(settings: WebhookSettings, where: str) -> tuple[threading.Event, threading.Thread] | None:
-    """GitHub drops webhooks under load: ask it every `redeliver_every` seconds to redeliver failed ones."""
+def _sweep(settings: WebhookSettings, where: str) -> Any:
+    """GitHub drops webhooks under load: a sweep that asks it to redeliver failed ones, or None when not
+    configured. Only built here (the App settings are read now); its thread starts with the endpoint."""
     if settings.redeliver_every is None:
         return None
     from runner.github.config import load_settings
@@ -44,12 +45,14 @@ def _start_sweep(settings: WebhookSettings, where: str) -> tuple[threading.Event
 
     try:
         github = load_settings(settings.github_config)
-        sweep = RedeliverySweep(github.app().as_app)
+        return RedeliverySweep(github.app().as_app)
     except GitHubError as exc:
         raise ConfigError(f"{where}.redeliver_every: needs the GitHub App settings: {exc}") from exc
+
+
+def _start_sweep(sweep: Any, interval: float) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
-    thread = threading.Thread(target=sweep.run, args=(stop, settings.redeliver_every), name="redelivery-sweep",
-                              daemon=True)
+    thread = threading.Thread(target=sweep.run, args=(stop, interval), name="redelivery-sweep", daemon=True)
     thread.start()
     return stop, thread
 
@@ -77,7 +80,9 @@ def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: Any, whe
     from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer  # only when used
 
     config = WebhookConfig(secret=_secret(settings, where), labels=settings.labels, max_body=settings.max_body)
-    sweep = _start_sweep(settings, where)
-    server = WebhookServer(WebhookReceiver(config, hooks), *settings.listen)
+    sweep = _sweep(settings, where)
+    server = WebhookServer(WebhookReceiver(config, hooks), *settings.listen)  # binds: may fail, nothing runs yet
     server.start()
-    return Webhook(server, *(sweep or (None, None)))
+    if sweep is None or settings.redeliver_every is None:
+        return Webhook(server)
+    return Webhook(server, *_start_sweep(sweep, settings.redeliver_every))

@@ -2,7 +2,7 @@
 
 One engine owns one VM directory (an exclusive lock on it), so at start-up everything found
 there belongs to a dead predecessor and is swept. A reaper thread ends VMs whose TTL expired or
-whose VMM died on its own; `shutdown()` (also at interpreter exit) ends all of them.
+whose VMM died on its own; `close()` (also at interpreter exit) ends all of them.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ LOCK_NAME = ".engine.lock"
 
 
 class Engine:
-    _shared: dict[Path, "Engine"] = {}
-    _shared_lock = threading.Lock()
+    """Built by its owner (`runner.service.host.ServiceHost`, a test, a benchmark) and handed to whatever
+    needs VMs; there is no process-wide registry. `close()` ends every VM, also at interpreter exit."""
 
     def __init__(
         self,
@@ -71,20 +71,7 @@ class Engine:
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
         self._reaper.start()
         self._closed = False
-
-    @classmethod
-    def shared(cls, state: StateDir | None = None, net=None) -> "Engine":
-        """The process-wide engine for a state directory (created on first use, with `net` if given)."""
-        state = state or StateDir.default()
-        with cls._shared_lock:
-            engine = cls._shared.get(state.root)
-            if engine is not None and net is not None and engine.net is not net:
-                raise VMError(f"the engine for {state.root} is already running with other networking")
-            if engine is None or engine._closed:
-                engine = cls(state, net=net)
-                cls._shared[state.root] = engine
-                atexit.register(engine.shutdown)
-            return engine
+        atexit.register(self.close)  # an owner that dies without closing must not leave VMs running
 
     # ---- creating ----------------------------------------------------------------------------
     def template(self, name: str) -> Template:
@@ -233,11 +220,14 @@ class Engine:
         finally:
             self._forget(vm)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """End every VM and release the VM directory; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._stop.set()
+        self._reaper.join()  # it may be ending a VM right now; after this only this thread touches them
         self.pool.close()
         for vm in self.live():
             try:

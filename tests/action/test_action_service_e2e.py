@@ -19,9 +19,9 @@ from action_harness import (FORK_PR, HOST_SECRETS, PYTHON, Simulation, assert_on
                             interrupt, run_action, start, wait_for_state)
 from local_sandbox import LocalEngine
 
-from runner.service.api import ApiServers
 from runner.service.client import JobClient
 from runner.service.config import config_from_mapping
+from runner.service.host import ServiceHost
 from runner.service.service import JobService
 
 TESTS = '''
@@ -50,16 +50,15 @@ def engine() -> LocalEngine:
 @pytest.fixture
 def service(short_dir: Path, engine: LocalEngine) -> Iterator[JobService]:
     config = config_from_mapping({"socket": str(short_dir / "api.sock"), "state_dir": str(short_dir / "state"),
-                                  "env_allowlist": ["CI", "GITHUB_*", "RUNNER_*", "SHOULD_FAIL"]})
-    svc = JobService(config, engine.create)
-    svc.start()
-    api = ApiServers(svc)
-    api.start()
-    yield svc
-    api.stop()
-    svc.shutdown(0)
-    for sandbox in engine.created:
-        sandbox.destroy()
+                                  "env_allowlist": ["CI", "GITHUB_*", "RUNNER_*", "SHOULD_FAIL"],
+                                  "shutdown_grace_seconds": 0})
+    try:
+        with ServiceHost(config, sandboxes=engine.create) as host:
+            assert host.service is not None
+            yield host.service
+    finally:
+        for sandbox in engine.created:
+            sandbox.destroy()
 
 
 @pytest.fixture

@@ -71,31 +71,24 @@ def template() -> None:
 
 @pytest.fixture
 def service(template: None) -> Iterator[object]:
-    from runner.service.api import ApiServers
     from runner.service.config import config_from_mapping
-    from runner.service.service import JobService
-
-    import functools
-
-    from runner.sandbox import Sandbox
+    from runner.service.host import EngineSettings, ServiceHost
     from runner.state import StateDir
-    from runner.vm.engine import Engine
     from runner.vm.templates import TemplateStore
 
     short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))
-    config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state")})
+    config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state"),
+                                  "shutdown_grace_seconds": 30})
     # Real VMs, from an engine of this test's own: a service running on the host keeps its state dir.
-    engine = Engine(StateDir(short / "state"), templates=TemplateStore(StateDir.default().templates), pool_size=1)
-    svc = JobService(config, functools.partial(Sandbox.create, engine=engine))
-    svc.start()
-    api = ApiServers(svc)
-    api.start()
-    yield svc
-    api.stop()
-    svc.shutdown(30)
-    assert engine.live() == [], "a job's VM outlived the service"
-    engine.shutdown()
-    shutil.rmtree(short, ignore_errors=True)
+    engine = EngineSettings(templates=TemplateStore(StateDir.default().templates), pool_size=1)
+    try:
+        with ServiceHost(config, engine=engine) as host:
+            assert host.service is not None and host.engine is not None
+            yield host.service
+            host.service.drain()
+            assert host.engine.live() == [], "a job's VM outlived the service"
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture

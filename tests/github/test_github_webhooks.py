@@ -67,7 +67,7 @@ def make_server(hooks):
 
     yield make
     for server in servers:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture

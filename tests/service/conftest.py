@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 from service_fakes import FakeEngine
 
-from runner.service.api import ApiServers
 from runner.service.client import JobClient
 from runner.service.config import ServiceConfig, config_from_mapping
+from runner.service.host import ServiceHost
 from runner.service.service import JobService
+
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
@@ -37,34 +39,31 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture
-def make_service(make_config: Callable[..., ServiceConfig], engine: FakeEngine) -> Iterator[Callable[..., JobService]]:
-    started: list[JobService] = []
-
-    def make(**settings: Any) -> JobService:
-        service = JobService(make_config(**settings), engine.create)
-        service.start()
-        started.append(service)
-        return service
-
-    yield make
-    for service in started:
-        if not service.stopping:
-            service.shutdown(0)
-        service.close()
+def hosts(make_config: Callable[..., ServiceConfig], engine: FakeEngine) -> Iterator[Callable[..., ServiceHost]]:
+    """Started `ServiceHost`s on the stand-in engine, closed at teardown; a job a test left running is
+    cancelled then (shutdown_grace_seconds 0 unless the test sets it)."""
+    with ExitStack() as stack:
+        def make(serve_api: bool = True, **settings: Any) -> ServiceHost:
+            config = make_config(**{"shutdown_grace_seconds": 0, **settings})
+            return stack.enter_context(ServiceHost(config, sandboxes=engine.create, serve_api=serve_api))
+        yield make
 
 
 @pytest.fixture
-def api(make_service: Callable[..., JobService]) -> Iterator[Callable[..., tuple[JobService, JobClient]]]:
-    servers: list[ApiServers] = []
+def make_service(hosts: Callable[..., ServiceHost]) -> Callable[..., JobService]:
+    """A started service without API servers: the test drives the `JobService` directly."""
+    def make(**settings: Any) -> JobService:
+        service = hosts(serve_api=False, **settings).service
+        assert service is not None
+        return service
+    return make
 
+
+@pytest.fixture
+def api(hosts: Callable[..., ServiceHost]) -> Callable[..., tuple[JobService, JobClient]]:
+    """A started service served on its Unix socket (and on TCP when the settings say so)."""
     def make(**settings: Any) -> tuple[JobService, JobClient]:
-        service = make_service(**settings)
-        server = ApiServers(service)
-        server.start()
-        servers.append(server)
-        return service, JobClient(socket=service.config.socket)
-
-    yield make
-    for server in servers:
-        server.stop()
-
+        host = hosts(**settings)
+        assert host.service is not None
+        return host.service, JobClient(socket=host.config.socket)
+    return make

@@ -39,30 +39,22 @@ def start_webhook() -> tuple[dict, object]:
     server = WebhookServer(WebhookReceiver(WebhookConfig(secret=SECRET, labels=("microvm",)), NoHooks()))
     server.start()
     limits = server.httpd.limits
-    return {"port": server.port, "max_connections": limits.max_connections, "max_workers": limits.max_workers}, server.stop
+    return {"port": server.port, "max_connections": limits.max_connections, "max_workers": limits.max_workers}, server.close
 
 
 def start_api(state: Path) -> tuple[dict, object]:
     from service_fakes import FakeEngine
 
-    from runner.service.api import ApiServers, TcpApiServer
+    from runner.service.api import TcpApiServer
     from runner.service.config import config_from_mapping
-    from runner.service.service import JobService
+    from runner.service.host import ServiceHost
 
     config = config_from_mapping({"socket": str(state / "api.sock"), "state_dir": str(state / "state"),
-                                  "listen": "127.0.0.1:0", "token": TOKEN})
-    service = JobService(config, FakeEngine().create)
-    service.start()
-    servers = ApiServers(service)
-    servers.start()
-    tcp = next(s for s in servers.servers if isinstance(s, TcpApiServer))
-
-    def stop() -> None:
-        servers.stop()
-        service.shutdown(0)
-        service.close()
-    return {"port": servers.tcp_address[1], "max_connections": tcp.limits.max_connections,
-            "max_workers": tcp.limits.max_workers}, stop
+                                  "listen": "127.0.0.1:0", "token": TOKEN, "shutdown_grace_seconds": 0})
+    host = ServiceHost(config, sandboxes=FakeEngine().create).__enter__()
+    tcp = next(s for s in host.api.servers if isinstance(s, TcpApiServer))
+    return {"port": host.api.tcp_address[1], "max_connections": tcp.limits.max_connections,
+            "max_workers": tcp.limits.max_workers}, host.close
 
 
 def take_fds(leave_free: int) -> list[int]:

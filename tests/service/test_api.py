@@ -138,7 +138,7 @@ def test_tcp_needs_the_token(make_service) -> None:
         assert status_of(lambda: JobClient(url=url, token=TOKEN + "x").health()) == 401
         assert JobClient(url=url, token=TOKEN).health()["ok"] is True
     finally:
-        servers.stop()
+        servers.close()
 
 
 def test_tcp_client_sees_413_for_an_oversized_checkout(make_service) -> None:
@@ -151,7 +151,7 @@ def test_tcp_client_sees_413_for_an_oversized_checkout(make_service) -> None:
         big = (b"\0" * 65536 for _ in range(320))  # 20 MiB, chunked
         assert status_of(lambda: client.upload_checkout(job, big)) == 413
     finally:
-        servers.stop()
+        servers.close()
 
 
 def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> None:
@@ -300,7 +300,7 @@ def test_idle_and_unauthenticated_connections_do_not_lock_out_a_client_with_the_
             assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health()["ok"] is True
             assert JobClient(socket=service.config.socket, timeout=10).health()["ok"] is True
     finally:
-        servers.stop()
+        servers.close()
 
 
 def test_the_token_is_checked_before_the_body_is_read(make_service) -> None:
@@ -312,7 +312,7 @@ def test_the_token_is_checked_before_the_body_is_read(make_service) -> None:
             answer, closed = read_until_closed(sock)
         assert answer.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in answer and closed
     finally:
-        servers.stop()
+        servers.close()
 
 
 HUGE = "1" * 4301  # one past Python's int() digit limit

@@ -13,6 +13,7 @@ from typing import Callable
 import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
+from runner.service.host import ServiceHost
 from runner.service.jobqueue import QueueFull
 from runner.service.records import RecordStore
 from runner.service.service import JobError, JobService
@@ -233,7 +234,7 @@ def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engi
     wait_started(service, running)
     queued = run(service, "sleep", timeout_seconds=600)
     waiting = service.submit(spec("sleep")).id
-    service.shutdown(grace_seconds=0)
+    service.drain(grace_seconds=0)
     store = RecordStore(service.config.records_path)
     assert store.get(running).state == "cancelled"
     assert store.get(queued).state == "cancelled"
@@ -250,16 +251,12 @@ def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEng
     orphan.mkdir()
     (orphan / "junk").write_bytes(b"x")
     crashed.records.close()
-    service = JobService(config, engine.create)
-    service.start()
-    try:
-        rec = service.get(job)
+    with ServiceHost(config, sandboxes=engine.create, serve_api=False) as host:
+        assert host.service is not None
+        rec = host.service.get(job)
         assert rec.state == "failed" and "service stopped" in rec.error
         assert not orphan.exists()
         assert not (config.jobs_dir / job / "checkout.tar").exists()
-    finally:
-        service.shutdown(0)
-        service.close()
 
 
 @dataclass(frozen=True)

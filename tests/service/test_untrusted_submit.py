@@ -173,7 +173,7 @@ def test_shutdown_ends_every_job_past_a_record_that_cannot_be_saved(make_service
     service = make_service()
     bad, good = service.submit(spec("ok")).id, service.submit(spec("ok")).id
     service._run(bad).record.run_id = 2**63
-    service.shutdown(0)  # used to raise on the bad record and leave the rest (and the warm pool) as they were
+    service.drain(0)  # used to raise on the bad record and leave the rest (and the warm pool) as they were
     assert service._active_runs() == []
     assert service.get(good).state == "cancelled"
     assert any(f"cancelling job {bad} failed" in r.getMessage() for r in caplog.records)

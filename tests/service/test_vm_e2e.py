@@ -7,7 +7,6 @@ or a VM directory is left behind.
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import shutil
@@ -24,7 +23,6 @@ from typing import Any, Callable, Iterator
 import pytest
 from service_fakes import checkout_tar, spec
 
-from runner.service.api import ApiServers
 from runner.service.client import JobAPIError, JobClient
 from runner.service.config import config_from_mapping
 from runner.service.records import RecordStore
@@ -77,30 +75,26 @@ def assert_no_leftovers(state: Path) -> None:
 
 @pytest.fixture
 def vm_service(vm_root: Path) -> Iterator[Callable[..., tuple[JobService, JobClient]]]:
-    from runner.sandbox import Sandbox
-    from runner.state import StateDir
-    from runner.vm.engine import Engine
+    from runner.service.host import EngineSettings, ServiceHost
 
-    made: list[tuple[JobService, ApiServers, Any]] = []
+    made: list[ServiceHost] = []
 
     def make(**settings: Any) -> tuple[JobService, JobClient]:
-        engine = Engine(StateDir(vm_root / "state"), pool_size=1)
         config = config_from_mapping({"socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"),
-                                      "shutdown_grace_seconds": 5, **settings})
-        service = JobService(config, functools.partial(Sandbox.create, engine=engine))
-        service.start()
-        servers = ApiServers(service)
-        servers.start()
-        made.append((service, servers, engine))
-        return service, JobClient(socket=config.socket)
+                                      "shutdown_grace_seconds": 0, **settings})
+        host = ServiceHost(config, engine=EngineSettings(pool_size=1)).__enter__()
+        made.append(host)
+        assert host.service is not None
+        return host.service, JobClient(socket=config.socket)
 
     yield make
-    for service, servers, engine in made:
-        service.shutdown(0)
-        servers.stop()
-        service.close()
-        assert engine.live() == [], "a job's VM outlived the service"
-        engine.shutdown()
+    for host in made:
+        assert host.service is not None and host.engine is not None
+        try:
+            host.service.drain()
+            assert host.engine.live() == [], "a job's VM outlived the service"
+        finally:
+            host.close()
 
 
 def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
@@ -269,19 +263,14 @@ def test_sigterm_mid_job_destroys_the_vm(vm_root: Path) -> None:
 
 def test_local_run_in_process(vm_root: Path, tmp_path: Path, monkeypatch, capfd) -> None:
     from runner.cli import main
-    from runner.state import StateDir
-    from runner.vm.engine import Engine
 
     co = tmp_path / "co"
     co.mkdir()
     (co / "data.txt").write_text("42\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MICROVM_CHECK_STATE", str(vm_root / "state"))
-    try:
-        status = main(["run", "--socket", str(vm_root / "none.sock"), "--dir", str(co), "--artifacts", "copy.txt",
-                       "--timeout", "120", "--", "cat data.txt && cp data.txt copy.txt && exit 5"])
-    finally:
-        Engine.shared(StateDir(vm_root / "state")).shutdown()
+    status = main(["run", "--socket", str(vm_root / "none.sock"), "--dir", str(co), "--artifacts", "copy.txt",
+                   "--timeout", "120", "--", "cat data.txt && cp data.txt copy.txt && exit 5"])
     assert status == 5
     assert "42" in capfd.readouterr().out
     assert (tmp_path / "artifacts" / "copy.txt").read_text() == "42\n"
@@ -336,6 +325,7 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_p
     secret = tmp_path / "secret"
     secret.write_bytes(b"s3cret")
     hook = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["macos-11"]}, service)
+    assert hook is not None
     try:
         queued = json.loads((external / QUEUED).read_text())
         assert deliver(hook.port, queued) == 200
@@ -359,4 +349,4 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_p
             pass  # the stream ends when the job does
         assert client.get(running)["state"] == "cancelled"  # final only once its VM is destroyed
     finally:
-        hook.stop()
+        hook.close()

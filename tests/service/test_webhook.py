@@ -26,7 +26,7 @@ def webhook(make_service, engine: FakeEngine, tmp_path: Path):
     service = make_service()
     server = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["microvm"]}, service)
     yield service, f"http://127.0.0.1:{server.port}/github/webhook"
-    server.stop()
+    server.close()
 
 
 def deliver(url: str, payload: dict) -> requests.Response:
@@ -101,5 +101,5 @@ def test_redelivery_sweep_runs_beside_the_endpoint_and_stops_with_it(make_servic
         start_webhook({**base, "redeliver_every": 300, "github_config": str(tmp_path / "missing.yml")}, service)
     webhook = start_webhook({**base, "redeliver_every": 300, "github_config": str(github)}, service)
     assert webhook.sweep.is_alive()
-    webhook.stop()
+    webhook.close()
     assert not webhook.sweep.is_alive()

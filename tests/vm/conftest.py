@@ -1,6 +1,6 @@
 """Fixtures for tests on real VMs: an engine with a private VM directory and the built template.
 
-Every test gets its own engine; at teardown the engine is shut down and the test fails if
+Every test gets its own engine; at teardown the engine is closed and the test fails if
 anything of it is left: a VMM process, an overlay, a socket or a VM directory.
 """
 
@@ -43,7 +43,7 @@ def assert_no_leftovers(state: StateDir) -> None:
 
 @pytest.fixture
 def make_engine(template_store, tmp_path):
-    """A factory, so a test can also shut its engine down itself (or build a second one)."""
+    """A factory, so a test can also close its engine itself (or build a second one)."""
     from runner.vm.engine import Engine
 
     engines = []
@@ -55,7 +55,7 @@ def make_engine(template_store, tmp_path):
 
     yield make
     for engine in engines:
-        engine.shutdown()
+        engine.close()
     if engines:
         assert_no_leftovers(engines[0].state)
 

@@ -66,7 +66,7 @@ def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
         assert engine.live() == [] and late.destroyed, "the reaper thread died"
         assert engine._reaper.is_alive()
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 def snapshot_of(root, digest: str, variant: str = "nonet"):

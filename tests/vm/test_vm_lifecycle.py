@@ -66,7 +66,7 @@ def test_vms_die_with_a_killed_service_and_its_leftovers_are_swept(template_stor
     assert cgroup.groups(cgroup.scope_for(state.vms)), "the killed service leaves its VMs' (now empty) cgroups"
     engine = make_engine()  # same state directory: the new engine sweeps at start
     assert engine.state == state
-    engine.shutdown()
+    engine.close()
     assert_no_leftovers(state)
 
 

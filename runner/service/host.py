@@ -1,0 +1,143 @@
+"""The one place that assembles the job service and takes it apart again.
+
+    with ServiceHost(config) as host:      # engine (+ network slots) -> job service -> API -> webhook
+        ...                                # host.service, host.api, host.engine, host.webhook
+
+`serve`, the in-process service of `run`, the benchmarks and the tests all build the service here,
+so how it starts and stops is written once. Data flows one way: the host builds each layer and
+hands it up (the engine to the job service as its sandbox factory, the service to the API servers
+and the webhook as their hooks); nothing below looks a piece up in a global.
+
+Every piece is closed with `close()`, in the reverse order of building, also when a later piece
+fails to start (then `__enter__` closes what it built and raises). One step sits between: the job
+service drains (stops taking jobs, gives running ones the configured `shutdown_grace_seconds`,
+cancels the rest and destroys their VMs) while the API still serves, so a client sees its job end;
+then the API closes, then the records, then the engine (every VM left, warm ones included), and
+last the network slots those VMs used.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner.service.api import ApiServers
+from runner.service.config import ServiceConfig
+from runner.service.egress import EgressPolicies
+from runner.service.job import SandboxFactory
+from runner.service.service import JobService
+from runner.service.webhook import Webhook, start_webhook
+from runner.state import StateDir
+
+if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are imported only when built
+    from runner.net import SlotPool
+    from runner.net.uplink import Uplink
+    from runner.vm.engine import Engine
+    from runner.vm.templates import TemplateStore
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where the host's VM engine lives; the defaults are what `serve` runs on."""
+
+    state: StateDir | None = None  # its VM directory's root; default: the service's state_dir
+    templates: TemplateStore | None = None  # default: the templates under `state`
+    pool_size: int = 2  # restored, never-used VMs kept ready per snapshot
+    uplink: Uplink | None = None  # for network.enabled; default: NAT out of the host's uplink interface
+
+
+class ServiceHost:
+    """The job service and everything it runs on, built in `__enter__` and closed in `close()`.
+
+    `sandboxes` replaces the engine (and the network slots) with a stand-in, for tests of the
+    service above the VM layer; `serve_api=False` leaves out the API servers, for tests that drive
+    the `JobService` directly. `origin` (the config file) prefixes errors a user must fix there.
+    """
+
+    def __init__(self, config: ServiceConfig, *, engine: EngineSettings | None = None,
+                 sandboxes: SandboxFactory | None = None, policies: EgressPolicies | None = None,
+                 serve_api: bool = True, origin: str | None = None) -> None:
+        if engine is not None and sandboxes is not None:
+            raise ValueError("give the host either engine settings or a sandbox factory, not both")
+        self.config = config
+        self._engine_settings = engine or EngineSettings()
+        self._sandboxes = sandboxes
+        self._policies = policies
+        self._serve_api = serve_api
+        self._origin = origin
+        self.slots: SlotPool | None = None
+        self.engine: Engine | None = None
+        self.service: JobService | None = None
+        self.api: ApiServers | None = None
+        self.webhook: Webhook | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "ServiceHost":
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every piece built so far, newest first; a piece that fails to close does not keep the
+        older ones open (its error is raised once all have run). Safe to call twice."""
+        self._stack.close()
+
+    # -- building, bottom up: each step registers its own close before it can fail half-way ----------
+
+    def _build(self) -> None:
+        create = self._sandboxes if self._sandboxes is not None else self._start_engine()
+        service = self.service = self._start_service(create)
+        if self._serve_api:
+            api = self.api = ApiServers(service)  # binds the sockets; closes what it bound if one fails
+            self._stack.callback(api.close)
+            self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
+            api.start()
+        where = f"{self._origin}: webhook" if self._origin else "webhook"
+        self.webhook = start_webhook(self.config.webhook, service, where)
+        if self.webhook is not None:
+            self._stack.callback(self.webhook.close)
+
+    def _start_engine(self) -> SandboxFactory:
+        """The VM engine, networked when the config says so; it sweeps a crashed predecessor's VMs (and
+        the slot pool its namespaces) as it starts, not at the first job."""
+        from runner.sandbox import Sandbox
+        from runner.vm.engine import Engine
+
+        settings = self._engine_settings
+        state = settings.state or StateDir(self.config.state_dir)
+        try:
+            if self.config.network.enabled:
+                self.slots = self._slot_pool(settings.uplink)
+                self._stack.callback(self.slots.close)
+                self.slots.start()
+            self.engine = Engine(state, templates=settings.templates, pool_size=settings.pool_size, net=self.slots)
+        except Exception as exc:
+            raise ValueError(f"the VM engine could not start on {state.root}: {exc}") from exc
+        self._stack.callback(self.engine.close)
+        return functools.partial(Sandbox.create, engine=self.engine)
+
+    def _slot_pool(self, uplink: Uplink | None) -> SlotPool:
+        from runner.net import HostUplink, SlotPool
+
+        network = self.config.network
+        return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
+                        size=network.slots, allowances=network.allow)
+
+    def _start_service(self, create: SandboxFactory) -> JobService:
+        """The job service, started: it fails the jobs a dead predecessor left active and sweeps their
+        directories now."""
+        try:
+            service = JobService(self.config, create, self._policies)
+        except ValueError as exc:  # e.g. unreadable GitHub App settings
+            raise ValueError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
+        self._stack.callback(service.close)
+        service.start()
+        return service
