@@ -2,11 +2,10 @@
 
 Public API (everything else is internal):
 
-- `SlotPool(prefix, uplink, size, upstream=..., tap_owner=..., allowances=...)`: `start()` /
+- `SlotPool(prefix, uplink, size, upstream=..., allowances=...)`: `start()` /
   `close()` (or `with`), `acquire(job="") -> Slot` (a new handle per lease), `release(slot)`
   (ignores a handle that is no longer out), `discard(slot)`, `sweep() -> list[str]`.
-- `Slot`: `netns`, `tap`; `qemu_prefix() -> list[str]` (argv prefix running QEMU in the namespace,
-  which then opens `-netdev tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off`);
+- `Slot`: `netns`, `tap` (the host opens it inside `netns` and hands QEMU the descriptor);
   `apply_policy(policy: policy.Policy) -> None` (raises; the VM must not start then);
   `audit_records() -> list[AuditRecord]` (`policy.AuditRecord`; `policy.suggest_policy` reads them).
 - Uplinks: `HostUplink(out_iface)` (production, root namespace, NAT) and `NamespaceUplink(name)`.

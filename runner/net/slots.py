@@ -50,10 +50,6 @@ class Slot:
     allowances: OperatorAllowances = field(default_factory=OperatorAllowances, repr=False)
     _ipv6_loaded: str = field(default="", repr=False)
 
-    def qemu_prefix(self) -> list[str]:
-        """argv prefix that runs a process (QEMU) inside the slot's namespace."""
-        return ["ip", "netns", "exec", self.netns]
-
     def render_context(self) -> RenderContext:
         return RenderContext(
             guest_ip=addresses.GUEST_IP,
@@ -132,7 +128,7 @@ def _flush_conntrack() -> None:
             ct.flush()
 
 
-def _configure_inside(index: int, tap_owner: tuple[int, int] | None) -> None:
+def _configure_inside(index: int) -> None:
     """Links, addresses and routes of a new slot (run inside the slot's namespace)."""
     with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
         forward.write("1\n")
@@ -141,8 +137,7 @@ def _configure_inside(index: int, tap_owner: tuple[int, int] | None) -> None:
         veth = ipr.link_lookup(ifname=addresses.VETH_NAME)[0]
         ipr.addr("add", index=veth, address=addresses.veth_ip(index), prefixlen=addresses.UPLINK_PREFIXLEN)
         ipr.link("set", index=veth, state="up")
-        owner = {"uid": tap_owner[0], "gid": tap_owner[1]} if tap_owner else {}
-        ipr.link("add", ifname=addresses.TAP_NAME, kind="tuntap", mode="tap", **owner)
+        ipr.link("add", ifname=addresses.TAP_NAME, kind="tuntap", mode="tap")  # the host opens it (runner.vm.jail)
         tap = ipr.link_lookup(ifname=addresses.TAP_NAME)[0]
         ipr.addr("add", index=tap, address=addresses.GATEWAY_IP, prefixlen=addresses.GUEST_PREFIXLEN)
         ipr.link("set", index=tap, state="up")
@@ -164,7 +159,6 @@ class SlotPool:
         *,
         upstream: Upstream | None = None,
         firewall_tools: Firewall | None = None,
-        tap_owner: tuple[int, int] | None = None,
         allowances: OperatorAllowances | None = None,
         max_slots: int = addresses.MAX_SLOTS,
         clock: Callable[[], float] = time.monotonic,
@@ -179,7 +173,6 @@ class SlotPool:
         self.size = size
         self.upstream = upstream or Upstream.from_resolv_conf()
         self.firewall = firewall_tools or Firewall.default()
-        self.tap_owner = tap_owner
         self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)
         self.clock = clock
@@ -296,7 +289,7 @@ class SlotPool:
             netns.create(name)
             self.uplink.run(lambda: _add_veth(name))
             self.uplink.configure_end(name, index)
-            netns.run_in(name, lambda: _configure_inside(index, self.tap_owner))
+            netns.run_in(name, lambda: _configure_inside(index))
             self.firewall.load(name, firewall.guard4(self.allowances) + firewall.masquerade() + firewall.deny_all())
             self.firewall.load(name, firewall.guard6(self.allowances), ipv6=True)
             slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules)

@@ -49,7 +49,6 @@ class Launch:
     vm_dir: Path  # private to this VM: overlay, console log
     disk: Path  # the template disk itself (bake) or a per-VM overlay (restore)
     disk_format: str  # "raw" | "qcow2"
-    netns_prefix: tuple[str, ...] = ()  # argv prefix that runs the VMM inside the VM's namespace
     netns: str = ""  # that namespace's name: the host opens the VM's tap there
     console_log: Path | None = None
 

@@ -357,7 +357,7 @@ class QemuHypervisor(Hypervisor):
     def boot(self, config: MachineConfig, mem_file: Path, launch: Launch) -> Machine:
         backends = bake_backends(config, mem_file, launch)
         args = [*device_args(config, backends, bake=True), *sandbox_args()]
-        argv = [*launch.netns_prefix, self.binary, *args]
+        argv = [self.binary, *args]
         return QemuMachine(argv, launch, backends)
 
     def spawn(self, snapshot: Snapshot, launch: Launch) -> Machine:
