@@ -37,8 +37,8 @@ from bench.stats import percentile  # noqa: E402
 from runner.service.client import JobClient  # noqa: E402
 from runner.service.config import config_from_mapping  # noqa: E402
 from runner.service.host import EngineSettings, ServiceHost  # noqa: E402
-from runner.state import StateDir  # noqa: E402
 from runner.vm.engine import Engine  # noqa: E402
+from runner.vm.statedir import StateDir  # noqa: E402
 
 SHA = "0" * 40
 MIB = 1024 * 1024

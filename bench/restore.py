@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.stats import percentile as pct  # noqa: E402
 from runner.sandbox import Sandbox  # noqa: E402
-from runner.state import StateDir  # noqa: E402
 from runner.vm.agent import AgentClient  # noqa: E402
 from runner.vm.engine import Engine, _make_overlay  # noqa: E402
 from runner.vm.hypervisor import Launch  # noqa: E402
+from runner.vm.statedir import StateDir  # noqa: E402
 from runner.vm.templates import TemplateStore  # noqa: E402
 
 

@@ -14,10 +14,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from runner.state import StateDir
 from runner.vm import accel as accel_mod
 from runner.vm.hypervisor import Launch, MachineConfig
 from runner.vm.qemu import QemuHypervisor, bake_backends, device_args
+from runner.vm.statedir import StateDir
 from runner.vm.templates import VARIANTS, Template, TemplateStore
 from vmimages import bake, initramfs, kernel, rootfs
 from vmimages.recipe import KERNEL_CMDLINE, Recipe

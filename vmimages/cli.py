@@ -6,7 +6,7 @@ import datetime
 import os
 
 from runner.errors import UserError
-from runner.state import StateDir
+from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore
 from vmimages.recipe import RecipeError
 from vmimages.run import BuildError

@@ -29,7 +29,7 @@ from runner.service.egress import EgressPolicies
 from runner.service.job import SandboxFactory
 from runner.service.service import JobService
 from runner.service.webhook import Webhook, start_webhook
-from runner.state import StateDir
+from runner.vm.statedir import StateDir
 
 if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are imported only when built
     from runner.net import SlotPool

@@ -111,7 +111,7 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
     from runner.service.config import config_from_mapping
     from runner.service.egress import EgressPolicies
     from runner.service.host import EngineSettings, ServiceHost
-    from runner.state import StateDir
+    from runner.vm.statedir import StateDir
 
     tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
     try:

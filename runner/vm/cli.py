@@ -8,9 +8,9 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from runner.state import StateDir
 from runner.vm import accel, cgroup, jail
 from runner.vm.errors import VMError
+from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore
 
 

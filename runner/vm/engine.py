@@ -19,12 +19,12 @@ import uuid
 from pathlib import Path
 
 from policy.model import DENY_ALL
-from runner.state import StateDir
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
 from runner.vm.pool import WarmPool
 from runner.vm.qemu import QemuHypervisor
+from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
 from runner.vm.templates import Template, TemplateNotFound, TemplateStore
 from runner.vm.vm import VM

@@ -60,7 +60,7 @@ def template() -> None:
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
     require(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing")
-    from runner.state import StateDir
+    from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateNotFound, TemplateStore
 
     try:
@@ -73,7 +73,7 @@ def template() -> None:
 def service(template: None) -> Iterator[object]:
     from runner.service.config import config_from_mapping
     from runner.service.host import EngineSettings, ServiceHost
-    from runner.state import StateDir
+    from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
 
     short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))

@@ -160,8 +160,8 @@ def test_a_failing_api_closes_the_service_and_engine(need_engine: None, make_con
 
 def test_an_engine_that_cannot_start_leaves_nothing_started(need_engine: None, make_config, closes: list[str],
                                                             short_dir: Path) -> None:
-    from runner.state import StateDir
     from runner.vm.engine import Engine
+    from runner.vm.statedir import StateDir
 
     config = make_config()
     other = Engine(StateDir(config.state_dir), pool_size=0)  # another service's engine on the same state dir

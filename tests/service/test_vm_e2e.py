@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def templates() -> Path:
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
-    from runner.state import StateDir
+    from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateNotFound, TemplateStore
 
     path = StateDir.default().templates

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from runner.state import StateDir
+from runner.vm.statedir import StateDir
 from tests.conftest import require
 
 

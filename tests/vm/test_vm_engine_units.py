@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from runner.state import StateDir
 from runner.vm.engine import Engine
+from runner.vm.statedir import StateDir
 from runner.vm.vm import VM
 
 

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from runner.state import StateDir
 from runner.vm import cgroup
 from runner.vm.errors import VMError
+from runner.vm.statedir import StateDir
 from runner.vm.sweep import processes_under
 from tests.vm.conftest import assert_no_leftovers
 
@@ -22,9 +22,9 @@ CRASHING_SERVICE = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
-    from runner.state import StateDir
     from runner.sandbox import Sandbox
     from runner.vm.engine import Engine
+    from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
     engine = Engine(StateDir(Path(sys.argv[1])), templates=TemplateStore(StateDir.default().templates), pool_size=2)
     sbx = Sandbox.create(engine=engine)

@@ -2,6 +2,8 @@
 
 One root (default /var/lib/microvm-check, overridable with MICROVM_CHECK_STATE) so that a sweep
 after a crash knows exactly what could be ours, and tests can use a private root.
+It lives in runner.vm, the lowest layer that needs it (the engine's VM directory, the template
+store, the doctor); the service, vmimages and the benchmarks import it from here.
 """
 
 from __future__ import annotations
