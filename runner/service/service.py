@@ -25,7 +25,7 @@ from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import JobRecord, RecordStore
 from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
-from runner.service.warm import RunKey, WarmPool
+from runner.service.warm import PrewarmedVMs, RunKey
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class JobService:
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)
         self.queue = JobQueue(config.max_queued_jobs)
-        self.warm = WarmPool(config.prewarm.max_vms, config.prewarm.expire_seconds)
+        self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.accel: str | None = None
         self._runs: dict[str, JobRun] = {}
         self._lock = threading.Lock()

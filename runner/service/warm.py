@@ -25,7 +25,7 @@ class RunKey:
 
 
 @dataclass
-class WarmVM:
+class PrewarmedVM:
     key: RunKey
     github_job_id: int
     template: str
@@ -36,13 +36,16 @@ class WarmVM:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-class WarmPool:
+class PrewarmedVMs:
+    """VMs restored for one announced job each, claimed by its submit (the engine's `SpareVMs` are
+    another thing: restored ahead of time for no job in particular)."""
+
     def __init__(self, max_vms: int, expire_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_vms = max_vms
         self.expire_seconds = expire_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._vms: list[WarmVM] = []
+        self._vms: list[PrewarmedVM] = []
         self._closed = False
 
     def prewarm(self, key: RunKey, github_job_id: int, template: str, policy_digest: str,
@@ -53,12 +56,12 @@ class WarmPool:
                 return False
             if any(vm.github_job_id == github_job_id and vm.key == key for vm in self._vms):
                 return False  # GitHub redelivers webhooks; one VM per job is enough
-            vm = WarmVM(key, github_job_id, template, policy_digest, self._clock() + self.expire_seconds)
+            vm = PrewarmedVM(key, github_job_id, template, policy_digest, self._clock() + self.expire_seconds)
             self._vms.append(vm)
         threading.Thread(target=self._restore, args=(vm, create), name=f"prewarm-{github_job_id}", daemon=True).start()
         return True
 
-    def _restore(self, vm: WarmVM, create: Callable[[], Any]) -> None:
+    def _restore(self, vm: PrewarmedVM, create: Callable[[], Any]) -> None:
         try:
             sandbox = create()
         except Exception:
@@ -107,7 +110,7 @@ class WarmPool:
         with self._lock:
             return len(self._vms)
 
-    def _discard(self, match: Callable[[WarmVM], bool]) -> int:
+    def _discard(self, match: Callable[[PrewarmedVM], bool]) -> int:
         with self._lock:
             chosen = [vm for vm in self._vms if match(vm)]
             ready = [vm.sandbox for vm in chosen if vm.sandbox is not None]
@@ -119,7 +122,7 @@ class WarmPool:
             _destroy(sandbox)
         return len(chosen)
 
-    def _forget(self, vm: WarmVM) -> None:
+    def _forget(self, vm: PrewarmedVM) -> None:
         if vm in self._vms:
             self._vms.remove(vm)
 

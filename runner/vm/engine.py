@@ -22,7 +22,7 @@ from policy.model import DENY_ALL
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
-from runner.vm.pool import WarmPool
+from runner.vm.pool import SpareVMs
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
@@ -66,7 +66,7 @@ class Engine:
             log.warning("swept leftovers of a previous run: %s", ", ".join(swept))
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
-        self.pool = WarmPool(self._restore, pool_size)
+        self.pool = SpareVMs(self._restore, pool_size)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
         self._reaper.start()

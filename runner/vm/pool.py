@@ -20,7 +20,10 @@ from runner.vm.vm import VM
 log = logging.getLogger(__name__)
 
 
-class WarmPool:
+class SpareVMs:
+    """Restored VMs bound to no job yet, per template variant, refilled after each take (the service's
+    `PrewarmedVMs` are another thing: VMs restored for one queued GitHub job, with its policy)."""
+
     def __init__(self, prepare: Callable[[Snapshot], VM], size: int) -> None:
         self._prepare = prepare
         self.size = size

@@ -78,7 +78,7 @@ def snapshot_of(root, digest: str, variant: str = "nonet"):
 
 
 def test_a_rebuilt_template_evicts_vms_pooled_for_the_old_build(tmp_path):
-    from runner.vm.pool import WarmPool
+    from runner.vm.pool import SpareVMs
 
     made: list[VM] = []
     names = itertools.count()
@@ -88,7 +88,7 @@ def test_a_rebuilt_template_evicts_vms_pooled_for_the_old_build(tmp_path):
         made.append(vm)
         return vm
 
-    pool = WarmPool(prepare, size=1)
+    pool = SpareVMs(prepare, size=1)
     old, other_variant, new = snapshot_of(tmp_path, "d1"), snapshot_of(tmp_path, "d1", "net"), snapshot_of(tmp_path, "d2")
     for snapshot in (old, other_variant):
         pool.refill(snapshot)
