@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
-from runner.service.api import ApiServers, BodyFramingError, UnixApiServer, read_chunked
+from runner.service.api import BodyFramingError, UnixApiServer, read_chunked
 from runner.service.client import JobAPIError, JobClient, Transport
 from tests.conftest import require
 
@@ -128,30 +128,20 @@ def test_protocol_errors(api) -> None:
     assert raw(path, odd_query.encode()).startswith(b"HTTP/1.1 400")
 
 
-def test_tcp_needs_the_token(make_service) -> None:
-    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN))
-    servers.start()
-    try:
-        host, port = servers.tcp_address
-        url = f"http://{host}:{port}"
-        assert status_of(lambda: JobClient(url=url).health()) == 401
-        assert status_of(lambda: JobClient(url=url, token=TOKEN + "x").health()) == 401
-        assert JobClient(url=url, token=TOKEN).health()["ok"] is True
-    finally:
-        servers.close()
+def test_tcp_needs_the_token(hosts) -> None:
+    host, port = hosts(listen="127.0.0.1:0", token=TOKEN).api.tcp_address
+    url = f"http://{host}:{port}"
+    assert status_of(lambda: JobClient(url=url).health()) == 401
+    assert status_of(lambda: JobClient(url=url, token=TOKEN + "x").health()) == 401
+    assert JobClient(url=url, token=TOKEN).health()["ok"] is True
 
 
-def test_tcp_client_sees_413_for_an_oversized_checkout(make_service) -> None:
-    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN, checkout_max_bytes="1MiB"))
-    servers.start()
-    try:
-        host, port = servers.tcp_address
-        client = JobClient(url=f"http://{host}:{port}", token=TOKEN)
-        job = client.submit(spec())["id"]
-        big = (b"\0" * 65536 for _ in range(320))  # 20 MiB, chunked
-        assert status_of(lambda: client.upload_checkout(job, big)) == 413
-    finally:
-        servers.close()
+def test_tcp_client_sees_413_for_an_oversized_checkout(hosts) -> None:
+    host, port = hosts(listen="127.0.0.1:0", token=TOKEN, checkout_max_bytes="1MiB").api.tcp_address
+    client = JobClient(url=f"http://{host}:{port}", token=TOKEN)
+    job = client.submit(spec())["id"]
+    big = (b"\0" * 65536 for _ in range(320))  # 20 MiB, chunked
+    assert status_of(lambda: client.upload_checkout(job, big)) == 413
 
 
 def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> None:
@@ -285,34 +275,24 @@ def read_until_closed(sock: socket.socket, seconds: float = 10) -> tuple[bytes, 
     return data, True
 
 
-def test_idle_and_unauthenticated_connections_do_not_lock_out_a_client_with_the_token(make_service) -> None:
-    service = make_service(listen="127.0.0.1:0", token=TOKEN)
-    servers = ApiServers(service)
-    servers.start()
-    try:
-        host, port = servers.tcp_address
-        with contextlib.ExitStack() as stack:
-            for _ in range(64):
-                stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)).connect(service.config.socket)
-            for _ in range(70):
-                sock = stack.enter_context(socket.create_connection((host, port), timeout=10))
-                sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n")  # no token, and the head never ends
-            assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health()["ok"] is True
-            assert JobClient(socket=service.config.socket, timeout=10).health()["ok"] is True
-    finally:
-        servers.close()
+def test_idle_and_unauthenticated_connections_do_not_lock_out_a_client_with_the_token(hosts) -> None:
+    served = hosts(listen="127.0.0.1:0", token=TOKEN)
+    host, port = served.api.tcp_address
+    with contextlib.ExitStack() as stack:
+        for _ in range(64):
+            stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)).connect(served.config.socket)
+        for _ in range(70):
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=10))
+            sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n")  # no token, and the head never ends
+        assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health()["ok"] is True
+        assert JobClient(socket=served.config.socket, timeout=10).health()["ok"] is True
 
 
-def test_the_token_is_checked_before_the_body_is_read(make_service) -> None:
-    servers = ApiServers(make_service(listen="127.0.0.1:0", token=TOKEN))
-    servers.start()
-    try:
-        with socket.create_connection(servers.tcp_address, timeout=10) as sock:
-            sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")  # and no body
-            answer, closed = read_until_closed(sock)
-        assert answer.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in answer and closed
-    finally:
-        servers.close()
+def test_the_token_is_checked_before_the_body_is_read(hosts) -> None:
+    with socket.create_connection(hosts(listen="127.0.0.1:0", token=TOKEN).api.tcp_address, timeout=10) as sock:
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")  # and no body
+        answer, closed = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in answer and closed
 
 
 HUGE = "1" * 4301  # one past Python's int() digit limit

@@ -74,18 +74,18 @@ def assert_no_leftovers(state: Path) -> None:
 
 
 @pytest.fixture
-def vm_service(vm_root: Path) -> Iterator[Callable[..., tuple[JobService, JobClient]]]:
+def vm_host(vm_root: Path) -> Iterator[Callable[..., Any]]:
+    """Started `ServiceHost`s on real VMs; at teardown a job's VM that outlived the service fails the test."""
     from runner.service.host import EngineSettings, ServiceHost
 
     made: list[ServiceHost] = []
 
-    def make(**settings: Any) -> tuple[JobService, JobClient]:
+    def make(**settings: Any) -> ServiceHost:
         config = config_from_mapping({"socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"),
                                       "shutdown_grace_seconds": 0, **settings})
         host = ServiceHost(config, engine=EngineSettings(pool_size=1)).__enter__()
         made.append(host)
-        assert host.service is not None
-        return host.service, JobClient(socket=config.socket)
+        return host
 
     yield make
     for host in made:
@@ -95,6 +95,14 @@ def vm_service(vm_root: Path) -> Iterator[Callable[..., tuple[JobService, JobCli
             assert host.engine.live() == [], "a job's VM outlived the service"
         finally:
             host.close()
+
+
+@pytest.fixture
+def vm_service(vm_host: Callable[..., Any]) -> Callable[..., tuple[JobService, JobClient]]:
+    def make(**settings: Any) -> tuple[JobService, JobClient]:
+        host = vm_host(**settings)
+        return host.service, JobClient(socket=host.config.socket)
+    return make
 
 
 def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
@@ -305,7 +313,7 @@ QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hos
 COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
 
 
-def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_path: Path, external: Path) -> None:
+def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path: Path, external: Path) -> None:
     """Real deliveries in, real VMs out: `queued` warms the VM the submit then gets, `completed` ends a job."""
     import json
     import uuid
@@ -313,7 +321,6 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_p
     import requests
 
     from runner.github.signature import sign
-    from runner.service.webhook import start_webhook
 
     def deliver(port: int, payload: dict) -> int:
         body = json.dumps(payload).encode()
@@ -321,32 +328,28 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_service, tmp_p
                    "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(b"s3cret", body)}
         return requests.post(f"http://127.0.0.1:{port}/github/webhook", data=body, headers=headers, timeout=30).status_code
 
-    service, client = vm_service()
     secret = tmp_path / "secret"
     secret.write_bytes(b"s3cret")
-    hook = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["macos-11"]}, service)
-    assert hook is not None
-    try:
-        queued = json.loads((external / QUEUED).read_text())
-        assert deliver(hook.port, queued) == 200
-        (warm,) = list(service.warm._vms)
-        assert warm.ready.wait(120) and warm.sandbox is not None
-        job = submit(client, "echo warm", repository=queued["repository"]["full_name"],
-                     run_id=queued["workflow_job"]["run_id"], run_attempt=1)
-        assert output(client, job) == b"warm\n"
-        record = client.get(job)
-        assert record["warm"] is True and record["vm_id"] == warm.sandbox.id
+    host = vm_host(webhook={"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["macos-11"]})
+    service, hook, client = host.service, host.webhook, JobClient(socket=host.config.socket)
+    queued = json.loads((external / QUEUED).read_text())
+    assert deliver(hook.port, queued) == 200
+    (warm,) = list(service.warm._vms)
+    assert warm.ready.wait(120) and warm.sandbox is not None
+    job = submit(client, "echo warm", repository=queued["repository"]["full_name"],
+                 run_id=queued["workflow_job"]["run_id"], run_attempt=1)
+    assert output(client, job) == b"warm\n"
+    record = client.get(job)
+    assert record["warm"] is True and record["vm_id"] == warm.sandbox.id
 
-        completed = json.loads((external / COMPLETED).read_text())
-        gh_job = completed["workflow_job"]
-        running = submit(client, "echo started; sleep 300", repository=completed["repository"]["full_name"],
-                         run_id=gh_job["run_id"], run_attempt=gh_job["run_attempt"],
-                         runner_name=gh_job["runner_name"], job_name="osx", timeout_seconds=600)
-        logs = client.logs(running)
-        assert next(e.data for e in logs if e.stream == "stdout") == b"started\n"
-        assert deliver(hook.port, completed) == 200
-        for _ in logs:
-            pass  # the stream ends when the job does
-        assert client.get(running)["state"] == "cancelled"  # final only once its VM is destroyed
-    finally:
-        hook.close()
+    completed = json.loads((external / COMPLETED).read_text())
+    gh_job = completed["workflow_job"]
+    running = submit(client, "echo started; sleep 300", repository=completed["repository"]["full_name"],
+                     run_id=gh_job["run_id"], run_attempt=gh_job["run_attempt"],
+                     runner_name=gh_job["runner_name"], job_name="osx", timeout_seconds=600)
+    logs = client.logs(running)
+    assert next(e.data for e in logs if e.stream == "stdout") == b"started\n"
+    assert deliver(hook.port, completed) == 200
+    for _ in logs:
+        pass  # the stream ends when the job does
+    assert client.get(running)["state"] == "cancelled"  # final only once its VM is destroyed
