@@ -132,7 +132,7 @@ def net_engine(need_netns, make_engine):
         cleanup.callback(pool.close)
         pool.start()
         engine = make_engine(net=pool)
-        cleanup.callback(engine.shutdown)
+        cleanup.callback(engine.close)
         yield engine
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
 
