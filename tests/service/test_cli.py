@@ -19,13 +19,6 @@ from runner.service.client import JobAPIError, JobClient
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _accept_this_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve and run refuse a Python with CVE-2024-6232 (tests/test_tarsafe.py proves it); these tests are
-    about the CLI, so they accept the venv's Python whatever its patch level (also in `serve` children)."""
-    monkeypatch.setenv("MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON", "1")
-
-
 def checkout(tmp_path: Path) -> Path:
     co = tmp_path / "co"
     co.mkdir()
