@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+# Debian 12's Python 3.11.2 predates extraction filters; where they exist, use the strictest.
+_DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
 
 @dataclass
 class LocalResult:
@@ -60,7 +63,7 @@ class LocalSandbox:
 
     def put_tar(self, stream: Any, dest: str = "/workspace") -> None:
         with tarfile.open(fileobj=stream, mode="r|") as archive:
-            archive.extractall(self._host(dest), filter="data")
+            archive.extractall(self._host(dest), **_DATA_FILTER)
 
     def exec(self, command: str | list[str], timeout_seconds: float = 0, env: dict | None = None, cwd: str = "/",
              on_output: Callable[[str, bytes], None] | None = None, **_: Any) -> LocalResult:
