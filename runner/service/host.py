@@ -32,7 +32,7 @@ from runner.service.webhook import Webhook, start_webhook
 from runner.vm.statedir import StateDir
 
 if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are imported only when built
-    from runner.net import SlotPool
+    from runner.net import SlotPool, Upstream
     from runner.net.uplink import Uplink
     from runner.vm.engine import Engine
     from runner.vm.templates import TemplateStore
@@ -46,6 +46,7 @@ class EngineSettings:
     templates: TemplateStore | None = None  # default: the templates under `state`
     pool_size: int = 2  # restored, never-used VMs kept ready per snapshot
     uplink: Uplink | None = None  # for network.enabled; default: NAT out of the host's uplink interface
+    upstream: Upstream | None = None  # where the guests' resolver asks allowed names; default: resolv.conf's
 
 
 class ServiceHost:
@@ -115,7 +116,7 @@ class ServiceHost:
         state = settings.state or StateDir(self.config.state_dir)
         try:
             if self.config.network.enabled:
-                self.slots = self._slot_pool(settings.uplink)
+                self.slots = self._slot_pool(settings.uplink, settings.upstream)
                 self._stack.callback(self.slots.close)
                 self.slots.start()
             self.engine = Engine(state, templates=settings.templates, pool_size=settings.pool_size, net=self.slots)
@@ -124,12 +125,12 @@ class ServiceHost:
         self._stack.callback(self.engine.close)
         return functools.partial(Sandbox.create, engine=self.engine)
 
-    def _slot_pool(self, uplink: Uplink | None) -> SlotPool:
+    def _slot_pool(self, uplink: Uplink | None, upstream: Upstream | None) -> SlotPool:
         from runner.net import HostUplink, SlotPool
 
         network = self.config.network
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
-                        size=network.slots, allowances=network.allow)
+                        size=network.slots, allowances=network.allow, upstream=upstream)
 
     def _start_service(self, create: SandboxFactory) -> JobService:
         """The job service, started: it fails the jobs a dead predecessor left active and sweeps their
