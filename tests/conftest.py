@@ -12,11 +12,25 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 EXTERNAL = SHARED / "external"
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Every property test: no per-example deadline (hypothesis' default 200 ms fails on a shared, loaded
+# machine, and timings belong in bench/), and the same examples on every run (derandomize, no example
+# database), so a failure reproduces and a pass means the same thing twice. Tests may raise
+# max_examples or suppress more health checks; they inherit the rest from this profile.
+settings.register_profile(
+    "microvm-check",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("microvm-check")
 
 
 def require(condition: bool, why: str) -> None:
