@@ -25,6 +25,8 @@ class FakeMachine:
     def exit_status(self):
         return None if self.running else -9
 
+WAIT_S = 60.0  # a bound on waiting for the reaper or a filler thread, generous for a loaded machine: not a timing
+
 
 def release_that_fails(slot) -> None:
     raise RuntimeError("the slot could not be released")
@@ -52,7 +54,7 @@ def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
         for vm in vms:
             vm.expires_at = 0.0
             engine._vms[vm.id] = vm
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + WAIT_S
         while engine.live() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.live() == []
@@ -60,7 +62,7 @@ def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
         late = fake_vm(engine.state.vms, "late")
         late.expires_at = 0.0
         engine._vms[late.id] = late
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + WAIT_S
         while engine.live() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.live() == [] and late.destroyed, "the reaper thread died"
@@ -92,7 +94,7 @@ def test_a_rebuilt_template_evicts_vms_pooled_for_the_old_build(tmp_path):
     old, other_variant, new = snapshot_of(tmp_path, "d1"), snapshot_of(tmp_path, "d1", "net"), snapshot_of(tmp_path, "d2")
     for snapshot in (old, other_variant):
         pool.refill(snapshot)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + WAIT_S
     while (len(made) < 2 or pool._filling) and time.monotonic() < deadline:
         time.sleep(0.01)
     (stale,), (kept,) = pool._ready[old], pool._ready[other_variant]
