@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -140,6 +141,29 @@ def test_a_guest_printing_the_resume_token_cannot_resume() -> None:
         r.feed("stdout", f"::{token}::\n::set-output name=x::1\n##[{token}]\n::add-mask::x\n"
                          f"{ZWSP}::{token}::\n::add-mask::y\n".encode())
     only_our_commands(out.getvalue())
+
+
+def resume_token(output: str) -> str:
+    """The token of the relay's `::stop-commands::<token>` line (its second line)."""
+    line = output.splitlines()[1]
+    assert line.startswith("::stop-commands::")
+    return line.split("::")[2]
+
+
+def test_a_token_learnt_from_an_earlier_job_cannot_resume() -> None:
+    """Job logs of public repositories are public: a guest may know the token of every earlier run,
+    so each relay's token must be new, not merely absent from the guest."""
+    earlier, _ = relay([("stdout", b"first job\n")])
+    learnt = resume_token(earlier)
+    output, _ = relay([("stdout", f"::{learnt}::\n::set-output name=exit-code::0\n::add-mask::x\n".encode())])
+    assert resume_token(output) != learnt
+    only_our_commands(output)
+
+
+def test_every_relay_draws_a_128_bit_token() -> None:
+    tokens = {resume_token(relay([])[0]) for _ in range(200)}
+    assert len(tokens) == 200
+    assert all(re.fullmatch(r"mvc[0-9a-f]{32}", token) for token in tokens), tokens
 
 
 def test_invalid_utf8_and_split_multibyte_characters() -> None:
