@@ -50,7 +50,8 @@ def test_only_named_variables_enter_the_spec(external: Path, tmp_path: Path) -> 
     assert spec["env"] == {"CI": "true", "GITHUB_RUN_ID": "99", "FOO": "bar"}
 
 
-@pytest.mark.parametrize("name", ["GITHUB_TOKEN", "ACTIONS_RUNTIME_TOKEN", "actions_id_token_request_url"])
+@pytest.mark.parametrize("name", ["GITHUB_TOKEN", "github_token", "Github_Token", "ACTIONS_RUNTIME_TOKEN",
+                                  "actions_id_token_request_url"])
 def test_runner_credentials_are_refused(external: Path, name: str) -> None:
     with pytest.raises(UserError, match=name):
         read_inputs(environ(external, None, INPUT_ENV=name))

@@ -70,6 +70,17 @@ def test_env_allowlist_and_denylist(name: str, allowed: bool) -> None:
     assert env_allowed(name, ("CI", "GITHUB_*", "RUNNER_*")) is allowed
 
 
+@pytest.mark.parametrize("name", ["github_token", "Github_Token", "actions_runtime_token", "npm_Secret",
+                                  "db_password", "aws_credentials", "deploy_key"])
+def test_the_denylist_ignores_case_even_when_the_allowlist_admits_the_name(name: str) -> None:
+    """Variable names are case-sensitive, so `github_token` is another variable, but one a workflow
+    may well fill with the token: an operator's `*` or lower-case pattern must not let it through."""
+    assert env_allowed(name, ("*",)) is False
+    assert env_allowed(name, (name,)) is False
+    with pytest.raises(SpecError, match=f"^env.{name}: not forwarded to the guest; the service allows \\*"):
+        parse_spec(spec(env={name: "x"}), config_from_mapping({"templates": ["base"], "env_allowlist": ["*"]}))
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"run_id": 2**63}, "run_id: must be between 0 and 9223372036854775807, got 9223372036854775808"),
     ({"run_attempt": 2**63}, "run_attempt: must be between 1 and 9223372036854775807"),
