@@ -33,7 +33,8 @@ def tar_of(*members: tuple) -> io.BytesIO:
 
 @pytest.mark.parametrize("raw,why", [
     ("/etc/passwd", "absolute"), ("a/../../x", "'..'"), ("..", "'..'"), ("a\\b", "backslash"),
-    ("a\x00b", "control"), ("\x1b[2J", "control"), ("x" * 2000, "longer than"), ("/".join("d" * 40), "deeper"),
+    ("a\x00b", "control"), ("\x1b[2J", "control"), ("del\x7fname", "control"), ("\x7f", "control"),
+    ("x" * 2000, "longer than"), ("/".join("d" * 40), "deeper"),
     ("a/" + "n" * 300, "longer than 255"),
 ])
 def test_unsafe_names(raw: str, why: str) -> None:

@@ -62,6 +62,7 @@ def test_clean_tar_is_rewritten_with_neutral_metadata() -> None:
     (member("blk", tarfile.BLKTYPE), None, "device"),
     (member("fifo", tarfile.FIFOTYPE), None, "fifo"),
     (member("evil\x1b[2Jname"), b"x", "control characters"),
+    (member("rubout\x7f\x7f.txt"), b"x", "control characters"),  # DEL: erases the shown name on a terminal
     (member("back\\slash"), b"x", "backslash"),
     (member("x" * 2000), b"x", "longer than"),
     (member(".git/hooks/post-checkout"), b"#!/bin/sh", "a .git path component"),
