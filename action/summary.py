@@ -8,7 +8,6 @@ goes in: a guest must not be able to inject links, images or fake table rows int
 from __future__ import annotations
 
 import html
-import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,8 +15,8 @@ from typing import Any
 
 from action.junit import Failure, Totals
 from action.workflow import annotation
-from policy.load import host_error
-from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord, suggest_policy
+from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_DEST, REFUSED_NAME, REFUSED_NAME_DEST, \
+    record_from_json, suggest_policy
 
 MAX_SUGGESTED = 256
 
@@ -130,7 +129,9 @@ def _refused_answer(item: Mapping[str, Any]) -> bool:
 def _destination(item: Mapping[str, Any]) -> Any:
     """The address dialled, but never one the resolver refused: the guest was not given it, and this
     summary is public (a fork could CNAME an allowed name to an internal one and read a split-horizon
-    answer here). Also for a record from a service that still put it in."""
+    answer here). Also for a record from a service that still put it in. A refused name had none."""
+    if item.get("reason") == REFUSED_NAME:
+        return REFUSED_NAME_DEST
     return REFUSED_DEST if _refused_answer(item) else item.get("dest", "")
 
 
@@ -139,43 +140,21 @@ def _why(reason: Any) -> str:
         return "always denied (host, metadata or loopback)"
     if reason == INTERNAL_ADDRESS:
         return "an internal address, refused in every mode (a cidr: rule inside its range can allow it)"
+    if reason == REFUSED_NAME:
+        return "name refused: no rule names it (in block mode the job got NXDOMAIN)"
     return "not in the policy"
 
 
 def _suggestion(blocked: list[Any]) -> list[str]:
-    """The policy that would have let the job do what it tried: how an audit run becomes a policy."""
-    records = [record for record in map(_audit_record, blocked[:MAX_SUGGESTED]) if record is not None]
+    """The policy that would have let the job do what it tried: how an audit run becomes a policy.
+    Only well-formed entries make it in (`record_from_json`): they came from the guest's traffic. A
+    refused internal answer stays out: the table above explains it, and allowing it is a decision."""
+    entries = [item for item in blocked[:MAX_SUGGESTED] if not (isinstance(item, dict) and _refused_answer(item))]
+    records = [record for record in map(record_from_json, entries) if record is not None]
     if not records:
         return []
     return ["", "A policy that would allow these attempts (review before adopting it):", "", "```yaml",
             *suggest_policy(records).splitlines(), "```"]
-
-
-def _audit_record(item: Any) -> AuditRecord | None:
-    """Only well-formed entries make it into the suggestion: they came from the guest's traffic."""
-    if not isinstance(item, dict):
-        return None
-    try:
-        dest = str(ipaddress.ip_address(item.get("dest")))
-    except ValueError:
-        return None
-    port, proto, name = item.get("port"), item.get("proto"), item.get("name")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        return None
-    if proto not in ("tcp", "udp", "icmp", "icmpv6"):
-        return None
-    if name is not None and not _policy_host(name):
-        name = None
-    reason = item.get("reason") if item.get("reason") in (ALWAYS_DENIED, INTERNAL_ADDRESS) else POLICY
-    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=1, reason=reason)
-
-
-def _policy_host(name: Any) -> bool:
-    """Whether `name` is a host the policy loader accepts: the one rule, so a suggestion always loads.
-
-    A resolver name has no wildcard, so `*` (which host_error allows as a leading `*.`) is refused.
-    """
-    return isinstance(name, str) and "*" not in name and host_error(name) is None
 
 
 def _failures(failures: list[Failure]) -> list[str]:

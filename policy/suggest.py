@@ -2,12 +2,18 @@
 
 It lives with the policy, not with the network code that collects the records (`runner.net.audit`
 reads them from NFLOG, which needs netlink and root): the action renders the suggestion from a job
-record's `blocked_egress` entries and must not import that.
+record's `blocked_egress` entries and must not import that. `merged_policy` does the same for many
+jobs of one repository (`microvm-check policy suggest`): audit runs over weeks, matrix shards and
+branches each need a little, and the operator wants one policy that lets all of them pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -18,17 +24,24 @@ ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no 
 # the resolver as an allowed name's answer (proto "dns", no port, and no address: see
 # `runner.net.audit.refused_answer_record`).
 INTERNAL_ADDRESS = "internal-address"
+# A name the policy has no rule for, looked up by the guest: in block mode the resolver answered NXDOMAIN,
+# so no address (and no port) was ever tried; without this record such a job's egress table would be empty.
+REFUSED_NAME = "refused-name"
 # What a refused answer's record shows instead of the address: the guest never got it, and the record
 # reaches the public job summary (a fork could point an allowed name at an internal name through a
 # CNAME and read a split-horizon resolver's private answer there). The service log keeps the address.
 REFUSED_DEST = "internal address refused"
+REFUSED_NAME_DEST = "name refused"  # a refused name's record: the resolver gave it no address
+REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME)
+PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
+MAX_COUNT = 10**9  # a record's count comes from guest traffic: kept in a range a sum cannot overflow into nonsense
 
 
 @dataclass(frozen=True)
 class AuditRecord:
     """One blocked (or, in audit mode, would-be-blocked) destination and how often the guest tried it."""
 
-    dest: str  # the address dialled, or REFUSED_DEST
+    dest: str  # the address dialled, REFUSED_DEST or REFUSED_NAME_DEST
     port: int | None
     proto: str
     name: str | None
@@ -40,6 +53,83 @@ class AuditRecord:
                 "reason": self.reason}
 
 
+def refused_name_record(name: str, count: int) -> AuditRecord:
+    """The record of a name the resolver refused `count` times because no rule of the policy names it."""
+    return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)
+
+
+def record_from_json(item: Any) -> AuditRecord | None:
+    """A job record's `blocked_egress` entry as an AuditRecord, or None when it is not well formed.
+
+    The entries derive from the guest's traffic and reach a policy file: only an address, a port in
+    range, a known protocol and a name the policy loader accepts get through, so a suggestion always
+    loads and no text of the guest's choosing lands in it. An unknown reason is read as POLICY.
+    """
+    if not isinstance(item, Mapping):
+        return None
+    reason = item.get("reason") if item.get("reason") in REASONS else POLICY
+    name = item.get("name") if _policy_host(item.get("name")) else None
+    count = item.get("count")
+    count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
+    if item.get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
+        if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME):
+            return None
+        dest = REFUSED_DEST if reason == INTERNAL_ADDRESS else REFUSED_NAME_DEST
+        return AuditRecord(dest=dest, port=None, proto="dns", name=name, count=count, reason=reason)
+    try:
+        dest = str(ipaddress.ip_address(item.get("dest")))
+    except ValueError:
+        return None
+    port, proto = item.get("port"), item.get("proto")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        return None
+    if proto not in PROTOCOLS or reason == REFUSED_NAME:
+        return None
+    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason)
+
+
+def _policy_host(name: Any) -> bool:
+    """Whether `name` is a host the policy loader accepts: the one rule, so a suggestion always loads.
+
+    A resolver name has no wildcard, so `*` (which host_error allows as a leading `*.`) is refused.
+    """
+    from policy.load import host_error  # policy.load is heavier; the action's import test counts modules
+
+    return isinstance(name, str) and "*" not in name and host_error(name) is None
+
+
+_Target = tuple[str, str, str]  # ("host" or "cidr", its value, protocol)
+
+
+def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
+    """Where a record goes in a suggestion: a rule target and port, or a comment's text (without "# ")."""
+    if record.reason == ALWAYS_DENIED:
+        return f"always denied, no policy can allow it, was attempted: {_attempt(record)}"
+    if record.reason == INTERNAL_ADDRESS and record.proto == "dns":
+        return (f"{record.name} resolved to an internal address, refused; a cidr: rule inside "
+                f"its range allows it, if it is meant to be reached")
+    if record.reason == INTERNAL_ADDRESS:
+        return (f"an internal address, refused in every mode, was attempted: {_attempt(record)}; "
+                f"a cidr: rule inside its range allows it, if it is meant to be reached")
+    if record.reason == REFUSED_NAME:
+        return (f"{record.name} was looked up and refused (no rule names it), so no port was tried; "
+                f"add it with the ports it needs, if it is meant to be reached")
+    if record.port is None or record.proto not in ("tcp", "udp"):
+        return f"not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}"
+    if record.name:
+        return ("host", record.name, record.proto), record.port
+    bits = 128 if ":" in record.dest else 32
+    return ("cidr", f"{record.dest}/{bits}", record.proto), record.port
+
+
+def _entry(target: _Target, ports: set[int]) -> dict[str, object]:
+    kind, value, proto = target
+    entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
+    if proto != "tcp":
+        entry["protocol"] = proto
+    return entry
+
+
 def suggest_policy(records: list[AuditRecord]) -> str:
     """A block-mode policy YAML that allows exactly what the audited job tried.
 
@@ -47,37 +137,17 @@ def suggest_policy(records: list[AuditRecord]) -> str:
     others by their single address. Port-less protocols (ICMP) cannot be expressed in the policy
     and always-denied destinations cannot be allowed by one: both are listed as comments instead,
     as are internal addresses, dialled or refused by the resolver (allowing one is a decision, not
-    a suggestion, and a host rule never could).
+    a suggestion, and a host rule never could), and names refused in block mode (no port is known).
     """
-    by_target: dict[tuple[str, str, str], set[int]] = {}
+    by_target: dict[_Target, set[int]] = {}
     comments: set[str] = set()
     for record in records:
-        if record.reason == ALWAYS_DENIED:
-            comments.add(f"# always denied, no policy can allow it, was attempted: {_attempt(record)}\n")
-            continue
-        if record.reason == INTERNAL_ADDRESS and record.proto == "dns":
-            comments.add(f"# {record.name} resolved to an internal address, refused; a cidr: rule inside "
-                         f"its range allows it, if it is meant to be reached\n")
-            continue
-        if record.reason == INTERNAL_ADDRESS:
-            comments.add(f"# an internal address, refused in every mode, was attempted: {_attempt(record)}; "
-                         f"a cidr: rule inside its range allows it, if it is meant to be reached\n")
-            continue
-        if record.port is None or record.proto not in ("tcp", "udp"):
-            comments.add(f"# not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}\n")
-            continue
-        if record.name:
-            target = ("host", record.name, record.proto)
+        where = _classify(record)
+        if isinstance(where, str):
+            comments.add(f"# {where}\n")
         else:
-            bits = 128 if ":" in record.dest else 32
-            target = ("cidr", f"{record.dest}/{bits}", record.proto)
-        by_target.setdefault(target, set()).add(record.port)
-    allow = []
-    for (kind, value, proto), ports in sorted(by_target.items()):
-        entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
-        if proto != "tcp":
-            entry["protocol"] = proto
-        allow.append(entry)
+            by_target.setdefault(where[0], set()).add(where[1])
+    allow = [_entry(target, ports) for target, ports in sorted(by_target.items())]
     text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
     return text + "".join(sorted(comments))
 
@@ -85,3 +155,67 @@ def suggest_policy(records: list[AuditRecord]) -> str:
 def _attempt(record: AuditRecord) -> str:
     port = f" port {record.port}" if record.port is not None else ""
     return f"{record.proto} to {record.dest}{port}"
+
+
+# -- many jobs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobAudit:
+    """One job's records and when it ran: what `merged_policy` reads from the service's job records."""
+
+    job_id: str
+    at: float  # when the job was submitted (seconds since the epoch)
+    records: tuple[AuditRecord, ...]
+
+
+@dataclass
+class _Seen:
+    """How often and when a rule's or a comment's attempts were seen across jobs."""
+
+    jobs: set[str] = field(default_factory=set)
+    attempts: int = 0
+    first: float = float("inf")
+    last: float = float("-inf")
+
+    def add(self, job: JobAudit, count: int) -> None:
+        self.jobs.add(job.job_id)
+        self.attempts += count
+        self.first, self.last = min(self.first, job.at), max(self.last, job.at)
+
+    def describe(self, total: int) -> str:
+        return (f"seen in {len(self.jobs)} of {total} jobs, {self.attempts} attempts, "
+                f"first {_when(self.first)}, last {_when(self.last)}")
+
+
+def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
+    """One block-mode policy YAML that allows what every one of `jobs` tried, each rule preceded by a
+    comment saying in how many jobs, how often and when it was seen; what no policy can or should
+    allow (always-denied, internal, refused names, ICMP) is listed as comments after it, never allowed.
+    `header` (one comment line per line of text) says where the suggestion came from."""
+    jobs = list(jobs)
+    ports: dict[_Target, set[int]] = {}
+    seen: dict[_Target, _Seen] = {}
+    notes: dict[str, _Seen] = {}
+    for job in jobs:
+        for record in job.records:
+            where = _classify(record)
+            if isinstance(where, str):
+                notes.setdefault(where, _Seen()).add(job, record.count)
+                continue
+            target, port = where
+            ports.setdefault(target, set()).add(port)
+            seen.setdefault(target, _Seen()).add(job, record.count)
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += ["version: 1", "mode: block", "allow:" if ports else "allow: []"]
+    for target in sorted(ports):
+        lines.append(f"  # {seen[target].describe(len(jobs))}")
+        rule = yaml.safe_dump([_entry(target, ports[target])], sort_keys=False, default_flow_style=None)
+        lines += [f"  {line}" for line in rule.splitlines()]
+    for text in sorted(notes):
+        lines.append(f"# {text} ({notes[text].describe(len(jobs))})")
+    return "\n".join(lines) + "\n"
+
+
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))

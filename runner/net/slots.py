@@ -20,6 +20,7 @@ from pyroute2 import IPRoute, NFCTSocket
 
 from policy.model import DENY_ALL, Policy
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
+from policy.suggest import refused_name_record
 from runner.net import addresses, firewall, netns
 from runner.net.audit import AuditRecord, SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
@@ -92,8 +93,9 @@ class Slot:
             return []
         if self.resolver is None:
             return self.audit.records({})
-        refused = [refused_answer_record(*entry) for entry in self.resolver.refused_answer_counts()]
-        return self.audit.records(dict(self.resolver.handed_out)) + refused
+        records = self.audit.records(dict(self.resolver.handed_out))
+        records += [refused_answer_record(*entry) for entry in self.resolver.refused_answer_counts()]
+        return records + _refused_names(self.resolver, {record.name for record in records})
 
     def write_dns_chain(self, openings: list[Opening]) -> None:
         """Make the slot's DNS allow chain hold exactly the resolver's live `openings`, in one commit."""
@@ -119,6 +121,15 @@ class Slot:
         if rules != self._ipv6_loaded:
             self.firewall.load(self.netns, document, ipv6=True)
             self._ipv6_loaded = rules
+
+
+def _refused_names(resolver: SlotResolver, named: set[str | None]) -> list[AuditRecord]:
+    """Names the policy has no rule for that the guest looked up (block mode answered NXDOMAIN, so
+    nothing else would list them), unless a record names them already (audit mode resolves them,
+    and what the guest then dialled is listed with the name)."""
+    with resolver.lock:
+        refused = sorted(resolver.refused.items())
+    return [refused_name_record(name, count) for name, count in refused if name not in named]
 
 
 def _flush_conntrack() -> None:
