@@ -25,10 +25,19 @@ def test_output_streams_in_order_and_exit_code_is_a_result(sandbox):
 
 
 def test_output_arrives_while_the_command_still_runs(sandbox):
-    arrivals: list[float] = []
-    r = sandbox.exec("echo first; sleep 2; echo second", on_output=lambda s, d: arrivals.append(time.monotonic()))
-    assert r.exit_code == 0
-    assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 1.5
+    """The command waits for a file that the host writes only once it has seen the first line: it can
+    end only if that line arrived while it ran (output held back to the end would time it out)."""
+    seen: list[bytes] = []
+
+    def on_output(stream: str, data: bytes) -> None:
+        seen.append(data)
+        if b"first" in data:
+            sandbox.files.write("/tmp/go", b"go")
+
+    r = sandbox.exec("echo first; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo second",
+                     on_output=on_output, timeout_seconds=60)
+    assert not r.timed_out and r.exit_code == 0
+    assert b"".join(seen) == b"first\nsecond\n"
 
 
 @pytest.mark.parametrize("code", [0, 1, 42, 255])
@@ -57,10 +66,8 @@ def test_host_environment_does_not_leak(sandbox, monkeypatch):
 
 
 def test_timeout_kills_the_whole_process_tree(sandbox):
-    started = time.monotonic()
     r = sandbox.exec("sleep 300 & setsid sleep 301 & sh -c 'sleep 302' & sleep 303", timeout_seconds=2)
-    assert r.timed_out and r.exit_code == 124
-    assert time.monotonic() - started < 30
+    assert r.timed_out and r.exit_code == 124  # ended by its timeout, not by `sleep 303`
     left = sandbox.exec("ps -eo args | grep -c '^sleep 30[0-3]' || true")
     assert left.stdout.strip() == b"0", "processes of the timed-out command survived"
 
@@ -69,9 +76,11 @@ def test_cancel_kills_running_command(sandbox):
     import threading
 
     result: dict = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", sandbox.exec("sleep 120")))
+    running = threading.Event()  # set by the command's own output: cancel only once it runs
+    t = threading.Thread(target=lambda: result.setdefault(
+        "r", sandbox.exec("echo running; sleep 120", on_output=lambda s, d: running.set())))
     t.start()
-    time.sleep(1.5)
+    assert running.wait(120), "the command never started"
     sandbox.cancel()
     t.join(timeout=20)
     assert not t.is_alive()
@@ -110,9 +119,13 @@ def test_copy_in_and_out_directories(sandbox, tmp_path):
 def test_a_chatty_background_process_sends_nothing_after_its_exec_ended(sandbox):
     """`server &` keeps the exec's pipes: its later output must not reach the host, which counts
     frames for finished requests against a bound and destroys the VM past it."""
-    r = sandbox.exec("(while true; do echo tick; sleep 0.02; done) &")
+    r = sandbox.exec("touch /tmp/ticks; (while true; do echo tick; echo tick >> /tmp/ticks; sleep 0.02; done) &")
     assert r.exit_code == 0
-    time.sleep(1.0)
+    # Wait, in the guest, for 20 more ticks after that exec ended; frames for it would have come
+    # down the channel before this exec's reply, so the count below includes them.
+    waited = sandbox.exec("n=$(wc -l < /tmp/ticks); while [ $(wc -l < /tmp/ticks) -lt $((n + 20)) ]; do sleep 0.02; done",
+                          timeout_seconds=120)
+    assert not waited.timed_out and waited.exit_code == 0
     assert sandbox._vm.agent._stray == 0
     assert sandbox.exec("echo still-here").stdout == b"still-here\n"
 
@@ -165,11 +178,16 @@ def test_no_network_card_without_network(sandbox):
 def test_kill_9_of_qemu_mid_exec_is_a_clear_error(engine):
     sbx = Sandbox.create(engine=engine)
     vm = engine.live()[0]
-    import threading
 
-    threading.Timer(1.5, os.kill, args=(vm.machine.pid, signal.SIGKILL)).start()
+    killed: list[int] = []
+
+    def kill_once_running(stream: str, data: bytes) -> None:  # mid-exec for sure, however slow its start
+        if not killed:
+            killed.append(vm.machine.pid)
+            os.kill(vm.machine.pid, signal.SIGKILL)
+
     with pytest.raises(SandboxError, match="signal 9"):
-        sbx.exec("sleep 60")
+        sbx.exec("echo running; sleep 60", on_output=kill_once_running)
     assert not sbx.alive
     with pytest.raises(SandboxError):
         sbx.exec("true")
@@ -216,23 +234,23 @@ def test_machines_made_by_one_thread_can_be_killed_by_another_while_it_works(eng
 
     snapshot = engine.template("base").snapshot(False)
     made: dict = {}
-    busy = threading.Event()
+    busy = threading.Event()  # the filler has talked to its second VM many times: it is working
     stop = threading.Event()
 
     def filler() -> None:
         made["first"], made["second"] = engine._spawn(snapshot), engine._spawn(snapshot)
         made["first"].machine.qmp("query-status")  # both now have QMP sessions made in this thread
-        made["second"].machine.qmp("query-status")
-        busy.set()
+        calls = 0
         while not stop.is_set():
             made["second"].machine.qmp("query-status")
+            calls += 1
+            if calls == 20:
+                busy.set()
 
     thread = threading.Thread(target=filler)
     thread.start()
     try:
-        assert busy.wait(60)
-        for _ in range(20):
-            time.sleep(0.01)
+        assert busy.wait(120)
         made["first"].destroy()  # from this thread, while the filler keeps talking to its other VM
     finally:
         stop.set()
