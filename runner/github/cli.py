@@ -1,4 +1,5 @@
-"""`microvm-check register | deregister | runners | redeliver | guard`: the host's side of the GitHub org."""
+"""`microvm-check register | deregister | runners | redeliver | guard | runner | status`: the host's side of
+the GitHub org, and its ephemeral runners (`runner.fleet`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from runner.github.app import GitHubApp
 from runner.github.client import GitHubClient
 from runner.github.config import DEFAULT_CONFIG_PATH, GitHubSettings, load_settings
 from runner.github.deliveries import RedeliverySweep
+from runner.errors import UserError
 from runner.github.errors import GitHubError
 
 GUARD_RULES_ENV = "MICROVM_CHECK_GUARD_RULES"
@@ -51,6 +53,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--window", type=float, default=3 * 3600, help="how far back to look, in seconds (3 h)")
     cmd.add_argument("--every", type=float, help="keep sweeping every this many seconds (default: once)")
     cmd.set_defaults(func=cmd_redeliver)
+
+    cmd = subparsers.add_parser("runner", help="the ephemeral runners the service keeps (runners: section)")
+    actions = cmd.add_subparsers(dest="runner_command", required=True)
+    install = actions.add_parser("install", help="install the actions/runner release runners are copied from")
+    install.add_argument("--version", required=True, help="runner release, e.g. 2.336.0")
+    install.add_argument("--from", dest="tarball", type=Path,
+                         help="a local actions-runner-linux-x64-V.tar.gz (default: download it from GitHub)")
+    install.add_argument("--sha256", required=True,
+                         help="the tarball's SHA-256, from the release page (required: no digests are shipped)")
+    install.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
+                         help="the service config whose runners.install_dir to use")
+    install.set_defaults(func=cmd_runner_install)
+    started = actions.add_parser("job-started", help="job-started hook of the fleet's runners (not for people)")
+    started.set_defaults(func=cmd_runner_job_started)
+
+    cmd = subparsers.add_parser("status", help="the host's runners (idle, busy with what), VMs and queue")
+    cmd.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
+                     help="the running service's config")
+    cmd.add_argument("--json", action="store_true", help="the raw status as JSON")
+    cmd.set_defaults(func=cmd_status)
 
     cmd = subparsers.add_parser("guard", help="job-started hook: refuse untrusted fork workflows")
     cmd.add_argument("--config", type=Path, help=config_help)
@@ -171,6 +193,63 @@ def cmd_guard(args: argparse.Namespace) -> int:
     if verdict.allowed:
         print("microvm-check guard: job allowed", file=sys.stderr)
     return 0 if verdict.allowed else 1
+
+
+def _service_config(path: Path):
+    from runner.service.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def cmd_runner_install(args: argparse.Namespace) -> int:
+    """Verify and unpack the release once; the fleet copies it for every runner."""
+    import tempfile
+
+    from runner.fleet import install
+
+    install_dir = _service_config(args.service_config).runners.install_dir
+    try:
+        version = install.check_version(args.version)
+        with tempfile.TemporaryDirectory(prefix="mvc-runner-") as scratch:
+            tarball = args.tarball or install.download(version, Path(scratch))
+            release = install.install(tarball, version, args.sha256, install_dir)
+    except install.InstallError as exc:
+        raise UserError(str(exc)) from exc
+    print(f"installed actions/runner {release.version} in {release.path} (read-only); new runners start from it")
+    return 0
+
+
+def cmd_runner_job_started(args: argparse.Namespace) -> int:
+    """Tell the fleet which job this runner got. Never fails the job: the report is for the status and
+    for cancelling the job's VM should the runner die."""
+    from runner.fleet import report, workdir
+
+    target = os.environ.get(workdir.REPORT_VARIABLE)
+    try:
+        if not target:
+            raise ValueError(f"{workdir.REPORT_VARIABLE} is not set: this runner was not started by the fleet")
+        report.write(Path(target), report.from_environment(os.environ))
+    except (ValueError, OSError) as exc:
+        print(f"::warning::microvm-check: could not report this job to the runner fleet: {exc}", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from runner.fleet import status
+    from runner.fleet.fleet import STATUS_FILE
+
+    config = _service_config(args.service_config)
+    try:
+        data = status.load(config.state_dir / STATUS_FILE)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    print(json.dumps(data, indent=2) if args.json else status.render(data))
+    return 0
 
 
 def _installation_client(config: Path | None) -> GitHubClient:

@@ -136,6 +136,43 @@ class WebhookSettings:
     github_config: Path | None = setting(None, "the GitHub App settings for the redelivery sweep", "path")
 
 
+RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
+RUNNER_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Ephemeral GitHub runners this host keeps (`runner.fleet`); off unless `org` is set.
+
+    Each runner is registered just in time, takes one job and is deleted with its directory; the
+    service keeps `min_idle` of them waiting and never more than `max_runners`."""
+
+    org: str | None = setting(None, "organisation whose just-in-time runners this host runs; off when unset",
+                              "string")
+    github_config: Path | None = setting(None, "the GitHub App settings that register the runners (default: the "
+                                               "service's github_config)", "path")
+    labels: tuple[str, ...] = setting(DEFAULT_LABELS, "labels of this host's runners (one set per host class)",
+                                      "strings")
+    runner_group: int = setting(1, "runner group ID the runners join (1: the org's Default group)", "int",
+                                minimum=1, maximum=2**31)
+    min_idle: int = setting(1, "idle runners kept waiting for a job", "int", minimum=0, maximum=1024)
+    max_runners: int | None = setting(None, "runners at once, idle or busy (default: max_concurrent_jobs)", "int",
+                                      minimum=1, maximum=1024)
+    idle_recycle_seconds: float = setting(3600.0, "a runner that got no job in this time is replaced by a fresh "
+                                                  "one", "number", minimum=10, maximum=7 * DAY)
+    shutdown_grace_seconds: float = setting(300.0, "at shutdown, busy runners get this long to finish their job",
+                                            "number", minimum=0, maximum=DAY)
+    runner_user: str = setting("microvm-check-runner", "the unprivileged user the runners run as (never root)",
+                               "string", pattern=RUNNER_USER_PATTERN)
+    install_dir: Path = setting(Path("/opt/microvm-check/actions-runner"), "where `microvm-check runner install` "
+                                "unpacked the runner release (read-only to runners)", "path")
+    runners_dir: Path = setting(Path("/var/lib/microvm-check-runners"), "parent of the runners' own directories, "
+                                "each made fresh for one job and deleted after it", "path")
+    name_prefix: str | None = setting(None, "prefix of this host's runner names, which tells its runners from other "
+                                            "hosts' (default: mvc-<host name>)", "string",
+                                      pattern=RUNNER_NAME_PREFIX_PATTERN)
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     socket: str = setting(DEFAULT_SOCKET, "the job API's Unix socket", "string")
@@ -171,6 +208,8 @@ class ServiceConfig:
     env_allowlist: tuple[str, ...] = setting(("CI", "GITHUB_*", "RUNNER_*"), "environment names (globs) a job "
                                              "spec may set", "strings")
     webhook: WebhookSettings = setting(None, "the GitHub webhook endpoint", "section", section=WebhookSettings)
+    runners: RunnerSettings = setting(None, "ephemeral GitHub runners kept by the service", "section",
+                                      section=RunnerSettings)
 
     @property
     def default_template(self) -> str:
@@ -446,6 +485,7 @@ def _check(config: ServiceConfig, walk: _Walk) -> ServiceConfig | None:
     if config.network.allow.rules and not config.network.enabled:
         walk.at("network.allow", "has no effect while network.enabled is false; enable networking or remove allow")
     _check_webhook(config.webhook, walk, "webhook.")
+    _check_runners(config, walk)
     return replace(config, token=token)
 
 
@@ -453,6 +493,20 @@ def _check_webhook(settings: WebhookSettings, walk: _Walk, prefix: str) -> None:
     if settings.listen and not settings.secret_path:
         walk.at(prefix + "listen", f"{prefix}secret_path: required when listen is set "
                                    "(a file holding the webhook secret)")
+
+
+def _check_runners(config: ServiceConfig, walk: _Walk) -> None:
+    runners = config.runners
+    if runners.org is None:
+        return
+    if runners.runner_user == "root":
+        walk.at("runners.runner_user", "runners never run as root: name an unprivileged user of their own")
+    if runners.github_config is None and config.github_config is None:
+        walk.at("runners.org", "registering runners needs the GitHub App settings: set runners.github_config "
+                               "or github_config")
+    most = runners.max_runners or config.max_concurrent_jobs
+    if runners.min_idle > most:
+        walk.at("runners.min_idle", f"larger than max_runners ({most}): at most that many runners exist at once")
 
 
 def _read_token(path: Path, walk: _Walk) -> str | None:

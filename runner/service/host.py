@@ -28,10 +28,11 @@ from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.service.job import SandboxFactory
 from runner.service.service import JobService
-from runner.service.webhook import Webhook, start_webhook
+from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 from runner.vm.statedir import StateDir
 
 if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are imported only when built
+    from runner.fleet.fleet import RunnerFleet
     from runner.net import SlotPool, Upstream
     from runner.net.uplink import Uplink
     from runner.vm.engine import Engine
@@ -73,6 +74,7 @@ class ServiceHost:
         self.service: JobService | None = None
         self.api: ApiServers | None = None
         self.webhook: Webhook | None = None
+        self.fleet: RunnerFleet | None = None
         self._stack = ExitStack()
 
     def __enter__(self) -> "ServiceHost":
@@ -101,8 +103,11 @@ class ServiceHost:
             self._stack.callback(api.close)
             self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
             api.start()
+        if self.config.runners.org is not None:
+            self.fleet = self._start_fleet(service)
+        hooks = service if self.fleet is None else JobHookListeners((service, self.fleet))
         where = f"{self._origin}: webhook" if self._origin else "webhook"
-        self.webhook = start_webhook(self.config.webhook, service, where)
+        self.webhook = start_webhook(self.config.webhook, hooks, where)
         if self.webhook is not None:
             self._stack.callback(self.webhook.close)
 
@@ -131,6 +136,34 @@ class ServiceHost:
         network = self.config.network
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
                         size=network.slots, allowances=network.allow, upstream=upstream)
+
+    def _start_fleet(self, service: JobService) -> RunnerFleet:
+        """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy
+        runners finish their jobs while the service still runs them. They hear the webhook too."""
+        from runner.fleet.fleet import FleetSettings, RunnerFleet
+        from runner.github.config import load_settings
+        from runner.github.errors import GitHubError
+        from runner.github.runners import RunnerAdmin
+
+        settings = FleetSettings.from_config(self.config)
+        where = f"{self._origin}: runners" if self._origin else "runners"
+        try:
+            github = load_settings(self.config.runners.github_config or self.config.github_config)
+            admin = RunnerAdmin(github.app().as_installation, settings.org)
+        except GitHubError as exc:
+            raise ValueError(f"{where}: the GitHub App settings: {exc}") from exc
+        fleet = RunnerFleet(settings, admin, service, extra_status=functools.partial(self._status, service))
+        self._stack.callback(fleet.close)
+        try:
+            fleet.start()
+        except ValueError as exc:  # no runner user, no installed release
+            raise ValueError(f"{where}: {exc}") from exc
+        return fleet
+
+    def _status(self, service: JobService) -> dict:
+        """The VMs and the queue, for `microvm-check status` beside the runners."""
+        vms = [{"id": vm.id, "ready_ms": round(vm.ready_ms, 1)} for vm in self.engine.live()] if self.engine else []
+        return {"vms": vms, "queue": service.health().to_wire()}
 
     def _start_service(self, create: SandboxFactory) -> JobService:
         """The job service, started: it fails the jobs a dead predecessor left active and sweeps their

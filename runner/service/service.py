@@ -319,6 +319,14 @@ class JobService:
                 why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
                 self.cancel(run.record.id, why)
 
+    def runner_died(self, runner_name: str, reason: str) -> list[str]:
+        """The runner fleet (runner.fleet) saw the runner that submitted these jobs end in the middle of
+        its job: cancel them with `reason`, destroying their VMs. Returns their ids."""
+        ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner_name]
+        for job_id in ids:
+            self.cancel(job_id, reason)
+        return ids
+
     # -- internals --------------------------------------------------------------------------------
 
     def _create_vm(self, **kwargs: Any) -> Any:

@@ -70,6 +70,23 @@ def _secret(settings: WebhookSettings, where: str) -> bytes:
     return secret
 
 
+@dataclass(frozen=True)
+class JobHookListeners:
+    """Several `JobHooks` hearing the same deliveries (the job service, which pre-warms VMs, and the
+    runner fleet, which starts runners), called in order; the first failure fails the delivery, so
+    GitHub's redelivery brings it to every listener again (each takes a repeat as a no-op)."""
+
+    listeners: tuple[Any, ...]
+
+    def prewarm(self, job: Any) -> None:
+        for listener in self.listeners:
+            listener.prewarm(job)
+
+    def job_completed(self, job: Any) -> None:
+        for listener in self.listeners:
+            listener.job_completed(job)
+
+
 def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings` (a loaded section, or a mapping that is
     checked like one); None when it is not configured."""

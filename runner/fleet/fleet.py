@@ -1,0 +1,454 @@
+"""The host's ephemeral runners: `min_idle` waiting, at most `max_runners`, one job each, nothing kept.
+
+    fleet = RunnerFleet(FleetSettings.from_config(config), admin, service)
+    fleet.start()          # clean up after a predecessor, then keep the runners on a thread of its own
+    fleet.prewarm(job)     # webhook: a job for our labels is queued, have a runner ready for it
+    fleet.close()          # SIGTERM: take no more jobs, let busy runners finish, deregister the rest
+
+Every runner is registered just in time (`generate-jitconfig`: GitHub removes it after its one job)
+and started as the unprivileged runner user in a fresh directory (`runner.fleet.workdir`). One thread
+does all the work (GitHub calls, copies, process starts and reaping), so the webhook only records
+what it heard and returns at once, and no two steps race over a runner.
+
+What can be lost is made whole again: at start the fleet kills what a dead predecessor's runners
+left running, removes their directories and deregisters this host's runners that GitHub still lists;
+a runner that exits during its job has the job cancelled in the service (its VM destroyed) and is
+replaced; a runner that got no job within `idle_recycle_seconds` is replaced by a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+from runner.fleet import report, workdir
+from runner.fleet.install import current
+from runner.fleet.report import ReportedJob
+from runner.fleet.workdir import RunnerDir, RunnerUser
+from runner.github.errors import GitHubError, NotFound, ValidationFailed
+from runner.github.runners import JitConfig, RunnerAdmin
+
+log = logging.getLogger(__name__)
+
+SPAWN_BACKOFF_SECONDS = 10.0  # after GitHub or the host refused a new runner
+STOP_WAIT_SECONDS = 5.0  # between SIGTERM and SIGKILL when a runner is retired
+STATUS_FILE = "fleet-status.json"
+
+
+class RunnerState(str, Enum):
+    IDLE = "idle"  # registered and started, no job reported yet
+    BUSY = "busy"  # its job-started hook reported a job
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """The `runners:` section resolved: defaults that depend on the rest of the config filled in."""
+
+    org: str
+    labels: tuple[str, ...]
+    runner_group: int
+    min_idle: int
+    max_runners: int
+    idle_recycle_seconds: float
+    shutdown_grace_seconds: float
+    runner_user: str
+    install_dir: Path
+    runners_dir: Path
+    name_prefix: str
+    status_path: Path
+
+    @classmethod
+    def from_config(cls, config: Any) -> FleetSettings:
+        section = config.runners
+        if section.org is None:
+            raise ValueError("runners.org is not set: the fleet is off")
+        prefix = section.name_prefix or f"mvc-{socket.gethostname().split('.')[0][:30]}"
+        return cls(section.org, section.labels, section.runner_group, section.min_idle,
+                   section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
+                   section.shutdown_grace_seconds, section.runner_user, section.install_dir, section.runners_dir,
+                   prefix, config.state_dir / STATUS_FILE)
+
+
+class JobCanceller(Protocol):
+    """The job service's side: cancel (and destroy the VMs of) the jobs a dead runner had submitted."""
+
+    def runner_died(self, runner_name: str, reason: str) -> list[str]: ...
+
+
+@dataclass
+class FleetRunner:
+    name: str
+    dir: RunnerDir
+    github_id: int
+    process: subprocess.Popen
+    since: float
+    token: str = field(repr=False)  # the runner's own credential (in its .env): binds its jobs to it
+    state: RunnerState = RunnerState.IDLE
+    job: ReportedJob | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.github_id, "state": self.state.value, "since": self.since,
+                "directory": str(self.dir.path), "pid": self.process.pid,
+                "job": self.job.to_json() if self.job else None}
+
+
+@dataclass(frozen=True)
+class RunnerEnd:
+    """What became of a runner: for the status and the log."""
+
+    name: str
+    job: ReportedJob | None
+    exit_code: int | None  # None: retired by the fleet before it took a job
+    died: bool  # it ended during its job, which was cancelled
+
+
+class RunnerFleet:
+    def __init__(self, settings: FleetSettings, admin: RunnerAdmin, service: JobCanceller | None = None,
+                 extra_status: Callable[[], dict[str, Any]] | None = None, interval: float = 0.2) -> None:
+        self.settings = settings
+        self.admin = admin
+        self.service = service
+        self._extra_status = extra_status
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._runners: list[FleetRunner] = []
+        self._pending: dict[int, float] = {}  # queued GitHub job id -> when the webhook said so
+        self._stale: set[int] = set()  # GitHub runner ids of ours to deregister
+        self.ended: deque[RunnerEnd] = deque(maxlen=200)
+        self._retry_at = 0.0
+        self._swept = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.user: RunnerUser | None = None
+        self._release: Path | None = None
+        self._hook: Path | None = None
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the user and the installed release, clean up after a predecessor, start the thread."""
+        self.user = RunnerUser.lookup(self.settings.runner_user)
+        self._release = current(self.settings.install_dir)
+        runners_dir = self.settings.runners_dir
+        runners_dir.mkdir(parents=True, exist_ok=True)
+        os.chown(runners_dir, 0, 0)
+        os.chmod(runners_dir, 0o711)  # a runner can reach its own directory, not list the others
+        self._hook = workdir.install_hooks(runners_dir)
+        self._recover_host()
+        self._thread = threading.Thread(target=self._loop, name="runner-fleet", daemon=True)
+        self._thread.start()
+
+    def close(self, grace_seconds: float | None = None) -> None:
+        """Take no more jobs; busy runners get `grace_seconds` (default: the config's) to finish, then
+        they are stopped and their jobs cancelled; idle runners are deregistered. Safe to call twice."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        grace = self.settings.shutdown_grace_seconds if grace_seconds is None else grace_seconds
+        for runner in self.runners():
+            if runner.state is RunnerState.IDLE:
+                self._retire(runner, "the service is shutting down", force=True)
+        deadline = time.monotonic() + grace
+        while self.runners() and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(min(self._interval, max(0.0, deadline - time.monotonic())))
+        for runner in self.runners():
+            self._kill(runner)
+            self._reap(runner, runner.process.wait())
+        self._retry_stale()
+        self._write_status()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # -- JobHooks (runner.github.jobs): called on the webhook's thread, so they only take note -----
+
+    def prewarm(self, job: Any) -> None:
+        """A job for our labels is queued: have an idle runner for it (up to max_runners)."""
+        if self.stopping:
+            return
+        with self._lock:
+            self._pending.setdefault(int(job.job_id), time.time())
+        self._wake.set()
+
+    def job_completed(self, job: Any) -> None:
+        """The job ended, on whichever host took it: it no longer needs a runner here."""
+        with self._lock:
+            self._pending.pop(int(job.job_id), None)
+        self._wake.set()
+
+    # -- what there is -----------------------------------------------------------------------------
+
+    def runners(self) -> list[FleetRunner]:
+        with self._lock:
+            return list(self._runners)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"updated_at": time.time(), "org": self.settings.org,
+                                "labels": list(self.settings.labels), "max_runners": self.settings.max_runners,
+                                "min_idle": self.settings.min_idle, "stopping": self.stopping,
+                                "runners": [r.view() for r in self.runners()], "pending_jobs": self.pending(),
+                                "to_deregister": sorted(self._stale)}
+        if self._extra_status is not None:
+            data.update(self._extra_status())
+        return data
+
+    # -- the fleet's thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # one failed pass must not end the fleet
+                log.exception("the runner fleet's pass failed; it runs again")
+            self._wake.wait(self._interval)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One pass: reap and inspect every runner, retry deregistrations, scale, write the status."""
+        now = time.time()
+        for runner in self.runners():
+            self._inspect(runner, now)
+        if not self._swept:
+            self._swept = self._sweep_github()
+        self._retry_stale()
+        self._expire_pending(now)
+        if not self.stopping:
+            self._scale(now)
+        self._write_status()
+
+    def _inspect(self, runner: FleetRunner, now: float) -> None:
+        exit_code = runner.process.poll()
+        if runner.state is RunnerState.IDLE:
+            job = report.read(runner.dir.report)
+            if job is not None:
+                self._busy(runner, job, now)
+        if exit_code is not None:
+            self._reap(runner, exit_code)
+        elif runner.state is RunnerState.IDLE and now - runner.since > self.settings.idle_recycle_seconds:
+            self._retire(runner, f"no job in {self.settings.idle_recycle_seconds:g} s")
+
+    def _busy(self, runner: FleetRunner, job: ReportedJob, now: float) -> None:
+        with self._lock:
+            runner.state, runner.job, runner.since = RunnerState.BUSY, job, now
+            if self._pending:  # one queued job fewer waits for a runner (which one GitHub knows)
+                self._pending.pop(min(self._pending, key=self._pending.__getitem__))
+        log.info("runner %s took %s", runner.name, job.describe())
+
+    def _reap(self, runner: FleetRunner, exit_code: int) -> None:
+        """The runner's process ended: stop what it left, cancel its job if it died in it, deregister
+        it if GitHub did not (a JIT runner is removed by GitHub only after a job it finished)."""
+        self._kill(runner)
+        died = runner.job is not None and exit_code != 0
+        if died and runner.job is not None:
+            why = (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) before the job finished: "
+                   "the job failed with it and its VM was destroyed; re-run the job")
+            log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), _exit(exit_code))
+            if self.service is not None:
+                self.service.runner_died(runner.name, why)
+        if runner.job is None or exit_code != 0:
+            self._deregister(runner.github_id)
+        workdir.remove(runner.dir.path)
+        with self._lock:
+            self._runners.remove(runner)
+        self.ended.append(RunnerEnd(runner.name, runner.job, exit_code, died))
+
+    def _retire(self, runner: FleetRunner, why: str, force: bool = False) -> None:
+        """Replace an idle runner. Deregistered first: GitHub refuses that for a runner it just gave a
+        job, and then the runner is left to do it (unless the service is shutting down)."""
+        try:
+            self.admin.delete(runner.github_id)
+        except NotFound:
+            pass
+        except GitHubError as exc:
+            if not force:
+                log.info("runner %s not retired (%s): GitHub says %s", runner.name, why, exc)
+                return
+            self._stale.add(runner.github_id)
+        log.info("retiring runner %s: %s", runner.name, why)
+        self._kill(runner, signal.SIGTERM)
+        try:
+            runner.process.wait(STOP_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        self._kill(runner)
+        runner.process.wait()
+        workdir.remove(runner.dir.path)
+        with self._lock:
+            self._runners.remove(runner)
+        self.ended.append(RunnerEnd(runner.name, runner.job, None, False))
+
+    def _scale(self, now: float) -> None:
+        with self._lock:
+            idle = [r for r in self._runners if r.state is RunnerState.IDLE]
+            total, want = len(self._runners), max(self.settings.min_idle, len(self._pending))
+        for surplus in sorted(idle, key=lambda r: r.since)[want:]:
+            self._retire(surplus, "more idle runners than jobs waiting")
+        missing = min(want - len(idle), self.settings.max_runners - total)
+        for _ in range(max(0, missing)):
+            if now < self._retry_at or not self._spawn(now):
+                return
+
+    def _spawn(self, now: float) -> bool:
+        assert self.user is not None and self._release is not None and self._hook is not None
+        name = f"{self.settings.name_prefix}-{secrets.token_hex(4)}"
+        try:
+            jit = self.admin.jit_config(name, self.settings.labels, self.settings.runner_group)
+        except GitHubError as exc:
+            log.error("cannot register a runner with org %s (trying again in %g s): %s",
+                      self.settings.org, SPAWN_BACKOFF_SECONDS, exc)
+            self._retry_at = now + SPAWN_BACKOFF_SECONDS
+            return False
+        path = self.settings.runners_dir / name
+        token = secrets.token_urlsafe(32)
+        try:
+            runner_dir = workdir.make(self._release, path, self.user, name, token, self._hook)
+            process = self._launch(runner_dir, jit)
+        except OSError as exc:
+            log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
+            workdir.remove(path)
+            self._deregister(jit.runner.id)
+            self._retry_at = now + SPAWN_BACKOFF_SECONDS
+            return False
+        with self._lock:
+            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, now, token))
+        log.info("runner %s (id %d) started in %s", name, jit.runner.id, path)
+        return True
+
+    def _launch(self, runner_dir: RunnerDir, jit: JitConfig) -> subprocess.Popen:
+        """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
+        arguments, here kept out of `ps`), as the runner user, in a session of its own so that
+        everything it starts can be stopped together."""
+        assert self.user is not None
+        log_fd = os.open(runner_dir.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchown(log_fd, self.user.uid, self.user.gid)
+        try:
+            return subprocess.Popen(
+                [str(runner_dir.path / "run.sh")], cwd=runner_dir.path,
+                env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
+                user=self.user.uid, group=self.user.gid, extra_groups=list(self.user.groups), umask=0o077,
+                start_new_session=True, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT)
+        finally:
+            os.close(log_fd)
+
+    def _kill(self, runner: FleetRunner, signum: int = signal.SIGKILL) -> None:
+        """Signal the runner's whole session (its job's processes too)."""
+        try:
+            os.killpg(runner.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # -- GitHub's side -----------------------------------------------------------------------------
+
+    def _sweep_github(self) -> bool:
+        """Deregister this host's runners that GitHub still lists and this fleet does not run (a
+        predecessor's); False to try again on the next pass when GitHub cannot be asked."""
+        ours = {r.github_id for r in self.runners()}
+        prefix = self.settings.name_prefix + "-"
+        try:
+            listed = self.admin.list()
+        except GitHubError as exc:
+            log.error("cannot list org %s's runners to clean up after a previous service (trying again): %s",
+                      self.settings.org, exc)
+            return False
+        for found in listed:
+            if found.name.startswith(prefix) and found.id not in ours:
+                log.warning("deregistering runner %s (id %d, %s): left by a previous service",
+                            found.name, found.id, found.status)
+                self._stale.add(found.id)
+        return True
+
+    def _deregister(self, github_id: int) -> None:
+        self._stale.add(github_id)
+        self._retry_stale()
+
+    def _retry_stale(self) -> None:
+        for github_id in sorted(self._stale):
+            try:
+                self.admin.delete(github_id)
+            except NotFound:
+                pass
+            except ValidationFailed as exc:  # busy: a job still holds it; GitHub frees it after the job
+                log.info("runner id %d cannot be deregistered yet: %s", github_id, exc)
+                continue
+            except GitHubError as exc:
+                log.warning("deregistering runner id %d failed (trying again): %s", github_id, exc)
+                continue
+            self._stale.discard(github_id)
+
+    def _expire_pending(self, now: float) -> None:
+        with self._lock:
+            for job_id, queued_at in list(self._pending.items()):
+                if now - queued_at > self.settings.idle_recycle_seconds:
+                    del self._pending[job_id]
+
+    # -- the host's side ---------------------------------------------------------------------------
+
+    def _recover_host(self) -> None:
+        """Kill what a dead predecessor's runners still run and remove their directories."""
+        runners_dir = self.settings.runners_dir
+        for pid in processes_in(runners_dir):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            log.warning("killed process %d of a runner left by a previous service", pid)
+        for entry in runners_dir.iterdir():
+            if entry.name != workdir.HOOKS:
+                log.warning("removing %s: a runner directory left by a previous service", entry)
+                workdir.remove(entry)
+
+    def _write_status(self) -> None:
+        """`microvm-check status` reads this file: root's, replaced in one step."""
+        path = self.settings.status_path
+        temporary = path.with_name(f".{path.name}.tmp")
+        try:
+            temporary.write_text(json.dumps(self.status()))
+            temporary.chmod(0o600)
+            temporary.replace(path)
+        except OSError as exc:
+            log.warning("cannot write the fleet status to %s: %s", path, exc)
+
+
+def processes_in(directory: Path) -> list[int]:
+    """Processes whose working directory or program lies under `directory`."""
+    marker = str(directory).rstrip("/") + "/"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        for link in ("cwd", "exe"):
+            try:
+                target = os.readlink(f"/proc/{entry}/{link}")
+            except OSError:
+                continue
+            if target.startswith(marker):
+                found.append(int(entry))
+                break
+    return found
+
+
+def _exit(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"

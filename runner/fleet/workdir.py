@@ -1,0 +1,120 @@
+"""One runner's own directory: a fresh copy of the release, owned by the runner user, deleted after its job.
+
+The copy is a real copy (new inodes), never hard links into the installed release: a job running as
+the runner user could otherwise write through a link into the release every later runner starts from.
+The runner's `.env` (read by the runner at start; its values reach every step of the job) names the
+job hooks and holds the runner's own credential, readable by the runner user only. The hooks
+themselves are root's, outside every runner directory, so no job can change what they run.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.github.hook import ISOLATION
+
+HOOKS = "_hooks"
+STARTED_HOOK = "job-started.sh"
+REPORT = "_report/job.json"  # where the job-started hook writes the job the runner got
+TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
+REPORT_VARIABLE = "MICROVM_CHECK_RUNNER_REPORT"
+NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
+
+
+class RunnerUserError(ValueError):
+    """The configured runner user cannot run runners."""
+
+
+@dataclass(frozen=True)
+class RunnerUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary groups from /etc/group, e.g. the job API socket's group
+
+    @classmethod
+    def lookup(cls, name: str) -> RunnerUser:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise RunnerUserError(
+                f"runners.runner_user {name!r} does not exist: create it with `useradd --system --no-create-home "
+                f"--shell /usr/sbin/nologin --groups <socket_group> {name}`") from None
+        if entry.pw_uid == 0 or entry.pw_gid == 0:
+            raise RunnerUserError(f"runners.runner_user {name!r} has uid or gid 0: runners never run as root")
+        groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
+        if 0 in groups:
+            raise RunnerUserError(f"runners.runner_user {name!r} is in group root: give runners a user of their own")
+        return cls(name, entry.pw_uid, entry.pw_gid, groups)
+
+
+@dataclass(frozen=True)
+class RunnerDir:
+    path: Path
+
+    @property
+    def report(self) -> Path:
+        return self.path / REPORT
+
+    @property
+    def log(self) -> Path:
+        return self.path / "_diag" / "microvm-check-runner.log"
+
+    def environment(self) -> dict[str, str]:
+        """The runner process's whole environment: nothing of the service's own is passed on."""
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.path / "_home"),
+                "TMPDIR": str(self.path / "_tmp"), "LANG": "C.UTF-8"}
+
+
+def install_hooks(runners_dir: Path) -> Path:
+    """The root-owned job-started hook every runner's `.env` names: it leaves the job's workspace, drops
+    `PYTHON*` and runs this installation's Python isolated, reporting the job to the fleet."""
+    hooks = runners_dir / HOOKS
+    hooks.mkdir(parents=True, exist_ok=True, mode=0o755)
+    os.chown(hooks, 0, 0)
+    os.chmod(hooks, 0o755)
+    argv = f"{sys.executable} -I -m runner.cli runner job-started"
+    text = ("#!/bin/sh\n# Written by the microvm-check service (runner/fleet/workdir.py); runs in the job's workspace.\n"
+            f"{ISOLATION}exec {argv}\n")
+    script = hooks / STARTED_HOOK
+    temporary = hooks / f".{STARTED_HOOK}.tmp"
+    temporary.write_text(text)
+    temporary.chmod(0o755)
+    temporary.replace(script)
+    return script
+
+
+def make(release: Path, path: Path, user: RunnerUser, name: str, token: str, hook: Path) -> RunnerDir:
+    """A fresh runner directory at `path` (which must not exist) for `user`, mode 0700."""
+    shutil.copytree(release, path, symlinks=True, copy_function=shutil.copy2)
+    runner = RunnerDir(path)
+    for sub in ("_work", "_home", "_tmp", "_diag", "_report"):
+        (path / sub).mkdir(exist_ok=True)
+    env = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": str(hook), REPORT_VARIABLE: str(runner.report),
+           NAME_VARIABLE: name, TOKEN_VARIABLE: token}
+    (path / ".env").write_text("".join(f"{key}={value}\n" for key, value in env.items()))
+    _own(path, user)
+    os.chmod(path / ".env", 0o600)
+    os.chmod(path, 0o700)
+    return runner
+
+
+def remove(path: Path) -> None:
+    """Delete a runner directory whatever its job left in it; root needs no write bits, and rmtree
+    never follows a link a job planted."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _own(root: Path, user: RunnerUser) -> None:
+    for directory, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(directory, name), user.uid, user.gid)
+    os.chown(root, user.uid, user.gid)
