@@ -1,13 +1,21 @@
-"""`microvm-check policy check|render`: lint policy files and show the rules a VM would get."""
+"""`microvm-check policy check|render|suggest`: lint policy files, show the rules a VM would get, and
+suggest one policy from what the audited jobs of a repository tried."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from policy.load import PolicyError, load_policy
 from policy.render import RenderContext, render
+from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
 from runner.errors import UserError
+
+if TYPE_CHECKING:
+    from runner.service.records import JobRecord
 
 # What `policy render` shows rules for: a typical VM namespace, so that the output reads like the real thing.
 EXAMPLE_CONTEXT = RenderContext(
@@ -17,7 +25,7 @@ EXAMPLE_CONTEXT = RenderContext(
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("policy", help="check and render egress policy files")
+    parser = subparsers.add_parser("policy", help="check, render and suggest egress policies")
     commands = parser.add_subparsers(dest="policy_command", metavar="COMMAND", required=True)
 
     check = commands.add_parser("check", help="validate policy files; print every problem like a linter")
@@ -29,9 +37,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--ipv6", action="store_true", help="print the ip6tables-restore document instead")
     show.set_defaults(func=render_command)
 
+    suggest = commands.add_parser(
+        "suggest", help="one block-mode policy from what a repository's audited jobs tried",
+        description="Merge the blocked (in audit mode: would-be-blocked) egress of every job of REPOSITORY in "
+                    "the service's job records into one block-mode policy, with how often and when each rule "
+                    "was needed as comments. Always-denied and internal destinations are never allowed.")
+    suggest.add_argument("--repository", required=True, metavar="OWNER/NAME", help="the repository whose jobs to read")
+    suggest.add_argument("--since", type=duration, default=duration(DEFAULT_SINCE), metavar="AGE",
+                         help=f"only jobs submitted within AGE, like 14d, 12h, 30m or 2w (default {DEFAULT_SINCE})")
+    source = suggest.add_mutually_exclusive_group()
+    source.add_argument("--state-dir", type=Path, help="the service's state_dir (default /var/lib/microvm-check)")
+    source.add_argument("--config", type=Path, help="the service's config: read its state_dir's records")
+    suggest.set_defaults(func=suggest_command)
+
 
 def check_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every file is valid, 1 otherwise, after printing all problems of all files."""
+    """Exit 0 when every file is valid, 1 otherwise, after printing all problems of all files; a valid
+    file is named with `ok`, so silence never has to mean success."""
     failed = False
     for path in args.files:
         try:
@@ -39,6 +61,8 @@ def check_command(args: argparse.Namespace) -> int:
         except PolicyError as exc:
             failed = True
             print(exc)
+        else:
+            print(f"ok {path}")
     return 1 if failed else 0
 
 
@@ -50,3 +74,56 @@ def render_command(args: argparse.Namespace) -> int:
     rules = render(policy, EXAMPLE_CONTEXT)
     print(rules.ipv6 if args.ipv6 else rules.ipv4, end="")
     return 0
+
+
+DEFAULT_SINCE = "14d"
+MAX_RECORDS_PER_JOB = 4096  # a job's blocked_egress derives from guest traffic; the service bounds it too
+_DURATION = re.compile(r"([0-9]{1,6})([mhdw])")
+_UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def duration(text: str) -> float:
+    """`14d`, `12h`, `30m`, `2w` as seconds (argparse type)."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected an age like 14d, 12h, 30m or 2w, not {text!r}")
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def suggest_command(args: argparse.Namespace) -> int:
+
+    since = time.time() - args.since
+    records = _job_records(args, since)
+    if not records:
+        raise UserError(f"no jobs of {args.repository} since {utc_minute(since)} in the job records: nothing to suggest "
+                        "from (names are OWNER/NAME as `microvm-check jobs` shows them)")
+    jobs = [JobAudit(rec.id, rec.created_at, tuple(r for r in map(record_from_json,
+                                                                      rec.blocked_egress[:MAX_RECORDS_PER_JOB]) if r))
+            for rec in records]
+    tried = sum(1 for job in jobs if job.records)
+    header = (f"Suggested by `microvm-check policy suggest` from {len(jobs)} jobs of {args.repository} since "
+              f"{utc_minute(since)}, {tried} of which tried egress their policy did not allow.\n"
+              "Review it before adopting it: it allows what these jobs tried, nothing more.")
+    print(merged_policy(jobs, header), end="")
+    return 0
+
+
+def _job_records(args: argparse.Namespace, since: float) -> list[JobRecord]:
+    """The repository's records since `since`, read from the service's SQLite file (never created here)."""
+    from runner.service.config import DEFAULT_STATE_DIR, ConfigError, ServiceConfig, load_config
+    from runner.service.records import RecordStore
+
+    if args.config:
+        try:
+            path = load_config(args.config).records_path
+        except ConfigError as exc:
+            raise UserError(f"{args.config} is not a valid service config:\n{exc}") from None
+    else:
+        path = ServiceConfig(state_dir=args.state_dir or Path(DEFAULT_STATE_DIR)).records_path
+    if not path.is_file():
+        raise UserError(f"no job records at {path}: pass the service's --state-dir or --config")
+    store = RecordStore(path)
+    try:
+        return store.of_repository(args.repository, since)
+    finally:
+        store.close()

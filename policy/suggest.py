@@ -185,7 +185,7 @@ class _Seen:
 
     def describe(self, total: int) -> str:
         return (f"seen in {len(self.jobs)} of {total} jobs, {self.attempts} attempts, "
-                f"first {_when(self.first)}, last {_when(self.last)}")
+                f"first {utc_minute(self.first)}, last {utc_minute(self.last)}")
 
 
 def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
@@ -217,5 +217,6 @@ def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _when(epoch: float) -> str:
+def utc_minute(epoch: float) -> str:
+    """A time in comments and messages: to the minute, in UTC, so that hosts in any zone agree."""
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))

@@ -162,3 +162,11 @@ class RecordStore:
     def ids(self) -> set[str]:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT id FROM jobs")}
+
+    def of_repository(self, repository: str, since: float) -> list[JobRecord]:
+        """`repository`'s jobs created at or after `since`, oldest first: the runs `policy suggest` merges."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_NAMES)} FROM jobs WHERE repository = ? AND created_at >= ? "
+                "ORDER BY created_at, rowid", (repository, since)).fetchall()
+        return [_from_row(r) for r in rows]

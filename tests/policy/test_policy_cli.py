@@ -20,10 +20,10 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     return good, bad
 
 
-def test_check_passes_valid_files_silently(files, capsys):
+def test_check_names_each_valid_file_with_ok(files, capsys):
     good, _ = files
     assert main(["policy", "check", str(good), str(good)]) == 0
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out == f"ok {good}\nok {good}\n"
 
 
 def test_check_prints_every_problem_of_every_file_like_a_linter(files, capsys, tmp_path: Path):
@@ -33,6 +33,7 @@ def test_check_prints_every_problem_of_every_file_like_a_linter(files, capsys, t
     assert capsys.readouterr().out.splitlines() == [
         f"{bad}:4:13: ports: 70000 is out of range; use 1..65535",
         f"{bad}:5:11: cidr: '10.0.0.1/8' has host bits set; did you mean 10.0.0.0/8?",
+        f"ok {good}",
         f"{missing}: cannot read the policy: No such file or directory",
     ]
 
