@@ -8,6 +8,7 @@ placeholders, not digests, so the digest must come from the release page the ope
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import hmac
 import os
@@ -118,9 +119,9 @@ def _unpack(tarball: Path, dest: Path) -> None:
     """Regular files and directories through the safe extractor; then the release's own relative
     symbolic links (Node's `npm` and `npx`), each only if it stays inside the release."""
     try:
-        with open(tarball, "rb") as stream:
-            result = extract(stream, dest, RELEASE_LIMITS, refuse=lambda name, member: None)
-    except UnsafeTar as exc:
+        with gzip.open(tarball, "rb") as stream:
+            result = extract(stream, dest, RELEASE_LIMITS)
+    except (UnsafeTar, OSError, EOFError) as exc:
         raise InstallError(f"{tarball}: {exc}") from exc
     with tarfile.open(tarball, "r:gz") as archive:
         links = {m.name.lstrip("./"): m.linkname for m in archive if m.issym()}
