@@ -18,6 +18,7 @@ import json
 import math
 import re
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from fractions import Fraction
 from ipaddress import ip_network
 from pathlib import Path, PurePath
 from typing import Any
@@ -42,7 +43,7 @@ MAX_TOKEN_FILE = 4096
 MINUTE, HOUR, DAY = 60, 3600, 86400
 KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
 
-SIZE_PATTERN = r"^\s*([0-9]{1,15})\s*([KMGTkmgt][iI]?[bB]?|[bB])?\s*$"
+SIZE_PATTERN = r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*([KMGTkmgt][iI]?[bB]?|[bB])?\s*$"
 _SIZE = re.compile(SIZE_PATTERN)
 _UNITS = {"": 1, "B": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB}
 _INTEGER = re.compile(r"[-+]?[0-9]{1,19}")
@@ -370,7 +371,7 @@ class _Walk:
                 return parse_size(node.value)
             except ValueError:
                 pass
-        self.problem(node, where, f"expected a size like 512MiB or 1G, not {kind(node)}")
+        self.problem(node, where, f"expected a size like 512MiB, 1.5GiB or 1G (whole bytes), not {kind(node)}")
         return None
 
     def read_bool(self, node: yaml.Node, where: str, meta: Any) -> bool | None:
@@ -527,12 +528,13 @@ def _read_token(path: Path, walk: _Walk) -> str | None:
 
 
 def parse_size(text: str) -> int:
-    """`1048576`, `"512MiB"`, `"1G"` as bytes: operators write sizes by hand. ValueError otherwise."""
+    """`1048576`, `"512MiB"`, `"1.5GiB"`, `"1G"` as bytes: operators write sizes by hand, and decimals
+    as they think of them. Units are binary (K = KiB). ValueError otherwise, also for a fraction of a byte."""
     match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"expected a size like 512MiB or 1G, not {quote(text)}")
-    unit = (match.group(2) or "").upper().rstrip("B").rstrip("I")
-    return int(match.group(1)) * _UNITS[unit]
+    size = Fraction(match.group(1)) * _UNITS[(match.group(2) or "").upper().rstrip("B").rstrip("I")] if match else None
+    if size is None or size.denominator != 1:
+        raise ValueError(f"expected a size like 512MiB, 1.5GiB or 1G (whole bytes), not {quote(text)}")
+    return int(size)
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -213,15 +213,23 @@ def test_python_values_are_checked_like_a_file() -> None:
 
 
 @pytest.mark.parametrize("value, expected", [("0", 0), ("4096", 4096), ("1K", 1024), ("2MiB", 2 * 1024**2),
-                                             ("3 GB", 3 * 1024**3), ("7", 7), ("5B", 5), ("1kib", 1024)])
+                                             ("3 GB", 3 * 1024**3), ("7", 7), ("5B", 5), ("1kib", 1024),
+                                             ("1.5GiB", 3 * 1024**3 // 2), ("0.5K", 512), ("2.25 MiB", 9 * 1024**2 // 4)])
 def test_sizes(value: str, expected: int) -> None:
     assert parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value", ["-1", "true", "1.5G", "ten", "1X", "9" * 16])
+@pytest.mark.parametrize("value", ["-1", "true", "1.5", "0.3K", "1.", ".5G", "ten", "1X", "9" * 16, "1.5.5G"])
 def test_bad_sizes(value: str) -> None:
-    with pytest.raises(ValueError, match="expected a size like 512MiB or 1G"):
+    with pytest.raises(ValueError, match=r"^expected a size like 512MiB, 1\.5GiB or 1G \(whole bytes\), not '"):
         parse_size(value)
+
+
+def test_a_decimal_size_in_a_config_file(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "checkout_max_bytes: 1.5GiB\n")).checkout_max_bytes == 3 * 1024**3 // 2
+    with pytest.raises(ConfigError, match=r"service.yml:1:19: logs.max_bytes: expected a size like 512MiB, 1\.5GiB or 1G "
+                                          r"\(whole bytes\), not '0\.3K'$"):
+        load_config(write(tmp_path, "logs: {max_bytes: 0.3K}\n"))
 
 
 def test_network_section(tmp_path: Path) -> None:
