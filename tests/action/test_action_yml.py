@@ -32,7 +32,7 @@ def test_action_yml_validates_against_schemastore(schema: dict, metadata: dict) 
 def test_schema_rejects_a_non_string_default(schema: dict, metadata: dict) -> None:
     # Proves the validation above has teeth: the schema wants string defaults.
     metadata["inputs"]["include-git"]["default"] = False
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError, match="^False is not of type 'string'"):
         jsonschema.validate(metadata, schema)
 
 

@@ -64,16 +64,20 @@ def test_token_is_cached_until_shortly_before_expiry(app, clock, token_endpoint,
     assert endpoint.call_count == 2
 
 
+BAD_CREDENTIALS = (r"^GitHub 401 for GET /orgs/octo-org/actions/runners: Bad credentials \(check the App ID/client ID, "
+                   r"the private key and this host's clock\)$")
+
+
 @responses.activate
 def test_token_is_used_for_installation_calls_and_dropped_after_401(app, token_endpoint, operations) -> None:
     endpoint = token_endpoint(responses)
     token = example(operations, TOKEN_OP, "201")["token"]
     responses.get(f"{API}/orgs/octo-org/actions/runners", json={"message": "Bad credentials"}, status=401)
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Unauthorized, match=BAD_CREDENTIALS):
         app.as_installation.get("/orgs/octo-org/actions/runners")
     assert responses.calls[1].request.headers["Authorization"] == f"Bearer {token}"
     assert len(responses.calls) == 2  # the 401 was not retried
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Unauthorized, match=BAD_CREDENTIALS):
         app.as_installation.get("/orgs/octo-org/actions/runners")
     assert endpoint.call_count == 2  # but the next call minted a new token
 
@@ -95,7 +99,7 @@ def test_installation_is_looked_up_by_org(make_app, token_endpoint) -> None:
 def test_app_not_installed_on_org_says_where_to_install(make_app) -> None:
     app = make_app(installation_id=None, org="octo-org", app_slug="microvm-check")
     responses.get(f"{API}/orgs/octo-org/installation", json={"message": "Not Found"}, status=404)
-    with pytest.raises(NotFound) as err:
+    with pytest.raises(NotFound, match="^the App is not installed on org octo-org: install it at ") as err:
         app.installation_token()
     assert "not installed on org octo-org" in str(err.value)
     assert "https://github.com/apps/microvm-check/installations/new" in str(err.value)

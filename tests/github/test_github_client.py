@@ -112,7 +112,7 @@ def test_rate_limit_that_persists_is_reported(client, fake_clock) -> None:
 def test_client_errors_are_not_retried_and_explain(client, fake_clock, status, error, hint) -> None:
     body = {"message": "Resource not accessible by integration", "documentation_url": "https://docs.github.com"}
     responses.get(RUNNERS, status=status, json=body)
-    with pytest.raises(error) as err:
+    with pytest.raises(error, match=f"^GitHub {status} for GET /orgs/octo-org/actions/runners: Resource not accessible by integration ") as err:
         client.get("/orgs/octo-org/actions/runners")
     assert len(responses.calls) == 1
     assert fake_clock.sleeps == []

@@ -198,14 +198,18 @@ def test_rules_file_default_and_per_repository(tmp_path) -> None:
     assert rules.for_repository("someone/else") == guard.RepoRules(trusted_triggers=("pull_request_target",))
 
 
-@pytest.mark.parametrize(
-    "text", ["- a list\n", "repositories: [a]\n", "default: {trusted_triggers: pull_request}\n", "other: 1\n",
-             "default: {unknown: [x]}\n"],
-)
-def test_bad_rules_files_are_refused(tmp_path, text) -> None:
+@pytest.mark.parametrize(("text", "message"), [
+    ("- a list\n", "^guard rules .*/rules.yml must be a mapping with 'default' and/or 'repositories'$"),
+    ("repositories: [a]\n", "^'repositories' in .*/rules.yml must map owner/repo to rules$"),
+    ("default: {trusted_triggers: pull_request}\n", "^.*/rules.yml: default: trusted_triggers must be a list of names$"),
+    ("other: 1\n", "^guard rules .*/rules.yml must be a mapping with 'default' and/or 'repositories'$"),
+    ("default: {unknown: [x]}\n", "^.*/rules.yml: default must be a mapping with any of trusted_triggers, author_associations, "
+                                  "protected_paths, fork_may_change$"),
+])
+def test_bad_rules_files_are_refused(tmp_path, text, message) -> None:
     path = tmp_path / "rules.yml"
     path.write_text(text)
-    with pytest.raises(guard.GuardError):
+    with pytest.raises(guard.GuardError, match=message):
         guard.load_rules(path)
 
 

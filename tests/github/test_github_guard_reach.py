@@ -242,7 +242,7 @@ def test_local_uses_reads_jobs_steps_and_composite_steps() -> None:
     assert reach.local_uses(text) == [
         reach.Target("workflow", ".github/workflows/b.yml"), reach.Target("action", "x/y"), reach.Target("action", "z"),
     ]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected ',' or ']', but got '<stream end>'"):
         reach.local_uses("jobs: [unclosed\n")
 
 

@@ -53,7 +53,7 @@ def test_uplink_addresses_follow_the_slot_index() -> None:
     assert str(addresses.slot_network(16383)) == "198.18.255.252/30"
     assert addresses.MAX_SLOTS >= 16384
     assert addresses.veth_ip(addresses.MAX_SLOTS - 1) == "198.19.255.254"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^slot index 32768 is outside 0\.\.32767$"):
         addresses.slot_network(addresses.MAX_SLOTS)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from ipaddress import ip_network
 
 import pytest
@@ -66,19 +67,20 @@ def test_allows_looks_at_names_for_host_rules_and_addresses_for_networks():
     assert not policy.allows(53, "udp", address="10.0.0.1")
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"ports": frozenset({443})},
-    {"ports": frozenset({443}), "host": "a.example", "network": ip_network("10.0.0.0/8")},
-    {"ports": frozenset(), "host": "a.example"},
-    {"ports": frozenset({0}), "host": "a.example"},
-    {"ports": frozenset({443, "80"}), "host": "a.example"},
-    {"ports": frozenset({1}), "host": "a.example", "protocol": "icmp"},
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ports": frozenset({443})}, "a Rule needs exactly one of host or network"),
+    ({"ports": frozenset({443}), "host": "a.example", "network": ip_network("10.0.0.0/8")},
+     "a Rule needs exactly one of host or network"),
+    ({"ports": frozenset(), "host": "a.example"}, "a Rule needs integer ports in 1..65535, got []"),
+    ({"ports": frozenset({0}), "host": "a.example"}, "a Rule needs integer ports in 1..65535, got [0]"),
+    ({"ports": frozenset({443, "80"}), "host": "a.example"}, "a Rule needs integer ports in 1..65535, got ['80', 443]"),
+    ({"ports": frozenset({1}), "host": "a.example", "protocol": "icmp"}, "protocol must be one of ('tcp', 'udp'), got 'icmp'"),
 ])
-def test_rule_refuses_impossible_values(kwargs):
-    with pytest.raises(ValueError):
+def test_rule_refuses_impossible_values(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         Rule(**kwargs)
 
 
 def test_policy_refuses_unknown_mode():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("mode must be one of ('block', 'audit'), got 'loud'")):
         Policy(mode="loud")

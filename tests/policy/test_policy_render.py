@@ -6,6 +6,7 @@ then read the diff before committing it.
 
 from __future__ import annotations
 
+import re
 import os
 from ipaddress import ip_network
 from pathlib import Path
@@ -124,7 +125,7 @@ def test_always_denied_hits_are_logged_apart_from_the_policy_then_dropped():
         chain = [line for line in document.splitlines() if line.startswith("-A MVC-DENIED ")]
         assert chain == [f'-A MVC-DENIED {LIMIT} -j NFLOG --nflog-group 100 --nflog-prefix "mvc!always-denied"',
                          "-A MVC-DENIED -j DROP"]
-    with pytest.raises(ValueError):  # no job's own prefix can pass for the always-denied one
+    with pytest.raises(ValueError, match=r"^log_prefix 'mvc!always-denied' must be 1\.\.63 of "):  # no job's prefix can pass for it
         RenderContext(guest_ip="10.0.0.2", guest_mac="52:54:00:00:00:01", gateway_ip="10.0.0.1",
                       dns_ip="10.0.0.1", log_prefix="mvc!always-denied")
 
@@ -167,13 +168,19 @@ def test_dns_allow_rule_shape():
     assert len(dns_allow_rule("10.0.0.1", range(1, 100, 2), "udp").splitlines()) == 4
 
 
-@pytest.mark.parametrize("ip, ports, protocol", [
-    ("1.2.3.4 -j ACCEPT", [443], "tcp"), ("1.2.3.4/8", [443], "tcp"), ("example.org", [443], "tcp"),
-    ("1.2.3.4", [], "tcp"), ("1.2.3.4", [0], "tcp"), ("1.2.3.4", ["443"], "tcp"), ("1.2.3.4", [443, "80"], "tcp"), ("1.2.3.4", [True], "tcp"),
-    ("1.2.3.4", [443], "icmp"),
+NOT_AN_ADDRESS = "does not appear to be an IPv4 or IPv6 address"
+BAD_PORTS = "a Rule needs integer ports in 1..65535, got "
+
+
+@pytest.mark.parametrize("ip, ports, protocol, message", [
+    ("1.2.3.4 -j ACCEPT", [443], "tcp", NOT_AN_ADDRESS), ("1.2.3.4/8", [443], "tcp", NOT_AN_ADDRESS),
+    ("example.org", [443], "tcp", NOT_AN_ADDRESS), ("1.2.3.4", [], "tcp", BAD_PORTS + "[]"),
+    ("1.2.3.4", [0], "tcp", BAD_PORTS + "[0]"), ("1.2.3.4", ["443"], "tcp", BAD_PORTS + "['443']"),
+    ("1.2.3.4", [443, "80"], "tcp", BAD_PORTS + "['80', 443]"), ("1.2.3.4", [True], "tcp", BAD_PORTS + "[True]"),
+    ("1.2.3.4", [443], "icmp", "protocol must be one of ('tcp', 'udp'), got 'icmp'"),
 ])
-def test_dns_allow_rule_refuses_anything_but_an_address_ports_and_protocol(ip, ports, protocol):
-    with pytest.raises(ValueError):
+def test_dns_allow_rule_refuses_anything_but_an_address_ports_and_protocol(ip, ports, protocol, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         dns_allow_rule(ip, ports, protocol)
 
 
@@ -188,17 +195,30 @@ def test_port_groups_fit_multiport(ports, groups):
     assert port_groups(ports) == groups
 
 
-@pytest.mark.parametrize("field, value", [
-    ("guest_ip", "fd00::2"), ("guest_ip", "not-an-ip"), ("gateway_ip", "1.2.3.4 -j ACCEPT"),
-    ("guest_mac", "52:54:00:12:34"), ("guest_mac", "52:54:00:12:34:56 -j ACCEPT"),
-    ("guest_iface", "tap0 -j ACCEPT"), ("uplink_iface", "a-very-long-interface"), ("uplink_iface", "tap0"),
-    ("dns_port", 0), ("log_prefix", 'x" -j ACCEPT'), ("log_prefix", ""), ("log_prefix", "x" * 64),
-    ("nflog_group", 70000), ("guest_ip6", "10.0.0.2"), ("host_addresses", ("nope",)),
+PREFIX_CHARS = "must be 1..63 of A-Z a-z 0-9 _ . : = / -"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("guest_ip", "fd00::2", "guest_ip fd00::2 must be an IPv4 address"),
+    ("guest_ip", "not-an-ip", "'not-an-ip' " + NOT_AN_ADDRESS),
+    ("gateway_ip", "1.2.3.4 -j ACCEPT", "'1.2.3.4 -j ACCEPT' " + NOT_AN_ADDRESS),
+    ("guest_mac", "52:54:00:12:34", "guest_mac '52:54:00:12:34' is not a MAC like 52:54:00:12:34:56"),
+    ("guest_mac", "52:54:00:12:34:56 -j ACCEPT", "is not a MAC like 52:54:00:12:34:56"),
+    ("guest_iface", "tap0 -j ACCEPT", "guest_iface 'tap0 -j ACCEPT' is not an interface name"),
+    ("uplink_iface", "a-very-long-interface", "uplink_iface 'a-very-long-interface' is not an interface name"),
+    ("uplink_iface", "tap0", "guest_iface and uplink_iface must differ"),
+    ("dns_port", 0, "dns_port 0 is out of range 1..65535"),
+    ("log_prefix", 'x" -j ACCEPT', "log_prefix 'x\" -j ACCEPT' " + PREFIX_CHARS),
+    ("log_prefix", "", "log_prefix '' " + PREFIX_CHARS),
+    ("log_prefix", "x" * 64, f"log_prefix '{'x' * 64}' " + PREFIX_CHARS),
+    ("nflog_group", 70000, "nflog_group 70000 is out of range 0..65535"),
+    ("guest_ip6", "10.0.0.2", "guest_ip6 10.0.0.2 must be an IPv6 address"),
+    ("host_addresses", ("nope",), "'nope' " + NOT_AN_ADDRESS),
 ])
-def test_render_context_refuses_values_that_could_corrupt_the_document(field, value):
+def test_render_context_refuses_values_that_could_corrupt_the_document(field, value, message):
     fields = dict(guest_ip="10.0.0.2", guest_mac="52:54:00:00:00:01", gateway_ip="10.0.0.1", dns_ip="10.0.0.1")
     fields[field] = value
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape(message)):
         RenderContext(**fields)
 
 

@@ -57,7 +57,7 @@ def test_flood_stops_at_the_budget_with_a_note(tmp_path: Path) -> None:
     with pytest.raises(LogFull, match="reached the log limit of 1000 bytes on disk"):
         for _ in range(50):
             log.append("stdout", b"y" * 100)
-    with pytest.raises(LogFull):  # and on every later write: the command must stop
+    with pytest.raises(LogFull, match=r"^the command's output reached the log limit of 1000 bytes on disk \(logs\.max_bytes\): the command was stopped$"):  # and on every later write: the command must stop
         log.append("stdout", b"z")
     log.close()
     got = entries(list(log.follow()))
@@ -71,7 +71,7 @@ def test_flood_stops_at_the_budget_with_a_note(tmp_path: Path) -> None:
 def test_budget_counts_bytes_on_disk_not_guest_bytes(tmp_path: Path) -> None:
     """One-byte entries cost ~70 bytes each on disk: the budget must see those, not the one byte."""
     log = JobLog(tmp_path / "log", LogLimits(max_bytes=10_000))
-    with pytest.raises(LogFull):
+    with pytest.raises(LogFull, match=r"reached the log limit of 10000 bytes on disk \(logs\.max_bytes\): the command was stopped"):
         for _ in range(10_000):
             log.append("stdout", b"x")
     log.close()

@@ -13,7 +13,7 @@ def test_reservations_count_against_capacity() -> None:
     q = JobQueue(capacity=2, retry_after=7)
     q.reserve("a")
     q.reserve("b")
-    with pytest.raises(QueueFull) as full:
+    with pytest.raises(QueueFull, match=r"^the job queue is full \(2 jobs waiting\); retry in 7 s$") as full:
         q.reserve("c")
     assert full.value.retry_after == 7
     assert q.counts() == (0, 2)
@@ -30,7 +30,7 @@ def test_fifo_order_and_put_needs_a_reservation() -> None:
     for name in "zxy":
         q.put(name)
     assert [q.get(), q.get(), q.get()] == ["z", "x", "y"]
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="never-reserved"):
         q.put("never-reserved")
 
 
@@ -61,5 +61,5 @@ def test_close_wakes_workers_and_returns_the_rest() -> None:
     assert sorted(q.close()) == ["b"]
     waiting.join(10)
     assert got == ["a", None]
-    with pytest.raises(QueueClosed):
+    with pytest.raises(QueueClosed, match="^the service is shutting down; submit the job again later$"):
         q.reserve("c")

@@ -105,7 +105,7 @@ def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeEngin
     waiting = service.submit(spec("ok")).id
     assert service.cancel(queued).state == "cancelled"
     assert service.cancel(waiting).state == "cancelled"
-    with pytest.raises(JobError) as err:
+    with pytest.raises(JobError, match=r"^job j[0-9a-f]+ has already ended$") as err:
         service.put_checkout(waiting, [checkout_tar()])
     assert err.value.status == 409
     release.set()
@@ -122,7 +122,7 @@ def test_cancel_during_the_upload_leaves_no_checkout_behind(make_service, make_c
         yield checkout_tar()
         service.cancel(job)  # the job's clean-up runs while the upload is still open
 
-    with pytest.raises(JobError) as err:
+    with pytest.raises(JobError, match="was cancelled while its checkout was uploading") as err:
         service.put_checkout(job, chunks())
     assert err.value.status == 409
     assert list((service.config.jobs_dir / job).glob("checkout*")) == []
@@ -136,7 +136,7 @@ def test_a_submit_that_fails_after_reserving_gives_its_place_back(make_service, 
 
     monkeypatch.setattr("runner.service.service.JobLog", broken_log)
     for _ in range(2):  # the second would be QueueFull if the first had kept its reservation
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Too many open files"):
             service.submit(spec("ok"))
     assert list(service.config.jobs_dir.iterdir()) == []
 
@@ -205,7 +205,7 @@ def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeEngine) ->
     engine.programs["work"] = waits(release)
     service = make_service(max_concurrent_jobs=2, max_queued_jobs=8)
     jobs = [run(service, "work", timeout_seconds=600) for _ in range(8)]
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueFull, match=r"^the job queue is full \(8 jobs waiting\); retry in \d+ s$"):
         for _ in range(9):  # the 8 submitted jobs minus those already taken by workers, then full
             service.submit(spec("work"))
     release.set()
@@ -218,10 +218,10 @@ def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeEngine) ->
 def test_bad_checkout_is_refused(make_service) -> None:
     service = make_service(checkout_max_bytes="16KiB")
     job = service.submit(spec()).id
-    with pytest.raises(JobError) as err:
+    with pytest.raises(JobError, match="the checkout is larger than the service's limit of 16384 bytes; leave build outputs out") as err:
         service.put_checkout(job, [b"\0" * 10000, b"\0" * 10000])
     assert err.value.status == 413
-    with pytest.raises(JobError) as err:
+    with pytest.raises(JobError, match="^checkout: not a valid tar archive: the stream ended inside a tar header$") as err:
         service.put_checkout(job, [b"not a tar" * 10])
     assert err.value.status == 400
     service.put_checkout(job, [checkout_tar()])  # the job is still waiting for a good one
@@ -343,7 +343,7 @@ def test_retention_prunes_records_and_dirs(make_service, engine: FakeEngine) -> 
     wait_final(service, job)
     assert service.prune(now=service.get(job).created_at + 2 * 86400) == [job]
     assert not (service.config.jobs_dir / job).exists()
-    with pytest.raises(JobError) as err:
+    with pytest.raises(JobError, match=r"^no job 'j[0-9a-f]+' \(records are kept 1 days\)$") as err:
         service.get(job)
     assert err.value.status == 404
 

@@ -189,7 +189,7 @@ def test_kill_9_of_qemu_mid_exec_is_a_clear_error(engine):
     with pytest.raises(SandboxError, match="signal 9"):
         sbx.exec("echo running; sleep 60", on_output=kill_once_running)
     assert not sbx.alive
-    with pytest.raises(SandboxError):
+    with pytest.raises(SandboxError, match="signal 9"):
         sbx.exec("true")
     sbx.destroy()  # idempotent
 
