@@ -17,6 +17,8 @@ import pytest
 from action_harness import (FORK_PR, HOST_SECRETS, Simulation, assert_only_action_commands, finish, interrupt,
                             run_action, start, wait_for_state)
 from tests.conftest import require
+from tests.service.fake_internet import (ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy,
+                                         fake_internet)
 
 from action.logs import RelayLimits
 from action.workflow import ZWSP
@@ -69,8 +71,8 @@ def template() -> None:
         require(False, str(exc))
 
 
-@pytest.fixture
-def service(template: None) -> Iterator[object]:
+def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> Iterator[object]:
+    """The real job service (ServiceHost) on this test's own engine and socket; networked on `internet`."""
     from runner.service.config import config_from_mapping
     from runner.service.host import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
@@ -78,9 +80,11 @@ def service(template: None) -> Iterator[object]:
 
     short = Path(tempfile.mkdtemp(prefix="mvc-act-vm-", dir="/tmp"))
     config = config_from_mapping({"socket": str(short / "api.sock"), "state_dir": str(short / "state"),
-                                  "shutdown_grace_seconds": 30})
+                                  "shutdown_grace_seconds": 30, **settings})
     # Real VMs, from an engine of this test's own: a service running on the host keeps its state dir.
-    engine = EngineSettings(templates=TemplateStore(StateDir.default().templates), pool_size=1)
+    templates = TemplateStore(StateDir.default().templates)
+    engine = internet.engine(templates=templates, pool_size=0) if internet else EngineSettings(templates=templates,
+                                                                                                pool_size=1)
     try:
         with ServiceHost(config, engine=engine) as host:
             assert host.service is not None and host.engine is not None
@@ -89,6 +93,28 @@ def service(template: None) -> Iterator[object]:
             assert host.engine.live() == [], "a job's VM outlived the service"
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def service(template: None) -> Iterator[object]:
+    yield from _host({})
+
+
+# The repository of the simulated pull request (FORK_PR's base) may reach ALLOWED_HOST:8000, nothing else.
+HOSTILE_POLICY = cidr_policy(f"{ALLOWED_HOST}:8000")
+
+
+@pytest.fixture
+def net_service(template: None, need_netns: None, tmp_path: Path) -> Iterator[object]:
+    """A networked service whose VMs hang off a fake internet the test built, with a policy store that
+    lets the simulated pull request's repository reach one fake host. Its log budget (64 MiB) is above
+    the relay's (16 MiB): the flood below is cut by the relay, and the job still ends with its own code."""
+    store = tmp_path / "policies" / "listendev"
+    store.mkdir(parents=True)
+    (store / "lstn.yml").write_text(HOSTILE_POLICY)
+    with fake_internet() as internet:
+        yield from _host({"network": internet.network, "policy_dir": str(store.parent),
+                          "logs": {"max_bytes": "64MiB"}}, internet)
 
 
 @pytest.fixture
@@ -142,7 +168,11 @@ def test_cancel_in_a_vm(service, sim: Simulation) -> None:
     assert client.get(job_id)["state"] == "cancelled"
 
 
-def test_hostile_checkout_changes_nothing_and_still_reports(service, sim: Simulation, tmp_path: Path) -> None:
+def test_hostile_checkout_changes_nothing_and_still_reports(net_service, sim: Simulation, tmp_path: Path) -> None:
+    """A fork's checkout that tries everything, on a networked service: its VM has a NIC (it reaches the
+    one host its repository's policy allows), and nothing else it dials answers; its flood is cut by the
+    relay; its exit code still comes through."""
+    service = net_service
     host_marker = secrets.token_hex(16)
     host_file = Path(tempfile.mkdtemp(prefix="mvc-act-host-")) / "host-only.txt"
     host_file.write_text(host_marker)
@@ -166,16 +196,18 @@ for line in open("/proc/net/route").read().splitlines()[1:]:
     f = line.split()
     if f[1] == "00000000":
         gw = socket.inet_ntoa(bytes.fromhex(f[2])[::-1])
-for port in (22, 80, 443):
+print("default gateway", gw)
+forbidden = [(gw, 22), (gw, 80), (gw, 443), ("{DENIED_HOST}", 8000), ("{METADATA}", 80)]
+for host, port in [*forbidden, ("{ALLOWED_HOST}", 8000)]:
     try:
-        socket.create_connection((gw, port), timeout=3).close()
-        print("NET-REACHED", gw, port)
+        socket.create_connection((host, port), timeout=3).close()
+        print("ALLOWED-REACHED" if (host, port) not in forbidden else "NET-REACHED", host, port)
     except Exception as exc:
-        print("net blocked", gw, port, type(exc).__name__)
+        print("net blocked", host, port, type(exc).__name__)
 PY
 mkdir -p out
 ln -s /etc/passwd out/evil.xml
-head -c 30000000 /dev/zero | tr '\\0' 'x' | fold -w 1000
+head -c 20000000 /dev/zero | tr '\\0' 'x' | fold -w 1000
 exit 7
 '''
     (sim.workspace / "hostile.sh").write_text(hostile)
@@ -188,9 +220,15 @@ exit 7
             line for line in result.log.splitlines()[:3] if line.startswith("::stop-commands::")]
         for secret in [*HOST_SECRETS.values(), host_marker]:
             assert secret not in result.log
-        assert "NET-REACHED" not in result.log
-        # The guest printed ~30 MB; the relay shows at most RelayLimits().max_bytes of it (the service keeps
-        # 16 MiB by default too), plus the action's own lines: 1 MiB is far more than those take.
+        # The guest has a network card and a route (it reached the allowed host), yet nothing else answered.
+        assert "default gateway 192.0.2.1" in result.log
+        assert f"ALLOWED-REACHED {ALLOWED_HOST} 8000" in result.log
+        assert "NET-REACHED" not in result.log and result.log.count("net blocked") == 5
+        # The guest printed 20 MB, more than the relay shows (RelayLimits().max_bytes, 16 MiB) and less than
+        # this service keeps (64 MiB), so the job ends with the command's own code (a job whose log passes
+        # the service's budget ends as failed: tests/service/test_vm_e2e.py::test_log_flood_is_truncated).
+        # Plus the action's own lines: 1 MiB is far more than those take.
+        assert 20_000_000 > RelayLimits().max_bytes
         assert "log truncated" in result.log and len(result.log) < RelayLimits().max_bytes + 1024**2
         # The symlink is named in a warning (an annotation the runner models accept below) and never
         # written: not into the checkout, not into the artifacts directory.
@@ -202,7 +240,9 @@ exit 7
         # env, its own stop/resume token, echo) executes; only the relay's frame and the action's annotations.
         assert_only_action_commands(result.log)
         record = json.loads(result.outputs["result-json"])["record"]
-        assert record["exit_code"] == 7
+        assert (record["state"], record["exit_code"], record["error"]) == ("finished", 7, None)
         assert "exit code 7" in result.summary
+        blocked = {(b["dest"], b["port"]) for b in record["blocked_egress"]}
+        assert {(DENIED_HOST, 8000), (METADATA, 80)} <= blocked and (ALLOWED_HOST, 8000) not in blocked
     finally:
         shutil.rmtree(host_file.parent, ignore_errors=True)
