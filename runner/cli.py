@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+from importlib import metadata
 
 from runner.errors import UserError
 
@@ -24,10 +25,28 @@ COMMAND_MODULES = (
 )
 
 
+DESCRIPTION = """\
+Run pull-request checks, forks included, in a fresh QEMU microVM per job on your own runner hosts.
+A host service restores each VM from a snapshot, puts only the checkout inside, enforces the
+repository's egress policy, streams the logs back and destroys the VM; the GitHub action hands it
+the job. Start with `microvm-check doctor`."""
+EPILOG = "`microvm-check COMMAND --help` shows a command's options."
+
+
+def version() -> str:
+    """The installed distribution's version: what `pip` and bug reports know this build as."""
+    try:
+        return metadata.version("microvm-check")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed; run scripts/setup)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="microvm-check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="microvm-check", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

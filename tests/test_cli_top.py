@@ -1,0 +1,42 @@
+"""The top-level `microvm-check` command: what a first-time user sees of `--help` and `--version`."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from runner.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_is_the_projects(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"microvm-check {expected}\n"
+
+
+def test_help_says_what_the_tool_does_and_lists_every_command_on_one_line(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert text.split("\n\n")[1] == (
+        "Run pull-request checks, forks included, in a fresh QEMU microVM per job on your own runner hosts.\n"
+        "A host service restores each VM from a snapshot, puts only the checkout inside, enforces the\n"
+        "repository's egress policy, streams the logs back and destroys the VM; the GitHub action hands it\n"
+        "the job. Start with `microvm-check doctor`.")
+    assert "one entry point" not in text and "registers" not in text  # the code's description is not the tool's
+    assert text.rstrip().endswith("`microvm-check COMMAND --help` shows a command's options.")
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in text.split("commands:\n", 1)[1].splitlines()
+              if line.startswith("    ") and len(line.split()) > 1}
+    assert set(listed) == set(commands.choices)
+    assert listed["policy"] == "check, render and suggest egress policies"
+    assert listed["doctor"] == "check this host and say which accelerator VMs use"
