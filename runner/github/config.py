@@ -68,18 +68,44 @@ class GitHubSettings:
 
 def load_settings(path: Path | None = None, env: Mapping[str, str] = os.environ) -> GitHubSettings:
     """Read the config file (when present) and apply `MICROVM_CHECK_GITHUB_*` variables over it.
-    Raises `GitHubError` listing every problem, each with its file:line:col or variable name."""
-    explicit = path or (Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None)
+    Raises `GitHubError` listing every problem, each with its file:line:col or variable name; the
+    messages name only the file and the variables this call actually read."""
+    named_by_env = path is None and bool(env.get(CONFIG_ENV))
+    explicit = path or (Path(env[CONFIG_ENV]) if named_by_env else None)
     source = explicit or DEFAULT_CONFIG_PATH
-    problems = Problems(str(source))
-    entries = _read_yaml(source, problems, required=explicit is not None)
-    for name in ENV_FIELDS:
-        if env.get(ENV_PREFIX + name.upper()):
-            entries[name] = _Entry(env[ENV_PREFIX + name.upper()], None, ENV_PREFIX + name.upper())
-    settings = _settings(entries, problems, source) if not problems.items else None
+    variables = [ENV_PREFIX + name.upper() for name in ENV_FIELDS if env.get(ENV_PREFIX + name.upper())]
+    _require_some(source, explicit is not None, named_by_env, variables)
+    read = source.exists()
+    problems = Problems(str(source) if read else "environment")
+    entries = _read_yaml(source, problems) if read else {}
+    for name in variables:
+        entries[name.removeprefix(ENV_PREFIX).lower()] = _Entry(env[name], None, name)
+    settings = _settings(entries, problems, _where(source, read, variables)) if not problems.items else None
     if problems.items or settings is None:
         raise GitHubError("\n".join(str(p) for p in sort_problems(problems.final())))
     return settings
+
+
+def _require_some(source: Path, explicit: bool, named_by_env: bool, variables: list[str]) -> None:
+    """A file that was asked for must exist; without one, some variable must say something."""
+    if explicit and not source.exists():
+        if named_by_env:
+            raise GitHubError(f"GitHub config {source} (named by {CONFIG_ENV}) does not exist: create it or fix "
+                              f"{CONFIG_ENV}")
+        raise GitHubError(f"GitHub config {source} does not exist: create it, or name the file that holds the "
+                          f"GitHub App's settings")
+    if not source.exists() and not variables:
+        raise GitHubError(f"no GitHub App settings: {source} does not exist; create it with the App's client_id "
+                          f"(or app_id) and private_key_path (see the README, 'Register with an organisation')")
+
+
+def _where(source: Path, read: bool, variables: list[str]) -> str:
+    """Where a missing setting was looked for, in the words of what the user set."""
+    if not read:
+        return f"in the environment (it sets {', '.join(variables)}; {source} does not exist)"
+    if variables:
+        return f"in {source} (nor in the environment, which sets {', '.join(variables)})"
+    return f"in {source}"
 
 
 @dataclass(frozen=True)
@@ -97,11 +123,7 @@ class _Entry:
             problems.add(None, f"{self.name}: {message}")
 
 
-def _read_yaml(path: Path, problems: Problems, *, required: bool) -> dict[str, _Entry]:
-    if not required and not path.exists():
-        return {}
-    if required and not path.exists():
-        raise GitHubError(f"GitHub config {path} does not exist: create it or fix {CONFIG_ENV}")
+def _read_yaml(path: Path, problems: Problems) -> dict[str, _Entry]:
     text = read_text(path, LIMITS, problems)
     node = compose(text, LIMITS, problems) if text is not None else None
     if node is None or is_null(node):
@@ -113,8 +135,7 @@ def _read_yaml(path: Path, problems: Problems, *, required: bool) -> dict[str, _
     return {key: _Entry(string(value), value, key) for key, value in values.items()}
 
 
-def _settings(entries: dict[str, _Entry], problems: Problems, source: Path) -> GitHubSettings | None:
-    where = f"in {source} (or {ENV_PREFIX}*)"
+def _settings(entries: dict[str, _Entry], problems: Problems, where: str) -> GitHubSettings | None:
     if "private_key_path" not in entries:
         problems.add(None, f"private_key_path is not set {where}: point it at the App's private key (.pem)")
     if "app_id" not in entries and "client_id" not in entries:

@@ -34,8 +34,8 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         f"{path}:1:9: app_id: must be a positive whole number, not 'abc'",
         f"{path}:2:18: installation_id: must be a positive whole number, not '99999999999999999999'",
         f"{path}:3:9: labels: expected a non-empty list of at most 64 label names, not a list",
-        f"{path}: private_key_path is not set in {path} (or MICROVM_CHECK_GITHUB_*): point it at the App's "
-        "private key (.pem)",
+        f"{path}: private_key_path is not set in {path} (nor in the environment, which sets "
+        "MICROVM_CHECK_GITHUB_ORG): point it at the App's private key (.pem)",
         f"{path}: MICROVM_CHECK_GITHUB_ORG: expected a non-empty string of at most 4096 characters without NUL, "
         "not 'o\\x00rg'",
     ]
@@ -53,3 +53,37 @@ def test_a_good_file_with_environment_overrides(tmp_path: Path) -> None:
     settings = load_settings(path, env={"MICROVM_CHECK_GITHUB_APP_ID": "12"})
     assert (settings.client_id, settings.app_id, settings.labels, settings.private_key_path) == (
         "Iv1.abc", 12, ("microvm", "gpu"), Path("/k.pem"))
+
+
+def test_a_missing_setting_names_only_the_file_that_was_read(tmp_path: Path) -> None:
+    path = write(tmp_path, "app_id: 7\n")
+    with pytest.raises(GitHubError) as err:
+        load_settings(path, env={})
+    assert str(err.value) == f"{path}: private_key_path is not set in {path}: point it at the App's private key (.pem)"
+
+
+def test_settings_from_the_environment_alone_do_not_blame_a_file_that_does_not_exist(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    absent = tmp_path / "github.yml"
+    monkeypatch.setattr("runner.github.config.DEFAULT_CONFIG_PATH", absent)
+    with pytest.raises(GitHubError) as err:
+        load_settings(env={"MICROVM_CHECK_GITHUB_APP_ID": "7"})
+    assert str(err.value) == (f"environment: private_key_path is not set in the environment (it sets "
+                              f"MICROVM_CHECK_GITHUB_APP_ID; {absent} does not exist): point it at the App's "
+                              "private key (.pem)")
+    with pytest.raises(GitHubError) as err:
+        load_settings(env={})
+    assert str(err.value) == (f"no GitHub App settings: {absent} does not exist; create it with the App's client_id "
+                              "(or app_id) and private_key_path (see the README, 'Register with an organisation')")
+
+
+def test_a_missing_file_is_blamed_on_whatever_named_it(tmp_path: Path) -> None:
+    absent = tmp_path / "absent.yml"
+    with pytest.raises(GitHubError) as err:
+        load_settings(absent, env={"MICROVM_CHECK_GITHUB_CONFIG": str(tmp_path / "other.yml")})
+    assert str(err.value) == (f"GitHub config {absent} does not exist: create it, or name the file that holds the "
+                              "GitHub App's settings")
+    with pytest.raises(GitHubError) as err:
+        load_settings(env={"MICROVM_CHECK_GITHUB_CONFIG": str(absent)})
+    assert str(err.value) == (f"GitHub config {absent} (named by MICROVM_CHECK_GITHUB_CONFIG) does not exist: "
+                              "create it or fix MICROVM_CHECK_GITHUB_CONFIG")
