@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from runner.vm import accel, cgroup, jail
 from runner.vm.errors import VMError
@@ -24,6 +27,8 @@ class Check:
 def register(subparsers) -> None:
     doctor = subparsers.add_parser("doctor", help="check this host and say which accelerator VMs use")
     doctor.add_argument("--selftest", action="store_true", help="also test-boot the guest kernel under KVM")
+    doctor.add_argument("--config", type=Path, default=DEFAULT_SERVICE_CONFIG,
+                        help=f"the service config to check, with its socket (default {DEFAULT_SERVICE_CONFIG})")
     doctor.set_defaults(func=cmd_doctor)
 
 
@@ -81,6 +86,82 @@ def _qemu_has_sandbox(qemu: str) -> bool:
     return "-sandbox" in out
 
 
+DEFAULT_SERVICE_CONFIG = Path("/etc/microvm-check/service.yml")
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+# What the audit-mode rules need (policy.render): iptables with the NFLOG target. Tested, never committed.
+NFLOG_PROBE = "*filter\n:MVC-DOCTOR - [0:0]\n-A MVC-DOCTOR -j NFLOG --nflog-group 100\nCOMMIT\n"
+
+
+def network_checks(forward: Path = IP_FORWARD) -> list[Check]:
+    """What networked VMs need of the host: forwarding (the service turns it on) and iptables with NFLOG."""
+    try:
+        on = forward.read_text().strip() == "1"
+    except OSError:
+        on = False
+    if on:
+        checks = [Check(True, "IP forwarding is on")]
+    else:
+        checks = [Check(os.access(forward, os.W_OK), "IP forwarding is off; the service turns it on when "
+                        "network.enabled is true", f"make {forward} writable (run as root, not in a read-only /proc)")]
+    try:
+        done = subprocess.run(["iptables-restore", "--test", "--noflush"], input=NFLOG_PROBE, capture_output=True,
+                              text=True, timeout=10)
+        error = done.stderr.strip().splitlines()[-1] if done.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        error = str(exc)
+    checks.append(Check(not error, "iptables loads rules with the NFLOG target (audit mode)",
+                        f"{error}; install iptables and use a kernel with nfnetlink_log"))
+    return checks
+
+
+def service_checks(path: Path) -> list[Check]:
+    """The service config (the loader `config check` runs) and the job API socket it names."""
+    from runner.service.config import ConfigError, load_config
+
+    if not path.exists():
+        return [Check(False, f"service config {path} exists",
+                      "write one (README: 'Install on a runner host') or name it with --config FILE")]
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        return [Check(False, f"service config {path} is valid",
+                      f"{len(exc.problems) or 1} problem(s), first: {str(exc).splitlines()[0]}; "
+                      f"`microvm-check config check {path}` lists them all")]
+    return [Check(True, f"service config {path} is valid"), *socket_checks(config.socket, config.socket_group)]
+
+
+def socket_checks(socket: str, group: str | None) -> list[Check]:
+    """The socket's group must exist for the runner to submit; a socket already there must carry it."""
+    checks = []
+    gid = None
+    if group is not None:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+            checks.append(Check(True, f"socket_group {group} exists"))
+        except KeyError:
+            checks.append(Check(False, f"socket_group {group} exists",
+                                f"create it (groupadd {group}) and add the runner's user to it"))
+    try:
+        info = os.stat(socket)
+    except FileNotFoundError:
+        return [*checks, Check(True, f"job API socket {socket}: not there yet; `serve` creates it")]
+    except OSError as exc:
+        return [*checks, Check(False, f"job API socket {socket} can be looked at", exc.strerror or str(exc))]
+    if not stat.S_ISSOCK(info.st_mode):
+        return [*checks, Check(False, f"job API socket {socket} is a socket", "remove whatever is at that path")]
+    if gid is not None and info.st_gid != gid:
+        return [*checks, Check(False, f"job API socket {socket} belongs to group {group}",
+                               "restart the service, which sets the group at start")]
+    return [*checks, Check(True, f"job API socket {socket} is there (mode {stat.S_IMODE(info.st_mode):o})")]
+
+
+def summary(checks: list[Check]) -> str:
+    failed = [c for c in checks if not c.ok]
+    if not failed:
+        return f"doctor: all {len(checks)} checks passed"
+    return f"doctor: {len(checks) - len(failed)} of {len(checks)} checks passed, {len(failed)} to fix (marked NO above)"
+
+
 def template_check(state: StateDir) -> Check:
     try:
         template = TemplateStore(state.templates).get("base")
@@ -92,7 +173,8 @@ def template_check(state: StateDir) -> Check:
 
 def cmd_doctor(args) -> int:
     state = StateDir.default()
-    checks = [*host_checks(), *confinement_checks(), template_check(state)]
+    checks = [*host_checks(), *confinement_checks(), *network_checks(), template_check(state),
+              *service_checks(args.config)]
     for check in checks:
         line = f"{'ok ' if check.ok else 'NO '} {check.what}"
         print(line if check.ok else f"{line}: {check.fix}")
@@ -112,4 +194,5 @@ def cmd_doctor(args) -> int:
               "(template build does this before choosing)")
     else:
         print(f"accelerator: {verdict.name} ({verdict.reason})")
+    print(summary(checks))
     return 0 if all(c.ok for c in checks) else 1
