@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
+from runner.logs import FORMATS
+from runner.logs import setup as setup_logging
 from runner.service.config import DEFAULT_SOCKET, ConfigError, load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
@@ -20,6 +22,8 @@ from runner.tarsafe import require_patched_python
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the job service (API on a Unix socket)")
     serve.add_argument("--config", required=True, type=Path, help="the service's YAML config")
+    serve.add_argument("--log-format", choices=FORMATS, help="text, or json: one object per line, job events with "
+                                                             "their job id (default: the config's log_format, text)")
     serve.set_defaults(func=cmd_serve)
 
     run = subparsers.add_parser(
@@ -54,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runner.service.host import ServiceHost
 
     config = _config(args.config)
+    setup_logging("debug" if getattr(args, "verbose", False) else config.log_level, args.log_format or config.log_format)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

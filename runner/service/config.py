@@ -209,6 +209,10 @@ class ServiceConfig:
     env_allowlist: tuple[str, ...] = setting(("CI", "GITHUB_*", "RUNNER_*"), "environment names (globs) a job "
                                              "spec may set", "strings")
     webhook: WebhookSettings = setting(None, "the GitHub webhook endpoint", "section", section=WebhookSettings)
+    log_format: str = setting("text", "the service log's format: text, or json (one object per line; job events "
+                                      "carry their job id)", "string", pattern=r"^(text|json)$")
+    log_level: str = setting("info", "the service log's level: debug, info (job lifecycle events), warning or error",
+                             "string", pattern=r"^(debug|info|warning|error)$")
     runners: RunnerSettings = setting(None, "ephemeral GitHub runners kept by the service", "section",
                                       section=RunnerSettings)
 

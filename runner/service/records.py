@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from runner.logs import JobEvents
+
 ACTIVE_STATES = ("awaiting_checkout", "queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "cancelled", "timed_out")
 
@@ -106,6 +108,7 @@ class RecordStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"CREATE TABLE IF NOT EXISTS jobs ({', '.join(_COLUMNS)})")
         self._db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at)")
+        self.events = JobEvents()  # the lifecycle log lines, from each record as it is saved (runner.logs)
 
     def close(self) -> None:
         with self._lock:
@@ -115,6 +118,7 @@ class RecordStore:
         marks = ", ".join("?" for _ in _NAMES)
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO jobs ({', '.join(_NAMES)}) VALUES ({marks})", _to_row(rec))
+        self.events.saw(rec)
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
