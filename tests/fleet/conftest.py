@@ -51,6 +51,12 @@ class Account:
 
 @pytest.fixture
 def account(need_root: None) -> Iterator[Account]:
+    with runner_account() as made:
+        yield made
+
+
+@contextmanager
+def runner_account() -> Iterator[Account]:
     """A runner user of the test's own, in a group of its own that is also the job API socket's group."""
     tag = secrets.token_hex(3)
     user, group = f"mvcfr{tag}", f"mvcfg{tag}"
@@ -133,6 +139,20 @@ def _app_settings(root: Path) -> Path:
     return path
 
 
+def write_config(root: Path, account: Account, runners: dict[str, Any], **service: Any) -> Path:
+    """The service config file: the job API socket for the runner user's group, the webhook, `runners:`."""
+    settings = {"socket": str(root / "api.sock"), "socket_group": account.group, "state_dir": str(root / "state"),
+                "max_concurrent_jobs": 2, "shutdown_grace_seconds": 30,
+                "webhook": {"listen": "127.0.0.1:0", "secret_path": str(root / "webhook-secret"),
+                            "labels": list(LABELS)},
+                "runners": {"org": "octo-org", "github_config": str(_app_settings(root)), "labels": list(LABELS),
+                            "runner_user": account.user, "install_dir": str(root / "release"),
+                            "runners_dir": str(root / "runners"), "name_prefix": "mvc-test", **runners}, **service}
+    path = root / "service.yml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
 @pytest.fixture
 def rig_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="mvc-fleet-", dir="/tmp"))
@@ -156,21 +176,9 @@ def make_rig(account: Account, rig_root: Path) -> Iterator[Any]:
     github.install(mock)
     mock.start()
 
-    def config(vms: bool, **runners: Any) -> Path:
-        settings = {"socket": str(root / "api.sock"), "socket_group": account.group, "state_dir": str(root / "state"),
-                    "max_concurrent_jobs": 2, "shutdown_grace_seconds": 30,
-                    "webhook": {"listen": "127.0.0.1:0", "secret_path": str(root / "webhook-secret"),
-                                "labels": list(LABELS)},
-                    "runners": {"org": "octo-org", "github_config": str(_app_settings(root)), "labels": list(LABELS),
-                                "runner_user": account.user, "install_dir": str(root / "release"),
-                                "runners_dir": str(root / "runners"), "name_prefix": "mvc-test", **runners}}
-        path = root / "service.yml"
-        path.write_text(yaml.safe_dump(settings))
-        return path
-
     @contextmanager
     def make(vms: bool = True, **runners: Any) -> Iterator[Rig]:
-        path = config(vms, **runners)
+        path = write_config(root, account, runners)
         if not (root / "release" / "current").exists():
             assert main(["runner", "install", "--version", VERSION, "--from", str(tarball), "--sha256", digest,
                          "--service-config", str(path)]) == 0

@@ -31,6 +31,7 @@ from tests.github.github_fakes import (API, INSTALLATION_ID, TOKEN_OP, WEBHOOKS,
 JIT_OP = "POST /orgs/{org}/actions/runners/generate-jitconfig"
 LIST_OP = "GET /orgs/{org}/actions/runners"
 QUEUED = WEBHOOKS / "octokit-webhooks-payload-examples" / "workflow_job" / "queued.payload.json"
+FAILED = WEBHOOKS / "octokit-webhooks-payload-examples" / "workflow_job" / "completed.failure.with-organization.payload.json"
 FORK_PR = WEBHOOKS / "real-captured" / "listendev-lstn.pull_request.opened.from-fork.json"
 
 
@@ -141,9 +142,16 @@ class FakeGitHub:
         return job
 
     def deliver_queued(self, job: dict[str, Any], labels: list[str]) -> None:
-        payload = json.loads(QUEUED.read_text())
+        self._deliver(QUEUED, job, labels)
+
+    def deliver_failed(self, job: dict[str, Any], labels: list[str], runner_name: str) -> None:
+        """What GitHub sends when it loses the runner of a job: the job completed, failed."""
+        self._deliver(FAILED, job, labels, runner_name=runner_name, conclusion="failure")
+
+    def _deliver(self, example_path: Path, job: dict[str, Any], labels: list[str], **more: Any) -> None:
+        payload = json.loads(example_path.read_text())
         payload["workflow_job"].update(id=job["job_id"], run_id=job["run_id"], run_attempt=job["run_attempt"],
-                                       labels=labels, name=job["job"])
+                                       labels=labels, name=job["job"], **more)
         payload["repository"]["full_name"] = job["repository"]
         body = json.dumps(payload).encode()
         digest = hmac.new(self.webhook_secret, body, hashlib.sha256).hexdigest()
