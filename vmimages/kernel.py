@@ -14,7 +14,8 @@ from pathlib import Path
 from vmimages.run import BuildError, run
 
 # Everything the template's devices need, by the name modprobe knows them by.
-GUEST_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "virtio-rng", "ext4")
+GUEST_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "virtio-rng", "ext4",
+                 "virtio_scsi", "sr_mod", "overlay")  # the checkout's CD-ROM (runner/vm/checkoutdisk.py)
 
 
 @dataclass(frozen=True)

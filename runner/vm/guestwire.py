@@ -38,6 +38,7 @@ MAX_CHUNK = 256 * 1024  # a data chunk; writers split larger buffers
 MAX_REQUEST_ID = 2**31
 
 PORT_NAME = "org.microvm-check.agent.0"
+CHECKOUT_DEVICE = "/dev/sr0"  # the template's only CD-ROM (runner/vm/qemu.py), where checkouts arrive
 
 
 class ProtocolError(Exception):

@@ -72,6 +72,10 @@ class Machine(ABC):
         """Pause for good and write device state; the RAM stays in the shared RAM file."""
 
     @abstractmethod
+    def change_medium(self, image: Path) -> None:
+        """Insert `image` (a raw disk image, read-only) as the checkout drive's new medium."""
+
+    @abstractmethod
     def alive(self) -> bool:
         """Whether the VMM process still runs."""
 

@@ -30,6 +30,7 @@ from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Sna
 log = logging.getLogger(__name__)
 
 QMP_TIMEOUT_S = 15.0
+CHECKOUT_DRIVE = "cd0"
 MIGRATION_TIMEOUT_S = 30.0
 
 
@@ -93,6 +94,9 @@ def device_args(config: MachineConfig, backends: Backends, bake: bool) -> list[s
         "-serial", backends.serial,
         "-drive", backends.drive,
         "-device", "virtio-blk-pci,drive=disk0",
+        # An empty CD-ROM: each checkout is inserted as a new medium (runner/vm/checkoutdisk.py).
+        "-device", "virtio-scsi-pci,id=scsi0",
+        "-device", f"scsi-cd,bus=scsi0.0,id={CHECKOUT_DRIVE}",
         "-device", "virtio-serial-pci,id=vser0",
         "-device", f"virtserialport,bus=vser0.0,chardev=agent,name={PORT_NAME}",
         # A new generation ID per VMM: QEMU writes it into the guest after an incoming migration
@@ -178,6 +182,12 @@ class Monitor:
         with self._lock:
             self._client.send_fd_scm(fd)
             self._run(self._client.execute("getfd", {"fdname": name}))
+
+    def add_fd(self, fd: int) -> int:
+        """Hand QEMU an open file (SCM_RIGHTS) as a new fd set; its number, for `/dev/fdset/N`."""
+        with self._lock:
+            self._client.send_fd_scm(fd)
+            return self._run(self._client.execute("add-fd", {}))["fdset-id"]
 
     def close(self) -> None:
         with self._lock:
@@ -269,6 +279,22 @@ class QemuMachine(Machine):
             raise VMError(f"could not hand QEMU {path}: {exc}{self._stderr_tail()}") from None
         finally:
             os.close(fd)
+
+    def change_medium(self, image: Path) -> None:
+        """Put `image` in the CD-ROM, read-only, replacing any earlier medium (QEMU opens the
+        descriptor set `/dev/fdset/N`, a dup of our descriptor: it cannot open host paths)."""
+        fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fdset = self._monitor().add_fd(fd)
+        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise VMError(f"could not hand QEMU {image}: {exc}{self._stderr_tail()}") from None
+        finally:
+            os.close(fd)
+        try:
+            self.qmp("blockdev-change-medium", id=CHECKOUT_DRIVE, filename=f"/dev/fdset/{fdset}", format="raw",
+                     **{"read-only-mode": "read-only"})
+        finally:
+            self.qmp("remove-fd", **{"fdset-id": fdset})  # the medium keeps its own descriptor
 
     def _stderr_tail(self) -> str:
         try:

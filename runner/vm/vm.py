@@ -30,6 +30,7 @@ class VM:
     ready_ms: float = 0.0
     expires_at: float = float("inf")  # time.monotonic() deadline (the TTL)
     failure: str | None = None  # why it was destroyed early, for the errors callers see
+    checkout_drive_used: bool = False  # its CD-ROM holds a checkout, mounted for the VM's life
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _destroyed: bool = False
     _killed_by_us: bool = False
