@@ -34,7 +34,8 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stats import percentile  # noqa: E402
-from runner.service.client import JobClient  # noqa: E402
+from runner.jobapi.client import JobClient  # noqa: E402
+from runner.jobapi.contract import JobRecord, JobSpec  # noqa: E402
 from runner.service.config import config_from_mapping  # noqa: E402
 from runner.service.host import EngineSettings, ServiceHost  # noqa: E402
 from runner.vm.engine import Engine  # noqa: E402
@@ -66,26 +67,26 @@ def small_checkout() -> bytes:
     return buf.getvalue()
 
 
-def spec(command: str, **fields) -> dict:
-    return {"repository": "bench/job", "sha": SHA, "job_name": "bench", "command": command, **fields}
+def spec(command: str, **fields) -> JobSpec:
+    return JobSpec(repository="bench/job", sha=SHA, job_name="bench", command=command, **fields)
 
 
-def run_job(client: JobClient, engine: Engine, checkout: bytes, command: str = "true") -> tuple[float, dict]:
+def run_job(client: JobClient, engine: Engine, checkout: bytes, command: str = "true") -> tuple[float, JobRecord]:
     begin = time.perf_counter()
-    job = client.submit(spec(command))["id"]
+    job = client.submit(spec(command)).id
     client.upload_checkout(job, checkout)
     for _ in client.logs(job):
         pass
     rec = client.get(job)
     took = (time.perf_counter() - begin) * 1000
-    if rec["state"] != "finished" or rec["exit_code"] != 0:
+    if rec.state != "finished" or rec.exit_code != 0:
         raise SystemExit(f"bench job {job} ended {rec['state']} ({rec['error']})")
     if engine.live():
         raise SystemExit(f"bench job {job}: its VM is still alive after the result came back")
     return took, rec
 
 
-def bench_overhead(client: JobClient, engine: Engine, runs: int) -> tuple[list[float], list[dict], list[float]]:
+def bench_overhead(client: JobClient, engine: Engine, runs: int) -> tuple[list[float], list[JobRecord], list[float]]:
     checkout = small_checkout()
     run_job(client, engine, checkout)  # warm the page cache and the engine's pool
     results = [run_job(client, engine, checkout) for _ in range(runs)]
@@ -98,18 +99,18 @@ def bench_overhead(client: JobClient, engine: Engine, runs: int) -> tuple[list[f
     return jobs, records, bare
 
 
-def phases(records: list[dict]) -> str:
+def phases(records: list[JobRecord]) -> str:
     """Medians of where a job's time went, from the service's own records."""
     def median_ms(start: str, end: str) -> float:
-        return statistics.median((r["timings"][end] - r["timings"][start]) * 1000 for r in records)
-    ready = statistics.median(r["timings"]["vm_ready_ms"] for r in records)
+        return statistics.median((getattr(r.timings, end) - getattr(r.timings, start)) * 1000 for r in records)
+    ready = statistics.median(r.timings.vm_ready_ms for r in records)
     return (f"VM restore {ready:.0f} ms, checkout into guest {median_ms('vm_ready_at', 'started_at'):.0f} ms, "
             f"command + VM destroy {median_ms('started_at', 'finished_at'):.0f} ms")
 
 
 def bench_log_latency(client: JobClient) -> tuple[list[float], float]:
     """Per line: service receipt -> client. Also: exec start on the host -> the first byte at the client."""
-    job = client.submit(spec("i=0; while [ $i -lt 40 ]; do echo line-$i; i=$((i+1)); sleep 0.05; done"))["id"]
+    job = client.submit(spec("i=0; while [ $i -lt 40 ]; do echo line-$i; i=$((i+1)); sleep 0.05; done")).id
     client.upload_checkout(job, small_checkout())
     latencies, first_at = [], None
     for entry in client.logs(job):
@@ -119,7 +120,7 @@ def bench_log_latency(client: JobClient) -> tuple[list[float], float]:
             latencies.append((now - entry.ts) * 1000)
     if not latencies:
         raise SystemExit("the log bench job printed nothing")
-    return latencies, (first_at - client.get(job)["timings"]["started_at"]) * 1000
+    return latencies, (first_at - client.get(job).timings.started_at) * 1000
 
 
 def bench_checkout(client: JobClient, tmp: Path) -> tuple[float, float]:
@@ -128,16 +129,16 @@ def bench_checkout(client: JobClient, tmp: Path) -> tuple[float, float]:
         for _ in range(100):
             f.write(os.urandom(MIB))
     size = blob.stat().st_size
-    job = client.submit(spec("test $(stat -c %s big.bin) -eq " + str(size), timeout_seconds=600))["id"]
+    job = client.submit(spec("test $(stat -c %s big.bin) -eq " + str(size), timeout_seconds=600)).id
     begin = time.perf_counter()
     client.upload_checkout(job, tar_of_file(blob, "big.bin"))
     upload_s = time.perf_counter() - begin
     for _ in client.logs(job):
         pass
     rec = client.get(job)
-    if rec["exit_code"] != 0:
+    if rec.exit_code != 0:
         raise SystemExit(f"the checkout did not arrive whole in the guest: {rec}")
-    unpack_s = rec["timings"]["started_at"] - rec["timings"]["vm_ready_at"]
+    unpack_s = rec.timings.started_at - rec.timings.vm_ready_at
     return size / upload_s / 1e6, size / (upload_s + unpack_s) / 1e6
 
 
@@ -166,7 +167,7 @@ def main() -> int:
     print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "
           f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms")
     print(f"  where it went (medians): {phases(records)}")
-    vm_ms = [(r["timings"]["finished_at"] - r["timings"]["vm_ready_at"]) * 1000 + r["timings"]["vm_ready_ms"] for r in records]
+    vm_ms = [(r.timings.finished_at - r.timings.vm_ready_at) * 1000 + r.timings.vm_ready_ms for r in records]
     own = [total - vm for total, vm in zip(jobs, vm_ms)]
     print(f"  the service's own share (round trip minus VM restore, checkout, command, destroy): "
           f"median {statistics.median(own):.1f} ms")

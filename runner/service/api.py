@@ -23,12 +23,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from runner import jsonbody
 from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
+from runner.jobapi.contract import LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ, JobSummary
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.service import JobError, JobService
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_BODY = 1024 * 1024
 # Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
 _CHUNK = 1024 * 1024
@@ -165,24 +165,24 @@ class Handler(ServedRequest):
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         if url.path == "/v1/health" and method == "GET":
-            return self._send_json(200, self.service.health())
+            return self._send_json(200, self.service.health().to_wire())
         if url.path == "/v1/jobs":
             if method == "POST":
                 record = self.service.submit(self._json_body())
-                return self._send_json(201, {"id": record.id, "state": record.state})
+                return self._send_json(201, JobSummary(record.id, record.state).to_wire())
             if method == "GET":
-                limit = _int_param(query, "limit", 50, 1, 1000)
-                return self._send_json(200, {"jobs": [r.to_json() for r in self.service.list(limit)]})
+                limit = _int_param(query, "limit", LIST_DEFAULT, 1, LIST_MAX)
+                return self._send_json(200, {"jobs": [r.to_wire() for r in self.service.list(limit)]})
         route = job_route(url.path)
         if route is None:
             raise JobError(404, f"no route {method} {url.path}; see docs/job-api.md")
         job_id, rest = route
         handler = {
-            ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_json()),
+            ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_wire()),
             ("PUT", "/checkout"): lambda: self._checkout(job_id),
-            ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, 2**62)),
+            ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ)),
             ("GET", "/artifacts"): lambda: self._artifacts(job_id),
-            ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_json()),
+            ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_wire()),
         }.get((method, rest))
         if handler is None:
             raise JobError(405, f"{method} is not allowed on {url.path}")
@@ -190,7 +190,7 @@ class Handler(ServedRequest):
 
     def _checkout(self, job_id: str) -> None:
         record = self.service.put_checkout(job_id, self._body())
-        self._send_json(202, {"id": record.id, "state": record.state})
+        self._send_json(202, JobSummary(record.id, record.state).to_wire())
 
     def _logs(self, job_id: str, after: int) -> None:
         job_log = self.service.log_of(job_id)
@@ -200,7 +200,7 @@ class Handler(ServedRequest):
         self.end_headers()
         for line in job_log.follow(after):
             self._chunk(line)
-        end = {"end": True, "job": self.service.get(job_id).to_json()}
+        end = {"end": True, "job": self.service.get(job_id).to_wire()}
         self._chunk(json.dumps(end).encode() + b"\n")
         self.wfile.write(b"0\r\n\r\n")
 

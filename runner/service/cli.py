@@ -9,12 +9,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from runner.errors import UserError
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
-from runner.service.config import DEFAULT_SOCKET, ConfigError, load_config
+from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
+from runner.service.config import ConfigError, load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
 
@@ -90,29 +90,31 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.config:
         store = RecordStore(_config(args.config).records_path)
         try:
-            records = [r.to_json() for r in store.list(args.limit)]
+            records = store.list(args.limit)
         finally:
             store.close()
     else:
-        from runner.service.client import JobAPIError, JobClient
+        from runner.jobapi.client import JobAPIError, JobClient
 
         try:
-            records = JobClient(socket=args.socket).list(args.limit)
+            with JobClient(socket=args.socket) as client:
+                records = client.list(args.limit)
         except JobAPIError as exc:
             raise UserError(f"{exc} (is the service running? or pass --config to read its records directly)") from exc
     for rec in records:
-        print(json.dumps(rec) if args.json else _row(rec))
+        print(json.dumps(rec.to_wire()) if args.json else _row(rec))
     return 0
 
 
-def _row(rec: dict[str, Any]) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["created_at"]))
-    code = "-" if rec.get("exit_code") is None else str(rec["exit_code"])
-    t = rec.get("timings") or {}
-    took = f"{t['finished_at'] - t['started_at']:.1f}s" if t.get("finished_at") and t.get("started_at") else "-"
-    flags = " warm" if rec.get("warm") else ""
-    line = f"{rec['id']}  {when}  {rec['state']:<17} exit {code:>3}  {took:>7}  {rec['repository']}@{rec['sha'][:8]} {rec['job_name']}{flags}"
-    return line + (f"\n    error: {rec['error']}" if rec.get("error") else "")
+def _row(rec: JobRecord) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.created_at))
+    code = "-" if rec.exit_code is None else str(rec.exit_code)
+    t = rec.timings
+    took = f"{t.finished_at - t.started_at:.1f}s" if t.finished_at and t.started_at else "-"
+    flags = " warm" if rec.warm else ""
+    line = (f"{rec.id}  {when}  {rec.state.value:<17} exit {code:>3}  {took:>7}  "
+            f"{rec.repository}@{rec.sha[:8]} {rec.job_name}{flags}")
+    return line + (f"\n    error: {rec.error}" if rec.error else "")
 
 
 # -- run ------------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from policy.yamldoc import (BOOL_TAG, FLOAT_TAG, INT_TAG, STR_TAG, Limits, Probl
                             is_null, kind, mapping, quote, read_text, sort_problems, string)
 from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY
+from runner.jobapi.contract import DEFAULT_SOCKET  # the job API's contract: one default for service and clients
 
-DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 DEFAULT_STATE_DIR = "/var/lib/microvm-check"
 LIMITS = Limits("config", 64 * 1024, 8, "a config is a mapping of settings with a few small sections",
                 max_problems=20)

@@ -18,11 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 from action.pack import PackError, host_git, pack_checkout
 from runner.errors import UserError
-from runner.service.client import JobAPIError, JobClient
+from runner.jobapi.client import JobAPIError, JobClient
+from runner.jobapi.contract import SHA, JobRecord, JobSpec, JobState
 
 EXIT_FAILED = 1
 EXIT_CANCELLED = 130
@@ -50,25 +49,24 @@ class LocalRun:
             raise UserError(f"{out_dir} is not empty: move it away so this run's artifacts do not mix with old ones")
         client = self._remote_client()
         if client is not None:
-            return self._drive(client, root, checkout, out_dir)
+            with client:
+                return self._drive(client, root, checkout, out_dir)
         with in_process_service(self.template, self.timeout_seconds) as local:
             return self._drive(local, root, checkout, out_dir)
 
-    def spec(self, root: Path) -> dict[str, Any]:
+    def spec(self, root: Path) -> JobSpec:
         command = self.command[0] if len(self.command) == 1 else shlex.join(self.command)
-        spec: dict[str, Any] = {
-            "repository": f"local/{re.sub(r'[^A-Za-z0-9_.-]', '-', root.name) or 'checkout'}",
-            "sha": _head(root),
-            "job_name": "local",
-            "event": "local",
-            "command": command,
-            "artifacts": list(self.artifacts),
-            "timeout_seconds": self.timeout_seconds,
-            "policy": self.policy,
-        }
-        if self.template:
-            spec["template"] = self.template
-        return spec
+        return JobSpec(
+            repository=f"local/{re.sub(r'[^A-Za-z0-9_.-]', '-', root.name) or 'checkout'}",
+            sha=_head(root),
+            job_name="local",
+            event="local",
+            command=command,
+            artifacts=tuple(self.artifacts),
+            timeout_seconds=self.timeout_seconds,
+            template=self.template or None,
+            policy=self.policy,
+        )
 
     def _remote_client(self) -> JobClient | None:
         if not self.socket or not Path(self.socket).exists():
@@ -77,12 +75,13 @@ class LocalRun:
         try:
             client.health()
         except JobAPIError:
+            client.close()
             return None
         return client
 
     def _drive(self, client: JobClient, root: Path, checkout: Iterator[bytes], out_dir: Path) -> int:
         try:
-            job = client.submit(self.spec(root))["id"]
+            job = client.submit(self.spec(root)).id
         except JobAPIError as exc:
             raise UserError(f"the service refused the job: {exc}") from exc
         try:
@@ -97,7 +96,7 @@ class LocalRun:
             _cancel_quietly(client, job)
             raise UserError(f"job {job}: {exc}") from exc
         record = client.get(job)
-        if record["artifacts"]:
+        if record.artifacts:
             _fetch_artifacts(client, job, out_dir)
         return _exit_status(record)
 
@@ -128,7 +127,8 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
         except (ValueError, OSError) as exc:
             raise UserError(f"cannot start a service for this run: {exc}") from exc
         try:
-            yield JobClient(socket=config.socket)
+            with JobClient(socket=config.socket) as client:
+                yield client
         finally:
             host.close()
     finally:
@@ -152,14 +152,14 @@ def _show(stream_name: str, data: bytes) -> None:
 _TERMINAL_SAFE = bytes(c if c >= 32 and c != 127 or c in b"\t\n\r\b" else ord("?") for c in range(256))
 
 
-def _exit_status(record: dict[str, Any]) -> int:
+def _exit_status(record: JobRecord) -> int:
     """The guest's status; a job that failed around a successful command (artifacts refused) is 1."""
-    if record.get("error"):
-        print(f"microvm-check: job {record['id']} {record['state']}: {record['error']}", file=sys.stderr)
-    code = record.get("exit_code")
-    if record["state"] == "cancelled":
+    if record.error:
+        print(f"microvm-check: job {record.id} {record.state}: {record.error}", file=sys.stderr)
+    code = record.exit_code
+    if record.state == JobState.CANCELLED:
         return code if code is not None else EXIT_CANCELLED
-    if code is None or (code == 0 and record["state"] != "finished"):
+    if code is None or (code == 0 and record.state != JobState.FINISHED):
         return EXIT_FAILED
     return code & 0xFF
 
@@ -192,4 +192,4 @@ def _head(root: Path) -> str:
     except (OSError, subprocess.SubprocessError):
         return "0" * 40
     sha = out.stdout.decode(errors="replace").strip()
-    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else "0" * 40
+    return sha if SHA.fullmatch(sha) else "0" * 40

@@ -1,7 +1,9 @@
 """Job records in SQLite: the durable answer to "what ran, where, with which policy, and how did it end".
 
-One connection guarded by a lock: the service writes from worker and API threads, and SQLite's own
-locking across connections would only add busy-retry handling for no gain in one process.
+The record type and its states are the job API's contract (runner.jobapi.contract): what is stored
+is what a client is answered. One connection guarded by a lock: the service writes from worker and
+API threads, and SQLite's own locking across connections would only add busy-retry handling for no
+gain in one process.
 """
 
 from __future__ import annotations
@@ -10,51 +12,12 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, Timings
 from runner.logs import JobEvents
-
-ACTIVE_STATES = ("awaiting_checkout", "queued", "starting", "running")
-FINAL_STATES = ("finished", "failed", "cancelled", "timed_out")
-
-
-@dataclass
-class Timings:
-    queued_at: float | None = None
-    vm_ready_at: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    vm_ready_ms: float | None = None
-
-
-@dataclass
-class JobRecord:
-    id: str
-    state: str
-    repository: str
-    sha: str
-    run_id: int | None
-    run_attempt: int | None
-    job_name: str
-    created_at: float = field(default_factory=time.time)
-    vm_id: str | None = None
-    policy_digest: str | None = None
-    warm: bool = False
-    exit_code: int | None = None
-    error: str | None = None
-    timings: Timings = field(default_factory=Timings)
-    blocked_egress: list[dict[str, Any]] = field(default_factory=list)
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def final(self) -> bool:
-        return self.state in FINAL_STATES
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 _COLUMNS = (
     "id TEXT PRIMARY KEY",
@@ -85,6 +48,7 @@ _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 def _to_row(rec: JobRecord) -> tuple[Any, ...]:
     values = asdict(rec)
     values.update(values.pop("timings"))
+    values["state"] = rec.state.value
     values["warm"] = int(rec.warm)
     values["blocked_egress"] = json.dumps(rec.blocked_egress)
     values["artifacts"] = json.dumps(rec.artifacts)
@@ -132,7 +96,7 @@ class RecordStore:
             ).fetchall()
         return [_from_row(r) for r in rows]
 
-    def in_states(self, states: tuple[str, ...]) -> Iterator[JobRecord]:
+    def in_states(self, states: tuple[JobState, ...]) -> Iterator[JobRecord]:
         marks = ", ".join("?" for _ in states)
         with self._lock:
             rows = self._db.execute(f"SELECT {', '.join(_NAMES)} FROM jobs WHERE state IN ({marks})", states).fetchall()
@@ -143,7 +107,7 @@ class RecordStore:
         now = time.time() if now is None else now
         failed = []
         for rec in self.in_states(ACTIVE_STATES):
-            rec.state = "failed"
+            rec.state = JobState.FAILED
             rec.error = error
             rec.timings.finished_at = now
             self.put(rec)

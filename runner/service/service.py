@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from runner.jobapi.contract import JOB_ID, Health, JobState
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
@@ -29,7 +29,6 @@ from runner.service.warm import PrewarmedVMs, RunKey
 
 log = logging.getLogger(__name__)
 
-JOB_ID = re.compile(r"j[0-9a-f]{16}")  # used with fullmatch: `$` would also take a trailing newline
 _REAP_SECONDS = 5.0
 _PRUNE_SECONDS = 3600.0
 _CANCEL_WAIT_SECONDS = 10.0
@@ -109,7 +108,7 @@ class JobService:
         for job_id in self.queue.close():
             run = self._run(job_id)
             if run:
-                _logged(self._end, f"cancelling job {job_id}", run, "cancelled",
+                _logged(self._end, f"cancelling job {job_id}", run, JobState.CANCELLED,
                         "the service shut down before the job started")
         deadline = time.monotonic() + grace
         for worker in self._workers:
@@ -119,7 +118,7 @@ class JobService:
         for worker in self._workers:
             worker.join()
         for run in self._active_runs():  # awaiting checkout, never queued
-            _logged(self._end, f"cancelling job {run.record.id}", run, "cancelled",
+            _logged(self._end, f"cancelling job {run.record.id}", run, JobState.CANCELLED,
                     "the service shut down before the job started")
         self.warm.close()
         if self._reaper:
@@ -172,7 +171,7 @@ class JobService:
         """The job's directory, log and first record; the job becomes visible only once all exist."""
         job_dir = self.config.jobs_dir / job_id
         record = JobRecord(
-            id=job_id, state="awaiting_checkout", repository=spec.repository, sha=spec.sha,
+            id=job_id, state=JobState.AWAITING_CHECKOUT, repository=spec.repository, sha=spec.sha,
             run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
             policy_digest=policy.digest(),
         )
@@ -198,7 +197,7 @@ class JobService:
         """Spool the checkout tar into the job's directory, bounded, then queue the job."""
         run = self._need_run(job_id)
         with run.lock:
-            if run.record.state != "awaiting_checkout" or run.uploading or run.cancel_reason:
+            if run.record.state != JobState.AWAITING_CHECKOUT or run.uploading or run.cancel_reason:
                 raise JobError(409, f"job {job_id} is {run.record.state}: its checkout was already uploaded or it ended")
             run.uploading = True  # only this request writes the checkout
         try:
@@ -209,19 +208,19 @@ class JobService:
             if run.record.final or run.cancel_reason:
                 run.checkout_path.unlink(missing_ok=True)  # the job's clean-up ran before the checkout landed
                 raise JobError(409, f"job {job_id} was {run.record.state} while its checkout was uploading")
-            run.record.state = "queued"
+            run.record.state = JobState.QUEUED
             run.record.timings.queued_at = time.time()
             try:
                 self.records.put(run.record)
             except BaseException:  # not queued after all: the job waits for a checkout again, and expires
-                run.record.state = "awaiting_checkout"
+                run.record.state = JobState.AWAITING_CHECKOUT
                 run.record.timings.queued_at = None
                 run.checkout_path.unlink(missing_ok=True)
                 raise
         try:
             self.queue.put(job_id)
         except (KeyError, QueueClosed):
-            self._end(run, "cancelled", run.cancel_reason or "the service shut down before the job started")
+            self._end(run, JobState.CANCELLED, run.cancel_reason or "the service shut down before the job started")
         return run.record
 
     def _spool(self, run: JobRun, chunks: Iterable[bytes]) -> None:
@@ -251,7 +250,7 @@ class JobService:
             return self.get(job_id)  # already final: cancel is idempotent
         run.cancel(reason)
         if self.queue.discard(job_id):  # it never reached a worker
-            self._end(run, "cancelled", reason)
+            self._end(run, JobState.CANCELLED, reason)
         run.done.wait(_CANCEL_WAIT_SECONDS)  # its VM is already destroyed; the worker only writes the record
         return run.record
 
@@ -283,11 +282,10 @@ class JobService:
             raise JobError(404, f"job {job_id} has no artifacts (none were asked for, matched, or they were rejected)")
         return path
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         queued, _ = self.queue.counts()
-        running = sum(1 for run in self._active_runs() if run.record.state in ("starting", "running"))
-        return {"ok": not self.stopping, "accel": self.accel, "running": running, "queued": queued,
-                "warm": self.warm.count()}
+        running = sum(1 for run in self._active_runs() if run.record.state in (JobState.STARTING, JobState.RUNNING))
+        return Health(ok=not self.stopping, accel=self.accel, running=running, queued=queued, warm=self.warm.count())
 
     # -- JobHooks (runner.github.jobs) ----------------------------------------------------------
 
@@ -369,11 +367,11 @@ class JobService:
             except Exception:
                 log.exception("job %s: destroying VM %s failed", run.record.id, getattr(sandbox, "id", "?"))
         try:
-            _finish(run, "failed", "the service failed to run this job; see the service log")
+            _finish(run, JobState.FAILED, "the service failed to run this job; see the service log")
         except Exception:
             log.exception("job %s: its final record could not be saved", run.record.id)
 
-    def _end(self, run: JobRun, state: str, reason: str) -> None:
+    def _end(self, run: JobRun, state: JobState, reason: str) -> None:
         """Finish a job no worker holds (it never started); it leaves the service even if its record fails."""
         try:
             _finish(run, state, reason)
@@ -413,9 +411,9 @@ class JobService:
         now = time.time() if now is None else now
         _logged(self.warm.expire, "expiring pre-warmed VMs")
         for run in self._active_runs():
-            if run.record.state == "awaiting_checkout" and now - run.record.created_at > self.config.checkout_wait_seconds:
+            if run.record.state == JobState.AWAITING_CHECKOUT and now - run.record.created_at > self.config.checkout_wait_seconds:
                 if self.queue.discard(run.record.id):
-                    _logged(self._end, f"expiring job {run.record.id}", run, "failed",
+                    _logged(self._end, f"expiring job {run.record.id}", run, JobState.FAILED,
                             f"no checkout was uploaded within {self.config.checkout_wait_seconds:g} s")
         if now - self._last_prune > _PRUNE_SECONDS:
             _logged(self.prune, "pruning old records", now)
@@ -444,7 +442,7 @@ class JobService:
                 (entry / leftover).unlink(missing_ok=True)
 
 
-def _finish(run: JobRun, state: str, reason: str) -> None:
+def _finish(run: JobRun, state: JobState, reason: str) -> None:
     """`run.finish`, then the rest of what finishing means even if a save of its record failed, now or in
     an earlier `finish` (which then marked it final and stopped): the spooled checkout goes, log
     followers and cancel() waiters are released. Each step is idempotent."""

@@ -1,32 +1,21 @@
 """JobSpec: what a client asks the service to run, validated before anything is spent on it.
 
 Clients include the action running for fork pull requests, so every field is bounded and checked here
-and the rest of the service can trust a JobSpec's shape.
+and the rest of the service can trust a JobSpec's shape. The type, its limits and patterns are the
+job API's contract (runner.jobapi.contract); this module holds the checks and the service's defaults.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
+from runner.jobapi.contract import (
+    ENV_NAME, MAX_ARTIFACT_GLOBS, MAX_COMMAND_BYTES, MAX_ENV, MAX_ENV_VALUE_BYTES, MAX_PATH_BYTES,
+    MAX_POLICY_BYTES, MAX_RUN_ID, MAX_SHORT_TEXT, REPOSITORY, SHA, SPEC_FIELDS, JobSpec,
+)
 from runner.service.config import ServiceConfig
 
-MAX_COMMAND_BYTES = 64 * 1024
-MAX_POLICY_BYTES = 64 * 1024
-MAX_ENV = 128
-MAX_ENV_VALUE_BYTES = 32 * 1024
-MAX_ARTIFACT_GLOBS = 64
-MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no guest path is longer
-MAX_RUN_ID = 2**63 - 1  # run ids and attempts are stored in SQLite, whose integers are signed 64-bit
-
-# fullmatch, not `$`: `$` also matches before a trailing newline, so "<sha>\n" would pass.
-# Neither part may be "." or "..": the name ends up in paths (policy files, API paths).
-_REPOSITORY = re.compile(r"(?!\.{1,2}/)[A-Za-z0-9_.-]{1,100}/(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,100}")
-_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-_SHORT_TEXT = 256
 _SHOWN = 80  # how much of a refused value an error message repeats: errors never echo unbounded input
 # Never forwarded whatever the allowlist says: these name credentials, and the guest is hostile.
 ENV_DENYLIST = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*", "*_KEY", "ACTIONS_*")
@@ -34,31 +23,6 @@ ENV_DENYLIST = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*", "*_KEY", "A
 
 class SpecError(ValueError):
     """An invalid JobSpec; the message names the field."""
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    repository: str
-    sha: str
-    command: str
-    job_name: str = ""
-    runner_name: str = ""  # the self-hosted runner that took the job: with the run, identifies the job
-    ref: str = ""
-    event: str = ""
-    run_id: int | None = None
-    run_attempt: int | None = None
-    working_directory: str = "."
-    env: dict[str, str] = field(default_factory=dict)
-    artifacts: tuple[str, ...] = ()
-    timeout_seconds: int = 3600
-    template: str = "base"
-    policy: str | None = None
-
-    @property
-    def workdir(self) -> str:
-        """The guest directory the command runs in."""
-        rel = self.working_directory.strip("/")
-        return "/workspace" if rel in ("", ".") else f"/workspace/{rel}"
 
 
 def _show(value: Any) -> str:
@@ -83,7 +47,7 @@ def checked_text(value: Any, where: str, limit: int) -> str:
     return value
 
 
-def _text(data: dict[str, Any], key: str, default: str | None, limit: int = _SHORT_TEXT) -> str:
+def _text(data: dict[str, Any], key: str, default: str | None, limit: int = MAX_SHORT_TEXT) -> str:
     value = data.get(key, default)
     if value is None:
         raise SpecError(f"{key}: required")
@@ -133,7 +97,7 @@ def _env(data: dict[str, Any], allowlist: tuple[str, ...]) -> dict[str, str]:
     if len(env) > MAX_ENV:
         raise SpecError(f"env: more than {MAX_ENV} variables")
     for name, value in env.items():
-        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
             raise SpecError(f"env: {_show(name)} is not a valid variable name")
         checked_text(value, f"env.{name}", MAX_ENV_VALUE_BYTES)
         if not env_allowed(name, allowlist):
@@ -158,16 +122,16 @@ def _artifacts(data: dict[str, Any]) -> tuple[str, ...]:
 def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError("the body must be a JSON object (a JobSpec)")
-    unknown = [key for key in data if key not in JobSpec.__dataclass_fields__]
+    unknown = [key for key in data if key not in SPEC_FIELDS]
     if unknown:
         key = unknown[0]
         name = key if isinstance(key, str) and key.isprintable() and len(key) <= _SHOWN else _show(key)
         raise SpecError(f"{name}: unknown field")
     repository = _text(data, "repository", None)
-    if not _REPOSITORY.fullmatch(repository):
+    if not REPOSITORY.fullmatch(repository):
         raise SpecError(f"repository: expected owner/name, got {_show(repository)}")
     sha = _text(data, "sha", None)
-    if not _SHA.fullmatch(sha):
+    if not SHA.fullmatch(sha):
         raise SpecError(f"sha: expected a lowercase hex commit id, got {_show(sha)}")
     command = _text(data, "command", None, MAX_COMMAND_BYTES)
     if not command.strip():

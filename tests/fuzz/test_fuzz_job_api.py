@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.service.api import ApiServers
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService
@@ -342,15 +342,15 @@ def test_job_api_survives_hostile_requests(served: Served, capfd: pytest.Capture
         one()
         client = JobClient(socket=served.service.config.socket, timeout=10)
         for job in served.jobs:  # what the fuzz left waiting for a checkout: each holds its log file open
-            assert client.cancel(job)["state"] in ("cancelled", "finished", "failed")
+            assert client.cancel(job).state in ("cancelled", "finished", "failed")
         host, port = served.servers.tcp_address
         last = JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=1.0).submit(spec())
-        assert last["state"] == "awaiting_checkout"
+        assert last.state == "awaiting_checkout"
         tracebacks.check(b"(the batch)")
     assert served.jobs, "no submit of the fuzz was accepted: the inputs never reached a job"
     assert "Traceback" not in capfd.readouterr().err  # nothing printed past the loggers either
     print(f"job-api: {len(served.jobs)} jobs created; answers by status: {dict(sorted(statuses.items()))}")
     # the last submit's job holds its log open, as every job waiting for its checkout does
-    served.service.cancel(last["id"])
+    served.service.cancel(last.id)
     assert_settled(baseline, settle(baseline))
 

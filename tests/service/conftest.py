@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import pytest
 from service_fakes import FakeEngine
 
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
 from runner.service.config import ServiceConfig, config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
 from runner.service.api import BodyFramingError, UnixApiServer, read_chunked
-from runner.service.client import JobAPIError, JobClient, Transport
+from runner.jobapi.client import JobAPIError, JobClient
 from tests.conftest import require
 
 TOKEN = "a-long-enough-test-token-1234"
@@ -46,7 +46,7 @@ def test_socket_is_group_only(api) -> None:
     service, client = api()
     mode = os.stat(service.config.socket).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o660
-    assert client.health()["ok"] is True
+    assert client.health().ok is True
 
 
 def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
@@ -54,19 +54,19 @@ def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
     engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<testsuite/>")])
     service, client = api()
     job = client.submit(spec("make", artifacts=["out/*.xml"]))
-    assert job["state"] == "awaiting_checkout"
-    assert client.upload_checkout(job["id"], io.BytesIO(checkout_tar()))["state"] == "queued"
-    entries = list(client.logs(job["id"]))
+    assert job.state == "awaiting_checkout"
+    assert client.upload_checkout(job.id, io.BytesIO(checkout_tar())).state == "queued"
+    entries = list(client.logs(job.id))
     assert b"building\n" in [e.data for e in entries if e.stream == "stdout"]
     assert [e.seq for e in entries] == list(range(1, len(entries) + 1))
-    rec = client.get(job["id"])
-    assert (rec["state"], rec["exit_code"], rec["artifacts"]) == ("finished", 2, [{"path": "out/report.xml", "size": 12}])
+    rec = client.get(job.id)
+    assert (rec.state, rec.exit_code, rec.artifacts) == ("finished", 2, [{"path": "out/report.xml", "size": 12}])
     out = io.BytesIO()
-    assert client.artifacts(job["id"], out) == len(out.getvalue()) > 0
+    assert client.artifacts(job.id, out) == len(out.getvalue()) > 0
     with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
         assert tar.extractfile("out/report.xml").read() == b"<testsuite/>"
-    assert [r["id"] for r in client.list(limit=5)] == [job["id"]]
-    later = list(client.logs(job["id"], after=entries[-2].seq))
+    assert [r.id for r in client.list(limit=5)] == [job.id]
+    later = list(client.logs(job.id, after=entries[-2].seq))
     assert later == entries[-1:]
 
 
@@ -75,8 +75,8 @@ def test_chunked_checkout_upload(api, engine: FakeEngine) -> None:
     service, client = api()
     job = client.submit(spec("ok"))
     data = checkout_tar({"a": b"x" * 300000})
-    client.upload_checkout(job["id"], (data[i:i + 7000] for i in range(0, len(data), 7000)))
-    list(client.logs(job["id"]))
+    client.upload_checkout(job.id, (data[i:i + 7000] for i in range(0, len(data), 7000)))
+    list(client.logs(job.id))
     assert engine.created[0].files["/workspace/a"] == b"x" * 300000
 
 
@@ -88,7 +88,7 @@ def test_error_statuses(api, engine: FakeEngine) -> None:
     assert status_of(lambda: client.get("j0123456789abcdef")) == 404
     assert status_of(lambda: client.get("no-such-job")) == 404
     assert status_of(lambda: client.cancel("j0123456789abcdef")) == 404
-    job = client.submit(spec("block", timeout_seconds=600))["id"]
+    job = client.submit(spec("block", timeout_seconds=600)).id
     assert status_of(lambda: client.artifacts(job, io.BytesIO())) == 409
     assert status_of(lambda: client.upload_checkout(job, b"\0" * 100000)) == 413
     assert status_of(lambda: client.upload_checkout(job, b"garbage" * 2000)) == 400
@@ -100,7 +100,7 @@ def test_error_statuses(api, engine: FakeEngine) -> None:
         for _ in range(3):
             client.submit(spec("block"))
     assert full.value.status == 429 and full.value.retry_after == 5
-    assert client.cancel(job)["state"] == "cancelled"
+    assert client.cancel(job).state == "cancelled"
     assert status_of(lambda: client.artifacts(job, io.BytesIO())) == 404
     release.set()
 
@@ -114,7 +114,7 @@ def test_protocol_errors(api) -> None:
     bad_json = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\n{nope"
     answer = raw(path, bad_json)
     assert answer.startswith(b"HTTP/1.1 400") and b"not valid JSON" in answer
-    job = JobClient(socket=path).submit(spec())["id"]
+    job = JobClient(socket=path).submit(spec()).id
     bad_chunk = (f"PUT /v1/jobs/{job}/checkout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                  "zz\r\nabc\r\n0\r\n\r\n").encode()
     assert raw(path, bad_chunk).startswith(b"HTTP/1.1 400")
@@ -133,13 +133,13 @@ def test_tcp_needs_the_token(hosts) -> None:
     url = f"http://{host}:{port}"
     assert status_of(lambda: JobClient(url=url).health()) == 401
     assert status_of(lambda: JobClient(url=url, token=TOKEN + "x").health()) == 401
-    assert JobClient(url=url, token=TOKEN).health()["ok"] is True
+    assert JobClient(url=url, token=TOKEN).health().ok is True
 
 
 def test_tcp_client_sees_413_for_an_oversized_checkout(hosts) -> None:
     host, port = hosts(listen="127.0.0.1:0", token=TOKEN, checkout_max_bytes="1MiB").api.tcp_address
     client = JobClient(url=f"http://{host}:{port}", token=TOKEN)
-    job = client.submit(spec())["id"]
+    job = client.submit(spec()).id
     big = (b"\0" * 65536 for _ in range(320))  # 20 MiB, chunked
     assert status_of(lambda: client.upload_checkout(job, big)) == 413
 
@@ -165,17 +165,17 @@ def test_unreachable_service_is_a_clear_error(short_dir) -> None:
     assert err.value.status is None
 
 
-def test_transport_refuses_ambiguous_targets() -> None:
-    with pytest.raises(ValueError):
-        Transport(socket_path="/x", url="http://y")
-    with pytest.raises(ValueError):
-        Transport(url="ftp://y")
+def test_client_refuses_ambiguous_targets() -> None:
+    with pytest.raises(ValueError, match="at most one of socket or url"):
+        JobClient(socket="/x", url="http://y")
+    with pytest.raises(ValueError, match="expected http\\(s\\)://HOST:PORT, got 'ftp://y'"):
+        JobClient(url="ftp://y")
 
 
 def test_log_end_line_carries_the_record(api, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"hi\n")
     service, client = api()
-    job = client.submit(spec("ok"))["id"]
+    job = client.submit(spec("ok")).id
     client.upload_checkout(job, checkout_tar())
     list(client.logs(job))
     answer = raw(service.config.socket, f"GET /v1/jobs/{job}/logs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
@@ -192,7 +192,7 @@ def test_a_burst_of_clients_is_served(api) -> None:
 
     def ask() -> None:
         try:
-            answers.append(client.health()["ok"])
+            answers.append(client.health().ok)
         except JobAPIError as exc:
             errors.append(exc)
 
@@ -207,14 +207,14 @@ def test_a_burst_of_clients_is_served(api) -> None:
 def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine: FakeEngine) -> None:
     engine.programs["flood"] = floods(4 * 1024 * 1024)
     service, client = api(logs={"max_bytes": "8MiB"})  # within the budget: the job ends on its own
-    job = client.submit(spec("flood"))["id"]
+    job = client.submit(spec("flood")).id
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
         stalled.connect(service.config.socket)
         stalled.sendall(f"GET /v1/jobs/{job}/logs HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         client.upload_checkout(job, checkout_tar())
         for _ in service.log_of(job).follow():  # the job's own log ends once the job has ended
             pass
-        assert client.get(job)["state"] == "finished"
+        assert client.get(job).state == "finished"
 
 
 def test_socket_group(make_service) -> None:
@@ -284,8 +284,8 @@ def test_idle_and_unauthenticated_connections_do_not_lock_out_a_client_with_the_
         for _ in range(70):
             sock = stack.enter_context(socket.create_connection((host, port), timeout=10))
             sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n")  # no token, and the head never ends
-        assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health()["ok"] is True
-        assert JobClient(socket=served.config.socket, timeout=10).health()["ok"] is True
+        assert JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10).health().ok is True
+        assert JobClient(socket=served.config.socket, timeout=10).health().ok is True
 
 
 def test_the_token_is_checked_before_the_body_is_read(hosts) -> None:
@@ -345,7 +345,7 @@ def test_a_client_gone_before_its_answer_leaves_no_traceback(api, caplog, capfd)
 
 def test_a_body_sent_with_get_or_cancel_is_never_read_as_a_request(api) -> None:
     service, client = api()
-    job = client.submit(spec())["id"]
+    job = client.submit(spec()).id
     smuggled = b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n"
     for line in (b"GET /v1/health", f"POST /v1/jobs/{job}/cancel".encode()):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

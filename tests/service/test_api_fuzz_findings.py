@@ -8,7 +8,7 @@ import pytest
 from service_fakes import checkout_tar, spec
 
 from runner.service import api
-from runner.service.client import JobAPIError
+from runner.jobapi.client import JobAPIError
 
 
 def raw(path: str, request: bytes) -> bytes:
@@ -48,9 +48,9 @@ def test_a_checkout_cut_inside_a_member_is_refused_at_upload(api) -> None:
     """check_tar seeks over file data, and a seek past the end of the spooled file succeeded silently: the
     upload was accepted (202) and the job then failed in the VM, with a traceback in the service's log."""
     service, client = api()
-    job = client.submit(spec())["id"]
+    job = client.submit(spec()).id
     cut = checkout_tar({"README": b"hello\n" * 200})[:700]  # the header and part of the member's data
     with pytest.raises(JobAPIError, match="ends inside a member's data") as err:
         client.upload_checkout(job, cut)
     assert err.value.status == 400
-    assert client.upload_checkout(job, checkout_tar())["state"] == "queued"  # the job still takes a whole one
+    assert client.upload_checkout(job, checkout_tar()).state == "queued"  # the job still takes a whole one

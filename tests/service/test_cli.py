@@ -14,7 +14,7 @@ import pytest
 from service_fakes import FakeEngine, member, prints, tar_of
 
 from runner.cli import main
-from runner.service.client import JobAPIError, JobClient
+from runner.jobapi.client import JobAPIError, JobClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,7 @@ def test_serve_starts_answers_and_stops_on_sigterm(short_dir: Path) -> None:
                 time.sleep(0.05)
         else:
             pytest.fail("serve never answered on its socket")
-        assert health["ok"] is True
+        assert health.ok is True
         assert oct(os.stat(short_dir / "api.sock").st_mode & 0o777) == "0o660"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -19,7 +19,7 @@ import pytest
 from service_fakes import FakeEngine, checkout_tar, spec, waits
 
 from runner.service.api import ApiServers
-from runner.service.client import JobAPIError, JobClient
+from runner.jobapi.client import JobAPIError, JobClient
 from runner.service.config import ServiceConfig
 from runner.service.host import EngineSettings, ServiceHost
 from runner.service.service import JobService
@@ -122,9 +122,9 @@ def test_builds_serves_and_closes_newest_first(need_engine: None, make_config, c
     with ServiceHost(config, engine=EngineSettings(pool_size=0)) as host:
         assert host.engine is not None and host.service is not None and host.api is not None
         assert host.webhook is not None and host.webhook.sweep is not None
-        assert JobClient(socket=config.socket).health()["ok"] is True
+        assert JobClient(socket=config.socket).health().ok is True
         tcp = host.api.tcp_address
-        assert JobClient(url=f"http://{tcp[0]}:{tcp[1]}", token=TOKEN).health()["ok"] is True
+        assert JobClient(url=f"http://{tcp[0]}:{tcp[1]}", token=TOKEN).health().ok is True
         assert {"job-reaper", "api-unix", "api-tcp", "github-webhooks", "redelivery-sweep", "vm-reaper"} <= set(
             piece_threads())
         assert closes == []
@@ -193,7 +193,7 @@ def test_the_api_answers_while_running_jobs_get_their_grace(make_config) -> None
     closer = threading.Thread(target=host.close, name="test-closer")
     client = JobClient(socket=config.socket, timeout=30)
     try:
-        job = client.submit(spec("sleep", timeout_seconds=600))["id"]
+        job = client.submit(spec("sleep", timeout_seconds=600)).id
         client.upload_checkout(job, [checkout_tar()])
         assert next(e.data for e in client.logs(job) if e.stream == "stdout") == b"started\n"
         closer.start()
@@ -203,7 +203,7 @@ def test_the_api_answers_while_running_jobs_get_their_grace(make_config) -> None
                 break
             release.wait(0.01)
         assert host.service.stopping
-        assert client.get(job)["state"] == "running"
+        assert client.get(job).state == "running"
         with pytest.raises(JobAPIError, match="shutting down") as refused:
             client.submit(spec())
         assert refused.value.status == 503

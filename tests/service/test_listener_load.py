@@ -22,7 +22,7 @@ from listener_child import SECRET, TOKEN
 from service_fakes import spec
 
 from runner.github.signature import sign
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
 
 CHILD = Path(__file__).with_name("listener_child.py")
 CLIENT_TIMEOUT = 10.0
@@ -102,7 +102,7 @@ def signed_ping(port: int) -> tuple[int, float]:
 def submit(port: int) -> tuple[str, float]:
     started = time.monotonic()
     job = JobClient(url=f"http://127.0.0.1:{port}", token=TOKEN, timeout=CLIENT_TIMEOUT).submit(spec())
-    return job["state"], time.monotonic() - started
+    return job.state, time.monotonic() - started
 
 
 @pytest.mark.parametrize("leave_free", [None, 20], ids=["at-the-cap", "out-of-fds"])

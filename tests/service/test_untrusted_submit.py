@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits
 
-from runner.service.client import JobAPIError
+from runner.jobapi.client import JobAPIError
 from runner.service.service import JobError, JobService
 
 LONE_SURROGATE = "\ud800"  # a lone surrogate: what json.loads makes of "\\ud800"
@@ -42,7 +42,7 @@ def test_a_run_id_beyond_sqlite_is_a_400_and_leaks_no_queue_slot(api, field: str
         err = refused(client, {field: 2**63})
         assert err.status == 400
         assert f"{field}: must be between" in str(err)
-    assert client.submit(spec("true", run_id=2**63 - 1))["state"] == "awaiting_checkout"
+    assert client.submit(spec("true", run_id=2**63 - 1)).state == "awaiting_checkout"
     assert len(service._active_runs()) == 1
     assert len(list(service.config.jobs_dir.iterdir())) == 1
     assert not [r for r in caplog.records if r.exc_info]
@@ -69,7 +69,7 @@ def test_malformed_text_is_a_400_over_the_api(api, fields: dict, message: str, c
     """The API may refuse a lone surrogate already while reading the JSON; either way a 400, no traceback."""
     service, client = api(max_queued_jobs=1)
     assert refused(client, fields).status == 400
-    assert client.submit(spec("true"))["state"] == "awaiting_checkout"
+    assert client.submit(spec("true")).state == "awaiting_checkout"
     assert not [r for r in caplog.records if r.exc_info]
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import pytest
 from service_fakes import checkout_tar, spec
 
-from runner.service.client import JobAPIError, JobClient
+from runner.jobapi.client import JobAPIError, JobClient
 from runner.service.config import config_from_mapping
 from runner.service.records import RecordStore
 from runner.service.service import JobService
@@ -106,7 +106,7 @@ def vm_service(vm_host: Callable[..., Any]) -> Callable[..., tuple[JobService, J
 
 
 def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
-    job = client.submit(spec(command, **fields))["id"]
+    job = client.submit(spec(command, **fields)).id
     client.upload_checkout(job, checkout_tar(files))
     return job
 
@@ -122,14 +122,14 @@ def test_passing_and_failing_commands(vm_service) -> None:
     assert output(client, ok) == f"hello\nfrom-{ok}\n/workspace\n".encode()
     assert output(client, bad) == b"boom\n"
     good, failed = client.get(ok), client.get(bad)
-    assert (good["state"], good["exit_code"]) == ("finished", 0)
-    assert (failed["state"], failed["exit_code"]) == ("finished", 3)
+    assert (good.state, good.exit_code) == ("finished", 0)
+    assert (failed.state, failed.exit_code) == ("finished", 3)
     for rec in (good, failed):
-        assert rec["vm_id"] and rec["policy_digest"].startswith("sha256:") and rec["warm"] is False
-        t = rec["timings"]
-        assert t["queued_at"] <= t["vm_ready_at"] <= t["started_at"] <= t["finished_at"]
-        assert t["vm_ready_ms"] > 0
-    assert service.health()["accel"] in ("kvm", "tcg")
+        assert rec.vm_id and rec.policy_digest.startswith("sha256:") and rec.warm is False
+        t = rec.timings
+        assert t.queued_at <= t.vm_ready_at <= t.started_at <= t.finished_at
+        assert t.vm_ready_ms > 0
+    assert service.health().accel in ("kvm", "tcg")
 
 
 def test_artifacts_come_back_validated(vm_service) -> None:
@@ -138,8 +138,8 @@ def test_artifacts_come_back_validated(vm_service) -> None:
                  artifacts=["out/report.xml", "out/sub"], working_directory=".")
     output(client, job)
     rec = client.get(job)
-    assert rec["state"] == "finished"
-    assert sorted((a["path"], a["size"]) for a in rec["artifacts"]) == [("out/report.xml", 5), ("out/sub/a.bin", 1)]
+    assert rec.state == "finished"
+    assert sorted((a["path"], a["size"]) for a in rec.artifacts) == [("out/report.xml", 5), ("out/sub/a.bin", 1)]
     buf = io.BytesIO()
     client.artifacts(job, buf)
     with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
@@ -160,8 +160,8 @@ def test_artifacts_from_a_directory_glob_come_back_and_bad_files_are_named(vm_se
                  artifacts=["out/**", "out/**/*.xml", "report.xml"])
     output(client, job)
     rec = client.get(job)
-    assert (rec["state"], rec["exit_code"], rec["error"]) == ("finished", 3, None)
-    assert sorted((a["path"], a["size"]) for a in rec["artifacts"]) == [
+    assert (rec.state, rec.exit_code, rec.error) == ("finished", 3, None)
+    assert sorted((a["path"], a["size"]) for a in rec.artifacts) == [
         ("out/a.txt", 2), ("out/sub/deep/d.bin", 2), ("out/sub/r.xml", 5), ("report.xml", 5)]
     buf = io.BytesIO()
     client.artifacts(job, buf)
@@ -177,7 +177,7 @@ def test_timeout(vm_service) -> None:
     job = submit(client, "echo going; sleep 60", timeout_seconds=3)
     assert b"going" in output(client, job)
     rec = client.get(job)
-    assert (rec["state"], rec["exit_code"]) == ("timed_out", 124)
+    assert (rec.state, rec.exit_code) == ("timed_out", 124)
 
 
 def test_cancel_destroys_the_vm(vm_service) -> None:
@@ -187,8 +187,8 @@ def test_cancel_destroys_the_vm(vm_service) -> None:
         if entry.data == b"started\n":
             break
     rec = client.cancel(job)
-    assert (rec["state"], rec["exit_code"]) == ("cancelled", 130)
-    assert client.get(job)["state"] == "cancelled"
+    assert (rec.state, rec.exit_code) == ("cancelled", 130)
+    assert client.get(job).state == "cancelled"
 
 
 def test_eight_jobs_with_a_limit_of_two(vm_service) -> None:
@@ -210,20 +210,20 @@ def test_eight_jobs_with_a_limit_of_two(vm_service) -> None:
     for job in jobs:
         output(client, job)
     records = [client.get(job) for job in jobs]
-    assert [r["state"] for r in records] == ["finished"] * 8
-    assert sorted(r["exit_code"] for r in records) == [0] * 8
+    assert [r.state for r in records] == ["finished"] * 8
+    assert sorted(r.exit_code for r in records) == [0] * 8
     intervals = []
     for r in records:
-        t = r["timings"]
-        assert r["vm_id"] and None not in (t["queued_at"], t["vm_ready_at"], t["started_at"], t["finished_at"])
-        intervals.append((t["vm_ready_at"] - t["vm_ready_ms"] / 1000, t["finished_at"]))
+        t = r.timings
+        assert r.vm_id and None not in (t.queued_at, t.vm_ready_at, t.started_at, t.finished_at)
+        intervals.append((t.vm_ready_at - t.vm_ready_ms / 1000, t.finished_at))
     events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
     running = peak = 0
     for _, step in events:
         running += step
         peak = max(peak, running)
     assert peak <= 2
-    assert len({r["vm_id"] for r in records}) == 8  # one VM per job, never reused
+    assert len({r.vm_id for r in records}) == 8  # one VM per job, never reused
 
 
 def test_prewarmed_vm_is_used(vm_service) -> None:
@@ -239,7 +239,7 @@ def test_prewarmed_vm_is_used(vm_service) -> None:
     job = submit(client, "echo warm", run_id=4242, run_attempt=1)
     assert output(client, job) == b"warm\n"
     rec = client.get(job)
-    assert rec["warm"] is True and rec["vm_id"] == warmed[0].sandbox.id
+    assert rec.warm is True and rec.vm_id == warmed[0].sandbox.id
 
 
 def test_sigterm_mid_job_destroys_the_vm(vm_root: Path) -> None:
@@ -305,7 +305,7 @@ def test_log_flood_is_truncated(vm_service) -> None:
     assert kept == b"x" * len(kept) and 128 * 1024 < len(kept) < 256 * 1024  # the budget counts bytes on disk
     assert any(b"reached the log limit of 262144 bytes on disk" in n for n in notes)
     record = client.get(job)
-    assert record["state"] == "failed" and "the command was stopped" in record["error"]
+    assert record.state == "failed" and "the command was stopped" in record.error
     assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 256 * 1024 + 4096
 
 
@@ -340,7 +340,7 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path
                  run_id=queued["workflow_job"]["run_id"], run_attempt=1)
     assert output(client, job) == b"warm\n"
     record = client.get(job)
-    assert record["warm"] is True and record["vm_id"] == warm.sandbox.id
+    assert record.warm is True and record.vm_id == warm.sandbox.id
 
     completed = json.loads((external / COMPLETED).read_text())
     gh_job = completed["workflow_job"]
@@ -352,4 +352,4 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path
     assert deliver(hook.port, completed) == 200
     for _ in logs:
         pass  # the stream ends when the job does
-    assert client.get(running)["state"] == "cancelled"  # final only once its VM is destroyed
+    assert client.get(running).state == "cancelled"  # final only once its VM is destroyed

@@ -1,0 +1,300 @@
+"""The job API's wire contract (docs/job-api.md): the one source the action, `microvm-check run` and the
+service import for what travels between them.
+
+Here: the default socket, every limit a JobSpec is held to, the name and commit patterns, the job
+states and the moves between them, and the typed forms of what is sent (JobSpec) and answered
+(JobSummary, JobRecord, Health, LogEntry), each with `to_wire()` and, for answers, `from_wire()`.
+It imports nothing of the project, so the action can load it without the service, the VM layer or
+the network code.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+DEFAULT_SOCKET = "/run/microvm-check/api.sock"
+
+# -- limits -------------------------------------------------------------------------------------------
+
+MAX_JSON_BODY = 1024 * 1024  # a JSON request body
+MAX_COMMAND_BYTES = 64 * 1024
+MAX_POLICY_BYTES = 64 * 1024  # a job's own policy text (it can only narrow the operator's)
+MAX_SHORT_TEXT = 256  # names and refs: repository, job_name, runner_name, ref, event, template
+MAX_ENV = 128
+MAX_ENV_VALUE_BYTES = 32 * 1024
+MAX_ARTIFACT_GLOBS = 64
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no guest path is longer
+MAX_RUN_ID = 2**63 - 1  # run ids and attempts are stored in SQLite, whose integers are signed 64-bit
+LIST_DEFAULT, LIST_MAX = 50, 1000  # GET /v1/jobs?limit=N
+MAX_LOG_SEQ = 2**62  # GET /v1/jobs/{id}/logs?after=SEQ
+
+GUEST_WORKSPACE = "/workspace"  # where the checkout is unpacked in the guest
+
+# -- patterns (use with fullmatch: `$` also matches before a trailing newline) ------------------------
+
+# Neither part may be "." or "..": the name ends up in paths (policy files, API paths).
+REPOSITORY = re.compile(r"(?!\.{1,2}/)[A-Za-z0-9_.-]{1,100}/(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,100}")
+SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a SHA-1 or SHA-256 commit id, lowercase
+JOB_ID = re.compile(r"j[0-9a-f]{16}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+TEMPLATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class WireError(ValueError):
+    """An answer that does not have the contract's shape; the message names the field."""
+
+
+# -- job states ---------------------------------------------------------------------------------------
+
+
+class JobState(enum.StrEnum):
+    AWAITING_CHECKOUT = "awaiting_checkout"
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL_STATES
+
+    def can_become(self, new: JobState) -> bool:
+        return new == self or new in _MOVES[self]
+
+
+_MOVES: dict[JobState, frozenset[JobState]] = {
+    JobState.AWAITING_CHECKOUT: frozenset({JobState.QUEUED, JobState.CANCELLED, JobState.FAILED}),
+    # Back to awaiting_checkout only when the queued record could not be saved: the job never left.
+    JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED, JobState.AWAITING_CHECKOUT}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT}),
+    JobState.FINISHED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.TIMED_OUT: frozenset(),
+}
+ACTIVE_STATES = (JobState.AWAITING_CHECKOUT, JobState.QUEUED, JobState.STARTING, JobState.RUNNING)
+FINAL_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
+
+
+class StateTransitionError(RuntimeError):
+    """A move between job states the contract does not allow: a bug in the service, never the client's doing."""
+
+
+# -- what a client sends ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run. The service validates a received spec into this type (runner.service.spec), filling
+    in its own defaults for `template` and `timeout_seconds`; a client leaves them None for those."""
+
+    repository: str
+    sha: str
+    command: str
+    job_name: str = ""
+    runner_name: str = ""  # the self-hosted runner that took the job: with the run, identifies the job
+    ref: str = ""
+    event: str = ""
+    run_id: int | None = None
+    run_attempt: int | None = None
+    working_directory: str = "."
+    env: dict[str, str] = field(default_factory=dict)
+    artifacts: tuple[str, ...] = ()
+    timeout_seconds: int | None = None
+    template: str | None = None
+    policy: str | None = None
+
+    @property
+    def workdir(self) -> str:
+        """The guest directory the command runs in."""
+        rel = self.working_directory.strip("/")
+        return GUEST_WORKSPACE if rel in ("", ".") else f"{GUEST_WORKSPACE}/{rel}"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object of POST /v1/jobs; unset optional fields are left out (the service's defaults)."""
+        wire = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        wire["env"] = dict(self.env)
+        wire["artifacts"] = list(self.artifacts)
+        return wire
+
+
+SPEC_FIELDS = frozenset(f.name for f in fields(JobSpec))
+
+# -- what the service answers -------------------------------------------------------------------------
+
+
+def _field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...], optional: bool = False) -> Any:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    # bool is an int to Python, never to this contract
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise WireError(f"{key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+    return value
+
+
+def _state(data: Mapping[str, Any]) -> JobState:
+    try:
+        return JobState(data.get("state"))
+    except ValueError:
+        raise WireError(f"state: not a job state: {str(data.get('state'))[:40]!r}") from None
+
+
+def _object(data: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise WireError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """The answer to a submit and to a checkout upload."""
+
+    id: str
+    state: JobState
+
+    @classmethod
+    def from_wire(cls, data: Any) -> JobSummary:
+        data = _object(data, "job")
+        return cls(id=_field(data, "id", (str,)), state=_state(data))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state.value}
+
+
+@dataclass
+class Timings:
+    queued_at: float | None = None
+    vm_ready_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    vm_ready_ms: float | None = None
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Timings:
+        data = _object(data if data is not None else {}, "timings")
+        return cls(**{f.name: _field(data, f.name, (int, float), optional=True) for f in fields(cls)})
+
+
+@dataclass
+class JobRecord:
+    """A job as the service keeps it and answers it. Its state moves only as JobState allows: setting
+    `state` checks the move (the service's threads change it, and a final record must stay final)."""
+
+    id: str
+    state: JobState
+    repository: str
+    sha: str
+    run_id: int | None
+    run_attempt: int | None
+    job_name: str
+    created_at: float = field(default_factory=time.time)
+    vm_id: str | None = None
+    policy_digest: str | None = None
+    warm: bool = False
+    exit_code: int | None = None
+    error: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    # Derived from guest traffic and guest files: their readers check each item (action/summary.py).
+    blocked_egress: list[dict[str, Any]] = field(default_factory=list)
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state":
+            new = JobState(value)
+            old = self.__dict__.get("state")
+            if old is not None and not old.can_become(new):
+                raise StateTransitionError(f"job {self.__dict__.get('id')}: {old} cannot become {new}")
+            value = new
+        object.__setattr__(self, name, value)
+
+    @property
+    def final(self) -> bool:
+        return self.state.final
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire["state"] = self.state.value
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: Any) -> JobRecord:
+        data = _object(data, "job record")
+        listed = {}
+        for key in ("blocked_egress", "artifacts"):
+            items = _field(data, key, (list,))
+            if not all(isinstance(item, dict) for item in items):
+                raise WireError(f"{key}: expected a list of JSON objects")
+            listed[key] = items
+        return cls(
+            id=_field(data, "id", (str,)),
+            state=_state(data),
+            repository=_field(data, "repository", (str,)),
+            sha=_field(data, "sha", (str,)),
+            run_id=_field(data, "run_id", (int,), optional=True),
+            run_attempt=_field(data, "run_attempt", (int,), optional=True),
+            job_name=_field(data, "job_name", (str,)),
+            created_at=_field(data, "created_at", (int, float)),
+            vm_id=_field(data, "vm_id", (str,), optional=True),
+            policy_digest=_field(data, "policy_digest", (str,), optional=True),
+            warm=_field(data, "warm", (bool,)),
+            exit_code=_field(data, "exit_code", (int,), optional=True),
+            error=_field(data, "error", (str,), optional=True),
+            timings=Timings.from_wire(data.get("timings")),
+            **listed,
+        )
+
+
+@dataclass(frozen=True)
+class Health:
+    """GET /v1/health: `accel` is None until the service has started its first VM."""
+
+    ok: bool
+    accel: str | None
+    running: int
+    queued: int
+    warm: int
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Health:
+        data = _object(data, "health")
+        return cls(ok=_field(data, "ok", (bool,)), accel=_field(data, "accel", (str,), optional=True),
+                   running=_field(data, "running", (int,)), queued=_field(data, "queued", (int,)),
+                   warm=_field(data, "warm", (int,)))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One line of GET /v1/jobs/{id}/logs: a piece of the guest's output, or a `system` note."""
+
+    seq: int
+    stream: str  # stdout, stderr or system
+    ts: float  # when the service received it (unix time)
+    data: bytes
+
+    @classmethod
+    def from_wire(cls, data: Any) -> LogEntry:
+        data = _object(data, "log entry")
+        try:
+            raw = base64.b64decode(_field(data, "data", (str,)), validate=True)
+        except binascii.Error as exc:
+            raise WireError(f"data: not base64: {exc}") from None
+        return cls(seq=_field(data, "seq", (int,)), stream=_field(data, "stream", (str,)),
+                   ts=float(_field(data, "ts", (int, float))), data=raw)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"seq": self.seq, "stream": self.stream, "ts": self.ts, "data": base64.b64encode(self.data).decode()}

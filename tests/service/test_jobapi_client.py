@@ -1,0 +1,146 @@
+"""The job API client (runner/jobapi/client.py) against the real API server on a Unix socket, and
+against raw sockets where the service itself would never misbehave."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from service_fakes import FakeEngine, checkout_tar, prints, waits
+
+from runner.jobapi.client import JobAPIError, JobClient
+from runner.jobapi.contract import Health, JobRecord, JobSpec, JobState, JobSummary
+
+SPEC = JobSpec(repository="octo/hello", sha="a" * 40, command="ok", job_name="test", artifacts=("out/*",))
+
+
+def test_answers_are_the_contracts_types(api, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"hello\n", exit_code=3)
+    _, client = api()
+    health = client.health()
+    assert isinstance(health, Health) and health.ok is True and health.running == 0
+    job = client.submit(SPEC)
+    assert job == JobSummary(job.id, JobState.AWAITING_CHECKOUT)
+    assert client.upload_checkout(job.id, checkout_tar()).state is JobState.QUEUED
+    assert b"".join(e.data for e in client.logs(job.id) if e.stream == "stdout") == b"hello\n"
+    record = client.get(job.id)
+    assert isinstance(record, JobRecord)
+    assert (record.state, record.exit_code, record.repository, record.job_name) == (
+        JobState.FINISHED, 3, "octo/hello", "test")
+    assert record.timings.finished_at is not None
+    assert client.list(limit=5) == [record]
+    assert client.cancel(job.id) == record  # already final: cancel answers the record as it is
+
+
+def test_a_refusal_carries_the_status_and_the_services_message(api) -> None:
+    _, client = api()
+    with pytest.raises(JobAPIError, match=r"POST /v1/jobs: 400 invalid job: sha: expected a lowercase hex commit id") as err:
+        client.submit(JobSpec(repository="octo/hello", sha="HEAD", command="true"))
+    assert (err.value.status, err.value.retry_after, err.value.timed_out) == (400, None, False)
+
+
+def test_a_full_queue_says_when_to_come_back(api, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs["block"] = waits(release)
+    _, client = api(max_queued_jobs=1)
+    client.submit(SPEC)
+    with pytest.raises(JobAPIError, match="POST /v1/jobs: 429 ") as err:
+        client.submit(SPEC)
+    assert err.value.status == 429 and err.value.retry_after == 5
+    release.set()
+
+
+def test_logs_arrive_while_the_job_still_runs(api, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs["block"] = waits(release)
+    _, client = api()
+    job = client.submit(JobSpec(repository="octo/hello", sha="a" * 40, command="block")).id
+    client.upload_checkout(job, checkout_tar())
+    entries = client.logs(job)
+    first = next(e for e in entries if e.stream == "stdout")
+    assert first.data == b"started\n" and client.get(job).state is JobState.RUNNING
+    release.set()
+    list(entries)
+    assert client.get(job).state is JobState.FINISHED
+
+
+@contextmanager
+def raw_service(path: Path, answer: Callable[[bytes], bytes]) -> Iterator[list[bytes]]:
+    """A one-request-per-connection server on a Unix socket: records each request, sends `answer(request)`."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request or (b"chunked" in request and not request.endswith(b"0\r\n\r\n")):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                seen.append(request)
+                conn.sendall(answer(request))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(10)
+
+
+def json_answer(body: bytes) -> Callable[[bytes], bytes]:
+    return lambda _request: (b"HTTP/1.1 202 Accepted\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+
+
+def test_a_checkout_from_a_generator_is_sent_chunked_as_it_is_produced(short_dir: Path) -> None:
+    pieces = [b"first-piece", b"second-piece"]
+    with raw_service(short_dir / "s.sock", json_answer(b'{"id": "j1", "state": "queued"}')) as seen:
+        with JobClient(socket=str(short_dir / "s.sock"), timeout=30) as client:
+            answer = client.upload_checkout("j1", iter(pieces))
+    head, _, body = seen[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"PUT /v1/jobs/j1/checkout HTTP/1.1") and b"Transfer-Encoding: chunked" in head
+    assert body == b"b\r\nfirst-piece\r\nc\r\nsecond-piece\r\n0\r\n\r\n"
+    assert answer == JobSummary("j1", JobState.QUEUED)
+
+
+def test_an_answer_of_the_wrong_shape_is_an_error_naming_the_field(short_dir: Path) -> None:
+    with raw_service(short_dir / "s.sock", json_answer(b'{"id": 7, "state": "queued"}')):
+        with JobClient(socket=str(short_dir / "s.sock"), timeout=30) as client:
+            with pytest.raises(JobAPIError, match=r"PUT /v1/jobs/j1/checkout: the answer does not have the job "
+                                                  r"API's shape: id: expected str, got int"):
+                client.upload_checkout("j1", b"tar")
+
+
+def test_an_oversized_answer_is_refused(short_dir: Path, monkeypatch) -> None:
+    import runner.jobapi.client as client_mod
+
+    monkeypatch.setattr(client_mod, "_MAX_JSON", 1000)
+    body = b'{"ok": true, "accel": "' + b"x" * 2000 + b'", "running": 0, "queued": 0, "warm": 0}'
+    with raw_service(short_dir / "s.sock", json_answer(body)):
+        with JobClient(socket=str(short_dir / "s.sock"), timeout=30) as client:
+            with pytest.raises(JobAPIError, match="GET /v1/health: the answer is larger than 1000 bytes"):
+                client.health()
+
+
+def test_a_job_id_cannot_change_the_path(short_dir: Path) -> None:
+    with JobClient(socket=str(short_dir / "none.sock")) as client:
+        with pytest.raises(JobAPIError, match=r"not a job id: '\.\./health'"):
+            client.get("../health")
+        with pytest.raises(JobAPIError, match="not a job id"):
+            client.artifacts("j1?x=1", io.BytesIO())
