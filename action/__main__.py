@@ -27,7 +27,9 @@ from action.pack import PackError, pack_checkout
 from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
 from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.errors import UserError
-from runner.service.records import FINAL_STATES as TERMINAL
+from runner.jobapi.client import JobAPIError, JobClient
+from runner.jobapi.contract import JobSpec, JobState
+
 LOG_RETRIES = 5  # consecutive log-stream failures without progress before the step gives up
 
 
@@ -47,13 +49,14 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 
 class JobDriver:
-    """Drives one job through a JobClient (runner/service/client.py): the action's side of a job; the
+    """Drives one job through a JobClient (runner/jobapi/client.py): the action's side of a job; the
     service's side is runner.service.job.JobRun."""
 
-    def __init__(self, client: Any, inputs: Inputs, workspace: Path, out: TextIO,
-                 environ: Mapping[str, str], api_errors: tuple[type[Exception], ...] = (OSError,)) -> None:
+    api_errors = (JobAPIError, OSError)
+
+    def __init__(self, client: JobClient, inputs: Inputs, workspace: Path, out: TextIO,
+                 environ: Mapping[str, str]) -> None:
         self.client = client
-        self.api_errors = api_errors
         self.inputs = inputs
         self.workspace = workspace
         self.out = out
@@ -61,14 +64,14 @@ class JobDriver:
         self.job_id: str | None = None
         self.artifact_trouble: list[str] = []  # why artifacts did not all come back (artifacts-required)
 
-    def run(self, spec: dict[str, Any]) -> int:
+    def run(self, spec: JobSpec) -> int:
         try:
             return self._run(spec)
         except Interrupted as exc:
             return self._cancel(exc)
 
-    def _run(self, spec: dict[str, Any]) -> int:
-        self.job_id = str(self.client.submit(spec)["id"])
+    def _run(self, spec: JobSpec) -> int:
+        self.job_id = self.client.submit(spec).id
         self._say(f"job {self.job_id} submitted; packing {self.workspace}")
         try:
             chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
@@ -79,7 +82,8 @@ class JobDriver:
         record = self.client.get(self.job_id)
         extraction = self._artifacts()
         junit = self._junit(extraction)
-        result = Result(record=record, exit_code=self._exit_code(record, extraction), junit=junit,
+        wire = record.to_wire()
+        result = Result(record=wire, exit_code=self._exit_code(wire, extraction), junit=junit,
                         artifacts=extraction.files, refused_artifacts=extraction.skipped,
                         log_dropped_bytes=dropped)
         self._report(result)
@@ -100,11 +104,11 @@ class JobDriver:
                 before, timed_out = after, False
                 try:
                     for entry in self.client.logs(self.job_id, after=after):
-                        relay.feed(str(entry.stream), bytes(entry.data))
-                        after = max(after, int(entry.seq))
+                        relay.feed(entry.stream, entry.data)
+                        after = max(after, entry.seq)
                 except self.api_errors as exc:
                     last_error, timed_out = exc, _is_timeout(exc)
-                if self.client.get(self.job_id).get("state") in TERMINAL:
+                if self.client.get(self.job_id).final:
                     return relay.dropped_bytes
                 if after > before:
                     failures = 0
@@ -177,7 +181,7 @@ class JobDriver:
         prefix = "" if self.inputs.working_directory == "." else self.inputs.working_directory.rstrip("/") + "/"
         for line in annotations(result.junit.failures if result.junit else [], prefix):
             self.out.write(line + "\n")
-        if record.get("state") == "timed_out":
+        if record.get("state") == JobState.TIMED_OUT:
             self.out.write(annotation("error", f"job timed out after {self.inputs.timeout_minutes:g} minutes") + "\n")
         elif record.get("error"):
             self.out.write(annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
@@ -214,18 +218,8 @@ class JobDriver:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    """Whether a read timeout is behind `exc` (the client wraps it, possibly more than once)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        cur = todo.pop()
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, TimeoutError):
-            return True
-        todo += [cur.__cause__, cur.__context__]
-    return False
+    """Whether the service stopped answering within the client's timeout (a silent job, for a log stream)."""
+    return isinstance(exc, JobAPIError) and exc.timed_out or isinstance(exc, TimeoutError)
 
 
 class _SafeFormatter(logging.Formatter):
@@ -255,15 +249,14 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
     _setup_logging()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    from runner.service.client import JobAPIError, JobClient
-
     job: JobDriver | None = None
+    client: JobClient | None = None
     try:
         inputs = read_inputs(environ)
         workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
         spec = job_spec(inputs, environ, workspace)
-        job = JobDriver(JobClient(socket=inputs.socket), inputs, workspace, out, environ,
-                     api_errors=(JobAPIError, OSError))
+        client = JobClient(socket=inputs.socket)
+        job = JobDriver(client, inputs, workspace, out, environ)
         return job.run(spec)
     except Interrupted as exc:
         return 128 + exc.signum
@@ -276,6 +269,9 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         out.write(annotation("error", "microvm-check: internal error (traceback above)") + "\n")
         _abandon(job, out)
         return 1
+    finally:
+        if client is not None:
+            client.close()
 
 
 if __name__ == "__main__":

@@ -17,14 +17,11 @@ from typing import Any
 
 from runner import tarsafe
 from runner.errors import UserError
+from runner.jobapi.contract import DEFAULT_SOCKET, ENV_NAME, MAX_POLICY_BYTES, SHA, TEMPLATE_NAME, JobSpec
 
-DEFAULT_SOCKET = "/run/microvm-check/api.sock"
-MAX_POLICY_BYTES = 64 * 1024
 MAX_TIMEOUT_MINUTES = 24 * 60
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The runner's own credentials: never meant for user code, and fatal in a fork's hands.
 _FORBIDDEN_ENV = re.compile(r"ACTIONS_.*|GITHUB_TOKEN", re.IGNORECASE)
-_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ def _timeout(value: str) -> float:
 
 
 def _template(value: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+    if not TEMPLATE_NAME.fullmatch(value):
         raise UserError(f"input 'template' must be a template name (letters, digits, '.', '_', '-'), got {value!r}")
     return value
 
@@ -114,7 +111,7 @@ def _template(value: str) -> str:
 def _env_names(value: str) -> list[str]:
     names = [name for name in re.split(r"[\s,]+", value) if name]
     for name in names:
-        if not _ENV_NAME.fullmatch(name):
+        if not ENV_NAME.fullmatch(name):
             raise UserError(f"input 'env': {name!r} is not a variable name")
         if _FORBIDDEN_ENV.fullmatch(name):
             raise UserError(f"input 'env': {name} is the runner's own credential or setting and never "
@@ -161,7 +158,7 @@ def head_sha(environ: Mapping[str, str]) -> str:
     """The pull request's head commit when there is one (checks attach to it), else GITHUB_SHA."""
     pull = _event(environ).get("pull_request")
     sha = pull.get("head", {}).get("sha") if isinstance(pull, dict) else None
-    if isinstance(sha, str) and _SHA.fullmatch(sha):
+    if isinstance(sha, str) and SHA.fullmatch(sha):
         return sha
     return environ.get("GITHUB_SHA", "")
 
@@ -181,26 +178,26 @@ def _number(environ: Mapping[str, str], name: str, default: str) -> int:
     return int(value)
 
 
-def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> dict[str, Any]:
+def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> JobSpec:
     """The JobSpec of docs/job-api.md for this step."""
     missing = [name for name in inputs.env_names if name not in environ]
     if missing:
         raise UserError(f"input 'env' names {', '.join(missing)}, not set in this step's environment: "
                         "set them with `env:` on the step")
-    return {
-        "repository": _required(environ, "GITHUB_REPOSITORY"),
-        "sha": head_sha(environ) or _required(environ, "GITHUB_SHA"),
-        "ref": environ.get("GITHUB_REF", ""),
-        "event": environ.get("GITHUB_EVENT_NAME", ""),
-        "run_id": _number(environ, "GITHUB_RUN_ID", "0"),
-        "run_attempt": _number(environ, "GITHUB_RUN_ATTEMPT", "1"),
-        "job_name": environ.get("GITHUB_JOB", ""),
-        "runner_name": environ.get("RUNNER_NAME", ""),
-        "command": inputs.run,
-        "working_directory": inputs.working_directory,
-        "env": {name: environ[name] for name in inputs.env_names},
-        "artifacts": inputs.artifacts,
-        "timeout_seconds": max(1, round(inputs.timeout_minutes * 60)),
-        "template": inputs.template,
-        "policy": policy_text(inputs.policy, workspace),
-    }
+    return JobSpec(
+        repository=_required(environ, "GITHUB_REPOSITORY"),
+        sha=head_sha(environ) or _required(environ, "GITHUB_SHA"),
+        ref=environ.get("GITHUB_REF", ""),
+        event=environ.get("GITHUB_EVENT_NAME", ""),
+        run_id=_number(environ, "GITHUB_RUN_ID", "0"),
+        run_attempt=_number(environ, "GITHUB_RUN_ATTEMPT", "1"),
+        job_name=environ.get("GITHUB_JOB", ""),
+        runner_name=environ.get("RUNNER_NAME", ""),
+        command=inputs.run,
+        working_directory=inputs.working_directory,
+        env={name: environ[name] for name in inputs.env_names},
+        artifacts=tuple(inputs.artifacts),
+        timeout_seconds=max(1, round(inputs.timeout_minutes * 60)),
+        template=inputs.template,
+        policy=policy_text(inputs.policy, workspace),
+    )

@@ -176,25 +176,30 @@ def interrupt(steps: list[StepProcess], signum: int = signal.SIGINT) -> None:
 
 
 def wait_for_state(client: Any, state: str, job_id: str | None = None, timeout: float = 60.0,
-                   interval: float = 0.1) -> dict[str, Any]:
+                   interval: float = 0.1) -> Any:
     """Poll the job service until the job (without `job_id`, the newest job) is in `state`; its record.
 
-    Fails the test, with the last state seen, when `timeout` seconds pass first.
+    Fails the test, with the last state seen, when `timeout` seconds pass first. The record is a
+    JobRecord from runner.jobapi's client, or a dict from runner.service.client's transitional one.
     """
     deadline = time.monotonic() + timeout
-    last: dict[str, Any] | None = None
+    last: Any = None
     while True:
         if job_id is None:
             jobs = client.list(limit=1)
             last = jobs[0] if jobs else None
         else:
             last = client.get(job_id)
-        if last is not None and last.get("state") == state:
+        if last is not None and _state(last) == state:
             return last
         if time.monotonic() >= deadline:
             raise AssertionError(f"no job reached {state!r} within {timeout:g} s; last seen: "
-                                 f"{None if last is None else last.get('state')!r}")
+                                 f"{None if last is None else _state(last)!r}")
         time.sleep(interval)
+
+
+def _state(record: Any) -> str:
+    return str(record.get("state") if isinstance(record, dict) else record.state)
 
 
 ACTION_COMMANDS = ("error", "warning", "notice")  # what the action itself may say outside the relay

@@ -17,7 +17,7 @@ import pytest
 
 from action.__main__ import JobDriver
 from action.inputs import Inputs
-from runner.service.client import JobAPIError
+from runner.jobapi.client import JobAPIError
 
 GLOBS = ["**", "*", "**/*", "hooks/*", "config"]
 
@@ -77,7 +77,7 @@ def fetch(workspace: Path, temp: Path, data: bytes, **inputs: object):
                   template="base", env_names=[], socket="/nonexistent", include_git=False)
     out = io.StringIO()
     run = JobDriver(ArtifactClient(data), Inputs(**{**fields, **inputs}), workspace, out,
-                 {"RUNNER_TEMP": str(temp)}, api_errors=(JobAPIError, OSError))
+                 {"RUNNER_TEMP": str(temp)})
     run.job_id = "j1"
     return run._artifacts(), out.getvalue()
 
@@ -154,7 +154,7 @@ def test_skipped_artifacts_fail_the_step_only_when_required(checkout: Path, tmp_
                     template="base", env_names=[], socket="/nonexistent", include_git=False,
                     artifacts_required=required)
     run = JobDriver(ArtifactClient(hostile_tar(tmp_path / "pwned")), inputs, checkout, out,
-                 {"RUNNER_TEMP": str(temp)}, api_errors=(JobAPIError, OSError))
+                 {"RUNNER_TEMP": str(temp)})
     run.job_id = "j1"
     extraction = run._artifacts()
     assert extraction.files and extraction.skipped

@@ -14,14 +14,14 @@ from pathlib import Path
 from action.__main__ import JobDriver
 from action.inputs import Inputs
 from action.summary import Result
-from runner.service.client import JobAPIError
+from runner.jobapi.client import JobAPIError
 
 
 def test_refused_artifacts_are_annotated_at_most_ten_times_then_counted(tmp_path: Path) -> None:
     out = io.StringIO()
     inputs = Inputs(run="true", working_directory=".", policy="", artifacts=["**"], timeout_minutes=10,
                     template="base", env_names=[], socket="/nonexistent", include_git=False)
-    run = JobDriver(object(), inputs, tmp_path, out, {}, api_errors=(JobAPIError, OSError))
+    run = JobDriver(object(), inputs, tmp_path, out, {})
     refused = [(f"out/link{i}", "links are not allowed (link to '/etc/passwd')") for i in range(5000)]
     run._report(Result(record={"state": "finished", "exit_code": 0}, exit_code=0, junit=None, artifacts=[],
                        refused_artifacts=refused))

@@ -32,22 +32,22 @@ def test_spec_uses_the_pull_request_head_sha_and_passes_the_services_validation(
     env = environ(external, payload, INPUT_ARTIFACTS="report.xml\n dist/*.whl \n", INPUT_TIMEOUT_MINUTES="1.5")
     spec = job_spec(read_inputs(env), env, tmp_path)
     head = json.loads((external / payload).read_text())["pull_request"]["head"]["sha"]
-    assert spec["sha"] == head != env["GITHUB_SHA"]
-    assert (spec["run_id"], spec["run_attempt"], spec["timeout_seconds"]) == (99, 2, 90)
-    assert spec["artifacts"] == ["report.xml", "dist/*.whl"]
-    parsed = parse_spec(spec, ServiceConfig())
+    assert spec.sha == head != env["GITHUB_SHA"]
+    assert (spec.run_id, spec.run_attempt, spec.timeout_seconds) == (99, 2, 90)
+    assert spec.artifacts == ("report.xml", "dist/*.whl")
+    parsed = parse_spec(spec.to_wire(), ServiceConfig())
     assert parsed.sha == head and parsed.command == "pytest -q"
 
 
 def test_push_event_uses_github_sha(external: Path, tmp_path: Path) -> None:
     env = environ(external, None, GITHUB_EVENT_NAME="push")
-    assert job_spec(read_inputs(env), env, tmp_path)["sha"] == "a" * 40
+    assert job_spec(read_inputs(env), env, tmp_path).sha == "a" * 40
 
 
 def test_only_named_variables_enter_the_spec(external: Path, tmp_path: Path) -> None:
     env = environ(external, FORK, INPUT_ENV="CI, GITHUB_RUN_ID\nFOO", FOO="bar", CI="true", HOST_SECRET="x")
     spec = job_spec(read_inputs(env), env, tmp_path)
-    assert spec["env"] == {"CI": "true", "GITHUB_RUN_ID": "99", "FOO": "bar"}
+    assert spec.env == {"CI": "true", "GITHUB_RUN_ID": "99", "FOO": "bar"}
 
 
 @pytest.mark.parametrize("name", ["GITHUB_TOKEN", "github_token", "Github_Token", "ACTIONS_RUNTIME_TOKEN",
@@ -83,9 +83,9 @@ def test_policy_inline_or_from_a_file_inside_the_checkout(external: Path, tmp_pa
     (tmp_path / "ci").mkdir()
     (tmp_path / "ci" / "policy.yml").write_text("egress: []\n")
     env = environ(external, None, INPUT_POLICY="ci/policy.yml")
-    assert job_spec(read_inputs(env), env, tmp_path)["policy"] == "egress: []\n"
+    assert job_spec(read_inputs(env), env, tmp_path).policy == "egress: []\n"
     env = environ(external, None, INPUT_POLICY="egress:\n  - host: pypi.org\n")
-    assert job_spec(read_inputs(env), env, tmp_path)["policy"].startswith("egress:")
+    assert job_spec(read_inputs(env), env, tmp_path).policy.startswith("egress:")
 
 
 def test_policy_file_linking_out_of_the_checkout_is_refused(external: Path, tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import action.__main__ as main_mod
 from action.__main__ import LOG_RETRIES, JobDriver, _is_timeout
 from action.inputs import Inputs
 from runner.errors import UserError
-from runner.service.client import JobAPIError, JobClient, LogEntry
+from runner.jobapi.client import JobAPIError, JobClient
+from runner.jobapi.contract import JobRecord, JobState, LogEntry
 
 
 def _inputs() -> Inputs:
@@ -23,17 +24,8 @@ def _inputs() -> Inputs:
 
 
 def _timeout_error() -> JobAPIError:
-    """A JobAPIError shaped like the real client's after a read timeout (see test below)."""
-    try:
-        try:
-            raise TimeoutError("timed out")
-        except TimeoutError as exc:
-            raise RuntimeError("stream broken") from exc
-    except RuntimeError:
-        try:
-            raise JobAPIError("the log stream of job j1 broke repeatedly") from None
-        except JobAPIError as exc:
-            return exc
+    """A JobAPIError as the real client raises it after a read timeout (see test below)."""
+    return JobAPIError("the log stream of job j1 broke repeatedly: ReadTimeout", timed_out=True)
 
 
 class FakeClient:
@@ -52,18 +44,16 @@ class FakeClient:
         if self.calls <= self.rounds:
             raise self.error()
 
-    def get(self, job_id: str) -> dict:
-        return {"id": job_id, "state": "finished" if self.calls > self.rounds else "running"}
-
-    def cancel(self, job_id: str) -> dict:
-        self.cancelled = True
-        return {}
+    def get(self, job_id: str) -> JobRecord:
+        state = JobState.FINISHED if self.calls > self.rounds else JobState.RUNNING
+        return JobRecord(id=job_id, state=state, repository="o/r", sha="0" * 40, run_id=None, run_attempt=None,
+                         job_name="")
 
 
 def _relay(client: FakeClient, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
     monkeypatch.setattr(main_mod.time, "sleep", lambda _s: None)
     out = io.StringIO()
-    run = JobDriver(client, _inputs(), Path("."), out, {}, api_errors=(JobAPIError, OSError))
+    run = JobDriver(client, _inputs(), Path("."), out, {})
     run.job_id = "j1"
     return run._relay_logs(), out.getvalue()
 

@@ -19,7 +19,7 @@ from action_harness import (FORK_PR, HOST_SECRETS, PYTHON, Simulation, assert_on
                             interrupt, run_action, start, wait_for_state)
 from local_sandbox import LocalEngine
 
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService
@@ -121,13 +121,13 @@ def test_timeout(service: JobService, sim: Simulation) -> None:
 def test_cancel(service: JobService, sim: Simulation, engine: LocalEngine, signum: int) -> None:
     metadata, steps = start(sim, {"run": "echo begin; sleep 120", "socket": service.config.socket})
     client = JobClient(socket=service.config.socket)
-    job_id = wait_for_state(client, "running", timeout=60)["id"]
+    job_id = wait_for_state(client, "running", timeout=60).id
     interrupt(steps, signum)
     result = finish(sim, metadata, steps, timeout=60)
     assert result.returncode == 128 + signum
     assert result.outputs["exit-code"] == str(128 + signum)
     wait_for_state(client, "cancelled", job_id, timeout=30)
-    assert client.get(job_id)["state"] == "cancelled"
+    assert client.get(job_id).state == "cancelled"
     assert all(sandbox.destroyed.is_set() for sandbox in engine.created)
     assert result.log.count("::stop-commands::") == 1 and "::endgroup::" in result.log
 
@@ -161,7 +161,7 @@ def test_checkout_with_an_outside_link_is_refused_and_the_job_cancelled(service:
     assert result.returncode == 1
     assert "::error::microvm-check: checkout refused: symlink sub/leak points outside the checkout" in result.log
     jobs = JobClient(socket=service.config.socket).list()
-    assert [job["state"] for job in jobs] == ["cancelled"]
+    assert [job.state for job in jobs] == ["cancelled"]
 
 
 def test_missing_installation_is_a_clear_error(sim: Simulation, tmp_path: Path) -> None:

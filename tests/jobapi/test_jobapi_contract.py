@@ -106,14 +106,15 @@ def py_files(*dirs: str) -> list[Path]:
     "j[0-9a-f]{16}",  # the job id pattern
 ])
 def test_the_contract_is_the_one_place_that_spells_it(literal: str):
-    """The job API's users (the service, `run`, the benchmark) import these; none spells its own."""
-    spelled = [str(path.relative_to(ROOT)) for path in py_files("runner/service", "runner/jobapi", "bench")
+    """The job API's users (the action, the service, `run`, the benchmark) import these; none spells its own."""
+    spelled = [str(path.relative_to(ROOT)) for path in py_files("action", "runner/service", "runner/jobapi", "bench")
                if literal in path.read_text()]
     assert spelled == ["runner/jobapi/contract.py"]
 
 
 def test_the_limits_a_client_checks_are_the_services():
+    from action import inputs
     from runner.service import config, spec
 
-    assert spec.MAX_POLICY_BYTES is contract.MAX_POLICY_BYTES
-    assert config.DEFAULT_SOCKET is contract.DEFAULT_SOCKET
+    assert inputs.MAX_POLICY_BYTES is spec.MAX_POLICY_BYTES is contract.MAX_POLICY_BYTES
+    assert inputs.DEFAULT_SOCKET is config.DEFAULT_SOCKET is contract.DEFAULT_SOCKET
