@@ -163,6 +163,7 @@ def main() -> int:
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp)
             accel = host.service.accel
     finally:
+        client.close()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"accel: {accel}")
     print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from runner.jobapi.contract import JOB_ID, Health, JobState
+from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobState
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
-from runner.service.records import JobRecord, RecordStore
+from runner.service.records import RecordStore
 from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
