@@ -247,6 +247,36 @@ def put_checkout(vm, stream: BinaryIO, dest: str) -> None:
         image.unlink(missing_ok=True)  # QEMU keeps its descriptor until the next medium or its end
 
 
+REHEARSAL_UUID = "6d766300-7265-6865-6172-73616c000000"  # fixed: the rehearsal medium is the same for every VM
+
+
+def rehearsal_image(cache: Path) -> Path:
+    """An empty checkout image, made once: what a pooled VM mounts once before any job needs it."""
+    image = cache / "checkout-rehearsal.img"
+    if not image.exists():
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=STAGING_DIR))
+        try:
+            (staging / TREE).mkdir()
+            partial = image.with_name(f"{image.name}.{uuid.uuid4().hex[:8]}")
+            make_image(staging, partial, Unpacked(), REHEARSAL_UUID)
+            partial.rename(image)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return image
+
+
+def rehearse(vm, image: Path, timeout: float) -> None:
+    """Insert, check, mount and unmount the rehearsal medium in a VM no job owns yet.
+
+    Under TCG a restored clone translates every guest code path on its first use: the SCSI
+    media change, the ext4 and overlay mounts cost 100-300 ms the first time and a fraction after.
+    Paying that in the pool keeps it off the job's clock. The drive is left free, holding this
+    medium unmounted; the job's checkout replaces it (and its UUID check tells the two apart)."""
+    vm.machine.change_medium(image)
+    vm.agent.call({"op": "checkout", "device": CHECKOUT_DEVICE, "uuid": REHEARSAL_UUID, "dir": TREE,
+                   "dest": "/run/microvm-check-rehearsal", "rehearsal": True}, timeout)
+
+
 def _why(exc: Exception) -> str:
     if isinstance(exc, OSError) and exc.errno in (errno.ELOOP, errno.ENOTDIR):
         return "a member's parent is a link or a file, not a directory"

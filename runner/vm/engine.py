@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from policy.model import DENY_ALL
+from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
@@ -52,6 +53,7 @@ class Engine:
         self.templates = templates or TemplateStore(state.templates)
         self.hv = hypervisor or QemuHypervisor()
         self.net = net  # a started runner.net.SlotPool, or None: then VMs cannot have a network
+        self._rehearsal_image = checkoutdisk.rehearsal_image(self.state.cache)
         self._lock_file = open(self.state.vms / LOCK_NAME, "w")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -138,7 +140,8 @@ class Engine:
 
         Under TCG every clone starts with an empty translation cache, so the first answer from a
         restored guest costs 100-300 ms of translation; doing that here, before any job owns the VM,
-        is what lets the warm pool hand out VMs that answer in milliseconds. A networked VM's slot
+        is what lets the warm pool hand out VMs that answer in milliseconds; the checkout's
+        paths are rehearsed too (runner/vm/checkoutdisk.py). A networked VM's slot
         denies all traffic from its creation until `_claim` loads the job's policy, so the guest
         never runs unfiltered. `identity=False` skips the placeholder identity for a VM that is
         claimed right away (a pool miss): `_claim` sends the real one.
@@ -151,6 +154,8 @@ class Engine:
             if identity:
                 vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
             vm.agent.exec({"argv": ["true"], "cwd": "/"}, lambda stream, data: None, timeout=READY_TIMEOUT_S)
+            if identity:  # a pooled VM; a pool miss is claimed at once, rehearsing would only add time
+                checkoutdisk.rehearse(vm, self._rehearsal_image, READY_TIMEOUT_S)
         except BaseException:
             vm.destroy()
             raise
