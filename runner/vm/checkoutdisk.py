@@ -219,6 +219,20 @@ def make_image(source: Path, image: Path, unpacked: Unpacked, label: str) -> Non
         raise SandboxError(f"could not make the checkout's disk image: mkfs.ext4 said: {proc.stderr.strip()[-500:]}")
 
 
+def staging_prefix(vm_name: str) -> str:
+    """Staging directories carry their VM's name, so the start-up sweep that removes an orphaned VM
+    (a service killed mid-unpack) can remove its staging on tmpfs too."""
+    return f"{STAGING_PREFIX}{vm_name}-"
+
+
+def remove_staging(vm_name: str) -> list[str]:
+    """Delete what a VM of this name left on tmpfs; say what."""
+    left = sorted(Path(STAGING_DIR).glob(f"{staging_prefix(vm_name)}*"))
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(path) for path in left]
+
+
 def mountable(dest: str) -> bool:
     """Whether `dest` can be the overlay's mount point: absolute, not the root, nothing that the
     overlay's option string would read as a separator."""
@@ -227,7 +241,7 @@ def mountable(dest: str) -> bool:
 
 def put_checkout(vm, stream: BinaryIO, dest: str) -> None:
     """Unpack `stream` on the host, insert it as the VM's CD-ROM medium, have the guest copy it to `dest`."""
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=STAGING_DIR))  # 0700, a name of its own
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(vm.dir.name), dir=STAGING_DIR))  # 0700, its own name
     image = vm.dir / f"checkout-{uuid.uuid4().hex[:8]}.img"
     try:
         try:

@@ -12,7 +12,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from runner.vm import cgroup
+from runner.vm import cgroup, checkoutdisk
 
 
 def processes_under(vms_dir: Path) -> list[int]:
@@ -47,4 +47,5 @@ def sweep(vms_dir: Path, keep: frozenset[str] = frozenset()) -> list[str]:
                 continue
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
             found.append(f"{entry.name}")
+            found += checkoutdisk.remove_staging(entry.name)
     return found
