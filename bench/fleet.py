@@ -89,9 +89,9 @@ def main() -> None:
         latencies += waits
         out[f"jobs_per_min_{max_runners}"] = round(per_min, 1)
         print(f"max_runners {max_runners}: {per_min:.1f} jobs/min; queued to first step p50 "
-              f"{percentile(waits, 50):.0f} ms, p99 {percentile(waits, 99):.0f} ms", flush=True)
-    out["queued_to_start_p50_ms"] = round(percentile(latencies, 50), 1)
-    out["queued_to_start_p99_ms"] = round(percentile(latencies, 99), 1)
+              f"{percentile(waits, 0.5):.0f} ms, p99 {percentile(waits, 0.99):.0f} ms", flush=True)
+    out["queued_to_start_p50_ms"] = round(percentile(latencies, 0.5), 1)
+    out["queued_to_start_p99_ms"] = round(percentile(latencies, 0.99), 1)
     print(json.dumps(out))
 
 

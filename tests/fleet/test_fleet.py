@@ -160,3 +160,21 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_status_shows_the_runners_busy_with_which_job(make_rig, capsys) -> None:
+    from runner.cli import main
+
+    # The "busy" runner below never gets a job, so at shutdown it is stopped at once, not waited for.
+    with make_rig(vms=False, min_idle=2, max_runners=2, shutdown_grace_seconds=0) as rig:
+        runners = wait_until(lambda: len(rig.fleet.runners()) == 2 and rig.fleet.runners(), 60, "two idle runners")
+        busy = runners[0]
+        (busy.dir.report).write_text(json.dumps({"repository": "octo/repo", "run_id": 42, "run_attempt": 2,
+                                                 "job": "build", "workflow_ref": "", "event": "push"}))
+        wait_until(lambda: busy.state.value == "busy", 30, "the fleet to read the runner's report")
+        rig.fleet.tick()
+        assert main(["status", "--service-config", str(rig.config_path)]) == 0
+        shown = capsys.readouterr().out
+    assert f"{busy.name:<28} busy with octo/repo run 42 (attempt 2) job build, since" in shown
+    assert f"{runners[1].name:<28} idle, since" in shown
+    assert "jobs: 0 running, 0 queued" in shown
