@@ -2,6 +2,7 @@
 
     with Sandbox.create(template="base", ttl_seconds=600, engine=engine) as sbx:
         r = sbx.exec("pytest -q", timeout_seconds=300, cwd="/workspace", on_output=print_chunk)
+        sbx.snapshot("with-deps")          # a template of its own: Sandbox.create(template="with-deps")
 
 A non-zero exit is a result, not an exception. `SandboxError` means the sandbox itself is gone
 (its VM died, expired or misbehaved) and has already been destroyed. The engine is its owner's
@@ -264,6 +265,25 @@ class Sandbox:
         """What the guest tried that its policy does not allow (in audit mode: would not allow)."""
         slot = self._vm.slot
         return slot.audit_records() if slot is not None else []
+
+    # ---- templates ---------------------------------------------------------------------------
+    def snapshot(self, name: str) -> str:
+        """Make template `name` from this sandbox as it is now, for `Sandbox.create(template=name)`.
+
+        Safe on a VM that is busy writing: the guest's disks are synced and its page cache dropped
+        first, then it is left quiet a moment before its memory and disk are copied. The sandbox
+        runs on afterwards, without its checkout (the medium is a job's, never a template's:
+        `put_tar` may insert another one). Every restore from the template gets a fresh identity
+        (RNG reseed, clock, hostname). Returns the template's digest."""
+        vm = self._vm
+        if vm.destroyed:
+            raise SandboxError(vm.describe_failure())
+        try:
+            return self._engine.snapshot(vm, name).digest
+        except AgentError as exc:
+            vm.channel_broken(str(exc))
+            self._engine.destroy(vm)
+            raise SandboxError(vm.describe_failure()) from None
 
     # ---- ending ------------------------------------------------------------------------------
     def destroy(self) -> None:

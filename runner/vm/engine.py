@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -19,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from policy.model import DENY_ALL
-from runner.vm import checkoutdisk
+from runner.vm import checkoutdisk, jail
 from runner.vm.agent import AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
@@ -27,7 +29,7 @@ from runner.vm.pool import SpareVMs
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
-from runner.vm.templates import Template, TemplateNotFound, TemplateStore
+from runner.vm.templates import NAME, Template, TemplateNotFound, TemplateStore
 from runner.vm.vm import VM
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,18 @@ log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 30.0
 LOCK_NAME = ".engine.lock"
+QUIESCE_S = 3.0  # PLATFORM.md: a guest snapshotted while still busy gives clones that answer slowly
+QUIESCE_TIMEOUT_S = 120.0
+DISK_COPY_TIMEOUT_S = 600.0
+# Run as root in the guest before a snapshot: the checkout's medium is the job's, not the template's,
+# so its overlay and mount go (and its upper layer with them); then the page cache is written and dropped.
+GUEST_CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the guest agent's CHECKOUT_ROOT
+QUIESCE_SCRIPT = (
+    "set -e; root=" + GUEST_CHECKOUT_ROOT + "; "
+    "for m in $(awk -v u=\"upperdir=$root/upper\" 'index($4, u) {print $2}' /proc/mounts); do umount \"$m\"; done; "
+    "if grep -q \" $root/medium \" /proc/mounts; then umount \"$root/medium\"; fi; rm -rf \"$root\"; "
+    "sync; echo 3 > /proc/sys/vm/drop_caches; sync"
+)
 
 
 class Engine:
@@ -102,9 +116,13 @@ class Engine:
         started = time.monotonic()
         tpl = self.template(template)
         _check_resources(tpl, vcpus, memory_mib)
+        self.templates.touch(template)
         if network and self.net is None:
             raise SandboxError("this engine has no networking configured; create the sandbox with network=False")
-        snapshot = tpl.snapshot(network)
+        try:
+            snapshot = tpl.snapshot(network)
+        except TemplateNotFound as exc:
+            raise SandboxError(str(exc)) from None
         vm = self.pool.take(snapshot)
         try:
             if vm is None:
@@ -125,6 +143,82 @@ class Engine:
         vm.ready_ms = (time.monotonic() - started) * 1000
         self.pool.refill(snapshot)
         return vm
+
+    # ---- snapshotting ------------------------------------------------------------------------
+    def snapshot(self, vm: VM, name: str, digest: str | None = None, extra: dict | None = None,
+                 quiet_s: float = QUIESCE_S) -> Template:
+        """Make template `name` out of a running VM (RAM and disk as they are now) and return it.
+
+        The guest is quiesced first (its checkout unmounted and ejected, its page cache written and
+        dropped, then left quiet for `quiet_s`), so a VM in the middle of writing is still taken
+        safely. The VM is paused only while its memory and disk are copied, and runs on after,
+        without its checkout. The new template has the VM's one variant (with or without a network
+        card); `digest` keys it (a new one per call by default), `extra` goes into its manifest.
+        """
+        if not NAME.fullmatch(name):
+            raise SandboxError(f"{name[:80]!r} is not a template name: use lower-case letters, digits, '.', '_' and "
+                               "'-' (at most 200), starting with a letter or digit")
+        if vm.destroyed or vm.agent is None:
+            raise SandboxError(f"cannot snapshot VM {vm.id}: {vm.describe_failure()}")
+        parent = self._parent_of(vm)
+        variant = "net" if vm.snapshot.config.network else "nonet"
+        digest = digest or uuid.uuid4().hex[:20]
+        path = self.templates.begin(name, digest)
+        work = self.state.vms / f"{vm.id}-fold-{uuid.uuid4().hex[:6]}"
+        try:
+            self._quiesce(vm, quiet_s)
+            target = _target(vm.snapshot, path / variant)
+            target.state_file.parent.mkdir()
+            stream = path / "machine.stream"
+            try:
+                vm.machine.save(stream)
+                _copy_disk(vm, target.disk)
+            finally:
+                if vm.machine.alive():
+                    vm.machine.resume()
+            target.disk.chmod(0o444)  # the fold's QEMU, as the VM user, reads it
+            work.mkdir(mode=0o700)
+            self.hv.fold(stream, target, work)
+            stream.unlink()
+            _write_manifest(path, parent, name, digest, variant, extra or {})
+            for entry in (target.mem_file, target.state_file):
+                entry.chmod(0o444)  # every clone maps these; nothing may ever write them again
+            self.templates.publish(name, digest)
+        except BaseException as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(exc, (VMError, OSError)):
+                raise SandboxError(f"could not snapshot VM {vm.id} as template {name!r}: {exc}") from None
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return self.templates.get(name)
+
+    def _parent_of(self, vm: VM) -> Template:
+        """The template a VM was restored from (its files are <templates>/<name>/<digest>/<variant>/)."""
+        digest_dir = vm.snapshot.state_file.parent.parent
+        return Template(name=digest_dir.parent.name, digest=digest_dir.name, path=digest_dir,
+                        manifest=json.loads((digest_dir / "manifest.json").read_text()))
+
+    def _quiesce(self, vm: VM, quiet_s: float) -> None:
+        outcome = vm.agent.exec({"shell": QUIESCE_SCRIPT, "cwd": "/"}, lambda stream, data: None,
+                                timeout=QUIESCE_TIMEOUT_S)
+        if outcome.exit_code != 0 or outcome.timed_out:
+            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: the guest's sync and unmount failed "
+                               f"(exit {outcome.exit_code}); is something still using its checkout?")
+        if vm.checkout_drive_used:
+            vm.machine.eject_medium()
+            vm.checkout_drive_used = False
+        time.sleep(quiet_s)
+
+    def forget_template(self, name: str) -> None:
+        """End the spare VMs restored from `name` (before it is removed: none may outlive its files)."""
+        try:
+            template = self.templates.get(name)
+        except (TemplateNotFound, OSError, ValueError):
+            return
+        for variant in template.variants:
+            while (vm := self.pool.take(template.snapshot(variant == "net"))) is not None:
+                vm.destroy()
 
     def _claim(self, vm: VM, policy, hostname: str) -> None:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
@@ -251,6 +345,65 @@ def _check_resources(tpl: Template, vcpus: int | None, memory_mib: int | None) -
         raise SandboxError(f"template {tpl.name!r} has {m['vcpus']} vCPU(s), not {vcpus}: bake a template with a recipe that asks for {vcpus}")
     if memory_mib is not None and memory_mib != m["memory_mib"]:
         raise SandboxError(f"template {tpl.name!r} has {m['memory_mib']} MiB of memory, not {memory_mib}: bake a template with a recipe that asks for {memory_mib}")
+
+
+def _target(source: Snapshot, variant_dir: Path) -> Snapshot:
+    """The files of a new template variant made from a VM restored from `source`."""
+    return Snapshot(config=source.config, mem_file=variant_dir / "mem.ram", state_file=variant_dir / "state.bin",
+                    disk=variant_dir / "disk.img")
+
+
+def _copy_disk(vm: VM, out: Path) -> None:
+    """The VM's disk as it is now (its overlay over the template's disk) into a new raw image.
+
+    The overlay was written by the VM's QEMU, which runs the guest, so it is read by `qemu-img`
+    under that VM's own uid and confinement, with the backing file named here (never the one in
+    the overlay's header); the output is sparse and exactly the template disk's size."""
+    base = vm.snapshot.disk
+    overlay = vm.dir / "disk.qcow2"
+    lease = getattr(vm.machine, "lease", None)
+    if lease is None:
+        raise VMError("only a VM restored by this engine (with a VM uid of its own) can be snapshotted")
+    user = jail.VMUser(jail.VM_USER, lease.uid, jail.vm_user().gid)
+    fds = [os.open(overlay, os.O_RDONLY | os.O_CLOEXEC), os.open(base, os.O_RDONLY | os.O_CLOEXEC),
+           os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)]
+    try:
+        os.fchown(fds[2], user.uid, user.gid)
+        src, backing, dst = (jail.proc_fd(fd) for fd in fds)
+        argv = [shutil.which("qemu-img") or "qemu-img", "convert", "-U", "-q", "-O", "raw", "-S", "4k",
+                "--image-opts", f"driver=qcow2,file.driver=file,file.filename={src},"
+                f"backing.driver=raw,backing.file.driver=file,backing.file.filename={backing}", dst]
+        size = base.stat().st_size
+        proc = jail.spawner().run(lambda: subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={}, cwd="/",
+            pass_fds=fds, preexec_fn=jail.confine(user, size + jail.FILE_SIZE_SLACK)))
+        try:
+            _, err = proc.communicate(timeout=DISK_COPY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise VMError(f"copying the VM's disk took longer than {DISK_COPY_TIMEOUT_S:.0f} s") from None
+        if proc.returncode != 0:
+            raise VMError(f"qemu-img could not copy the VM's disk: {err.decode(errors='replace').strip()[-500:]}")
+        os.fchown(fds[2], 0, 0)
+        if os.fstat(fds[2]).st_size != size:
+            raise VMError(f"the VM's disk copy is {os.fstat(fds[2]).st_size} bytes, not the template's {size}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _write_manifest(path: Path, parent: Template, name: str, digest: str, variant: str, extra: dict) -> None:
+    """The parent's manifest (machine, accelerator, hypervisor version) with this template's own
+    name, digest, one variant and origin; the kernel and initrd are the parent's, linked."""
+    for file in ("vmlinuz", "initrd.img"):
+        try:
+            os.link(parent.path / file, path / file)
+        except OSError:
+            shutil.copy2(parent.path / file, path / file)
+    manifest = {**parent.manifest, **extra, "name": name, "digest": digest, "variants": [variant],
+                "parent": {"name": parent.name, "digest": parent.digest}, "created": time.time()}
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _make_overlay(base: Path, overlay: Path) -> None:

@@ -72,6 +72,14 @@ class Machine(ABC):
         """Pause for good and write device state; the RAM stays in the shared RAM file."""
 
     @abstractmethod
+    def save(self, stream: Path) -> None:
+        """Pause and write the whole machine, RAM included, to `stream` (for `Hypervisor.fold`)."""
+
+    @abstractmethod
+    def eject_medium(self) -> None:
+        """Leave the checkout drive empty, as it is in a template."""
+
+    @abstractmethod
     def change_medium(self, image: Path) -> None:
         """Insert `image` (a raw disk image, read-only) as the checkout drive's new medium."""
 
@@ -102,6 +110,11 @@ class Hypervisor(ABC):
         Every spawned VMM gets a new VM generation ID, which the guest kernel sees after the restore
         and reseeds its RNG from: two clones of one template must never share random numbers.
         """
+
+    @abstractmethod
+    def fold(self, stream: Path, target: Snapshot, work_dir: Path) -> None:
+        """Turn a `Machine.save` stream into the RAM file and device state of `target`, a new
+        template variant whose disk already exists; `work_dir` is private to this run."""
 
     @abstractmethod
     def version(self) -> str:

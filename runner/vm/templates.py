@@ -8,11 +8,18 @@
 A variant is the same template with (`net`) or without (`nonet`) a network card: a restore must
 have exactly the template's devices, and a VM without network must not even have a NIC.
 Everything under a digest is read-only once baked; a new recipe gets a new digest.
+
+A template can also be made from a running VM (`Engine.snapshot`: a repository's warm base, or
+`Sandbox.snapshot`). Its manifest names its `parent` and the one variant it has; its kernel
+and initrd are its parent's. `<root>/templates/<name>/last-used` is touched at each restore, so
+the derived templates can be held to a disk budget, least recently used first (`evict`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +27,8 @@ from pathlib import Path
 from runner.vm.hypervisor import MachineConfig, Snapshot
 
 VARIANTS = {"net": True, "nonet": False}
+LAST_USED = "last-used"
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")
 
 
 class TemplateNotFound(LookupError):
@@ -33,8 +42,21 @@ class Template:
     path: Path
     manifest: dict
 
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(self.manifest.get("variants", VARIANTS))
+
+    @property
+    def derived(self) -> bool:
+        """Made from a running VM (not baked from a recipe): these are what the disk budget evicts."""
+        return "parent" in self.manifest
+
     def snapshot(self, network: bool) -> Snapshot:
         variant = "net" if network else "nonet"
+        if variant not in self.variants:
+            have = "with" if network is False else "without"
+            raise TemplateNotFound(f"template {self.name!r} was snapshotted from a VM {have} a network card: create "
+                                f"the sandbox with network={not network}, or snapshot one with network={network}")
         m = self.manifest
         config = MachineConfig(
             kernel=self.path / "vmlinuz",
@@ -70,6 +92,46 @@ class TemplateStore:
         manifest = json.loads((path / "manifest.json").read_text())
         return Template(name=name, digest=digest, path=path, manifest=manifest)
 
+    def last_used(self, name: str) -> float:
+        """When a VM was last restored from `name` (its creation time if never)."""
+        try:
+            return (self.root / name / LAST_USED).stat().st_mtime
+        except FileNotFoundError:
+            return (self.root / name / "current").stat().st_mtime
+
+    def touch(self, name: str) -> None:
+        """Record a restore from `name`, for least-recently-used eviction."""
+        path = self.root / name / LAST_USED
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            path.touch()
+
+    def begin(self, name: str, digest: str) -> Path:
+        """An empty directory for a new build of `name` (a `NAME`); a partial one of an earlier try is dropped."""
+        path = self.dir_for(name, digest)
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Remove derived templates, least recently used first, until they fit in `budget_bytes`
+        together; `keep` (e.g. the one just built) is never removed. Returns the names removed."""
+        derived = [t for t in self.list() if t.derived]
+        sizes = {t.name: t.size_bytes() for t in derived}
+        total = sum(sizes.values())
+        removed = []
+        for template in sorted(derived, key=lambda t: self.last_used(t.name)):
+            if total <= budget_bytes:
+                break
+            if template.name in keep:
+                continue
+            self.remove(template.name)
+            total -= sizes[template.name]
+            removed.append(template.name)
+        return removed
+
     def has(self, name: str, digest: str) -> bool:
         return (self.dir_for(name, digest) / "manifest.json").exists()
 
@@ -78,6 +140,7 @@ class TemplateStore:
         tmp = self.root / name / "current.tmp"
         tmp.write_text(digest + "\n")
         tmp.replace(self.root / name / "current")
+        (self.root / name / LAST_USED).touch()
         for old in (self.root / name).iterdir():
             if old.is_dir() and old.name != digest:
                 shutil.rmtree(old)
