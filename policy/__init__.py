@@ -8,7 +8,8 @@ Public API (everything else is internal):
   normalised; `Policy.digest()` is the `sha256:...` recorded in job records,
   `Policy.rules_for_host(name)` is what the DNS resolver asks before allowing an answer.
 - `intersect(a, *more) -> Policy`: the effective policy of several layers (never wider than any).
-- `PolicyStore(directory).for_repository("owner/repo")` and `.for_job(repository, job_yaml)`.
+- `PolicyStore(directory).for_repository("owner/repo")` and `.for_job(repository, job_yaml)`;
+  `.warm_for(repository)`: a repository file's `warm:` section (`load_repository_file`, `WarmSpec`).
 - `render(policy, RenderContext(...), OperatorAllowances(...)) -> RenderedRules(ipv4, ipv6)`;
   `dns_allow_rule(ip, ports, protocol)` is the rule shape the resolver appends to `MVC-DNS-ALLOW`.
 - `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried, from
@@ -22,9 +23,10 @@ from policy.render import (DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, R
                            dns_allow_rule, render)
 from policy.store import PolicyStore
 from policy.suggest import AuditRecord, suggest_policy
+from policy.warm import RepositoryFile, WarmSpec, load_repository_file
 
 __all__ = [
     "AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
-    "Problem", "RenderContext", "RenderedRules", "Rule", "dns_allow_rule", "intersect",
-    "load_policy", "render", "suggest_policy",
+    "Problem", "RenderContext", "RenderedRules", "RepositoryFile", "Rule", "WarmSpec", "dns_allow_rule",
+    "intersect", "load_policy", "load_repository_file", "render", "suggest_policy",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from ipaddress import ip_address, ip_network
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -46,22 +47,27 @@ class PolicyError(Exception):
         return "\n".join(str(problem) for problem in self.problems)
 
 
-def load_policy(source: str | Path, source_name: str | None = None) -> Policy:
+Section = Callable[[yaml.Node, Problems], None]
+
+
+def load_policy(source: str | Path, source_name: str | None = None, sections: dict[str, Section] | None = None) -> Policy:
     """Load a policy from a file (`Path`) or from YAML text (`str`).
 
     `source_name` is what problems are reported against (defaults to the path, or `<policy>` for
-    text). Raises `PolicyError` for anything wrong, including unreadable files; never anything else.
+    text). `sections` are further top-level keys this file may have, each read by its function
+    (`policy.warm`: a repository's trusted file has `warm:`, a job's policy never). Raises
+    `PolicyError` for anything wrong, including unreadable files; never anything else.
     """
     name = source_name or (str(source) if isinstance(source, Path) else "<policy>")
     problems = Problems(name, MAX_PROBLEMS)
     text = read_text(source, LIMITS, problems) if isinstance(source, Path) else source
-    policy = _parse_policy(text, problems) if text is not None else None
+    policy = _parse_policy(text, problems, sections or {}) if text is not None else None
     if problems.items or policy is None:
         raise PolicyError(problems.final())
     return policy
 
 
-def _parse_policy(text: str, problems: Problems) -> Policy | None:
+def _parse_policy(text: str, problems: Problems, sections: dict[str, Section]) -> Policy | None:
     node = compose(text, LIMITS, problems)
     if problems.items:
         return None
@@ -69,22 +75,25 @@ def _parse_policy(text: str, problems: Problems) -> Policy | None:
         problems.add(yaml.Mark("", 0, 0, 0, None, None),
                      f"the policy is empty; write {EXAMPLE}")
         return None
-    return _policy(node, problems)
+    return _policy(node, problems, sections)
 
 
-def _policy(node: yaml.Node, problems: Problems) -> Policy | None:
+def _policy(node: yaml.Node, problems: Problems, sections: dict[str, Section]) -> Policy | None:
     if not isinstance(node, yaml.MappingNode):
         problems.at(node, f"the policy must be a mapping with keys version, mode and allow, "
                           f"not {kind(node)}; write {EXAMPLE}")
         return None
-    values, duplicates = mapping(node, TOP_KEYS, "the policy", problems)
+    values, duplicates = mapping(node, TOP_KEYS + tuple(sections), "the policy", problems)
     checks = {
         "version": lambda value: _version(value, node, problems),
         "mode": lambda value: _mode(value, problems),
         "allow": lambda value: _rules(value, problems),
     }
     for key, value in duplicates:
-        checks[key](value)
+        (checks[key] if key in checks else lambda v: sections[key](v, problems))(value)
+    for key, read in sections.items():
+        if key in values:
+            read(values[key], problems)
     version, mode, rules = (checks[key](values.get(key)) for key in ("version", "mode", "allow"))
     if version is None or mode is None or rules is None:
         return None

@@ -5,6 +5,9 @@ Layout under the store directory:
     _org.yml              the org default (optional)
     <owner>/<repo>.yml    one repository's policy (optional)
 
+A repository's file may also have a `warm:` section (`policy.warm`), read by `warm_for`; the org
+default and a job's policy may not.
+
 Files are read on every call, so an operator's edit applies to the next job without a restart.
 Repository names come from webhooks and job specs, so they are validated before they become
 paths: nothing outside the store directory can be named. GitHub treats names case-insensitively,
@@ -21,9 +24,11 @@ from pathlib import Path
 from policy.compose import intersect
 from policy.load import load_policy
 from policy.model import DENY_ALL, Policy
+from policy.warm import RepositoryFile, WarmSpec, load_repository_file
 
 ORG_FILE = "_org.yml"
 Fallback = Callable[[], "Policy | None"]
+FileFallback = Callable[[], "RepositoryFile | None"]
 _OWNER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})")
 _REPO = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
@@ -40,7 +45,9 @@ class PolicyStore:
         run with a policy nobody meant) and `ValueError` for a name that is not `owner/repo`."""
         owner, repo = split_repository(repository)
         org, own = self._org_file(), self._repository_file(owner, repo)
-        layers = [load_policy(path) for path in (org, own) if path is not None]
+        layers = [load_policy(org)] if org is not None else []
+        if own is not None:
+            layers.append(load_repository_file(own).policy)
         if own is None and fallback is not None:
             layers += [found for found in (fallback(),) if found is not None]
         return intersect(*layers) if layers else DENY_ALL
@@ -52,6 +59,18 @@ class PolicyStore:
         if job_policy is None:
             return policy
         return intersect(policy, load_policy(job_policy, "job policy"))
+
+    def warm_for(self, repository: str, fallback: FileFallback | None = None) -> tuple[WarmSpec, Policy] | None:
+        """The repository's `warm:` section and the setup's effective egress (its own policy within
+        the org default), or None when it has none. Read from the store file, or, only when there
+        is none, from `fallback` (the default branch's file): never from a pull request."""
+        owner, repo = split_repository(repository)
+        org, own = self._org_file(), self._repository_file(owner, repo)
+        found = load_repository_file(own) if own is not None else (fallback() if fallback is not None else None)
+        if found is None or found.warm is None:
+            return None
+        layers = [load_policy(org)] if org is not None else []
+        return found.warm, intersect(*layers, found.warm.policy)
 
     def _org_file(self) -> Path | None:
         if self.directory is None:

@@ -46,4 +46,4 @@ class EgressPolicies:
     def _from_branch(self, repository: str) -> Policy | None:
         assert self.branch_files is not None
         found = self.branch_files.for_repository(repository)
-        return None if found is None else policy.load_policy(found.text, found.provenance.describe())
+        return None if found is None else policy.load_repository_file(found.text, found.provenance.describe()).policy

@@ -1,0 +1,140 @@
+"""A repository's `warm:` section: how the service builds the repository's warm base.
+
+It sits in the repository's trusted file, next to its egress policy: the operator's store file
+(`<owner>/<repo>.yml`) or, without one, `.github/microvm-check.yml` on the default branch. Never in a
+job's policy (a pull request's), whose loader does not know the key:
+
+    version: 1
+    allow: [{host: pypi.org, ports: [443]}]
+    warm:
+      setup: python3 -m venv /opt/venv && /opt/venv/bin/pip install -r requirements.txt
+      inputs: [requirements*.txt, pyproject.toml, wheels/*.whl]  # their content keys the base
+      policy: {allow: [{host: pypi.org, ports: [443]}]}             # egress for the setup only
+
+An input is a path relative to the checkout whose last part may hold `*`, `?` or `[...]`: the
+service lists one directory per input (the contents API), so directories are named literally.
+`policy` has the shape of a policy without `version`; it is intersected with the org default,
+never with the repository's own policy (the setup may fetch what jobs may not). No `policy`:
+the setup runs without network.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from policy.load import _mode, _rules, load_policy
+from policy.model import DENY_ALL, SUPPORTED_VERSION, Policy
+from policy.yamldoc import Problems, is_null, kind, mapping, string
+
+MAX_SETUP_CHARS = 8192
+MAX_INPUTS = 32
+MAX_INPUT_CHARS = 255
+WARM_KEYS = ("setup", "inputs", "policy")
+SETUP_POLICY_KEYS = ("mode", "allow")
+_WILDCARD = re.compile(r"[*?\[]")
+_PART = re.compile(r"[^/\0]+")
+
+
+@dataclass(frozen=True)
+class WarmSpec:
+    setup: str
+    inputs: tuple[str, ...]
+    policy: Policy  # the setup's own egress, before the org default narrows it
+
+    def directories(self) -> tuple[str, ...]:
+        """The directories whose listings decide the inputs ("" is the checkout's root)."""
+        return tuple(dict.fromkeys(pattern.rpartition("/")[0] for pattern in self.inputs))
+
+
+@dataclass(frozen=True)
+class RepositoryFile:
+    """A repository's trusted file: its egress policy and, if it has one, its `warm:` section."""
+
+    policy: Policy
+    warm: WarmSpec | None
+
+
+def load_repository_file(source: str | Path, source_name: str | None = None) -> RepositoryFile:
+    """Load a repository's trusted file; `PolicyError` (file:line: problem) for anything wrong."""
+    found: list[WarmSpec | None] = []
+    loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems))})
+    return RepositoryFile(loaded, found[0] if found else None)
+
+
+def _warm(node: yaml.Node, problems: Problems) -> WarmSpec | None:
+    if not isinstance(node, yaml.MappingNode):
+        problems.at(node, f"warm must be a mapping with 'setup' (a command) and 'inputs' (a list of file "
+                          f"patterns), not {kind(node)}")
+        return None
+    values, duplicates = mapping(node, WARM_KEYS, "warm", problems)
+    setup = _setup(values.get("setup"), node, problems)
+    inputs = _inputs(values.get("inputs"), node, problems)
+    setup_policy = _setup_policy(values.get("policy"), problems)
+    if duplicates or setup is None or inputs is None or setup_policy is None:
+        return None
+    return WarmSpec(setup, inputs, setup_policy)
+
+
+def _setup(node: yaml.Node | None, warm: yaml.Node, problems: Problems) -> str | None:
+    if node is None:
+        problems.at(warm, "warm needs 'setup': the command that installs what jobs need, e.g. "
+                          "'pip install -r requirements.txt'")
+        return None
+    value = string(node)
+    if value is None or not value.strip() or "\0" in value:
+        problems.at(node, f"warm.setup: {kind(node)} is not a command; write one shell command line")
+        return None
+    if len(value) > MAX_SETUP_CHARS:
+        problems.at(node, f"warm.setup is {len(value)} characters; at most {MAX_SETUP_CHARS}: put a script in "
+                          "the repository and run that")
+        return None
+    return value
+
+
+def _inputs(node: yaml.Node | None, warm: yaml.Node, problems: Problems) -> tuple[str, ...] | None:
+    if node is None or is_null(node):
+        problems.at(warm, "warm needs 'inputs': the files whose content the base depends on, e.g. "
+                          "[requirements*.txt, pyproject.toml]")
+        return None
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        problems.at(node, "warm.inputs must be a non-empty list of file patterns, e.g. [requirements*.txt]")
+        return None
+    if len(node.value) > MAX_INPUTS:
+        problems.at(node, f"warm.inputs lists {len(node.value)} patterns; at most {MAX_INPUTS}")
+        return None
+    patterns = [_input(item, problems) for item in node.value]
+    return None if any(p is None for p in patterns) else tuple(dict.fromkeys(patterns))
+
+
+def _input(node: yaml.Node, problems: Problems) -> str | None:
+    value = string(node)
+    if value is None or not value or len(value) > MAX_INPUT_CHARS:
+        problems.at(node, f"warm.inputs: {kind(node)} is not a file pattern (1..{MAX_INPUT_CHARS} characters)")
+        return None
+    parts = value.split("/")
+    if value.startswith("/") or any(not _PART.fullmatch(p) or p in (".", "..") for p in parts):
+        problems.at(node, f"warm.inputs: {value[:80]!r} is not a path inside the checkout; write it relative to "
+                          "the repository's root, without '.', '..' or empty parts")
+        return None
+    if any(_WILDCARD.search(p) for p in parts[:-1]):
+        problems.at(node, f"warm.inputs: {value[:80]!r} has a wildcard in a directory; only the file name may "
+                          "have one (e.g. 'wheels/*.whl'): name the directories")
+        return None
+    return value
+
+
+def _setup_policy(node: yaml.Node | None, problems: Problems) -> Policy | None:
+    if node is None or is_null(node):
+        return DENY_ALL
+    if not isinstance(node, yaml.MappingNode):
+        problems.at(node, f"warm.policy must be a mapping with 'allow' (and 'mode'), not {kind(node)}")
+        return None
+    values, duplicates = mapping(node, SETUP_POLICY_KEYS, "warm.policy", problems)
+    mode, rules = _mode(values.get("mode"), problems), _rules(values.get("allow"), problems)
+    if duplicates or mode is None or rules is None:
+        return None
+    return Policy(version=SUPPORTED_VERSION, mode=mode, rules=tuple(rules))
