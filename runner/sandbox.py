@@ -267,19 +267,20 @@ class Sandbox:
         return slot.audit_records() if slot is not None else []
 
     # ---- templates ---------------------------------------------------------------------------
-    def snapshot(self, name: str) -> str:
+    def snapshot(self, name: str, *, digest: str | None = None, extra: dict | None = None) -> str:
         """Make template `name` from this sandbox as it is now, for `Sandbox.create(template=name)`.
 
         Safe on a VM that is busy writing: the guest's disks are synced and its page cache dropped
         first, then it is left quiet a moment before its memory and disk are copied. The sandbox
         runs on afterwards, without its checkout (the medium is a job's, never a template's:
         `put_tar` may insert another one). Every restore from the template gets a fresh identity
-        (RNG reseed, clock, hostname). Returns the template's digest."""
+        (RNG reseed, clock, hostname). `digest` keys the template (a new one by default), `extra`
+        goes into its manifest. Returns the template's digest."""
         vm = self._vm
         if vm.destroyed:
             raise SandboxError(vm.describe_failure())
         try:
-            return self._engine.snapshot(vm, name).digest
+            return self._engine.snapshot(vm, name, digest=digest, extra=extra).digest
         except AgentError as exc:
             vm.channel_broken(str(exc))
             self._engine.destroy(vm)

@@ -10,15 +10,17 @@ against the rate limit).
 
 from __future__ import annotations
 
+import fnmatch
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from urllib.parse import quote
 
 # the policy loader's own limit: a file it would refuse is refused here before it is cached
 from policy.load import MAX_BYTES as MAX_POLICY_BYTES
 from runner.github.client import Clock, GitHubClient
-from runner.github.contents import RepoFile, get_file
+from runner.github.contents import RepoFile, get_file, list_dir
 from runner.github.errors import GitHubError, NotFound
 from runner.github.jobs import REPOSITORY_RE
 
@@ -47,6 +49,9 @@ class TrustedPolicy:
 
 
 class PolicySource:
+    """The policy file (and with it the `warm:` section) of each repository's default branch, and
+    what a warm base is built from there (`input_blobs`, `tarball`): the App's installation client."""
+
     def __init__(
         self,
         client: GitHubClient,
@@ -115,3 +120,40 @@ class PolicySource:
         self._texts[sha] = text
         while len(self._texts) > self.cache_size:
             self._texts.popitem(last=False)
+
+
+def input_blobs(client: GitHubClient, repository: str, patterns: tuple[str, ...], ref: str) -> dict[str, str]:
+    """The files a `warm:` section's inputs name at `ref`, with their git blob shas: one directory
+    listing per directory the patterns name (a pattern's last part is a glob), no file downloaded.
+    The shas are content hashes, so they key a warm base without reading a byte of the files."""
+    found: dict[str, str] = {}
+    for directory in dict.fromkeys(p.rpartition("/")[0] for p in patterns):
+        listing = list_dir(client, repository, directory, ref)
+        if listing is None:
+            continue
+        for name, entry in listing.every().items():
+            path = f"{directory}/{name}" if directory else name
+            if entry.kind == "file" and any(_matches(path, p) for p in patterns):
+                found[path] = entry.sha
+    return found
+
+
+def _matches(path: str, pattern: str) -> bool:
+    directory, _, name = pattern.rpartition("/")
+    path_dir, _, path_name = path.rpartition("/")
+    return directory == path_dir and fnmatch.fnmatchcase(path_name, name)
+
+
+def tarball(client: GitHubClient, repository: str, ref: str, max_bytes: int) -> bytes:
+    """The repository's files at `ref` as GitHub's gzipped tarball (one top directory, the commit
+    in a pax global header), at most `max_bytes`: the default branch's files a warm base is built
+    from. GitHub answers with a redirect to a short-lived download URL, which the client follows
+    without the token."""
+    if not REPOSITORY_RE.match(repository):
+        raise GitHubError(f"{repository!r} is not an owner/repo name")
+    response = client.request("GET", f"/repos/{repository}/tarball/{quote(ref, safe='')}")
+    declared = response.headers.get("Content-Length")
+    if (declared and declared.isdigit() and int(declared) > max_bytes) or len(response.content) > max_bytes:
+        raise GitHubError(f"{repository}@{ref}: the repository's tarball is larger than {max_bytes} bytes "
+                          "(checkout_max_bytes): a warm base cannot be built from it")
+    return response.content

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,9 +116,11 @@ class TemplateStore:
         path.mkdir(parents=True)
         return path
 
-    def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset()) -> list[str]:
+    def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset(),
+              before_remove: Callable[[str], None] | None = None) -> list[str]:
         """Remove derived templates, least recently used first, until they fit in `budget_bytes`
-        together; `keep` (e.g. the one just built) is never removed. Returns the names removed."""
+        together; `keep` (e.g. the one just built) is never removed. `before_remove(name)` runs
+        first for each (the engine ends its spare VMs). Returns the names removed."""
         derived = [t for t in self.list() if t.derived]
         sizes = {t.name: t.size_bytes() for t in derived}
         total = sum(sizes.values())
@@ -127,6 +130,8 @@ class TemplateStore:
                 break
             if template.name in keep:
                 continue
+            if before_remove is not None:
+                before_remove(template.name)
             self.remove(template.name)
             total -= sizes[template.name]
             removed.append(template.name)

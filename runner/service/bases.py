@@ -1,0 +1,248 @@
+"""Warm bases per repository: the bare template with a repository's dependencies already installed.
+
+A repository whose trusted file (`policy.warm`: the operator's store file, or the default branch's
+`.github/microvm-check.yml`; never a pull request) has a `warm:` section gets a template of its
+own, `<template>--<owner>--<repo>`: the default branch's files (GitHub's tarball) are put in a VM
+restored from the bare template, `setup` runs there with the section's egress, and the VM is
+snapshotted (`Engine.snapshot`). The base is keyed by the bare template's digest and the git blob
+shas of the input files, so the contents API's directory listings tell whether it is stale
+without downloading anything.
+
+A job of the repository restores from its base. When the base is stale (an input changed on the
+default branch, or the bare template was rebuilt) the job takes the last good base, or the bare
+template when there is none, and the rebuild runs beside it, one per repository at a time. A pull
+request's own files never reach a base: whatever it changes, it runs on the default branch's base
+and installs what it needs on top. Bases are held to a disk budget, least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import tarfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policy import PolicyError, load_repository_file
+from policy.model import Policy
+from policy.warm import WarmSpec
+from runner.github.errors import GitHubError
+from runner.github.policy_source import PolicySource, input_blobs, tarball
+from runner.vm.errors import SandboxError
+from runner.vm.templates import Template, TemplateNotFound
+
+log = logging.getLogger(__name__)
+
+SETUP_TIMEOUT_S = 1800.0
+MAX_MEMBERS = 200_000
+
+
+class BaseBuildError(SandboxError):
+    """A warm base could not be built; jobs go on with the last good base or the bare template."""
+
+
+@dataclass(frozen=True)
+class BaseSettings:
+    parent: str = "base"  # the bare template every base starts from
+    budget_bytes: int = 20 << 30
+    network: bool = False  # whether the service's VMs have network cards (bases get the same variant)
+    max_checkout_bytes: int = 1 << 30
+    setup_timeout_s: float = SETUP_TIMEOUT_S
+
+
+def base_name(parent: str, repository: str) -> str:
+    """`<parent>--<owner>--<repo>`: unambiguous, as an owner name never holds two hyphens in a row."""
+    owner, _, repo = repository.lower().partition("/")
+    return f"{parent}--{owner}--{repo}"
+
+
+def inputs_key(parent_digest: str, blobs: dict[str, str]) -> str:
+    """The base's digest: the bare template's, and each input file's path and git blob sha."""
+    text = json.dumps([parent_digest, sorted(blobs.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def git_blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class RepositoryBases:
+    """Which template a repository's jobs restore from, and the (re)builds of their bases.
+
+    `engine` is the service's VM engine, `create_sandbox` its `Sandbox.create` bound to it, `warm_for`
+    the repository's `warm:` section and setup policy (`PolicyStore.warm_for` with the default branch as
+    fallback), `github` the App's client for the default branch's files."""
+
+    def __init__(self, engine: Any, create_sandbox: Callable[..., Any], warm_for: Callable[[str], tuple[WarmSpec, Policy] | None],
+                 github: PolicySource, settings: BaseSettings) -> None:
+        self.engine = engine
+        self.templates = engine.templates
+        self._create = create_sandbox
+        self._warm_for = warm_for
+        self.github = github
+        self.settings = settings
+        self._building: dict[str, threading.Thread] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    # -- for jobs ------------------------------------------------------------------------------------
+
+    def template_for(self, repository: str, network: bool) -> str:
+        """The template a job of `repository` restores from now: its base, fresh or last good, when it
+        has the job's variant; else the bare template. A stale or missing base is rebuilt beside."""
+        parent = self.settings.parent
+        try:
+            warm = self._warm_for(repository)
+            if warm is None:
+                return parent
+            fresh = self._fresh_digest(repository, warm[0])
+        except (GitHubError, PolicyError, SandboxError, TemplateNotFound, ValueError) as exc:
+            log.warning("warm base of %s: cannot tell whether it is current (%s); jobs use what there is", repository, exc)
+            fresh = None
+        name = base_name(parent, repository)
+        current = self._current(name)
+        if current is None or current.digest != fresh:
+            self.rebuild_beside(repository)
+        if current is None or ("net" if network else "nonet") not in current.variants:
+            return parent
+        return name
+
+    def rebuild_beside(self, repository: str) -> bool:
+        """Start building the repository's base in the background unless a build already runs."""
+        with self._lock:
+            running = self._building.get(repository)
+            if running is not None and running.is_alive():
+                return False
+            thread = threading.Thread(target=self._build_logged, args=(repository,), name=f"base-{repository}",
+                                      daemon=True)
+            self._building[repository] = thread
+        thread.start()
+        return True
+
+    def wait(self, repository: str, timeout: float | None = None) -> None:
+        """Wait for a background build of the repository's base (tests, benchmarks)."""
+        with self._lock:
+            thread = self._building.get(repository)
+        if thread is not None:
+            thread.join(timeout)
+
+    # -- building ------------------------------------------------------------------------------------
+
+    def build(self, repository: str, ref: str | None = None) -> Template | None:
+        """Build the repository's base from its default branch (or `ref`, a commit of it) now, unless
+        the current one is already that; None when the repository has no `warm:` section."""
+        warm = self._warm_for(repository)
+        if warm is None:
+            return None
+        spec, setup_policy = warm
+        with self._repository_lock(repository):
+            ref = ref or self.github.default_branch(repository)
+            archive = tarball(self.github.client, repository, ref, self.settings.max_checkout_bytes)
+            checkout, blobs, commit = restream(archive, spec.inputs, self.settings.max_checkout_bytes)
+            parent = self.engine.template(self.settings.parent)
+            digest = inputs_key(parent.digest, blobs)
+            name = base_name(self.settings.parent, repository)
+            current = self._current(name)
+            if current is not None and current.digest == digest:
+                return current
+            log.info("building the warm base of %s at %s (%s)", repository, commit or ref, digest)
+            template = self._setup_and_snapshot(repository, name, digest, spec, setup_policy, checkout,
+                                                {"repository": repository, "commit": commit, "inputs": blobs})
+        for gone in self.templates.evict(self.settings.budget_bytes, keep=frozenset({name}),
+                                         before_remove=self.engine.forget_template):
+            log.info("removed the warm base %s: over the bases' disk budget", gone)
+        return template
+
+    def _setup_and_snapshot(self, repository: str, name: str, digest: str, spec: WarmSpec, setup_policy: Policy,
+                            checkout: bytes, extra: dict) -> Template:
+        network = self.settings.network
+        sandbox = self._create(template=self.settings.parent, network=network,
+                               policy=setup_policy if network else None, job_id=f"warm-{name}"[:60])
+        try:
+            sandbox.put_tar(io.BytesIO(checkout))
+            output = bytearray()
+
+            def keep_tail(stream: str, data: bytes) -> None:
+                output.extend(data)
+                del output[:-4000]
+
+            result = sandbox.exec(spec.setup, timeout_seconds=self.settings.setup_timeout_s, on_output=keep_tail,
+                                  capture_bytes=0)
+            if result.exit_code != 0:
+                raise BaseBuildError(f"the warm setup of {repository} failed (exit {result.exit_code}"
+                                     f"{', timed out' if result.timed_out else ''}); its output ended with:\n"
+                                     f"{output.decode(errors='replace')[-2000:]}")
+            sandbox.snapshot(name, digest=digest, extra={"base": extra})
+        finally:
+            sandbox.destroy()
+        return self.templates.get(name)
+
+    def _build_logged(self, repository: str) -> None:
+        try:
+            self.build(repository)
+        except Exception as exc:  # noqa: BLE001 - a failed rebuild leaves jobs on the last good base
+            log.warning("warm base of %s: the build failed: %s", repository, exc)
+
+    def _fresh_digest(self, repository: str, spec: WarmSpec) -> str:
+        parent = self.engine.template(self.settings.parent)
+        ref = self.github.default_branch(repository)
+        return inputs_key(parent.digest, input_blobs(self.github.client, repository, spec.inputs, ref))
+
+    def _current(self, name: str) -> Template | None:
+        try:
+            return self.templates.get(name)
+        except (TemplateNotFound, OSError, ValueError):
+            return None
+
+    def _repository_lock(self, repository: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(repository, threading.Lock())
+
+
+def branch_warm(store: Any, github: PolicySource | None) -> Callable[[str], tuple[WarmSpec, Policy] | None]:
+    """`warm_for` from the policy store, falling back to the default branch's file via the App."""
+    def fallback(repository: str):
+        if github is None:
+            return None
+        found = github.for_repository(repository)
+        return None if found is None else load_repository_file(found.text, found.provenance.describe())
+
+    return lambda repository: store.warm_for(repository, lambda: fallback(repository))
+
+
+def restream(archive: bytes, inputs: tuple[str, ...], max_bytes: int) -> tuple[bytes, dict[str, str], str | None]:
+    """GitHub's tarball as a plain tar of the checkout (its top directory stripped), the input files'
+    git blob shas and the commit (from the pax global header). The result goes through the
+    checkout's own hardened unpacking (`Sandbox.put_tar`); here sizes and names are only bounded."""
+    from runner.github.policy_source import _matches
+
+    out = io.BytesIO()
+    blobs: dict[str, str] = {}
+    total = members = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as source, \
+                tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as sink:
+            commit = source.pax_headers.get("comment")
+            for member in source:
+                members += 1
+                total += member.size
+                if members > MAX_MEMBERS or total > max_bytes:
+                    raise BaseBuildError(f"the default branch's tarball holds more than {MAX_MEMBERS} files or "
+                                         f"{max_bytes} bytes")
+                _, _, name = member.name.partition("/")
+                if not name:
+                    continue  # the top directory itself
+                data = source.extractfile(member).read() if member.isreg() else None
+                if data is not None and any(_matches(name, p) for p in inputs):
+                    blobs[name] = git_blob_sha(data)
+                member.name = name
+                if member.islnk():
+                    member.linkname = member.linkname.partition("/")[2]
+                sink.addfile(member, io.BytesIO(data) if data is not None else None)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BaseBuildError(f"the default branch's tarball does not read: {exc}") from None
+    return out.getvalue(), blobs, commit
