@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import datetime
 import os
+import time
 
 from runner.errors import UserError
 from runner.vm.statedir import StateDir
@@ -39,16 +39,28 @@ def cmd_build(args) -> int:
 
 
 def cmd_list(args) -> int:
-    templates = TemplateStore(StateDir.default().templates).list()
+    """Recipe templates and those made from VMs (warm bases, snapshots): size, age and last use, which
+    are what the bases' disk budget evicts by."""
+    store = TemplateStore(StateDir.default().templates)
+    templates = store.list()
     if not templates:
         print("no templates: build one with 'microvm-check template build'")
         return 0
-    print(f"{'NAME':<12} {'DIGEST':<22} {'ACCEL':<5} {'MEMORY':>7} {'SIZE':>9}  CREATED")
+    now = time.time()
+    print(f"{'NAME':<32} {'DIGEST':<22} {'ACCEL':<5} {'MEMORY':>7} {'SIZE':>9} {'AGE':>6} {'LAST USE':>8}  FROM")
     for t in templates:
-        created = datetime.datetime.fromtimestamp(t.manifest["created"]).strftime("%Y-%m-%d %H:%M")
         size = f"{t.size_bytes() / 2**20:.0f} MiB"
-        print(f"{t.name:<12} {t.digest:<22} {t.manifest['accel']:<5} {t.manifest['memory_mib']:>5}Mi {size:>9}  {created}")
+        origin = f"{t.manifest['parent']['name']} ({', '.join(t.variants)})" if t.derived else "recipe"
+        print(f"{t.name:<32} {t.digest:<22} {t.manifest['accel']:<5} {t.manifest['memory_mib']:>5}Mi {size:>9} "
+              f"{_ago(now - t.manifest['created']):>6} {_ago(now - store.last_used(t.name)):>8}  {origin}")
     return 0
+
+
+def _ago(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= length:
+            return f"{seconds // length:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
 
 
 def cmd_rm(args) -> int:
