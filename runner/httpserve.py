@@ -12,29 +12,33 @@ unauthenticated clients therefore cost one fd each and no thread. At the connect
 kept under the process's open-file limit) the oldest of those is closed to make room; when none
 is old enough to close, the newcomer is answered 503 with `Retry-After`. A failed `accept` for
 want of fds closes the oldest idle connection or answers through a reserved fd, then pauses
-accepting briefly: never a spin. Handlers stay `http.server.BaseHTTPRequestHandler` subclasses, so
-writing answers, chunked streams included, goes straight to the socket as before.
+accepting briefly: never a spin.
+
+The HTTP/1.1 itself (request line and headers, Content-Length and chunked bodies, keep-alive,
+answers framed by Content-Length or chunked, HEAD and HTTP/1.0 peers) is h11's: a sans-IO state
+machine per connection, fed by the selector and then by the worker. This module owns only the IO,
+the deadlines and the caps around it.
 """
 
 from __future__ import annotations
 
 import errno
-import http.client
-import io
 import logging
 import os
-import re
 import resource
 import selectors
 import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
+from http.client import HTTPMessage
 from queue import Empty, SimpleQueue
 from typing import Any, Callable
+
+import h11
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +50,8 @@ _ACCEPT_PAUSE_SECONDS = 0.1
 _FD_HEADROOM = 64  # fds left to the rest of the process (VMs, files, SQLite) when sizing connection caps
 _MIN_CONNECTIONS = 8
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_REQUEST_LINE = re.compile(rb"[A-Z]{1,20} [\x21-\x7e]{1,8000} HTTP/1\.[01]\r?\n")
+_MAX_ERROR_TEXT = 200  # of h11's description of a malformed request, echoed in the 400
+_CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
 def parse_decimal(text: str, max_digits: int = 18) -> int | None:
@@ -70,6 +74,7 @@ class Limits:
     idle_seconds: float = 5.0  # a new or kept-alive connection's wait for its first byte
     head_seconds: float = 10.0  # request line and headers, from accept (or the previous answer)
     max_head_bytes: int = 64 * 1024
+    max_headers: int = 100
     body_seconds: float = 10.0  # grace for a body; it must then keep up body_min_rate on average
     body_min_rate: int = 64 * 1024  # bytes per second
     buffer_body_max: int = 0  # bodies up to this size are read by the selector, before a worker is taken
@@ -90,38 +95,28 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Head:
-    """A request line and headers, read in full; `framing` is the refusal its body framing earns."""
+    """A request line and headers, as h11 parsed and validated them."""
 
     method: str
     target: str
-    headers: http.client.HTTPMessage
-    size: int  # bytes of request line, headers and blank line
-    length: int | None  # the declared Content-Length
-    chunked: bool
-    framing: Refusal | None
+    headers: HTTPMessage  # case-insensitive; get() gives the first value, get_all() every one
+
+    @classmethod
+    def of(cls, request: h11.Request) -> "Head":
+        headers = HTTPMessage()
+        for name, value in request.headers:  # h11 checked both: a token, and text without CR, LF or NUL
+            headers[name.decode("ascii")] = value.decode("latin-1")  # adds; never replaces
+        return cls(request.method.decode("ascii"), request.target.decode("ascii"), headers)
+
+    @property
+    def length(self) -> int | None:
+        """The declared Content-Length (h11 checked its digits and merged equal repeats)."""
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None else None
 
 
-def parse_head(data: bytes) -> Head | Refusal:
-    """Parse a complete head (ending in its blank line) the way the worker's handler will."""
-    line = _REQUEST_LINE.match(data)
-    if not line:
-        return Refusal(400, "malformed request line (expected: METHOD /target HTTP/1.1)")
-    try:
-        headers = http.client.parse_headers(io.BytesIO(data[line.end():]))
-    except http.client.HTTPException as exc:
-        return Refusal(431, f"request headers rejected: {exc}")
-    method, target, _ = line.group().decode("ascii").split(" ", 2)
-    lengths = headers.get_all("Content-Length") or []
-    length = parse_decimal(lengths[0].strip()) if lengths else None
-    codings = [v.strip().lower() for v in headers.get_all("Transfer-Encoding") or []]
-    framing = None
-    if lengths and (length is None or any(v.strip() != lengths[0].strip() for v in lengths)):
-        framing = Refusal(400, "Content-Length must be one decimal number of at most 18 digits")
-    elif codings and codings != ["chunked"]:
-        framing = Refusal(501, "only Transfer-Encoding: chunked is supported")
-    elif codings and lengths:
-        framing = Refusal(400, "a request has either Content-Length or Transfer-Encoding, not both")
-    return Head(method, target, headers, len(data), length, bool(codings), framing)
+class BadRequestBody(Exception):
+    """A request body whose framing h11 refused, or that ended short: the listener answers 400."""
 
 
 class _FdLedger:
@@ -163,20 +158,16 @@ def _raise_nofile(need: int) -> int:
 _LEDGER = _FdLedger()
 
 
-class _Reader:
-    """A worker's view of the connection's input: what the selector read, then the socket.
+class _Deadline:
+    """A worker's reads of a request body share one deadline: after `body_seconds` of grace the client
+    must have sent `body_min_rate` bytes per second on average, however it spreads them over reads."""
 
-    Every read shares one deadline: after `body_seconds` of grace the client must have sent
-    `body_min_rate` bytes per second on average, however it spreads them over reads.
-    """
-
-    def __init__(self, sock: socket.socket, buffered: bytes, limits: Limits) -> None:
-        self._sock, self._buf, self._limits = sock, bytearray(buffered), limits
+    def __init__(self, sock: socket.socket, limits: Limits) -> None:
+        self._sock, self._limits = sock, limits
         self._start = time.monotonic()
         self._received = 0
-        self.consumed = 0
 
-    def _fill(self) -> bool:
+    def recv(self) -> bytes:
         limits = self._limits
         left = self._start + limits.body_seconds + self._received / limits.body_min_rate - time.monotonic()
         if left <= 0:
@@ -184,90 +175,94 @@ class _Reader:
         self._sock.settimeout(left)
         data = self._sock.recv(_RECV * 16)
         self._received += len(data)
-        self._buf += data
-        return bool(data)
-
-    def read(self, size: int) -> bytes:
-        """Up to `size` bytes (fewer only when that is all there is now); b"" at the end of input."""
-        if not self._buf and not self._fill():
-            return b""
-        return self._take(min(size, len(self._buf)))
-
-    def readline(self, limit: int) -> bytes:
-        start = 0
-        while True:
-            end = self._buf.find(b"\n", start, limit)
-            if end >= 0:
-                return self._take(end + 1)
-            if len(self._buf) >= limit:
-                return self._take(limit)
-            start = len(self._buf)
-            if not self._fill():
-                return self._take(len(self._buf))
-
-    def _take(self, size: int) -> bytes:
-        data = bytes(self._buf[:size])
-        del self._buf[:size]
-        self.consumed += size
         return data
 
-    def leftover(self) -> bytearray:
-        return self._buf
 
+class ServedRequest:
+    """One request, served on a worker thread: `do_<METHOD>` answers it (as in http.server).
 
-class _Writer:
-    """Answers go straight to the socket; each send has `write_seconds` to complete."""
+    The head was read (and for small bodies the body too) by the connection loop; `body()` reads the
+    rest through h11 under the body deadline. An answer is `respond()`, or `start_response()`,
+    `send_data()`... `end_response()` for a stream (chunked unless a Content-Length is given). An
+    answer sent before the body was read whole says `Connection: close`, and the connection is closed.
+    """
 
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
-        self._sock, self._seconds = sock, seconds
-
-    def write(self, data: bytes) -> int:
-        self._sock.settimeout(self._seconds)
-        self._sock.sendall(data)
-        return len(data)
-
-    def flush(self) -> None:
-        """Nothing is buffered."""
-
-
-class ServedRequest(BaseHTTPRequestHandler):
-    """One request on a connection whose head the selector already read: `rfile` starts with it."""
-
-    protocol_version = "HTTP/1.1"
-    server: "BoundedHTTPServer"
-
-    def __init__(self, sock: socket.socket, address: Any, server: "BoundedHTTPServer", reader: _Reader) -> None:
-        self.reader = reader
-        super().__init__(sock, address, server)
-
-    def setup(self) -> None:
-        self.connection = self.request
-        self.rfile = self.reader  # type: ignore[assignment]
-        self.wfile = _Writer(self.request, self.server.limits.write_seconds)  # type: ignore[assignment]
+    def __init__(self, server: "BoundedHTTPServer", conn: "_Conn") -> None:
+        assert conn.head is not None
+        self.server, self.head, self.client_address = server, conn.head, conn.address
+        self.command, self.path, self.headers = conn.head.method, conn.head.target, conn.head.headers
+        self.close_connection = False  # set by a handler that wants the connection closed after its answer
+        self._parser, self._sock, self._buffered = conn.parser, conn.sock, conn.body
+        self._deadline = _Deadline(conn.sock, server.limits)
+        if not self._buffered and self.head.length in (0, None) and "Transfer-Encoding" not in self.headers:
+            self._next()  # the EndOfMessage of an empty body, so the request counts as read whole
 
     def handle(self) -> None:
-        self.close_connection = True
-        self.handle_one_request()
+        action = getattr(self, f"do_{self.command}", None)
+        if action is None:
+            self.respond(501, self.server.error_body(f"Unsupported method ({self.command!r})"),
+                         {"Content-Type": "application/json"})
+        else:
+            action()
 
-    def finish(self) -> None:
-        """The server decides whether the connection goes back to the selector."""
+    def finish(self) -> bool:
+        """Whether the connection may carry another request: both sides done, and h11 agrees."""
+        if self._parser.our_state is h11.DONE and self._parser.their_state is h11.DONE:
+            self._parser.start_next_cycle()
+            return True
+        return False
+
+    def body(self) -> Iterator[bytes]:
+        """The request body piece by piece; BadRequestBody when its framing is broken or it stops short."""
+        if self._buffered:
+            yield from self._buffered  # the connection loop read it whole
+            return
+        while isinstance(event := self._next(), h11.Data):
+            yield event.data
+
+    def _next(self) -> Any:
+        while True:
+            try:
+                event = self._parser.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise BadRequestBody(_describe(exc)) from None
+            if event is not h11.NEED_DATA:
+                return event
+            if self._parser.they_are_waiting_for_100_continue:
+                self._send(_CONTINUE)
+            self._parser.receive_data(self._deadline.recv())  # b"" at the end of input: h11 then raises
+
+    def respond(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        """A whole answer with its Content-Length, in one write (to HEAD: the head alone, RFC 9110 9.3.2)."""
+        head = self._head(status, {**headers, "Content-Length": str(len(body))})
+        self._send(head, *([h11.Data(data=body)] if body and self.command != "HEAD" else []), h11.EndOfMessage())
+
+    def start_response(self, status: int, headers: Mapping[str, str]) -> None:
+        self._send(self._head(status, headers))
+
+    def send_data(self, data: bytes) -> None:
+        if data:
+            self._send(h11.Data(data=data))
+
+    def end_response(self) -> None:
+        self._send(h11.EndOfMessage())
+
+    def _head(self, status: int, headers: Mapping[str, str]) -> h11.Response:
+        items = list(headers.items())
+        if self.close_connection or self._parser.their_state is not h11.DONE:
+            items.append(("Connection", "close"))  # the unread rest of a body cannot be told from a request
+        log.debug("%s %s: %s %s -> %d", self.server.name, self.address_string(), self.command, self.path, status)
+        return h11.Response(status_code=status, headers=items, reason=HTTPStatus(status).phrase.encode())
+
+    def _send(self, *events: Any) -> None:
+        """Straight to the socket, in one write; each write has `write_seconds` to complete."""
+        data = b"".join(self._parser.send(event) or b"" for event in events)
+        if data:
+            self._sock.settimeout(self.server.limits.write_seconds)
+            self._sock.sendall(data)
 
     def address_string(self) -> str:
         return str(self.client_address[0]) if self.client_address else "unix"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("%s %s: " + format, self.server.name, self.address_string(), *args)
-
-    def read_body(self, length: int) -> bytes:
-        """Exactly `length` bytes of body, or ConnectionError when the client stops short."""
-        parts, left = [], length
-        while left:
-            data = self.rfile.read(left)
-            if not data:
-                raise ConnectionResetError("the client closed the connection inside the body")
-            parts.append(data)
-            left -= len(data)
-        return b"".join(parts)
 
 
 @dataclass(eq=False)
@@ -276,9 +271,11 @@ class _Conn:
     address: Any
     since: float  # when it (re-)entered the selector: eviction goes oldest first
     deadline: float
-    buf: bytearray = field(default_factory=bytearray)
+    parser: h11.Connection  # this connection's HTTP/1.1 state, handed to the worker with it
     state: str = "head"  # head | body | linger
+    prefix: bytes = b""  # the request's first bytes: a refusal to HEAD carries no body, even one h11 could not parse
     head: Head | None = None
+    body: list[bytes] = field(default_factory=list)  # read by the loop, for listeners with buffer_body_max
     reserved: int = 0  # body bytes counted against max_buffered_bytes
     drained: int = 0
 
@@ -379,7 +376,8 @@ class BoundedHTTPServer:
             return
         sock.setblocking(False)
         self._open += 1
-        self._enter(_Conn(sock, address, since=now, deadline=now + self.limits.idle_seconds))
+        parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
+        self._enter(_Conn(sock, address, since=now, deadline=now + self.limits.idle_seconds, parser=parser))
 
     def _out_of_fds(self, exc: OSError) -> None:
         """accept() failed for want of fds: free one of ours, or answer one client through the reserve; then pause."""
@@ -425,34 +423,51 @@ class BoundedHTTPServer:
             if conn.drained > _LINGER_BYTES:
                 self._close(conn)
             return
-        if conn.state == "head" and not conn.buf:
-            conn.deadline = conn.since + self.limits.head_seconds
-        conn.buf += data
-        self._progress(conn, len(data))
+        if conn.state == "head" and len(conn.prefix) < 5:
+            if not conn.prefix:
+                conn.deadline = conn.since + self.limits.head_seconds
+            conn.prefix += data[:5 - len(conn.prefix)]
+        conn.parser.receive_data(data)
+        self._progress(conn)
 
-    def _progress(self, conn: _Conn, new: int) -> None:
-        if conn.state == "head":
-            end = _HEAD_END.search(conn.buf, max(0, len(conn.buf) - new - 3))
-            if end is None:
-                if len(conn.buf) > self.limits.max_head_bytes:
-                    self._refuse(conn, Refusal(431, f"the request head is larger than {self.limits.max_head_bytes} bytes"))
-                return
-            head = parse_head(bytes(conn.buf[:end.end()]))
-            if isinstance(head, Refusal):
-                return self._refuse(conn, head)
-            refusal = self.gate(head) or head.framing
-            if refusal:
-                return self._refuse(conn, refusal)
-            conn.head = head
-            if not head.length or head.length > self.limits.buffer_body_max:
+    def _progress(self, conn: _Conn) -> None:
+        """Take what h11 can make of the bytes so far: a head to vet, body data to keep, or nothing yet."""
+        while True:
+            try:
+                event = conn.parser.next_event()
+            except h11.RemoteProtocolError as exc:
+                return self._refuse(conn, _malformed(exc, self.limits))
+            if isinstance(event, h11.Request):
+                conn.head = Head.of(event)
+                refusal = self._vet(conn.head)
+                if refusal:
+                    return self._refuse(conn, refusal)
+                length = conn.head.length
+                if not length or length > self.limits.buffer_body_max:
+                    return self._dispatch(conn)
+                if self._buffered + length > self.limits.max_buffered_bytes:
+                    return self._refuse(conn, self._busy("too many request bodies arriving at once"))
+                conn.state, conn.reserved = "body", length
+                self._buffered += length
+                conn.deadline = time.monotonic() + self.limits.body_seconds + length / self.limits.body_min_rate
+                if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
+                    self._send_once(conn.sock, conn.parser.send(_CONTINUE))
+            elif isinstance(event, h11.Data):
+                conn.body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
                 return self._dispatch(conn)
-            if self._buffered + head.length > self.limits.max_buffered_bytes:
-                return self._refuse(conn, self._busy("too many request bodies arriving at once"))
-            conn.state, conn.reserved = "body", head.length
-            self._buffered += head.length
-            conn.deadline = time.monotonic() + self.limits.body_seconds + head.length / self.limits.body_min_rate
-        if conn.state == "body" and conn.head and len(conn.buf) >= conn.head.size + conn.reserved:
-            self._dispatch(conn)
+            else:
+                return  # NEED_DATA
+
+    def _vet(self, head: Head) -> Refusal | None:
+        """Our rules on top of h11's: a bound on header lines, the listener's gate, unambiguous framing."""
+        if len(head.headers) > self.limits.max_headers:
+            return Refusal(431, f"request headers rejected: got more than {self.limits.max_headers} headers")
+        refusal = self.gate(head)
+        if refusal is None and "Transfer-Encoding" in head.headers and head.length is not None:
+            # h11 would follow Transfer-Encoding; RFC 9112 6.1 lets a server refuse, and smuggling needs both
+            return Refusal(400, "a request has either Content-Length or Transfer-Encoding, not both")
+        return refusal
 
     def _dispatch(self, conn: _Conn) -> None:
         if not self._workers.acquire(blocking=False):
@@ -484,20 +499,21 @@ class BoundedHTTPServer:
                 self._open -= 1
                 continue
             now = time.monotonic()
-            conn.state, conn.head, conn.since = "head", None, now
-            conn.deadline = now + (self.limits.head_seconds if conn.buf else self.limits.idle_seconds)
+            pending = conn.parser.trailing_data[0][:5] if keep else b""  # a pipelined request already arrived
+            conn.state, conn.head, conn.body, conn.prefix, conn.since = "head", None, [], pending, now
+            conn.deadline = now + (self.limits.head_seconds if pending else self.limits.idle_seconds)
             self._enter(conn)
             if not keep:
                 self._linger(conn)
-            elif conn.buf:
-                self._progress(conn, len(conn.buf))  # a pipelined request already arrived
+            elif pending:
+                self._progress(conn)
 
     def _expire(self, now: float) -> None:
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             self._selector.register(self.listener, selectors.EVENT_READ)
         for conn in [c for c in self._loop_owned if c.deadline <= now]:
-            if conn.state in ("head", "body") and conn.buf:
+            if conn.state in ("head", "body") and conn.prefix:
                 self._send_once(conn.sock, self._render(Refusal(408, "the request did not arrive in time")))
             self._close(conn)
 
@@ -519,8 +535,7 @@ class BoundedHTTPServer:
         self._open -= 1
 
     def _refuse(self, conn: _Conn, refusal: Refusal) -> None:
-        head_only = conn.buf.startswith(b"HEAD ")  # the buffer starts with the request being refused
-        if self._send_once(conn.sock, self._render(refusal, head_only)):
+        if self._send_once(conn.sock, self._render(refusal, head_only=conn.prefix == b"HEAD ")):
             self._linger(conn)
         else:
             self._close(conn)
@@ -532,7 +547,7 @@ class BoundedHTTPServer:
         except OSError:
             return self._close(conn)
         self._buffered -= conn.reserved
-        conn.state, conn.reserved, conn.buf = "linger", 0, bytearray()
+        conn.state, conn.reserved, conn.body = "linger", 0, []
         conn.deadline = min(conn.deadline, time.monotonic() + _LINGER_SECONDS)
 
     def _refuse_fresh(self, sock: socket.socket, refusal: Refusal) -> None:
@@ -552,13 +567,16 @@ class BoundedHTTPServer:
         return Refusal(503, f"{why}; try again in {retry} s", (("Retry-After", retry),))
 
     def _render(self, refusal: Refusal, head_only: bool = False) -> bytes:
-        """The answer's bytes; to a HEAD request without the body (RFC 9110 9.3.2: a client reads none, so
-        one sent would be taken for the next answer), as BaseHTTPRequestHandler answers HEAD too."""
+        """The answer's bytes, framed by a fresh h11 connection (h11 allows an answer to a request it never
+        parsed); to a HEAD request without the body (RFC 9110 9.3.2: a client reads none, so one sent would be
+        taken for the next answer), as ServedRequest answers HEAD too."""
         body = self.error_body(refusal.message)
-        lines = [f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}",
-                 "Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close",
-                 *(f"{name}: {value}" for name, value in refusal.headers)]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+        framer = h11.Connection(h11.SERVER)
+        head = framer.send(h11.Response(
+            status_code=refusal.status, reason=HTTPStatus(refusal.status).phrase.encode(),
+            headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close"),
+                     *refusal.headers]))
+        return head if head_only else head + framer.send(h11.Data(data=body)) + framer.send(h11.EndOfMessage())
 
     def _wake(self) -> None:
         try:
@@ -569,20 +587,17 @@ class BoundedHTTPServer:
     # -- worker threads ---------------------------------------------------------------------------
 
     def _serve(self, conn: _Conn) -> None:
-        reader = _Reader(conn.sock, bytes(conn.buf), self.limits)
         keep = False
         try:
-            handler = self.handler(conn.sock, conn.address, self, reader)
-            head = conn.head
-            keep = (not handler.close_connection and head is not None and not head.chunked
-                    and reader.consumed == head.size + (head.length or 0))
+            request = self.handler(self, conn)
+            request.handle()
+            keep = request.finish()
         except (ConnectionError, TimeoutError) as exc:
             log.debug("%s: client %s went away: %s", self.name, conn.address or "unix", exc)
         except Exception:
             log.exception("%s: serving a request failed", self.name)
         finally:
             self._workers.release()
-            conn.buf = reader.leftover()
             self._give_back(conn, keep)
 
     def _give_back(self, conn: _Conn, keep: bool) -> None:
@@ -592,6 +607,19 @@ class BoundedHTTPServer:
                 return
             self._returns.put((conn, keep))
         self._wake()
+
+
+def _malformed(exc: h11.RemoteProtocolError, limits: Limits) -> Refusal:
+    """h11's verdict on bytes that are not an HTTP/1.1 request, in words a client can act on."""
+    if exc.error_status_hint == 431:
+        return Refusal(431, f"the request head is larger than {limits.max_head_bytes} bytes")
+    if exc.error_status_hint == 501:
+        return Refusal(501, "only Transfer-Encoding: chunked is supported")
+    return Refusal(400, f"malformed request: {_describe(exc)}")
+
+
+def _describe(exc: h11.RemoteProtocolError) -> str:
+    return str(exc)[:_MAX_ERROR_TEXT]
 
 
 def _open_reserve() -> int | None:

@@ -1,15 +1,16 @@
 """The `/github/webhook` endpoint: authenticated `workflow_job` events become job-service calls.
 
-It listens on its own port (off unless configured) through `runner.httpserve`, because it takes one
-kind of request from the internet and must refuse everything else cheaply: the method, path,
-content type, declared size and the form of the signature header are checked on the head alone;
-only then is the body read, by the connection loop under an overall deadline, and only a complete
-body takes one of the `max_concurrent` delivery workers, which check the signature before anything
-in the body is believed. Rejections use one rule: 403 for a missing or
+It listens on its own port (off unless configured) through `runner.httpserve` (h11 reads the
+HTTP/1.1), because it takes one kind of request from the internet and must refuse everything else
+cheaply: the method, path, content type, declared size and the form of the signature header are
+checked on the head alone; only then is the body read, by the connection loop under an overall
+deadline, and only a complete body takes one of the `max_concurrent` delivery workers, which check
+the signature before anything in the body is believed. Rejections use one rule: 403 for a missing or
 wrong signature (GitHub's documented validation answers 403 in both cases; there is no auth scheme
 to challenge with, so 401 would be the wrong word), 405/411/413/415 for the request's form, 400 for
-a signed body we cannot read. Anything signed and well-formed but uninteresting (other events,
-unknown actions, jobs for other labels) gets 200 and is ignored, so GitHub does not mark it failed.
+framing that cannot be read (an invalid Content-Length, RFC 9112 6.3) and for a signed body we cannot
+read. Anything signed and well-formed but uninteresting (other events, unknown actions, jobs for other
+labels) gets 200 and is ignored, so GitHub does not mark it failed.
 """
 
 from __future__ import annotations
@@ -137,22 +138,11 @@ class _Handler(ServedRequest):
     """Runs on a delivery worker, with the whole body already read by the connection loop."""
 
     server: "_Server"
-    server_version = "microvm-check-webhook"
-    sys_version = ""
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.read_body(parse_decimal(self.headers["Content-Length"].strip()) or 0)
-        self._answer(self.server.receiver.deliver(self.headers, body))
-
-    def _answer(self, answer: Answer) -> None:
-        body = json.dumps({"message": answer.message}).encode()
-        self.send_response(answer.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if answer.close:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+    def do_POST(self) -> None:  # noqa: N802 (ServedRequest's do_<METHOD> naming)
+        answer = self.server.receiver.deliver(self.headers, b"".join(self.body()))
+        self.close_connection = answer.close
+        self.respond(answer.status, _message_body(answer.message), {"Content-Type": "application/json"})
 
 
 class _Server(BoundedHTTPServer):

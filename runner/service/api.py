@@ -1,10 +1,11 @@
 """The job API over HTTP/1.1: a Unix socket (group-restricted) and, when configured, TCP with a token.
 
-Served by `runner.httpserve`: heads are read by one selector thread under overall deadlines, the
-TCP token is checked right after the headers (before any body is read or a worker is taken), and
-at most MAX_WORKERS requests are served at once. Bodies are streamed both ways: a checkout goes
-straight from the socket to the job's spool file, logs are a chunked NDJSON stream copied from the
-job's log file, artifacts are copied from disk in chunks. See docs/job-api.md for the routes.
+Served by `runner.httpserve` (h11 parses and frames the HTTP/1.1): heads are read by one selector
+thread under overall deadlines, the TCP token is checked right after the headers (before any body is
+read or a worker is taken), and at most MAX_WORKERS requests are served at once. Bodies are streamed
+both ways: a checkout goes straight from the socket to the job's spool file, logs are a chunked NDJSON
+stream copied from the job's log file, artifacts are copied from disk in chunks. See docs/job-api.md
+for the routes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Iterator
 from urllib.parse import parse_qs, urlsplit
 
 from runner import jsonbody
-from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
+from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp,
+                              parse_decimal)
 from runner.jobapi.contract import LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ, JobSummary
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.service import JobError, JobService
@@ -32,8 +34,6 @@ log = logging.getLogger(__name__)
 # Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
 _CHUNK = 1024 * 1024
-_MAX_CHUNK_LINE = 1024
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}\Z")
 # Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
 # (and the id may hold no whitespace, so the newline cannot become part of it either).
 _ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?")
@@ -43,40 +43,7 @@ class BodyFramingError(Exception):
     """A request body that is not valid HTTP framing (answered 400)."""
 
 
-def read_chunked(rfile: Any) -> Iterator[bytes]:
-    """Decode a chunked request body (RFC 9112 7.1), bounded line by line."""
-    while True:
-        line = rfile.readline(_MAX_CHUNK_LINE + 1)
-        if len(line) > _MAX_CHUNK_LINE or not line.endswith(b"\n"):
-            raise BodyFramingError("malformed chunk size line")
-        digits = line.split(b";", 1)[0].strip()
-        if not _HEX.match(digits):  # int(x, 16) would also take "0x10", "-5", "1_0"
-            raise BodyFramingError("malformed chunk size")
-        size = int(digits, 16)
-        if size == 0:
-            break
-        yield from read_sized(rfile, size, "the body ended inside a chunk")
-        if rfile.readline(_MAX_CHUNK_LINE + 1).strip():
-            raise BodyFramingError("missing CRLF after a chunk")
-    for _ in range(64):  # trailers
-        line = rfile.readline(_MAX_CHUNK_LINE + 1)
-        if line in (b"\r\n", b"\n", b""):
-            return
-    raise BodyFramingError("too many trailer lines")
-
-
-def read_sized(rfile: Any, length: int, short: str = "the body ended before Content-Length bytes") -> Iterator[bytes]:
-    left = length
-    while left:
-        data = rfile.read(min(left, _CHUNK))
-        if not data:
-            raise BodyFramingError(short)
-        left -= len(data)
-        yield data
-
-
 class Handler(ServedRequest):
-    server_version = "microvm-check"
     server: Any
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -86,15 +53,10 @@ class Handler(ServedRequest):
         return self.server.service
 
     def _body(self) -> Iterator[bytes]:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return read_chunked(self.rfile)
-        length = self.headers.get("Content-Length")
-        if length is None:
-            return iter(())
-        size = parse_decimal(length.strip())  # the server refused anything else before this request got here
-        if size is None:
-            raise BodyFramingError("invalid Content-Length")
-        return read_sized(self.rfile, size)
+        try:
+            yield from self.body()
+        except BadRequestBody as exc:
+            raise BodyFramingError(str(exc)) from None
 
     def _json_body(self) -> Any:
         data = bytearray()
@@ -109,16 +71,7 @@ class Handler(ServedRequest):
             raise JobError(400, f"the body is not valid JSON: {exc}") from exc
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(obj).encode() + b"\n"
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+        self.respond(status, json.dumps(obj).encode() + b"\n", {"Content-Type": "application/json", **(headers or {})})
 
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         self._send_json(status, {"error": message}, headers)
@@ -194,35 +147,34 @@ class Handler(ServedRequest):
 
     def _logs(self, job_id: str, after: int) -> None:
         job_log = self.service.log_of(job_id)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self.start_response(200, {"Content-Type": "application/x-ndjson"})  # chunked (close-delimited to HTTP/1.0)
         for line in job_log.follow(after):
-            self._chunk(line)
+            self.send_data(line)
         end = {"end": True, "job": self.service.get(job_id).to_wire()}
-        self._chunk(json.dumps(end).encode() + b"\n")
-        self.wfile.write(b"0\r\n\r\n")
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+        self.send_data(json.dumps(end).encode() + b"\n")
+        self.end_response()
 
     def _artifacts(self, job_id: str) -> None:
         path = self.service.artifacts_path(job_id)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-tar")
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
+            self.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size)})
             left = size
             while left:
                 data = f.read(min(left, _CHUNK))
                 if not data:
                     raise OSError(f"{path} shrank while being sent")
-                self.wfile.write(data)
+                self.send_data(data)
                 left -= len(data)
+            self.end_response()
+
+
+def _wire(parse: Any, data: Any) -> Any:
+    """A request body in one of the contract's shapes, or a 400 naming the field."""
+    try:
+        return parse(data)
+    except WireError as exc:
+        raise BadRequest(f"the body is not a {parse.__self__.__name__}: {exc}") from exc
 
 
 def job_route(path: str) -> tuple[str, str] | None:

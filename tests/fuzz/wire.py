@@ -14,6 +14,7 @@ import http.client
 import io
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -22,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 EXCHANGE_SECONDS = 10.0  # no answer within this is a failure: the client half-closed, nothing is pending
-STREAM_HEAD = b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+# The head of a log stream, whatever framing follows (chunked; close-delimited to HTTP/1.0) and whether it
+# ends with Connection: close.
+STREAM_HEAD = re.compile(rb"\r\nContent-Type: application/x-ndjson\r\n(?:[^\r\n]+\r\n)*\r\n")
 
 
 @dataclass
@@ -70,7 +73,7 @@ def exchange(connect: Callable[[], socket.socket], data: bytes) -> Exchange:
         except (BrokenPipeError, ConnectionResetError):
             reset = True  # refused before the whole request was sent: what it answered is still readable
         deadline = time.monotonic() + EXCHANGE_SECONDS
-        while STREAM_HEAD not in received:
+        while not STREAM_HEAD.search(received):
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 chunk = sock.recv(65536)
@@ -99,7 +102,7 @@ def parse_answers(data: bytes, first_method: str = "GET") -> list[Answer]:
         response = http.client.HTTPResponse(recorded, method=method)  # type: ignore[arg-type]
         response.begin()
         headers = {name.lower(): value for name, value in response.getheaders()}
-        if headers.get("content-type") == "application/x-ndjson" and STREAM_HEAD in data[:recorded.file.tell()]:
+        if headers.get("content-type") == "application/x-ndjson":
             answers.append(Answer(response.status, response.reason, headers, b"", stream=True))
             break
         answers.append(Answer(response.status, response.reason, headers, response.read()))

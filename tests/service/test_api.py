@@ -14,11 +14,9 @@ import threading
 from typing import Callable
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
-from runner.service.api import BodyFramingError, UnixApiServer, read_chunked
+from runner.service.api import UnixApiServer
 from runner.jobapi.client import JobAPIError, JobClient
 from tests.conftest import require
 
@@ -248,21 +246,6 @@ def _spare_group() -> str | None:
     return None
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=300))
-def test_chunked_decoder_never_reads_past_garbage(data: bytes) -> None:
-    try:
-        body = b"".join(read_chunked(io.BytesIO(data)))
-    except BodyFramingError:
-        return
-    assert len(body) <= len(data)
-
-
-def test_chunked_decoder_round_trip() -> None:
-    encoded = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nTrailer: x\r\n\r\n"
-    assert b"".join(read_chunked(io.BytesIO(encoded))) == b"hello world!"
-
-
 def read_until_closed(sock: socket.socket, seconds: float = 10) -> tuple[bytes, bool]:
     """Everything the server sends, and whether it closed the connection within `seconds`."""
     sock.settimeout(seconds)
@@ -307,11 +290,6 @@ def test_numbers_of_4301_digits_are_400(api, request_line: str, headers: str) ->
     service, _ = api()
     answer = raw(service.config.socket, f"{request_line} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 400") and b"error" in answer
-
-
-def test_chunk_sizes_are_plain_hex() -> None:
-    with pytest.raises(BodyFramingError, match="malformed chunk size"):
-        b"".join(read_chunked(io.BytesIO(b"0x5\r\nhello\r\n0\r\n\r\n")))  # int(x, 16) takes "0x5"
 
 
 @pytest.mark.parametrize("body, why", [
