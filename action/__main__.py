@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
-from action.inputs import Inputs, job_spec, read_inputs
+from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
@@ -255,7 +255,7 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         inputs = read_inputs(environ)
         workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
         spec = job_spec(inputs, environ, workspace)
-        client = JobClient(socket=inputs.socket)
+        client = JobClient(socket=inputs.socket, runner_token=runner_token(environ))
         job = JobDriver(client, inputs, workspace, out, environ)
         return job.run(spec)
     except Interrupted as exc:

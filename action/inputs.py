@@ -17,11 +17,12 @@ from typing import Any
 
 from runner import tarsafe
 from runner.errors import UserError
-from runner.jobapi.contract import DEFAULT_SOCKET, ENV_NAME, MAX_POLICY_BYTES, SHA, TEMPLATE_NAME, JobSpec
+from runner.jobapi.contract import (DEFAULT_SOCKET, ENV_NAME, MAX_POLICY_BYTES, MAX_TOKEN, RUNNER_TOKEN_VARIABLE, SHA,
+                                    TEMPLATE_NAME, JobSpec)
 
 MAX_TIMEOUT_MINUTES = 24 * 60
 # The runner's own credentials: never meant for user code, and fatal in a fork's hands.
-_FORBIDDEN_ENV = re.compile(r"ACTIONS_.*|GITHUB_TOKEN", re.IGNORECASE)
+_FORBIDDEN_ENV = re.compile(rf"ACTIONS_.*|GITHUB_TOKEN|{RUNNER_TOKEN_VARIABLE}", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,17 @@ def _env_names(value: str) -> list[str]:
             raise UserError(f"input 'env': {name} is the runner's own credential or setting and never "
                             "enters the VM; pass a narrower secret under another name if the job needs one")
     return names
+
+
+def runner_token(environ: Mapping[str, str]) -> str | None:
+    """A fleet runner's credential (the service wrote it into the runner's `.env`), sent to the service
+    with every request and nowhere else: never in a message, never into the VM (see `_env_names`)."""
+    token = environ.get(RUNNER_TOKEN_VARIABLE, "").strip()
+    if not token:
+        return None
+    if len(token) > MAX_TOKEN or not token.isascii() or not token.isprintable():
+        raise UserError(f"{RUNNER_TOKEN_VARIABLE} is not a runner token: the runner's .env is damaged")
+    return token
 
 
 def _boolean(name: str, value: str) -> bool:

@@ -10,6 +10,11 @@ and started as the unprivileged runner user in a fresh directory (`runner.fleet.
 does all the work (GitHub calls, copies, process starts and reaping), so the webhook only records
 what it heard and returns at once, and no two steps race over a runner.
 
+Each runner has its own token, which the service knows (`add_runner`) while the runner lives: its
+job hooks and the action in its job use it to report, guard and submit that one job (see
+runner/service/auth.py). Each runner also runs in a cgroup of its own (runner.fleet.cgroup), so
+when it ends everything its job started goes with it, `setsid` or not.
+
 What can be lost is made whole again: at start the fleet kills what a dead predecessor's runners
 left running, removes their directories and deregisters this host's runners that GitHub still lists;
 a runner that exits during its job has the job cancelled in the service (its VM destroyed) and is
@@ -34,7 +39,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.fleet import report, workdir
+from runner.fleet import cgroup, workdir
+from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.report import ReportedJob
 from runner.fleet.workdir import RunnerDir, RunnerUser
@@ -69,6 +75,7 @@ class FleetSettings:
     runners_dir: Path
     name_prefix: str
     status_path: Path
+    socket: str  # the job API's Unix socket, which the runners' hooks and the action talk to
 
     @classmethod
     def from_config(cls, config: Any) -> FleetSettings:
@@ -79,11 +86,18 @@ class FleetSettings:
         return cls(section.org, section.labels, section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
                    section.shutdown_grace_seconds, section.runner_user, section.install_dir, section.runners_dir,
-                   prefix, config.state_dir / STATUS_FILE)
+                   prefix, config.state_dir / STATUS_FILE, config.socket)
 
 
-class JobCanceller(Protocol):
-    """The job service's side: cancel (and destroy the VMs of) the jobs a dead runner had submitted."""
+class FleetService(Protocol):
+    """The job service's side (runner.service.service.JobService): which runners' tokens it takes, the
+    job each runner's hook reported, and cancelling (destroying the VMs of) a dead runner's jobs."""
+
+    def add_runner(self, name: str, token: str) -> None: ...
+
+    def remove_runner(self, name: str) -> None: ...
+
+    def runner_job(self, name: str) -> ReportedJob | None: ...
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]: ...
 
@@ -94,6 +108,7 @@ class FleetRunner:
     dir: RunnerDir
     github_id: int
     process: subprocess.Popen
+    cgroup: RunnerCgroup
     since: float
     token: str = field(repr=False)  # the runner's own credential (in its .env): binds its jobs to it
     state: RunnerState = RunnerState.IDLE
@@ -116,7 +131,7 @@ class RunnerEnd:
 
 
 class RunnerFleet:
-    def __init__(self, settings: FleetSettings, admin: RunnerAdmin, service: JobCanceller | None = None,
+    def __init__(self, settings: FleetSettings, admin: RunnerAdmin, service: FleetService,
                  extra_status: Callable[[], dict[str, Any]] | None = None, interval: float = 0.2) -> None:
         self.settings = settings
         self.admin = admin
@@ -135,7 +150,8 @@ class RunnerFleet:
         self._thread: threading.Thread | None = None
         self.user: RunnerUser | None = None
         self._release: Path | None = None
-        self._hook: Path | None = None
+        self._hooks: dict[str, Path] = {}
+        self._scope = cgroup.scope_for(settings.runners_dir)
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -147,7 +163,7 @@ class RunnerFleet:
         runners_dir.mkdir(parents=True, exist_ok=True)
         os.chown(runners_dir, 0, 0)
         os.chmod(runners_dir, 0o711)  # a runner can reach its own directory, not list the others
-        self._hook = workdir.install_hooks(runners_dir)
+        self._hooks = workdir.install_hooks(runners_dir, self.settings.socket)
         self._recover_host()
         self._thread = threading.Thread(target=self._loop, name="runner-fleet", daemon=True)
         self._thread.start()
@@ -173,6 +189,7 @@ class RunnerFleet:
             self._kill(runner)
             self._reap(runner, runner.process.wait())
         self._retry_stale()
+        cgroup.remove_scope(self._scope)
         self._write_status()
 
     @property
@@ -242,7 +259,7 @@ class RunnerFleet:
     def _inspect(self, runner: FleetRunner, now: float) -> None:
         exit_code = runner.process.poll()
         if runner.state is RunnerState.IDLE:
-            job = report.read(runner.dir.report)
+            job = self.service.runner_job(runner.name)
             if job is not None:
                 self._busy(runner, job, now)
         if exit_code is not None:
@@ -266,13 +283,10 @@ class RunnerFleet:
             why = (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) before the job finished: "
                    "the job failed with it and its VM was destroyed; re-run the job")
             log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), _exit(exit_code))
-            if self.service is not None:
-                self.service.runner_died(runner.name, why)
+            self.service.runner_died(runner.name, why)
         if runner.job is None or exit_code != 0:
             self._deregister(runner.github_id)
-        workdir.remove(runner.dir.path)
-        with self._lock:
-            self._runners.remove(runner)
+        self._forget(runner)
         self.ended.append(RunnerEnd(runner.name, runner.job, exit_code, died))
 
     def _retire(self, runner: FleetRunner, why: str, force: bool = False) -> None:
@@ -295,9 +309,7 @@ class RunnerFleet:
             pass
         self._kill(runner)
         runner.process.wait()
-        workdir.remove(runner.dir.path)
-        with self._lock:
-            self._runners.remove(runner)
+        self._forget(runner)
         self.ended.append(RunnerEnd(runner.name, runner.job, None, False))
 
     def _scale(self, now: float) -> None:
@@ -311,8 +323,20 @@ class RunnerFleet:
             if now < self._retry_at or not self._spawn(now):
                 return
 
+    def _forget(self, runner: FleetRunner) -> None:
+        """The runner has ended: its token opens nothing, its cgroup (whatever its job left running)
+        and its directory are gone."""
+        self.service.remove_runner(runner.name)
+        try:
+            runner.cgroup.destroy()
+        except CgroupError as exc:
+            log.error("runner %s: %s", runner.name, exc)
+        workdir.remove(runner.dir.path)
+        with self._lock:
+            self._runners.remove(runner)
+
     def _spawn(self, now: float) -> bool:
-        assert self.user is not None and self._release is not None and self._hook is not None
+        assert self.user is not None and self._release is not None and self._hooks
         name = f"{self.settings.name_prefix}-{secrets.token_hex(4)}"
         try:
             jit = self.admin.jit_config(name, self.settings.labels, self.settings.runner_group)
@@ -323,42 +347,69 @@ class RunnerFleet:
             return False
         path = self.settings.runners_dir / name
         token = secrets.token_urlsafe(32)
+        group: RunnerCgroup | None = None
+        self.service.add_runner(name, token)
         try:
-            runner_dir = workdir.make(self._release, path, self.user, name, token, self._hook)
-            process = self._launch(runner_dir, jit)
+            runner_dir = workdir.make(self._release, path, self.user, name, token, self._hooks)
+            group = RunnerCgroup.create(self._scope, name)
+            process = self._launch(runner_dir, jit, group)
         except OSError as exc:
             log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
+            self.service.remove_runner(name)
+            if group is not None:
+                group.destroy()
             workdir.remove(path)
             self._deregister(jit.runner.id)
             self._retry_at = now + SPAWN_BACKOFF_SECONDS
             return False
         with self._lock:
-            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, now, token))
+            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token))
         log.info("runner %s (id %d) started in %s", name, jit.runner.id, path)
         return True
 
-    def _launch(self, runner_dir: RunnerDir, jit: JitConfig) -> subprocess.Popen:
+    def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup) -> subprocess.Popen:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
-        arguments, here kept out of `ps`), as the runner user, in a session of its own so that
-        everything it starts can be stopped together."""
+        arguments, here kept out of `ps`), as the runner user, in a session and a cgroup of its own.
+
+        The runner user cannot move itself into a root-owned cgroup, so a shell waits on a pipe
+        until this process has put it there, and only then execs `run.sh`: nothing of the runner
+        ever runs outside the group."""
         assert self.user is not None
         log_fd = os.open(runner_dir.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.fchown(log_fd, self.user.uid, self.user.gid)
         try:
-            return subprocess.Popen(
-                [str(runner_dir.path / "run.sh")], cwd=runner_dir.path,
+            process = subprocess.Popen(
+                ["/bin/sh", "-c", 'read -r go && [ "$go" = go ] && exec ./run.sh </dev/null'], cwd=runner_dir.path,
                 env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
                 user=self.user.uid, group=self.user.gid, extra_groups=list(self.user.groups), umask=0o077,
-                start_new_session=True, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT)
+                start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
         finally:
             os.close(log_fd)
+        assert process.stdin is not None
+        try:
+            group.add(process.pid)
+            process.stdin.write(b"go\n")
+        except OSError:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            process.stdin.close()
+        return process
 
     def _kill(self, runner: FleetRunner, signum: int = signal.SIGKILL) -> None:
-        """Signal the runner's whole session (its job's processes too)."""
+        """Signal the runner's whole session; SIGKILL also reaches what its job started in sessions of
+        its own (the runner's cgroup)."""
         try:
             os.killpg(runner.process.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+        if signum == signal.SIGKILL:
+            for pid in runner.cgroup.pids():
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
 
     # -- GitHub's side -----------------------------------------------------------------------------
 
@@ -409,6 +460,8 @@ class RunnerFleet:
     def _recover_host(self) -> None:
         """Kill what a dead predecessor's runners still run and remove their directories."""
         runners_dir = self.settings.runners_dir
+        for group in cgroup.sweep(self._scope):
+            log.warning("killed what runner %s of a previous service left running (its cgroup)", group.name)
         for pid in processes_in(runners_dir):
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)

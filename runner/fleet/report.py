@@ -1,23 +1,18 @@
-"""The job a runner reports it got, as its job-started hook wrote it.
+"""The job a runner reports it got: its job-started hook sends it to the service with the runner's token.
 
-The hook runs as the runner user, and later steps of the same job run as that user too, so the
-report is the runner's word, not proof: it is read bounded, without following links, and checked
-field by field. It only says which job a busy runner has (status, and the job the service cancels
-when the runner dies); nothing grants access by it.
+The hook runs before any step of the job, as the trusted runner starts it, and the service binds the
+runner to the first job it reports (runner/service/auth.py): the runner may then submit only for
+that job. Every field is checked here before the service keeps it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from runner.github.jobs import REPOSITORY_RE
 
-MAX_REPORT = 4096
 MAX_TEXT = 256
 
 
@@ -45,29 +40,6 @@ def from_environment(environ: Mapping[str, str]) -> ReportedJob:
     if job is None:
         raise ValueError("GITHUB_REPOSITORY, GITHUB_RUN_ID, GITHUB_RUN_ATTEMPT and GITHUB_JOB do not name a job")
     return job
-
-
-def write(path: Path, job: ReportedJob) -> None:
-    """Create the report; never through an existing file or link (one report per runner)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(job.to_json(), out)
-
-
-def read(path: Path) -> ReportedJob | None:
-    """The report if there is a usable one; None when absent, a link, too large or malformed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(MAX_REPORT + 1)
-    if len(data) > MAX_REPORT:
-        return None
-    try:
-        return parse(json.loads(data))
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 def parse(data: Any) -> ReportedJob | None:

@@ -4,13 +4,16 @@ The copy is a real copy (new inodes), never hard links into the installed releas
 the runner user could otherwise write through a link into the release every later runner starts from.
 The runner's `.env` (read by the runner at start; its values reach every step of the job) names the
 job hooks and holds the runner's own credential, readable by the runner user only. The hooks
-themselves are root's, outside every runner directory, so no job can change what they run.
+themselves are root's, outside every runner directory, so no job can change what they run: the
+job-started hook reports the job to the service, whose fork guard allows or refuses it; the
+job-completed hook has the service end whatever the job still runs.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -18,11 +21,10 @@ from pathlib import Path
 
 from runner.github.hook import ISOLATION
 
+from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE as TOKEN_VARIABLE
 HOOKS = "_hooks"
-STARTED_HOOK = "job-started.sh"
-REPORT = "_report/job.json"  # where the job-started hook writes the job the runner got
-TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
-REPORT_VARIABLE = "MICROVM_CHECK_RUNNER_REPORT"
+# The runner's variable naming each hook, and the hook's script (and `microvm-check runner` command).
+HOOK_SCRIPTS = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": "job-started", "ACTIONS_RUNNER_HOOK_JOB_COMPLETED": "job-completed"}
 NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
 
 
@@ -58,10 +60,6 @@ class RunnerDir:
     path: Path
 
     @property
-    def report(self) -> Path:
-        return self.path / REPORT
-
-    @property
     def log(self) -> Path:
         return self.path / "_diag" / "microvm-check-runner.log"
 
@@ -71,32 +69,36 @@ class RunnerDir:
                 "TMPDIR": str(self.path / "_tmp"), "LANG": "C.UTF-8"}
 
 
-def install_hooks(runners_dir: Path) -> Path:
-    """The root-owned job-started hook every runner's `.env` names: it leaves the job's workspace, drops
-    `PYTHON*` and runs this installation's Python isolated, reporting the job to the fleet."""
+def install_hooks(runners_dir: Path, socket: str) -> dict[str, Path]:
+    """The root-owned hooks every runner's `.env` names (by the runner's variable): each leaves the job's
+    workspace, drops `PYTHON*` and runs this installation's Python isolated (`-I`, absolute paths),
+    talking to the service on `socket` with the runner's token."""
     hooks = runners_dir / HOOKS
     hooks.mkdir(parents=True, exist_ok=True, mode=0o755)
     os.chown(hooks, 0, 0)
     os.chmod(hooks, 0o755)
-    argv = f"{sys.executable} -I -m runner.cli runner job-started"
+    return {variable: _write_hook(hooks, command, socket) for variable, command in HOOK_SCRIPTS.items()}
+
+
+def _write_hook(hooks: Path, command: str, socket: str) -> Path:
+    argv = shlex.join([sys.executable, "-I", "-m", "runner.cli", "runner", command, "--socket", socket])
     text = ("#!/bin/sh\n# Written by the microvm-check service (runner/fleet/workdir.py); runs in the job's workspace.\n"
             f"{ISOLATION}exec {argv}\n")
-    script = hooks / STARTED_HOOK
-    temporary = hooks / f".{STARTED_HOOK}.tmp"
+    script = hooks / f"{command}.sh"
+    temporary = hooks / f".{command}.sh.tmp"
     temporary.write_text(text)
     temporary.chmod(0o755)
     temporary.replace(script)
     return script
 
 
-def make(release: Path, path: Path, user: RunnerUser, name: str, token: str, hook: Path) -> RunnerDir:
+def make(release: Path, path: Path, user: RunnerUser, name: str, token: str, hooks: dict[str, Path]) -> RunnerDir:
     """A fresh runner directory at `path` (which must not exist) for `user`, mode 0700."""
     shutil.copytree(release, path, symlinks=True, copy_function=shutil.copy2)
     runner = RunnerDir(path)
-    for sub in ("_work", "_home", "_tmp", "_diag", "_report"):
+    for sub in ("_work", "_home", "_tmp", "_diag"):
         (path / sub).mkdir(exist_ok=True)
-    env = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": str(hook), REPORT_VARIABLE: str(runner.report),
-           NAME_VARIABLE: name, TOKEN_VARIABLE: token}
+    env = {**{variable: str(script) for variable, script in hooks.items()}, NAME_VARIABLE: name, TOKEN_VARIABLE: token}
     (path / ".env").write_text("".join(f"{key}={value}\n" for key, value in env.items()))
     _own(path, user)
     os.chmod(path / ".env", 0o600)

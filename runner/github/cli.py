@@ -65,8 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     install.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
                          help="the service config whose runners.install_dir to use")
     install.set_defaults(func=cmd_runner_install)
-    started = actions.add_parser("job-started", help="job-started hook of the fleet's runners (not for people)")
-    started.set_defaults(func=cmd_runner_job_started)
+    for name, func in (("job-started", cmd_runner_job_started), ("job-completed", cmd_runner_job_completed)):
+        hook_cmd = actions.add_parser(name, help=f"{name} hook of the fleet's runners (not for people)")
+        hook_cmd.add_argument("--socket", required=True, help="the job API's Unix socket")
+        hook_cmd.set_defaults(func=func)
 
     cmd = subparsers.add_parser("status", help="the host's runners (idle, busy with what), VMs and queue")
     cmd.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
@@ -223,18 +225,13 @@ def cmd_runner_install(args: argparse.Namespace) -> int:
 
 
 def cmd_runner_job_started(args: argparse.Namespace) -> int:
-    """Tell the fleet which job this runner got. Never fails the job: the report is for the status and
-    for cancelling the job's VM should the runner die."""
-    from runner.fleet import report, workdir
+    """Report this runner's job to the service, whose fork guard allows (0) or refuses (1) it."""
+    return hook.job_started(args.socket, os.environ, sys.stdout)
 
-    target = os.environ.get(workdir.REPORT_VARIABLE)
-    try:
-        if not target:
-            raise ValueError(f"{workdir.REPORT_VARIABLE} is not set: this runner was not started by the fleet")
-        report.write(Path(target), report.from_environment(os.environ))
-    except (ValueError, OSError) as exc:
-        print(f"::warning::microvm-check: could not report this job to the runner fleet: {exc}", flush=True)
-    return 0
+
+def cmd_runner_job_completed(args: argparse.Namespace) -> int:
+    """Tell the service this runner's job ended: what it still runs is cancelled, its VMs destroyed."""
+    return hook.job_completed(args.socket, os.environ, sys.stdout)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

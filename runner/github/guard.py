@@ -164,16 +164,65 @@ def _may_change(path: str, where: str) -> str:
 
 def job_context(env: Mapping[str, str]) -> JobContext:
     """The job's identity from the runner's environment and event file, validated."""
-    event_name = env.get("GITHUB_EVENT_NAME", "")
-    repository = env.get("GITHUB_REPOSITORY", "")
+    event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
+    return _context(env.get("GITHUB_EVENT_NAME", ""), env.get("GITHUB_REPOSITORY", ""),
+                    env.get("GITHUB_WORKFLOW_REF", ""), event)
+
+
+def _context(event_name: str, repository: str, workflow_ref: str, event: dict[str, Any]) -> JobContext:
     if not re.fullmatch(r"[a-z_]{1,64}", event_name):
         raise GuardError(f"GITHUB_EVENT_NAME {event_name[:64]!r} is missing or malformed")
     if not REPOSITORY_RE.match(repository):
         raise GuardError(f"GITHUB_REPOSITORY {repository[:200]!r} is missing or malformed")
-    event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
     pull_request = _pull_request(event, repository) if event_name in PR_CARRYING_EVENTS else None
-    workflow_path = _workflow_path(env.get("GITHUB_WORKFLOW_REF", ""), repository)
-    return JobContext(event_name, repository, workflow_path, pull_request)
+    return JobContext(event_name, repository, _workflow_path(workflow_ref, repository), pull_request)
+
+
+# -- the guard run by the service, for fleet runners ----------------------------------------------
+# A fleet runner's user must not read the App's private key, so its job-started hook cannot ask GitHub
+# itself: it sends what the guard reads of the job (its names and the event's pull request, nothing
+# else) to the service, which runs the same checks with the App and answers allow or refuse.
+
+
+def reported_context(env: Mapping[str, str]) -> dict[str, Any]:
+    """What the hook sends: the job's names and the event's pull request, cut to the fields the guard reads."""
+    event = _read_event(env.get("GITHUB_EVENT_PATH", ""))
+    pr = event.get("pull_request")
+    return {"event_name": env.get("GITHUB_EVENT_NAME", ""), "repository": env.get("GITHUB_REPOSITORY", ""),
+            "workflow_ref": env.get("GITHUB_WORKFLOW_REF", ""),
+            "pull_request": _pull_request_fields(pr) if isinstance(pr, dict) else None}
+
+
+def _pull_request_fields(pr: dict[str, Any]) -> dict[str, Any]:
+    def side(name: str) -> Any:
+        part = pr.get(name)
+        if not isinstance(part, dict):
+            return part
+        repo = part.get("repo")
+        return {"sha": part.get("sha"),
+                "repo": {"full_name": repo.get("full_name")} if isinstance(repo, dict) else repo}
+
+    return {"number": pr.get("number"), "author_association": pr.get("author_association", ""),
+            "head": side("head"), "base": side("base")}
+
+
+def service_verdict(reported: Any, repository: str, rules: RepoRules,
+                    client: Callable[[], GitHubClient]) -> Verdict:
+    """The guard's verdict on what a fleet runner's hook sent, for the job it reported in `repository`.
+    Fails closed: anything unreadable, or GitHub not answering, refuses the job."""
+    try:
+        if not isinstance(reported, dict):
+            raise GuardError("the runner's hook could not read the job's event")
+        texts = [reported.get(key) for key in ("event_name", "repository", "workflow_ref")]
+        if not all(isinstance(text, str) and len(text) <= 1024 for text in texts):
+            raise GuardError("the runner's hook sent no event name, repository or workflow ref")
+        if texts[1].lower() != repository.lower():
+            raise GuardError(f"the event is for {texts[1][:200]!r}, not the reported job's {repository}")
+        pr = reported.get("pull_request")
+        job = _context(texts[0], texts[1], texts[2], {"pull_request": pr} if pr is not None else {})
+        return evaluate(job, rules, client)
+    except GitHubError as exc:
+        return Verdict(False, (f"the guard could not check this job ({exc}), so it refuses it.",))
 
 
 def _read_event(path: str) -> dict[str, Any]:

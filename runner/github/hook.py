@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from runner.github.errors import GitHubError
 
@@ -81,6 +82,65 @@ def install_guard_hook(runner_dir: Path, argv: Sequence[str]) -> Path:
     kept = [line for line in lines if not line.startswith(f"{HOOK_VARIABLE}=")]
     _write(env_file, "\n".join([*kept, f"{HOOK_VARIABLE}={script}"]) + "\n", 0o644)
     return script
+
+
+# -- the fleet's runners (runner.fleet): the hooks report to the service, which runs the guard -----------
+
+
+def job_started(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
+    """The fleet runner's job-started hook: report the job to the service with the runner's token, and
+    let the service's guard decide. Exit 1 (the runner fails the job before any step) when it refuses,
+    or when the service cannot be asked: the guard fails closed."""
+    from runner.fleet import report
+    from runner.github import guard
+    from runner.jobapi.client import JobAPIError, JobClient
+    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, JobStarted, WireError
+
+    try:
+        job = report.from_environment(environ)
+        try:
+            context: dict | None = guard.reported_context(environ)
+        except GitHubError as exc:  # the service's guard refuses a job it cannot see; the reason goes with it
+            out.write(f"microvm-check: the job's event could not be read: {exc}\n")
+            context = None
+        started = JobStarted(job.repository, job.run_id, job.run_attempt, job.job, job.workflow_ref, job.event,
+                             context)
+        with JobClient(socket=socket, runner_token=_runner_token(environ, RUNNER_TOKEN_VARIABLE)) as client:
+            verdict = client.job_started(started)
+    except (ValueError, JobAPIError, WireError) as exc:
+        verdict = guard.Verdict(False, (f"the job could not be reported to the microvm-check service ({exc}), "
+                                        "so it is refused.",))
+    for line in guard.error_lines(guard.Verdict(verdict.allowed, verdict.reasons)):
+        out.write(line + "\n")
+    if verdict.allowed:
+        out.write("microvm-check: job reported to the service; the fork guard allows it\n")
+    out.flush()
+    return 0 if verdict.allowed else 1
+
+
+def job_completed(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
+    """The fleet runner's job-completed hook: the service cancels whatever this runner's job still runs
+    and destroys its VMs. Never fails: the job has ended either way."""
+    from runner.jobapi.client import JobAPIError, JobClient
+    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, WireError
+
+    try:
+        with JobClient(socket=socket, runner_token=_runner_token(environ, RUNNER_TOKEN_VARIABLE)) as client:
+            cancelled = client.job_completed()
+    except (ValueError, JobAPIError, WireError) as exc:
+        out.write(f"::warning::microvm-check: could not tell the service this job ended: {exc}\n")
+        return 0
+    if cancelled:
+        out.write(f"microvm-check: cancelled what this job still ran: {', '.join(cancelled)}\n")
+    out.flush()
+    return 0
+
+
+def _runner_token(environ: Mapping[str, str], variable: str) -> str:
+    token = environ.get(variable, "")
+    if not token:
+        raise ValueError(f"{variable} is not set: this runner was not started by the microvm-check fleet")
+    return token
 
 
 def _write(path: Path, text: str, mode: int) -> None:

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from runner.jobapi.contract import (
-    DEFAULT_SOCKET, Health, JobRecord, JobSpec, JobSummary, LogEntry, WireError,
+    DEFAULT_SOCKET, JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER, Health, JobRecord, JobSpec, JobStarted, JobSummary, LogEntry,
+    Verdict, WireError,
 )
 
 _CHUNK = 1024 * 1024
@@ -54,15 +55,21 @@ class JobAPIError(Exception):
 class JobClient:
     """One service, reached over `socket` (default DEFAULT_SOCKET) or `url` (http://HOST:PORT with a `token`).
 
-    Keeps a small pool of connections; close it with `close()` or use the client as a context manager.
+    `runner_token` is a fleet runner's credential (MICROVM_CHECK_RUNNER_TOKEN), sent with every request.
+    The job token a submit answers is kept and sent with that job's later requests; `job_tokens`
+    holds them (add one to reach a job this client did not submit). Keeps a small pool of
+    connections; close it with `close()` or use the client as a context manager.
     """
 
     def __init__(self, socket: str | None = None, url: str | None = None, token: str | None = None,
-                 timeout: float | None = 60.0) -> None:
+                 timeout: float | None = 60.0, runner_token: str | None = None) -> None:
         if socket is not None and url is not None:
             raise ValueError("give at most one of socket or url")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if url is None:
+        if runner_token:
+            headers[RUNNER_TOKEN_HEADER] = runner_token
+        self.job_tokens: dict[str, str] = {}
             self.where = socket or DEFAULT_SOCKET
             transport = httpx.HTTPTransport(uds=self.where, limits=_POOL)
             base = "http://localhost"
@@ -92,23 +99,38 @@ class JobClient:
     def submit(self, spec: JobSpec | Mapping[str, Any]) -> JobSummary:
         """Submit a job; a mapping is sent as it is (the wire form, e.g. to test the service's checks)."""
         body = spec.to_wire() if isinstance(spec, JobSpec) else dict(spec)
-        return self._call("POST", "/v1/jobs", JobSummary.from_wire, content=json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"})
+        summary = self._call("POST", "/v1/jobs", JobSummary.from_wire, content=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+        if summary.token:
+            self.job_tokens[summary.id] = summary.token
+        return summary
 
     def upload_checkout(self, job_id: str, data: BinaryIO | Iterable[bytes] | bytes) -> JobSummary:
         """Send the checkout tar: bytes as they are, a file or an iterable of chunks streamed (chunked)."""
         body = bytes(data) if isinstance(data, (bytes, bytearray)) else _chunks(data)
         return self._call("PUT", f"/v1/jobs/{_id(job_id)}/checkout", JobSummary.from_wire, content=body,
-                          headers={"Content-Type": "application/x-tar"})
+                          headers={"Content-Type": "application/x-tar", **self._job(job_id)})
 
     def get(self, job_id: str) -> JobRecord:
-        return self._call("GET", f"/v1/jobs/{_id(job_id)}", JobRecord.from_wire)
+        return self._call("GET", f"/v1/jobs/{_id(job_id)}", JobRecord.from_wire, headers=self._job(job_id))
 
     def list(self, limit: int = 50) -> list[JobRecord]:
         return self._call("GET", f"/v1/jobs?limit={int(limit)}", _records)
 
     def cancel(self, job_id: str) -> JobRecord:
-        return self._call("POST", f"/v1/jobs/{_id(job_id)}/cancel", JobRecord.from_wire)
+        return self._call("POST", f"/v1/jobs/{_id(job_id)}/cancel", JobRecord.from_wire,
+                          headers=self._job(job_id))
+
+    def job_started(self, job: JobStarted) -> Verdict:
+        """A fleet runner's job-started hook: report the job; the service answers whether it may run."""
+        body = json.dumps(job.to_wire()).encode()
+        return self._call("POST", "/v1/runner/job-started", Verdict.from_wire, content=body,
+                          headers={"Content-Type": "application/json"})
+
+    def job_completed(self) -> list[str]:
+        """A fleet runner's job-completed hook: the service cancels what this runner's job still runs;
+        answers the ids of the jobs it cancelled."""
+        return self._call("POST", "/v1/runner/job-completed", _cancelled)
 
     def logs(self, job_id: str, after: int = 0, reconnects: int = 3) -> Iterator[LogEntry]:
         """Follow a job's log live; ends when the job has ended. A dropped connection resumes after the last seq."""
@@ -127,7 +149,7 @@ class JobClient:
     def artifacts(self, job_id: str, out: BinaryIO) -> int:
         """Write the job's artifact tar to `out`; returns the bytes written."""
         method, path = "GET", f"/v1/jobs/{_id(job_id)}/artifacts"
-        resp = self._open(method, path)
+        resp = self._open(method, path, headers=self._job(job_id))
         written = 0
         try:
             for chunk in resp.iter_bytes(_CHUNK):
@@ -170,9 +192,14 @@ class JobClient:
         return resp
 
     def _log_stream(self, job_id: str, after: int) -> Iterator[LogEntry]:
+    def _job(self, job_id: str) -> dict[str, str]:
+        """The job's own token as a header, when this client has it."""
+        token = self.job_tokens.get(job_id)
+        return {JOB_TOKEN_HEADER: token} if token else {}
+
         method, path = "GET", f"/v1/jobs/{_id(job_id)}/logs?after={int(after)}"
         try:
-            resp = self._open(method, path)
+            resp = self._open(method, path, headers=self._job(job_id))
         except JobAPIError as exc:
             if exc.status is None:
                 raise _StreamBroken(str(exc), exc.timed_out) from exc
@@ -249,6 +276,13 @@ def _api_error(method: str, path: str, resp: httpx.Response) -> JobAPIError:
 
 
 def _records(data: Any) -> list[JobRecord]:
+def _cancelled(data: Any) -> list[str]:
+    ids = data.get("cancelled") if isinstance(data, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise WireError("cancelled: expected a list of job ids")
+    return ids
+
+
     jobs = data.get("jobs") if isinstance(data, dict) else None
     if not isinstance(jobs, list):
         raise WireError("jobs: expected a list of job records")

@@ -23,6 +23,16 @@ DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 
 # -- limits -------------------------------------------------------------------------------------------
 
+# -- credentials (docs/job-api.md, "Who may do what"; the rules are runner/service/auth.py) -------------
+
+# A fleet runner's own credential: the service writes it into the runner's `.env` (0600, the runner
+# user's), so the runner hands it to every step; the action and the job hooks send it in this header.
+RUNNER_TOKEN_HEADER = "X-Microvm-Check-Runner-Token"
+RUNNER_TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
+# One job's own credential, answered at submit: reading, streaming, cancelling and uploading need it.
+JOB_TOKEN_HEADER = "X-Microvm-Check-Job-Token"
+MAX_TOKEN = 128  # characters of a runner or job token
+
 MAX_JSON_BODY = 1024 * 1024  # a JSON request body
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_POLICY_BYTES = 64 * 1024  # a job's own policy text (it can only narrow the operator's)
@@ -159,18 +169,66 @@ def _object(data: Any, what: str) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class JobSummary:
-    """The answer to a submit and to a checkout upload."""
+    """The answer to a submit and to a checkout upload; a submit's also carries the job's own token."""
 
     id: str
     state: JobState
 
     @classmethod
+    token: str | None = field(default=None, repr=False, compare=False)  # a secret, not part of what the job is
     def from_wire(cls, data: Any) -> JobSummary:
         data = _object(data, "job")
-        return cls(id=_field(data, "id", (str,)), state=_state(data))
+        return cls(id=_field(data, "id", (str,)), state=_state(data), token=_field(data, "token", (str,), True))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "state": self.state.value}
+        wire: dict[str, Any] = {"id": self.id, "state": self.state.value}
+        if self.token is not None:
+            wire["token"] = self.token
+        return wire
+
+
+@dataclass(frozen=True)
+class JobStarted:
+    """A fleet runner's job-started hook to the service: the job it got (what GitHub told the runner),
+    and what the fork guard needs of the event (`runner.github.guard.JobContext`, as wire)."""
+
+    repository: str
+    run_id: int
+    run_attempt: int
+    job: str
+    workflow_ref: str
+    event: str
+    guard: dict[str, Any] | None = None  # None when the hook could not read the event: the guard refuses
+
+    @classmethod
+    def from_wire(cls, data: Any) -> JobStarted:
+        data = _object(data, "job")
+        return cls(repository=_field(data, "repository", (str,)), run_id=_field(data, "run_id", (int,)),
+                   run_attempt=_field(data, "run_attempt", (int,)), job=_field(data, "job", (str,)),
+                   workflow_ref=_field(data, "workflow_ref", (str,)), event=_field(data, "event", (str,)),
+                   guard=_field(data, "guard", (dict,), True))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The service's answer to a job-started hook: whether the job may run, and why not."""
+
+    allowed: bool
+    reasons: tuple[str, ...] = ()
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Verdict:
+        data = _object(data, "verdict")
+        reasons = _field(data, "reasons", (list,))
+        if not all(isinstance(reason, str) for reason in reasons):
+            raise WireError("reasons: expected a list of strings")
+        return cls(allowed=_field(data, "allowed", (bool,)), reasons=tuple(reasons))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"allowed": self.allowed, "reasons": list(self.reasons)}
 
 
 @dataclass

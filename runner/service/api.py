@@ -25,7 +25,9 @@ from urllib.parse import parse_qs, urlsplit
 from runner import jsonbody
 from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp,
                               parse_decimal)
-from runner.jobapi.contract import LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ, JobSummary
+from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
+                                    RUNNER_TOKEN_HEADER, JobStarted, JobSummary, WireError)
+from runner.service.auth import Caller, Forbidden, Unauthorized
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.service import JobError, JobService
 
@@ -114,18 +116,36 @@ class Handler(ServedRequest):
 
     # -- routes -----------------------------------------------------------------------------
 
+    def _caller(self) -> Caller:
+        """Who sent this request (runner/service/auth.py): the Unix peer's uid or the TCP gate, and a
+        runner token when one was sent."""
+        runner_token = self.headers.get(RUNNER_TOKEN_HEADER)
+        if isinstance(self.server, UnixApiServer):
+            return self.service.access.unix_caller(self._sock, runner_token)
+        return self.service.access.tcp_caller(runner_token)
+
     def _route(self, method: str) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         if url.path == "/v1/health" and method == "GET":
             return self._send_json(200, self.service.health().to_wire())
+        access, caller = self.service.access, self._caller()
         if url.path == "/v1/jobs":
             if method == "POST":
-                record = self.service.submit(self._json_body())
-                return self._send_json(201, JobSummary(record.id, record.state).to_wire())
+                record, token = self.service.submit_as(caller, self._json_body())
+                return self._send_json(201, JobSummary(record.id, record.state, token).to_wire())
             if method == "GET":
+                access.require_operator(caller, "listing all jobs")
                 limit = _int_param(query, "limit", LIST_DEFAULT, 1, LIST_MAX)
                 return self._send_json(200, {"jobs": [r.to_wire() for r in self.service.list(limit)]})
+        if url.path in ("/v1/runner/job-started", "/v1/runner/job-completed"):
+            if method != "POST":
+                raise MethodNotAllowed(f"{method} is not allowed on {url.path}")
+            runner = access.require_runner(caller)
+            if url.path.endswith("started"):
+                started = _wire(JobStarted.from_wire, self._json_body())
+                return self._send_json(200, self.service.runner_job_started(runner, started).to_wire())
+            return self._send_json(200, {"cancelled": self.service.runner_job_completed(runner)})
         route = job_route(url.path)
         if route is None:
             raise JobError(404, f"no route {method} {url.path}; see docs/job-api.md")
@@ -139,6 +159,7 @@ class Handler(ServedRequest):
         }.get((method, rest))
         if handler is None:
             raise JobError(405, f"{method} is not allowed on {url.path}")
+        access.require_job(caller, job_id, self.headers.get(JOB_TOKEN_HEADER))
         handler()
 
     def _checkout(self, job_id: str) -> None:
@@ -167,6 +188,14 @@ class Handler(ServedRequest):
                 self.send_data(data)
                 left -= len(data)
             self.end_response()
+
+
+def _wire(parse: Any, data: Any) -> Any:
+    """A request body in one of the contract's shapes, or a 400 naming the field."""
+    try:
+        return parse(data)
+    except WireError as exc:
+        raise BadRequest(f"the body is not a {parse.__self__.__name__}: {exc}") from exc
 
 
 def _wire(parse: Any, data: Any) -> Any:

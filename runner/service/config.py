@@ -183,6 +183,8 @@ class ServiceConfig:
     token: str | None = setting(None, "bearer token for TCP clients (at least 16 characters)", "string")
     token_file: Path | None = setting(None, "file holding the bearer token, instead of token", "path")
     state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
+    admin_group: str | None = setting(None, "members (and root) are the operator on the socket: they list all jobs "
+                                            "and reach any job (runner/service/auth.py)", "string")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
     resources: Resources = setting(None, "job VM size", "section", section=Resources)
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)

@@ -7,6 +7,7 @@ it never speaks HTTP itself. It also implements the GitHub webhook's `JobHooks` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -16,12 +17,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobState
+from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobStarted, JobState, Verdict
+from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
+from runner.fleet import report
+from runner.fleet.report import ReportedJob
 from runner.service.records import RecordStore
 from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
@@ -70,6 +74,7 @@ class JobService:
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.accel: str | None = None
+        self.access = Access(config.admin_group, fleet=config.runners.org is not None)
         self._runs: dict[str, JobRun] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -137,27 +142,36 @@ class JobService:
     # -- the job API -------------------------------------------------------------------------
 
     def submit(self, data: Any) -> JobRecord:
-        """Validate, then reserve; whatever fails after the reservation releases all of it.
+        """The operator's submit (`microvm-check run` in process): `submit_as` without the job token."""
+        return self.submit_as(OPERATOR, data)[0]
+
+    def submit_as(self, caller: Caller, data: Any) -> tuple[JobRecord, str]:
+        """Validate, check the caller may submit it, then reserve; whatever fails after the reservation
+        releases all of it. Returns the record and the job's own token (runner/service/auth.py).
 
         Everything a client sent is checked by `_admit` before anything is spent, so a bad request
         costs no queue slot; past that point a failure (a full disk, SQLite) must not leave a
         reservation, an in-memory job or a directory behind, or the queue shrinks for good.
         """
-        spec, policy = self._admit(data)
+        spec, policy = self._admit(data, caller)
         job_id = "j" + secrets.token_hex(8)
         self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
         try:
-            return self._open_job(job_id, spec, policy)
+            record = self._open_job(job_id, spec, policy)
         except BaseException:
             self._release(job_id)
             raise
+        return record, self.access.jobs.issue(job_id)
 
-    def _admit(self, data: Any) -> tuple[JobSpec, Any]:
-        """The validated spec and its effective policy, or a JobError; reserves nothing."""
+    def _admit(self, data: Any, caller: Caller) -> tuple[JobSpec, Any]:
+        """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
+        checked before the policy is looked up: the policy comes from the repository it may submit for."""
         if self.stopping:
             raise JobError(503, "the service is shutting down; submit the job again later")
         try:
             spec = parse_spec(data, self.config)
+            runner = self.access.admit_submit(caller, spec)
+            spec = dataclasses.replace(spec, runner_name=runner or "")
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
             raise JobError(400, f"invalid job: {exc}") from exc
@@ -316,6 +330,65 @@ class JobService:
             if _same_github_job(run.spec, job):
                 why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
                 self.cancel(run.record.id, why)
+
+    # -- the fleet's runners (runner.fleet) and their job hooks ----------------------------------------
+
+    def add_runner(self, name: str, token: str) -> None:
+        """A fleet runner starts: its token (in its `.env`) lets it report and submit its one job."""
+        self.access.runners.add(name, token)
+
+    def remove_runner(self, name: str) -> None:
+        """A fleet runner ended: its token opens nothing any more."""
+        self.access.runners.remove(name)
+
+    def runner_job(self, name: str) -> ReportedJob | None:
+        """The job the runner's hook reported (runner -> current job), for the fleet's status."""
+        return self.access.runners.job_of(name)
+
+    def runner_job_started(self, runner: str, started: JobStarted) -> Verdict:
+        """A runner's job-started hook: remember its job (what it may submit), then run the fork guard
+        here, with the App the runner user must not reach. Its verdict is what the hook prints."""
+        job = report.parse({k: v for k, v in started.to_wire().items() if k != "guard"})
+        if job is None:
+            raise InvalidJob("the reported job is not a job: repository, run_id, run_attempt and job are required")
+        self.access.runners.bind(runner, job)
+        log.info("runner %s took %s", runner, job.describe())
+        from runner.github import guard
+        from runner.github.errors import GitHubError
+
+        try:
+            rules = self._guard_rules(job.repository)
+        except GitHubError as exc:
+            return Verdict(False, (f"the guard's rules could not be read ({exc}), so it refuses the job.",))
+        verdict = guard.service_verdict(started.guard, job.repository, rules, self._github_client)
+        if not verdict.allowed:
+            log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
+        return Verdict(verdict.allowed, verdict.reasons)
+
+    def runner_job_completed(self, runner: str) -> list[str]:
+        """A runner's job-completed hook: whatever its job still runs is cancelled and its VM destroyed."""
+        ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner]
+        for job_id in ids:
+            self.cancel(job_id, f"the GitHub job ended (runner {runner}'s job-completed hook) while this job still ran")
+        return ids
+
+    def _guard_rules(self, repository: str) -> Any:
+        """The guard's per-repository rules: the file $MICROVM_CHECK_GUARD_RULES names, else none."""
+        from runner.github import guard
+        from runner.github.cli import GUARD_RULES_ENV
+
+        path = os.environ.get(GUARD_RULES_ENV)
+        return guard.load_rules(Path(path) if path else None).for_repository(repository)
+
+    def _github_client(self) -> Any:
+        """The App's installation client, made only when the guard needs GitHub (a fork pull request)."""
+        from runner.github.config import load_settings
+        from runner.github.errors import GitHubError
+
+        path = self.config.runners.github_config or self.config.github_config
+        if path is None:
+            raise GitHubError("the service has no GitHub App settings (github_config) to check fork pull requests with")
+        return load_settings(path).app().as_installation
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]:
         """The runner fleet (runner.fleet) saw the runner that submitted these jobs end in the middle of

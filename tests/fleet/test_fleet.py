@@ -8,7 +8,6 @@ left; nothing one job leaves in its runner's workspace or home reaches the next 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ import pytest
 from runner.fleet import workdir
 from runner.fleet.install import InstallError, install
 from runner.fleet.workdir import RunnerUser
+from runner.jobapi.client import JobClient
+from runner.jobapi.contract import JobStarted
 
 # Each job first looks for what an earlier job may have left (in its workspace, its runner's home and
 # temporary directory), then leaves such files itself, then runs its check in a VM through the action.
@@ -169,9 +170,12 @@ def test_status_shows_the_runners_busy_with_which_job(make_rig, capsys) -> None:
     with make_rig(vms=False, min_idle=2, max_runners=2, shutdown_grace_seconds=0) as rig:
         runners = wait_until(lambda: len(rig.fleet.runners()) == 2 and rig.fleet.runners(), 60, "two idle runners")
         busy = runners[0]
-        (busy.dir.report).write_text(json.dumps({"repository": "octo/repo", "run_id": 42, "run_attempt": 2,
-                                                 "job": "build", "workflow_ref": "", "event": "push"}))
-        wait_until(lambda: busy.state.value == "busy", 30, "the fleet to read the runner's report")
+        with JobClient(socket=str(rig.root / "api.sock"), runner_token=busy.token) as client:
+            verdict = client.job_started(JobStarted("octo/repo", 42, 2, "build", "", "push",
+                                                    {"event_name": "push", "repository": "octo/repo",
+                                                     "workflow_ref": "", "pull_request": None}))
+        assert verdict.allowed, verdict
+        wait_until(lambda: busy.state.value == "busy", 30, "the fleet to see the runner's reported job")
         rig.fleet.tick()
         assert main(["status", "--service-config", str(rig.config_path)]) == 0
         shown = capsys.readouterr().out

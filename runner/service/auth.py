@@ -1,0 +1,242 @@
+"""Who may do what on the job API: every rule in one place (docs/job-api.md, "Who may do what").
+
+Callers:
+- the operator: root or a member of `admin_group` on the Unix socket (told by SO_PEERCRED, which the
+  kernel fills in: a client cannot claim it), or a TCP client with the bearer token (checked on the
+  head by the API's gate). The operator may do everything: `microvm-check run`, listing all jobs.
+- a fleet runner: a request carrying a runner token (RUNNER_TOKEN_HEADER) the fleet issued (and
+  wrote into that runner's `.env` only). It may report its job (the job-started hook), submit only
+  for the job it reported, and end what that job still runs (the job-completed hook).
+- a socket member: any other process that can connect (the socket group). With a fleet (`runners:`
+  set) it may do nothing but ask for health; without one (the single runner `register` sets up, one
+  job at a time) it may submit for any repository, as before runner tokens existed.
+
+Every job gets its own token at submit; reading, streaming, cancelling and uploading for a job need
+it (or the operator). Tokens are kept as SHA-256 digests only, and looked up by digest, so no
+comparison leaks a prefix of a good one.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import os
+import pwd
+import secrets
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from runner.errors import ConfigError, JobError
+from runner.fleet.report import ReportedJob
+from runner.jobapi.contract import JOB_TOKEN_HEADER, MAX_TOKEN, RUNNER_TOKEN_HEADER, RUNNER_TOKEN_VARIABLE
+
+MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
+
+
+class Unauthorized(JobError):
+    """A credential the service does not know (answered 401)."""
+
+
+class Forbidden(JobError):
+    """A caller that may not do this (answered 403); the message says what would be needed."""
+
+
+class Kind(str, Enum):
+    OPERATOR = "operator"
+    RUNNER = "runner"
+    MEMBER = "member"
+
+
+@dataclass(frozen=True)
+class Caller:
+    kind: Kind
+    who: str  # for messages and the log: "uid 1001", "runner mvc-host-1a2b"
+    runner: str | None = None
+
+    @property
+    def operator(self) -> bool:
+        return self.kind is Kind.OPERATOR
+
+
+OPERATOR = Caller(Kind.OPERATOR, "the operator")  # in-process callers: `microvm-check run`, the webhook
+
+
+def peer_ids(sock: socket.socket) -> tuple[int, int]:
+    """(uid, gid) of the process at the other end of a Unix socket, as the kernel recorded them at connect."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, gid = struct.unpack("3i", data)
+    return uid, gid
+
+
+def _in_group(uid: int, gid: int, group_id: int) -> bool:
+    """Whether the account `uid` belongs to `group_id` (as primary group or in /etc/group)."""
+    if gid == group_id:
+        return True
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    return group_id in os.getgrouplist(name, gid)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class RunnerRegistry:
+    """The fleet's runners by token, and the job each one's hook reported (runner -> current job)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: dict[bytes, str] = {}
+        self._jobs: dict[str, ReportedJob] = {}
+
+    def add(self, name: str, token: str) -> None:
+        with self._lock:
+            self._names[_digest(token)] = name
+
+    def remove(self, name: str) -> None:
+        """The runner ended: its token opens nothing from now on."""
+        with self._lock:
+            self._names = {digest: known for digest, known in self._names.items() if known != name}
+            self._jobs.pop(name, None)
+
+    def name_for(self, token: str) -> str | None:
+        if not token or len(token) > MAX_TOKEN:
+            return None
+        with self._lock:
+            return self._names.get(_digest(token))
+
+    def bind(self, name: str, job: ReportedJob) -> None:
+        """The runner's hook reported its job. A runner takes one job, so the first report stands."""
+        with self._lock:
+            bound = self._jobs.setdefault(name, job)
+        if bound != job:
+            raise Forbidden(f"runner {name} already reported {bound.describe()}; a runner takes one job")
+
+    def job_of(self, name: str) -> ReportedJob | None:
+        with self._lock:
+            return self._jobs.get(name)
+
+
+class JobTokens:
+    """Each job's own token (its digest), for the newest MAX_JOB_TOKENS jobs."""
+
+    def __init__(self, limit: int = MAX_JOB_TOKENS) -> None:
+        self._lock = threading.Lock()
+        self._digests: OrderedDict[str, bytes] = OrderedDict()
+        self._limit = limit
+
+    def issue(self, job_id: str) -> str:
+        token = secrets.token_urlsafe(32)
+        with self._lock:
+            self._digests[job_id] = _digest(token)
+            while len(self._digests) > self._limit:
+                self._digests.popitem(last=False)
+        return token
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            self._digests.pop(job_id, None)
+
+    def matches(self, job_id: str, token: str | None) -> bool:
+        if not token or len(token) > MAX_TOKEN:
+            return False
+        with self._lock:
+            expected = self._digests.get(job_id)
+        return expected is not None and secrets.compare_digest(expected, _digest(token))
+
+
+class Access:
+    """The rules, applied: who a request comes from, and whether it may do what it asks."""
+
+    def __init__(self, admin_group: str | None, fleet: bool) -> None:
+        self.admin_gid = _group_id(admin_group)
+        self.fleet = fleet  # with runners: a socket member is no one
+        self.runners = RunnerRegistry()
+        self.jobs = JobTokens()
+
+    # -- who is asking ----------------------------------------------------------------------------
+
+    def unix_caller(self, sock: socket.socket, runner_token: str | None) -> Caller:
+        """A caller on the Unix socket: a runner token decides when sent (whoever sends it), else the peer's uid."""
+        if runner_token is not None:
+            return self._runner(runner_token)
+        uid, gid = peer_ids(sock)
+        if uid == 0 or (self.admin_gid is not None and _in_group(uid, gid, self.admin_gid)):
+            return Caller(Kind.OPERATOR, f"uid {uid} (operator)")
+        return Caller(Kind.MEMBER, f"uid {uid}")
+
+    def tcp_caller(self, runner_token: str | None) -> Caller:
+        """A TCP caller got past the bearer-token gate: the operator (runners use the Unix socket)."""
+        return self._runner(runner_token) if runner_token is not None else Caller(Kind.OPERATOR, "the TCP operator")
+
+    def _runner(self, token: str) -> Caller:
+        name = self.runners.name_for(token)
+        if name is None:
+            raise Unauthorized("the runner token is not one this service issued, or its runner has ended; "
+                               "a runner's token is good for its one job only")
+        return Caller(Kind.RUNNER, f"runner {name}", runner=name)
+
+    # -- what they may do -----------------------------------------------------------------------------
+
+    def require_operator(self, caller: Caller, what: str) -> None:
+        if not caller.operator:
+            raise Forbidden(f"{what} is for the operator (root or the admin_group on the socket, or the TCP token), "
+                            f"not for {caller.who}")
+
+    def require_runner(self, caller: Caller) -> str:
+        if caller.runner is None:
+            raise Forbidden(f"only a fleet runner (with its {RUNNER_HINT}) reports jobs, not {caller.who}")
+        return caller.runner
+
+    def admit_submit(self, caller: Caller, spec: Any) -> str | None:
+        """May `caller` submit `spec`? Returns the runner name the job belongs to (None: no fleet runner).
+
+        A runner may only submit for the job its hook reported: same repository, run, attempt and job,
+        so a workflow of repository B cannot claim A's egress policy.
+        """
+        if caller.operator:
+            return spec.runner_name or None
+        if caller.runner is None:
+            if self.fleet:
+                raise Forbidden(f"{caller.who} sent no runner token: on a host with a runner fleet, jobs are "
+                                f"submitted by the action in a fleet runner's job, which sends its {RUNNER_HINT}")
+            return spec.runner_name or None  # the single runner `register` set up: the socket group decides
+        bound = self.runners.job_of(caller.runner)
+        if bound is None:
+            raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
+                            "so it may not submit one")
+        submitted = (spec.repository.lower(), spec.run_id, spec.run_attempt or 1, spec.job_name)
+        reported = (bound.repository.lower(), bound.run_id, bound.run_attempt, bound.job)
+        if submitted != reported:
+            raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, but this submit is for "
+                            f"{spec.repository} run {spec.run_id}/{spec.run_attempt or 1} job {spec.job_name}: "
+                            "a job may only be submitted by the runner GitHub gave it to")
+        return caller.runner
+
+    def require_job(self, caller: Caller, job_id: str, token: str | None) -> None:
+        """Reading, streaming, cancelling or uploading for a job: its own token, or the operator."""
+        if caller.operator or self.jobs.matches(job_id, token):
+            return
+        raise Forbidden(f"job {job_id} can only be reached with the job token its submit answered "
+                        f"({JOB_HINT}), or by the operator; {caller.who} sent "
+                        + ("a token that is not this job's" if token else "none"))
+
+
+RUNNER_HINT = f"token from {RUNNER_TOKEN_VARIABLE} in the {RUNNER_TOKEN_HEADER} header"
+JOB_HINT = f"in the {JOB_TOKEN_HEADER} header"
+
+
+def _group_id(name: str | None) -> int | None:
+    if name is None:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"admin_group: no group named {name!r} on this host (create it or fix the config)") from None
