@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy.load import PolicyError, load_policy
+from policy.store import ORG_FILE
+from policy.warm import WarmSpec, load_repository_file
 from policy.render import RenderContext, render
 from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
 from runner.errors import UserError
@@ -28,8 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("policy", help="check, render and suggest egress policies")
     commands = parser.add_subparsers(dest="policy_command", metavar="COMMAND", required=True)
 
-    check = commands.add_parser("check", help="validate policy files; print every problem like a linter")
+    check = commands.add_parser(
+        "check", help="validate policy files; print every problem like a linter",
+        description="A repository's trusted file (the store's OWNER/REPO.yml or a default branch's "
+                    ".github/microvm-check.yml) may have a warm: section; the org default (_org.yml) and a job's "
+                    "policy (the action's policy input) may not.")
     check.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    check.add_argument("--as", dest="kind", choices=CHECK_KINDS, default="auto",
+                       help="what the files are (default auto: a file named _org.yml is the org default, any "
+                            "other a repository's file)")
     check.set_defaults(func=check_command)
 
     show = commands.add_parser("render", help="print the iptables-restore rules a VM would get")
@@ -51,19 +60,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     suggest.set_defaults(func=suggest_command)
 
 
+CHECK_KINDS = ("auto", "repository", "org", "job")
+
+
 def check_command(args: argparse.Namespace) -> int:
     """Exit 0 when every file is valid, 1 otherwise, after printing all problems of all files; a valid
-    file is named with `ok`, so silence never has to mean success."""
+    file is named with `ok` (and its warm: section, if any), so silence never has to mean success."""
     failed = False
     for path in args.files:
         try:
-            load_policy(path)
+            warm = _check_one(path, args.kind)
         except PolicyError as exc:
             failed = True
             print(exc)
         else:
-            print(f"ok {path}")
+            print(f"ok {path}" if warm is None else
+                  f"ok {path} (warm: setup, {len(warm.inputs)} input pattern(s), setup egress: "
+                  f"{'warm.policy within the org default' if warm.policy.rules or warm.policy.mode == 'audit' else 'none'})")
     return 1 if failed else 0
+
+
+def _check_one(path: Path, kind: str) -> WarmSpec | None:
+    """Load `path` as the kind of file it is; the repository's warm: section, if it has one."""
+    if kind == "auto":
+        kind = "org" if path.name == ORG_FILE else "repository"
+    if kind == "repository":
+        return load_repository_file(path).warm
+    load_policy(path)  # the org default and a job's policy: the loader refuses a warm: key
+    return None
 
 
 def render_command(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""What the webhook tells the job service: a job for our labels is queued, or a job has completed.
+"""What the webhook tells the job service: a job for our labels is queued, or a job has completed,
+or a repository's default branch moved (a `push`: its warm bases are stale).
 
 Payloads come from the network and vary with their age (old deliveries lack `run_attempt`, new ones
 carry fields we have never seen), so parsing reads only the fields we need, checks their types, and
@@ -19,6 +20,8 @@ REPOSITORY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}/(?!\.{1,2}\Z)[A-Za-
 MAX_NAME = 1024
 MAX_LABELS = 100
 MAX_ID = 2**63 - 1  # GitHub's ids are 64-bit; the job service stores run ids in SQLite's signed integers
+COMMIT_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})\Z")  # SHA-1, or SHA-256 repositories
+MAX_REF = 255  # git refuses longer ref components; a branch ref longer than this is not one we act on
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,18 @@ class CompletedJob:
     runner_name: str | None
 
 
+@dataclass(frozen=True)
+class Push:
+    """A push to a repository's default branch: `after` is the commit the branch now points at."""
+
+    repository: str
+    after: str
+
+
 class JobHooks(Protocol):
     """Implemented by the job service: warm a VM for a queued job; release whatever a completed
-    (or cancelled) job left, including a pre-warmed VM nobody claimed.
+    (or cancelled) job left, including a pre-warmed VM nobody claimed; rebuild a repository's warm
+    bases when its default branch moved.
 
     Both are called on the webhook's request thread and must return quickly (GitHub gives up on a
     delivery after 10 s): queue the work, do not do it. An exception makes the delivery fail with
@@ -55,6 +67,8 @@ class JobHooks(Protocol):
     def prewarm(self, job: QueuedJob) -> None: ...
 
     def job_completed(self, job: CompletedJob) -> None: ...
+
+    def default_branch_pushed(self, push: Push) -> None: ...
 
 
 def is_ours(job_labels: Iterable[str], our_labels: Iterable[str]) -> bool:
@@ -81,6 +95,25 @@ def completed_job(payload: Mapping[str, Any]) -> CompletedJob | None:
         conclusion=_short_str(job.get("conclusion")),
         runner_name=_short_str(job.get("runner_name")),
     )
+
+
+def default_branch_push(payload: Mapping[str, Any]) -> Push | None:
+    """The push when it moved the repository's default branch to a commit; None for anything else
+    (another branch, a tag, the branch deleted) or anything malformed. Reads only the fields GitHub
+    documents for every push delivery: `ref`, `after`, `repository.full_name` and
+    `repository.default_branch`."""
+    repo = payload.get("repository")
+    if not isinstance(repo, dict):
+        return None
+    repository, branch = repo.get("full_name"), repo.get("default_branch")
+    ref, after = payload.get("ref"), payload.get("after")
+    if not (isinstance(repository, str) and REPOSITORY_RE.match(repository)):
+        return None
+    if not (_short_str(branch) and isinstance(ref, str) and len(ref) <= MAX_REF and ref == f"refs/heads/{branch}"):
+        return None
+    if not (isinstance(after, str) and COMMIT_RE.match(after)) or not after.strip("0"):
+        return None  # the all-zero sha: the branch was deleted, there is nothing to build from
+    return Push(repository, after)
 
 
 def _job_fields(payload: Mapping[str, Any]) -> dict[str, Any] | None:

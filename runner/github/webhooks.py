@@ -1,4 +1,4 @@
-"""The `/github/webhook` endpoint: authenticated `workflow_job` events become job-service calls.
+"""The `/github/webhook` endpoint: authenticated `workflow_job` and `push` events become job-service calls.
 
 It listens on its own port (off unless configured) through `runner.httpserve` (h11 reads the
 HTTP/1.1), because it takes one kind of request from the internet and must refuse everything else
@@ -110,6 +110,8 @@ class WebhookReceiver:
     def _dispatch(self, event: str, payload: dict[str, Any]) -> Answer:
         if event == "ping":
             return Answer(200, "pong")
+        if event == "push":
+            return self._push(payload)
         if event != "workflow_job":
             return Answer(200, f"ignored: event {event!r} is not used")
         action = payload.get("action")
@@ -132,6 +134,14 @@ class WebhookReceiver:
             return Answer(200, "ignored: the job's labels are not ours")
         hook(job)
         return Answer(200, f"{done} {job.job_id}")
+
+    def _push(self, payload: dict[str, Any]) -> Answer:
+        """A push to the default branch makes the repository's warm bases stale; other pushes are ignored."""
+        push = jobs.default_branch_push(payload)
+        if push is None:
+            return Answer(200, "ignored: not a push of a commit to the repository's default branch")
+        self.hooks.default_branch_pushed(push)
+        return Answer(200, f"default branch of {push.repository} at {push.after[:12]}: its warm bases are rebuilt")
 
 
 class _Handler(ServedRequest):

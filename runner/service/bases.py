@@ -2,15 +2,19 @@
 
 A repository whose trusted file (`policy.warm`: the operator's store file, or the default branch's
 `.github/microvm-check.yml`; never a pull request) has a `warm:` section gets a template of its
-own, `<template>--<owner>--<repo>`: the default branch's files (GitHub's tarball) are put in a VM
-restored from the bare template, `setup` runs there with the section's egress, and the VM is
-snapshotted (`Engine.snapshot`). The base is keyed by the bare template's digest and the git blob
+own per network variant, `<template>--<net|nonet>--<owner>--<repo>`: the default branch's files
+(GitHub's tarball) are put in a VM restored from the bare template, `setup` runs there, and the VM
+is snapshotted (`Engine.snapshot`). A restore needs exactly the template's devices, so a job that
+needs a network card and one that must have none each get a base of their own variant, built when
+a job first needs it: a base of one variant never serves the other. The setup of a `net` base
+runs with the section's egress; that of a `nonet` base has no network at all. The base is keyed by the bare template's digest and the git blob
 shas of the input files, so the contents API's directory listings tell whether it is stale
 without downloading anything.
 
 A job of the repository restores from its base. When the base is stale (an input changed on the
 default branch, or the bare template was rebuilt) the job takes the last good base, or the bare
-template when there is none, and the rebuild runs beside it, one per repository at a time. A pull
+template when there is none, and the rebuild runs beside it, one per base at a time (a push to
+the default branch starts one too, `pushed`). A pull
 request's own files never reach a base: whatever it changes, it runs on the default branch's base
 and installs what it needs on top. Bases are held to a disk budget, least recently used first.
 """
@@ -32,12 +36,12 @@ from policy.model import Policy
 from policy.warm import WarmSpec
 from runner.github.errors import GitHubError
 from runner.github.policy_source import PolicySource, input_blobs, tarball
+from runner.service.config import ServiceConfig
 from runner.vm.errors import SandboxError
 from runner.vm.templates import Template, TemplateNotFound
 
 log = logging.getLogger(__name__)
 
-SETUP_TIMEOUT_S = 1800.0
 MAX_MEMBERS = 200_000
 
 
@@ -47,17 +51,28 @@ class BaseBuildError(SandboxError):
 
 @dataclass(frozen=True)
 class BaseSettings:
-    parent: str = "base"  # the bare template every base starts from
-    budget_bytes: int = 20 << 30
-    network: bool = False  # whether the service's VMs have network cards (bases get the same variant)
-    max_checkout_bytes: int = 1 << 30
-    setup_timeout_s: float = SETUP_TIMEOUT_S
+    """What the service config says about bases (its `bases:` section), and the bare template."""
+
+    parent: str  # the bare template every base starts from (the service's default template)
+    budget_bytes: int
+    setup_timeout_s: float
+    max_checkout_bytes: int  # the default branch's tarball, like a job's checkout
+
+    @classmethod
+    def from_config(cls, config: ServiceConfig) -> "BaseSettings":
+        return cls(parent=config.default_template, budget_bytes=config.bases.disk_budget,
+                   setup_timeout_s=config.bases.setup_timeout_seconds, max_checkout_bytes=config.checkout_max_bytes)
 
 
-def base_name(parent: str, repository: str) -> str:
-    """`<parent>--<owner>--<repo>`: unambiguous, as an owner name never holds two hyphens in a row."""
+def variant_of(network: bool) -> str:
+    return "net" if network else "nonet"
+
+
+def base_name(parent: str, repository: str, network: bool) -> str:
+    """`<parent>--<variant>--<owner>--<repo>`: unambiguous, as a recipe template's name and an owner
+    name never hold two hyphens in a row, and the variant is one of two words."""
     owner, _, repo = repository.lower().partition("/")
-    return f"{parent}--{owner}--{repo}"
+    return f"{parent}--{variant_of(network)}--{owner}--{repo}"
 
 
 def inputs_key(parent_digest: str, blobs: dict[str, str]) -> str:
@@ -85,15 +100,16 @@ class RepositoryBases:
         self._warm_for = warm_for
         self.github = github
         self.settings = settings
-        self._building: dict[str, threading.Thread] = {}
-        self._locks: dict[str, threading.Lock] = {}
+        self._building: dict[tuple[str, bool], threading.Thread] = {}
+        self._again: set[tuple[str, bool]] = set()  # asked for while building: build once more after
+        self._locks: dict[tuple[str, bool], threading.Lock] = {}
         self._lock = threading.Lock()
 
     # -- for jobs ------------------------------------------------------------------------------------
 
     def template_for(self, repository: str, network: bool) -> str:
-        """The template a job of `repository` restores from now: its base, fresh or last good, when it
-        has the job's variant; else the bare template. A stale or missing base is rebuilt beside."""
+        """The template a job of `repository` restores from now: its base of the job's variant, fresh
+        or last good; else the bare template. A stale or missing base is rebuilt beside."""
         parent = self.settings.parent
         try:
             warm = self._warm_for(repository)
@@ -103,63 +119,86 @@ class RepositoryBases:
         except (GitHubError, PolicyError, SandboxError, TemplateNotFound, ValueError) as exc:
             log.warning("warm base of %s: cannot tell whether it is current (%s); jobs use what there is", repository, exc)
             fresh = None
-        name = base_name(parent, repository)
+        name = base_name(parent, repository, network)
         current = self._current(name)
         if current is None or current.digest != fresh:
-            self.rebuild_beside(repository)
-        if current is None or ("net" if network else "nonet") not in current.variants:
-            return parent
+            self.rebuild_beside(repository, network)
+        if current is None or variant_of(network) not in current.variants:
+            return parent  # never the other variant's base: a restore must have the template's devices
         return name
 
-    def rebuild_beside(self, repository: str) -> bool:
-        """Start building the repository's base in the background unless a build already runs."""
+    def pushed(self, repository: str, commit: str) -> list[bool]:
+        """The default branch moved to `commit`: rebuild the bases the repository has (each variant
+        built so far) from it, beside the jobs, which keep the last good base meanwhile. A repository
+        without a base has nothing to mark stale: its first job builds the variant it needs."""
+        variants = [network for network in (False, True)
+                    if self._current(base_name(self.settings.parent, repository, network)) is not None]
+        for network in variants:
+            self.rebuild_beside(repository, network, commit)
+        return variants
+
+    def rebuild_beside(self, repository: str, network: bool, ref: str | None = None) -> bool:
+        """Start building the repository's base of one variant in the background; when a build of it
+        already runs, it runs once more after (the branch may have moved since it started)."""
+        key = (repository, network)
         with self._lock:
-            running = self._building.get(repository)
+            running = self._building.get(key)
             if running is not None and running.is_alive():
+                self._again.add(key)
                 return False
-            thread = threading.Thread(target=self._build_logged, args=(repository,), name=f"base-{repository}",
-                                      daemon=True)
-            self._building[repository] = thread
+            thread = threading.Thread(target=self._build_logged, args=(repository, network, ref),
+                                      name=f"base-{repository}-{variant_of(network)}", daemon=True)
+            self._building[key] = thread
         thread.start()
         return True
 
-    def wait(self, repository: str, timeout: float | None = None) -> None:
+    def wait(self, repository: str, network: bool = False, timeout: float | None = None) -> None:
         """Wait for a background build of the repository's base (tests, benchmarks)."""
         with self._lock:
-            thread = self._building.get(repository)
+            thread = self._building.get((repository, network))
         if thread is not None:
             thread.join(timeout)
 
+    def evict(self, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Hold the bases (and other derived templates) to the disk budget, least recently used first."""
+        gone = self.templates.evict(self.settings.budget_bytes, keep=keep, before_remove=self.engine.forget_template)
+        for name in gone:
+            log.info("removed the warm base %s: over the bases' disk budget of %d bytes", name,
+                     self.settings.budget_bytes)
+        return gone
+
     # -- building ------------------------------------------------------------------------------------
 
-    def build(self, repository: str, ref: str | None = None) -> Template | None:
-        """Build the repository's base from its default branch (or `ref`, a commit of it) now, unless
-        the current one is already that; None when the repository has no `warm:` section."""
+    def build(self, repository: str, network: bool = False, ref: str | None = None) -> Template | None:
+        """Build the repository's base of one variant from its default branch (or `ref`, a commit of
+        it) now, unless the current one is already that; None when the repository has no `warm:`."""
         warm = self._warm_for(repository)
         if warm is None:
             return None
         spec, setup_policy = warm
-        with self._repository_lock(repository):
+        name = base_name(self.settings.parent, repository, network)
+        with self._repository_lock(repository, network):
             ref = ref or self.github.default_branch(repository)
+            parent = self.engine.template(self.settings.parent)
+            current = self._current(name)
+            if current is not None and current.digest == self._digest_at(repository, spec, parent.digest, ref):
+                return current  # the listings say so: nothing to download
             archive = tarball(self.github.client, repository, ref, self.settings.max_checkout_bytes)
             checkout, blobs, commit = restream(archive, spec.inputs, self.settings.max_checkout_bytes)
-            parent = self.engine.template(self.settings.parent)
             digest = inputs_key(parent.digest, blobs)
-            name = base_name(self.settings.parent, repository)
-            current = self._current(name)
             if current is not None and current.digest == digest:
                 return current
-            log.info("building the warm base of %s at %s (%s)", repository, commit or ref, digest)
-            template = self._setup_and_snapshot(repository, name, digest, spec, setup_policy, checkout,
+            log.info("building the %s warm base of %s at %s (%s)", variant_of(network), repository, commit or ref,
+                     digest)
+            template = self._setup_and_snapshot(repository, name, network, digest, spec, setup_policy, checkout,
                                                 {"repository": repository, "commit": commit, "inputs": blobs})
-        for gone in self.templates.evict(self.settings.budget_bytes, keep=frozenset({name}),
-                                         before_remove=self.engine.forget_template):
-            log.info("removed the warm base %s: over the bases' disk budget", gone)
+        self.evict(keep=frozenset({name}))
+        if current is not None:  # the base was in use: its spare VMs are of the old build; start new ones
+            self.engine.pool.refill(template.snapshot(network))
         return template
 
-    def _setup_and_snapshot(self, repository: str, name: str, digest: str, spec: WarmSpec, setup_policy: Policy,
-                            checkout: bytes, extra: dict) -> Template:
-        network = self.settings.network
+    def _setup_and_snapshot(self, repository: str, name: str, network: bool, digest: str, spec: WarmSpec,
+                            setup_policy: Policy, checkout: bytes, extra: dict) -> Template:
         sandbox = self._create(template=self.settings.parent, network=network,
                                policy=setup_policy if network else None, job_id=f"warm-{name}"[:60])
         try:
@@ -173,24 +212,35 @@ class RepositoryBases:
             result = sandbox.exec(spec.setup, timeout_seconds=self.settings.setup_timeout_s, on_output=keep_tail,
                                   capture_bytes=0)
             if result.exit_code != 0:
+                offline = "" if network else (" (a base for jobs without a network card: its setup had no network, "
+                                              "whatever warm.policy allows)")
                 raise BaseBuildError(f"the warm setup of {repository} failed (exit {result.exit_code}"
-                                     f"{', timed out' if result.timed_out else ''}); its output ended with:\n"
+                                     f"{', timed out' if result.timed_out else ''}){offline}; its output ended with:\n"
                                      f"{output.decode(errors='replace')[-2000:]}")
             sandbox.snapshot(name, digest=digest, extra={"base": extra})
         finally:
             sandbox.destroy()
         return self.templates.get(name)
 
-    def _build_logged(self, repository: str) -> None:
-        try:
-            self.build(repository)
-        except Exception as exc:  # noqa: BLE001 - a failed rebuild leaves jobs on the last good base
-            log.warning("warm base of %s: the build failed: %s", repository, exc)
+    def _build_logged(self, repository: str, network: bool, ref: str | None) -> None:
+        key = (repository, network)
+        while True:
+            try:
+                self.build(repository, network, ref)
+            except Exception as exc:  # noqa: BLE001 - a failed rebuild leaves jobs on the last good base
+                log.warning("warm base of %s (%s): the build failed: %s", repository, variant_of(network), exc)
+            with self._lock:
+                if key not in self._again:
+                    return
+                self._again.discard(key)
+            ref = None  # asked again meanwhile: build what the default branch holds now
 
     def _fresh_digest(self, repository: str, spec: WarmSpec) -> str:
         parent = self.engine.template(self.settings.parent)
-        ref = self.github.default_branch(repository)
-        return inputs_key(parent.digest, input_blobs(self.github.client, repository, spec.inputs, ref))
+        return self._digest_at(repository, spec, parent.digest, self.github.default_branch(repository))
+
+    def _digest_at(self, repository: str, spec: WarmSpec, parent_digest: str, ref: str) -> str:
+        return inputs_key(parent_digest, input_blobs(self.github.client, repository, spec.inputs, ref))
 
     def _current(self, name: str) -> Template | None:
         try:
@@ -198,9 +248,9 @@ class RepositoryBases:
         except (TemplateNotFound, OSError, ValueError):
             return None
 
-    def _repository_lock(self, repository: str) -> threading.Lock:
+    def _repository_lock(self, repository: str, network: bool) -> threading.Lock:
         with self._lock:
-            return self._locks.setdefault(repository, threading.Lock())
+            return self._locks.setdefault((repository, network), threading.Lock())
 
 
 def branch_warm(store: Any, github: PolicySource | None) -> Callable[[str], tuple[WarmSpec, Policy] | None]:

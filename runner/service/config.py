@@ -108,6 +108,18 @@ class Prewarm:
 
 
 @dataclass(frozen=True)
+class Bases:
+    """Repositories' warm bases (runner/service/bases.py): built from their default branch's `warm:`
+    section when GitHub App settings (github_config) let the service read it."""
+
+    disk_budget: int = setting(20 * GIB, "disk the warm bases (and other templates made from VMs) may take "
+                                         "together; the least recently used go first", "size",
+                               minimum=0, maximum=64 * TIB)
+    setup_timeout_seconds: float = setting(1800.0, "a base's warm.setup is stopped (and the build fails) after "
+                                                   "this", "number", minimum=1, maximum=DAY)
+
+
+@dataclass(frozen=True)
 class Network:
     """Per-VM networking (runner.net). Off by default: then no job VM gets a network card, and a job
     whose effective policy allows any egress is refused at submit."""
@@ -205,6 +217,8 @@ class ServiceConfig:
                                                "branches", "path")
     retention: Retention = setting(None, "how long job records are kept", "section", section=Retention)
     prewarm: Prewarm = setting(None, "VMs restored ahead of jobs the webhook announces", "section", section=Prewarm)
+    bases: Bases = setting(None, "repositories' warm bases: their disk budget and setup timeout", "section",
+                           section=Bases)
     network: Network = setting(None, "per-VM networking", "section", section=Network)
     shutdown_grace_seconds: float = setting(30.0, "at shutdown, running jobs get this long before they are "
                                                   "cancelled", "number", minimum=0, maximum=DAY)

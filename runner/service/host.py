@@ -14,6 +14,10 @@ service drains (stops taking jobs, gives running ones the configured `shutdown_g
 cancels the rest and destroys their VMs) while the API still serves, so a client sees its job end;
 then the API closes, then the records, then the engine (every VM left, warm ones included), and
 last the network slots those VMs used.
+
+With VMs and the GitHub App (github_config), the host also gives the job service the repositories'
+warm bases (runner/service/bases.py) on its engine, held to the config's `bases.disk_budget` from
+the start (a budget lowered since the last run evicts at once) and after every build.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.service.job import SandboxFactory
-from runner.service.service import JobService
+from runner.service.service import JobService, branch_files
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 from runner.vm.statedir import StateDir
 
@@ -35,6 +39,7 @@ if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are impo
     from runner.fleet.fleet import RunnerFleet
     from runner.net import SlotPool, Upstream
     from runner.net.uplink import Uplink
+    from runner.service.bases import RepositoryBases
     from runner.vm.engine import Engine
     from runner.vm.templates import TemplateStore
 
@@ -169,9 +174,24 @@ class ServiceHost:
         """The job service, started: it fails the jobs a dead predecessor left active and sweeps their
         directories now."""
         try:
-            service = JobService(self.config, create, self._policies)
+            policies = self._policies or EgressPolicies(self.config.policy_dir, branch_files=branch_files(self.config))
+            service = JobService(self.config, create, policies, self._warm_bases(create, policies))
         except ValueError as exc:  # e.g. unreadable GitHub App settings
             raise ValueError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
         self._stack.callback(service.close)
         service.start()
         return service
+
+    def _warm_bases(self, create: SandboxFactory, policies: EgressPolicies) -> RepositoryBases | None:
+        """The repositories' warm bases on the engine; None without real VMs or without the App, which
+        reads the default branches the bases are built from."""
+        if self.engine is None or policies.branch_files is None:
+            return None
+        from policy import PolicyStore
+        from runner.service.bases import BaseSettings, RepositoryBases, branch_warm
+
+        source = policies.branch_files
+        bases = RepositoryBases(self.engine, create, branch_warm(PolicyStore(self.config.policy_dir), source), source,
+                                BaseSettings.from_config(self.config))
+        bases.evict()
+        return bases

@@ -2,7 +2,12 @@
 
 The HTTP layer (`runner.service.api`) and the in-process `microvm-check run` both drive this class;
 it never speaks HTTP itself. It also implements the GitHub webhook's `JobHooks` protocol
-(`prewarm`, `job_completed`).
+(`prewarm`, `job_completed`, `default_branch_pushed`).
+
+With `bases` (runner/service/bases.py, built by the host when it has VMs and the GitHub App), a job
+of a repository whose trusted file has a `warm:` section restores from that repository's warm base
+of the job's network variant instead of the bare default template, and so does a VM pre-warmed for
+it; a push to the repository's default branch rebuilds its bases.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobStarted, JobState, Verdict
 from runner.service.auth import OPERATOR, Access, Caller
@@ -30,6 +35,10 @@ from runner.service.records import RecordStore
 from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
+
+if TYPE_CHECKING:
+    from runner.github.jobs import Push
+    from runner.service.bases import RepositoryBases
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +55,7 @@ class JobError(Exception):
         self.status = status
 
 
-def _branch_files(config: ServiceConfig) -> Any:
+def branch_files(config: ServiceConfig) -> Any:
     """The repositories' own policy files, read as the org's GitHub App; None without App settings."""
     if config.github_config is None:
         return None
@@ -62,12 +71,14 @@ def _branch_files(config: ServiceConfig) -> Any:
 
 class JobService:
     def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory,
-                 policies: EgressPolicies | None = None) -> None:
+                 policies: EgressPolicies | None = None, bases: RepositoryBases | None = None) -> None:
         """`create_sandbox` makes a job's VM: `Sandbox.create` bound to the engine its owner built
-        (`runner.service.host.ServiceHost`), or a stand-in in tests."""
+        (`runner.service.host.ServiceHost`), or a stand-in in tests; `bases` the repositories' warm
+        bases on that engine (None: every job restores from the template it names)."""
         self.config = config
         self._create = create_sandbox
-        self.policies = policies or EgressPolicies(config.policy_dir, branch_files=_branch_files(config))
+        self.bases = bases
+        self.policies = policies or EgressPolicies(config.policy_dir, branch_files=branch_files(config))
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)
@@ -304,7 +315,8 @@ class JobService:
     # -- JobHooks (runner.github.jobs) ----------------------------------------------------------
 
     def prewarm(self, job: Any) -> None:
-        """Restore a VM for a queued GitHub job ahead of its submit (best effort, bounded)."""
+        """Restore a VM for a queued GitHub job ahead of its submit (best effort, bounded), from the
+        template its submit will restore from: the repository's warm base, chosen in the background."""
         if self.stopping:
             return
         template = self.config.default_template
@@ -316,8 +328,10 @@ class JobService:
         if needs_network(policy) and not self.config.network.enabled:
             return  # its submit will be refused: see submit()
         key = RunKey(job.repository, job.run_id, job.run_attempt)
-        self.warm.prewarm(key, job.job_id, template, policy.digest(), lambda: self._create_vm(
-            template=template, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
+        self.warm.prewarm(key, job.job_id, policy.digest(),
+                          lambda: self._template_for(job.repository, template, policy),
+                          lambda chosen: self._create_vm(
+            template=chosen, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
             vcpus=self.config.resources.vcpus, memory_mib=self.config.resources.memory_mib,
             network=needs_network(policy), policy=policy, job_id=f"warm-{job.job_id}",
         ))
@@ -330,6 +344,15 @@ class JobService:
             if _same_github_job(run.spec, job):
                 why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
                 self.cancel(run.record.id, why)
+
+    def default_branch_pushed(self, push: Push) -> None:
+        """GitHub says the repository's default branch moved: its warm bases are stale, rebuild them
+        from the pushed commit (in the background; jobs keep the last good base meanwhile)."""
+        if self.bases is None or self.stopping:
+            return
+        rebuilt = self.bases.pushed(push.repository, push.after)
+        if rebuilt:
+            log.info("push to %s's default branch (%s): rebuilding its warm bases", push.repository, push.after[:12])
 
     # -- the fleet's runners (runner.fleet) and their job hooks ----------------------------------------
 
@@ -415,6 +438,7 @@ class JobService:
             if run is None:
                 continue
             try:
+                self._choose_template(run)
                 self._claim_warm(run)
                 run.execute(self._create_vm, self.config)
             except Exception:  # execute never raises by design; a record that cannot be saved still might
@@ -423,6 +447,20 @@ class JobService:
             finally:
                 with self._lock:
                     self._runs.pop(job_id, None)
+
+    def _choose_template(self, run: JobRun) -> None:
+        """The repository's warm base for its job, when it has one of the job's network variant."""
+        template = self._template_for(run.spec.repository, run.spec.template, run.policy)
+        if template != run.spec.template:
+            run.spec = dataclasses.replace(run.spec, template=template)
+            run.log.system(f"restoring from the repository's warm base {template}")
+
+    def _template_for(self, repository: str, template: str, policy: Any) -> str:
+        """The template a job of `repository` that names `template` restores from: the repository's warm
+        base of the job's network variant when `template` is that base's parent (the default)."""
+        if self.bases is None or template != self.bases.settings.parent:
+            return template
+        return self.bases.template_for(repository, needs_network(policy))
 
     def _claim_warm(self, run: JobRun) -> None:
         spec = run.spec

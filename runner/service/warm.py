@@ -2,8 +2,11 @@
 
 A warm VM is bound to one (repository, run_id, run_attempt), its template and the policy it was
 created with: a submit may only claim it if its effective policy has the same digest, since a VM's
-egress is fixed at creation. Unclaimed VMs expire and are destroyed; the pool is bounded, counting
-VMs still being restored.
+egress is fixed at creation, and if the service would restore the job from the same template (the
+repository's warm base of the job's network variant, or the bare template). The template is chosen
+in the background with the restore, since choosing a base may ask GitHub whether it is current and
+the webhook must answer at once. Unclaimed VMs expire and are destroyed; the pool is bounded,
+counting VMs still being restored.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ class RunKey:
 class PrewarmedVM:
     key: RunKey
     github_job_id: int
-    template: str
     policy_digest: str
     expires_at: float
+    template: str | None = None  # None until chosen, just before the restore
     sandbox: Any = None  # None while it is being restored
     discarded: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
@@ -48,22 +51,27 @@ class PrewarmedVMs:
         self._vms: list[PrewarmedVM] = []
         self._closed = False
 
-    def prewarm(self, key: RunKey, github_job_id: int, template: str, policy_digest: str,
-                create: Callable[[], Any]) -> bool:
-        """Start restoring a VM with `create()` in the background; False when the pool is full or closed."""
+    def prewarm(self, key: RunKey, github_job_id: int, policy_digest: str, choose: Callable[[], str],
+                create: Callable[[str], Any]) -> bool:
+        """In the background, choose the template (`choose()`) and restore a VM from it (`create(template)`);
+        False when the pool is full or closed."""
         with self._lock:
             if self._closed or len(self._vms) >= self.max_vms:
                 return False
             if any(vm.github_job_id == github_job_id and vm.key == key for vm in self._vms):
                 return False  # GitHub redelivers webhooks; one VM per job is enough
-            vm = PrewarmedVM(key, github_job_id, template, policy_digest, self._clock() + self.expire_seconds)
+            vm = PrewarmedVM(key, github_job_id, policy_digest, self._clock() + self.expire_seconds)
             self._vms.append(vm)
-        threading.Thread(target=self._restore, args=(vm, create), name=f"prewarm-{github_job_id}", daemon=True).start()
+        threading.Thread(target=self._restore, args=(vm, choose, create), name=f"prewarm-{github_job_id}",
+                         daemon=True).start()
         return True
 
-    def _restore(self, vm: PrewarmedVM, create: Callable[[], Any]) -> None:
+    def _restore(self, vm: PrewarmedVM, choose: Callable[[], str], create: Callable[[str], Any]) -> None:
         try:
-            sandbox = create()
+            template = choose()
+            with self._lock:
+                vm.template = template
+            sandbox = create(template)
         except Exception:
             log.warning("pre-warming a VM for %s failed", vm.key, exc_info=True)
             with self._lock:

@@ -86,6 +86,12 @@ class JobHookListeners:
         for listener in self.listeners:
             listener.job_completed(job)
 
+    def default_branch_pushed(self, push: Any) -> None:
+        """Only the job service keeps warm bases; a listener without bases (the fleet) has nothing to do."""
+        for listener in self.listeners:
+            if hasattr(listener, "default_branch_pushed"):
+                listener.default_branch_pushed(push)
+
 
 def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings` (a loaded section, or a mapping that is
