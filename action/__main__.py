@@ -26,7 +26,7 @@ from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
 from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
 from action.workflow import annotation, append_file, format_outputs, safe_text
-from runner.errors import UserError
+from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobSpec, JobState
 
@@ -260,7 +260,7 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         return job.run(spec)
     except Interrupted as exc:
         return 128 + exc.signum
-    except (UserError, JobAPIError, OSError) as exc:
+    except (MicrovmCheckError, OSError) as exc:  # raised on purpose with a complete message (runner/errors.py)
         out.write(annotation("error", f"microvm-check: {exc}") + "\n")
         _abandon(job, out)
         return 1

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from runner import tarsafe
+from runner.errors import ArchiveError
 from runner.tarsafe import Extracted as Extraction
 from runner.tarsafe import Limits as ArtifactLimits
 
@@ -33,7 +34,7 @@ __all__ = ["ArtifactError", "ArtifactLimits", "BoundedWriter", "Extraction", "Gl
            "glob_regex", "matches", "place"]
 
 
-class ArtifactError(Exception):
+class ArtifactError(ArchiveError):
     """The artifact stream broke a bound or could not be read; what was extracted stays."""
 
 

@@ -76,7 +76,7 @@ def _artifacts_path(value: str) -> str:
     """Where artifacts land in the workspace: a new directory, never `.git`, never the checkout's root."""
     try:
         name = tarsafe.safe_name(value)
-    except ValueError as exc:
+    except tarsafe.UnsafeTar as exc:
         raise UserError(f"input 'artifacts-path' must be a relative path inside the workspace ({exc})") from None
     if not name or tarsafe.refused_name(name):
         raise UserError(f"input 'artifacts-path' must name a new directory in the workspace, outside .git, got {value!r}")
@@ -88,7 +88,7 @@ def _artifact_globs(value: str) -> list[str]:
     for glob in globs:
         try:
             tarsafe.safe_name(glob)
-        except ValueError as exc:
+        except tarsafe.UnsafeTar as exc:
             raise UserError(f"input 'artifacts': {glob!r} is not a relative glob inside the checkout ({exc})") from None
     return globs
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from xml.parsers import expat
 
+from runner.errors import ClientError
+
 MAX_REPORT_BYTES = 32 * 1024 * 1024
 MAX_TEXT = 4000
 _LOCATION = re.compile(r"^([^\s:][^:\n]*):(\d+):", re.MULTILINE)
 
 
-class JUnitError(Exception):
+class JUnitError(ClientError):
     """A report could not be read; the message names the file and the reason."""
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit, urlunsplit
 
+from runner.errors import ArchiveError
+
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
@@ -33,7 +35,7 @@ GIT_KEEP = ("HEAD", "index", "packed-refs", "shallow", "ORIG_HEAD", "refs", "obj
 GIT_CONFIG_KEEP = ("core.repositoryformatversion", "extensions.objectformat")
 
 
-class PackError(Exception):
+class PackError(ArchiveError):
     """The checkout cannot be packed safely; the message names the offending path."""
 
 

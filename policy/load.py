@@ -21,6 +21,7 @@ from policy.model import MODES, PROTOCOLS, SUPPORTED_VERSION, Network, Policy, R
 from policy.reserved import reserved_containing
 from policy.yamldoc import (STR_TAG, Limits, Problem, Problems, compose, decimal_int, is_null, kind, mapping, quote,
                             read_text, sort_problems, string)
+from runner.errors import MicrovmCheckError
 
 MAX_BYTES = 256 * 1024
 MAX_RULES = 256
@@ -36,7 +37,7 @@ EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
-class PolicyError(Exception):
+class PolicyError(MicrovmCheckError):
     """Every problem found in one policy, in file order; `str()` prints them like a linter."""
 
     def __init__(self, problems: list[Problem]):

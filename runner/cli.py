@@ -11,9 +11,10 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from importlib import metadata
 
-from runner.errors import UserError
+from runner.errors import MicrovmCheckError
 
 COMMAND_MODULES = (
     "vmimages.cli",  # template build | list | rm
@@ -31,6 +32,8 @@ A host service restores each VM from a snapshot, puts only the checkout inside, 
 repository's egress policy, streams the logs back and destroys the VM; the GitHub action hands it
 the job. Start with `microvm-check doctor`."""
 EPILOG = "`microvm-check COMMAND --help` shows a command's options."
+BUG = ("microvm-check: this is a bug in microvm-check, not something you did: please report it with the "
+       "traceback above and the command you ran")
 
 
 def version() -> str:
@@ -68,13 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`args.func(args)`'s exit status, and how an error it raises is shown: an error of the project's tree
+    (runner/errors.py) as one line, since its message is complete; anything else as a bug, with its traceback."""
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
+    except MicrovmCheckError as exc:
         print(f"microvm-check: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception:  # nothing explains it: shown whole, so it can be reported and fixed
+        traceback.print_exc()
+        print(BUG, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

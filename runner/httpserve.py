@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import h11
 
+from runner.errors import JobError
+
 log = logging.getLogger(__name__)
 
 _RECV = 65536
@@ -115,7 +117,7 @@ class Head:
         return int(value) if value is not None else None
 
 
-class BadRequestBody(Exception):
+class BadRequestBody(JobError):
     """A request body whose framing h11 refused, or that ended short: the listener answers 400."""
 
 

@@ -13,6 +13,8 @@ import re
 from itertools import accumulate
 from typing import Any
 
+from runner.errors import JobError
+
 MAX_DEPTH = 64
 _STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]++")
@@ -21,7 +23,7 @@ _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class JsonBodyError(ValueError):
+class JsonBodyError(JobError):
     """The body is not JSON this service accepts; the message says why."""
 
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from runner.errors import ArchiveError
+
 COPY_CHUNK = 256 * 1024
 BLOCK = 512
 MAX_EXTENDED_BYTES = 64 * 1024  # a pax or GNU long-name/long-link header; real ones are a few hundred bytes
@@ -68,7 +70,7 @@ PATCHED_PYTHON = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), 
                   (3, 12): (3, 12, 6)}
 
 
-class UnsafeTar(ValueError):
+class UnsafeTar(ArchiveError):
     """The stream broke a rule or a bound; the message names the member and the rule."""
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from runner.errors import TemplateError
 from vmimages.initramfs import GUEST_DIR
 from vmimages.rootfs import AGENT_FILES
 
@@ -17,7 +18,7 @@ GUEST_FILES = {**AGENT_FILES, "init": GUEST_DIR / "init", "initramfs-init": GUES
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 i8042.noaux i8042.nokbd"
 
 
-class RecipeError(ValueError):
+class RecipeError(TemplateError):
     pass
 
 

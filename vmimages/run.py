@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 
+from runner.errors import TemplateError
 
-class BuildError(RuntimeError):
+
+class BuildError(TemplateError):
     """A build step failed; the message names the step and carries the tool's own output."""
 
 

@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from runner.errors import ConfigError
 from runner.tarsafe import Limits, UnsafeTar, extract
 
 ASSET = "actions-runner-linux-x64-{version}.tar.gz"
@@ -31,7 +32,7 @@ MAX_DOWNLOAD = 1024**3
 RELEASE_LIMITS = Limits(max_files=60_000, max_file_bytes=1024**3, max_total_bytes=4 * 1024**3)
 
 
-class InstallError(ValueError):
+class InstallError(ConfigError):
     """The runner could not be installed; the message says what to do."""
 
 

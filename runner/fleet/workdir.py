@@ -19,16 +19,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.errors import ConfigError
 from runner.github.hook import ISOLATION
-
 from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE as TOKEN_VARIABLE
+
 HOOKS = "_hooks"
 # The runner's variable naming each hook, and the hook's script (and `microvm-check runner` command).
 HOOK_SCRIPTS = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": "job-started", "ACTIONS_RUNNER_HOOK_JOB_COMPLETED": "job-completed"}
 NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
 
 
-class RunnerUserError(ValueError):
+class RunnerUserError(ConfigError):
     """The configured runner user cannot run runners."""
 
 

@@ -1,22 +1,15 @@
 """Errors from GitHub, worded so the operator knows what failed and what to do next.
 
-They derive from `runner.errors.UserError` so the CLI prints them as one line instead of a traceback;
-the webhook server and the guard catch them too and report them in their own channels.
+`GitHubError`, their base, is the GitHub area's base in `runner.errors` (re-exported here): the CLI
+prints them as one line instead of a traceback; the webhook server and the guard catch them too and
+report them in their own channels.
 """
 
 from __future__ import annotations
 
-from runner.errors import UserError
+from runner.errors import GitHubError
 
-
-class GitHubError(UserError):
-    """GitHub answered, but not with what we asked for."""
-
-    def __init__(self, message: str, *, status: int | None = None, method: str = "", path: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.method = method
-        self.path = path
+__all__ = ["GitHubError", "Unauthorized", "Forbidden", "NotFound", "ValidationFailed", "RateLimited", "Unavailable"]
 
 
 class Unauthorized(GitHubError):

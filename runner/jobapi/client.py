@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from runner.errors import ClientError
 from runner.jobapi.contract import (
     DEFAULT_SOCKET, JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER, Health, JobRecord, JobSpec, JobStarted, JobSummary, LogEntry,
     Verdict, WireError,
@@ -35,7 +36,7 @@ _POOL = httpx.Limits(max_connections=16, max_keepalive_connections=0)
 T = TypeVar("T")
 
 
-class JobAPIError(Exception):
+class JobAPIError(ClientError):
     """The service refused a request or could not be reached.
 
     `status` is the HTTP status (None when the service was not reached or its answer broke off),
@@ -66,10 +67,10 @@ class JobClient:
         if socket is not None and url is not None:
             raise ValueError("give at most one of socket or url")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if url is None:
         if runner_token:
             headers[RUNNER_TOKEN_HEADER] = runner_token
         self.job_tokens: dict[str, str] = {}
+        if url is None:
             self.where = socket or DEFAULT_SOCKET
             transport = httpx.HTTPTransport(uds=self.where, limits=_POOL)
             base = "http://localhost"
@@ -171,7 +172,7 @@ class JobClient:
             resp.close()
         try:
             return parse(json.loads(data))
-        except ValueError as exc:  # WireError and json's errors
+        except (ValueError, WireError) as exc:  # json's errors, and an answer without the contract's shape
             what = "does not have the job API's shape" if isinstance(exc, WireError) else "is not JSON"
             raise JobAPIError(f"{method} {path}: the answer {what}: {exc}") from exc
 
@@ -191,12 +192,12 @@ class JobClient:
                 resp.close()
         return resp
 
-    def _log_stream(self, job_id: str, after: int) -> Iterator[LogEntry]:
     def _job(self, job_id: str) -> dict[str, str]:
         """The job's own token as a header, when this client has it."""
         token = self.job_tokens.get(job_id)
         return {JOB_TOKEN_HEADER: token} if token else {}
 
+    def _log_stream(self, job_id: str, after: int) -> Iterator[LogEntry]:
         method, path = "GET", f"/v1/jobs/{_id(job_id)}/logs?after={int(after)}"
         try:
             resp = self._open(method, path, headers=self._job(job_id))
@@ -211,14 +212,14 @@ class JobClient:
                     if isinstance(obj, dict) and obj.get("end"):
                         return
                     entry = LogEntry.from_wire(obj)
-                except ValueError as exc:
+                except (ValueError, WireError) as exc:
                     raise JobAPIError(f"{method} {path}: a log line is not a log entry: {exc}") from exc
                 yield entry
         finally:
             resp.close()
 
 
-class _StreamBroken(Exception):
+class _StreamBroken(ClientError):
     def __init__(self, message: str, timed_out: bool) -> None:
         super().__init__(message)
         self.timed_out = timed_out
@@ -275,7 +276,6 @@ def _api_error(method: str, path: str, resp: httpx.Response) -> JobAPIError:
     )
 
 
-def _records(data: Any) -> list[JobRecord]:
 def _cancelled(data: Any) -> list[str]:
     ids = data.get("cancelled") if isinstance(data, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
@@ -283,6 +283,7 @@ def _cancelled(data: Any) -> list[str]:
     return ids
 
 
+def _records(data: Any) -> list[JobRecord]:
     jobs = data.get("jobs") if isinstance(data, dict) else None
     if not isinstance(jobs, list):
         raise WireError("jobs: expected a list of job records")

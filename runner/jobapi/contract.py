@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-DEFAULT_SOCKET = "/run/microvm-check/api.sock"
+from runner.errors import ClientError
 
-# -- limits -------------------------------------------------------------------------------------------
+DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 
 # -- credentials (docs/job-api.md, "Who may do what"; the rules are runner/service/auth.py) -------------
 
@@ -32,6 +32,8 @@ RUNNER_TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
 # One job's own credential, answered at submit: reading, streaming, cancelling and uploading need it.
 JOB_TOKEN_HEADER = "X-Microvm-Check-Job-Token"
 MAX_TOKEN = 128  # characters of a runner or job token
+
+# -- limits -------------------------------------------------------------------------------------------
 
 MAX_JSON_BODY = 1024 * 1024  # a JSON request body
 MAX_COMMAND_BYTES = 64 * 1024
@@ -57,7 +59,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 TEMPLATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-class WireError(ValueError):
+class WireError(ClientError):
     """An answer that does not have the contract's shape; the message names the field."""
 
 
@@ -173,9 +175,9 @@ class JobSummary:
 
     id: str
     state: JobState
+    token: str | None = field(default=None, repr=False, compare=False)  # a secret, not part of what the job is
 
     @classmethod
-    token: str | None = field(default=None, repr=False, compare=False)  # a secret, not part of what the job is
     def from_wire(cls, data: Any) -> JobSummary:
         data = _object(data, "job")
         return cls(id=_field(data, "id", (str,)), state=_state(data), token=_field(data, "token", (str,), True))

@@ -35,6 +35,7 @@ from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 from policy.model import DENY_ALL, Policy, Rule
 from policy.reserved import internal_range_containing, opted_in
 
+from runner.errors import NetworkError
 from runner.net import addresses, netns
 from runner.net.firewall import FirewallError
 from runner.net.loop import NetLoop
@@ -363,11 +364,11 @@ class SlotResolver:
 _OPEN, _COVERED, _REFUSED = "open", "covered", "refused"
 
 
-class StaleQuery(RuntimeError):
+class StaleQuery(NetworkError):
     """The slot was released while its query was being resolved."""
 
 
-class Throttled(RuntimeError):
+class Throttled(NetworkError):
     """The answer needs a new opening and the slot's write budget is spent (see WRITE_BURST)."""
 
 

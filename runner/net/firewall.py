@@ -15,13 +15,14 @@ import subprocess
 from dataclasses import dataclass
 
 from policy.render import DENIED_CHAIN, OperatorAllowances, denied_chain_lines, rule_lines
+from runner.errors import NetworkError
 from runner.net import addresses, netns
 
 POLICY_TABLES = frozenset({"filter"})
 _TABLE_LINE = re.compile(r"^\*(\S+)\s*$", re.MULTILINE)
 
 
-class FirewallError(RuntimeError):
+class FirewallError(NetworkError):
     """Rules could not be loaded; the slot must not run a VM."""
 
 

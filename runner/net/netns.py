@@ -16,6 +16,8 @@ from typing import Callable, TypeVar
 
 from pyroute2 import netns as pr_netns
 
+from runner.errors import NetworkError
+
 NETNS_DIR = Path("/run/netns")
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -23,7 +25,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 T = TypeVar("T")
 
 
-class NetnsError(RuntimeError):
+class NetnsError(NetworkError):
     """A namespace operation failed; the message names the namespace."""
 
 

@@ -21,6 +21,7 @@ from pyroute2 import IPRoute, NFCTSocket
 from policy.model import DENY_ALL, Policy
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
 from policy.suggest import refused_name_record
+from runner.errors import NetworkError
 from runner.net import addresses, firewall, netns
 from runner.net.audit import AuditRecord, SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,8}")
 
 
-class SlotError(RuntimeError):
+class SlotError(NetworkError):
     """A slot could not be created, configured or cleaned."""
 
 

@@ -21,12 +21,13 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from policy.render import OperatorAllowances, rule_lines
+from runner.errors import NetworkError
 from runner.net import addresses, netns
 
 log = logging.getLogger(__name__)
 
 
-class UplinkError(RuntimeError):
+class UplinkError(NetworkError):
     """The uplink could not be prepared; nothing can leave the slots."""
 
 

@@ -28,8 +28,11 @@ from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, R
 from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
                                     RUNNER_TOKEN_HEADER, JobStarted, JobSummary, WireError)
 from runner.service.auth import Caller, Forbidden, Unauthorized
+from runner.errors import ConfigError, JobError
+from runner.service.egress import EgressPolicyError
 from runner.service.jobqueue import QueueClosed, QueueFull
-from runner.service.service import JobError, JobService
+from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
+from runner.service.spec import SpecError
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,50 @@ _CHUNK = 1024 * 1024
 _ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?")
 
 
-class BodyFramingError(Exception):
-    """A request body that is not valid HTTP framing (answered 400)."""
+class BodyFramingError(JobError):
+    """A request body that is not valid HTTP framing."""
+
+
+class BadRequest(JobError):
+    """A request this edge cannot read: a query parameter, a JSON body."""
+
+
+class NoRoute(JobError):
+    """No route for the path."""
+
+
+class MethodNotAllowed(JobError):
+    """A route that does not take this method."""
+
+
+# The one place a domain error becomes an HTTP status. The service raises errors that say what went
+# wrong (runner.errors.JobError and its subclasses) and knows nothing of HTTP; every JobError subclass
+# has its own entry here (tests/service/test_api_errors.py walks the tree), looked up along the MRO.
+# Anything else that reaches a route is a bug: 500, with its traceback in the service's log.
+STATUS: dict[type[JobError], int] = {
+    JobError: 400,
+    BadRequest: 400,
+    BodyFramingError: 400,
+    BadRequestBody: 400,
+    InvalidJob: 400,
+    SpecError: 400,
+    EgressPolicyError: 400,
+    jsonbody.JsonBodyError: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    JobNotFound: 404,
+    NoRoute: 404,
+    MethodNotAllowed: 405,
+    JobStateConflict: 409,
+    TooLarge: 413,
+    QueueFull: 429,
+    QueueClosed: 503,
+}
+
+
+def status_of(exc: JobError) -> int:
+    """The HTTP status for a refusal: its class's entry, else its nearest base's."""
+    return next(STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS)
 
 
 class Handler(ServedRequest):
@@ -66,11 +111,11 @@ class Handler(ServedRequest):
             data += chunk
             if len(data) > MAX_JSON_BODY:
                 self.close_connection = True
-                raise JobError(413, f"the request body is larger than {MAX_JSON_BODY} bytes")
+                raise TooLarge(f"the request body is larger than {MAX_JSON_BODY} bytes")
         try:
             return jsonbody.loads(data or b"null")
         except jsonbody.JsonBodyError as exc:
-            raise JobError(400, f"the body is not valid JSON: {exc}") from exc
+            raise BadRequest(f"the body is not valid JSON: {exc}") from exc
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         self.respond(status, json.dumps(obj).encode() + b"\n", {"Content-Type": "application/json", **(headers or {})})
@@ -84,20 +129,15 @@ class Handler(ServedRequest):
         try:
             self._route(method)
         except JobError as exc:
-            if expects_body:
-                self.close_connection = True  # the body may be unread; the connection cannot be reused
-            self._error(exc.status, str(exc))
+            # the body may be unread (or, for framing, unreadable): the connection cannot be reused
+            if expects_body or isinstance(exc, (QueueFull, BodyFramingError)):
+                self.close_connection = True
+            headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+            message = f"bad request: {exc}" if isinstance(exc, BodyFramingError) else str(exc)
+            self._error(status_of(exc), message, headers)
         except UnicodeError as exc:  # e.g. a lone surrogate that reached a field
             self.close_connection = True
             self._error(400, f"bad request: text that is not valid Unicode ({exc.reason})")
-        except QueueFull as exc:
-            self.close_connection = True
-            self._error(429, str(exc), {"Retry-After": str(exc.retry_after)})
-        except QueueClosed as exc:
-            self._error(503, str(exc))
-        except BodyFramingError as exc:
-            self.close_connection = True
-            self._error(400, f"bad request: {exc}")
         except (ConnectionError, TimeoutError):
             raise
         except Exception:
@@ -148,7 +188,7 @@ class Handler(ServedRequest):
             return self._send_json(200, {"cancelled": self.service.runner_job_completed(runner)})
         route = job_route(url.path)
         if route is None:
-            raise JobError(404, f"no route {method} {url.path}; see docs/job-api.md")
+            raise NoRoute(f"no route {method} {url.path}; see docs/job-api.md")
         job_id, rest = route
         handler = {
             ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_wire()),
@@ -158,7 +198,7 @@ class Handler(ServedRequest):
             ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_wire()),
         }.get((method, rest))
         if handler is None:
-            raise JobError(405, f"{method} is not allowed on {url.path}")
+            raise MethodNotAllowed(f"{method} is not allowed on {url.path}")
         access.require_job(caller, job_id, self.headers.get(JOB_TOKEN_HEADER))
         handler()
 
@@ -198,14 +238,6 @@ def _wire(parse: Any, data: Any) -> Any:
         raise BadRequest(f"the body is not a {parse.__self__.__name__}: {exc}") from exc
 
 
-def _wire(parse: Any, data: Any) -> Any:
-    """A request body in one of the contract's shapes, or a 400 naming the field."""
-    try:
-        return parse(data)
-    except WireError as exc:
-        raise BadRequest(f"the body is not a {parse.__self__.__name__}: {exc}") from exc
-
-
 def job_route(path: str) -> tuple[str, str] | None:
     """(job id, sub-route such as "/logs" or "") for a path under /v1/jobs/<id>, else None."""
     match = _ROUTE.fullmatch(path)
@@ -218,8 +250,8 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, h
         return default
     value = parse_decimal(values[-1], max_digits=len(str(high)))
     if value is None or not low <= value <= high:
-        raise JobError(400, f"query parameter {name}: expected an integer between {low} and {high}, "
-                            f"got {values[-1][:40]!r}")
+        raise BadRequest(f"query parameter {name}: expected an integer between {low} and {high}, "
+                         f"got {values[-1][:40]!r}")
     return value
 
 
@@ -261,7 +293,7 @@ class UnixApiServer(BoundedHTTPServer):
             except KeyError:
                 listener.close()
                 os.unlink(path)
-                raise ValueError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
+                raise ConfigError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
         super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body)
 
     def close(self) -> None:
@@ -287,7 +319,7 @@ def _prepare_socket_path(path: Path) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise ValueError(f"socket: {path} exists and is not a socket; move it away or choose another path")
+        raise ConfigError(f"socket: {path} exists and is not a socket; move it away or choose another path")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
@@ -296,7 +328,7 @@ def _prepare_socket_path(path: Path) -> None:
         return
     finally:
         probe.close()
-    raise ValueError(f"socket: another service already listens on {path}")
+    raise ConfigError(f"socket: another service already listens on {path}")
 
 
 class ApiServers:

@@ -14,7 +14,7 @@ from runner.errors import UserError
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
 from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
-from runner.service.config import ConfigError, load_config
+from runner.service.config import load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
 
@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     require_patched_python()
     from runner.service.host import ServiceHost
 
-    config = _config(args.config)
+    config = load_config(args.config)
     setup_logging("debug" if getattr(args, "verbose", False) else config.log_level, args.log_format or config.log_format)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -69,16 +69,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   + (f" and {config.listen[0]}:{host.api.tcp_address[1]}" if config.listen else ""), file=sys.stderr)
             stop.wait()
             print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
-    except (ValueError, OSError) as exc:  # a config the host cannot start with: a file, a port, a socket
+    except OSError as exc:  # a file, a port, a socket the host cannot use: the OS's message names it
         raise UserError(str(exc)) from exc
     return 0
-
-
-def _config(path: Path):
-    try:
-        return load_config(path)
-    except ConfigError as exc:
-        raise UserError(str(exc)) from exc
 
 
 # -- jobs -----------------------------------------------------------------------------------------
@@ -88,7 +81,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise UserError("--limit must be at least 1")
     if args.config:
-        store = RecordStore(_config(args.config).records_path)
+        store = RecordStore(load_config(args.config).records_path)
         try:
             records = store.list(args.limit)
         finally:

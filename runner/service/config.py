@@ -29,6 +29,7 @@ from policy.model import PROTOCOLS, Rule
 from policy.render import OperatorAllowances
 from policy.yamldoc import (BOOL_TAG, FLOAT_TAG, INT_TAG, STR_TAG, Limits, Problem, Problems, compose, decimal_int,
                             is_null, kind, mapping, quote, read_text, sort_problems, string)
+from runner.errors import ConfigError  # the config area's base: every config problem, file:line each
 from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY
 from runner.jobapi.contract import DEFAULT_SOCKET  # the job API's contract: one default for service and clients
@@ -50,14 +51,6 @@ _INTEGER = re.compile(r"[-+]?[0-9]{1,19}")
 _NON_FINITE = re.compile(r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)")
 LISTEN_PATTERN = r"^.+:[0-9]{1,5}$"
 SLOT_PREFIX_PATTERN = r"^[a-z][a-z0-9]{0,8}$"
-
-
-class ConfigError(ValueError):
-    """A configuration the service refuses to start with: every problem, each naming file:line and key."""
-
-    def __init__(self, message: str | list[Problem]):
-        self.problems = sort_problems(message) if isinstance(message, list) else []
-        super().__init__("\n".join(str(p) for p in self.problems) if self.problems else message)
 
 
 def setting(default: Any, help: str, kind: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -190,13 +183,13 @@ class RunnerSettings:
 class ServiceConfig:
     socket: str = setting(DEFAULT_SOCKET, "the job API's Unix socket", "string")
     socket_group: str | None = setting(None, "the group allowed to use the socket (mode 0660)", "string")
+    admin_group: str | None = setting(None, "members (and root) are the operator on the socket: they list all jobs "
+                                            "and reach any job (runner/service/auth.py)", "string")
     listen: tuple[str, int] | None = setting(None, "optional TCP HOST:PORT for the job API; needs token or "
                                                    "token_file", "listen")
     token: str | None = setting(None, "bearer token for TCP clients (at least 16 characters)", "string")
     token_file: Path | None = setting(None, "file holding the bearer token, instead of token", "path")
     state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
-    admin_group: str | None = setting(None, "members (and root) are the operator on the socket: they list all jobs "
-                                            "and reach any job (runner/service/auth.py)", "string")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
     resources: Resources = setting(None, "job VM size", "section", section=Resources)
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)
@@ -255,7 +248,7 @@ def load_config(path: str | Path) -> ServiceConfig:
     text = read_text(path, LIMITS, problems)
     node = compose(text, LIMITS, problems) if text is not None else None
     if problems.items:
-        raise ConfigError(problems.final())
+        raise ConfigError(sort_problems(problems.final()))
     return _build(node, problems, path.parent)
 
 
@@ -275,7 +268,7 @@ def webhook_from_mapping(data: dict[str, Any], base: Path = Path(".")) -> Webhoo
     if settings is not None:
         _check_webhook(settings, walk, "webhook.")
     if problems.items or settings is None:
-        raise ConfigError(problems.final())
+        raise ConfigError(sort_problems(problems.final()))
     return settings
 
 
@@ -285,7 +278,7 @@ def _build(node: yaml.Node | None, problems: Problems, base: Path) -> ServiceCon
     if config is not None:
         config = _check(config, walk)
     if problems.items or config is None:
-        raise ConfigError(problems.final())
+        raise ConfigError(sort_problems(problems.final()))
     return config
 
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import policy
 from policy.model import DENY_ALL, Policy
+from runner.errors import JobError
 from runner.github.errors import GitHubError
 from runner.github.policy_source import POLICY_PATH, PolicySource
 
 
-class EgressPolicyError(ValueError):
+class EgressPolicyError(JobError):
     """A job policy (or the operator's store) that does not load; the message says where."""
 
 

@@ -27,6 +27,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runner.errors import ConfigError, MicrovmCheckError, SandboxError
 from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
@@ -130,8 +131,8 @@ class ServiceHost:
                 self._stack.callback(self.slots.close)
                 self.slots.start()
             self.engine = Engine(state, templates=settings.templates, pool_size=settings.pool_size, net=self.slots)
-        except Exception as exc:
-            raise ValueError(f"the VM engine could not start on {state.root}: {exc}") from exc
+        except (MicrovmCheckError, OSError) as exc:  # anything else is a bug: its traceback must show
+            raise SandboxError(f"the VM engine could not start on {state.root}: {exc}") from exc
         self._stack.callback(self.engine.close)
         return functools.partial(Sandbox.create, engine=self.engine)
 
@@ -156,13 +157,13 @@ class ServiceHost:
             github = load_settings(self.config.runners.github_config or self.config.github_config)
             admin = RunnerAdmin(github.app().as_installation, settings.org)
         except GitHubError as exc:
-            raise ValueError(f"{where}: the GitHub App settings: {exc}") from exc
+            raise ConfigError(f"{where}: the GitHub App settings: {exc}") from exc
         fleet = RunnerFleet(settings, admin, service, extra_status=functools.partial(self._status, service))
         self._stack.callback(fleet.close)
         try:
             fleet.start()
-        except ValueError as exc:  # no runner user, no installed release
-            raise ValueError(f"{where}: {exc}") from exc
+        except ConfigError as exc:  # no runner user, no installed release
+            raise ConfigError(f"{where}: {exc}") from exc
         return fleet
 
     def _status(self, service: JobService) -> dict:
@@ -176,8 +177,8 @@ class ServiceHost:
         try:
             policies = self._policies or EgressPolicies(self.config.policy_dir, branch_files=branch_files(self.config))
             service = JobService(self.config, create, policies, self._warm_bases(create, policies))
-        except ValueError as exc:  # e.g. unreadable GitHub App settings
-            raise ValueError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
+        except ConfigError as exc:  # e.g. unreadable GitHub App settings
+            raise ConfigError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
         self._stack.callback(service.close)
         service.start()
         return service

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from runner.errors import SandboxError
 from runner.service.config import LogLimits
 
 
-class LogFull(Exception):
+class LogFull(SandboxError):
     """The job's output reached its log budget on disk: the command must be stopped."""
 
 

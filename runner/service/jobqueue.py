@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from runner.errors import JobError
 
-class QueueFull(Exception):
+
+class QueueFull(JobError):
     """No room: the client should retry after `retry_after` seconds."""
 
     def __init__(self, capacity: int, retry_after: int) -> None:
@@ -19,7 +21,7 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class QueueClosed(Exception):
+class QueueClosed(JobError):
     """The service is shutting down and takes no more jobs."""
 
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from action.pack import PackError, host_git, pack_checkout
-from runner.errors import UserError
+from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import SHA, JobRecord, JobSpec, JobState
 
@@ -124,7 +124,7 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
                            policies=EgressPolicies(None, trust_job_policy=True))
         try:
             host.__enter__()  # not `with`: only a failure to start is the user's to fix
-        except (ValueError, OSError) as exc:
+        except (MicrovmCheckError, OSError) as exc:
             raise UserError(f"cannot start a service for this run: {exc}") from exc
         try:
             with JobClient(socket=config.socket) as client:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from runner.errors import ArchiveError, ConfigError, JobError
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobStarted, JobState, Verdict
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
@@ -32,7 +33,7 @@ from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.fleet import report
 from runner.fleet.report import ReportedJob
 from runner.service.records import RecordStore
-from runner.tarsafe import UnsafeTar as ArchiveError, check_tar
+from runner.tarsafe import check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
 
@@ -47,12 +48,20 @@ _PRUNE_SECONDS = 3600.0
 _CANCEL_WAIT_SECONDS = 10.0
 
 
-class JobError(Exception):
-    """A request the service refuses; `status` is the HTTP status the API answers with."""
+class InvalidJob(JobError):
+    """The job as sent cannot run here: its spec, its egress policy or its checkout."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+
+class JobNotFound(JobError):
+    """No such job (or its records expired), or nothing of it to fetch."""
+
+
+class JobStateConflict(JobError):
+    """The job is not in a state where this request can be done (its checkout is in, it has ended, ...)."""
+
+
+class TooLarge(JobError):
+    """A request body over the service's limit for it."""
 
 
 def branch_files(config: ServiceConfig) -> Any:
@@ -66,7 +75,7 @@ def branch_files(config: ServiceConfig) -> Any:
     try:
         return PolicySource(load_settings(config.github_config).app().as_installation)
     except GitHubError as exc:
-        raise ValueError(f"github_config: {exc}") from exc
+        raise ConfigError(f"github_config: {exc}") from exc
 
 
 class JobService:
@@ -178,18 +187,18 @@ class JobService:
         """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
         checked before the policy is looked up: the policy comes from the repository it may submit for."""
         if self.stopping:
-            raise JobError(503, "the service is shutting down; submit the job again later")
+            raise QueueClosed("the service is shutting down; submit the job again later")
         try:
             spec = parse_spec(data, self.config)
             runner = self.access.admit_submit(caller, spec)
             spec = dataclasses.replace(spec, runner_name=runner or "")
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
-            raise JobError(400, f"invalid job: {exc}") from exc
+            raise InvalidJob(f"invalid job: {exc}") from exc
         if needs_network(policy) and not self.config.network.enabled:
-            raise JobError(400, f"the egress policy for {spec.repository} allows network access, but this service "
-                                f"runs VMs without networking (network.enabled is false in its config): narrow the "
-                                f"policy to deny all, or ask the operator to enable networking")
+            raise InvalidJob(f"the egress policy for {spec.repository} allows network access, but this service "
+                             f"runs VMs without networking (network.enabled is false in its config): narrow the "
+                             f"policy to deny all, or ask the operator to enable networking")
         return spec, policy
 
     def _open_job(self, job_id: str, spec: JobSpec, policy: Any) -> JobRecord:
@@ -223,7 +232,8 @@ class JobService:
         run = self._need_run(job_id)
         with run.lock:
             if run.record.state != JobState.AWAITING_CHECKOUT or run.uploading or run.cancel_reason:
-                raise JobError(409, f"job {job_id} is {run.record.state}: its checkout was already uploaded or it ended")
+                raise JobStateConflict(f"job {job_id} is {run.record.state}: "
+                                       f"its checkout was already uploaded or it ended")
             run.uploading = True  # only this request writes the checkout
         try:
             self._spool(run, chunks)
@@ -232,7 +242,7 @@ class JobService:
         with run.lock:
             if run.record.final or run.cancel_reason:
                 run.checkout_path.unlink(missing_ok=True)  # the job's clean-up ran before the checkout landed
-                raise JobError(409, f"job {job_id} was {run.record.state} while its checkout was uploading")
+                raise JobStateConflict(f"job {job_id} was {run.record.state} while its checkout was uploading")
             run.record.state = JobState.QUEUED
             run.record.timings.queued_at = time.time()
             try:
@@ -257,14 +267,14 @@ class JobService:
                 for chunk in chunks:
                     written += len(chunk)
                     if written > limit:
-                        raise JobError(413, f"the checkout is larger than the service's limit of {limit} bytes; "
-                                            f"leave build outputs out or ask the operator to raise checkout_max_bytes")
+                        raise TooLarge(f"the checkout is larger than the service's limit of {limit} bytes; "
+                                       f"leave build outputs out or ask the operator to raise checkout_max_bytes")
                     out.write(chunk)
             with open(part, "rb") as check:
                 check_tar(check)
             os.replace(part, run.checkout_path)
         except ArchiveError as exc:
-            raise JobError(400, f"checkout: {exc}") from exc
+            raise InvalidJob(f"checkout: {exc}") from exc
         finally:
             if part.exists():
                 part.unlink()
@@ -285,7 +295,7 @@ class JobService:
             return run.record
         record = self.records.get(job_id) if JOB_ID.fullmatch(job_id) else None
         if record is None:
-            raise JobError(404, f"no job {job_id!r} (records are kept {self.config.retention.days:g} days)")
+            raise JobNotFound(f"no job {job_id!r} (records are kept {self.config.retention.days:g} days)")
         return record
 
     def list(self, limit: int = 50) -> list[JobRecord]:
@@ -301,10 +311,10 @@ class JobService:
     def artifacts_path(self, job_id: str) -> Path:
         record = self.get(job_id)
         if not record.final:
-            raise JobError(409, f"job {job_id} is {record.state}: artifacts are ready once it has ended")
+            raise JobStateConflict(f"job {job_id} is {record.state}: artifacts are ready once it has ended")
         path = self.config.jobs_dir / job_id / ARTIFACTS
         if not path.exists():
-            raise JobError(404, f"job {job_id} has no artifacts (none were asked for, matched, or they were rejected)")
+            raise JobNotFound(f"job {job_id} has no artifacts (none were asked for, matched, or they were rejected)")
         return path
 
     def health(self) -> Health:
@@ -498,7 +508,7 @@ class JobService:
         run = self._run(job_id)
         if run is None:
             self.get(job_id)
-            raise JobError(409, f"job {job_id} has already ended")
+            raise JobStateConflict(f"job {job_id} has already ended")
         return run
 
     def _active_runs(self) -> list[JobRun]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+from runner.errors import JobError
 from runner.jobapi.contract import (
     ENV_NAME, MAX_ARTIFACT_GLOBS, MAX_COMMAND_BYTES, MAX_ENV, MAX_ENV_VALUE_BYTES, MAX_PATH_BYTES,
     MAX_POLICY_BYTES, MAX_RUN_ID, MAX_SHORT_TEXT, REPOSITORY, SHA, SPEC_FIELDS, JobSpec,
@@ -21,7 +22,7 @@ _SHOWN = 80  # how much of a refused value an error message repeats: errors neve
 ENV_DENYLIST = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*", "*_KEY", "ACTIONS_*")
 
 
-class SpecError(ValueError):
+class SpecError(JobError):
     """An invalid JobSpec; the message names the field."""
 
 

@@ -1,8 +1,11 @@
-"""Errors of the VM engine. Callers catch `SandboxError`; the subclasses say which side failed."""
+"""Errors of the VM engine. Callers catch `SandboxError` (the sandbox area's base in `runner.errors`,
+re-exported here); the subclasses say which side failed."""
 
+from __future__ import annotations
 
-class SandboxError(RuntimeError):
-    """The sandbox cannot go on (its VM died, expired, or its guest misbehaved); it has been destroyed."""
+from runner.errors import SandboxError
+
+__all__ = ["SandboxError", "VMError", "AgentError"]
 
 
 class VMError(SandboxError):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.errors import TemplateError
 from runner.vm.hypervisor import MachineConfig, Snapshot
 
 VARIANTS = {"net": True, "nonet": False}
@@ -32,8 +33,8 @@ LAST_USED = "last-used"
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")
 
 
-class TemplateNotFound(LookupError):
-    pass
+class TemplateNotFound(TemplateError):
+    """No such template on this host; the message says how to build it."""
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def test_install_refuses_a_tarball_whose_digest_differs(tmp_path: Path) -> None:
 
 
 def test_the_runner_user_may_not_be_root() -> None:
-    with pytest.raises(ValueError, match="runners never run as root"):
+    with pytest.raises(workdir.RunnerUserError, match="runners never run as root"):
         RunnerUser.lookup("root")
 
 

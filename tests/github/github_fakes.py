@@ -90,16 +90,10 @@ def run_cli(argv: list[str]) -> int:
     """`microvm-check ARGS` with only this area's commands, as `runner.cli.main` runs them, so these
     tests do not depend on other areas importing cleanly."""
     import argparse
-    import sys
 
-    from runner.errors import UserError
+    from runner.cli import run_command
     from runner.github import cli
 
     parser = argparse.ArgumentParser(prog="microvm-check")
     cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"microvm-check: {exc}", file=sys.stderr)
-        return 1
+    return run_command(parser.parse_args(argv))

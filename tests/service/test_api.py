@@ -16,6 +16,7 @@ from typing import Callable
 import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
+from runner.errors import ConfigError
 from runner.service.api import UnixApiServer
 from runner.jobapi.client import JobAPIError, JobClient
 from tests.conftest import require
@@ -144,7 +145,7 @@ def test_tcp_client_sees_413_for_an_oversized_checkout(hosts) -> None:
 
 def test_stale_socket_is_replaced_and_a_live_one_is_not(api, make_config) -> None:
     service, client = api()
-    with pytest.raises(ValueError, match="already listens"):
+    with pytest.raises(ConfigError, match="^socket: another service already listens on "):
         UnixApiServer(service.config.socket, service)
     client.health()
     path = service.config.socket + ".stale"
@@ -227,7 +228,7 @@ def test_socket_group(make_service) -> None:
         assert os.stat(service.config.socket).st_gid == grp.getgrnam(group).gr_gid
     finally:
         server.close()
-    with pytest.raises(ValueError, match="no group named 'no-such-group-mvc'"):
+    with pytest.raises(ConfigError, match="^socket_group: no group named 'no-such-group-mvc' on this host"):
         UnixApiServer(service.config.socket, service, "no-such-group-mvc")
     assert not os.path.exists(service.config.socket)
 

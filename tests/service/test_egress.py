@@ -18,7 +18,8 @@ from runner.github.policy_source import PolicySource
 from runner.service.egress import EgressPolicies, EgressPolicyError
 from tests.github.github_fakes import (API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, TOKEN_OP, example,
                                        load_operations, load_payload)
-from runner.service.service import JobError
+from runner.service.api import status_of
+from runner.service.service import InvalidJob
 
 REPO_POLICY = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n  - host: files.pythonhosted.org\n    ports: [443]\n"
 NARROWER = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n"
@@ -75,17 +76,18 @@ def test_deny_all_vms_get_no_network_card(make_service, engine: FakeEngine, stor
 
 def test_egress_without_networking_is_refused_at_submit(make_service, store: Path) -> None:
     service = make_service(policy_dir=str(store))
-    with pytest.raises(JobError) as err:
+    with pytest.raises(InvalidJob, match=r"allows network access, but this service runs VMs without networking "
+                                         r"\(network\.enabled is false in its config\)") as err:
         service.submit(spec("ok"))
-    assert err.value.status == 400 and "network.enabled is false" in str(err.value)
+    assert status_of(err.value) == 400
     service.submit(spec("ok", policy="version: 1\nallow: []\n"))  # narrowed to nothing: fine
 
 
 def test_invalid_job_policy_is_a_400(make_service, store: Path) -> None:
     service = make_service(policy_dir=str(store))
-    with pytest.raises(JobError) as err:
+    with pytest.raises(InvalidJob, match=r"^invalid job: policy: job policy") as err:
         service.submit(spec("ok", policy="version: 1\nallow:\n  - host: x\n    ports: [70000]\n"))
-    assert err.value.status == 400 and "job policy" in str(err.value)
+    assert status_of(err.value) == 400
 
 
 BRANCH_POLICY = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n  - host: github.com\n    ports: [443]\n"

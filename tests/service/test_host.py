@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from service_fakes import FakeEngine, checkout_tar, spec, waits
 
+from runner.errors import ConfigError, SandboxError
 from runner.service.api import ApiServers
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.service.config import ServiceConfig
@@ -167,7 +168,7 @@ def test_an_engine_that_cannot_start_leaves_nothing_started(need_engine: None, m
     other = Engine(StateDir(config.state_dir), pool_size=0)  # another service's engine on the same state dir
     try:
         threads, open_sockets = piece_threads(), sockets()
-        with pytest.raises(ValueError, match="the VM engine could not start on .*another microvm-check engine"):
+        with pytest.raises(SandboxError, match="the VM engine could not start on .*another microvm-check engine"):
             with ServiceHost(config, engine=EngineSettings(pool_size=0)):
                 pytest.fail("two engines on one state directory")
         assert closes == []
@@ -179,7 +180,7 @@ def test_an_engine_that_cannot_start_leaves_nothing_started(need_engine: None, m
 
 def test_origin_prefixes_what_the_user_fixes_in_the_config(make_config, short_dir: Path) -> None:
     config = make_config(github_config=str(short_dir / "missing.yml"))
-    with pytest.raises(ValueError, match=r"^/etc/service\.yml: github_config: "):
+    with pytest.raises(ConfigError, match=r"^/etc/service\.yml: github_config: "):
         with ServiceHost(config, sandboxes=FakeEngine().create, origin="/etc/service.yml"):
             pass
 

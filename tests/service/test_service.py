@@ -16,7 +16,8 @@ from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec
 from runner.service.host import ServiceHost
 from runner.service.jobqueue import QueueFull
 from runner.service.records import RecordStore
-from runner.service.service import JobError, JobService
+from runner.service.api import status_of
+from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
 
 
 def run(service: JobService, command: str, **fields) -> str:
@@ -105,9 +106,9 @@ def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeEngin
     waiting = service.submit(spec("ok")).id
     assert service.cancel(queued).state == "cancelled"
     assert service.cancel(waiting).state == "cancelled"
-    with pytest.raises(JobError, match=r"^job j[0-9a-f]+ has already ended$") as err:
+    with pytest.raises(JobStateConflict, match=r"^job j[0-9a-f]+ has already ended$") as err:
         service.put_checkout(waiting, [checkout_tar()])
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
     release.set()
     wait_final(service, first)
     assert service.get(first).state == "finished"
@@ -122,9 +123,9 @@ def test_cancel_during_the_upload_leaves_no_checkout_behind(make_service, make_c
         yield checkout_tar()
         service.cancel(job)  # the job's clean-up runs while the upload is still open
 
-    with pytest.raises(JobError, match="was cancelled while its checkout was uploading") as err:
+    with pytest.raises(JobStateConflict, match="was cancelled while its checkout was uploading") as err:
         service.put_checkout(job, chunks())
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
     assert list((service.config.jobs_dir / job).glob("checkout*")) == []
 
 
@@ -218,12 +219,12 @@ def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeEngine) ->
 def test_bad_checkout_is_refused(make_service) -> None:
     service = make_service(checkout_max_bytes="16KiB")
     job = service.submit(spec()).id
-    with pytest.raises(JobError, match="the checkout is larger than the service's limit of 16384 bytes; leave build outputs out") as err:
+    with pytest.raises(TooLarge, match="the checkout is larger than the service's limit of 16384 bytes; leave build outputs out") as err:
         service.put_checkout(job, [b"\0" * 10000, b"\0" * 10000])
-    assert err.value.status == 413
-    with pytest.raises(JobError, match="^checkout: not a valid tar archive: the stream ended inside a tar header$") as err:
+    assert status_of(err.value) == 413
+    with pytest.raises(InvalidJob, match="^checkout: not a valid tar archive: the stream ended inside a tar header$") as err:
         service.put_checkout(job, [b"not a tar" * 10])
-    assert err.value.status == 400
+    assert status_of(err.value) == 400
     service.put_checkout(job, [checkout_tar()])  # the job is still waiting for a good one
 
 
@@ -343,9 +344,9 @@ def test_retention_prunes_records_and_dirs(make_service, engine: FakeEngine) -> 
     wait_final(service, job)
     assert service.prune(now=service.get(job).created_at + 2 * 86400) == [job]
     assert not (service.config.jobs_dir / job).exists()
-    with pytest.raises(JobError, match=r"^no job 'j[0-9a-f]+' \(records are kept 1 days\)$") as err:
+    with pytest.raises(JobNotFound, match=r"^no job 'j[0-9a-f]+' \(records are kept 1 days\)$") as err:
         service.get(job)
-    assert err.value.status == 404
+    assert status_of(err.value) == 404
 
 
 def _wait_warm(service: JobService, engine: FakeEngine):

@@ -14,7 +14,8 @@ import pytest
 from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits
 
 from runner.jobapi.client import JobAPIError
-from runner.service.service import JobError, JobService
+from runner.service.api import status_of
+from runner.service.service import InvalidJob, JobService
 
 LONE_SURROGATE = "\ud800"  # a lone surrogate: what json.loads makes of "\\ud800"
 
@@ -58,9 +59,9 @@ MALFORMED_TEXT = [
 @pytest.mark.parametrize("fields, message", MALFORMED_TEXT)
 def test_malformed_text_is_refused_naming_the_field(make_service, fields: dict, message: str) -> None:
     service = make_service(max_queued_jobs=1)
-    with pytest.raises(JobError, match=re.escape(message)) as err:
+    with pytest.raises(InvalidJob, match=re.escape(message)) as err:
         service.submit({**spec("true"), **fields})
-    assert err.value.status == 400
+    assert status_of(err.value) == 400
     assert service._active_runs() == [] and list(service.config.jobs_dir.iterdir()) == []
 
 
@@ -163,9 +164,9 @@ def test_a_worker_survives_a_job_whose_record_cannot_be_saved(make_service, engi
 
 def test_refusals_name_the_field(make_service) -> None:
     service = make_service()
-    with pytest.raises(JobError) as err:
+    with pytest.raises(InvalidJob) as err:
         service.submit(spec("true", run_id=2**63))
-    assert err.value.status == 400
+    assert status_of(err.value) == 400
     assert str(err.value) == "invalid job: run_id: must be between 0 and 9223372036854775807, got 9223372036854775808"
 
 
