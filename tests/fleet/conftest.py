@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -233,6 +234,10 @@ def serve(rig: Rig, vms: bool = True) -> Iterator[Rig]:
         yield rig
         if host.engine is not None:
             host.service.drain()
+            # A VM destroyed on another thread (a pre-warmed one, at drain) leaves the engine's list just after.
+            deadline = time.monotonic() + 30
+            while any(vm._destroyed for vm in host.engine.live()) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert host.engine.live() == [], "a job's VM outlived the service"
 
 
