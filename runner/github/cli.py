@@ -113,6 +113,12 @@ def web_url(api_url: str) -> str:
     return api_url.removesuffix("/api/v3")
 
 
+SINGLE_RUNNER = (
+    "note: this is ONE runner: it takes one job at a time, and keeps its workspace between jobs; jobs it submits "
+    "are authorised by the job API socket's group (docs/job-api.md). For several jobs at once, each on a fresh "
+    "runner bound to its job, give the service a runners: section instead (docs/fleet.md)")
+
+
 def cmd_register(args: argparse.Namespace) -> int:
     settings, app, org = _setup(args)
     admin = runners.RunnerAdmin(app.as_installation, org)
@@ -128,6 +134,7 @@ def cmd_register(args: argparse.Namespace) -> int:
         command = runners.config_command(org_url, token, args.name, labels, args.runner_group)
         print(f"registration token for org {org} expires at {token.expires_at}")
     _install_guard(args)
+    print(SINGLE_RUNNER)
     return _run_or_print(command, args.runner_dir, args.show_token)
 
 

@@ -63,6 +63,7 @@ def test_register_prints_the_config_command_with_the_token_redacted(github, conf
     assert f"expires at {token['expires_at']}" in out
     assert "ACTIONS_RUNNER_INPUT_TOKEN='<redacted>' ./config.sh --unattended --replace" in out
     assert f"--url https://github.com/{ORG} --name host-1 --labels microvm,no-gpu" in out
+    assert "note: this is ONE runner: it takes one job at a time" in out
 
 
 def test_register_show_token_prints_it(github, config, capsys, operations) -> None:
