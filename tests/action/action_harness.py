@@ -17,10 +17,14 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from gha_runner_model import ICU_IGNORABLE, RunnerModel
+
+if TYPE_CHECKING:
+    from runner.jobapi.client import JobClient
+    from runner.jobapi.contract import JobRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 ACTION = ROOT / "action.yml"
@@ -175,31 +179,26 @@ def interrupt(steps: list[StepProcess], signum: int = signal.SIGINT) -> None:
     steps[0].process.send_signal(signum)
 
 
-def wait_for_state(client: Any, state: str, job_id: str | None = None, timeout: float = 60.0,
-                   interval: float = 0.1) -> Any:
+def wait_for_state(client: JobClient, state: str, job_id: str | None = None, timeout: float = 60.0,
+                   interval: float = 0.1) -> JobRecord:
     """Poll the job service until the job (without `job_id`, the newest job) is in `state`; its record.
 
-    Fails the test, with the last state seen, when `timeout` seconds pass first. The record is a
-    JobRecord from runner.jobapi's client, or a dict from runner.service.client's transitional one.
+    Fails the test, with the last state seen, when `timeout` seconds pass first.
     """
     deadline = time.monotonic() + timeout
-    last: Any = None
+    last: JobRecord | None = None
     while True:
         if job_id is None:
             jobs = client.list(limit=1)
             last = jobs[0] if jobs else None
         else:
             last = client.get(job_id)
-        if last is not None and _state(last) == state:
+        if last is not None and last.state == state:
             return last
         if time.monotonic() >= deadline:
             raise AssertionError(f"no job reached {state!r} within {timeout:g} s; last seen: "
-                                 f"{None if last is None else _state(last)!r}")
+                                 f"{None if last is None else last.state.value!r}")
         time.sleep(interval)
-
-
-def _state(record: Any) -> str:
-    return str(record.get("state") if isinstance(record, dict) else record.state)
 
 
 ACTION_COMMANDS = ("error", "warning", "notice")  # what the action itself may say outside the relay

@@ -156,16 +156,16 @@ def test_timeout_in_a_vm(service, sim: Simulation) -> None:
 
 
 def test_cancel_in_a_vm(service, sim: Simulation) -> None:
-    from runner.service.client import JobClient
+    from runner.jobapi.client import JobClient
 
     metadata, steps = start(sim, {"run": "echo started; sleep 600", "socket": service.config.socket})
     client = JobClient(socket=service.config.socket)
-    job_id = wait_for_state(client, "running", timeout=300, interval=0.25)["id"]
+    job_id = wait_for_state(client, "running", timeout=300, interval=0.25).id
     interrupt(steps)
     result = finish(sim, metadata, steps, timeout=120)
     assert result.returncode == 130
     wait_for_state(client, "cancelled", job_id, timeout=60)
-    assert client.get(job_id)["state"] == "cancelled"
+    assert client.get(job_id).state == "cancelled"
 
 
 def test_hostile_checkout_changes_nothing_and_still_reports(net_service, sim: Simulation, tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from vm_jobs import output, submit
 
 from policy import load_policy
 from runner.github.jobs import QueuedJob
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
+from runner.jobapi.contract import JobRecord
 from runner.service.config import config_from_mapping
 from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_operations
 
@@ -60,13 +61,13 @@ def _no_vm_outlives(host: Any) -> None:
     assert host.engine.live() == [], "a job's VM outlived the service"
 
 
-def probe_job(client: JobClient, *targets: str, **fields: Any) -> tuple[dict[str, Any], str]:
+def probe_job(client: JobClient, *targets: str, **fields: Any) -> tuple[JobRecord, str]:
     """Run the probe against `targets` in a job; its final record and output."""
     job = submit(client, f"python3 probe.py {' '.join(targets)}", files={"probe.py": PROBE.encode()},
                  timeout_seconds=300, **fields)
     text = output(client, job).decode()
     record = client.get(job)
-    assert (record["state"], record["exit_code"]) == ("finished", 0), (record, text)
+    assert (record.state, record.exit_code) == ("finished", 0), (record, text)
     assert probed(text) == set(targets), text  # the probe ran to its end: every result below is real
     return record, text
 
@@ -90,8 +91,8 @@ def test_a_prewarmed_vm_is_not_handed_out_after_its_repository_policy_changed(ne
     record, text = probe_job(client, ALLOWED, DENIED, run_id=4242, run_attempt=1)
 
     assert reached(text) == {ALLOWED}, text  # the new rules; the warm VM would have reached DENIED only
-    assert record["warm"] is False and record["vm_id"] != warm.sandbox.id
-    assert record["policy_digest"] == load_policy(new).digest()
+    assert record.warm is False and record.vm_id != warm.sandbox.id
+    assert record.policy_digest == load_policy(new).digest()
 
 
 @responses.activate
@@ -113,7 +114,7 @@ def test_the_default_branch_policy_is_what_the_job_vm_gets(net_host, tmp_path: P
     record, text = probe_job(JobClient(socket=host.config.socket), ALLOWED, DENIED, repository=BRANCH_REPO)
 
     assert reached(text) == {ALLOWED}, text  # deny-all (no file read) would reach nothing
-    assert record["policy_digest"] == load_policy(branch_policy).digest()
+    assert record.policy_digest == load_policy(branch_policy).digest()
     (asked,) = token_call.calls  # as the App: a JWT it signed, for this installation
     claims = jwt.decode(asked.request.headers["Authorization"].removeprefix("Bearer "), key.public_key(),
                         algorithms=["RS256"])
@@ -139,8 +140,8 @@ def test_blocked_egress_reaches_the_record_in_block_and_audit_mode(net_host, tmp
 
     assert reached(block_text) == {ALLOWED} and reached(audit_text) == {ALLOWED, DENIED}
     for record in (blocking, auditing):
-        listed = {(b["dest"], b["port"], b["proto"]): b["reason"] for b in record["blocked_egress"]}
+        listed = {(b["dest"], b["port"], b["proto"]): b["reason"] for b in record.blocked_egress}
         assert listed[(DENIED_HOST, 8000, "tcp")] == "policy", listed
         assert listed[(METADATA, 80, "tcp")] == "always-denied", listed
         assert (ALLOWED_HOST, 8000, "tcp") not in listed, listed
-        assert all(b["count"] >= 1 for b in record["blocked_egress"])
+        assert all(b["count"] >= 1 for b in record.blocked_egress)

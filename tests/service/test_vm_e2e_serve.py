@@ -33,7 +33,7 @@ from test_vm_e2e import QUEUED, templates, vm_root  # noqa: F401 (fixtures)
 from vm_jobs import output, submit
 
 from runner.github.signature import sign
-from runner.service.client import JobAPIError, JobClient
+from runner.jobapi.client import JobAPIError, JobClient
 from runner.vm.engine import LOCK_NAME
 from runner.vm.sweep import processes_under
 
@@ -203,7 +203,7 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
                                  "redeliver_every": 30, "github_config": str(app)}})
     client = JobClient(socket=str(vm_root / "api.sock"))
     process.wait_answering(client)
-    assert client.health()["warm"] == 0
+    assert client.health().warm == 0
 
     queued = json.loads((external / QUEUED).read_text())
     body = json.dumps(queued).encode()
@@ -212,7 +212,7 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
         "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(SECRET, body)},
         proxies={"http": None, "https": None})
     assert (answer.status_code, answer.json()) == (200, {"message": f"prewarming for job {queued['workflow_job']['id']}"})
-    assert client.health()["warm"] == 1  # the delivery reached the service: a VM is being warmed for the run
+    assert client.health().warm == 1  # the delivery reached the service: a VM is being warmed for the run
 
     # The warm VM goes to the run's first submit once it is restored; a submit that comes earlier runs
     # cold and leaves it waiting, so the run submits again (each job gives the restore time to finish).
@@ -223,10 +223,10 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
         job = submit(client, "echo warm", **run)
         assert output(client, job) == b"warm\n"
         records.append(client.get(job))
-        if records[-1]["warm"]:
+        if records[-1].warm:
             break
-    assert [r["warm"] for r in records][-1:] == [True], records
-    assert client.health()["warm"] == 0
+    assert [r.warm for r in records][-1:] == [True], records
+    assert client.health().warm == 0
 
     # The sweep's first pass comes redeliver_every (30 s) after the start.
     assert github.redelivery_asked.wait(180), (github.requests, process.stderr())
@@ -251,10 +251,10 @@ def test_serve_recovers_after_kill_9_in_the_middle_of_a_job(serve, vm_root: Path
         if entry.data == b"started\n":
             break
     running = client.get(job)
-    assert running["state"] == "running" and running["vm_id"]
+    assert running.state == "running" and running.vm_id
     vmms = {pid: _cmdline(pid) for pid in processes_under(state / "vms")}
     vm_dirs = {p.name for p in (state / "vms").iterdir() if p.name != LOCK_NAME}
-    assert vmms and running["vm_id"] in vm_dirs
+    assert vmms and running.vm_id in vm_dirs
 
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
@@ -262,13 +262,13 @@ def test_serve_recovers_after_kill_9_in_the_middle_of_a_job(serve, vm_root: Path
     second.wait_answering(client)
 
     record = client.get(job)
-    assert record["state"] == "failed" and record["error"] == "the service stopped while this job was active", record
+    assert record.state == "failed" and record.error == "the service stopped while this job was active", record
     assert [pid for pid, cmdline in vmms.items() if _cmdline(pid) == cmdline] == [], "a dead service's VMM survived"
     assert vm_dirs & {p.name for p in (state / "vms").iterdir()} == set(), "a dead service's VM directory was left"
     assert not (state / "jobs" / job / "checkout.tar").exists()
     again = submit(client, "echo again")
     assert output(client, again) == b"again\n"
-    assert (client.get(again)["state"], client.get(again)["exit_code"]) == ("finished", 0)
+    assert (client.get(again).state, client.get(again).exit_code) == ("finished", 0)
     assert second.stop() == 0, second.stderr()
     assert processes_under(state / "vms") == []
 

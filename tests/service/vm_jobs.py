@@ -1,7 +1,6 @@
 """Submitting a job and reading its output, for the real-VM service tests that run it through the API.
 
-Records are read as the wire's dicts (`runner.service.client.JobClient`): the typed client
-(runner.jobapi) is being introduced in parallel, and these helpers are the one place to switch.
+They use the typed client of the job API's contract (runner.jobapi), as the action does.
 """
 
 from __future__ import annotations
@@ -10,14 +9,14 @@ from typing import Any
 
 from service_fakes import checkout_tar, spec
 
-from runner.service.client import JobClient
+from runner.jobapi.client import JobClient
 
 
 def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
     """Submit `command` with a checkout of `files` (default: a README); the job's id."""
-    job = client.submit(spec(command, **fields))["id"]
+    job = client.submit(spec(command, **fields)).id
     client.upload_checkout(job, checkout_tar(files))
-    return str(job)
+    return job
 
 
 def output(client: JobClient, job: str) -> bytes:
