@@ -72,12 +72,7 @@ class JobDriver:
 
     def _run(self, spec: JobSpec) -> int:
         self.job_id = self.client.submit(spec).id
-        self._say(f"job {self.job_id} submitted; packing {self.workspace}")
-        try:
-            chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
-            self.client.upload_checkout(self.job_id, chunks)
-        except PackError as exc:
-            raise UserError(f"checkout refused: {exc}") from exc
+        self._send_checkout()
         dropped = self._relay_logs()
         record = self.client.get(self.job_id)
         extraction = self._artifacts()
@@ -88,6 +83,19 @@ class JobDriver:
                         log_dropped_bytes=dropped)
         self._report(result)
         return result.exit_code
+
+    def _send_checkout(self) -> None:
+        """Pack and upload the workspace, unless the job attached to a VM an earlier step of this GitHub
+        job kept (`keep: job`): the service queues such a job at once, the checkout is in its VM."""
+        if self.client.get(self.job_id).state != JobState.AWAITING_CHECKOUT:
+            self._say(f"job {self.job_id} submitted; it runs in the VM an earlier step of this job kept")
+            return
+        self._say(f"job {self.job_id} submitted; packing {self.workspace}")
+        try:
+            chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
+            self.client.upload_checkout(self.job_id, chunks)
+        except PackError as exc:
+            raise UserError(f"checkout refused: {exc}") from exc
 
     def _relay_logs(self) -> int:
         """Relay until the job ends; a dropped stream resumes after the last sequence number seen.

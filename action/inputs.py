@@ -17,8 +17,8 @@ from typing import Any
 
 from runner import tarsafe
 from runner.errors import UserError
-from runner.jobapi.contract import (DEFAULT_SOCKET, ENV_NAME, MAX_POLICY_BYTES, MAX_TOKEN, RUNNER_TOKEN_VARIABLE, SHA,
-                                    TEMPLATE_NAME, JobSpec)
+from runner.jobapi.contract import (DEFAULT_SOCKET, ENV_NAME, KEEP_VALUES, MAX_POLICY_BYTES, MAX_TOKEN,
+                                    RUNNER_TOKEN_VARIABLE, SHA, TEMPLATE_NAME, JobSpec)
 
 MAX_TIMEOUT_MINUTES = 24 * 60
 # The runner's own credentials: never meant for user code, and fatal in a fork's hands.
@@ -38,6 +38,7 @@ class Inputs:
     include_git: bool
     artifacts_path: str = "artifacts"
     artifacts_required: bool = False
+    keep: str = "none"  # "job": the VM stays for this job's next step (docs/job-api.md, "One VM across steps")
 
 
 def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
@@ -60,7 +61,15 @@ def read_inputs(environ: Mapping[str, str]) -> Inputs:
         include_git=_boolean("include-git", _get(environ, "include-git", "false") or "false"),
         artifacts_path=_artifacts_path(_get(environ, "artifacts-path", "artifacts") or "artifacts"),
         artifacts_required=_boolean("artifacts-required", _get(environ, "artifacts-required", "false") or "false"),
+        keep=_keep(_get(environ, "keep", "none") or "none"),
     )
+
+
+def _keep(value: str) -> str:
+    if value not in KEEP_VALUES:
+        raise UserError(f"input 'keep' must be 'job' (keep the VM for this job's next step) or 'none' "
+                        f"(the default: a kept VM ends with this step), got {value!r}")
+    return value
 
 
 def _working_directory(value: str) -> str:
@@ -212,4 +221,5 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> Job
         timeout_seconds=max(1, round(inputs.timeout_minutes * 60)),
         template=inputs.template,
         policy=policy_text(inputs.policy, workspace),
+        keep=inputs.keep,
     )

@@ -48,6 +48,8 @@ LIST_DEFAULT, LIST_MAX = 50, 1000  # GET /v1/jobs?limit=N
 MAX_LOG_SEQ = 2**62  # GET /v1/jobs/{id}/logs?after=SEQ
 
 GUEST_WORKSPACE = "/workspace"  # where the checkout is unpacked in the guest
+# JobSpec.keep: "job" keeps the VM for the GitHub job's next step (runner/service/sessions.py).
+KEEP_VALUES = ("none", "job")
 
 # -- patterns (use with fullmatch: `$` also matches before a trailing newline) ------------------------
 
@@ -126,6 +128,9 @@ class JobSpec:
     timeout_seconds: int | None = None
     template: str | None = None
     policy: str | None = None
+    # "job": the VM stays for the same GitHub job's next step, which attaches to it instead of
+    # getting a new one (and sends no checkout); "none": a step that finds a kept VM runs in it and ends it.
+    keep: str = "none"
 
     @property
     def workdir(self) -> str:
@@ -138,6 +143,8 @@ class JobSpec:
         wire = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         wire["env"] = dict(self.env)
         wire["artifacts"] = list(self.artifacts)
+        if self.keep == "none":
+            del wire["keep"]  # the default: a service that predates `keep` still takes the spec
         return wire
 
 

@@ -31,6 +31,7 @@ from runner.service.auth import Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
 from runner.service.jobqueue import QueueClosed, QueueFull
+from runner.service.sessions import SessionConflict
 from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
 from runner.service.spec import SpecError
 
@@ -79,6 +80,7 @@ STATUS: dict[type[JobError], int] = {
     NoRoute: 404,
     MethodNotAllowed: 405,
     JobStateConflict: 409,
+    SessionConflict: 409,
     TooLarge: 413,
     QueueFull: 429,
     QueueClosed: 503,

@@ -2,7 +2,9 @@
 
 The VM is destroyed on every path out of `JobRun.execute` (success, failure, timeout, cancel, an
 engine error, service shutdown): `finally` owns it, and `cancel` from another thread destroys it
-at once so a blocked `exec` returns instead of running on.
+at once so a blocked `exec` returns instead of running on. The one exception is a step of a
+`keep: job` session (runner/service/sessions.py) that ended with a result: its VM goes back to the
+session for the job's next step, which attaches to it (no checkout) instead of starting one.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from runner.errors import JobError
 from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog, LogFull
 from runner.service.records import JobRecord
+from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
 from runner.service.spec import JobSpec
 from runner.tarsafe import Limits, copy_validated
 
@@ -67,6 +71,9 @@ class JobRun:
     cancel_reason: str | None = None
     uploading: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    session: Session | None = None  # the GitHub job's kept VM this step opens or attaches to
+    sessions: Sessions | None = None
+    attached: bool = False  # the session already had its VM at submit: no VM start, no checkout
 
     @property
     def checkout_path(self) -> Path:
@@ -116,7 +123,7 @@ class JobRun:
         sandbox = None
         outcome: tuple[str, int | None, str | None] = ("failed", None, "the job ended without a result")
         try:
-            sandbox = self._start_vm(create, config)
+            sandbox = self._attach() if self.attached else self._start_vm(create, config)
             outcome = self._run_in(sandbox, config) if sandbox is not None else self._cancelled()
         except LogFull as exc:  # the log already says so; the VM goes in `finally`
             outcome = self._cancelled() if self.cancel_reason else ("failed", None, str(exc))
@@ -128,15 +135,52 @@ class JobRun:
                 self.log.system(f"job failed: {exc}")
                 outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
-            if sandbox is not None:
+            if not self._kept(sandbox, outcome[0]) and sandbox is not None:
                 _destroy(sandbox)
             self.finish(*outcome)
+
+    def _attach(self) -> Sandbox | None:
+        """The session's VM for this step; it is this step's alone until `_kept` hands it back."""
+        assert self.session is not None
+        self.update(state="starting")
+        with self.session.lock:
+            sandbox, self.session.sandbox = self.session.sandbox, None
+        if sandbox is None or not getattr(sandbox, "alive", True):
+            raise SessionGone(f"the job's kept VM is gone ({self.session.ended or 'it died'}); "
+                              "run the job again")
+        with self.lock:
+            self.sandbox = sandbox
+            cancelled = self.cancel_reason is not None
+        if cancelled:
+            return None
+        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=0.0)
+        self.log.system(f"step {self.session.steps} of the job, in its kept VM {sandbox.id} "
+                        f"(session {self.session.id}); the checkout and earlier steps' files are there")
+        return sandbox
+
+    def _kept(self, sandbox: Sandbox | None, state: str) -> bool:
+        """After the step: hand a `keep: job` step's VM to its session when the step ended with a
+        result; otherwise end the session (the caller destroys the VM). False: destroy it."""
+        session, sessions = self.session, self.sessions
+        if session is None or sessions is None:
+            return False
+        alive = sandbox is not None and getattr(sandbox, "alive", True) and not self.cancel_reason
+        if self.spec.keep == "job" and state in ("finished", "timed_out") and alive:
+            if session.hold(sandbox, time.monotonic()):
+                self.log.system(f"VM {sandbox.id} kept for the job's next step (session {session.id})")
+                return True
+        why = "the job's last step ended" if self.spec.keep != "job" else f"step ended {state}"
+        sessions.end(session, self.cancel_reason or why)
+        if sandbox is not None:
+            self.log.system(f"VM {sandbox.id} destroyed: the job's kept VM ends ({self.cancel_reason or why})")
+        return False
 
     def _cancelled(self) -> tuple[str, int | None, str | None]:
         return "cancelled", EXIT_CANCELLED, self.cancel_reason
 
     def _run_in(self, sandbox: Sandbox, config: ServiceConfig) -> tuple[str, int | None, str | None]:
-        self._put_checkout(sandbox)
+        if not self.attached:
+            self._put_checkout(sandbox)
         result = self._run_command(sandbox)
         if self.cancel_reason:
             return self._cancelled()
@@ -159,9 +203,10 @@ class JobRun:
             sandbox = self.warm = None
             self.update(warm=False)
         if sandbox is None:
+            ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
             sandbox = create(
                 template=self.spec.template,
-                ttl_seconds=self.spec.timeout_seconds + _TTL_MARGIN_SECONDS,
+                ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
                 vcpus=config.resources.vcpus,
                 memory_mib=config.resources.memory_mib,
                 network=needs_network(self.policy),
@@ -242,6 +287,10 @@ class JobRun:
         with self.lock:
             self.record.artifacts = [m.to_json() for m in copied.files]
         self.log.system(f"collected {len(copied.files)} artifact file(s)")
+
+
+class SessionGone(JobError):
+    """The kept VM a step was to attach to ended before the step started."""
 
 
 def needs_network(policy: Any) -> bool:

@@ -33,6 +33,7 @@ from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.fleet import report
 from runner.fleet.report import ReportedJob
 from runner.service.records import RecordStore
+from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, session_key
 from runner.tarsafe import check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
@@ -93,6 +94,7 @@ class JobService:
         self.records = RecordStore(config.records_path)
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
+        self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
         self.accel: str | None = None
         self.access = Access(config.admin_group, fleet=config.runners.org is not None)
         self._runs: dict[str, JobRun] = {}
@@ -145,6 +147,7 @@ class JobService:
         for run in self._active_runs():  # awaiting checkout, never queued
             _logged(self._end, f"cancelling job {run.record.id}", run, JobState.CANCELLED,
                     "the service shut down before the job started")
+        self.sessions.close("the service is shutting down")
         self.warm.close()
         if self._reaper:
             self._reaper.join()
@@ -174,14 +177,32 @@ class JobService:
         reservation, an in-memory job or a directory behind, or the queue shrinks for good.
         """
         spec, policy = self._admit(data, caller)
+        session = self._join_session(spec, policy)
         job_id = "j" + secrets.token_hex(8)
-        self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
         try:
-            record = self._open_job(job_id, spec, policy)
+            self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
+        except BaseException:
+            if session is not None:
+                self.sessions.release(session)
+            raise
+        try:
+            record = self._open_job(job_id, spec, policy, session)
         except BaseException:
             self._release(job_id)
+            if session is not None:
+                self.sessions.release(session)
             raise
         return record, self.access.jobs.issue(job_id)
+
+    def _join_session(self, spec: JobSpec, policy: Any) -> Session | None:
+        """The GitHub job's kept VM this step opens (`keep: job`, none yet) or attaches to (one is
+        kept), or None. The key carries the runner the binding admitted, so no other job finds it."""
+        key = session_key(spec)
+        if key is None:
+            if spec.keep == "job":
+                raise InvalidJob("keep: job needs the GitHub job's run_id and job_name (the action sends them)")
+            return None
+        return self.sessions.join(key, spec.keep, spec.template or "", policy.digest())
 
     def _admit(self, data: Any, caller: Caller) -> tuple[JobSpec, Any]:
         """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
@@ -191,7 +212,7 @@ class JobService:
         try:
             spec = parse_spec(data, self.config)
             runner = self.access.admit_submit(caller, spec)
-            spec = dataclasses.replace(spec, runner_name=runner or "")
+            spec = dataclasses.replace(spec, runner_name=runner or "", keep=parse_keep(data))
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
@@ -201,16 +222,23 @@ class JobService:
                              f"policy to deny all, or ask the operator to enable networking")
         return spec, policy
 
-    def _open_job(self, job_id: str, spec: JobSpec, policy: Any) -> JobRecord:
-        """The job's directory, log and first record; the job becomes visible only once all exist."""
+    def _open_job(self, job_id: str, spec: JobSpec, policy: Any, session: Session | None = None) -> JobRecord:
+        """The job's directory, log and first record; the job becomes visible only once all exist.
+
+        A step that attaches to its job's kept VM sends no checkout (it is in the VM): it is queued at once.
+        """
+        attached = session is not None and session.sandbox is not None
         job_dir = self.config.jobs_dir / job_id
         record = JobRecord(
-            id=job_id, state=JobState.AWAITING_CHECKOUT, repository=spec.repository, sha=spec.sha,
-            run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
+            id=job_id, state=JobState.QUEUED if attached else JobState.AWAITING_CHECKOUT, repository=spec.repository,
+            sha=spec.sha, run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
             policy_digest=policy.digest(),
         )
+        if attached:
+            record.timings.queued_at = time.time()
         job_dir.mkdir(mode=0o700)
-        run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy)
+        run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
+                     session=session, sessions=self.sessions if session else None, attached=attached)
         try:
             self.records.put(record)
         except BaseException:
@@ -218,6 +246,8 @@ class JobService:
             raise
         with self._lock:
             self._runs[job_id] = run
+        if attached:
+            self.queue.put(job_id)
         return record
 
     def _release(self, job_id: str) -> None:
@@ -350,10 +380,11 @@ class JobService:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
         key = RunKey(job.repository, job.run_id, job.run_attempt)
         self.warm.discard_job(key, job.job_id)
+        why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
         for run in self._active_runs():
             if _same_github_job(run.spec, job):
-                why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
                 self.cancel(run.record.id, why)
+        self.sessions.end_where(lambda session: _session_of_github_job(session, job), why)
 
     def default_branch_pushed(self, push: Push) -> None:
         """GitHub says the repository's default branch moved: its warm bases are stale, rebuild them
@@ -403,6 +434,7 @@ class JobService:
         ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner]
         for job_id in ids:
             self.cancel(job_id, f"the GitHub job ended (runner {runner}'s job-completed hook) while this job still ran")
+        self.sessions.end_where(lambda key: key.runner == runner, f"runner {runner}'s job-completed hook")
         return ids
 
     def _guard_rules(self, repository: str) -> Any:
@@ -429,6 +461,7 @@ class JobService:
         ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner_name]
         for job_id in ids:
             self.cancel(job_id, reason)
+        self.sessions.end_where(lambda key: key.runner == runner_name, reason)
         return ids
 
     # -- internals --------------------------------------------------------------------------------
@@ -448,8 +481,11 @@ class JobService:
             if run is None:
                 continue
             try:
-                self._choose_template(run)
-                self._claim_warm(run)
+                if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
+                    self._choose_template(run)
+                    self._claim_warm(run)
+                elif not run.attached:
+                    self._choose_template(run)
                 run.execute(self._create_vm, self.config)
             except Exception:  # execute never raises by design; a record that cannot be saved still might
                 log.exception("job %s: the worker failed outside the job's own handling", job_id)
@@ -487,6 +523,8 @@ class JobService:
                 sandbox.destroy()
             except Exception:
                 log.exception("job %s: destroying VM %s failed", run.record.id, getattr(sandbox, "id", "?"))
+        if run.session is not None:
+            self.sessions.end(run.session, "the service failed to run a step of the job")
         try:
             _finish(run, JobState.FAILED, "the service failed to run this job; see the service log")
         except Exception:
@@ -499,6 +537,8 @@ class JobService:
         finally:
             with self._lock:
                 self._runs.pop(run.record.id, None)
+            if run.session is not None:
+                self.sessions.release(run.session)
 
     def _run(self, job_id: str) -> JobRun | None:
         with self._lock:
@@ -531,6 +571,7 @@ class JobService:
         """
         now = time.time() if now is None else now
         _logged(self.warm.expire, "expiring pre-warmed VMs")
+        _logged(self.sessions.expire, "expiring idle kept VMs")
         for run in self._active_runs():
             if run.record.state == JobState.AWAITING_CHECKOUT and now - run.record.created_at > self.config.checkout_wait_seconds:
                 if self.queue.discard(run.record.id):
@@ -581,6 +622,24 @@ def _logged(step: Callable[..., Any], what: str, *args: Any) -> None:
         step(*args)
     except Exception:
         log.exception("%s failed", what)
+
+
+def _destroy_vm(sandbox: Any) -> None:
+    """A kept VM whose session ended; a failure is logged (the engine's TTL and sweep remain)."""
+    try:
+        sandbox.destroy()
+    except Exception:
+        log.exception("destroying kept VM %s failed", getattr(sandbox, "id", "?"))
+
+
+def _session_of_github_job(key: SessionKey, job: Any) -> bool:
+    """Whether a session belongs to the GitHub job a `workflow_job` webhook speaks of (as `_same_github_job`)."""
+    if (key.repository, key.run_id, key.run_attempt) != (job.repository.lower(), job.run_id, job.run_attempt):
+        return False
+    runner = getattr(job, "runner_name", None)
+    if key.runner and runner:
+        return key.runner == runner
+    return key.job == job.job_name
 
 
 def _same_github_job(spec: Any, job: Any) -> bool:

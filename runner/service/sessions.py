@@ -1,0 +1,182 @@
+"""One VM across a GitHub job's steps (`keep: job`): a session holds the VM between the steps' execs.
+
+A session belongs to one GitHub job: the key is the repository, run, attempt, job and runner, the
+same things the runner binding (runner/service/auth.py) checks at submit, so a step of another job
+(another run, a re-run, a matrix sibling on another runner) never finds it. The first `keep: job`
+step opens it and its VM comes from the normal path (checkout in, command); each later step of the
+job attaches: no checkout, its own exec, its own record and log. A step with `keep: none` (the
+default) that finds the session runs in it and ends it; so do the job-completed hook, the
+`completed` webhook, the runner's death and the idle TTL, whichever comes first. The VM's own
+engine TTL (`KEEP_MAX_SECONDS`) bounds it even if the service dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from runner.errors import JobError
+from runner.jobapi.contract import KEEP_VALUES
+from runner.service.spec import SpecError
+
+log = logging.getLogger(__name__)
+
+KEEP_IDLE_SECONDS = 900.0  # a kept VM waits at most this long for the job's next step
+KEEP_MAX_SECONDS = 6 * 3600  # a kept VM's hard life in the engine: GitHub's own limit for a job
+
+
+@dataclass(frozen=True)
+class SessionKey:
+    """The GitHub job a session belongs to; `runner` tells matrix siblings (same job key) apart."""
+
+    repository: str
+    run_id: int
+    run_attempt: int
+    job: str
+    runner: str
+
+    def describe(self) -> str:
+        return f"{self.repository} run {self.run_id}/{self.run_attempt} job {self.job} on runner {self.runner or '?'}"
+
+
+def session_key(spec: Any) -> SessionKey | None:
+    """The session a step may open or join; None when the spec does not name its GitHub job."""
+    if spec.run_id is None or not spec.job_name:
+        return None
+    return SessionKey(spec.repository.lower(), spec.run_id, spec.run_attempt or 1, spec.job_name, spec.runner_name)
+
+
+def parse_keep(data: Any) -> str:
+    """The `keep` field of a submitted spec: "none" (the default) or "job"."""
+    value = data.get("keep", "none") if isinstance(data, dict) else "none"
+    if value not in KEEP_VALUES:
+        shown = repr(value)[:40]
+        raise SpecError(f"keep: expected one of {', '.join(KEEP_VALUES)}, got {shown}")
+    return value
+
+
+@dataclass
+class Session:
+    """A kept VM and what the job's later steps must match to use it."""
+
+    id: str
+    key: SessionKey
+    template: str
+    policy_digest: str
+    touched: float
+    sandbox: Any = None  # None until the first step's VM is up, and again once it has ended
+    steps: int = 0
+    busy: bool = False  # a step is between its submit and its end: the next one waits for it to end
+    ended: str | None = None  # why it ended
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold(self, sandbox: Any, now: float) -> bool:
+        """After a step: keep its VM for the next. False when the session ended meanwhile (destroy it)."""
+        with self.lock:
+            self.busy = False
+            self.touched = now
+            if self.ended is not None:
+                return False
+            self.sandbox = sandbox
+            return True
+
+
+class SessionConflict(JobError):
+    """A step that cannot join its job's kept VM (answered 409); the message says why."""
+
+
+class Sessions:
+    """The service's sessions by key; every path that ends one destroys its VM exactly once."""
+
+    def __init__(self, destroy: Callable[[Any], None], idle_seconds: float = KEEP_IDLE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._destroy = destroy
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_key: dict[SessionKey, Session] = {}
+
+    def join(self, key: SessionKey, keep: str, template: str, policy_digest: str) -> Session | None:
+        """The session a step runs in: the job's open one, a new one for a first `keep: job` step, or
+        None (a plain step). The step holds it (busy) until `release` or `hold`."""
+        with self._lock:
+            session = self._by_key.get(key)
+            if session is None:
+                if keep != "job":
+                    return None
+                session = Session("s" + secrets.token_hex(8), key, template, policy_digest, self._clock())
+                self._by_key[key] = session
+            with session.lock:
+                _check_joinable(session, template, policy_digest)
+                session.busy = True
+                session.steps += 1
+                session.touched = self._clock()
+            return session
+
+    def release(self, session: Session) -> None:
+        """A step that joined but never ran (its submit failed, it was cancelled while queued): the
+        session is free for the next step; a session whose first step never ran ends."""
+        with session.lock:
+            session.busy = False
+            session.touched = self._clock()
+            fresh = session.sandbox is None
+        if fresh:
+            self.end(session, "its first step never ran")
+
+    def get(self, key: SessionKey) -> Session | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def end(self, session: Session, why: str) -> None:
+        """End the session and destroy its VM (idempotent)."""
+        with self._lock:
+            if self._by_key.get(session.key) is session:
+                del self._by_key[session.key]
+        with session.lock:
+            if session.ended is None:
+                session.ended = why
+            sandbox, session.sandbox = session.sandbox, None
+        if sandbox is not None:
+            log.info("session %s (%s) ends: %s", session.id, session.key.describe(), why)
+            self._destroy(sandbox)
+
+    def end_where(self, match: Callable[[SessionKey], bool], why: str) -> list[str]:
+        """End every session whose key matches; their ids."""
+        with self._lock:
+            chosen = [s for key, s in self._by_key.items() if match(key)]
+        for session in chosen:
+            self.end(session, why)
+        return [session.id for session in chosen]
+
+    def expire(self) -> list[str]:
+        """End sessions no step has used for `idle_seconds` (a step that runs keeps it alive)."""
+        now = self._clock()
+        return self.end_where(lambda key: self._idle(key, now), f"no step used it for {self.idle_seconds:g} s")
+
+    def _idle(self, key: SessionKey, now: float) -> bool:
+        session = self._by_key.get(key)  # called under self._lock
+        return session is not None and not session.busy and now - session.touched > self.idle_seconds
+
+    def close(self, why: str) -> None:
+        self.end_where(lambda _key: True, why)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._by_key)
+
+
+def _check_joinable(session: Session, template: str, policy_digest: str) -> None:
+    if session.ended is not None:
+        raise SessionConflict(f"the job's kept VM has ended ({session.ended})")
+    if session.busy:
+        raise SessionConflict("another step of this job still runs in its kept VM; steps of a job run one at a time")
+    if session.template != template:
+        raise SessionConflict(f"the job's kept VM was restored from template {session.template}, this step asks for "
+                              f"{template}: a kept VM keeps its first step's template")
+    if session.policy_digest != policy_digest:
+        raise SessionConflict("this step's egress policy differs from the one the job's kept VM was started with: "
+                              "a kept VM keeps its first step's policy (give every step the same `policy` input)")

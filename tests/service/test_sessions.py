@@ -1,0 +1,114 @@
+"""`keep: job`: one VM across a GitHub job's steps, against the stand-in engine (runner/service/sessions.py).
+
+The real-VM proof (files and a background process across steps, driven through action.yml) is
+tests/action/test_action_keep_vm.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from service_fakes import FakeEngine, checkout_tar, prints, spec
+from test_service import GitHubJob, wait_final
+
+from runner.jobapi.contract import JobState
+from runner.service.api import status_of
+from runner.service.service import InvalidJob, JobService, JobStateConflict
+from runner.service.sessions import SessionConflict
+
+JOB = {"run_id": 500, "run_attempt": 1, "job_name": "check", "runner_name": "host-a"}
+
+
+def step(service: JobService, command: str, keep: str = "job", **fields) -> str:
+    """Submit one step as the action does: upload a checkout only when the service waits for one."""
+    record = service.submit(spec(command, keep=keep, **{**JOB, **fields}))
+    if record.state == JobState.AWAITING_CHECKOUT:
+        service.put_checkout(record.id, [checkout_tar()])
+    wait_final(service, record.id)
+    return record.id
+
+
+def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(make_service, engine: FakeEngine) -> None:
+    engine.programs.update({"install": prints(b"i\n"), "lint": prints(b"l\n", 3), "test": prints(b"t\n")})
+    service = make_service()
+    first, second = step(service, "install"), step(service, "lint")
+    assert len(engine.created) == 1 and engine.alive() == engine.created  # kept after a failing step too
+    third = step(service, "test", keep="none")
+    records = [service.get(job) for job in (first, second, third)]
+    assert [(r.state, r.exit_code) for r in records] == [("finished", 0), ("finished", 3), ("finished", 0)]
+    assert {r.vm_id for r in records} == {engine.created[0].id}
+    vm = engine.created[0]
+    assert [call["command"][2] for call in vm.exec_calls] == ["install", "lint", "test"]
+    assert vm.files == {"/workspace/README": b"hello\n"}  # the checkout went in once
+    assert engine.alive() == [] and service.sessions.count() == 0
+
+
+def test_an_attached_step_is_queued_without_a_checkout(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    step(service, "ok")
+    record = service.submit(spec("ok", keep="job", **JOB))
+    assert record.state != JobState.AWAITING_CHECKOUT  # queued at once: the action reads this, sends no checkout
+    with pytest.raises(JobStateConflict, match="already uploaded or it ended"):
+        service.put_checkout(record.id, [checkout_tar()])
+    wait_final(service, record.id)
+    service.runner_job_completed("host-a")
+    assert engine.alive() == []
+
+
+@pytest.mark.parametrize("other", [{"runner_name": "host-b"}, {"run_attempt": 2}, {"run_id": 501},
+                                   {"job_name": "lint"}, {"repository": "octo/other"}])
+def test_a_step_of_another_job_never_attaches(make_service, engine: FakeEngine, other) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    step(service, "ok")
+    kept = engine.created[0]
+    step(service, "ok", keep="none", **other)
+    assert len(engine.created) == 2 and engine.created[1].exec_calls and kept.alive
+    assert len(kept.exec_calls) == 1
+    service.runner_job_completed("host-a")
+    assert engine.alive() == []
+
+
+@pytest.mark.parametrize("end", [
+    lambda service: service.runner_job_completed("host-a"),
+    lambda service: service.runner_died("host-a", "the runner died"),
+    lambda service: service.job_completed(GitHubJob(job_id=9, run_id=500, job_name="check (x)",
+                                                    runner_name="host-a", repository="octo/hello")),
+])
+def test_the_job_end_destroys_the_kept_vm(make_service, engine: FakeEngine, end) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    step(service, "ok")
+    assert engine.alive() == engine.created
+    end(service)
+    assert engine.alive() == [] and service.sessions.count() == 0
+
+
+def test_an_idle_session_expires(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    step(service, "ok")
+    service.sessions.idle_seconds = 0.0
+    service.reap()
+    assert engine.alive() == []
+    assert service.get(step(service, "ok", keep="none")).exit_code == 0  # a fresh VM: the session is gone
+    assert len(engine.created) == 2 and engine.alive() == []
+
+
+def test_a_step_that_asks_for_another_template_is_refused(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service(templates=["base", "other"])
+    step(service, "ok")
+    with pytest.raises(SessionConflict, match="kept VM was restored from template base, this step asks for other") as refused:
+        service.submit(spec("ok", keep="job", template="other", **JOB))
+    assert status_of(refused.value) == 409
+    service.runner_job_completed("host-a")
+    assert engine.alive() == []
+
+
+def test_keep_is_checked(make_service) -> None:
+    service = make_service()
+    with pytest.raises(InvalidJob, match="keep: expected one of none, job"):
+        service.submit(spec("ok", keep="forever", **JOB))
+    with pytest.raises(InvalidJob, match="keep: job needs the GitHub job's run_id"):
+        service.submit(spec("ok", keep="job"))
