@@ -31,7 +31,9 @@ from runner.errors import ConfigError, MicrovmCheckError, SandboxError
 from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
+from runner.jobapi.contract import ACTIVE_STATES
 from runner.service.job import SandboxFactory
+from runner.service.metrics import EventsTee, JobMetrics, ServiceView
 from runner.service.service import JobService, branch_files
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 from runner.vm.statedir import StateDir
@@ -81,6 +83,7 @@ class ServiceHost:
         self.api: ApiServers | None = None
         self.webhook: Webhook | None = None
         self.fleet: RunnerFleet | None = None
+        self.metrics: JobMetrics | None = None
         self._stack = ExitStack()
 
     def __enter__(self) -> "ServiceHost":
@@ -104,8 +107,9 @@ class ServiceHost:
     def _build(self) -> None:
         create = self._sandboxes if self._sandboxes is not None else self._start_engine()
         service = self.service = self._start_service(create)
+        self.metrics = self._metrics(service)
         if self._serve_api:
-            api = self.api = ApiServers(service)  # binds the sockets; closes what it bound if one fails
+            api = self.api = ApiServers(service, metrics=self.metrics)  # binds the sockets; closes what it bound if one fails
             self._stack.callback(api.close)
             self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
             api.start()
@@ -116,6 +120,21 @@ class ServiceHost:
         self.webhook = start_webhook(self.config.webhook, hooks, where)
         if self.webhook is not None:
             self._stack.callback(self.webhook.close)
+
+    def _metrics(self, service: JobService) -> JobMetrics:
+        """This service's metrics (served on the API's TCP listener): each job's end as its record is saved,
+        the rest read from the service, the engine and the fleet at scrape time."""
+        metrics = JobMetrics()
+        service.records.events = EventsTee(service.records.events, metrics)
+        engine, settings = self.engine, self._engine_settings
+        metrics.watch(ServiceView(
+            active_jobs=lambda: list(service.records.in_states(ACTIVE_STATES)),
+            queued=lambda: service.health().queued, prewarmed=lambda: service.health().warm,
+            prewarm_max=self.config.prewarm.max_vms,
+            live_vms=(lambda: len(engine.live())) if engine is not None else None,
+            spare_pool_size=settings.pool_size if engine is not None else None,
+            runners=lambda: self.fleet.runners() if self.fleet is not None else []))
+        return metrics
 
     def _start_engine(self) -> SandboxFactory:
         """The VM engine, networked when the config says so; it sweeps a crashed predecessor's VMs (and

@@ -1,0 +1,141 @@
+"""The service's Prometheus metrics, on a registry of its own (never prometheus_client's global one).
+
+Two sources, so that no hot path grows a hook:
+- what the service already holds (jobs by state, queue depth, live VMs, pre-warmed VMs, runners) is read
+  at scrape time by `ServiceCollector`;
+- what happens once per job (its end, its VM's ready time, its duration and overhead, the egress it was
+  refused) is observed from its final record as it is saved: `JobMetrics.saw` is chained after the
+  record store's lifecycle events (`runner.logs.JobEvents`, which already sees every saved record), so
+  every path that ends a job (worker, reaper, cancel, start-up clean-up) is counted once.
+
+Counters and histograms start at zero with the process, as Prometheus expects; the job records are the
+durable history (a scrape during a job and the records agree: tests/service/test_metrics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from runner.jobapi.contract import ACTIVE_STATES, JobState
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "microvm_check"
+# VM ready time is tens of milliseconds with a spare VM, seconds for a cold restore under TCG.
+_READY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+_OVERHEAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_MAX_REASON = 64  # a blocked-egress reason comes from the service's own audit, but is stored next to guest data
+
+
+def result_of(state: str, exit_code: int | None) -> str:
+    """A final job's result label: success and failure only for a command that ran to its end."""
+    if state == JobState.FINISHED:
+        return "success" if exit_code == 0 else "failure"
+    return state
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    """What the scrape-time collector reads; each a callable so nothing is cached between scrapes."""
+
+    active_jobs: Callable[[], list[Any]]  # records in a non-final state
+    queued: Callable[[], int]
+    prewarmed: Callable[[], int]
+    prewarm_max: int
+    live_vms: Callable[[], int] | None = None  # None without an engine (tests above the VM layer)
+    spare_pool_size: int | None = None
+    runners: Callable[[], list[Any]] | None = None  # the fleet's runners, when runners: is configured
+
+
+class ServiceCollector(Collector):
+    """Gauges read from the service at scrape time."""
+
+    def __init__(self, view: ServiceView) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        view = self._view
+        jobs = GaugeMetricFamily(f"{PREFIX}_jobs_active", "Jobs not yet final, by state", labels=["state"])
+        counts = {state.value: 0 for state in ACTIVE_STATES}
+        for record in view.active_jobs():
+            counts[str(record.state)] = counts.get(str(record.state), 0) + 1
+        for state, count in sorted(counts.items()):
+            jobs.add_metric([state], count)
+        yield jobs
+        yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Jobs waiting for a worker", value=view.queued())
+        yield GaugeMetricFamily(f"{PREFIX}_prewarmed_vms", "VMs restored for an announced job", value=view.prewarmed())
+        yield GaugeMetricFamily(f"{PREFIX}_prewarmed_vms_max", "prewarm.max_vms", value=view.prewarm_max)
+        if view.live_vms is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_vms_running", "VMs alive on the engine (jobs, spares, pre-warmed)",
+                                    value=view.live_vms())
+        if view.spare_pool_size is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_spare_pool_size", "Spare VMs kept ready per snapshot",
+                                    value=view.spare_pool_size)
+        if view.runners is not None:
+            runners = GaugeMetricFamily(f"{PREFIX}_runners", "The fleet's runners, by state", labels=["state"])
+            by_state: dict[str, int] = {}
+            for runner in view.runners():
+                state = str(getattr(runner.state, "value", runner.state))
+                by_state[state] = by_state.get(state, 0) + 1
+            for state, count in sorted(by_state.items()):
+                runners.add_metric([state], count)
+            yield runners
+
+
+class JobMetrics:
+    """A service instance's registry: the per-job counters and histograms, and the scrape-time gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.jobs = Counter(f"{PREFIX}_jobs", "Jobs ended, by final state and result", ["state", "result"], registry=r)
+        self.vm_ready = Histogram(f"{PREFIX}_vm_ready_seconds", "From a job's start to its VM answering",
+                                  ["warm"], buckets=_READY_BUCKETS, registry=r)
+        self.duration = Histogram(f"{PREFIX}_job_duration_seconds", "The job's command, from start to end",
+                                  buckets=_DURATION_BUCKETS, registry=r)
+        self.overhead = Histogram(f"{PREFIX}_job_overhead_seconds",
+                                  "From a job's checkout queued to its command started (VM, network, checkout)",
+                                  buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.blocked = Counter(f"{PREFIX}_blocked_egress_attempts", "Egress attempts refused, by reason",
+                               ["reason"], registry=r)
+
+    def watch(self, view: ServiceView) -> None:
+        self.registry.register(ServiceCollector(view))
+
+    def saw(self, record: Any) -> None:
+        """A job record was saved: count it if it just became final."""
+        if not record.final:  # a record turns final once (JobState allows no move out of a final state)
+            return
+        state = str(record.state)
+        self.jobs.labels(state, result_of(state, record.exit_code)).inc()
+        t = record.timings
+        if t.vm_ready_ms is not None:
+            self.vm_ready.labels(str(bool(record.warm)).lower()).observe(t.vm_ready_ms / 1000)
+        if t.started_at is not None and t.finished_at is not None:
+            self.duration.observe(max(0.0, t.finished_at - t.started_at))
+        if t.queued_at is not None and t.started_at is not None:
+            self.overhead.observe(max(0.0, t.started_at - t.queued_at))
+        for entry in record.blocked_egress:
+            count = entry.get("count", 1)
+            reason = str(entry.get("reason") or "policy")[:_MAX_REASON]
+            self.blocked.labels(reason).inc(count if isinstance(count, int) and count > 0 else 1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EventsTee:
+    """The record store's event sink, followed by the metrics: both see every saved record."""
+
+    def __init__(self, first: Any, metrics: JobMetrics) -> None:
+        self._first, self._metrics = first, metrics
+
+    def saw(self, record: Any) -> None:
+        self._first.saw(record)
+        self._metrics.saw(record)
