@@ -24,6 +24,7 @@ from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
+from action.queuewait import QueueWait
 from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
 from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.errors import MicrovmCheckError, UserError
@@ -71,7 +72,8 @@ class JobDriver:
             return self._cancel(exc)
 
     def _run(self, spec: JobSpec) -> int:
-        self.job_id = self.client.submit(spec).id
+        waiting = QueueWait(self.inputs.timeout_minutes, say=self._say)  # a full queue: wait, up to the timeout
+        self.job_id = waiting.submit(self.client, spec).id
         self._send_checkout()
         dropped = self._relay_logs()
         record = self.client.get(self.job_id)

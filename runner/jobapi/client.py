@@ -20,7 +20,7 @@ import httpx
 from runner.errors import ClientError
 from runner.jobapi.contract import (
     DEFAULT_SOCKET, JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER, Health, JobRecord, JobSpec, JobStarted, JobSummary, LogEntry,
-    Verdict, WireError,
+    QueueFullAnswer, Verdict, WireError,
 )
 
 _CHUNK = 1024 * 1024
@@ -40,17 +40,19 @@ class JobAPIError(ClientError):
     """The service refused a request or could not be reached.
 
     `status` is the HTTP status (None when the service was not reached or its answer broke off),
-    `retry_after` the seconds the service asked the client to wait (429, 503), and `timed_out` says
-    that the service stopped answering within the client's timeout (for a log stream: the job is
-    silent, not necessarily gone).
+    `retry_after` the seconds the service asked the client to wait (429, 503), `queued` how many jobs
+    waited ahead when a submit found the queue full (429; None when the service did not say), and
+    `timed_out` says that the service stopped answering within the client's timeout (for a log stream:
+    the job is silent, not necessarily gone).
     """
 
     def __init__(self, message: str, status: int | None = None, retry_after: float | None = None,
-                 timed_out: bool = False) -> None:
+                 timed_out: bool = False, queued: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
         self.timed_out = timed_out
+        self.queued = queued
 
 
 class JobClient:
@@ -265,15 +267,26 @@ def _lines(resp: httpx.Response, method: str, path: str) -> Iterator[bytes]:
 
 def _api_error(method: str, path: str, resp: httpx.Response) -> JobAPIError:
     try:
-        message = json.loads(_read(resp, _MAX_ERROR, method, path)).get("error")
-    except (ValueError, AttributeError, JobAPIError):
-        message = None
+        body = json.loads(_read(resp, _MAX_ERROR, method, path))
+    except (ValueError, JobAPIError):
+        body = None
+    message = body.get("error") if isinstance(body, dict) else None
     retry = resp.headers.get("Retry-After", "")
     return JobAPIError(
         f"{method} {path}: {resp.status_code} {message or resp.reason_phrase}",
         status=resp.status_code,
-        retry_after=float(retry) if retry.isdigit() else None,
+        # delta-seconds only (an HTTP date is not worth a clock comparison here); ASCII: "²".isdigit() too
+        retry_after=float(retry) if retry.isascii() and retry.isdigit() else None,
+        queued=_queued(body) if resp.status_code == 429 else None,
     )
+
+
+def _queued(body: Any) -> int | None:
+    """The queue depth of a 429 answer (contract.QueueFullAnswer), or None from a service that does not send it."""
+    try:
+        return QueueFullAnswer.from_wire(body).queued
+    except WireError:
+        return None
 
 
 def _cancelled(data: Any) -> list[str]:

@@ -3,7 +3,7 @@ service import for what travels between them.
 
 Here: the default socket, every limit a JobSpec is held to, the name and commit patterns, the job
 states and the moves between them, and the typed forms of what is sent (JobSpec) and answered
-(JobSummary, JobRecord, Health, LogEntry), each with `to_wire()` and, for answers, `from_wire()`.
+(JobSummary, JobRecord, Health, QueueFullAnswer, LogEntry), each with `to_wire()` and, for answers, `from_wire()`.
 It imports nothing of the project, so the action can load it without the service, the VM layer or
 the network code.
 """
@@ -339,6 +339,26 @@ class Health:
         return cls(ok=_field(data, "ok", (bool,)), accel=_field(data, "accel", (str,), optional=True),
                    running=_field(data, "running", (int,)), queued=_field(data, "queued", (int,)),
                    warm=_field(data, "warm", (int,)))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QueueFullAnswer:
+    """The body of a submit's `429` (with `Retry-After`): `queued` is how many jobs were waiting to start
+    (submitted, incl. awaiting checkout) when the service refused, so a client can say what it waits behind."""
+
+    error: str
+    queued: int
+
+    @classmethod
+    def from_wire(cls, data: Any) -> QueueFullAnswer:
+        data = _object(data, "queue-full answer")
+        queued = _field(data, "queued", (int,))
+        if queued < 0:
+            raise WireError(f"queued: expected a count, got {queued!r}")
+        return cls(error=_field(data, "error", (str,)), queued=queued)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

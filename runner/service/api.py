@@ -26,7 +26,7 @@ from runner import jsonbody
 from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp,
                               parse_decimal)
 from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
-                                    RUNNER_TOKEN_HEADER, JobStarted, JobSummary, WireError)
+                                    RUNNER_TOKEN_HEADER, JobStarted, JobSummary, QueueFullAnswer, WireError)
 from runner.service.auth import Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
@@ -134,9 +134,10 @@ class Handler(ServedRequest):
             # the body may be unread (or, for framing, unreadable): the connection cannot be reused
             if expects_body or isinstance(exc, (QueueFull, BodyFramingError)):
                 self.close_connection = True
-            headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+            if isinstance(exc, QueueFull):
+                return self._queue_full(exc)
             message = f"bad request: {exc}" if isinstance(exc, BodyFramingError) else str(exc)
-            self._error(status_of(exc), message, headers)
+            self._error(status_of(exc), message)
         except UnicodeError as exc:  # e.g. a lone surrogate that reached a field
             self.close_connection = True
             self._error(400, f"bad request: text that is not valid Unicode ({exc.reason})")
@@ -146,6 +147,12 @@ class Handler(ServedRequest):
             log.exception("api: %s %s failed", method, self.path)
             self.close_connection = True
             self._error(500, "internal error in the job service; see its log")
+
+    def _queue_full(self, exc: QueueFull) -> None:
+        """429 with Retry-After, and how many jobs wait ahead, so the action can say what it waits behind."""
+        queued = sum(self.service.queue.counts())
+        self._send_json(status_of(exc), QueueFullAnswer(str(exc), queued).to_wire(),
+                        {"Retry-After": str(exc.retry_after)})
 
     def do_GET(self) -> None:
         self._dispatch("GET")
