@@ -51,13 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from runner import uidrange
+from runner.uidrange import UidLease
 from runner.vm.errors import VMError
 
 VM_USER = "microvm-check-vm"
-# One uid per running VMM, outside the ranges useradd (< 60000) and /etc/subuid (100000 + 65536 n,
-# by default far below this) hand out; no passwd entry needed. doctor checks that none is taken.
-VM_UIDS = range(0x6D760000, 0x6D760000 + 4096)
-UID_LEASES = Path("/run/microvm-check/vm-uids")
+# One uid per running VMM (runner.uidrange, shared with the fleet's runners); no passwd entry
+# needed. doctor checks that none is taken.
+VM_UIDS = uidrange.VMS.uids
+UID_LEASES = uidrange.VMS.leases
 FILE_SIZE_SLACK = 64 << 20  # a qcow2 overlay's metadata beyond the guest's data; plenty for any disk size
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
@@ -95,37 +97,16 @@ def vm_user(create: bool = True) -> VMUser:
     return VMUser(VM_USER, entry.pw_uid, entry.pw_gid)
 
 
-@dataclass
-class UidLease:
-    """A uid of `VM_UIDS` held for one VMM: an flock on `UID_LEASES/<uid>`, released by `close`
-    once the VMM is reaped, or by the kernel when the service dies (its VMMs die with it)."""
-
-    uid: int
-    _fd: int
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 def lease_uid() -> UidLease:
-    """The lowest free uid of `VM_UIDS`; free across every engine and process on this host."""
-    UID_LEASES.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for uid in VM_UIDS:
-        fd = os.open(UID_LEASES / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return UidLease(uid, fd)
-    raise VMError(f"all {len(VM_UIDS)} VM uids are in use: this host runs as many VMs as it can")
+    """The lowest free uid of `VM_UIDS`; free across every engine and process on this host. The lease
+    (an flock, runner.uidrange) is released by `close` once the VMM is reaped, or by the kernel when
+    the service dies (its VMMs die with it)."""
+    return uidrange.VMS.lease(lambda message: VMError(f"{message}: this host runs as many VMs as it can"))
 
 
 def taken_vm_uids() -> list[str]:
     """Accounts whose uid lies in `VM_UIDS`: a VMM running as one would share it with them."""
-    return [f"{entry.pw_name} ({entry.pw_uid})" for entry in pwd.getpwall() if entry.pw_uid in VM_UIDS]
+    return uidrange.VMS.taken()
 
 
 def _create_user() -> None:
