@@ -10,7 +10,7 @@
     const span = document.createElement("span");
     span.className = entry.stream;
     const bytes = Uint8Array.from(atob(entry.data), (c) => c.charCodeAt(0));
-    span.textContent = decoder.decode(bytes);
+    span.textContent = decoder.decode(bytes) + (entry.stream === "system" ? "\n" : "");  // notes are whole lines
     pre.appendChild(span);
     after = entry.seq;
   }

@@ -1,0 +1,95 @@
+"""The jobs page in a real browser (Debian's chromium, headless, driven by Playwright) against a real
+service and a real VM: the jobs list, a running job's page whose log grows as the guest prints, a guest
+that prints HTML and script shown as text, and the metrics scraped during the job checked against the
+job records. Screenshots are kept under tests/output/web/ (ignored by git)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from service_fakes import checkout_tar, spec
+from test_vm_e2e import templates, vm_host, vm_root  # noqa: F401 (fixtures)
+
+from runner.jobapi.client import JobClient
+from tests.conftest import require
+
+pytestmark = pytest.mark.vm
+TOKEN = "browser-test-token-0123456789abcdef"
+OUTPUT = Path(__file__).resolve().parents[1] / "output" / "web"
+PAYLOAD = "<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\">"
+COMMAND = f"printf '%s\\n' '{PAYLOAD}'; for i in $(seq 1 60); do echo tick-$i; sleep 0.5; done"
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium")
+    require(path is not None, "Debian's chromium is not installed (scripts/setup installs it)")
+    return path
+
+
+def _metrics(base: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _ticks(page) -> int:
+    return page.evaluate("() => (document.getElementById('log').textContent.match(/tick-/g) || []).length")
+
+
+def test_a_running_job_in_the_browser_and_its_metrics(vm_host) -> None:
+    from playwright.sync_api import sync_playwright
+
+    executable = _chromium()
+    host = vm_host(listen="127.0.0.1:0", token=TOKEN)
+    address = host.api.tcp_address
+    base = f"http://{address[0]}:{address[1]}"
+    client = JobClient(socket=host.config.socket)
+    job = client.submit(spec(COMMAND)).id
+    client.upload_checkout(job, checkout_tar())
+    for entry in client.logs(job):
+        if b"tick-1\n" in entry.data:
+            break
+    during = _metrics(base)
+    running = [r for r in host.service.list(50) if r.state == "running"]
+    assert [r.id for r in running] == [job]
+    assert during[("microvm_check_jobs_active", (("state", "running"),))] == len(running)
+    assert during[("microvm_check_vms_running", ())] >= 1
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{base}/ui?token={TOKEN}")
+            assert page.url == f"{base}/ui"  # the token left the address for a cookie
+            assert page.locator(f'#running a[href="/ui/jobs/{job}"]').count() == 1
+            page.screenshot(path=str(OUTPUT / "jobs.png"), full_page=True)
+            page.click(f'#running a[href="/ui/jobs/{job}"]')
+            page.wait_for_selector("#log")
+            first = _ticks(page)
+            page.wait_for_function(f"() => (document.getElementById('log').textContent.match(/tick-/g) || [])"
+                                   f".length > {first + 2}", timeout=60_000)
+            page.screenshot(path=str(OUTPUT / "job-running.png"), full_page=True)
+            assert PAYLOAD in page.locator("#log").text_content()
+            assert page.evaluate("() => document.querySelectorAll('#log script, #log img').length") == 0
+            assert page.evaluate("() => window.pwned") is None
+            page.wait_for_function("() => document.getElementById('state').textContent === 'finished'",
+                                   timeout=120_000)
+            assert _ticks(page) == 60 and page.locator("#exit").text_content() == "0"
+            page.screenshot(path=str(OUTPUT / "job-finished.png"), full_page=True)
+            assert page.evaluate("() => window.pwned") is None
+        finally:
+            browser.close()
+    record = client.get(job)
+    after = _metrics(base)
+    assert (record.state, record.exit_code) == ("finished", 0)
+    assert after[("microvm_check_jobs_total", (("result", "success"), ("state", "finished")))] == 1
+    assert after[("microvm_check_jobs_active", (("state", "running"),))] == 0
+    assert after[("microvm_check_vm_ready_seconds_count", (("warm", str(record.warm).lower()),))] == 1
+    assert after[("microvm_check_vm_ready_seconds_sum", (("warm", str(record.warm).lower()),))] == \
+        pytest.approx(record.timings.vm_ready_ms / 1000)
+    assert after[("microvm_check_job_duration_seconds_sum", ())] == \
+        pytest.approx(record.timings.finished_at - record.timings.started_at)
