@@ -18,11 +18,11 @@ from runner.errors import MicrovmCheckError
 
 COMMAND_MODULES = (
     "vmimages.cli",  # template build | list | rm
-    "runner.vm.cli",  # doctor
-    "policy.cli",  # policy check | render
+    "runner.commands.doctor",  # doctor
+    "runner.commands.policy",  # policy check | render | suggest
     "runner.service.cli",  # serve | run | jobs
     "runner.service.config_cli",  # config check | schema
-    "runner.github.cli",  # register | deregister | runners | guard | redeliver
+    "runner.commands.github",  # register | deregister | runners | guard | redeliver
 )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import ConfigError
-from runner.github.hook import ISOLATION
+from runner.fleet.hook import ISOLATION
 from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE as TOKEN_VARIABLE
 
 HOOKS = "_hooks"

@@ -29,6 +29,8 @@ from runner.github.jobs import REPOSITORY_RE
 from runner.github import reach
 from runner.github.reach import GITHUB_DIR, Change, Revisions, github_changes, reached_changes
 
+# The guard rules file the `guard` command and the service read when no --rules is given.
+GUARD_RULES_ENV = "MICROVM_CHECK_GUARD_RULES"
 MAX_EVENT_BYTES = 25 * 1024 * 1024  # GitHub caps webhook payloads at 25 MB; event files are the same payloads
 # Events that run the workflow as the pull request has it; pull_request_target runs the base's.
 PR_EVENTS = frozenset({"pull_request", "pull_request_review", "pull_request_review_comment"})

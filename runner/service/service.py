@@ -440,7 +440,7 @@ class JobService:
     def _guard_rules(self, repository: str) -> Any:
         """The guard's per-repository rules: the file $MICROVM_CHECK_GUARD_RULES names, else none."""
         from runner.github import guard
-        from runner.github.cli import GUARD_RULES_ENV
+        from runner.github.guard import GUARD_RULES_ENV
 
         path = os.environ.get(GUARD_RULES_ENV)
         return guard.load_rules(Path(path) if path else None).for_repository(repository)

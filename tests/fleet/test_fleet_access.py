@@ -96,7 +96,7 @@ def test_a_second_report_cannot_rebind_a_runner_to_another_job(make_rig) -> None
             assert client.job_started(started()).allowed
         again = probe(rig.account, socket, [["submit", spec("octo-org/other")]], runner.token)
         rebind = subprocess.run(
-            [str(PYTHON), "-I", "-c", "import sys; from runner.github import hook; "
+            [str(PYTHON), "-I", "-c", "import sys; from runner.fleet import hook; "
              "sys.exit(hook.job_started(sys.argv[1], {'MICROVM_CHECK_RUNNER_TOKEN': sys.argv[2], "
              "'GITHUB_REPOSITORY': 'octo-org/other', 'GITHUB_RUN_ID': '5', 'GITHUB_JOB': 'x', "
              "'GITHUB_EVENT_NAME': 'push'}, sys.stdout))", str(socket), runner.token],

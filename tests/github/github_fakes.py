@@ -92,7 +92,7 @@ def run_cli(argv: list[str]) -> int:
     import argparse
 
     from runner.cli import run_command
-    from runner.github import cli
+    from runner.commands import github as cli
 
     parser = argparse.ArgumentParser(prog="microvm-check")
     cli.register(parser.add_subparsers(dest="command"))

@@ -108,7 +108,7 @@ def test_installed_hook_runs_the_guard(tmp_path) -> None:
 
     from github_fakes import load_payload
 
-    from runner.github.hook import guard_argv, install_guard_hook
+    from runner.fleet.hook import guard_argv, install_guard_hook
 
     event = tmp_path / "event.json"
     event.write_text(json.dumps(load_payload("listendev-lstn.pull_request.opened.same-repo.reviewdog.json")))

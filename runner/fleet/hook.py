@@ -59,7 +59,7 @@ def hook_script(argv: Sequence[str]) -> str:
     if not argv or not os.path.isabs(argv[0]):
         raise GitHubError(f"the hook's command must start with an absolute path, not {argv[:1]!r}")
     header = (
-        "#!/bin/sh\n# Installed by `microvm-check register`: see runner/github/hook.py.\n"
+        "#!/bin/sh\n# Installed by `microvm-check register`: see runner/fleet/hook.py.\n"
         "# Runs in the job's workspace, which a fork may have filled: leave it, trust nothing in it.\n"
     )
     return f"{header}{ISOLATION}exec {shlex.join(argv)}\n"
