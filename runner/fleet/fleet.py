@@ -6,7 +6,7 @@
     fleet.close()          # SIGTERM: take no more jobs, let busy runners finish, deregister the rest
 
 Every runner is registered just in time (`generate-jitconfig`: GitHub removes it after its one job)
-and started as the unprivileged runner user in a fresh directory (`runner.fleet.workdir`). One thread
+and started in a fresh directory as a uid of its own, leased for its life (`runner.fleet.workdir`). One thread
 does all the work (GitHub calls, copies, process starts and reaping), so the webhook only records
 what it heard and returns at once, and no two steps race over a runner.
 
@@ -43,7 +43,7 @@ from runner.fleet import cgroup, workdir
 from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.report import ReportedJob
-from runner.fleet.workdir import RunnerDir, RunnerUser
+from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
 from runner.github.errors import GitHubError, NotFound, ValidationFailed
 from runner.github.runners import JitConfig, RunnerAdmin
 
@@ -110,13 +110,15 @@ class FleetRunner:
     process: subprocess.Popen
     cgroup: RunnerCgroup
     since: float
-    token: str = field(repr=False)  # the runner's own credential (in its .env): binds its jobs to it
+    token: str = field(repr=False)
+    identity: RunnerIdentity | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
     state: RunnerState = RunnerState.IDLE
     job: ReportedJob | None = None
 
     def view(self) -> dict[str, Any]:
         return {"name": self.name, "id": self.github_id, "state": self.state.value, "since": self.since,
                 "directory": str(self.dir.path), "pid": self.process.pid,
+                "uid": self.identity.uid if self.identity else None,
                 "job": self.job.to_json() if self.job else None}
 
 
@@ -332,6 +334,8 @@ class RunnerFleet:
         except CgroupError as exc:
             log.error("runner %s: %s", runner.name, exc)
         workdir.remove(runner.dir.path)
+        if runner.identity is not None:
+            runner.identity.release()
         with self._lock:
             self._runners.remove(runner)
 
@@ -348,40 +352,44 @@ class RunnerFleet:
         path = self.settings.runners_dir / name
         token = secrets.token_urlsafe(32)
         group: RunnerCgroup | None = None
+        identity: RunnerIdentity | None = None
         self.service.add_runner(name, token)
         try:
-            runner_dir = workdir.make(self._release, path, self.user, name, token, self._hooks)
+            identity = self.user.lease()
+            runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
             group = RunnerCgroup.create(self._scope, name)
-            process = self._launch(runner_dir, jit, group)
-        except OSError as exc:
+            process = self._launch(runner_dir, jit, group, identity)
+        except (OSError, workdir.RunnerUidsExhausted) as exc:
             log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
             self.service.remove_runner(name)
             if group is not None:
                 group.destroy()
             workdir.remove(path)
+            if identity is not None:
+                identity.release()
             self._deregister(jit.runner.id)
             self._retry_at = now + SPAWN_BACKOFF_SECONDS
             return False
         with self._lock:
-            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token))
-        log.info("runner %s (id %d) started in %s", name, jit.runner.id, path)
+            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token, identity))
+        log.info("runner %s (id %d, uid %d) started in %s", name, jit.runner.id, identity.uid, path)
         return True
 
-    def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup) -> subprocess.Popen:
+    def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
+                user: RunnerIdentity) -> subprocess.Popen:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
-        arguments, here kept out of `ps`), as the runner user, in a session and a cgroup of its own.
+        arguments, here kept out of `ps`), as the runner's own uid, in a session and a cgroup of its own.
 
-        The runner user cannot move itself into a root-owned cgroup, so a shell waits on a pipe
+        The runner cannot move itself into a root-owned cgroup, so a shell waits on a pipe
         until this process has put it there, and only then execs `run.sh`: nothing of the runner
         ever runs outside the group."""
-        assert self.user is not None
         log_fd = os.open(runner_dir.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.fchown(log_fd, self.user.uid, self.user.gid)
+        os.fchown(log_fd, user.uid, user.gid)
         try:
             process = subprocess.Popen(
                 ["/bin/sh", "-c", 'read -r go && [ "$go" = go ] && exec ./run.sh </dev/null'], cwd=runner_dir.path,
                 env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
-                user=self.user.uid, group=self.user.gid, extra_groups=list(self.user.groups), umask=0o077,
+                user=user.uid, group=user.gid, extra_groups=list(user.groups), umask=0o077,
                 start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
         finally:
             os.close(log_fd)

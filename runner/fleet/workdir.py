@@ -1,9 +1,13 @@
 """One runner's own directory: a fresh copy of the release, owned by the runner user, deleted after its job.
 
 The copy is a real copy (new inodes), never hard links into the installed release: a job running as
-the runner user could otherwise write through a link into the release every later runner starts from.
-The runner's `.env` (read by the runner at start; its values reach every step of the job) names the
-job hooks and holds the runner's own credential, readable by the runner user only. The hooks
+its runner could otherwise write through a link into the release every later runner starts from.
+Each runner runs as a uid of its own (`RunnerIdentity`, leased from runner.uidrange.RUNNER_UIDS while
+it lives) with a group of its own (the same number), plus the configured runner user's groups (the
+job API socket's): so no runner can read another's directory or `.env`, nor read the environment of,
+signal or trace another's processes, as runners sharing one user could (the kernel's /proc and ptrace
+checks compare uids). The runner's `.env` (read by the runner at start; its values reach every step of
+the job) names the job hooks and holds the runner's own credential, readable by that runner's uid only. The hooks
 themselves are root's, outside every runner directory, so no job can change what they run: the
 job-started hook reports the job to the service, whose fork guard allows or refuses it; the
 job-completed hook has the service end whatever the job still runs.
@@ -16,21 +20,29 @@ import pwd
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner import uidrange
 from runner.errors import ConfigError
 from runner.fleet.hook import ISOLATION
 from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE as TOKEN_VARIABLE
+from runner.uidrange import UidLease
 
 HOOKS = "_hooks"
 # The runner's variable naming each hook, and the hook's script (and `microvm-check runner` command).
 HOOK_SCRIPTS = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": "job-started", "ACTIONS_RUNNER_HOOK_JOB_COMPLETED": "job-completed"}
 NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
+# World-writable places a job may leave files in as its uid; a later runner may get the same uid.
+SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 
 
 class RunnerUserError(ConfigError):
     """The configured runner user cannot run runners."""
+
+
+class RunnerUidsExhausted(ConfigError):
+    """Every uid of the runners' range is leased: more runners than the host can give uids to."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,66 @@ class RunnerUser:
         if 0 in groups:
             raise RunnerUserError(f"runners.runner_user {name!r} is in group root: give runners a user of their own")
         return cls(name, entry.pw_uid, entry.pw_gid, groups)
+
+    def lease(self) -> RunnerIdentity:
+        """A uid of its own for one runner, held until `RunnerIdentity.release`. Skipped: uids an account
+        holds (doctor warns of them) and uids still running a process (a crashed service's runner)."""
+        lease = uidrange.RUNNERS.lease(
+            lambda message: RunnerUidsExhausted(f"{message}: lower runners.max_runners"), _unused_uid)
+        return RunnerIdentity(lease.uid, lease.uid, (self.gid, *self.groups), lease)
+
+
+@dataclass
+class RunnerIdentity:
+    """What one runner's processes run as: a leased uid, a gid of the same number (no group shares it),
+    and the runner user's groups (which include the job API socket's)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    _lease: UidLease = field(repr=False)
+
+    def release(self) -> None:
+        """Give the uid back once nothing of the runner is left: no process (its cgroup is emptied), no
+        file in its directory, none in the shared temporary directories (removed here)."""
+        remove_owned(self.uid, SHARED_TEMP)
+        self._lease.close()
+
+
+def _unused_uid(uid: int) -> bool:
+    return not any(entry.pw_uid == uid for entry in pwd.getpwall()) and not processes_of(uid)
+
+
+def processes_of(uid: int) -> list[int]:
+    """Processes whose real, effective or saved uid is `uid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                uids = next(line for line in status if line.startswith("Uid:")).split()[1:4]
+        except (OSError, StopIteration):
+            continue
+        if str(uid) in uids:
+            found.append(int(entry))
+    return found
+
+
+def remove_owned(uid: int, places: tuple[Path, ...]) -> None:
+    """Remove the entries directly in `places` that `uid` owns (what a job left in /tmp and the like);
+    rmtree never follows a link."""
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    remove(Path(entry.path))
+            except OSError:
+                continue
 
 
 @dataclass(frozen=True)
@@ -93,8 +165,10 @@ def _write_hook(hooks: Path, command: str, socket: str) -> Path:
     return script
 
 
-def make(release: Path, path: Path, user: RunnerUser, name: str, token: str, hooks: dict[str, Path]) -> RunnerDir:
-    """A fresh runner directory at `path` (which must not exist) for `user`, mode 0700."""
+def make(release: Path, path: Path, user: RunnerIdentity, name: str, token: str,
+         hooks: dict[str, Path]) -> RunnerDir:
+    """A fresh runner directory at `path` (which must not exist) for one runner's `user`, mode 0700,
+    its `.env` 0600: nothing in it is readable by another runner's uid."""
     shutil.copytree(release, path, symlinks=True, copy_function=shutil.copy2)
     runner = RunnerDir(path)
     for sub in ("_work", "_home", "_tmp", "_diag"):
@@ -116,7 +190,7 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _own(root: Path, user: RunnerUser) -> None:
+def _own(root: Path, user: RunnerIdentity) -> None:
     for directory, dirs, files in os.walk(root):
         for name in [*dirs, *files]:
             os.lchown(os.path.join(directory, name), user.uid, user.gid)

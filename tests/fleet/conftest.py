@@ -76,6 +76,21 @@ def runner_account() -> Iterator[Account]:
         assert left == [], f"processes of the runner user left running: {left}"
 
 
+def runner_uids_seen(root: Path) -> set[int]:
+    """The runners' own uids (runner.uidrange.RUNNER_UIDS) of processes still running in the rig, or
+    owning a file in it."""
+    from runner import uidrange
+
+    seen = set()
+    for directory, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            try:
+                seen.add(os.lstat(os.path.join(directory, name)).st_uid)
+            except FileNotFoundError:
+                pass
+    return {uid for uid in seen if uid in uidrange.RUNNER_UIDS}
+
+
 def _zombie(pid: str) -> bool:
     """A killed process that PID 1 has not reaped yet (this machine's init reaps late): it runs nothing."""
     try:
@@ -205,6 +220,8 @@ def make_rig(account: Account, rig_root: Path) -> Iterator[Any]:
         mock.reset()
     left = user_files(account.uid, [root, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")])
     assert left == [], f"files of the runner user left behind: {left[:10]}"
+    leased = [path for uid in runner_uids_seen(root) for path in user_files(uid, [root])]
+    assert leased == [], f"files of a runner's own uid left behind: {leased[:10]}"
 
 
 @contextmanager
