@@ -128,15 +128,15 @@ def test_each_runner_gets_its_own_copy_of_the_release_it_cannot_write_through(ma
         release = (rig.root / "release" / "current").resolve()
         copied = runner.dir.path / "run.sh"
         assert os.stat(copied).st_ino != os.stat(release / "run.sh").st_ino
-        assert os.stat(copied).st_uid == rig.account.uid
+        assert os.stat(copied).st_uid == runner.identity.uid  # the runner's own uid, not the shared runner user's
         assert all(os.stat(release / name).st_uid == 0 and not os.stat(release / name).st_mode & 0o022
                    for name in ("run.sh", "bin", "bin/standin_runner.py"))
         env_file = runner.dir.path / ".env"
-        assert os.stat(env_file).st_mode & 0o777 == 0o600 and os.stat(env_file).st_uid == rig.account.uid
+        assert os.stat(env_file).st_mode & 0o777 == 0o600 and os.stat(env_file).st_uid == runner.identity.uid
         assert f"{workdir.TOKEN_VARIABLE}={runner.token}" in env_file.read_text()
-        user = RunnerUser.lookup(rig.account.user)
+        user = runner.identity
         tried = subprocess.run(["sh", "-c", f"echo x >> {release / 'run.sh'}"], user=user.uid, group=user.gid,
-                               capture_output=True, text=True)
+                               extra_groups=list(user.groups), capture_output=True, text=True)
         assert tried.returncode != 0 and "Permission denied" in tried.stderr
 
 
