@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 30.0
 LOCK_NAME = ".engine.lock"
-QUIESCE_S = 3.0  # PLATFORM.md: a guest snapshotted while still busy gives clones that answer slowly
+QUIESCE_S = 3.0  # docs/platform.md: a guest snapshotted while still busy gives clones that answer slowly
 QUIESCE_TIMEOUT_S = 120.0
 DISK_COPY_TIMEOUT_S = 600.0
 # Run as root in the guest before a snapshot: the checkout's medium is the job's, not the template's,
