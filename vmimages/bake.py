@@ -1,7 +1,7 @@
 """Bake one template variant: cold boot, warm up, quiesce, snapshot.
 
 The snapshot is only as good as the moment it is taken: a guest still writing to its console
-when it is stopped gives clones that take seconds to answer (PLATFORM.md), so we wait until the
+when it is stopped gives clones that take seconds to answer (docs/platform.md), so we wait until the
 agent has answered, run the warm-up commands, sync, and leave it idle before `stop`.
 """
 

@@ -1,6 +1,6 @@
 """VMs restored ahead of time, waiting for a job to claim them.
 
-Starting QEMU costs 45-70 ms of every restore (PLATFORM.md) and, under TCG, the first answer of a
+Starting QEMU costs 45-70 ms of every restore (docs/platform.md) and, under TCG, the first answer of a
 restored guest another 100-300 ms of code translation. Neither depends on the job, so the pool
 pays both in the background: it keeps a few restored, never-used VMs per template variant and
 tops them up after each take. A job still gets a VM no one has used; its identity (clock,

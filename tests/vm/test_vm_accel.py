@@ -40,7 +40,7 @@ def _fake_host(monkeypatch, pvm: bool, cpu_flags: set[str]) -> None:
 
 
 def test_pvm_backend_is_recognised_without_a_test_boot(monkeypatch):
-    # Faked, so that it runs on every host, not only on the PVM hosts PLATFORM.md describes; the CPU
+    # Faked, so that it runs on every host, not only on the PVM hosts docs/platform.md describes; the CPU
     # flags say vmx, so only the kvm_pvm marker can make this TCG.
     _fake_host(monkeypatch, pvm=True, cpu_flags={"vmx", "sse2"})
     verdict = accel.static_checks()
