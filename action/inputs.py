@@ -17,8 +17,17 @@ from typing import Any
 
 from runner import tarsafe
 from runner.errors import UserError
-from runner.jobapi.contract import (DEFAULT_SOCKET, ENV_NAME, KEEP_VALUES, MAX_POLICY_BYTES, MAX_TOKEN,
-                                    RUNNER_TOKEN_VARIABLE, SHA, TEMPLATE_NAME, JobSpec)
+from runner.jobapi.contract import (
+    DEFAULT_SOCKET,
+    ENV_NAME,
+    KEEP_VALUES,
+    MAX_POLICY_BYTES,
+    MAX_TOKEN,
+    RUNNER_TOKEN_VARIABLE,
+    SHA,
+    TEMPLATE_NAME,
+    JobSpec,
+)
 
 MAX_TIMEOUT_MINUTES = 24 * 60
 # The runner's own credentials: never meant for user code, and fatal in a fork's hands.

@@ -15,8 +15,15 @@ from typing import Any
 
 from action.junit import Failure, Totals
 from action.workflow import annotation
-from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_DEST, REFUSED_NAME, REFUSED_NAME_DEST, \
-    record_from_json, suggest_policy
+from policy.suggest import (
+    ALWAYS_DENIED,
+    INTERNAL_ADDRESS,
+    REFUSED_DEST,
+    REFUSED_NAME,
+    REFUSED_NAME_DEST,
+    record_from_json,
+    suggest_policy,
+)
 
 MAX_SUGGESTED = 256
 

@@ -28,8 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stats import percentile  # noqa: E402
 from runner.cli import main as cli  # noqa: E402
-from tests.fleet.conftest import (LABELS, PYTHON, VERSION, Rig, runner_account, serve, standin_tarball,  # noqa: E402
-                                  write_config)
+from tests.fleet.conftest import LABELS, PYTHON, VERSION, Rig, runner_account, serve, standin_tarball, write_config  # noqa: E402
 from tests.fleet.fleet_fakes import FakeGitHub  # noqa: E402
 
 JOBS = 20

@@ -11,16 +11,29 @@ keys (which YAML silently collapses) are seen.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
 from policy.model import MODES, PROTOCOLS, SUPPORTED_VERSION, Network, Policy, Rule
 from policy.reserved import reserved_containing
-from policy.yamldoc import (STR_TAG, Limits, Problem, Problems, compose, decimal_int, is_null, kind, mapping, quote,
-                            read_text, sort_problems, string)
+from policy.yamldoc import (
+    STR_TAG,
+    Limits,
+    Problem,
+    Problems,
+    compose,
+    decimal_int,
+    is_null,
+    kind,
+    mapping,
+    quote,
+    read_text,
+    sort_problems,
+    string,
+)
 from runner.errors import MicrovmCheckError
 
 MAX_BYTES = 256 * 1024

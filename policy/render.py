@@ -35,10 +35,10 @@ address and an IPv6 network rule (the policy's or the operator's) exists; then t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
-from typing import Iterable
 
 import jinja2
 

@@ -17,8 +17,8 @@ and so does the lookup.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
 
 from policy.compose import intersect

@@ -33,7 +33,7 @@ until the fleet stops catching it as one.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class MicrovmCheckError(Exception):

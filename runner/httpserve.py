@@ -31,12 +31,12 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.client import HTTPMessage
 from queue import Empty, SimpleQueue
-from typing import Any, Callable
+from typing import Any
 
 import h11
 
@@ -104,7 +104,7 @@ class Head:
     headers: HTTPMessage  # case-insensitive; get() gives the first value, get_all() every one
 
     @classmethod
-    def of(cls, request: h11.Request) -> "Head":
+    def of(cls, request: h11.Request) -> Head:
         headers = HTTPMessage()
         for name, value in request.headers:  # h11 checked both: a token, and text without CR, LF or NUL
             headers[name.decode("ascii")] = value.decode("latin-1")  # adds; never replaces
@@ -189,7 +189,7 @@ class ServedRequest:
     answer sent before the body was read whole says `Connection: close`, and the connection is closed.
     """
 
-    def __init__(self, server: "BoundedHTTPServer", conn: "_Conn") -> None:
+    def __init__(self, server: BoundedHTTPServer, conn: _Conn) -> None:
         assert conn.head is not None
         self.server, self.head, self.client_address = server, conn.head, conn.address
         self.command, self.path, self.headers = conn.head.method, conn.head.target, conn.head.headers

@@ -33,7 +33,7 @@ class Recipe:
     warmup: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
-    def load(cls, name: str) -> "Recipe":
+    def load(cls, name: str) -> Recipe:
         path = RECIPES_DIR / f"{name}.yml"
         if not path.exists():
             known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yml")))

@@ -11,16 +11,15 @@ import textwrap
 import threading
 from pathlib import Path
 
+from runner.errors import UserError
 from runner.fleet import hook
 from runner.github import guard, runners
 from runner.github.app import GitHubApp
 from runner.github.client import GitHubClient
 from runner.github.config import DEFAULT_CONFIG_PATH, GitHubSettings, load_settings
 from runner.github.deliveries import RedeliverySweep
-from runner.errors import UserError
 from runner.github.errors import GitHubError
 from runner.github.guard import GUARD_RULES_ENV
-
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

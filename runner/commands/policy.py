@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy.load import PolicyError, load_policy
-from policy.store import ORG_FILE
-from policy.warm import WarmSpec, load_repository_file
 from policy.render import RenderContext, render
+from policy.store import ORG_FILE
 from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
+from policy.warm import WarmSpec, load_repository_file
 from runner.errors import UserError
 
 if TYPE_CHECKING:

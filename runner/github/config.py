@@ -17,8 +17,19 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from policy.yamldoc import (Limits, Problems, compose, decimal_int, is_null, kind, mapping, quote, read_text,
-                            sort_problems, string)
+from policy.yamldoc import (
+    Limits,
+    Problems,
+    compose,
+    decimal_int,
+    is_null,
+    kind,
+    mapping,
+    quote,
+    read_text,
+    sort_problems,
+    string,
+)
 from runner.github.client import DEFAULT_API_URL
 from runner.github.errors import GitHubError
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
+from runner.github import reach
 from runner.github.client import GitHubClient
 from runner.github.contents import SHA_RE, check_path, entry_sha
 from runner.github.errors import GitHubError
 from runner.github.jobs import REPOSITORY_RE
-from runner.github import reach
 from runner.github.reach import GITHUB_DIR, Change, Revisions, github_changes, reached_changes
 
 # The guard rules file the `guard` command and the service read when no --rules is given.

@@ -11,16 +11,26 @@ message, and Retry-After when the service gave one.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, BinaryIO, Callable, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 
 from runner.errors import ClientError
 from runner.jobapi.contract import (
-    DEFAULT_SOCKET, JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER, Health, JobRecord, JobSpec, JobStarted, JobSummary, LogEntry,
-    QueueFullAnswer, Verdict, WireError,
+    DEFAULT_SOCKET,
+    JOB_TOKEN_HEADER,
+    RUNNER_TOKEN_HEADER,
+    Health,
+    JobRecord,
+    JobSpec,
+    JobStarted,
+    JobSummary,
+    LogEntry,
+    QueueFullAnswer,
+    Verdict,
+    WireError,
 )
 
 _CHUNK = 1024 * 1024

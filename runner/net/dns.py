@@ -26,15 +26,14 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import ip_address
-from typing import Callable
 
 from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
 from policy.model import DENY_ALL, Policy, Rule
 from policy.reserved import internal_range_containing, opted_in
-
 from runner.errors import NetworkError
 from runner.net import addresses, netns
 from runner.net.firewall import FirewallError
@@ -94,7 +93,7 @@ class Upstream:
     timeout: float = 2.0
 
     @classmethod
-    def from_resolv_conf(cls, path: str = "/etc/resolv.conf") -> "Upstream":
+    def from_resolv_conf(cls, path: str = "/etc/resolv.conf") -> Upstream:
         """The host's own first resolver, as production uses."""
         with open(path) as conf:
             for line in conf:
@@ -172,7 +171,7 @@ class WriteBudget:
     stamp: float
 
     @classmethod
-    def full(cls, now: float) -> "WriteBudget":
+    def full(cls, now: float) -> WriteBudget:
         return cls(WRITE_BURST, WRITES_PER_SECOND, WRITE_BURST, now)
 
     def take(self, now: float) -> bool:

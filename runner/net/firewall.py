@@ -35,11 +35,11 @@ class Firewall:
     timeout: float = 10.0
 
     @classmethod
-    def nft(cls) -> "Firewall":
+    def nft(cls) -> Firewall:
         return cls("iptables-nft-restore", "ip6tables-nft-restore")
 
     @classmethod
-    def default(cls) -> "Firewall":
+    def default(cls) -> Firewall:
         """Legacy when this host has it (faster), else nf_tables."""
         return cls() if shutil.which(cls.restore4) and shutil.which(cls.restore6) else cls.nft()
 

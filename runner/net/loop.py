@@ -13,8 +13,8 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 log = logging.getLogger(__name__)
 

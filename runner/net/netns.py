@@ -11,8 +11,9 @@ import ctypes
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from pyroute2 import netns as pr_netns
 

@@ -13,8 +13,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from pyroute2 import IPRoute, NFCTSocket
 
@@ -196,7 +196,7 @@ class SlotPool:
         self._dns: DnsService | None = None
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)")
 
-    def __enter__(self) -> "SlotPool":
+    def __enter__(self) -> SlotPool:
         self.start()
         return self
 

@@ -79,7 +79,7 @@ class _Capture:
 class Files:
     """Single files in the guest."""
 
-    def __init__(self, sandbox: "Sandbox") -> None:
+    def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
     def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
@@ -108,7 +108,7 @@ class Sandbox:
         job_id: str | None = None,
         *,
         engine: Engine,
-    ) -> "Sandbox":
+    ) -> Sandbox:
         """Restore a fresh VM. Without a policy there is no network card at all unless network=True
         is asked for, and then the policy defaults to deny-all."""
         if network is None:
@@ -290,7 +290,7 @@ class Sandbox:
     def destroy(self) -> None:
         self._engine.destroy(self._vm)
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -59,7 +59,7 @@ class BaseSettings:
     max_checkout_bytes: int  # the default branch's tarball, like a job's checkout
 
     @classmethod
-    def from_config(cls, config: ServiceConfig) -> "BaseSettings":
+    def from_config(cls, config: ServiceConfig) -> BaseSettings:
         return cls(parent=config.default_template, budget_bytes=config.bases.disk_budget,
                    setup_timeout_s=config.bases.setup_timeout_seconds, max_checkout_bytes=config.checkout_max_bytes)
 

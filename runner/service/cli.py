@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
-from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
 from runner.service.config import load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python

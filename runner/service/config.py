@@ -27,8 +27,23 @@ import yaml
 
 from policy.model import PROTOCOLS, Rule
 from policy.render import OperatorAllowances
-from policy.yamldoc import (BOOL_TAG, FLOAT_TAG, INT_TAG, STR_TAG, Limits, Problem, Problems, compose, decimal_int,
-                            is_null, kind, mapping, quote, read_text, sort_problems, string)
+from policy.yamldoc import (
+    BOOL_TAG,
+    FLOAT_TAG,
+    INT_TAG,
+    STR_TAG,
+    Limits,
+    Problems,
+    compose,
+    decimal_int,
+    is_null,
+    kind,
+    mapping,
+    quote,
+    read_text,
+    sort_problems,
+    string,
+)
 from runner.errors import ConfigError  # the config area's base: every config problem, file:line each
 from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY

@@ -16,8 +16,8 @@ import base64
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from runner.errors import SandboxError
 from runner.service.config import LogLimits

@@ -12,9 +12,10 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, Timings
 from runner.logs import JobEvents

@@ -19,10 +19,13 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import ArchiveError, ConfigError, JobError
+from runner.fleet import report
+from runner.fleet.report import ReportedJob
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobStarted, JobState, Verdict
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
@@ -30,13 +33,11 @@ from runner.service.egress import EgressPolicies, EgressPolicyError
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
-from runner.fleet import report
-from runner.fleet.report import ReportedJob
 from runner.service.records import RecordStore
 from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, session_key
-from runner.tarsafe import check_tar
 from runner.service.spec import JobSpec, SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
+from runner.tarsafe import check_tar
 
 if TYPE_CHECKING:
     from runner.github.jobs import Push

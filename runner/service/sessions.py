@@ -16,8 +16,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from runner.errors import JobError
 from runner.jobapi.contract import KEEP_VALUES

@@ -12,8 +12,19 @@ from typing import Any
 
 from runner.errors import JobError
 from runner.jobapi.contract import (
-    ENV_NAME, MAX_ARTIFACT_GLOBS, MAX_COMMAND_BYTES, MAX_ENV, MAX_ENV_VALUE_BYTES, MAX_PATH_BYTES,
-    MAX_POLICY_BYTES, MAX_RUN_ID, MAX_SHORT_TEXT, REPOSITORY, SHA, SPEC_FIELDS, JobSpec,
+    ENV_NAME,
+    MAX_ARTIFACT_GLOBS,
+    MAX_COMMAND_BYTES,
+    MAX_ENV,
+    MAX_ENV_VALUE_BYTES,
+    MAX_PATH_BYTES,
+    MAX_POLICY_BYTES,
+    MAX_RUN_ID,
+    MAX_SHORT_TEXT,
+    REPOSITORY,
+    SHA,
+    SPEC_FIELDS,
+    JobSpec,
 )
 from runner.service.config import ServiceConfig
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 import jinja2

@@ -88,7 +88,7 @@ class VMCgroup:
     version: str
 
     @classmethod
-    def create(cls, scope: str, name: str, limits: Limits) -> "VMCgroup":
+    def create(cls, scope: str, name: str, limits: Limits) -> VMCgroup:
         bases = _bases(scope)
         found = "v2" if len(bases) == 1 else "v1"
         try:

@@ -166,7 +166,7 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
     @classmethod
-    def of(cls, bpf: bytes) -> "_SockFprog":
+    def of(cls, bpf: bytes) -> _SockFprog:
         return cls(len(bpf) // 8, bpf)
 
 

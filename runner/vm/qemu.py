@@ -219,7 +219,7 @@ class Monitor:
         with self._lock:
             try:
                 self._run(self._client.disconnect(), timeout=5)
-            except (QMPError, OSError, EOFError, asyncio.TimeoutError):
+            except (TimeoutError, QMPError, OSError, EOFError):
                 pass  # QEMU is gone: there is nobody left to say goodbye to
             self._loop.close()
 
@@ -286,14 +286,14 @@ class QemuMachine(Machine):
             if self._qmp is None:
                 try:
                     self._qmp = Monitor(self._qmp_sock)
-                except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, QMPError, OSError, EOFError) as exc:
                     raise VMError(f"QEMU did not answer on QMP: {exc}{self._stderr_tail()}") from None
             return self._qmp
 
     def qmp(self, command: str, **arguments):
         try:
             return self._monitor().execute(command, arguments)
-        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, QMPError, OSError, EOFError) as exc:
             raise VMError(f"QMP {command} failed: {exc}{self._stderr_tail()}") from None
 
     def _give_file(self, path: Path, flags: int, name: str) -> None:
@@ -301,7 +301,7 @@ class QemuMachine(Machine):
         fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         try:
             self._monitor().give_fd(fd, name)
-        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, QMPError, OSError, EOFError) as exc:
             raise VMError(f"could not hand QEMU {path}: {exc}{self._stderr_tail()}") from None
         finally:
             os.close(fd)
@@ -312,7 +312,7 @@ class QemuMachine(Machine):
         fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
         try:
             fdset = self._monitor().add_fd(fd)
-        except (QMPError, OSError, EOFError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, QMPError, OSError, EOFError) as exc:
             raise VMError(f"could not hand QEMU {image}: {exc}{self._stderr_tail()}") from None
         finally:
             os.close(fd)

@@ -20,7 +20,7 @@ class StateDir:
     root: Path
 
     @classmethod
-    def default(cls) -> "StateDir":
+    def default(cls) -> StateDir:
         return cls(Path(os.environ.get("MICROVM_CHECK_STATE", DEFAULT_ROOT)))
 
     @property
@@ -37,7 +37,7 @@ class StateDir:
         """One directory per live VM (overlay, sockets, pid); anything here at start-up is an orphan."""
         return self.root / "vms"
 
-    def ensure(self) -> "StateDir":
+    def ensure(self) -> StateDir:
         for path in (self.root, self.cache, self.templates, self.vms):
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
         return self

@@ -18,9 +18,10 @@ import subprocess
 import tarfile
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Debian 12's Python 3.11.2 predates extraction filters; where they exist, use the strictest.
 _DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
@@ -40,7 +41,7 @@ class LocalEngine:
     def __init__(self) -> None:
         self.created: list[LocalSandbox] = []
 
-    def create(self, **kwargs: Any) -> "LocalSandbox":
+    def create(self, **kwargs: Any) -> LocalSandbox:
         sandbox = LocalSandbox(f"local{len(self.created)}", kwargs)
         self.created.append(sandbox)
         return sandbox

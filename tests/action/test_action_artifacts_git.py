@@ -17,7 +17,6 @@ import pytest
 
 from action.__main__ import JobDriver
 from action.inputs import Inputs
-from runner.jobapi.client import JobAPIError
 
 GLOBS = ["**", "*", "**/*", "hooks/*", "config"]
 

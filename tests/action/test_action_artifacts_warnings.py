@@ -14,7 +14,6 @@ from pathlib import Path
 from action.__main__ import JobDriver
 from action.inputs import Inputs
 from action.summary import Result
-from runner.jobapi.client import JobAPIError
 
 
 def test_refused_artifacts_are_annotated_at_most_ten_times_then_counted(tmp_path: Path) -> None:

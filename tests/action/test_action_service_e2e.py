@@ -15,8 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import (FORK_PR, HOST_SECRETS, PYTHON, Simulation, assert_only_action_commands, finish,
-                            interrupt, run_action, start, wait_for_state)
+from action_harness import (
+    FORK_PR,
+    HOST_SECRETS,
+    PYTHON,
+    Simulation,
+    assert_only_action_commands,
+    finish,
+    interrupt,
+    run_action,
+    start,
+    wait_for_state,
+)
 from local_sandbox import LocalEngine
 
 from runner.jobapi.client import JobClient

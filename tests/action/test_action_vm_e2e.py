@@ -14,14 +14,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import (FORK_PR, HOST_SECRETS, Simulation, assert_only_action_commands, finish, interrupt,
-                            run_action, start, wait_for_state)
-from tests.conftest import require
-from tests.service.fake_internet import (ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy,
-                                         fake_internet)
+from action_harness import (
+    FORK_PR,
+    HOST_SECRETS,
+    Simulation,
+    assert_only_action_commands,
+    finish,
+    interrupt,
+    run_action,
+    start,
+    wait_for_state,
+)
 
 from action.logs import RelayLimits
 from action.workflow import ZWSP
+from tests.conftest import require
+from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 
 pytestmark = pytest.mark.vm
 

@@ -16,7 +16,6 @@ import pwd
 import secrets
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time

@@ -25,8 +25,15 @@ from typing import Any
 import requests
 import responses
 
-from tests.github.github_fakes import (API, INSTALLATION_ID, TOKEN_OP, WEBHOOKS, assert_valid_request, example,
-                                      load_operations)
+from tests.github.github_fakes import (
+    API,
+    INSTALLATION_ID,
+    TOKEN_OP,
+    WEBHOOKS,
+    assert_valid_request,
+    example,
+    load_operations,
+)
 
 JIT_OP = "POST /orgs/{org}/actions/runners/generate-jitconfig"
 LIST_OP = "GET /orgs/{org}/actions/runners"

@@ -34,8 +34,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
-from runner.service.api import ApiServers
 from runner.jobapi.client import JobClient
+from runner.service.api import ApiServers
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService

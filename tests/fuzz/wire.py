@@ -141,7 +141,7 @@ class Tracebacks(logging.Handler):
         if record.exc_info or "Traceback" in text:
             self.records.append(text)
 
-    def __enter__(self) -> "Tracebacks":
+    def __enter__(self) -> Tracebacks:
         self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
         logging.getLogger("runner").addHandler(self)
         threading.excepthook = lambda args: self.died.append(f"{args.thread}: {args.exc_value!r}")
@@ -162,7 +162,7 @@ class Usage:
     threads: list[str] = field(default_factory=list)
 
     @classmethod
-    def now(cls) -> "Usage":
+    def now(cls) -> Usage:
         fds = []
         for name in os.listdir("/proc/self/fd"):
             try:

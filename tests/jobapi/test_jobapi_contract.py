@@ -9,7 +9,14 @@ import pytest
 
 from runner.jobapi import contract
 from runner.jobapi.contract import (
-    FINAL_STATES, JobRecord, JobSpec, JobState, LogEntry, StateTransitionError, Timings, WireError,
+    FINAL_STATES,
+    JobRecord,
+    JobSpec,
+    JobState,
+    LogEntry,
+    StateTransitionError,
+    Timings,
+    WireError,
 )
 from runner.service.config import ServiceConfig
 from runner.service.spec import parse_spec

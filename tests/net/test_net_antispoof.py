@@ -16,8 +16,8 @@ import socket
 import subprocess
 
 import pytest
-
 from net_fakes import ALLOWED_HOST, ip
+
 from policy import load_policy
 from runner.net import addresses, netns
 

@@ -7,6 +7,7 @@ import socket
 import time
 
 from net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
+
 from policy import load_policy, suggest_policy
 from runner.net import netns
 

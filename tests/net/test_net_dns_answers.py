@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from dnslib import RCODE
-
 from net_fakes import ALLOWED_HOST, LAN_HOST, lookup, reach
+
 from policy import load_policy
 from policy.suggest import INTERNAL_ADDRESS, REFUSED_DEST
 from runner.net.dns import MIN_OPEN_SECONDS, SWEEP_SECONDS

@@ -6,11 +6,11 @@ import subprocess
 from contextlib import ExitStack
 from ipaddress import ip_network
 
+import net_fakes
 import pytest
 from dnslib import QTYPE, RCODE
-
-import net_fakes
 from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
+
 from policy import OperatorAllowances, Rule, load_policy
 from policy.suggest import ALWAYS_DENIED, POLICY
 from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from ipaddress import ip_network
 
-import pytest
-
 import net_fakes
+import pytest
 from net_fakes import ALLOWED_HOST, DENIED_HOST, ip, lookup, reach
+
 from policy import OperatorAllowances, Rule, load_policy
 from runner.net import HostUplink, SlotPool, Upstream, netns
 

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 from dnslib import RCODE
+from net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
 
 from action.summary import Result, markdown
-from net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
 from policy import load_policy, suggest_policy
 from policy.suggest import INTERNAL_ADDRESS, POLICY, REFUSED_DEST
 

@@ -4,9 +4,9 @@ dials nothing, so only the resolver knows; the job's record must list them, mark
 from __future__ import annotations
 
 from dnslib import RCODE
+from net_fakes import ALLOWED_HOST, lookup, reach
 
 from action.summary import Result, markdown
-from net_fakes import ALLOWED_HOST, lookup, reach
 from policy import load_policy
 from policy.suggest import REFUSED_NAME, REFUSED_NAME_DEST
 

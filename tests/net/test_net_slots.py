@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 from contextlib import ExitStack
 
+import net_fakes
 import pytest
+from net_fakes import ALLOWED_HOST, ip, lookup, reach
 from pyroute2 import IPRoute, NFCTSocket
 
-import net_fakes
-from net_fakes import ALLOWED_HOST, ip, lookup, reach
 from policy import load_policy
 from runner.net import Firewall, FirewallError, NamespaceUplink, SlotError, SlotPool, Upstream, addresses, netns
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 from dnslib import DNSRecord
+from net_fakes import ALLOWED_HOST, ip
 from pyroute2 import IPRoute
 
-from net_fakes import ALLOWED_HOST, ip
 from policy import load_policy
 from runner.net import Slot, addresses, netns
 

@@ -13,16 +13,24 @@ import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, FrozenClock, Servers
+
 from policy import Rule, load_policy
 from policy.reserved import internal_range_containing
 from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord, suggest_policy
 from runner.net import Upstream
-from runner.net.audit import parse_packet, payloads, refused_answer_record
 from runner.net import dns as dns_module
-from runner.net.dns import (MAX_IN_FLIGHT, MAX_OPEN_SECONDS, MAX_OPENED_ADDRESSES, MIN_OPEN_SECONDS, DnsService, Opening,
-                            SlotResolver, open_seconds)
+from runner.net.audit import parse_packet, payloads, refused_answer_record
+from runner.net.dns import (
+    MAX_IN_FLIGHT,
+    MAX_OPEN_SECONDS,
+    MAX_OPENED_ADDRESSES,
+    MIN_OPEN_SECONDS,
+    DnsService,
+    Opening,
+    SlotResolver,
+    open_seconds,
+)
 from runner.net.firewall import FirewallError
 from runner.net.loop import NetLoop
 

@@ -6,15 +6,14 @@ then read the diff before committing it.
 
 from __future__ import annotations
 
-import re
 import os
+import re
 from ipaddress import ip_network
 from pathlib import Path
 
 import pytest
 
-from policy import (DENY_ALL, OperatorAllowances, RenderContext, Rule, dns_allow_rule, load_policy,
-                    render)
+from policy import DENY_ALL, OperatorAllowances, RenderContext, Rule, dns_allow_rule, load_policy, render
 from policy.render import port_groups
 
 LIMIT = "-m limit --limit 100/second --limit-burst 200"  # every NFLOG rule is rate-limited

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from policy import load_policy
-from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, AuditRecord, JobAudit, merged_policy, \
-    record_from_json
+from policy.suggest import (
+    ALWAYS_DENIED,
+    INTERNAL_ADDRESS,
+    REFUSED_NAME,
+    AuditRecord,
+    JobAudit,
+    merged_policy,
+    record_from_json,
+)
 from runner.cli import main
 from runner.jobapi.contract import JobRecord, JobState
 from runner.service.records import RecordStore

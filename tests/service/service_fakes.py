@@ -11,8 +11,9 @@ import io
 import itertools
 import tarfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from policy.suggest import AuditRecord
 from runner.vm.errors import SandboxError
@@ -36,14 +37,14 @@ Program = Callable[["FakeSandbox", Callable[[str, bytes], None], float], ExecRes
 class FakeEngine:
     programs: dict[str, Program] = field(default_factory=dict)
     artifacts_tar: bytes | None = None
-    created: list["FakeSandbox"] = field(default_factory=list)
+    created: list[FakeSandbox] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     live: int = 0
     max_live: int = 0
     fail_create: bool = False
     counter: itertools.count = field(default_factory=itertools.count)
 
-    def create(self, **kwargs: Any) -> "FakeSandbox":
+    def create(self, **kwargs: Any) -> FakeSandbox:
         if self.fail_create:
             raise SandboxError("the template could not be restored")
         with self.lock:
@@ -53,7 +54,7 @@ class FakeEngine:
             self.max_live = max(self.max_live, self.live)
         return sbx
 
-    def alive(self) -> list["FakeSandbox"]:
+    def alive(self) -> list[FakeSandbox]:
         with self.lock:
             return [s for s in self.created if not s.destroyed.is_set()]
 

@@ -11,14 +11,14 @@ import socket
 import stat
 import tarfile
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
 from runner.errors import ConfigError
-from runner.service.api import UnixApiServer
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.service.api import UnixApiServer
 from tests.conftest import require
 
 TOKEN = "a-long-enough-test-token-1234"

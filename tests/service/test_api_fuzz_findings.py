@@ -7,8 +7,8 @@ import socket
 import pytest
 from service_fakes import checkout_tar, spec
 
-from runner.service import api
 from runner.jobapi.client import JobAPIError
+from runner.service import api
 
 
 def raw(path: str, request: bytes) -> bytes:

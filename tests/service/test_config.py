@@ -12,8 +12,15 @@ import pytest
 import yaml
 
 from runner.cli import main
-from runner.service.config import (ConfigError, ServiceConfig, WebhookSettings, config_from_mapping, load_config,
-                                   parse_size, schema_text)
+from runner.service.config import (
+    ConfigError,
+    ServiceConfig,
+    WebhookSettings,
+    config_from_mapping,
+    load_config,
+    parse_size,
+    schema_text,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "docs" / "service-config.schema.json"

@@ -15,11 +15,19 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from policy import DENY_ALL, load_policy
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
-from runner.service.egress import EgressPolicies, EgressPolicyError
-from tests.github.github_fakes import (API, CONTENTS_FILE, CONTENTS_OP, INSTALLATION_ID, TOKEN_OP, example,
-                                       load_operations, load_payload)
 from runner.service.api import status_of
+from runner.service.egress import EgressPolicies, EgressPolicyError
 from runner.service.service import InvalidJob
+from tests.github.github_fakes import (
+    API,
+    CONTENTS_FILE,
+    CONTENTS_OP,
+    INSTALLATION_ID,
+    TOKEN_OP,
+    example,
+    load_operations,
+    load_payload,
+)
 
 REPO_POLICY = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n  - host: files.pythonhosted.org\n    ports: [443]\n"
 NARROWER = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n"

@@ -19,8 +19,8 @@ import pytest
 from service_fakes import FakeEngine, checkout_tar, spec, waits
 
 from runner.errors import ConfigError, SandboxError
-from runner.service.api import ApiServers
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.host import EngineSettings, ServiceHost
 from runner.service.service import JobService

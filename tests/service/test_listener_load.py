@@ -13,9 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from listener_child import SECRET, TOKEN

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import member, tar_of
 
-from runner.tarsafe import Limits, SKIPPED_KEY, check_tar, copy_validated
+from runner.tarsafe import SKIPPED_KEY, Limits, check_tar, copy_validated
 from runner.tarsafe import UnsafeTar as ArchiveError
 from runner.tarsafe import safe_name as clean_name
 

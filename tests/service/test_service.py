@@ -7,16 +7,16 @@ import io
 import json
 import tarfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
+from runner.service.api import status_of
 from runner.service.host import ServiceHost
 from runner.service.jobqueue import QueueFull
 from runner.service.records import RecordStore
-from runner.service.api import status_of
 from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
 
 

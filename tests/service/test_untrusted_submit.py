@@ -8,7 +8,7 @@ import re
 import sqlite3
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits

@@ -17,8 +17,9 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from service_fakes import checkout_tar, spec

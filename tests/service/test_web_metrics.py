@@ -9,7 +9,6 @@ import threading
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
 

@@ -54,7 +54,7 @@ def tiny_wheel() -> bytes:
 class Binary(str):
     """A file of the fake tree that is not text: the contents fake hashes `encode()`, which gives its bytes."""
 
-    def __new__(cls, data: bytes) -> "Binary":
+    def __new__(cls, data: bytes) -> Binary:
         text = super().__new__(cls, data.decode("latin-1"))
         text.data = data
         return text

@@ -7,7 +7,6 @@ import io
 import os
 import tarfile
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -21,8 +21,7 @@ import pytest
 
 from policy import load_policy, suggest_policy
 from policy.model import DENY_ALL
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns
-from runner.net import addresses
+from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
 from runner.net.audit import REFUSED_ANSWER
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
