@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,14 @@ DEFAULT_MAX_BODY = 1024 * 1024
 GUID_RE = re.compile(r"^[A-Za-z0-9-]{1,100}\Z")  # GitHub sends UUIDs
 SIGNATURE_RE = re.compile(r"sha256=[0-9a-f]{64}\Z")
 IGNORED_JOB_ACTIONS = frozenset({"in_progress", "waiting", "started"})  # "started" is no longer sent
+# A delivery's result, as counted by `WebhookReceiver.counts`: acted on; signed but of no interest; already
+# processed (a redelivery or a replay); refused for its form (path, method, type, size) or unreadable when
+# signed; its signature missing, malformed or wrong; failed in our hooks (500).
+ACCEPTED, IGNORED, DUPLICATE, REFUSED, MALFORMED, BAD_SIGNATURE, FAILED = (
+    "accepted", "ignored", "duplicate", "refused", "malformed", "bad_signature", "failed")
+# The event label of the counts: the X-GitHub-Event header is sent before any signature is checked, so
+# only the events we read are named; anything else is "other", so a stranger cannot grow the label set.
+COUNTED_EVENTS = frozenset({"workflow_job", "push", "ping"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class WebhookConfig:
 class Answer:
     status: int
     message: str
+    result: str  # ACCEPTED, IGNORED, ...: what the delivery is counted as
     close: bool = False  # the body was not read, so the connection cannot be reused
 
 
@@ -61,87 +71,111 @@ class WebhookReceiver:
         self.config = config
         self.hooks = hooks
         self.deliveries = deliveries or DeliveryLog()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._counts_lock = threading.Lock()
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Requests answered since start, by (event, result): a copy, for the service's metrics."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def _count(self, headers: Mapping[str, str], answer: Answer) -> Answer:
+        event = headers.get("X-GitHub-Event", "")
+        key = (event if event in COUNTED_EVENTS else "other", answer.result)
+        with self._counts_lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+        return answer
 
     def deliver(self, headers: Mapping[str, str], body: bytes) -> Answer:
         """A whole body whose head passed `check_form`: check its signature, then act on it."""
+        return self._count(headers, self._deliver(headers, body))
+
+    def _deliver(self, headers: Mapping[str, str], body: bytes) -> Answer:
         if not signature.verify(self.config.secret, body, headers.get("X-Hub-Signature-256")):
-            return Answer(403, "X-Hub-Signature-256 is wrong: check the webhook secret shared with GitHub")
+            return Answer(403, "X-Hub-Signature-256 is wrong: check the webhook secret shared with GitHub",
+                          BAD_SIGNATURE)
         guid = headers.get("X-GitHub-Delivery", "")
         if not GUID_RE.match(guid):
-            return Answer(400, "X-GitHub-Delivery is missing or malformed")
+            return Answer(400, "X-GitHub-Delivery is missing or malformed", MALFORMED)
         try:
             payload = jsonbody.loads(body)
         except jsonbody.JsonBodyError as exc:
-            return Answer(400, f"the body is not JSON: {exc}")
+            return Answer(400, f"the body is not JSON: {exc}", MALFORMED)
         if not isinstance(payload, dict):
-            return Answer(400, "the body is not a JSON object")
+            return Answer(400, "the body is not a JSON object", MALFORMED)
         # The signature covers the body but not the headers, so a captured delivery replayed under a
         # new GUID is caught by its body digest (GitHub never sends one body under two GUIDs).
         keys = (f"guid:{guid}", f"body:{hashlib.sha256(body).hexdigest()}")
         if not self.deliveries.claim_all(keys):
-            return Answer(200, f"delivery {guid} was already processed")
+            return Answer(200, f"delivery {guid} was already processed", DUPLICATE)
         try:
             return self._dispatch(headers.get("X-GitHub-Event", "")[:64], payload)
         except Exception:
             self.deliveries.release_all(keys)  # let a redelivery try again
             log.exception("processing webhook delivery %s failed", guid)
-            return Answer(500, f"processing delivery {guid} failed; see the service log")
+            return Answer(500, f"processing delivery {guid} failed; see the service log", FAILED)
 
     def check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
         """The checks a head alone allows, made before the body is read: None when it may be sent."""
+        answer = self._check_form(method, path, headers)
+        return None if answer is None else self._count(headers, answer)
+
+    def _check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
         if path.split("?", 1)[0] != WEBHOOK_PATH:
-            return Answer(404, f"no such endpoint: webhooks go to {WEBHOOK_PATH}", close=True)
+            return Answer(404, f"no such endpoint: webhooks go to {WEBHOOK_PATH}", REFUSED, close=True)
         if method != "POST":
-            return Answer(405, "only POST is accepted here", close=True)
+            return Answer(405, "only POST is accepted here", REFUSED, close=True)
         content_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if content_type != "application/json":
-            return Answer(415, "set the webhook's content type to application/json", close=True)
+            return Answer(415, "set the webhook's content type to application/json", REFUSED, close=True)
         length = parse_decimal(headers.get("Content-Length", "").strip())
         if length is None or headers.get("Transfer-Encoding"):
-            return Answer(411, "a Content-Length is required", close=True)
+            return Answer(411, "a Content-Length is required", REFUSED, close=True)
         if length > self.config.max_body:
-            return Answer(413, f"the body is larger than {self.config.max_body} bytes", close=True)
+            return Answer(413, f"the body is larger than {self.config.max_body} bytes", REFUSED, close=True)
         offered = headers.get("X-Hub-Signature-256")
         if not offered or not SIGNATURE_RE.match(offered):
             why = "missing" if not offered else "malformed"
-            return Answer(403, f"X-Hub-Signature-256 is {why}: check the webhook secret shared with GitHub", close=True)
+            return Answer(403, f"X-Hub-Signature-256 is {why}: check the webhook secret shared with GitHub",
+                          BAD_SIGNATURE, close=True)
         return None
 
     def _dispatch(self, event: str, payload: dict[str, Any]) -> Answer:
         if event == "ping":
-            return Answer(200, "pong")
+            return Answer(200, "pong", ACCEPTED)
         if event == "push":
             return self._push(payload)
         if event != "workflow_job":
-            return Answer(200, f"ignored: event {event!r} is not used")
+            return Answer(200, f"ignored: event {event!r} is not used", IGNORED)
         action = payload.get("action")
         if action is not None and not isinstance(action, str):  # [] once reached a frozenset lookup: a 500
-            return Answer(400, f"workflow_job action: expected a string, got {type(action).__name__}")
+            return Answer(400, f"workflow_job action: expected a string, got {type(action).__name__}", MALFORMED)
         if action == "queued":
             return self._job_event(payload, action, jobs.queued_job, self.hooks.prewarm, "prewarming for job")
         if action == "completed":
             return self._job_event(payload, action, jobs.completed_job, self.hooks.job_completed, "completed: job")
         if action in IGNORED_JOB_ACTIONS:
-            return Answer(200, f"ignored: workflow_job {action}")
-        return Answer(200, f"ignored: unknown workflow_job action {str(action)[:50]!r}")
+            return Answer(200, f"ignored: workflow_job {action}", IGNORED)
+        return Answer(200, f"ignored: unknown workflow_job action {str(action)[:50]!r}", IGNORED)
 
     def _job_event(self, payload: dict[str, Any], action: str, parse, hook, done: str) -> Answer:
         """Parse a workflow_job payload and hand it to `hook` when the job runs on our labels."""
         job = parse(payload)
         if job is None:
-            return Answer(200, f"ignored: {action} job without a usable repository, ids or labels")
+            return Answer(200, f"ignored: {action} job without a usable repository, ids or labels", IGNORED)
         if not jobs.is_ours(job.labels, self.config.labels):
-            return Answer(200, "ignored: the job's labels are not ours")
+            return Answer(200, "ignored: the job's labels are not ours", IGNORED)
         hook(job)
-        return Answer(200, f"{done} {job.job_id}")
+        return Answer(200, f"{done} {job.job_id}", ACCEPTED)
 
     def _push(self, payload: dict[str, Any]) -> Answer:
         """A push to the default branch makes the repository's warm bases stale; other pushes are ignored."""
         push = jobs.default_branch_push(payload)
         if push is None:
-            return Answer(200, "ignored: not a push of a commit to the repository's default branch")
+            return Answer(200, "ignored: not a push of a commit to the repository's default branch", IGNORED)
         self.hooks.default_branch_pushed(push)
-        return Answer(200, f"default branch of {push.repository} at {push.after[:12]}: its warm bases are rebuilt")
+        return Answer(200, f"default branch of {push.repository} at {push.after[:12]}: its warm bases are rebuilt",
+                      ACCEPTED)
 
 
 class _Handler(ServedRequest):
@@ -184,6 +218,10 @@ class WebhookServer:
     @property
     def port(self) -> int:
         return int(self.httpd.address[1])
+
+    def delivery_counts(self) -> dict[tuple[str, str], int]:
+        """Requests answered by the receiver, by (event, result)."""
+        return self.httpd.receiver.counts()
 
     def start(self) -> None:
         self.httpd.start()

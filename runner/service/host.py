@@ -133,8 +133,14 @@ class ServiceHost:
             prewarm_max=self.config.prewarm.max_vms,
             live_vms=(lambda: len(engine.live())) if engine is not None else None,
             spare_pool_size=settings.pool_size if engine is not None else None,
-            runners=lambda: self.fleet.runners() if self.fleet is not None else []))
+            runners=lambda: self.fleet.runners() if self.fleet is not None else [],
+            protocol_errors=(lambda: engine.protocol_errors) if engine is not None else None,
+            webhook_deliveries=self._webhook_deliveries))
         return metrics
+
+    def _webhook_deliveries(self) -> dict[tuple[str, str], int]:
+        """The webhook's answered requests; none while it is off (it starts after the metrics are built)."""
+        return self.webhook.server.delivery_counts() if self.webhook is not None else {}
 
     def _start_engine(self) -> SandboxFactory:
         """The VM engine, networked when the config says so; it sweeps a crashed predecessor's VMs (and

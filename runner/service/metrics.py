@@ -1,8 +1,9 @@
 """The service's Prometheus metrics, on a registry of its own (never prometheus_client's global one).
 
 Two sources, so that no hot path grows a hook:
-- what the service already holds (jobs by state, queue depth, live VMs, pre-warmed VMs, runners) is read
-  at scrape time by `ServiceCollector`;
+- what the service already holds (jobs by state, queue depth, live VMs, pre-warmed VMs, runners) and
+  what its pieces already count (the engine's VMs destroyed for a guest protocol error, the webhook's
+  answered deliveries) is read at scrape time by `ServiceCollector`;
 - what happens once per job (its end, its VM's ready time, its duration and overhead, the egress it was
   refused) is observed from its final record as it is saved: `JobMetrics.saw` is chained after the
   record store's lifecycle events (`runner.logs.JobEvents`, which already sees every saved record), so
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -51,6 +52,8 @@ class ServiceView:
     live_vms: Callable[[], int] | None = None  # None without an engine (tests above the VM layer)
     spare_pool_size: int | None = None
     runners: Callable[[], list[Any]] | None = None  # the fleet's runners, when runners: is configured
+    protocol_errors: Callable[[], dict[str, int]] | None = None  # Engine.protocol_errors, by kind
+    webhook_deliveries: Callable[[], dict[tuple[str, str], int]] | None = None  # by (event, result)
 
 
 class ServiceCollector(Collector):
@@ -59,7 +62,7 @@ class ServiceCollector(Collector):
     def __init__(self, view: ServiceView) -> None:
         self._view = view
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         view = self._view
         jobs = GaugeMetricFamily(f"{PREFIX}_jobs_active", "Jobs not yet final, by state", labels=["state"])
         counts = {state.value: 0 for state in ACTIVE_STATES}
@@ -86,6 +89,19 @@ class ServiceCollector(Collector):
             for state, count in sorted(by_state.items()):
                 runners.add_metric([state], count)
             yield runners
+        if view.protocol_errors is not None:
+            errors = CounterMetricFamily(f"{PREFIX}_guest_protocol_errors",
+                                         "VMs destroyed because their guest broke the agent protocol, by kind",
+                                         labels=["kind"])
+            for kind, count in sorted(view.protocol_errors().items()):
+                errors.add_metric([kind], count)
+            yield errors
+        if view.webhook_deliveries is not None:
+            deliveries = CounterMetricFamily(f"{PREFIX}_webhook_deliveries", "Webhook requests answered, by result",
+                                             labels=["event", "result"])
+            for (event, result), count in sorted(view.webhook_deliveries().items()):
+                deliveries.add_metric([event, result], count)
+            yield deliveries
 
 
 class JobMetrics:

@@ -45,6 +45,11 @@ COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte 
 TRICKLE_BYTES = 16 * 1024  # a read smaller than this while merging: wait for the merge to be due
 MAX_FRAMES_PER_S = 20_000  # per channel (one VM): bounds the host CPU a frame flood can take
 MAX_JSON_DEPTH = 32  # our messages nest 2 levels; deeper would only exercise the parser's recursion
+# What a guest that broke the protocol did, for the engine's count (runner.vm.engine.Engine.protocol_errors):
+# a bad frame (header, size, truncation, a request never sent), a message that does not decode, a flood of
+# frames for requests that already ended.
+FRAME, DECODE, FLOOD = "frame", "decode", "flood"
+PROTOCOL_ERROR_KINDS = (FRAME, DECODE, FLOOD)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,14 @@ class _Request:
 
 _BROKEN = object()
 OUTPUT_KINDS = frozenset({P.STDOUT, P.STDERR})
+
+
+class _Violation(P.ProtocolError):
+    """A ProtocolError raised on this side, with its kind; one from guestwire (a bad header) is a FRAME."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,7 @@ def _check_depth(payload: bytes) -> None:
         if token.group() in (b"[", b"{"):
             depth += 1
             if depth > MAX_JSON_DEPTH:
-                raise P.ProtocolError(f"message nests deeper than {MAX_JSON_DEPTH} levels")
+                raise _Violation(DECODE, f"message nests deeper than {MAX_JSON_DEPTH} levels")
         elif token.group() in (b"]", b"}"):
             depth -= 1
 
@@ -105,11 +118,11 @@ def decode_message(payload: bytes) -> dict:
     try:
         value = json.loads(payload.decode("utf-8"), parse_constant=_refuse_constant)
     except (ValueError, RecursionError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
-        raise P.ProtocolError(f"message is not valid UTF-8 JSON: {type(exc).__name__}: {exc}") from None
+        raise _Violation(DECODE, f"message is not valid UTF-8 JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(value, dict):
-        raise P.ProtocolError(f"message is a JSON {type(value).__name__}, not an object")
+        raise _Violation(DECODE, f"message is a JSON {type(value).__name__}, not an object")
     if "ok" in value and not isinstance(value["ok"], bool):
-        raise P.ProtocolError(f"message member 'ok' is a {type(value['ok']).__name__}, not a boolean")
+        raise _Violation(DECODE, f"message member 'ok' is a {type(value['ok']).__name__}, not a boolean")
     return value
 
 
@@ -205,10 +218,14 @@ class AgentClient:
         sock: socket.socket,
         on_broken: Callable[[str], None] | None = None,
         budget: FrameBudget | None = None,
+        on_protocol_error: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_protocol_error` hears the kind (FRAME, DECODE, FLOOD) when a protocol error is what broke
+        the channel, just before `on_broken` hears the reason; neither is called after `close()`."""
         self._sock = sock
         self._sock.settimeout(POLL_S)
         self._on_broken = on_broken
+        self._on_protocol_error = on_protocol_error
         self._budget = budget or FrameBudget()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -234,7 +251,7 @@ class AgentClient:
         try:
             self._read_frames(_Wire(self._sock))
         except P.ProtocolError as exc:
-            self._fail(f"the guest agent broke the protocol: {exc}")
+            self._fail(f"the guest agent broke the protocol: {exc}", getattr(exc, "kind", FRAME))
         except Exception as exc:  # a bug of ours, or an input we did not foresee: still the guest's doing
             log.exception("agent channel reader failed")
             self._fail(f"the agent channel's reader failed: {type(exc).__name__}: {exc}")
@@ -288,7 +305,7 @@ class AgentClient:
                     raise P.ProtocolError(f"frame for request {frame.request_id}, which was never sent")
                 self._stray += 1
                 if self._stray > MAX_STRAY_FRAMES:
-                    raise P.ProtocolError("too many frames for requests that already ended")
+                    raise _Violation(FLOOD, "too many frames for requests that already ended")
                 return
         if frame.kind in OUTPUT_KINDS and len(frame.payload) < COALESCE_BYTES:
             self._run = _Run(req, frame.kind, time.monotonic(), [frame.payload], len(frame.payload))
@@ -309,20 +326,21 @@ class AgentClient:
                 if self._closed:
                     return
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, protocol_error: str | None = None) -> None:
+        """Break the channel; the first reason wins, and only that one is reported to the owner. A protocol
+        error is reported before any waiter wakes, so whoever sees the channel broken sees it counted."""
         with self._lock:
             if self.broken is not None:
                 return
             self.broken = why
             pending = list(self._pending.values())
+        if protocol_error is not None and self._on_protocol_error is not None and not self._closed:
+            _tell(self._on_protocol_error, protocol_error)
         self.broken_event.set()
         for req in pending:
             _offer(req.frames, _BROKEN)
-        if self._on_broken and not self._closed:
-            try:
-                self._on_broken(why)
-            except Exception:  # the owner's cleanup failing must not hide that the channel broke
-                log.exception("handling the broken agent channel failed")
+        if self._on_broken is not None and not self._closed:
+            _tell(self._on_broken, why)
 
     def _abuse(self, why: str) -> None:
         """The guest ignored a limit it was told: stop trusting the channel."""
@@ -506,6 +524,14 @@ def _exec_outcome(reply: dict) -> ExecOutcome:
     if not isinstance(timed_out, bool) or not isinstance(killed, bool):
         raise AgentError("the guest's exec reply has non-boolean flags")
     return ExecOutcome(exit_code=code, timed_out=timed_out, killed=killed)
+
+
+def _tell(listener: Callable[[str], None], what: str) -> None:
+    """Call the owner's listener: its failing (a cleanup that fails) must not hide that the channel broke."""
+    try:
+        listener(what)
+    except Exception:
+        log.exception("handling the broken agent channel failed")
 
 
 def _offer(q: queue.Queue, item: object) -> None:

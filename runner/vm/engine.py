@@ -22,7 +22,7 @@ from pathlib import Path
 
 from policy.model import DENY_ALL
 from runner.vm import checkoutdisk, jail
-from runner.vm.agent import AgentClient
+from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
 from runner.vm.pool import SpareVMs
@@ -82,6 +82,7 @@ class Engine:
             log.warning("swept leftovers of a previous run: %s", ", ".join(swept))
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
+        self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
         self.pool = SpareVMs(self._restore, pool_size)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
@@ -243,7 +244,8 @@ class Engine:
         vm = self._spawn(snapshot)
         try:
             vm.machine.restore(snapshot)
-            vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken)
+            vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken,
+                                   on_protocol_error=self._protocol_error)
             vm.machine.resume()
             if identity:
                 vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
@@ -294,6 +296,18 @@ class Engine:
     def live(self) -> list[VM]:
         with self._vms_lock:
             return list(self._vms.values())
+
+    @property
+    def protocol_errors(self) -> dict[str, int]:
+        """VMs destroyed because their guest broke the agent protocol, by kind (agent.PROTOCOL_ERROR_KINDS),
+        since this engine started; a copy, read by the service's metrics at scrape time."""
+        with self._vms_lock:
+            return dict(self._protocol_errors)
+
+    def _protocol_error(self, kind: str) -> None:
+        """A VM's agent channel broke on a protocol error (its `on_broken` destroys the VM next)."""
+        with self._vms_lock:
+            self._protocol_errors[kind] = self._protocol_errors.get(kind, 0) + 1
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(REAP_INTERVAL_S):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
 
+from runner.github.signature import sign
 from runner.jobapi.client import JobClient
 from runner.service.metrics import result_of
 from runner.service.web import COOKIE
@@ -126,3 +128,35 @@ def test_insights_merge_the_repository_s_runs(hosts, engine: FakeEngine) -> None
     page = httpx.get(base + "/ui/insights", params={"repository": spec("ok")["repository"]},
                      cookies={COOKIE: TOKEN}).text
     assert "2 jobs of" in page and "mode: block" in page and "seen in 2 of 2 jobs" in page
+
+
+QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
+WEBHOOK_SECRET = b"webhook-test-secret"
+
+
+def _post(url: str, body: bytes, event: str, signature: str | None) -> int:
+    headers = {"Content-Type": "application/json", "X-GitHub-Event": event, "X-GitHub-Delivery": "d-1"}
+    if signature is not None:
+        headers["X-Hub-Signature-256"] = signature
+    return httpx.post(url, content=body, headers=headers, timeout=30).status_code
+
+
+def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeEngine, external: Path,
+                                                            tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(WEBHOOK_SECRET + b"\n")
+    host, _, base = _start(hosts, webhook={"listen": "127.0.0.1:0", "secret_path": str(secret),
+                                           "labels": ["microvm"]})
+    url = f"http://127.0.0.1:{host.webhook.port}/github/webhook"
+    body = (external / QUEUED).read_bytes()
+    assert _post(url, body, "workflow_job", sign(WEBHOOK_SECRET, body)) == 200  # a job on our labels: prewarmed
+    assert _post(url, body, "workflow_job", sign(WEBHOOK_SECRET, body)) == 200  # the same delivery again
+    assert _post(url, body, "workflow_job", sign(b"not the secret", body)) == 403
+    assert _post(url, body, "workflow_job", None) == 403  # refused on its head, before the body is read
+    assert _post(url, body, "x" * 40, sign(b"not the secret", body)) == 403  # an unsigned name is no label
+    metrics = _scrape(base)
+    deliveries = {dict(labels)["event"] + "/" + dict(labels)["result"]: value
+                  for (name, labels), value in metrics.items() if name == "microvm_check_webhook_deliveries_total"}
+    assert deliveries == {"workflow_job/accepted": 1, "workflow_job/duplicate": 1, "workflow_job/bad_signature": 2,
+                          "other/bad_signature": 1}
+    assert ("microvm_check_guest_protocol_errors_total", (("kind", "frame"),)) not in metrics  # no engine here
