@@ -34,13 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.stats import percentile  # noqa: E402
-from runner.jobapi.client import JobClient  # noqa: E402
-from runner.jobapi.contract import JobRecord, JobSpec  # noqa: E402
-from runner.service.config import config_from_mapping  # noqa: E402
-from runner.service.host import EngineSettings, ServiceHost  # noqa: E402
-from runner.vm.engine import Engine  # noqa: E402
-from runner.vm.statedir import StateDir  # noqa: E402
+from bench.stats import percentile
+from runner.jobapi.client import JobClient
+from runner.jobapi.contract import JobRecord, JobSpec
+from runner.service.config import config_from_mapping
+from runner.service.host import EngineSettings, ServiceHost
+from runner.vm.engine import Engine
+from runner.vm.statedir import StateDir
 
 SHA = "0" * 40
 MIB = 1024 * 1024

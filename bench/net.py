@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.stats import percentile  # noqa: E402
-from policy import load_policy  # noqa: E402
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns  # noqa: E402
+from bench.stats import percentile
+from policy import load_policy
+from runner.net import NamespaceUplink, SlotPool, Upstream, netns
 
 POLICY = """\
 version: 1

@@ -18,13 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.stats import percentile as pct  # noqa: E402
-from runner.sandbox import Sandbox  # noqa: E402
-from runner.vm.agent import AgentClient  # noqa: E402
-from runner.vm.engine import Engine, _make_overlay  # noqa: E402
-from runner.vm.hypervisor import Launch  # noqa: E402
-from runner.vm.statedir import StateDir  # noqa: E402
-from runner.vm.templates import TemplateStore  # noqa: E402
+from bench.stats import percentile as pct
+from runner.sandbox import Sandbox
+from runner.vm.agent import AgentClient
+from runner.vm.engine import Engine, _make_overlay
+from runner.vm.hypervisor import Launch
+from runner.vm.statedir import StateDir
+from runner.vm.templates import TemplateStore
 
 
 def summary(name: str, values: list[float]) -> None:

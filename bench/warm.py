@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.sandbox import Sandbox  # noqa: E402
-from runner.vm.engine import Engine  # noqa: E402
-from runner.vm.statedir import StateDir  # noqa: E402
-from runner.vm.templates import TemplateStore  # noqa: E402
+from runner.sandbox import Sandbox
+from runner.vm.engine import Engine
+from runner.vm.statedir import StateDir
+from runner.vm.templates import TemplateStore
 
 PACKAGES = ("pytest", "pluggy", "packaging", "iniconfig", "jinja2", "markupsafe")
 MARK = "FIRST-TEST-RUNNING"

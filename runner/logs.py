@@ -51,7 +51,7 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's naming)
+    def formatMessage(self, record: logging.LogRecord) -> str:
         return super().formatMessage(record).translate(_CONTROL)  # a traceback after it keeps its lines
 
 

@@ -242,7 +242,7 @@ class Sandbox:
                     result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_total_bytes=max_bytes))
                 except tarsafe.UnsafeTar as exc:
                     result["error"] = f"refused the guest's files from {guest_path}: {exc}"
-                except Exception as exc:  # noqa: BLE001 - reported to the caller below
+                except Exception as exc:
                     result["error"] = f"could not copy {guest_path} into {local_dir}: {exc}"
                 finally:
                     # Drain in bounded chunks so the writer never blocks on a reader that gave up,

@@ -227,7 +227,7 @@ class RepositoryBases:
         while True:
             try:
                 self.build(repository, network, ref)
-            except Exception as exc:  # noqa: BLE001 - a failed rebuild leaves jobs on the last good base
+            except Exception as exc:
                 log.warning("warm base of %s (%s): the build failed: %s", repository, variant_of(network), exc)
             with self._lock:
                 if key not in self._again:

@@ -26,7 +26,7 @@ from tests.fleet.conftest import PYTHON, Account
 from tests.fleet.test_fleet import _gone, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "github"))  # repo_fakes imports github_fakes by name
-from repo_fakes import FakeRepo  # noqa: E402
+from repo_fakes import FakeRepo
 
 PROBE = Path(__file__).resolve().parent / "probe.py"
 RUN_ID = 700001  # the fake GitHub's run id for job 1

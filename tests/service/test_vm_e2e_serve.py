@@ -140,14 +140,14 @@ class FakeGitHub(http.server.ThreadingHTTPServer):
 class _GitHubHandler(http.server.BaseHTTPRequestHandler):
     server: FakeGitHub
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         self._record()
         if self.path.split("?")[0] == "/app/hook/deliveries":
             self._answer(200, FakeGitHub.deliveries())
         else:
             self._answer(404, {"message": "Not Found"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._record()
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == f"/app/hook/deliveries/{FAILED_DELIVERY}/attempts":

@@ -18,14 +18,14 @@ import responses
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "github"))  # repo_fakes imports github_fakes by its name
 
-from policy import PolicyStore  # noqa: E402
-from runner.github.client import GitHubClient  # noqa: E402
-from runner.github.policy_source import PolicySource  # noqa: E402
-from runner.sandbox import Sandbox  # noqa: E402
-from runner.service.bases import BaseSettings, RepositoryBases, base_name, branch_warm  # noqa: E402
-from runner.service.config import ServiceConfig  # noqa: E402
-from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch  # noqa: E402
-from tests.vm.conftest import template_store  # noqa: E402,F401 - the built template, as in tests/vm
+from policy import PolicyStore
+from runner.github.client import GitHubClient
+from runner.github.policy_source import PolicySource
+from runner.sandbox import Sandbox
+from runner.service.bases import BaseSettings, RepositoryBases, base_name, branch_warm
+from runner.service.config import ServiceConfig
+from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch
+from tests.vm.conftest import template_store  # noqa: F401 - the built template fixture, as in tests/vm
 
 
 @pytest.fixture

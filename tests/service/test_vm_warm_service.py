@@ -22,16 +22,16 @@ import responses
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "github"))  # repo_fakes imports github_fakes by its name
 
-from runner.github.client import GitHubClient  # noqa: E402
-from runner.github.jobs import QueuedJob  # noqa: E402
-from runner.github.policy_source import PolicySource  # noqa: E402
-from runner.jobapi.client import JobClient  # noqa: E402
-from runner.service.bases import base_name  # noqa: E402
-from runner.service.config import config_from_mapping  # noqa: E402
-from runner.service.egress import EgressPolicies  # noqa: E402
-from tests.service.service_fakes import checkout_tar  # noqa: E402
-from tests.service.warm_fakes import POLICY, REPO, DefaultBranch  # noqa: E402
-from tests.vm.conftest import template_store  # noqa: E402,F401 - the built template, as in tests/vm
+from runner.github.client import GitHubClient
+from runner.github.jobs import QueuedJob
+from runner.github.policy_source import PolicySource
+from runner.jobapi.client import JobClient
+from runner.service.bases import base_name
+from runner.service.config import config_from_mapping
+from runner.service.egress import EgressPolicies
+from tests.service.service_fakes import checkout_tar
+from tests.service.warm_fakes import POLICY, REPO, DefaultBranch
+from tests.vm.conftest import template_store  # noqa: F401 - the built template fixture, as in tests/vm
 
 pytestmark = pytest.mark.vm
 SECRET = b"warm-service-webhook-secret"

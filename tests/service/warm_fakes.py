@@ -19,8 +19,8 @@ import responses
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "github"))  # repo_fakes imports github_fakes by its name
 
-from tests.github.github_fakes import API, load_operations, load_payload  # noqa: E402
-from tests.github.repo_fakes import FakeRepo  # noqa: E402
+from tests.github.github_fakes import API, load_operations, load_payload
+from tests.github.repo_fakes import FakeRepo
 
 REPO = "listendev/lstn"
 WHEEL = "wheels/tinypkg-1.0-py3-none-any.whl"

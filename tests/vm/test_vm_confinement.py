@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.vm import cgroup, cli, jail
+from runner.commands import doctor as cli
+from runner.vm import cgroup, jail
 from runner.vm.errors import VMError
 
 

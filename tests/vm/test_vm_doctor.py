@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.vm import accel, cli
+from runner.commands import doctor as cli
+from runner.vm import accel
 
 
 def test_selftest_without_a_template_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -85,7 +85,7 @@ def make_wheel() -> bytes:
 class IndexHandler(http.server.BaseHTTPRequestHandler):
     wheel = make_wheel()
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path.rstrip("/") == "/simple/demo-pkg":
             body = f'<html><body><a href="/files/{WHEEL}">{WHEEL}</a></body></html>'.encode()
             kind = "text/html"

@@ -32,7 +32,7 @@ import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import guestwire as P  # noqa: E402  (runner/vm/guestwire.py, installed next to this file: vmimages/rootfs.py)
+import guestwire as P
 
 CGROUP_ROOT = "/sys/fs/cgroup/mvc"
 BASE_ENV = {
