@@ -30,7 +30,10 @@ from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MA
 from runner.service.auth import Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
+from runner.service import metrics, web
 from runner.service.jobqueue import QueueClosed, QueueFull
+from runner.service.metrics import JobMetrics
+from runner.service.job import SessionGone
 from runner.service.sessions import SessionConflict
 from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
 from runner.service.spec import SpecError
@@ -81,6 +84,7 @@ STATUS: dict[type[JobError], int] = {
     MethodNotAllowed: 405,
     JobStateConflict: 409,
     SessionConflict: 409,
+    SessionGone: 410,
     TooLarge: 413,
     QueueFull: 429,
     QueueClosed: 503,
@@ -176,6 +180,8 @@ class Handler(ServedRequest):
     def _route(self, method: str) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
+        if isinstance(self.server, TcpApiServer) and is_web_path(url.path):
+            return self._web(method, url.path, query)
         if url.path == "/v1/health" and method == "GET":
             return self._send_json(200, self.service.health().to_wire())
         access, caller = self.service.access, self._caller()
@@ -239,6 +245,55 @@ class Handler(ServedRequest):
             self.end_response()
 
 
+    # -- the metrics and the read-only web page (TCP listener only; runner/service/web.py) ----------------
+
+    def _web(self, method: str, path: str, query: dict[str, list[str]]) -> None:
+        if method not in ("GET", "HEAD"):
+            raise MethodNotAllowed(f"{method} is not allowed on {path}: the page is read-only")
+        if path == "/metrics":
+            return self.respond(200, self.server.metrics.exposition(), {"Content-Type": metrics.CONTENT_TYPE})
+        token = query.get("token")
+        if token:  # the gate checked it: trade it for a cookie, and drop it from the address (and our log)
+            self.path = web.without_token(path, query)
+            return self.respond(303, b"", {"Location": self.path, "Set-Cookie": web.set_cookie(token[-1]),
+                                           **web.HEADERS})
+        if path.startswith(web.STATIC):
+            return self._web_static(path[len(web.STATIC):])
+        route = job_route("/v1/jobs/" + path[len(web.PREFIX + "/jobs/"):]) if path.startswith(web.PREFIX + "/jobs/") else None
+        if route is not None and route[1] == "/logs":
+            return self._web_logs(route[0], _int_param(query, "after", 0, 0, MAX_LOG_SEQ))
+        if route is not None and route[1] == "":
+            page = web.job_page(self.service, route[0])
+        elif path in (web.PREFIX, web.PREFIX + "/"):
+            page = web.jobs_page(self.service)
+        elif path == web.PREFIX + "/insights":
+            page = web.insights_page(self.service, query.get("repository", [""])[-1][:200],
+                                     query.get("since", ["14d"])[-1][:8])
+        else:
+            raise NoRoute(f"no page {path}; the jobs are at {web.PREFIX}")
+        self.respond(page.status, page.body, {"Content-Type": page.content_type, **web.HEADERS})
+
+    def _web_static(self, name: str) -> None:
+        asset = web.static(name)
+        if asset is None:
+            raise NoRoute(f"no file {name!r} under {web.STATIC}")
+        self.respond(200, asset.body, {"Content-Type": asset.content_type, **web.HEADERS})
+
+    def _web_logs(self, job_id: str, after: int) -> None:
+        """The job API's log stream with each line in the neutralised view the action prints."""
+        job_log = self.service.log_of(job_id)
+        self.start_response(200, {"Content-Type": "application/x-ndjson", **web.HEADERS})
+        for line in job_log.follow(after):
+            self.send_data(web.neutral_log_line(line))
+        end = {"end": True, "job": self.service.get(job_id).to_wire()}
+        self.send_data(json.dumps(end).encode() + b"\n")
+        self.end_response()
+
+
+def is_web_path(path: str) -> bool:
+    return path == "/metrics" or path == web.PREFIX or path.startswith(web.PREFIX + "/")
+
+
 def _wire(parse: Any, data: Any) -> Any:
     """A request body in one of the contract's shapes, or a 400 naming the field."""
     try:
@@ -276,9 +331,21 @@ def _token_gate(token: str):
         scheme, _, value = head.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected):
             return None
+        if _web_token_ok(head, expected):
+            return None
         return Refusal(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
                        (("WWW-Authenticate", "Bearer"),))
     return gate
+
+
+def _web_token_ok(head: Head, expected: bytes) -> bool:
+    """The page's other ways to show the token (web.py): its cookie or `?token=`, on GET/HEAD of /ui only,
+    so a cookie a browser sends along can never reach a route that changes anything."""
+    path = urlsplit(head.target).path
+    if head.method not in ("GET", "HEAD") or path == "/metrics" or not is_web_path(path):
+        return False
+    offered = web.cookie_token(head.headers.get("Cookie", "")) or web.query_token(head.target)
+    return offered is not None and hmac.compare_digest(offered.encode(), expected)
 
 
 class UnixApiServer(BoundedHTTPServer):
@@ -314,8 +381,10 @@ class UnixApiServer(BoundedHTTPServer):
 
 
 class TcpApiServer(BoundedHTTPServer):
-    def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS) -> None:
+    def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
+                 metrics: JobMetrics | None = None) -> None:
         self.service = service
+        self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
         super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
                          gate=_token_gate(token))
 
@@ -343,13 +412,13 @@ def _prepare_socket_path(path: Path) -> None:
 class ApiServers:
     """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
-    def __init__(self, service: JobService, limits: Limits = LIMITS) -> None:
+    def __init__(self, service: JobService, limits: Limits = LIMITS, metrics: JobMetrics | None = None) -> None:
         config = service.config
         self.servers: list[BoundedHTTPServer] = [UnixApiServer(config.socket, service, config.socket_group, limits)]
         if config.listen:
             assert config.token  # the config refuses a listen address without one
             try:
-                self.servers.append(TcpApiServer(config.listen, service, config.token, limits))
+                self.servers.append(TcpApiServer(config.listen, service, config.token, limits, metrics))
             except BaseException:  # e.g. the port is taken: leave no bound Unix socket behind
                 self.close()
                 raise
