@@ -33,7 +33,8 @@ def bake(
     run(["cp", "--sparse=always", str(pristine_disk), str(disk)])
     bake_dir = variant_dir / "bake"
     bake_dir.mkdir()
-    launch = Launch(vm_dir=bake_dir, disk=disk, disk_format="raw", console_log=bake_dir / "console.log")
+    console_log = bake_dir / "console.log"
+    launch = Launch(vm_dir=bake_dir, disk=disk, disk_format="raw", console_log=console_log)
     snapshot = Snapshot(config=config, mem_file=variant_dir / "mem.ram", state_file=variant_dir / "state.bin", disk=disk)
     machine = hv.boot(config, snapshot.mem_file, launch)
     agent = AgentClient(machine.agent)
@@ -42,7 +43,7 @@ def bake(
         try:
             agent.ping(timeout=BOOT_TIMEOUT_S)
         except Exception as exc:
-            console = launch.console_log.read_text(errors="replace")[-1500:] if launch.console_log.exists() else ""
+            console = console_log.read_text(errors="replace")[-1500:] if console_log.exists() else ""
             raise BuildError(f"the template never answered after a cold boot: {exc}\nconsole:\n{console}") from None
         say(f"cold boot to agent ready: {time.monotonic() - started:.1f} s")
         for command in (*warmup, "sync"):

@@ -11,8 +11,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from runner.vm import accel as accel_mod
 from runner.vm.hypervisor import Launch, MachineConfig
@@ -26,14 +28,14 @@ from vmimages.recipe import KERNEL_CMDLINE, Recipe
 class Progress:
     """One line per step with its duration: a build takes minutes and should say where it is."""
 
-    def __init__(self, total: int, out=sys.stderr) -> None:
+    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
         self.total = total
         self.step = 0
         self.out = out
         self.started = time.monotonic()
 
     @contextmanager
-    def __call__(self, what: str):
+    def __call__(self, what: str) -> Iterator[None]:
         self.step += 1
         t = time.monotonic()
         print(f"[{self.step}/{self.total}] {what} ...", file=self.out, flush=True)
@@ -52,7 +54,7 @@ def _machine_shape(recipe: Recipe, accel: str) -> list[str]:
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

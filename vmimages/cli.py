@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -12,7 +13,7 @@ from vmimages.recipe import RecipeError
 from vmimages.run import BuildError
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     template = subparsers.add_parser("template", help="build, list and remove VM templates")
     sub = template.add_subparsers(dest="template_command", metavar="ACTION", required=True)
     build = sub.add_parser("build", help="build (or refresh) a template from its recipe in vmimages/recipes/")
@@ -26,7 +27,7 @@ def register(subparsers) -> None:
     rm.set_defaults(func=cmd_rm)
 
 
-def cmd_build(args) -> int:
+def cmd_build(args: argparse.Namespace) -> int:
     from vmimages.build import build
 
     if os.geteuid() != 0:
@@ -38,7 +39,7 @@ def cmd_build(args) -> int:
     return 0
 
 
-def cmd_list(args) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     """Recipe templates and those made from VMs (warm bases, snapshots): size, age and last use, which
     are what the bases' disk budget evicts by."""
     store = TemplateStore(StateDir.default().templates)
@@ -63,7 +64,7 @@ def _ago(seconds: float) -> str:
     return f"{max(seconds, 0):.0f}s"
 
 
-def cmd_rm(args) -> int:
+def cmd_rm(args: argparse.Namespace) -> int:
     try:
         TemplateStore(StateDir.default().templates).remove(args.name)
     except TemplateNotFound as exc:
