@@ -164,10 +164,13 @@ def _field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...], optional:
 
 
 def _state(data: Mapping[str, Any]) -> JobState:
-    try:
-        return JobState(data.get("state"))
-    except ValueError:
-        raise WireError(f"state: not a job state: {str(data.get('state'))[:40]!r}") from None
+    state = data.get("state")
+    if isinstance(state, str):
+        try:
+            return JobState(state)
+        except ValueError:
+            pass
+    raise WireError(f"state: not a job state: {str(state)[:40]!r}")
 
 
 def _object(data: Any, what: str) -> Mapping[str, Any]:
