@@ -42,14 +42,14 @@ def from_environment(environ: Mapping[str, str]) -> ReportedJob:
     return job
 
 
-def parse(data: Any) -> ReportedJob | None:
+def parse(data: object) -> ReportedJob | None:
     if not isinstance(data, dict):
         return None
-    texts = [data.get(key) for key in ("repository", "job", "workflow_ref", "event")]
-    numbers = [data.get(key) for key in ("run_id", "run_attempt")]
-    if not all(isinstance(t, str) and len(t) <= MAX_TEXT and t.isprintable() for t in texts):
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**63 for n in numbers):
+    texts = [t for key in ("repository", "job", "workflow_ref", "event")
+             if isinstance(t := data.get(key), str) and len(t) <= MAX_TEXT and t.isprintable()]
+    numbers = [n for key in ("run_id", "run_attempt")
+               if isinstance(n := data.get(key), int) and not isinstance(n, bool) and 0 < n < 2**63]
+    if len(texts) != 4 or len(numbers) != 2:
         return None
     if not REPOSITORY_RE.match(texts[0]) or not texts[1]:
         return None

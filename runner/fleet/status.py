@@ -18,7 +18,10 @@ def load(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ValueError(f"no fleet status at {path}: is `microvm-check serve` running with a runners: "
                          "section in its config?") from None
-    return json.loads(data)
+    status = json.loads(data)
+    if not isinstance(status, dict):
+        raise ValueError(f"the fleet status at {path} is not a JSON object: remove it, the service rewrites it")
+    return status
 
 
 def render(status: dict[str, Any], now: float | None = None) -> str:

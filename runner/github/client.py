@@ -47,7 +47,7 @@ class RetryPolicy:
     max_wait: float = 60.0
 
     def backoff(self, attempt: int) -> float:
-        return min(self.base_delay * (2**attempt), self.max_wait)
+        return min(self.base_delay * (2.0**attempt), self.max_wait)
 
 
 DEFAULT_RETRY = RetryPolicy()

@@ -158,11 +158,12 @@ def _parse(response: requests.Response, repository: str, path: str, ref: str, de
     return RepoFile(repository, path, ref, sha, size, content, etag=response.headers.get("ETag"))
 
 
-def _decode(body: dict, where: str) -> bytes:
-    if body.get("encoding") != "base64" or not isinstance(body.get("content"), str):
+def _decode(body: dict[str, object], where: str) -> bytes:
+    content = body.get("content")
+    if body.get("encoding") != "base64" or not isinstance(content, str):
         raise GitHubError(f"{where} is too large to be read through the contents API (over 1 MB)")
     try:
-        data = base64.b64decode("".join(body["content"].split()), validate=True)
+        data = base64.b64decode("".join(content.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise GitHubError(f"GitHub sent {where} with invalid base64 content") from exc
     if len(data) != body["size"]:

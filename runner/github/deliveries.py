@@ -86,22 +86,17 @@ _MAX_ID = 2**63 - 1
 _SHOWN = 200  # of a refused record in the log: GitHub's answer is not ours to print whole
 
 
-def _delivery(item: dict) -> Delivery | None:
+def _delivery(item: dict[str, object]) -> Delivery | None:
     """One row of the list, type-checked rather than coerced: `int()` of a float such as 1e400 raises
     OverflowError, and a sweep must skip a record it cannot read, never stop on it."""
-    id_, guid, stamp = item.get("id"), item.get("guid"), item.get("delivered_at")
-    status_code, event = item.get("status_code"), item.get("event", "")
-    status_code = 0 if status_code is None else status_code  # none yet: the delivery did not complete
-    redelivery = item.get("redelivery", False)
-    readable = (_int_within(id_, 1, _MAX_ID) and _int_within(status_code, 0, 999)
-                and isinstance(guid, str) and _GUID.fullmatch(guid) is not None
-                and isinstance(stamp, str) and len(stamp) <= 64
-                and isinstance(event, str) and len(event) <= 64 and isinstance(redelivery, bool))
-    try:
-        delivered_at = parse_timestamp(stamp) if readable else None
-    except GitHubError:
-        delivered_at = None
-    if delivered_at is None:
+    guid, event, redelivery = item.get("guid"), item.get("event", ""), item.get("redelivery", False)
+    code = item.get("status_code")
+    id_ = _int_within(item.get("id"), 1, _MAX_ID)
+    status_code = _int_within(0 if code is None else code, 0, 999)  # none yet: the delivery did not complete
+    delivered_at = _delivered_at(item.get("delivered_at"))
+    if (id_ is None or status_code is None or delivered_at is None
+            or not isinstance(guid, str) or _GUID.fullmatch(guid) is None
+            or not isinstance(event, str) or len(event) > 64 or not isinstance(redelivery, bool)):
         shown = repr(item)
         log.warning("ignoring an unreadable webhook delivery record: %s%s", shown[:_SHOWN],
                     "..." if len(shown) > _SHOWN else "")
@@ -110,8 +105,18 @@ def _delivery(item: dict) -> Delivery | None:
                     status_code=status_code, event=event)
 
 
-def _int_within(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+def _int_within(value: object, low: int, high: int) -> int | None:
+    """`value` if it is an int (not a bool) in [low, high], else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high else None
+
+
+def _delivered_at(stamp: object) -> float | None:
+    if not isinstance(stamp, str) or len(stamp) > 64:
+        return None
+    try:
+        return parse_timestamp(stamp)
+    except GitHubError:
+        return None
 
 
 class RedeliverySweep:

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from runner.github.client import GitHubClient
 from runner.github.errors import GitHubError, NotFound, ValidationFailed
@@ -45,7 +46,7 @@ class JitConfig:
     encoded_jit_config: str
 
 
-def _runner(body: dict) -> Runner:
+def _runner(body: dict[str, Any]) -> Runner:
     return Runner(
         id=int(body["id"]),
         name=str(body.get("name", "")),
@@ -94,15 +95,19 @@ class RunnerAdmin:
                 status=exc.status,
             ) from exc
 
-    def _post(self, what: str, body: dict | None) -> dict:
+    def _post(self, what: str, body: dict[str, object] | None) -> dict[str, Any]:
         try:
-            return self.client.post(self._path(f"/{what}"), body)
+            answer = self.client.post(self._path(f"/{what}"), body)
         except NotFound as exc:
             raise NotFound(
                 f"org {self.org} was not found or the App cannot manage its runners: check the org name and "
                 f"give the App the organisation permission 'Self-hosted runners: read and write' ({exc})",
                 status=exc.status,
             ) from exc
+        if not isinstance(answer, dict):
+            raise GitHubError(f"GitHub answered POST {self._path(f'/{what}')} with JSON that is not an object: "
+                              "is the API root a GitHub API?")
+        return answer
 
     def _path(self, rest: str) -> str:
         return f"/orgs/{self.org}/actions/runners{rest}"
