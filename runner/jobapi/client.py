@@ -10,6 +10,7 @@ message, and Retry-After when the service gave one.
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO, TypeVar
@@ -109,7 +110,7 @@ class JobClient:
     def health(self) -> Health:
         return self._call("GET", "/v1/health", Health.from_wire)
 
-    def submit(self, spec: JobSpec | Mapping[str, Any]) -> JobSummary:
+    def submit(self, spec: JobSpec | Mapping[str, object]) -> JobSummary:
         """Submit a job; a mapping is sent as it is (the wire form, e.g. to test the service's checks)."""
         body = spec.to_wire() if isinstance(spec, JobSpec) else dict(spec)
         summary = self._call("POST", "/v1/jobs", JobSummary.from_wire, content=json.dumps(body).encode(),
@@ -140,7 +141,7 @@ class JobClient:
         return self._call("POST", "/v1/runner/job-started", Verdict.from_wire, content=body,
                           headers={"Content-Type": "application/json"})
 
-    def job_completed(self) -> list[str]:
+    def job_completed(self) -> builtins.list[str]:  # `list` in this class is the method above
         """A fleet runner's job-completed hook: the service cancels what this runner's job still runs;
         answers the ids of the jobs it cancelled."""
         return self._call("POST", "/v1/runner/job-completed", _cancelled)
@@ -176,7 +177,7 @@ class JobClient:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, parse: Callable[[Any], T], **kwargs: Any) -> T:
+    def _call(self, method: str, path: str, parse: Callable[[object], T], **kwargs: Any) -> T:
         resp = self._open(method, path, **kwargs)
         try:
             data = _read(resp, _MAX_JSON, method, path)
@@ -291,7 +292,7 @@ def _api_error(method: str, path: str, resp: httpx.Response) -> JobAPIError:
     )
 
 
-def _queued(body: Any) -> int | None:
+def _queued(body: object) -> int | None:
     """The queue depth of a 429 answer (contract.QueueFullAnswer), or None from a service that does not send it."""
     try:
         return QueueFullAnswer.from_wire(body).queued
@@ -299,14 +300,14 @@ def _queued(body: Any) -> int | None:
         return None
 
 
-def _cancelled(data: Any) -> list[str]:
+def _cancelled(data: object) -> list[str]:
     ids = data.get("cancelled") if isinstance(data, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise WireError("cancelled: expected a list of job ids")
     return ids
 
 
-def _records(data: Any) -> list[JobRecord]:
+def _records(data: object) -> list[JobRecord]:
     jobs = data.get("jobs") if isinstance(data, dict) else None
     if not isinstance(jobs, list):
         raise WireError("jobs: expected a list of job records")
