@@ -157,8 +157,10 @@ def _settings(entries: dict[str, _Entry], problems: Problems, where: str) -> Git
     labels = _labels(entries.get("labels"), problems)
     if problems.items:
         return None
+    key_path = strings["private_key_path"]
+    assert key_path is not None, "a missing or unreadable private_key_path is a problem above"
     return GitHubSettings(
-        private_key_path=Path(strings["private_key_path"]),
+        private_key_path=Path(key_path),
         app_id=numbers["app_id"],
         client_id=strings["client_id"],
         installation_id=numbers["installation_id"],
@@ -174,6 +176,7 @@ def _text(entry: _Entry | None, problems: Problems) -> str | None:
         return None
     value = entry.text
     if value is None:
+        assert entry.node is not None, "only an entry from the file can lack text; the environment's are text"
         entry.problem(problems, f"expected a string (in quotes if it looks like a number), not {kind(entry.node)}")
     elif not value or len(value) > MAX_STRING or "\0" in value:
         entry.problem(problems, f"expected a non-empty string of at most {MAX_STRING} characters without NUL, "
@@ -201,8 +204,9 @@ def _labels(entry: _Entry | None, problems: Problems) -> tuple[str, ...]:
         return DEFAULT_LABELS
     node = entry.node
     items = [string(item) for item in node.value] if isinstance(node, yaml.SequenceNode) else []
-    if not items or len(items) > MAX_LABELS or not all(item and len(item) <= 100 for item in items):
+    labels = tuple(item for item in items if item and len(item) <= 100)
+    if not items or len(items) > MAX_LABELS or len(labels) != len(items):
         entry.problem(problems, f"expected a non-empty list of at most {MAX_LABELS} label names, "
                                 f"not {kind(node) if node is not None else 'nothing'}")
         return DEFAULT_LABELS
-    return tuple(items)
+    return labels

@@ -208,20 +208,22 @@ def _pull_request_fields(pr: dict[str, Any]) -> dict[str, Any]:
             "head": side("head"), "base": side("base")}
 
 
-def service_verdict(reported: Any, repository: str, rules: RepoRules,
+def service_verdict(reported: object, repository: str, rules: RepoRules,
                     client: Callable[[], GitHubClient]) -> Verdict:
     """The guard's verdict on what a fleet runner's hook sent, for the job it reported in `repository`.
     Fails closed: anything unreadable, or GitHub not answering, refuses the job."""
     try:
         if not isinstance(reported, dict):
             raise GuardError("the runner's hook could not read the job's event")
-        texts = [reported.get(key) for key in ("event_name", "repository", "workflow_ref")]
-        if not all(isinstance(text, str) and len(text) <= 1024 for text in texts):
+        texts = [text for key in ("event_name", "repository", "workflow_ref")
+                 if isinstance(text := reported.get(key), str) and len(text) <= 1024]
+        if len(texts) != 3:
             raise GuardError("the runner's hook sent no event name, repository or workflow ref")
-        if texts[1].lower() != repository.lower():
-            raise GuardError(f"the event is for {texts[1][:200]!r}, not the reported job's {repository}")
+        event_name, event_repository, workflow_ref = texts
+        if event_repository.lower() != repository.lower():
+            raise GuardError(f"the event is for {event_repository[:200]!r}, not the reported job's {repository}")
         pr = reported.get("pull_request")
-        job = _context(texts[0], texts[1], texts[2], {"pull_request": pr} if pr is not None else {})
+        job = _context(event_name, event_repository, workflow_ref, {"pull_request": pr} if pr is not None else {})
         return evaluate(job, rules, client)
     except GitHubError as exc:
         return Verdict(False, (f"the guard could not check this job ({exc}), so it refuses it.",))

@@ -20,15 +20,15 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, overload
 
 from runner import jsonbody
 from runner.github import jobs, signature
 from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
 from runner.github.deliveries import DeliveryLog
-from runner.github.jobs import JobHooks
+from runner.github.jobs import CompletedJob, JobHooks, QueuedJob
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,20 @@ class Answer:
     close: bool = False  # the body was not read, so the connection cannot be reused
 
 
+class Headers(Protocol):
+    """A request's headers as the receiver reads them: the server's case-insensitive HTTPMessage
+    (whose get() gives the first of repeated headers), or a plain dict."""
+
+    @overload
+    def get(self, name: str, /) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str, /) -> str: ...
+
+
+_Job = TypeVar("_Job", QueuedJob, CompletedJob)
+
+
 class WebhookReceiver:
     """Turns one HTTP request into an `Answer`, calling the job hooks for deliveries that matter."""
 
@@ -79,18 +93,18 @@ class WebhookReceiver:
         with self._counts_lock:
             return dict(self._counts)
 
-    def _count(self, headers: Mapping[str, str], answer: Answer) -> Answer:
+    def _count(self, headers: Headers, answer: Answer) -> Answer:
         event = headers.get("X-GitHub-Event", "")
         key = (event if event in COUNTED_EVENTS else "other", answer.result)
         with self._counts_lock:
             self._counts[key] = self._counts.get(key, 0) + 1
         return answer
 
-    def deliver(self, headers: Mapping[str, str], body: bytes) -> Answer:
+    def deliver(self, headers: Headers, body: bytes) -> Answer:
         """A whole body whose head passed `check_form`: check its signature, then act on it."""
         return self._count(headers, self._deliver(headers, body))
 
-    def _deliver(self, headers: Mapping[str, str], body: bytes) -> Answer:
+    def _deliver(self, headers: Headers, body: bytes) -> Answer:
         if not signature.verify(self.config.secret, body, headers.get("X-Hub-Signature-256")):
             return Answer(403, "X-Hub-Signature-256 is wrong: check the webhook secret shared with GitHub",
                           BAD_SIGNATURE)
@@ -115,12 +129,12 @@ class WebhookReceiver:
             log.exception("processing webhook delivery %s failed", guid)
             return Answer(500, f"processing delivery {guid} failed; see the service log", FAILED)
 
-    def check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
+    def check_form(self, method: str, path: str, headers: Headers) -> Answer | None:
         """The checks a head alone allows, made before the body is read: None when it may be sent."""
         answer = self._check_form(method, path, headers)
         return None if answer is None else self._count(headers, answer)
 
-    def _check_form(self, method: str, path: str, headers: Mapping[str, str]) -> Answer | None:
+    def _check_form(self, method: str, path: str, headers: Headers) -> Answer | None:
         if path.split("?", 1)[0] != WEBHOOK_PATH:
             return Answer(404, f"no such endpoint: webhooks go to {WEBHOOK_PATH}", REFUSED, close=True)
         if method != "POST":
@@ -158,7 +172,8 @@ class WebhookReceiver:
             return Answer(200, f"ignored: workflow_job {action}", IGNORED)
         return Answer(200, f"ignored: unknown workflow_job action {str(action)[:50]!r}", IGNORED)
 
-    def _job_event(self, payload: dict[str, Any], action: str, parse, hook, done: str) -> Answer:
+    def _job_event(self, payload: dict[str, Any], action: str, parse: Callable[[Mapping[str, Any]], _Job | None],
+                   hook: Callable[[_Job], None], done: str) -> Answer:
         """Parse a workflow_job payload and hand it to `hook` when the job runs on our labels."""
         job = parse(payload)
         if job is None:
