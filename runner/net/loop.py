@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
-Callback = Callable[[socket.socket], None]
+Callback = Callable[[socket.socket], object]  # what it returns is ignored
 MAX_WAIT = 1.0  # the selector's longest sleep: how soon a close() is noticed without a wake-up
 
 
@@ -41,7 +41,7 @@ class NetLoop:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._pending: list[Callable[[], None]] = []
+        self._pending: list[Callable[[], object]] = []
         self._periodic: list[_Every] = []
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mvc-net")
         self._stopping = False
@@ -84,11 +84,13 @@ class NetLoop:
         self._thread.join()
         self._workers.shutdown(wait=True)
         for key in list(self._selector.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)  # add_reader and the wake-up pair register sockets only
+            sock.close()
         self._selector.close()
         self._wake_w.close()
 
-    def _call(self, fn: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[[], object]) -> None:
         if threading.current_thread() is self._thread:
             fn()
             return

@@ -19,7 +19,8 @@ import re
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from runner import jsonbody
@@ -39,6 +40,7 @@ from runner.service.service import InvalidJob, JobNotFound, JobService, JobState
 from runner.service.spec import SpecError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
@@ -97,7 +99,7 @@ def status_of(exc: JobError) -> int:
 
 
 class Handler(ServedRequest):
-    server: Any
+    server: UnixApiServer | TcpApiServer
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -111,7 +113,8 @@ class Handler(ServedRequest):
         except BadRequestBody as exc:
             raise BodyFramingError(str(exc)) from None
 
-    def _json_body(self) -> Any:
+    def _json_body(self) -> object:
+        """The body as JSON, still unchecked: the service's parsers check its shape."""
         data = bytearray()
         for chunk in self._body():
             data += chunk
@@ -119,11 +122,11 @@ class Handler(ServedRequest):
                 self.close_connection = True
                 raise TooLarge(f"the request body is larger than {MAX_JSON_BODY} bytes")
         try:
-            return jsonbody.loads(data or b"null")
+            return jsonbody.loads(bytes(data) or b"null")
         except jsonbody.JsonBodyError as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from exc
 
-    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+    def _send_json(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
         self.respond(status, json.dumps(obj).encode() + b"\n", {"Content-Type": "application/json", **(headers or {})})
 
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
@@ -144,7 +147,7 @@ class Handler(ServedRequest):
             self._error(status_of(exc), message)
         except UnicodeError as exc:  # e.g. a lone surrogate that reached a field
             self.close_connection = True
-            self._error(400, f"bad request: text that is not valid Unicode ({exc.reason})")
+            self._error(400, f"bad request: text that is not valid Unicode ({getattr(exc, 'reason', exc)})")
         except (ConnectionError, TimeoutError):
             raise
         except Exception:
@@ -250,6 +253,7 @@ class Handler(ServedRequest):
     def _web(self, method: str, path: str, query: dict[str, list[str]]) -> None:
         if method not in ("GET", "HEAD"):
             raise MethodNotAllowed(f"{method} is not allowed on {path}: the page is read-only")
+        assert isinstance(self.server, TcpApiServer)  # _route sends only the TCP listener's requests here
         if path == "/metrics":
             return self.respond(200, self.server.metrics.exposition(), {"Content-Type": metrics.CONTENT_TYPE})
         token = query.get("token")
@@ -294,12 +298,13 @@ def is_web_path(path: str) -> bool:
     return path == "/metrics" or path == web.PREFIX or path.startswith(web.PREFIX + "/")
 
 
-def _wire(parse: Any, data: Any) -> Any:
-    """A request body in one of the contract's shapes, or a 400 naming the field."""
+def _wire(parse: Callable[[object], T], data: object) -> T:
+    """A request body in one of the contract's shapes (`parse` is its `from_wire`), or a 400 naming the field."""
     try:
         return parse(data)
     except WireError as exc:
-        raise BadRequest(f"the body is not a {parse.__self__.__name__}: {exc}") from exc
+        shape = parse.__qualname__.partition(".")[0]  # "JobStarted.from_wire" -> "JobStarted"
+        raise BadRequest(f"the body is not a {shape}: {exc}") from exc
 
 
 def job_route(path: str) -> tuple[str, str] | None:
@@ -323,7 +328,7 @@ def _error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode() + b"\n"
 
 
-def _token_gate(token: str):
+def _token_gate(token: str) -> Callable[[Head], Refusal | None]:
     """Checked on the head alone: a client without the token never sends its body or takes a worker."""
     expected = token.encode()
 
@@ -427,7 +432,8 @@ class ApiServers:
     def tcp_address(self) -> tuple[str, int] | None:
         for server in self.servers:
             if isinstance(server, TcpApiServer):
-                return server.address[:2]
+                host, port = server.address[:2]  # a TCP socket's name: (host, port[, flowinfo, scope_id])
+                return str(host), int(port)
         return None
 
     def start(self) -> None:

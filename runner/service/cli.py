@@ -19,7 +19,7 @@ from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser("serve", help="run the job service (API on a Unix socket)")
     serve.add_argument("--config", required=True, type=Path, help="the service's YAML config")
     serve.add_argument("--log-format", choices=FORMATS, help="text, or json: one object per line, job events with "
@@ -65,8 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with ServiceHost(config, origin=str(args.config)) as host:
             assert host.api is not None
+            tcp = host.api.tcp_address  # there when config.listen is set (the API binds both or neither)
             print(f"microvm-check: serving jobs on {config.socket}"
-                  + (f" and {config.listen[0]}:{host.api.tcp_address[1]}" if config.listen else ""), file=sys.stderr)
+                  + (f" and {config.listen[0]}:{tcp[1]}" if config.listen and tcp else ""), file=sys.stderr)
             stop.wait()
             print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
     except OSError as exc:  # a file, a port, a socket the host cannot use: the OS's message names it

@@ -44,7 +44,7 @@ from policy.yamldoc import (
     sort_problems,
     string,
 )
-from runner.errors import ConfigError  # the config area's base: every config problem, file:line each
+from runner.errors import ConfigError as ConfigError  # re-exported: the config area's base, every problem file:line
 from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY
 from runner.jobapi.contract import DEFAULT_SOCKET  # the job API's contract: one default for service and clients

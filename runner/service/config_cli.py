@@ -13,7 +13,7 @@ from pathlib import Path
 from runner.service.config import ConfigError, load_config, schema_text
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     config = subparsers.add_parser("config", help="check service configs, print their JSON Schema")
     commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     check = commands.add_parser("check", help="check service config files: 'ok FILE' or every problem")

@@ -8,6 +8,7 @@ gain in one process.
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import threading
@@ -45,8 +46,11 @@ _COLUMNS = (
 _NAMES = tuple(c.split()[0] for c in _COLUMNS)
 _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
+# What a column holds, as sqlite3 hands it over and takes it back.
+SqlValue = str | int | float | None
 
-def _to_row(rec: JobRecord) -> tuple[Any, ...]:
+
+def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
     values = asdict(rec)
     values.update(values.pop("timings"))
     values["state"] = rec.state.value
@@ -56,8 +60,9 @@ def _to_row(rec: JobRecord) -> tuple[Any, ...]:
     return tuple(values[name] for name in _NAMES)
 
 
-def _from_row(row: sqlite3.Row) -> JobRecord:
-    values = dict(zip(_NAMES, row))
+def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
+    # Any: the columns are the record's own fields as _to_row wrote them, so each goes back to its field.
+    values: dict[str, Any] = dict(zip(_NAMES, row, strict=True))
     timings = Timings(**{name: values.pop(name) for name in _TIMING_NAMES})
     values["warm"] = bool(values["warm"])
     values["blocked_egress"] = json.loads(values["blocked_egress"])
@@ -103,7 +108,7 @@ class RecordStore:
             rows = self._db.execute(f"SELECT {', '.join(_NAMES)} FROM jobs WHERE state IN ({marks})", states).fetchall()
         return iter([_from_row(r) for r in rows])
 
-    def fail_unfinished(self, error: str, now: float | None = None) -> list[str]:
+    def fail_unfinished(self, error: str, now: float | None = None) -> builtins.list[str]:
         """Mark every non-final job failed: called at start, when no job of ours can still be alive."""
         now = time.time() if now is None else now
         failed = []
@@ -115,7 +120,7 @@ class RecordStore:
             failed.append(rec.id)
         return failed
 
-    def prune(self, older_than: float, keep: int) -> list[str]:
+    def prune(self, older_than: float, keep: int) -> builtins.list[str]:
         """Delete final records created before `older_than`, and any beyond the newest `keep`; returns their ids."""
         final = ", ".join("?" for _ in FINAL_STATES)
         with self._lock:
@@ -132,7 +137,7 @@ class RecordStore:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT id FROM jobs")}
 
-    def of_repository(self, repository: str, since: float) -> list[JobRecord]:
+    def of_repository(self, repository: str, since: float) -> builtins.list[JobRecord]:
         """`repository`'s jobs created at or after `since`, oldest first: the runs `policy suggest` merges."""
         with self._lock:
             rows = self._db.execute(

@@ -10,16 +10,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.service.config import ConfigError, WebhookSettings, webhook_from_mapping
+
+if TYPE_CHECKING:  # for annotations only: the endpoint's modules load when it is configured
+    from runner.github.deliveries import RedeliverySweep
+    from runner.github.jobs import CompletedJob, JobHooks, Push, QueuedJob
+    from runner.github.webhooks import WebhookServer
 
 
 @dataclass
 class Webhook:
     """The running endpoint and, when configured, its redelivery sweep: closed together."""
 
-    server: Any
+    server: WebhookServer
     sweep_stop: threading.Event | None = None
     sweep: threading.Thread | None = None
 
@@ -34,7 +39,7 @@ class Webhook:
         self.server.close()
 
 
-def _sweep(settings: WebhookSettings, where: str) -> Any:
+def _sweep(settings: WebhookSettings, where: str) -> RedeliverySweep | None:
     """GitHub drops webhooks under load: a sweep that asks it to redeliver failed ones, or None when not
     configured. Only built here (the App settings are read now); its thread starts with the endpoint."""
     if settings.redeliver_every is None:
@@ -50,7 +55,7 @@ def _sweep(settings: WebhookSettings, where: str) -> Any:
         raise ConfigError(f"{where}.redeliver_every: needs the GitHub App settings: {exc}") from exc
 
 
-def _start_sweep(sweep: Any, interval: float) -> tuple[threading.Event, threading.Thread]:
+def _start_sweep(sweep: RedeliverySweep, interval: float) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
     thread = threading.Thread(target=sweep.run, args=(stop, interval), name="redelivery-sweep", daemon=True)
     thread.start()
@@ -70,30 +75,38 @@ def _secret(settings: WebhookSettings, where: str) -> bytes:
     return secret
 
 
+class JobListener(Protocol):
+    """What every listener hears; `default_branch_pushed` is optional (see `JobHookListeners`)."""
+
+    def prewarm(self, job: QueuedJob) -> None: ...
+
+    def job_completed(self, job: CompletedJob) -> None: ...
+
+
 @dataclass(frozen=True)
 class JobHookListeners:
     """Several `JobHooks` hearing the same deliveries (the job service, which pre-warms VMs, and the
     runner fleet, which starts runners), called in order; the first failure fails the delivery, so
     GitHub's redelivery brings it to every listener again (each takes a repeat as a no-op)."""
 
-    listeners: tuple[Any, ...]
+    listeners: tuple[JobListener, ...]
 
-    def prewarm(self, job: Any) -> None:
+    def prewarm(self, job: QueuedJob) -> None:
         for listener in self.listeners:
             listener.prewarm(job)
 
-    def job_completed(self, job: Any) -> None:
+    def job_completed(self, job: CompletedJob) -> None:
         for listener in self.listeners:
             listener.job_completed(job)
 
-    def default_branch_pushed(self, push: Any) -> None:
+    def default_branch_pushed(self, push: Push) -> None:
         """Only the job service keeps warm bases; a listener without bases (the fleet) has nothing to do."""
         for listener in self.listeners:
             if hasattr(listener, "default_branch_pushed"):
                 listener.default_branch_pushed(push)
 
 
-def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: Any, where: str = "webhook") -> Webhook | None:
+def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: JobHooks, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings` (a loaded section, or a mapping that is
     checked like one); None when it is not configured."""
     if not isinstance(settings, WebhookSettings):
