@@ -327,7 +327,8 @@ class SlotResolver:
             return _OPEN
         networks = self.allowances
         if not internal.always_denied:
-            networks = (*(rule for rule in self.policy.network_rules if opted_in(rule.network)), *networks)
+            networks = (*(rule for rule in self.policy.network_rules
+                          if rule.network is not None and opted_in(rule.network)), *networks)
         covered = any(network.allows(port, rule.protocol, address=parsed)
                       for rule in rules for port in rule.ports for network in networks)
         return _COVERED if covered else _REFUSED
@@ -523,7 +524,7 @@ class DnsService:
         if qtype == "AAAA":
             return _error(query, RCODE.NXDOMAIN)  # guests have no IPv6 address: never hand one out
         if qtype != "A":
-            return query.reply().pack()
+            return _pack(query.reply())
         return self._resolve(resolver, query, name, rules, generation)
 
     def _resolve(
@@ -551,13 +552,19 @@ class DnsService:
         answer = query.reply()
         for address, ttl in records:
             answer.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(address), ttl=min(ttl, MAX_TTL)))
-        return answer.pack()
+        return _pack(answer)
 
 
 def _error(query: DNSRecord, rcode: int) -> bytes:
     answer = query.reply()
     answer.header.rcode = rcode
-    return answer.pack()
+    return _pack(answer)
+
+
+def _pack(record: DNSRecord) -> bytes:
+    """The record's wire form: dnslib publishes no types, so its pack() would be Any to mypy."""
+    packed: bytes = record.pack()
+    return packed
 
 
 def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:

@@ -150,7 +150,7 @@ def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:
     """The operator's allowances pass the guard (to the policy, which admits them first): the
     operator's config is the one place that may open what the guard otherwise closes (networks only,
     which `OperatorAllowances` checks)."""
-    return [line for rule in allowances.rules if rule.network.version == version
+    return [line for rule in allowances.rules if rule.in_family(version)
             for line in rule_lines("MVC-GUARD", rule, "RETURN")]
 
 

@@ -20,10 +20,10 @@ from pyroute2 import IPRoute, NFCTSocket
 
 from policy.model import DENY_ALL, Policy
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
-from policy.suggest import refused_name_record
+from policy.suggest import AuditRecord, refused_name_record
 from runner.errors import NetworkError
 from runner.net import addresses, firewall, netns
-from runner.net.audit import AuditRecord, SlotAudit, refused_answer_record
+from runner.net.audit import SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
 from runner.net.firewall import Firewall
 from runner.net.loop import NetLoop

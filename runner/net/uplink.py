@@ -15,7 +15,9 @@ import logging
 import socket
 import subprocess
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -25,6 +27,8 @@ from runner.errors import NetworkError
 from runner.net import addresses, netns
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class UplinkError(NetworkError):
@@ -48,7 +52,7 @@ class Uplink(ABC):
     def close(self, prefix: str) -> None:
         """Undo `prepare`."""
 
-    def run(self, fn):  # type: ignore[no-untyped-def]
+    def run(self, fn: Callable[[], T]) -> T:
         """Call `fn` inside the uplink's namespace."""
         return fn() if self.netns is None else netns.run_in(self.netns, fn)
 
@@ -150,7 +154,7 @@ class HostUplink(Uplink):
             self._ipt("-t", table, "-I", hook, "-j", chain)
         (_, _, into_host), (_, _, through), (_, _, nat) = _hooks(prefix)
         for rule in allowances.rules:  # e.g. a caching proxy the operator runs on the host
-            if rule.network.version == 4:  # OperatorAllowances holds networks only
+            if rule.in_family(4):  # OperatorAllowances holds networks only
                 for line in rule_lines(into_host, rule, "ACCEPT", match=f"-i {slots} "):
                     self._ipt(*line.split())
         self._ipt("-A", into_host, "-i", slots, "-j", "DROP")
