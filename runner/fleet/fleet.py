@@ -45,6 +45,7 @@ from runner.fleet.install import current
 from runner.fleet.report import ReportedJob
 from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
 from runner.github.errors import GitHubError, NotFound, ValidationFailed
+from runner.github.jobs import CompletedJob, QueuedJob
 from runner.github.runners import JitConfig, RunnerAdmin
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class FleetRunner:
     name: str
     dir: RunnerDir
     github_id: int
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     cgroup: RunnerCgroup
     since: float
     token: str = field(repr=False)
@@ -200,7 +201,7 @@ class RunnerFleet:
 
     # -- JobHooks (runner.github.jobs): called on the webhook's thread, so they only take note -----
 
-    def prewarm(self, job: Any) -> None:
+    def prewarm(self, job: QueuedJob) -> None:
         """A job for our labels is queued: have an idle runner for it (up to max_runners)."""
         if self.stopping:
             return
@@ -208,7 +209,7 @@ class RunnerFleet:
             self._pending.setdefault(int(job.job_id), time.time())
         self._wake.set()
 
-    def job_completed(self, job: Any) -> None:
+    def job_completed(self, job: CompletedJob) -> None:
         """The job ended, on whichever host took it: it no longer needs a runner here."""
         with self._lock:
             self._pending.pop(int(job.job_id), None)
@@ -376,7 +377,7 @@ class RunnerFleet:
         return True
 
     def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
-                user: RunnerIdentity) -> subprocess.Popen:
+                user: RunnerIdentity) -> subprocess.Popen[bytes]:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
         arguments, here kept out of `ps`), as the runner's own uid, in a session and a cgroup of its own.
 

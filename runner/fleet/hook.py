@@ -19,7 +19,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from runner.github.errors import GitHubError
 
@@ -94,12 +94,12 @@ def job_started(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
     from runner.fleet import report
     from runner.github import guard
     from runner.jobapi.client import JobAPIError, JobClient
-    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, JobStarted, WireError
+    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, JobStarted, Verdict, WireError
 
     try:
         job = report.from_environment(environ)
         try:
-            context: dict | None = guard.reported_context(environ)
+            context: dict[str, Any] | None = guard.reported_context(environ)
         except GitHubError as exc:  # the service's guard refuses a job it cannot see; the reason goes with it
             out.write(f"microvm-check: the job's event could not be read: {exc}\n")
             context = None
@@ -108,8 +108,8 @@ def job_started(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
         with JobClient(socket=socket, runner_token=_runner_token(environ, RUNNER_TOKEN_VARIABLE)) as client:
             verdict = client.job_started(started)
     except (ValueError, JobAPIError, WireError) as exc:
-        verdict = guard.Verdict(False, (f"the job could not be reported to the microvm-check service ({exc}), "
-                                        "so it is refused.",))
+        verdict = Verdict(False, (f"the job could not be reported to the microvm-check service ({exc}), "
+                                  "so it is refused.",))
     for line in guard.error_lines(guard.Verdict(verdict.allowed, verdict.reasons)):
         out.write(line + "\n")
     if verdict.allowed:

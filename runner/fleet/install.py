@@ -18,6 +18,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO, cast
 
 from runner.errors import ConfigError
 from runner.tarsafe import Limits, UnsafeTar, extract
@@ -121,7 +122,8 @@ def _unpack(tarball: Path, dest: Path) -> None:
     symbolic links (Node's `npm` and `npx`), each only if it stays inside the release."""
     try:
         with gzip.open(tarball, "rb") as stream:
-            result = extract(stream, dest, RELEASE_LIMITS)
+            # a GzipFile reads like any binary file but is not nominally a BinaryIO; extract only reads it
+            result = extract(cast(BinaryIO, stream), dest, RELEASE_LIMITS)
     except (UnsafeTar, OSError, EOFError) as exc:
         raise InstallError(f"{tarball}: {exc}") from exc
     with tarfile.open(tarball, "r:gz") as archive:
