@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeGuard, TypeVar
 
+from policy.model import Policy
 from runner import tarsafe
+from runner.net import Slot
 from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient, GuestOpError
 from runner.vm.engine import Engine
@@ -29,6 +31,8 @@ from runner.vm.errors import AgentError, SandboxError
 from runner.vm.vm import VM
 
 if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
     from runner.net import AuditRecord
 
 __all__ = ["ExecResult", "Sandbox", "SandboxError"]
@@ -36,6 +40,8 @@ __all__ = ["ExecResult", "Sandbox", "SandboxError"]
 CAPTURE_LIMIT = 16 * 1024 * 1024  # per stream kept in ExecResult; on_output still sees everything
 FILE_TIMEOUT_S = 600.0
 STREAM_CHUNK = 1024 * 1024
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class Sandbox:
         vcpus: int | None = None,
         memory_mib: int | None = None,
         network: bool | None = None,
-        policy=None,
+        policy: Policy | None = None,
         job_id: str | None = None,
         *,
         engine: Engine,
@@ -142,7 +148,7 @@ class Sandbox:
         return not self._vm.destroyed
 
     # ---- running -----------------------------------------------------------------------------
-    def _call(self, fn):
+    def _call(self, fn: Callable[[AgentClient], T]) -> T:
         """Run an agent operation; a broken channel or dead VM becomes a SandboxError after cleanup."""
         vm = self._vm
         if vm.destroyed or vm.agent is None:
@@ -174,7 +180,7 @@ class Sandbox:
         ends the call with that exception and destroys the sandbox: the command would otherwise
         run on with nobody reading its output.
         """
-        message: dict = {"cwd": cwd, "env": dict(env or {}), "user": user}
+        message: dict[str, object] = {"cwd": cwd, "env": dict(env or {}), "user": user}
         if isinstance(command, str):
             message["shell"] = command
         else:
@@ -210,22 +216,22 @@ class Sandbox:
         agent itself, at a fraction of the speed."""
         vm = self._vm
         if vm.checkout_drive_used or not checkoutdisk.mountable(dest):
-            chunks = _chunks(stream) if hasattr(stream, "read") else stream
+            chunks = _chunks(stream) if _is_file(stream) else stream
             self._call(lambda a: a.put_tar(dest, chunks, FILE_TIMEOUT_S))
             return
-        reader = stream if hasattr(stream, "read") else io.BufferedReader(_IterReader(stream), STREAM_CHUNK)
+        reader = stream if _is_file(stream) else io.BufferedReader(_IterReader(stream), STREAM_CHUNK)
         self._call(lambda a: checkoutdisk.put_checkout(vm, reader, dest))
 
     def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int:
         """Write a tar stream of guest paths (globs, relative to cwd) to `out`; bytes written."""
         return self._call(lambda a: a.get_tar(paths, cwd, out, max_bytes, FILE_TIMEOUT_S))
 
-    def copy_in(self, local_dir: str | os.PathLike, dest: str) -> None:
+    def copy_in(self, local_dir: str | os.PathLike[str], dest: str) -> None:
         """Copy a host directory's contents into `dest` in the guest, byte-exact."""
         self.put_tar(_tar_directory(Path(local_dir)), dest)
 
     def copy_out(
-        self, guest_path: str, local_dir: str | os.PathLike, max_bytes: int = 1024**3
+        self, guest_path: str, local_dir: str | os.PathLike[str], max_bytes: int = 1024**3
     ) -> tarsafe.Extracted:
         """Copy a guest file or directory into `local_dir`, checking every name on the host.
 
@@ -234,16 +240,16 @@ class Sandbox:
         """
         parent, name = os.path.split(guest_path.rstrip("/"))
         read_fd, write_fd = os.pipe()
-        result: dict = {}
+        result = _Unpacked()
 
         def unpack() -> None:
             with os.fdopen(read_fd, "rb") as reader:
                 try:
-                    result["ok"] = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_total_bytes=max_bytes))
+                    result.extracted = tarsafe.extract(reader, Path(local_dir), tarsafe.Limits(max_total_bytes=max_bytes))
                 except tarsafe.UnsafeTar as exc:
-                    result["error"] = f"refused the guest's files from {guest_path}: {exc}"
+                    result.error = f"refused the guest's files from {guest_path}: {exc}"
                 except Exception as exc:
-                    result["error"] = f"could not copy {guest_path} into {local_dir}: {exc}"
+                    result.error = f"could not copy {guest_path} into {local_dir}: {exc}"
                 finally:
                     # Drain in bounded chunks so the writer never blocks on a reader that gave up,
                     # without holding the rest of a guest-sized stream in memory.
@@ -257,17 +263,21 @@ class Sandbox:
                 self.get_tar([name], writer, max_bytes=max_bytes * 2 + 1024**2, cwd=parent or "/")
         finally:
             worker.join()
-        if "error" in result:
-            raise SandboxError(result["error"])
-        return result["ok"]
+        if result.error is not None:
+            raise SandboxError(result.error)
+        assert result.extracted is not None, "unpack() sets one of the two unless it died of a BaseException"
+        return result.extracted
 
     def blocked_egress(self) -> list[AuditRecord]:
         """What the guest tried that its policy does not allow (in audit mode: would not allow)."""
         slot = self._vm.slot
-        return slot.audit_records() if slot is not None else []
+        if slot is None:
+            return []
+        assert isinstance(slot, Slot), "the engine gives a VM a slot from its SlotPool or none"
+        return slot.audit_records()
 
     # ---- templates ---------------------------------------------------------------------------
-    def snapshot(self, name: str, *, digest: str | None = None, extra: dict | None = None) -> str:
+    def snapshot(self, name: str, *, digest: str | None = None, extra: dict[str, object] | None = None) -> str:
         """Make template `name` from this sandbox as it is now, for `Sandbox.create(template=name)`.
 
         Safe on a VM that is busy writing: the guest's disks are synced and its page cache dropped
@@ -293,8 +303,21 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+@dataclass
+class _Unpacked:
+    """What copy_out's unpacking thread ends with: the files it wrote, or why it stopped."""
+
+    extracted: tarsafe.Extracted | None = None
+    error: str | None = None
+
+
+def _is_file(stream: BinaryIO | Iterable[bytes]) -> TypeGuard[BinaryIO]:
+    """put_tar takes a readable file or an iterable of chunks; a file is whatever has `read`."""
+    return hasattr(stream, "read")
 
 
 def _now_ms() -> float:
@@ -316,13 +339,14 @@ class _IterReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer)  # RawIOBase.read hands a bytearray or a memoryview of bytes
         while not self._pending:
             self._pending = next(self._chunks, b"")
             if not self._pending:
                 return 0
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
+        n = min(len(view), len(self._pending))
+        view[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         return n
 

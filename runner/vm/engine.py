@@ -20,7 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-from policy.model import DENY_ALL
+from policy.model import DENY_ALL, Policy
+from runner.net.slots import Slot, SlotPool
 from runner.vm import checkoutdisk, jail
 from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient
 from runner.vm.errors import SandboxError, VMError
@@ -61,7 +62,7 @@ class Engine:
         templates: TemplateStore | None = None,
         hypervisor: Hypervisor | None = None,
         pool_size: int = 2,
-        net=None,
+        net: SlotPool | None = None,
     ) -> None:
         self.state = state.ensure()
         self.templates = templates or TemplateStore(state.templates)
@@ -108,7 +109,7 @@ class Engine:
         template: str,
         *,
         network: bool,
-        policy=None,
+        policy: Policy | None = None,
         ttl_seconds: float = 600.0,
         vcpus: int | None = None,
         memory_mib: int | None = None,
@@ -146,7 +147,7 @@ class Engine:
         return vm
 
     # ---- snapshotting ------------------------------------------------------------------------
-    def snapshot(self, vm: VM, name: str, digest: str | None = None, extra: dict | None = None,
+    def snapshot(self, vm: VM, name: str, digest: str | None = None, extra: dict[str, object] | None = None,
                  quiet_s: float = QUIESCE_S) -> Template:
         """Make template `name` out of a running VM (RAM and disk as they are now) and return it.
 
@@ -201,6 +202,7 @@ class Engine:
                         manifest=json.loads((digest_dir / "manifest.json").read_text()))
 
     def _quiesce(self, vm: VM, quiet_s: float) -> None:
+        assert vm.agent is not None, "snapshot() refuses a VM without an agent channel"
         outcome = vm.agent.exec({"shell": QUIESCE_SCRIPT, "cwd": "/"}, lambda stream, data: None,
                                 timeout=QUIESCE_TIMEOUT_S)
         if outcome.exit_code != 0 or outcome.timed_out:
@@ -221,9 +223,11 @@ class Engine:
             while (vm := self.pool.take(template.snapshot(variant == "net"))) is not None:
                 vm.destroy()
 
-    def _claim(self, vm: VM, policy, hostname: str) -> None:
+    def _claim(self, vm: VM, policy: Policy | None, hostname: str) -> None:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
+        assert vm.agent is not None, "_restore gives every VM its agent before a job can claim it"
         if vm.slot is not None:
+            assert isinstance(vm.slot, Slot), "_spawn takes slots only from self.net, a SlotPool"
             try:
                 vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
             except Exception as exc:  # the guest must not run on with an unknown ruleset
@@ -267,6 +271,7 @@ class Engine:
             _make_overlay(snapshot.disk, overlay)
             namespace = ""
             if snapshot.config.network:
+                assert self.net is not None, "create() refuses a networked template without self.net"
                 slot = self.net.acquire()
                 namespace = slot.netns  # where the host opens the VM's tap; QEMU itself runs in none
             launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns=namespace)
@@ -278,8 +283,10 @@ class Engine:
             raise
         return VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, release_slot=self._release_slot)
 
-    def _release_slot(self, slot) -> None:
+    def _release_slot(self, slot: object) -> None:
+        """VM.release_slot: the VM holds its slot as an object; it is the Slot _spawn took from self.net."""
         if self.net is not None:
+            assert isinstance(slot, Slot), slot
             self.net.release(slot)
 
     # ---- ending ------------------------------------------------------------------------------
@@ -407,7 +414,8 @@ def _copy_disk(vm: VM, out: Path) -> None:
             os.close(fd)
 
 
-def _write_manifest(path: Path, parent: Template, name: str, digest: str, variant: str, extra: dict) -> None:
+def _write_manifest(path: Path, parent: Template, name: str, digest: str, variant: str,
+                    extra: dict[str, object]) -> None:
     """The parent's manifest (machine, accelerator, hypervisor version) with this template's own
     name, digest, one variant and origin; the kernel and initrd are the parent's, linked."""
     for file in ("vmlinuz", "initrd.img"):

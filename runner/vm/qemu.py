@@ -16,18 +16,22 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from qemu.qmp import QMPClient, QMPError
 
 from runner.net import netns
 from runner.net.addresses import GUEST_MAC, TAP_NAME  # the same in every VM: each has its own namespace
+from runner.uidrange import UidLease
 from runner.vm import cgroup, jail
 from runner.vm.guestwire import PORT_NAME
 from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 QMP_TIMEOUT_S = 15.0
 CHECKOUT_DRIVE = "cd0"
@@ -196,10 +200,10 @@ class Monitor:
         self._lock = threading.Lock()
         self._run(self._client.connect(sock))
 
-    def _run(self, coroutine, timeout: float = QMP_TIMEOUT_S):
+    def _run(self, coroutine: Awaitable[T], timeout: float = QMP_TIMEOUT_S) -> T:
         return self._loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
 
-    def execute(self, command: str, arguments: dict) -> object:
+    def execute(self, command: str, arguments: dict[str, object]) -> object:
         with self._lock:
             return self._run(self._client.execute(command, arguments or None))
 
@@ -213,7 +217,10 @@ class Monitor:
         """Hand QEMU an open file (SCM_RIGHTS) as a new fd set; its number, for `/dev/fdset/N`."""
         with self._lock:
             self._client.send_fd_scm(fd)
-            return self._run(self._client.execute("add-fd", {}))["fdset-id"]
+            reply = self._run(self._client.execute("add-fd", {}))
+        # QEMU's schema: add-fd returns AddfdInfo, {"fdset-id": int, "fd": int}
+        assert isinstance(reply, dict) and isinstance(reply["fdset-id"], int), reply
+        return reply["fdset-id"]
 
     def close(self) -> None:
         with self._lock:
@@ -230,7 +237,7 @@ class QemuMachine(Machine):
     `max_file_bytes` if given (a restored VM)."""
 
     def __init__(self, argv: list[str], launch: Launch, backends: Backends, user: jail.VMUser | None = None,
-                 group: cgroup.VMCgroup | None = None, lease: jail.UidLease | None = None,
+                 group: cgroup.VMCgroup | None = None, lease: UidLease | None = None,
                  max_file_bytes: int | None = None) -> None:
         qmp_host, qmp_vm = socket.socketpair()
         agent_host, agent_vm = socket.socketpair()
@@ -290,7 +297,7 @@ class QemuMachine(Machine):
                     raise VMError(f"QEMU did not answer on QMP: {exc}{self._stderr_tail()}") from None
             return self._qmp
 
-    def qmp(self, command: str, **arguments):
+    def qmp(self, command: str, **arguments: object) -> object:
         try:
             return self._monitor().execute(command, arguments)
         except (TimeoutError, QMPError, OSError, EOFError) as exc:
@@ -332,7 +339,8 @@ class QemuMachine(Machine):
     def _wait_migration(self) -> None:
         deadline = time.monotonic() + MIGRATION_TIMEOUT_S
         while time.monotonic() < deadline:
-            status = self.qmp("query-migrate").get("status")
+            reply = self.qmp("query-migrate")
+            status = reply.get("status") if isinstance(reply, dict) else None  # MigrationInfo, a dict
             if status == "completed":
                 return
             if status in ("failed", "cancelled"):
