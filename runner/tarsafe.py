@@ -41,9 +41,12 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, TYPE_CHECKING, BinaryIO
 
 from runner.errors import ArchiveError
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 COPY_CHUNK = 256 * 1024
 BLOCK = 512
@@ -93,14 +96,14 @@ class Extracted:
 # ---- Python itself ----------------------------------------------------------------------------
 
 
-def python_problem(version: tuple[int, int, int] = tuple(sys.version_info[:3]), module=tarfile) -> str | None:
+def python_problem(version: tuple[int, int, int] = sys.version_info[:3], module: object = tarfile) -> str | None:
     """Why this Python's tarfile is known to be unsafe on hostile pax headers, or None.
 
     A release at or past the fix is fine, and so is an older version number whose tarfile carries
     the fix (distributions backport it: Debian's 3.11.2-6+deb12u3 and later).
     """
-    fixed = PATCHED_PYTHON.get(tuple(version[:2]))
-    if version[:2] < (3, 8) or (fixed is not None and tuple(version) < fixed):
+    fixed = PATCHED_PYTHON.get(version[:2])
+    if version[:2] < (3, 8) or (fixed is not None and version < fixed):
         if hasattr(module, "_header_length_prefix_re"):  # the upstream fix, backported
             return None
         want = " / ".join(".".join(map(str, v)) for v in PATCHED_PYTHON.values() if v[:2] >= (3, 11))
@@ -319,12 +322,13 @@ class HeaderScanner(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer)  # RawIOBase.read hands a bytearray or a memoryview of bytes
         while not self._out:
-            if not self._advance(len(buffer)):
+            if not self._advance(len(view)):
                 return 0
-        n = min(len(buffer), len(self._out))
-        buffer[:n] = self._out[:n]
+        n = min(len(view), len(self._out))
+        view[:n] = self._out[:n]
         self._out = self._out[n:]
         return n
 
@@ -576,12 +580,14 @@ def _shown(raw: str) -> str:
 
 # ---- extraction on the host -------------------------------------------------------------------
 
+Refuse = Callable[[str, tarfile.TarInfo], str | None]  # a caller's own reason to skip a member, or None
+
 
 def extract(
     stream: BinaryIO,
     dest: Path,
     limits: Limits = Limits(),
-    refuse: Callable[[str, tarfile.TarInfo], str | None] = lambda name, member: None,
+    refuse: Refuse = lambda name, member: None,
 ) -> Extracted:
     """Write the acceptable members of `stream` under the existing directory `dest`.
 
@@ -608,7 +614,15 @@ def extract(
     return result
 
 
-def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted, seen: set[str]) -> None:
+def _extract_member(
+    archive: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    dest_fd: int,
+    limits: Limits,
+    refuse: Refuse,
+    result: Extracted,
+    seen: set[str],
+) -> None:
     try:
         name = safe_name(member.name, limits)
     except UnsafeTar as exc:
@@ -636,7 +650,9 @@ def _extract_member(archive, member, dest_fd, limits, refuse, result: Extracted,
     result.total_bytes += member.size
 
 
-def _extract_problem(member, name, limits, refuse, result: Extracted, seen: set[str]) -> str | None:
+def _extract_problem(
+    member: tarfile.TarInfo, name: str, limits: Limits, refuse: Refuse, result: Extracted, seen: set[str]
+) -> str | None:
     why = skip_marker(member) or kind_error(member) or refused_name(name) or refuse(name, member)
     if why is not None or not member.isfile():
         return why
@@ -667,7 +683,7 @@ def open_dirs(dest_fd: int, parts: list[str]) -> int:
     return fd
 
 
-def copy_exact(source: BinaryIO, out: BinaryIO, size: int) -> None:
+def copy_exact(source: IO[bytes], out: BinaryIO, size: int) -> None:
     left = size
     while left:
         chunk = source.read(min(COPY_CHUNK, left))
@@ -677,7 +693,7 @@ def copy_exact(source: BinaryIO, out: BinaryIO, size: int) -> None:
         left -= len(chunk)
 
 
-def _write_file(dest_fd: int, name: str, source: BinaryIO, size: int, mode: int) -> None:
+def _write_file(dest_fd: int, name: str, source: IO[bytes], size: int, mode: int) -> None:
     """Write to a fresh temporary name, then link it in only where nothing exists yet."""
     *dirs, base = name.split("/")
     dir_fd = open_dirs(dest_fd, dirs)
