@@ -17,12 +17,13 @@ Public API (everything else is internal):
 """
 
 from policy.compose import intersect
-from policy.load import PolicyError, Problem, load_policy
+from policy.load import PolicyError, load_policy
 from policy.model import DENY_ALL, Policy, Rule
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules, dns_allow_rule, render
 from policy.store import PolicyStore
 from policy.suggest import AuditRecord, suggest_policy
 from policy.warm import RepositoryFile, WarmSpec, load_repository_file
+from policy.yamldoc import Problem
 
 __all__ = [
     "AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import reduce
 
-from policy.model import Network, Policy, Rule, host_matches
+from policy.model import Mode, Network, Policy, Rule, host_matches, network_within
 
 
 def intersect(first: Policy, *others: Policy) -> Policy:
@@ -38,7 +38,7 @@ def intersect(first: Policy, *others: Policy) -> Policy:
 def _intersect_two(a: Policy, b: Policy) -> Policy:
     rules = [rule for left in a.rules for right in b.rules
              if (rule := intersect_rules(left, right)) is not None]
-    mode = "audit" if a.mode == b.mode == "audit" else "block"
+    mode: Mode = "audit" if a.mode == b.mode == "audit" else "block"
     return Policy(version=a.version, mode=mode, rules=tuple(rules))
 
 
@@ -74,10 +74,8 @@ def _host_within(inner: str, outer: str) -> bool:
 
 
 def intersect_networks(a: Network, b: Network) -> Network | None:
-    if a.version != b.version:
-        return None
-    if a.subnet_of(b):
+    if network_within(a, b):  # false across IP families
         return a
-    if b.subnet_of(a):
+    if network_within(b, a):
         return b
     return None

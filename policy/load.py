@@ -17,13 +17,14 @@ from pathlib import Path
 
 import yaml
 
-from policy.model import MODES, PROTOCOLS, SUPPORTED_VERSION, Network, Policy, Rule
+from policy.model import SUPPORTED_VERSION, Mode, Network, Policy, Protocol, Rule, is_mode, is_protocol
 from policy.reserved import reserved_containing
 from policy.yamldoc import (
     STR_TAG,
     Limits,
     Problem,
     Problems,
+    all_or_none,
     compose,
     decimal_int,
     is_null,
@@ -86,8 +87,7 @@ def _parse_policy(text: str, problems: Problems, sections: dict[str, Section]) -
     if problems.items:
         return None
     if node is None or is_null(node):
-        problems.add(yaml.Mark("", 0, 0, 0, None, None),
-                     f"the policy is empty; write {EXAMPLE}")
+        problems.add_at(1, 1, f"the policy is empty; write {EXAMPLE}")
         return None
     return _policy(node, problems, sections)
 
@@ -98,17 +98,22 @@ def _policy(node: yaml.Node, problems: Problems, sections: dict[str, Section]) -
                           f"not {kind(node)}; write {EXAMPLE}")
         return None
     values, duplicates = mapping(node, TOP_KEYS + tuple(sections), "the policy", problems)
-    checks = {
+    checks: dict[str, Callable[[yaml.Node], object]] = {
         "version": lambda value: _version(value, node, problems),
         "mode": lambda value: _mode(value, problems),
         "allow": lambda value: _rules(value, problems),
     }
     for key, value in duplicates:
-        (checks[key] if key in checks else lambda v: sections[key](v, problems))(value)
+        if key in checks:
+            checks[key](value)
+        else:
+            sections[key](value, problems)
     for key, read in sections.items():
         if key in values:
             read(values[key], problems)
-    version, mode, rules = (checks[key](values.get(key)) for key in ("version", "mode", "allow"))
+    version = _version(values.get("version"), node, problems)
+    mode = _mode(values.get("mode"), problems)
+    rules = _rules(values.get("allow"), problems)
     if version is None or mode is None or rules is None:
         return None
     return Policy(version=version, mode=mode, rules=tuple(rules))
@@ -127,11 +132,12 @@ def _version(node: yaml.Node | None, top: yaml.Node, problems: Problems) -> int 
     return value
 
 
-def _mode(node: yaml.Node | None, problems: Problems) -> str | None:
+def _mode(node: yaml.Node | None, problems: Problems) -> Mode | None:
     if node is None:
         return "block"
-    if isinstance(node, yaml.ScalarNode) and node.tag == STR_TAG and node.value in MODES:
-        return node.value
+    value = string(node)
+    if is_mode(value):
+        return value
     problems.at(node, f"mode: {kind(node)} is not a mode; use block or audit")
     return None
 
@@ -146,8 +152,7 @@ def _rules(node: yaml.Node | None, problems: Problems) -> list[Rule] | None:
         problems.at(node, f"allow has {len(node.value)} entries; at most {MAX_RULES} are allowed: "
                           "use wildcards or wider networks")
         return None
-    rules = [_rule(item, problems) for item in node.value]
-    return None if any(rule is None for rule in rules) else rules
+    return all_or_none([_rule(item, problems) for item in node.value])
 
 
 def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
@@ -157,7 +162,7 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
         return None
     before = len(problems.items)
     values, duplicates = mapping(node, RULE_KEYS, "an allow entry", problems)
-    checks = {
+    checks: dict[str, Callable[[yaml.Node], object]] = {
         "host": lambda value: _host(value, problems),
         "cidr": lambda value: _cidr(value, problems),
         "ports": lambda value: _ports(value, node, problems),
@@ -165,26 +170,21 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
     }
     for key, value in duplicates:
         checks[key](value)
-    host = network = None
+    host: str | None = None
+    network: Network | None = None
     if "host" in values and "cidr" in values:
         problems.at(node, "an allow entry has both 'host' and 'cidr'; split it into two entries")
     elif "host" in values:
-        host = checks["host"](values["host"])
+        host = _host(values["host"], problems)
     elif "cidr" in values:
-        network = checks["cidr"](values["cidr"])
+        network = _cidr(values["cidr"], problems)
     else:
         problems.at(node, "an allow entry needs 'host' (a DNS name) or 'cidr' (a network)")
-    ports = checks["ports"](values.get("ports"))
-    protocol = checks["protocol"](values.get("protocol"))
+    ports = _ports(values.get("ports"), node, problems)
+    protocol = _protocol(values.get("protocol"), problems)
     if len(problems.items) != before or ports is None or (host is None and network is None):
         return None
     return Rule(ports=ports, protocol=protocol, host=host, network=network)
-
-
-
-
-
-
 
 
 def _host(node: yaml.Node, problems: Problems) -> str | None:
@@ -272,8 +272,8 @@ def _ports(node: yaml.Node | None, rule: yaml.Node, problems: Problems) -> froze
     if len(node.value) > MAX_PORTS_PER_RULE:
         problems.at(node, f"ports lists {len(node.value)} ports; at most {MAX_PORTS_PER_RULE} per entry")
         return None
-    ports = [_port(item, problems) for item in node.value]
-    return None if any(port is None for port in ports) else frozenset(ports)
+    ports = all_or_none([_port(item, problems) for item in node.value])
+    return None if ports is None else frozenset(ports)
 
 
 def _port(node: yaml.Node, problems: Problems) -> int | None:
@@ -295,11 +295,11 @@ def _port_hint(node: yaml.Node) -> str:
     return f"; write {node.value.lstrip('0') or '0'} without leading zeros"
 
 
-def _protocol(node: yaml.Node | None, problems: Problems) -> str:
+def _protocol(node: yaml.Node | None, problems: Problems) -> Protocol:
     if node is None:
         return "tcp"
     value = string(node)
-    if value not in PROTOCOLS:
+    if not is_protocol(value):
         problems.at(node, f"protocol: {kind(node)} is not supported; use tcp or udp")
         return "tcp"
     return value

@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
-from typing import Literal, Union
+from typing import Literal, TypeGuard, Union
 
 Network = Union[IPv4Network, IPv6Network]
 Address = Union[IPv4Address, IPv6Address]
@@ -20,6 +20,34 @@ Protocol = Literal["tcp", "udp"]
 MODES: tuple[str, ...] = ("block", "audit")
 PROTOCOLS: tuple[str, ...] = ("tcp", "udp")
 SUPPORTED_VERSION = 1
+# Rule.sort_key: host rules first, then networks by family, address and prefix, then protocol.
+SortKey = tuple[int, int, str, bytes, int, str]
+
+
+def is_mode(value: object) -> TypeGuard[Mode]:
+    """Whether `value` names a mode: what turns text read from a file into a `Mode`."""
+    return value in MODES
+
+
+def is_protocol(value: object) -> TypeGuard[Protocol]:
+    """Whether `value` names a protocol a rule can have: what turns text into a `Protocol`."""
+    return value in PROTOCOLS
+
+
+def as_protocol(value: object) -> Protocol:
+    """`value` as a `Protocol`, or ValueError: for callers that hand one over as text (a DNS opening)."""
+    if is_protocol(value):
+        return value
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {value!r}")
+
+
+def network_within(inner: Network, outer: Network) -> bool:
+    """Whether `inner` lies inside `outer`; never across IP families (where `subnet_of` raises)."""
+    if isinstance(inner, IPv4Network) and isinstance(outer, IPv4Network):
+        return inner.subnet_of(outer)
+    if isinstance(inner, IPv6Network) and isinstance(outer, IPv6Network):
+        return inner.subnet_of(outer)
+    return False
 
 
 def host_matches(pattern: str, name: str) -> bool:
@@ -49,8 +77,7 @@ class Rule:
             raise ValueError("a Rule needs exactly one of host or network")
         if not self.ports or not all(type(port) is int and 1 <= port <= 65535 for port in self.ports):
             raise ValueError(f"a Rule needs integer ports in 1..65535, got {sorted(self.ports, key=repr)}")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        as_protocol(self.protocol)  # the annotation does not stop an untyped caller
         object.__setattr__(self, "ports", frozenset(self.ports))
 
     @property
@@ -65,19 +92,28 @@ class Rule:
             return False
         if self.host is not None:
             return name is not None and host_matches(self.host, name)
-        if address is None:
+        network = self.network  # not None: a rule without a host has a network
+        if address is None or network is None:
             return False
         address = ip_address(address)
-        return address.version == self.network.version and address in self.network
+        return address.version == network.version and address in network
+
+    def matches_host(self, name: str) -> bool:
+        """Whether this is a host rule whose pattern admits `name`."""
+        return self.host is not None and host_matches(self.host, name)
+
+    def in_family(self, version: int) -> bool:
+        """Whether this is a network rule of IP version `version` (4 or 6); a host rule is in neither."""
+        return self.network is not None and self.network.version == version
 
     def canonical(self) -> dict[str, object]:
         kind = "host" if self.host is not None else "cidr"
         return {kind: self.destination, "ports": sorted(self.ports), "protocol": self.protocol}
 
-    def sort_key(self) -> tuple:
-        if self.host is not None:
-            return (0, 0, self.host, b"", 0, self.protocol)
+    def sort_key(self) -> SortKey:
         network = self.network
+        if network is None:
+            return (0, 0, self.destination, b"", 0, self.protocol)
         return (1, network.version, "", network.network_address.packed, network.prefixlen,
                 self.protocol)
 
@@ -85,7 +121,7 @@ class Rule:
 def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     """Merge rules for the same destination and protocol and sort them, so equal meaning gives
     equal objects and equal digests."""
-    merged: dict[tuple, Rule] = {}
+    merged: dict[SortKey, Rule] = {}
     for rule in rules:
         key = rule.sort_key()
         if key in merged:
@@ -119,7 +155,7 @@ class Policy:
     def rules_for_host(self, name: str) -> tuple[Rule, ...]:
         """The host rules a DNS answer for `name` falls under: what the resolver asks before it
         adds the answer's addresses to the VM's allow chain (see `policy.render.dns_allow_rule`)."""
-        return tuple(rule for rule in self.host_rules if host_matches(rule.host, name))
+        return tuple(rule for rule in self.rules if rule.matches_host(name))
 
     def allows(self, port: int, protocol: str, *, name: str | None = None,
                address: Address | str | None = None) -> bool:

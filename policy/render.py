@@ -42,7 +42,7 @@ from pathlib import Path
 
 import jinja2
 
-from policy.model import Address, Policy, Rule
+from policy.model import Address, Policy, Rule, as_protocol
 from policy.reserved import always_denied, internal_ranges, opted_in
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
@@ -136,7 +136,7 @@ def render(policy: Policy, context: RenderContext,
            allowances: OperatorAllowances = OperatorAllowances()) -> RenderedRules:
     """Both documents for one VM (see the module doc for the order and its reasons)."""
     ipv6_enabled = context.guest_ip6 is not None and any(
-        rule.network.version == 6 for rule in (*policy.network_rules, *allowances.rules))
+        rule.in_family(6) for rule in (*policy.network_rules, *allowances.rules))
     common = {"ctx": context, "policy": policy, "digest": policy.digest(), "dns_chain": DNS_ALLOW_CHAIN,
               "denied_chain": DENIED_CHAIN, "denied_lines": denied_chain_lines(context.nflog_group),
               "internal_chain": INTERNAL_CHAIN, "internal_log_prefix": INTERNAL_LOG_PREFIX,
@@ -158,7 +158,8 @@ def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> st
     parsed here, so a hostile DNS answer cannot inject options; addresses in always-denied and
     internal ranges are harmless because the chain is consulted only after those are refused.
     """
-    rule = Rule(frozenset(ports), protocol, network=ip_network(ip_address(ip)))  # checks ports and protocol
+    network = ip_network(ip_address(ip))
+    rule = Rule(frozenset(ports), as_protocol(protocol), network=network)  # checks ports and protocol
     return "\n".join(rule_lines(DNS_ALLOW_CHAIN, rule, "ACCEPT"))
 
 
@@ -183,23 +184,28 @@ def denied_chain_lines(nflog_group: int) -> list[str]:
 def _family_view(version: int, policy: Policy, context: RenderContext,
                  allowances: OperatorAllowances) -> dict[str, object]:
     denied = [str(reserved.network) for reserved in always_denied(version)]
-    denied += [str(ip_network(a)) for a in context.host_addresses if a.version == version]
+    denied += [str(ip_network(a)) for a in context.host_addresses if ip_address(a).version == version]
     if version == 4:
         denied.append(str(ip_network(context.gateway_ip)))
-    operator = [rule for rule in allowances.rules if rule.network.version == version]
+    operator = [rule for rule in allowances.rules if rule.in_family(version)]
     source = f"-s {context.guest_ip6}/128 " if version == 6 else ""  # v4 INPUT checks the source earlier
-    networks = [rule for rule in policy.network_rules if rule.network.version == version]
+    networks = [rule for rule in policy.network_rules if rule.in_family(version)]
     return {
         "operator_input": [line for rule in operator
                            for line in rule_lines("INPUT", rule, "ACCEPT", f"-i {context.guest_iface} {source}")],
         "operator_forward": [line for rule in operator for line in rule_lines("FORWARD", rule, "ACCEPT")],
         "denied": list(dict.fromkeys(denied)),
-        "internal_accepts": [line for rule in networks if opted_in(rule.network)
+        "internal_accepts": [line for rule in networks if _opted_in(rule)
                              for line in rule_lines("FORWARD", rule, "ACCEPT")],
         "internal": [internal.match for internal in internal_ranges(version) if not internal.always_denied],
-        "accepts": [line for rule in networks if not opted_in(rule.network)
+        "accepts": [line for rule in networks if not _opted_in(rule)
                     for line in rule_lines("FORWARD", rule, "ACCEPT")],
     }
+
+
+def _opted_in(rule: Rule) -> bool:
+    """Whether a network rule opts into an internal range (`policy.reserved.opted_in`)."""
+    return rule.network is not None and opted_in(rule.network)
 
 
 def port_groups(ports: Iterable[int]) -> list[str]:
@@ -225,13 +231,15 @@ def port_groups(ports: Iterable[int]) -> list[str]:
 
 def _ipv4(name: str, value: IPv4Address | str) -> IPv4Address:
     address = ip_address(value)
-    _check(isinstance(address, IPv4Address), f"{name} {value} must be an IPv4 address")
+    if not isinstance(address, IPv4Address):
+        raise ValueError(f"{name} {value} must be an IPv4 address")
     return address
 
 
 def _ipv6(name: str, value: IPv6Address | str) -> IPv6Address:
     address = ip_address(value)
-    _check(isinstance(address, IPv6Address), f"{name} {value} must be an IPv6 address")
+    if not isinstance(address, IPv6Address):
+        raise ValueError(f"{name} {value} must be an IPv6 address")
     return address
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from ipaddress import IPv6Address, ip_address, ip_network
 
-from policy.model import Address, Network
+from policy.model import Address, Network, network_within
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def always_denied(version: int) -> tuple[ReservedRange, ...]:
 def reserved_containing(network: Network) -> ReservedRange | None:
     """The always-denied range that wholly contains `network`, if any."""
     for reserved in always_denied(network.version):
-        if network.subnet_of(reserved.network):
+        if network_within(network, reserved.network):
             return reserved
     return None
 

@@ -13,7 +13,7 @@ import ipaddress
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeGuard
 
 import yaml
 
@@ -58,7 +58,7 @@ def refused_name_record(name: str, count: int) -> AuditRecord:
     return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)
 
 
-def record_from_json(item: Any) -> AuditRecord | None:
+def record_from_json(item: object) -> AuditRecord | None:
     """A job record's `blocked_egress` entry as an AuditRecord, or None when it is not well formed.
 
     The entries derive from the guest's traffic and reach a policy file: only an address, a port in
@@ -67,28 +67,33 @@ def record_from_json(item: Any) -> AuditRecord | None:
     """
     if not isinstance(item, Mapping):
         return None
-    reason = item.get("reason") if item.get("reason") in REASONS else POLICY
-    name = item.get("name") if _policy_host(item.get("name")) else None
-    count = item.get("count")
+    fields: Mapping[object, object] = item
+    given_reason, given_name = fields.get("reason"), fields.get("name")
+    reason = given_reason if isinstance(given_reason, str) and given_reason in REASONS else POLICY
+    name = given_name if _policy_host(given_name) else None
+    count = fields.get("count")
     count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
-    if item.get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
+    if fields.get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
         if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME):
             return None
         dest = REFUSED_DEST if reason == INTERNAL_ADDRESS else REFUSED_NAME_DEST
         return AuditRecord(dest=dest, port=None, proto="dns", name=name, count=count, reason=reason)
+    given_dest = fields.get("dest")
+    if not isinstance(given_dest, (str, int)):  # JSON has no bytes or address objects; ip_address refuses the rest
+        return None
     try:
-        dest = str(ipaddress.ip_address(item.get("dest")))
+        dest = str(ipaddress.ip_address(given_dest))
     except ValueError:
         return None
-    port, proto = item.get("port"), item.get("proto")
+    port, proto = fields.get("port"), fields.get("proto")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         return None
-    if proto not in PROTOCOLS or reason == REFUSED_NAME:
+    if not isinstance(proto, str) or proto not in PROTOCOLS or reason == REFUSED_NAME:
         return None
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason)
 
 
-def _policy_host(name: Any) -> bool:
+def _policy_host(name: object) -> TypeGuard[str]:
     """Whether `name` is a host the policy loader accepts: the one rule, so a suggestion always loads.
 
     A resolver name has no wildcard, so `*` (which host_error allows as a leading `*.`) is refused.

@@ -28,7 +28,7 @@ import yaml
 
 from policy.load import _mode, _rules, load_policy
 from policy.model import DENY_ALL, SUPPORTED_VERSION, Policy
-from policy.yamldoc import Problems, is_null, kind, mapping, string
+from policy.yamldoc import Problems, all_or_none, is_null, kind, mapping, string
 
 MAX_SETUP_CHARS = 8192
 MAX_INPUTS = 32
@@ -106,8 +106,8 @@ def _inputs(node: yaml.Node | None, warm: yaml.Node, problems: Problems) -> tupl
     if len(node.value) > MAX_INPUTS:
         problems.at(node, f"warm.inputs lists {len(node.value)} patterns; at most {MAX_INPUTS}")
         return None
-    patterns = [_input(item, problems) for item in node.value]
-    return None if any(p is None for p in patterns) else tuple(dict.fromkeys(patterns))
+    patterns = all_or_none([_input(item, problems) for item in node.value])
+    return None if patterns is None else tuple(dict.fromkeys(patterns))
 
 
 def _input(node: yaml.Node, problems: Problems) -> str | None:

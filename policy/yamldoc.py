@@ -14,6 +14,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import yaml
 
@@ -26,6 +27,14 @@ NULL_TAG = "tag:yaml.org,2002:null"
 # libyaml when present: several times faster on large files, with the same marks.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _DECIMAL = re.compile(r"-?(0|[1-9][0-9]{0,9})")
+_T = TypeVar("_T")
+
+
+class Mark(Protocol):
+    """Where in the text a node or event starts (0-based): PyYAML's own marks and libyaml's both have it."""
+
+    line: int
+    column: int
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class Problems:
         self.items: list[Problem] = []
         self.dropped = 0
 
-    def add(self, mark: yaml.Mark | None, message: str) -> None:
+    def add(self, mark: Mark | None, message: str) -> None:
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (0, 0)
         self.add_at(line, column, message)
 
@@ -133,13 +142,13 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
                            f"a {limits.noun} needs a handful of {_entries(limits)}, not a text this size")
         return None
     before = len(problems.items)
-    aliases: list[yaml.Mark] = []
+    aliases = 0
     try:
         depth = 0
         for event in yaml.parse(text, Loader=_LOADER):
             if isinstance(event, yaml.AliasEvent):
-                aliases.append(event.start_mark)
-                if len(aliases) == 1:
+                aliases += 1
+                if aliases == 1:
                     problems.add(event.start_mark, f"YAML aliases (*name) are not allowed in a {limits.noun}; "
                                                    "write the entry out in full")
             elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
@@ -150,8 +159,8 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
                     return None
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
-        if len(aliases) > 1:  # one problem for them all: a billion-laughs file has hundreds
-            problems.items[before] = _more(problems.items[before], f"{len(aliases) - 1} more aliases after it")
+        if aliases > 1:  # one problem for them all: a billion-laughs file has hundreds
+            problems.items[before] = _more(problems.items[before], f"{aliases - 1} more aliases after it")
         if len(problems.items) != before:
             return None
         return yaml.compose(text, Loader=_LOADER)
@@ -233,5 +242,12 @@ def decimal_int(node: yaml.Node) -> int | None:
 
 def string(node: yaml.Node) -> str | None:
     if isinstance(node, yaml.ScalarNode) and node.tag == STR_TAG:
+        assert isinstance(node.value, str)  # a scalar's value is its text (the stubs leave it untyped)
         return node.value
     return None
+
+
+def all_or_none(items: list[_T | None]) -> list[_T] | None:
+    """`items` when none is None (each was read without a problem), else None."""
+    present = [item for item in items if item is not None]
+    return present if len(present) == len(items) else None
