@@ -191,7 +191,7 @@ class ServiceHost:
             raise ConfigError(f"{where}: {exc}") from exc
         return fleet
 
-    def _status(self, service: JobService) -> dict:
+    def _status(self, service: JobService) -> dict[str, object]:
         """The VMs and the queue, for `microvm-check status` beside the runners."""
         vms = [{"id": vm.id, "ready_ms": round(vm.ready_ms, 1)} for vm in self.engine.live()] if self.engine else []
         return {"vms": vms, "queue": service.health().to_wire()}

@@ -14,18 +14,21 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from policy.model import Policy
 from runner.errors import JobError
-from runner.service.config import ServiceConfig
+from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.service.config import ArtifactLimits, ServiceConfig
 from runner.service.joblog import JobLog, LogFull
-from runner.service.records import JobRecord
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
-from runner.service.spec import JobSpec
 from runner.tarsafe import Limits, copy_validated
+
+if TYPE_CHECKING:
+    from runner.sandbox import ExecResult
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +44,18 @@ LOG = "log.ndjson"
 
 
 class Sandbox(Protocol):
-    """What a job needs of `runner.sandbox.Sandbox`."""
+    """What a job needs of `runner.sandbox.Sandbox` (the tests' fakes provide the same)."""
 
-    id: str
-    ready_ms: float
+    @property
+    def id(self) -> str: ...
+    @property
+    def ready_ms(self) -> float: ...
 
-    def put_tar(self, stream: Any, dest: str = "/workspace") -> None: ...
-    def exec(self, command: str | list[str], **kwargs: Any) -> Any: ...
-    def get_tar(self, paths: list[str], out: Any, max_bytes: int, cwd: str = "/") -> int: ...
-    def blocked_egress(self) -> list[Any]: ...
+    def put_tar(self, stream: BinaryIO, dest: str = "/workspace") -> None: ...
+    def exec(self, command: str | list[str], *, timeout_seconds: float | None, env: dict[str, str], cwd: str,
+             on_output: Callable[[str, bytes], None], capture_bytes: int) -> ExecResult: ...
+    def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int: ...
+    def blocked_egress(self) -> Iterable[object]: ...  # audit records, checked by _bounded_blocked
     def destroy(self) -> None: ...
 
 
@@ -65,7 +71,7 @@ class JobRun:
     dir: Path
     log: JobLog
     save: Callable[[JobRecord], None]
-    policy: Any = None
+    policy: Policy | None = None
     warm: Sandbox | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     sandbox: Sandbox | None = None
@@ -80,7 +86,7 @@ class JobRun:
     def checkout_path(self) -> Path:
         return self.dir / CHECKOUT
 
-    def update(self, **changes: Any) -> None:
+    def update(self, **changes: object) -> None:
         with self.lock:
             if self.record.final:
                 return  # cancelled meanwhile: the final record stands
@@ -106,7 +112,7 @@ class JobRun:
         with self.lock:
             if self.record.final:
                 return
-            self.record.state = state
+            self.record.state = JobState(state)
             self.record.exit_code = exit_code
             self.record.error = error
             self.record.timings.finished_at = time.time()
@@ -144,6 +150,7 @@ class JobRun:
         """The session's VM for this step; it is this step's alone until `_kept` hands it back."""
         assert self.session is not None
         self.update(state="starting")
+        sandbox: Sandbox | None
         with self.session.lock:
             sandbox, self.session.sandbox = self.session.sandbox, None
         if sandbox is None or not getattr(sandbox, "alive", True):
@@ -165,8 +172,8 @@ class JobRun:
         session, sessions = self.session, self.sessions
         if session is None or sessions is None:
             return False
-        alive = sandbox is not None and getattr(sandbox, "alive", True) and not self.cancel_reason
-        if self.spec.keep == "job" and state in ("finished", "timed_out") and alive:
+        keep = self.spec.keep == "job" and state in ("finished", "timed_out") and not self.cancel_reason
+        if keep and sandbox is not None and getattr(sandbox, "alive", True):
             if session.hold(sandbox, time.monotonic()):
                 self.log.system(f"VM {sandbox.id} kept for the job's next step (session {session.id})")
                 return True
@@ -204,6 +211,7 @@ class JobRun:
             sandbox = self.warm = None
             self.update(warm=False)
         if sandbox is None:
+            assert self.spec.timeout_seconds is not None  # parse_spec fills in the service's default
             ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
             sandbox = create(
                 template=self.spec.template,
@@ -229,7 +237,7 @@ class JobRun:
         with open(self.checkout_path, "rb") as checkout:
             sandbox.put_tar(checkout, "/workspace")
 
-    def _run_command(self, sandbox: Sandbox) -> Any:
+    def _run_command(self, sandbox: Sandbox) -> ExecResult:
         self.update(state="running", started_at=time.time())
         env = {"CI": "true", **self.spec.env, "MICROVM_CHECK_JOB_ID": self.record.id}
         return sandbox.exec(
@@ -272,7 +280,7 @@ class JobRun:
         finally:
             _remove(raw)
 
-    def _validate_artifacts(self, raw: Path, clean: Path, limits: Any, stopped: str | None) -> None:
+    def _validate_artifacts(self, raw: Path, clean: Path, limits: ArtifactLimits, stopped: str | None) -> None:
         tar_limits = Limits(max_files=limits.max_count, max_file_bytes=limits.max_total_bytes,
                             max_total_bytes=limits.max_total_bytes)
         with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
@@ -294,18 +302,18 @@ class SessionGone(JobError):
     """The kept VM a step was to attach to ended before the step started."""
 
 
-def needs_network(policy: Any) -> bool:
+def needs_network(policy: Policy | None) -> bool:
     """A VM whose policy allows nothing gets no network card at all: nothing to filter, nothing to get wrong."""
     return policy is not None and (bool(policy.rules) or policy.mode == "audit")
 
 
-def _exit_code(value: Any) -> int:
+def _exit_code(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not -255 <= value <= 255:
         raise ValueError(f"the guest reported an impossible exit code {value!r}")
     return value
 
 
-def _bounded_blocked(entries: Any) -> list[dict[str, Any]]:
+def _bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, Any]]:
     """Blocked-egress records as plain JSON, bounded: their content derives from guest traffic."""
     kept: list[dict[str, Any]] = []
     for entry in list(entries or [])[:MAX_BLOCKED_RECORDS]:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from runner.errors import SandboxError
 from runner.service.config import LogLimits
@@ -33,7 +34,7 @@ class JobLog:
         self.limits = limits
         self._clock = clock
         self._cond = threading.Condition()
-        self._file = open(self.path, "ab")
+        self._file: BinaryIO | None = open(self.path, "ab")  # None in a `finished` (read-only) log
         self._size = self._file.tell()
         self._seq = _count_lines(self.path) if self._size else 0
         self._output_bytes = 0  # on disk, for guest output: what the budget counts
@@ -108,7 +109,7 @@ class JobLog:
             if self._closed:
                 return
             self._commit()
-            self._file.close()
+            self._writer().close()
             self._closed = True
             self._cond.notify_all()
 
@@ -119,12 +120,18 @@ class JobLog:
 
     def _put(self, line: bytes) -> None:
         self._seq += 1
-        self._file.write(line)
+        self._writer().write(line)
 
     def _commit(self) -> None:
-        self._file.flush()
-        self._size = self._file.tell()
+        writer = self._writer()
+        writer.flush()
+        self._size = writer.tell()
         self._cond.notify_all()
+
+    def _writer(self) -> BinaryIO:
+        """The open file; only a log this process writes has one, and it writes only until closed."""
+        assert self._file is not None, f"{self.path}: a finished log is read-only"
+        return self._file
 
     def follow(self, after: int = 0, poll_seconds: float = 1.0) -> Iterator[bytes]:
         """Yield NDJSON lines (with their newline) with seq > `after`, live, until the log is closed."""

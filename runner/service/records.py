@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, Timings
 from runner.logs import JobEvents
@@ -70,6 +70,12 @@ def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
     return JobRecord(timings=timings, **values)
 
 
+class RecordEvents(Protocol):
+    """Hears every record as it is saved: the lifecycle log (runner.logs), and the metrics beside it."""
+
+    def saw(self, rec: JobRecord) -> None: ...
+
+
 class RecordStore:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
@@ -78,7 +84,7 @@ class RecordStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"CREATE TABLE IF NOT EXISTS jobs ({', '.join(_COLUMNS)})")
         self._db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at)")
-        self.events = JobEvents()  # the lifecycle log lines, from each record as it is saved (runner.logs)
+        self.events: RecordEvents = JobEvents()  # the lifecycle log lines, from each record as it is saved (runner.logs)
 
     def close(self) -> None:
         with self._lock:
