@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -53,6 +53,12 @@ PROTOCOL_ERROR_KINDS = (FRAME, DECODE, FLOOD)
 
 log = logging.getLogger(__name__)
 
+# A message the guest sent, decoded: a JSON object whose members nobody has checked yet, so each
+# use must look at what it got (`object`, not `Any`: the type checker holds us to that).
+GuestMessage = dict[str, object]
+# A request we send: any JSON object (read-only here, so a dict of narrower values fits too).
+HostMessage = Mapping[str, object]
+
 
 @dataclass
 class ExecOutcome:
@@ -64,11 +70,10 @@ class ExecOutcome:
 class _Request:
     def __init__(self, rid: int) -> None:
         self.rid = rid
-        self.frames: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
+        self.frames: queue.Queue[P.Frame | None] = queue.Queue(maxsize=QUEUE_FRAMES)  # None: the channel broke
         self.abandoned = False
 
 
-_BROKEN = object()
 OUTPUT_KINDS = frozenset({P.STDOUT, P.STDERR})
 
 
@@ -84,9 +89,9 @@ class _Violation(P.ProtocolError):
 class _Message(P.Frame):
     """A MSG frame decoded once, in the reader, so a bad one breaks the channel there and then."""
 
-    message: dict = field(default_factory=dict)
+    message: GuestMessage = field(default_factory=dict)
 
-    def json(self) -> dict:
+    def json(self) -> GuestMessage:
         return self.message
 
 
@@ -112,7 +117,7 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def decode_message(payload: bytes) -> dict:
+def decode_message(payload: bytes) -> GuestMessage:
     """A guest MSG as a dict, or ProtocolError: whatever the bytes, no other exception escapes."""
     _check_depth(payload)
     try:
@@ -338,7 +343,7 @@ class AgentClient:
             _tell(self._on_protocol_error, protocol_error)
         self.broken_event.set()
         for req in pending:
-            _offer(req.frames, _BROKEN)
+            _offer(req.frames, None)
         if self._on_broken is not None and not self._closed:
             _tell(self._on_broken, why)
 
@@ -364,7 +369,7 @@ class AgentClient:
                     raise AgentError(self.broken) from None
 
     # ---- requests --------------------------------------------------------------------------
-    def _open(self, message: dict, deadline: float) -> _Request:
+    def _open(self, message: HostMessage, deadline: float) -> _Request:
         with self._lock:
             if self.broken:
                 raise AgentError(self.broken)
@@ -395,7 +400,7 @@ class AgentClient:
                 frame = req.frames.get(timeout=min(wait, POLL_S) if wait is not None else POLL_S)
             except queue.Empty:
                 continue
-            if frame is _BROKEN:
+            if frame is None:
                 raise AgentError(self.broken or "agent channel broken")
             yield frame
             if frame.kind == P.MSG and "ok" in frame.json():
@@ -409,11 +414,11 @@ class AgentClient:
 
     def call(
         self,
-        message: dict,
+        message: HostMessage,
         timeout: float,
         data: Iterable[bytes] | None = None,
         on_frame: Callable[[P.Frame], None] | None = None,
-    ) -> dict:
+    ) -> GuestMessage:
         """Send a request (and its data), hand intermediate frames to `on_frame`, return the reply."""
         deadline = time.monotonic() + timeout
         req = self._open(message, deadline)
@@ -433,14 +438,14 @@ class AgentClient:
             self._finish(req)
 
     @staticmethod
-    def _check(message: dict, reply: dict) -> dict:
+    def _check(message: HostMessage, reply: GuestMessage) -> GuestMessage:
         if reply.get("ok") is True:
             return reply
         error = str(reply.get("error", "no reason given"))[:2000]
         raise GuestOpError(f"{message.get('op')} failed in the guest: {error}")
 
     # ---- operations ------------------------------------------------------------------------
-    def ping(self, timeout: float = 10.0) -> dict:
+    def ping(self, timeout: float = 10.0) -> GuestMessage:
         return self.call({"op": "ping"}, timeout)
 
     def identity(self, hostname: str, vm_id: str, timeout: float = 10.0) -> None:
@@ -450,7 +455,7 @@ class AgentClient:
 
     def exec(
         self,
-        message: dict,
+        message: HostMessage,
         on_output: Callable[[str, bytes], None],
         timeout: float | None,
     ) -> ExecOutcome:
@@ -479,7 +484,7 @@ class AgentClient:
         for rid in list(self._execs):
             self.call({"op": "kill", "target": rid}, timeout=10.0)
 
-    def _receive(self, message: dict, timeout: float, write: Callable[[bytes], object], max_bytes: int, what: str) -> int:
+    def _receive(self, message: HostMessage, timeout: float, write: Callable[[bytes], object], max_bytes: int, what: str) -> int:
         """A call whose DATA goes to `write`; a guest sending more than it was allowed is abuse."""
         received = 0
 
@@ -515,7 +520,7 @@ class GuestOpError(AgentError):
     """An operation failed inside the guest (a missing file, a bad path): the channel is still fine."""
 
 
-def _exec_outcome(reply: dict) -> ExecOutcome:
+def _exec_outcome(reply: GuestMessage) -> ExecOutcome:
     code = reply.get("exit_code")
     if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
         raise AgentError(f"the guest reported an invalid exit code {code!r}")
@@ -534,8 +539,8 @@ def _tell(listener: Callable[[str], None], what: str) -> None:
         log.exception("handling the broken agent channel failed")
 
 
-def _offer(q: queue.Queue, item: object) -> None:
-    """Put without blocking: a full queue is drained of one frame to make room for the sentinel."""
+def _offer(q: queue.Queue[P.Frame | None], item: P.Frame | None) -> None:
+    """Put without blocking: a full queue is drained of one frame to make room for the None that says the channel broke."""
     while True:
         try:
             q.put_nowait(item)

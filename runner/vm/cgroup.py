@@ -61,13 +61,21 @@ def _v1_mount(controller: str) -> Path | None:
     return None
 
 
+def _mounted_v1(controller: str) -> Path:
+    """Where `controller`'s v1 hierarchy is mounted; `version()` found it, but it can be unmounted since."""
+    mount = _v1_mount(controller)
+    if mount is None:
+        raise VMError(f"the cgroup v1 {controller} controller is no longer mounted: mount it again, or use cgroup v2")
+    return mount
+
+
 def _bases(scope: str) -> list[Path]:
     """The directories under which this scope's VM cgroups live (one per v1 hierarchy)."""
     found = version()
     if found == "v2":
         return [ROOT / PARENT / scope]
     if found == "v1":
-        return [_v1_mount(c) / PARENT / scope for c in V1_CONTROLLERS]
+        return [_mounted_v1(c) / PARENT / scope for c in V1_CONTROLLERS]
     raise VMError("no usable cgroup hierarchy with the cpu, memory and pids controllers: "
                   "mount cgroup v2 at /sys/fs/cgroup (or v1's cpu, memory and pids hierarchies)")
 

@@ -36,11 +36,12 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from runner import tarsafe
 from runner.vm.errors import SandboxError
 from runner.vm.guestwire import CHECKOUT_DEVICE
+from runner.vm.vm import VM
 
 # The unpacked tree lives only until mkfs has read it: on tmpfs, where creating 20,000 small files
 # takes a tenth of what it takes on a busy host disk.
@@ -164,7 +165,7 @@ def _replace(parent: int, base: str) -> None:
     os.unlink(base, dir_fd=parent)
 
 
-def _write(parent: int, base: str, source: BinaryIO, size: int, mode: int, mtime: int) -> None:
+def _write(parent: int, base: str, source: IO[bytes], size: int, mode: int, mtime: int) -> None:
     fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
     with os.fdopen(fd, "wb") as out:
         tarsafe.copy_exact(source, out, size)
@@ -239,7 +240,7 @@ def mountable(dest: str) -> bool:
     return dest.startswith("/") and dest.strip("/") != "" and not any(c in dest for c in ",:\\")
 
 
-def put_checkout(vm, stream: BinaryIO, dest: str) -> None:
+def put_checkout(vm: VM, stream: BinaryIO, dest: str) -> None:
     """Unpack `stream` on the host, insert it as the VM's CD-ROM medium, have the guest copy it to `dest`."""
     staging = Path(tempfile.mkdtemp(prefix=staging_prefix(vm.dir.name), dir=STAGING_DIR))  # 0700, its own name
     image = vm.dir / f"checkout-{uuid.uuid4().hex[:8]}.img"
@@ -255,6 +256,7 @@ def put_checkout(vm, stream: BinaryIO, dest: str) -> None:
         vm.machine.change_medium(image)
         message = {"op": "checkout", "device": CHECKOUT_DEVICE, "uuid": label, "dir": TREE, "dest": dest,
                    "root_given": unpacked.root_given}
+        assert vm.agent is not None  # a VM is handed to a job only once its agent answered
         vm.agent.call(message, GUEST_TIMEOUT_S)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -279,13 +281,14 @@ def rehearsal_image(cache: Path) -> Path:
     return image
 
 
-def rehearse(vm, image: Path, timeout: float) -> None:
+def rehearse(vm: VM, image: Path, timeout: float) -> None:
     """Insert, check, mount and unmount the rehearsal medium in a VM no job owns yet.
 
     Under TCG a restored clone translates every guest code path on its first use: the SCSI
     media change, the ext4 and overlay mounts cost 100-300 ms the first time and a fraction after.
     Paying that in the pool keeps it off the job's clock. The drive is left free, holding this
     medium unmounted; the job's checkout replaces it (and its UUID check tells the two apart)."""
+    assert vm.agent is not None  # rehearsed after the agent's first answers (Engine._ready)
     vm.machine.change_medium(image)
     vm.agent.call({"op": "checkout", "device": CHECKOUT_DEVICE, "uuid": REHEARSAL_UUID, "dir": TREE,
                    "dest": "/run/microvm-check-rehearsal", "rehearsal": True}, timeout)

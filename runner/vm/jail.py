@@ -294,23 +294,26 @@ class Spawner:
     service itself dies (it fires when the forking thread ends, not the process)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="vmm-spawner", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            fn, future = self._jobs.get()
+            self._jobs.get()()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future[T] = Future()
+
+        def job() -> None:
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed back to the caller
                 future.set_exception(exc)
 
-    def run(self, fn: Callable[[], T]) -> T:
-        if threading.current_thread() is self._thread:
-            return fn()
-        future: Future = Future()
-        self._jobs.put((fn, future))
+        self._jobs.put(job)
         return future.result()
 
 

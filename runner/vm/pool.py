@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from runner.vm.hypervisor import Snapshot
 from runner.vm.vm import VM
@@ -99,7 +100,7 @@ class SpareVMs:
             vm.destroy()
 
 
-def _lineage(snapshot: Snapshot) -> tuple:
+def _lineage(snapshot: Snapshot) -> tuple[Path, str]:
     """(template directory, variant) of a snapshot, whatever its digest.
 
     Its files are <templates>/<name>/<digest>/<variant>/state.bin (runner.vm.templates)."""

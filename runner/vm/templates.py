@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from runner.errors import TemplateError
 from runner.vm.hypervisor import MachineConfig, Snapshot
@@ -42,7 +43,9 @@ class Template:
     name: str
     digest: str
     path: Path
-    manifest: dict
+    # manifest.json, written by this host (vmimages.build, Engine.snapshot): open-ended, since a
+    # derived template carries its maker's extra members too.
+    manifest: dict[str, Any]
 
     @property
     def variants(self) -> tuple[str, ...]:
