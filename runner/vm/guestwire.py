@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MAGIC = b"MV"
 VERSION = 1
@@ -41,6 +43,11 @@ PORT_NAME = "org.microvm-check.agent.0"
 CHECKOUT_DEVICE = "/dev/sr0"  # the template's only CD-ROM (runner/vm/qemu.py), where checkouts arrive
 
 
+# A decoded MSG. Its values are whatever JSON held: the guest trusts its host's requests as they
+# come, and the host narrows a guest's reply member by member (runner.vm.agent.GuestMessage).
+JSONObject = dict[str, Any]
+
+
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame: the channel can no longer be trusted."""
 
@@ -51,7 +58,7 @@ class Frame:
     request_id: int
     payload: bytes
 
-    def json(self) -> dict:
+    def json(self) -> JSONObject:
         return decode_msg(self.payload)
 
 
@@ -62,11 +69,11 @@ def encode(kind: int, request_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload)) + payload
 
 
-def encode_msg(request_id: int, message: dict) -> bytes:
+def encode_msg(request_id: int, message: Mapping[str, object]) -> bytes:
     return encode(MSG, request_id, json.dumps(message, separators=(",", ":")).encode())
 
 
-def decode_msg(payload: bytes) -> dict:
+def decode_msg(payload: bytes) -> JSONObject:
     try:
         value = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -96,7 +103,7 @@ def parse_header(header: bytes) -> tuple[int, int, int]:
 class FrameReader:
     """Reads whole frames from a blocking `read(n)` callable; EOF inside a frame is an error."""
 
-    def __init__(self, read) -> None:
+    def __init__(self, read: Callable[[int], bytes]) -> None:
         self._read = read
 
     def _exactly(self, n: int, what: str) -> bytes | None:
@@ -119,4 +126,5 @@ class FrameReader:
             return None
         kind, request_id, length = parse_header(header)
         payload = self._exactly(length, "payload") if length else b""
+        assert payload is not None  # only a header read may meet a clean end of stream
         return Frame(kind, request_id, payload)
