@@ -25,7 +25,8 @@ from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
 from action.queuewait import QueueWait
-from action.summary import MAX_ANNOTATIONS, Result, annotations, exit_code_of, markdown, outputs
+from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, outputs
+from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
 from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
@@ -71,6 +72,12 @@ class JobDriver:
         except Interrupted as exc:
             return self._cancel(exc)
 
+    @property
+    def _submitted_id(self) -> str:
+        """The job's id, for the steps after the submit: `job_id` is None only before it answered."""
+        assert self.job_id is not None, "no job submitted yet"
+        return self.job_id
+
     def _run(self, spec: JobSpec) -> int:
         waiting = QueueWait(self.inputs.timeout_minutes, say=self._say)  # a full queue: wait, up to the timeout
         self.job_id = waiting.submit(self.client, spec).id
@@ -89,13 +96,14 @@ class JobDriver:
     def _send_checkout(self) -> None:
         """Pack and upload the workspace, unless the job attached to a VM an earlier step of this GitHub
         job kept (`keep: job`): the service queues such a job at once, the checkout is in its VM."""
-        if self.client.get(self.job_id).state != JobState.AWAITING_CHECKOUT:
-            self._say(f"job {self.job_id} submitted; it runs in the VM an earlier step of this job kept")
+        job_id = self._submitted_id
+        if self.client.get(job_id).state != JobState.AWAITING_CHECKOUT:
+            self._say(f"job {job_id} submitted; it runs in the VM an earlier step of this job kept")
             return
-        self._say(f"job {self.job_id} submitted; packing {self.workspace}")
+        self._say(f"job {job_id} submitted; packing {self.workspace}")
         try:
             chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
-            self.client.upload_checkout(self.job_id, chunks)
+            self.client.upload_checkout(job_id, chunks)
         except PackError as exc:
             raise UserError(f"checkout refused: {exc}") from exc
 
@@ -106,6 +114,7 @@ class JobDriver:
         count, and a read timeout on a job that is still running is a job that prints nothing for
         a while, which is normal (the stream has no keep-alives), not a lost stream.
         """
+        job_id = self._submitted_id
         after, failures = 0, 0
         last_error: Exception | None = None
         title = f"microvm-check: {self.inputs.run.strip().splitlines()[0][:100]}"
@@ -113,12 +122,12 @@ class JobDriver:
             while True:
                 before, timed_out = after, False
                 try:
-                    for entry in self.client.logs(self.job_id, after=after):
+                    for entry in self.client.logs(job_id, after=after):
                         relay.feed(entry.stream, entry.data)
                         after = max(after, entry.seq)
                 except self.api_errors as exc:
                     last_error, timed_out = exc, _is_timeout(exc)
-                if self.client.get(self.job_id).final:
+                if self.client.get(job_id).final:
                     return relay.dropped_bytes
                 if after > before:
                     failures = 0
@@ -138,7 +147,7 @@ class JobDriver:
         temp = self.environ.get("RUNNER_TEMP") or None
         with tempfile.TemporaryFile(dir=temp) as spool:
             try:
-                self.client.artifacts(self.job_id, BoundedWriter(spool, limits.max_total_bytes + 64 * 1024 * 1024))
+                self.client.artifacts(self._submitted_id, BoundedWriter(spool, limits.max_total_bytes + 64 * 1024 * 1024))
                 spool.seek(0)
                 return deliver(spool, self.workspace, self.inputs.artifacts_path, self.inputs.artifacts,
                                Path(temp) if temp else None, limits)
@@ -171,8 +180,10 @@ class JobDriver:
         return self.workspace / self.inputs.artifacts_path
 
     def _junit(self, extraction: Extraction) -> Totals | None:
-        dest = self._artifact_dir() if extraction.files else None
         totals: Totals | None = None
+        if not extraction.files:
+            return totals
+        dest = self._artifact_dir()
         for name, _size in extraction.files:
             path = dest / name
             if not name.endswith(".xml") or not looks_like_junit(path):
@@ -189,7 +200,7 @@ class JobDriver:
     def _report(self, result: Result) -> None:
         record = result.record
         prefix = "" if self.inputs.working_directory == "." else self.inputs.working_directory.rstrip("/") + "/"
-        for line in annotations(result.junit.failures if result.junit else [], prefix):
+        for line in failure_annotations(result.junit.failures if result.junit else [], prefix):
             self.out.write(line + "\n")
         if record.get("state") == JobState.TIMED_OUT:
             self.out.write(annotation("error", f"job timed out after {self.inputs.timeout_minutes:g} minutes") + "\n")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 from xml.parsers import expat
 
 from runner.errors import ClientError
@@ -55,8 +57,8 @@ class Totals:
         self.failures.extend(other.failures)
 
 
-def _refuse(what: str):
-    def handler(*_args: object) -> None:
+def _refuse(what: str) -> Callable[..., NoReturn]:
+    def handler(*_args: object) -> NoReturn:
         raise JUnitError(f"{what} are not allowed in JUnit reports")
     return handler
 

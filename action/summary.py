@@ -5,7 +5,8 @@ the summary is rendered as GitHub-flavoured Markdown with HTML, so every such va
 goes in: a guest must not be able to inject links, images or fake table rows into the summary.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: it would bind the name `annotations`, which this module
+# defines as a function (mypy rejects the redefinition). Every annotation here names a defined type.
 
 import html
 import json

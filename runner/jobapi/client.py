@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -45,6 +45,12 @@ _MAX_ERROR = 64 * 1024  # an error answer: {"error": "..."}
 _POOL = httpx.Limits(max_connections=16, max_keepalive_connections=0)
 
 T = TypeVar("T")
+
+
+class ByteSink(Protocol):
+    """Where `JobClient.artifacts` writes: a binary file, or a wrapper that bounds one."""
+
+    def write(self, data: bytes, /) -> object: ...
 
 
 class JobAPIError(ClientError):
@@ -160,7 +166,7 @@ class JobClient:
                                       timed_out=exc.timed_out) from exc
                 reconnects -= 1
 
-    def artifacts(self, job_id: str, out: BinaryIO) -> int:
+    def artifacts(self, job_id: str, out: ByteSink) -> int:
         """Write the job's artifact tar to `out`; returns the bytes written."""
         method, path = "GET", f"/v1/jobs/{_id(job_id)}/artifacts"
         resp = self._open(method, path, headers=self._job(job_id))
