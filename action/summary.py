@@ -76,7 +76,7 @@ def cell(value: object, limit: int = MAX_CELL) -> str:
     return " ".join(text.split())
 
 
-def _seconds(timings: Mapping[str, Any], start: str, end: str) -> str:
+def _seconds(timings: Mapping[str, object], start: str, end: str) -> str:
     a, b = timings.get(start), timings.get(end)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and b and b >= a:
         return f"{b - a:.1f} s"
@@ -114,27 +114,27 @@ def markdown(result: Result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _blocked(blocked: list[Any]) -> list[str]:
+def _blocked(blocked: list[object]) -> list[str]:
     if not blocked:
         return []
     rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count | why |",
             "| --- | --- | --- | --- | --- | --- |"]
     for item in blocked[:MAX_ROWS]:
-        item = item if isinstance(item, dict) else {}
-        port = item.get("port")  # None for ICMP and for refused DNS answers: no port was tried
-        rows.append(f"| {cell(_destination(item))} | {cell('-' if port is None else port)} | "
-                    f"{cell(item.get('proto', ''))} | {cell(item.get('name') or '')} | {cell(item.get('count', ''))} | "
-                    f"{_why(item.get('reason'))} |")
+        entry: Mapping[str, object] = item if isinstance(item, dict) else {}
+        port = entry.get("port")  # None for ICMP and for refused DNS answers: no port was tried
+        rows.append(f"| {cell(_destination(entry))} | {cell('-' if port is None else port)} | "
+                    f"{cell(entry.get('proto', ''))} | {cell(entry.get('name') or '')} | {cell(entry.get('count', ''))} | "
+                    f"{_why(entry.get('reason'))} |")
     if len(blocked) > MAX_ROWS:
         rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | | |")
     return rows + _suggestion(blocked)
 
 
-def _refused_answer(item: Mapping[str, Any]) -> bool:
+def _refused_answer(item: Mapping[str, object]) -> bool:
     return item.get("reason") == INTERNAL_ADDRESS and item.get("proto") == "dns"
 
 
-def _destination(item: Mapping[str, Any]) -> Any:
+def _destination(item: Mapping[str, object]) -> object:
     """The address dialled, but never one the resolver refused: the guest was not given it, and this
     summary is public (a fork could CNAME an allowed name to an internal one and read a split-horizon
     answer here). Also for a record from a service that still put it in. A refused name had none."""
@@ -143,7 +143,7 @@ def _destination(item: Mapping[str, Any]) -> Any:
     return REFUSED_DEST if _refused_answer(item) else item.get("dest", "")
 
 
-def _why(reason: Any) -> str:
+def _why(reason: object) -> str:
     if reason == ALWAYS_DENIED:
         return "always denied (host, metadata or loopback)"
     if reason == INTERNAL_ADDRESS:
@@ -153,7 +153,7 @@ def _why(reason: Any) -> str:
     return "not in the policy"
 
 
-def _suggestion(blocked: list[Any]) -> list[str]:
+def _suggestion(blocked: list[object]) -> list[str]:
     """The policy that would have let the job do what it tried: how an audit run becomes a policy.
     Only well-formed entries make it in (`record_from_json`): they came from the guest's traffic. A
     refused internal answer stays out: the table above explains it, and allowing it is a decision."""
