@@ -12,6 +12,7 @@ it; a push to the repository's default branch rebuilds its bases.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import os
@@ -21,26 +22,30 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from policy.model import Policy
 from runner.errors import ArchiveError, ConfigError, JobError
 from runner.fleet import report
 from runner.fleet.report import ReportedJob
-from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobStarted, JobState, Verdict
+from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobStarted, JobState, Verdict
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
-from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, SandboxFactory, needs_network
+from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, Sandbox, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import RecordStore
 from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, session_key
-from runner.service.spec import JobSpec, SpecError, parse_spec
+from runner.service.spec import SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
 from runner.tarsafe import check_tar
 
 if TYPE_CHECKING:
-    from runner.github.jobs import Push
+    from runner.github.client import GitHubClient
+    from runner.github.guard import RepoRules
+    from runner.github.jobs import CompletedJob, Push, QueuedJob
+    from runner.github.policy_source import PolicySource
     from runner.service.bases import RepositoryBases
 
 log = logging.getLogger(__name__)
@@ -66,7 +71,7 @@ class TooLarge(JobError):
     """A request body over the service's limit for it."""
 
 
-def branch_files(config: ServiceConfig) -> Any:
+def branch_files(config: ServiceConfig) -> PolicySource | None:
     """The repositories' own policy files, read as the org's GitHub App; None without App settings."""
     if config.github_config is None:
         return None
@@ -165,11 +170,11 @@ class JobService:
 
     # -- the job API -------------------------------------------------------------------------
 
-    def submit(self, data: Any) -> JobRecord:
+    def submit(self, data: object) -> JobRecord:
         """The operator's submit (`microvm-check run` in process): `submit_as` without the job token."""
         return self.submit_as(OPERATOR, data)[0]
 
-    def submit_as(self, caller: Caller, data: Any) -> tuple[JobRecord, str]:
+    def submit_as(self, caller: Caller, data: object) -> tuple[JobRecord, str]:
         """Validate, check the caller may submit it, then reserve; whatever fails after the reservation
         releases all of it. Returns the record and the job's own token (runner/service/auth.py).
 
@@ -195,7 +200,7 @@ class JobService:
             raise
         return record, self.access.jobs.issue(job_id)
 
-    def _join_session(self, spec: JobSpec, policy: Any) -> Session | None:
+    def _join_session(self, spec: JobSpec, policy: Policy) -> Session | None:
         """The GitHub job's kept VM this step opens (`keep: job`, none yet) or attaches to (one is
         kept), or None. The key carries the runner the binding admitted, so no other job finds it."""
         key = session_key(spec)
@@ -205,7 +210,7 @@ class JobService:
             return None
         return self.sessions.join(key, spec.keep, spec.template or "", policy.digest())
 
-    def _admit(self, data: Any, caller: Caller) -> tuple[JobSpec, Any]:
+    def _admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy]:
         """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
         checked before the policy is looked up: the policy comes from the repository it may submit for."""
         if self.stopping:
@@ -223,7 +228,7 @@ class JobService:
                              f"policy to deny all, or ask the operator to enable networking")
         return spec, policy
 
-    def _open_job(self, job_id: str, spec: JobSpec, policy: Any, session: Session | None = None) -> JobRecord:
+    def _open_job(self, job_id: str, spec: JobSpec, policy: Policy, session: Session | None = None) -> JobRecord:
         """The job's directory, log and first record; the job becomes visible only once all exist.
 
         A step that attaches to its job's kept VM sends no checkout (it is in the VM): it is queued at once.
@@ -355,7 +360,7 @@ class JobService:
 
     # -- JobHooks (runner.github.jobs) ----------------------------------------------------------
 
-    def prewarm(self, job: Any) -> None:
+    def prewarm(self, job: QueuedJob) -> None:
         """Restore a VM for a queued GitHub job ahead of its submit (best effort, bounded), from the
         template its submit will restore from: the repository's warm base, chosen in the background."""
         if self.stopping:
@@ -377,11 +382,11 @@ class JobService:
             network=needs_network(policy), policy=policy, job_id=f"warm-{job.job_id}",
         ))
 
-    def job_completed(self, job: Any) -> None:
+    def job_completed(self, job: CompletedJob) -> None:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
         key = RunKey(job.repository, job.run_id, job.run_attempt)
         self.warm.discard_job(key, job.job_id)
-        why = f"GitHub reports the job completed ({getattr(job, 'conclusion', None) or 'no conclusion'})"
+        why = f"GitHub reports the job completed ({job.conclusion or 'no conclusion'})"
         for run in self._active_runs():
             if _same_github_job(run.spec, job):
                 self.cancel(run.record.id, why)
@@ -430,7 +435,7 @@ class JobService:
             log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
         return Verdict(verdict.allowed, verdict.reasons)
 
-    def runner_job_completed(self, runner: str) -> list[str]:
+    def runner_job_completed(self, runner: str) -> builtins.list[str]:
         """A runner's job-completed hook: whatever its job still runs is cancelled and its VM destroyed."""
         ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner]
         for job_id in ids:
@@ -438,7 +443,7 @@ class JobService:
         self.sessions.end_where(lambda key: key.runner == runner, f"runner {runner}'s job-completed hook")
         return ids
 
-    def _guard_rules(self, repository: str) -> Any:
+    def _guard_rules(self, repository: str) -> RepoRules:
         """The guard's per-repository rules: the file $MICROVM_CHECK_GUARD_RULES names, else none."""
         from runner.github import guard
         from runner.github.guard import GUARD_RULES_ENV
@@ -446,7 +451,7 @@ class JobService:
         path = os.environ.get(GUARD_RULES_ENV)
         return guard.load_rules(Path(path) if path else None).for_repository(repository)
 
-    def _github_client(self) -> Any:
+    def _github_client(self) -> GitHubClient:
         """The App's installation client, made only when the guard needs GitHub (a fork pull request)."""
         from runner.github.config import load_settings
         from runner.github.errors import GitHubError
@@ -456,7 +461,7 @@ class JobService:
             raise GitHubError("the service has no GitHub App settings (github_config) to check fork pull requests with")
         return load_settings(path).app().as_installation
 
-    def runner_died(self, runner_name: str, reason: str) -> list[str]:
+    def runner_died(self, runner_name: str, reason: str) -> builtins.list[str]:
         """The runner fleet (runner.fleet) saw the runner that submitted these jobs end in the middle of
         its job: cancel them with `reason`, destroying their VMs. Returns their ids."""
         ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner_name]
@@ -467,7 +472,7 @@ class JobService:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _create_vm(self, **kwargs: Any) -> Any:
+    def _create_vm(self, **kwargs: object) -> Sandbox:
         sandbox = self._create(**kwargs)
         self.accel = getattr(sandbox, "accel", self.accel)
         return sandbox
@@ -497,12 +502,12 @@ class JobService:
 
     def _choose_template(self, run: JobRun) -> None:
         """The repository's warm base for its job, when it has one of the job's network variant."""
-        template = self._template_for(run.spec.repository, run.spec.template, run.policy)
+        template = self._template_for(run.spec.repository, _template_of(run.spec), run.policy)
         if template != run.spec.template:
             run.spec = dataclasses.replace(run.spec, template=template)
             run.log.system(f"restoring from the repository's warm base {template}")
 
-    def _template_for(self, repository: str, template: str, policy: Any) -> str:
+    def _template_for(self, repository: str, template: str, policy: Policy | None) -> str:
         """The template a job of `repository` that names `template` restores from: the repository's warm
         base of the job's network variant when `template` is that base's parent (the default)."""
         if self.bases is None or template != self.bases.settings.parent:
@@ -513,7 +518,7 @@ class JobService:
         spec = run.spec
         if spec.run_id is not None:
             key = RunKey(spec.repository, spec.run_id, spec.run_attempt or 1)
-            run.warm = self.warm.claim(key, spec.template, run.record.policy_digest or "")
+            run.warm = self.warm.claim(key, _template_of(spec), run.record.policy_digest or "")
             if run.warm is not None:
                 run.update(warm=True)
 
@@ -552,7 +557,7 @@ class JobService:
             raise JobStateConflict(f"job {job_id} has already ended")
         return run
 
-    def _active_runs(self) -> list[JobRun]:
+    def _active_runs(self) -> builtins.list[JobRun]:
         with self._lock:
             return list(self._runs.values())
 
@@ -581,7 +586,7 @@ class JobService:
         if now - self._last_prune > _PRUNE_SECONDS:
             _logged(self.prune, "pruning old records", now)
 
-    def prune(self, now: float | None = None) -> list[str]:
+    def prune(self, now: float | None = None) -> builtins.list[str]:
         """Apply the retention settings to records and job directories."""
         now = time.time() if now is None else now
         self._last_prune = now
@@ -617,7 +622,13 @@ def _finish(run: JobRun, state: JobState, reason: str) -> None:
         run.done.set()
 
 
-def _logged(step: Callable[..., Any], what: str, *args: Any) -> None:
+def _template_of(spec: JobSpec) -> str:
+    """The template a validated spec names: `parse_spec` fills in the service's default."""
+    assert spec.template is not None, f"job spec for {spec.repository} was not validated (no template)"
+    return spec.template
+
+
+def _logged(step: Callable[..., object], what: str, *args: object) -> None:
     """Run one step of a background pass; its failure is logged with a traceback and the pass goes on."""
     try:
         step(*args)
@@ -625,7 +636,7 @@ def _logged(step: Callable[..., Any], what: str, *args: Any) -> None:
         log.exception("%s failed", what)
 
 
-def _destroy_vm(sandbox: Any) -> None:
+def _destroy_vm(sandbox: Sandbox) -> None:
     """A kept VM whose session ended; a failure is logged (the engine's TTL and sweep remain)."""
     try:
         sandbox.destroy()
@@ -633,17 +644,17 @@ def _destroy_vm(sandbox: Any) -> None:
         log.exception("destroying kept VM %s failed", getattr(sandbox, "id", "?"))
 
 
-def _session_of_github_job(key: SessionKey, job: Any) -> bool:
+def _session_of_github_job(key: SessionKey, job: CompletedJob) -> bool:
     """Whether a session belongs to the GitHub job a `workflow_job` webhook speaks of (as `_same_github_job`)."""
     if (key.repository, key.run_id, key.run_attempt) != (job.repository.lower(), job.run_id, job.run_attempt):
         return False
-    runner = getattr(job, "runner_name", None)
+    runner = job.runner_name
     if key.runner and runner:
         return key.runner == runner
     return key.job == job.job_name
 
 
-def _same_github_job(spec: Any, job: Any) -> bool:
+def _same_github_job(spec: JobSpec, job: CompletedJob) -> bool:
     """Whether a submitted job is the GitHub job a webhook speaks of.
 
     The webhook names a job by its display name (`build (3.11)`), the action by its key in the
@@ -652,7 +663,7 @@ def _same_github_job(spec: Any, job: Any) -> bool:
     """
     if (spec.repository, spec.run_id, spec.run_attempt or 1) != (job.repository, job.run_id, job.run_attempt):
         return False
-    runner = getattr(job, "runner_name", None)
+    runner = job.runner_name
     if spec.runner_name and runner:
         return spec.runner_name == runner
     return spec.job_name == job.job_name
