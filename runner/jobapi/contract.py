@@ -173,7 +173,7 @@ def _state(data: Mapping[str, Any]) -> JobState:
     raise WireError(f"state: not a job state: {str(state)[:40]!r}")
 
 
-def _object(data: Any, what: str) -> Mapping[str, Any]:
+def _object(data: object, what: str) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise WireError(f"{what}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -188,7 +188,7 @@ class JobSummary:
     token: str | None = field(default=None, repr=False, compare=False)  # a secret, not part of what the job is
 
     @classmethod
-    def from_wire(cls, data: Any) -> JobSummary:
+    def from_wire(cls, data: object) -> JobSummary:
         data = _object(data, "job")
         return cls(id=_field(data, "id", (str,)), state=_state(data), token=_field(data, "token", (str,), True))
 
@@ -213,7 +213,7 @@ class JobStarted:
     guard: dict[str, Any] | None = None  # None when the hook could not read the event: the guard refuses
 
     @classmethod
-    def from_wire(cls, data: Any) -> JobStarted:
+    def from_wire(cls, data: object) -> JobStarted:
         data = _object(data, "job")
         return cls(repository=_field(data, "repository", (str,)), run_id=_field(data, "run_id", (int,)),
                    run_attempt=_field(data, "run_attempt", (int,)), job=_field(data, "job", (str,)),
@@ -232,7 +232,7 @@ class Verdict:
     reasons: tuple[str, ...] = ()
 
     @classmethod
-    def from_wire(cls, data: Any) -> Verdict:
+    def from_wire(cls, data: object) -> Verdict:
         data = _object(data, "verdict")
         reasons = _field(data, "reasons", (list,))
         if not all(isinstance(reason, str) for reason in reasons):
@@ -252,7 +252,7 @@ class Timings:
     vm_ready_ms: float | None = None
 
     @classmethod
-    def from_wire(cls, data: Any) -> Timings:
+    def from_wire(cls, data: object) -> Timings:
         data = _object(data if data is not None else {}, "timings")
         return cls(**{f.name: _field(data, f.name, (int, float), optional=True) for f in fields(cls)})
 
@@ -299,7 +299,7 @@ class JobRecord:
         return wire
 
     @classmethod
-    def from_wire(cls, data: Any) -> JobRecord:
+    def from_wire(cls, data: object) -> JobRecord:
         data = _object(data, "job record")
         listed = {}
         for key in ("blocked_egress", "artifacts"):
@@ -337,7 +337,7 @@ class Health:
     warm: int
 
     @classmethod
-    def from_wire(cls, data: Any) -> Health:
+    def from_wire(cls, data: object) -> Health:
         data = _object(data, "health")
         return cls(ok=_field(data, "ok", (bool,)), accel=_field(data, "accel", (str,), optional=True),
                    running=_field(data, "running", (int,)), queued=_field(data, "queued", (int,)),
@@ -356,7 +356,7 @@ class QueueFullAnswer:
     queued: int
 
     @classmethod
-    def from_wire(cls, data: Any) -> QueueFullAnswer:
+    def from_wire(cls, data: object) -> QueueFullAnswer:
         data = _object(data, "queue-full answer")
         queued = _field(data, "queued", (int,))
         if queued < 0:
@@ -377,7 +377,7 @@ class LogEntry:
     data: bytes
 
     @classmethod
-    def from_wire(cls, data: Any) -> LogEntry:
+    def from_wire(cls, data: object) -> LogEntry:
         data = _object(data, "log entry")
         try:
             raw = base64.b64decode(_field(data, "data", (str,)), validate=True)
