@@ -29,16 +29,20 @@ import tarfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, TYPE_CHECKING
 
-from policy import PolicyError, load_repository_file
+from policy import PolicyError, PolicyStore, load_repository_file
 from policy.model import Policy
-from policy.warm import WarmSpec
+from policy.warm import RepositoryFile, WarmSpec
 from runner.github.errors import GitHubError
 from runner.github.policy_source import PolicySource, input_blobs, tarball
 from runner.service.config import ServiceConfig
 from runner.vm.errors import SandboxError
 from runner.vm.templates import Template, TemplateNotFound
+
+if TYPE_CHECKING:
+    from runner.sandbox import Sandbox
+    from runner.vm.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,7 @@ class RepositoryBases:
     the repository's `warm:` section and setup policy (`PolicyStore.warm_for` with the default branch as
     fallback), `github` the App's client for the default branch's files."""
 
-    def __init__(self, engine: Any, create_sandbox: Callable[..., Any], warm_for: Callable[[str], tuple[WarmSpec, Policy] | None],
+    def __init__(self, engine: Engine, create_sandbox: Callable[..., Sandbox], warm_for: Callable[[str], tuple[WarmSpec, Policy] | None],
                  github: PolicySource, settings: BaseSettings) -> None:
         self.engine = engine
         self.templates = engine.templates
@@ -198,7 +202,7 @@ class RepositoryBases:
         return template
 
     def _setup_and_snapshot(self, repository: str, name: str, network: bool, digest: str, spec: WarmSpec,
-                            setup_policy: Policy, checkout: bytes, extra: dict) -> Template:
+                            setup_policy: Policy, checkout: bytes, extra: dict[str, object]) -> Template:
         sandbox = self._create(template=self.settings.parent, network=network,
                                policy=setup_policy if network else None, job_id=f"warm-{name}"[:60])
         try:
@@ -253,9 +257,9 @@ class RepositoryBases:
             return self._locks.setdefault((repository, network), threading.Lock())
 
 
-def branch_warm(store: Any, github: PolicySource | None) -> Callable[[str], tuple[WarmSpec, Policy] | None]:
+def branch_warm(store: PolicyStore, github: PolicySource | None) -> Callable[[str], tuple[WarmSpec, Policy] | None]:
     """`warm_for` from the policy store, falling back to the default branch's file via the App."""
-    def fallback(repository: str):
+    def fallback(repository: str) -> RepositoryFile | None:
         if github is None:
             return None
         found = github.for_repository(repository)
@@ -286,7 +290,7 @@ def restream(archive: bytes, inputs: tuple[str, ...], max_bytes: int) -> tuple[b
                 _, _, name = member.name.partition("/")
                 if not name:
                     continue  # the top directory itself
-                data = source.extractfile(member).read() if member.isreg() else None
+                data = _read(source.extractfile(member)) if member.isreg() else None
                 if data is not None and any(_matches(name, p) for p in inputs):
                     blobs[name] = git_blob_sha(data)
                 member.name = name
@@ -296,3 +300,9 @@ def restream(archive: bytes, inputs: tuple[str, ...], max_bytes: int) -> tuple[b
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise BaseBuildError(f"the default branch's tarball does not read: {exc}") from None
     return out.getvalue(), blobs, commit
+
+
+def _read(member: IO[bytes] | None) -> bytes:
+    """A regular member's data (tarfile gives every regular member a file object)."""
+    assert member is not None
+    return member.read()
