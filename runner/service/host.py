@@ -201,22 +201,25 @@ class ServiceHost:
         directories now."""
         try:
             policies = self._policies or EgressPolicies(self.config.policy_dir, branch_files=branch_files(self.config))
-            service = JobService(self.config, create, policies, self._warm_bases(create, policies))
+            service = JobService(self.config, create, policies, self._warm_bases(policies))
         except ConfigError as exc:  # e.g. unreadable GitHub App settings
             raise ConfigError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
         self._stack.callback(service.close)
         service.start()
         return service
 
-    def _warm_bases(self, create: SandboxFactory, policies: EgressPolicies) -> RepositoryBases | None:
+    def _warm_bases(self, policies: EgressPolicies) -> RepositoryBases | None:
         """The repositories' warm bases on the engine; None without real VMs or without the App, which
-        reads the default branches the bases are built from."""
+        reads the default branches the bases are built from. Bases snapshot their VMs, so they get the
+        engine's own `Sandbox.create` (what jobs get too, as a `SandboxFactory`)."""
         if self.engine is None or policies.branch_files is None:
             return None
         from policy import PolicyStore
+        from runner.sandbox import Sandbox
         from runner.service.bases import BaseSettings, RepositoryBases, branch_warm
 
         source = policies.branch_files
+        create = functools.partial(Sandbox.create, engine=self.engine)
         bases = RepositoryBases(self.engine, create, branch_warm(PolicyStore(self.config.policy_dir), source), source,
                                 BaseSettings.from_config(self.config))
         bases.evict()
