@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import grp
 import os
 import pwd
@@ -24,7 +25,7 @@ class Check:
     fix: str = ""
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = subparsers.add_parser("doctor", help="check this host and say which accelerator VMs use")
     doctor.add_argument("--selftest", action="store_true", help="also test-boot the guest kernel under KVM")
     doctor.add_argument("--config", type=Path, default=DEFAULT_SERVICE_CONFIG,
@@ -171,7 +172,7 @@ def template_check(state: StateDir) -> Check:
     return Check(True, f"template 'base' is built ({template.digest}, {m['accel']}, {m['memory_mib']} MiB)")
 
 
-def cmd_doctor(args) -> int:
+def cmd_doctor(args: argparse.Namespace) -> int:
     state = StateDir.default()
     checks = [*host_checks(), *confinement_checks(), *network_checks(), template_check(state),
               *service_checks(args.config)]

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.errors import UserError
 from runner.fleet import hook
@@ -21,8 +22,11 @@ from runner.github.deliveries import RedeliverySweep
 from runner.github.errors import GitHubError
 from runner.github.guard import GUARD_RULES_ENV
 
+if TYPE_CHECKING:
+    from runner.service.config import ServiceConfig
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     config_help = f"GitHub App settings (YAML; default {DEFAULT_CONFIG_PATH} or $MICROVM_CHECK_GITHUB_CONFIG)"
 
     cmd = subparsers.add_parser("register", help="register this host's runner with the org")
@@ -204,7 +208,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
     return 0 if verdict.allowed else 1
 
 
-def _service_config(path: Path):
+def _service_config(path: Path) -> ServiceConfig:
     from runner.service.config import ConfigError, load_config
 
     try:

@@ -17,7 +17,7 @@ from policy.warm import WarmSpec, load_repository_file
 from runner.errors import UserError
 
 if TYPE_CHECKING:
-    from runner.service.records import JobRecord
+    from runner.jobapi.contract import JobRecord
 
 # What `policy render` shows rules for: a typical VM namespace, so that the output reads like the real thing.
 EXAMPLE_CONTEXT = RenderContext(
@@ -26,7 +26,7 @@ EXAMPLE_CONTEXT = RenderContext(
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("policy", help="check, render and suggest egress policies")
     commands = parser.add_subparsers(dest="policy_command", metavar="COMMAND", required=True)
 
