@@ -17,15 +17,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from fractions import Fraction
 from ipaddress import ip_network
 from pathlib import Path, PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 import yaml
 
-from policy.model import PROTOCOLS, Rule
+from policy.model import PROTOCOLS, Rule, is_protocol
+from policy.model import Network as IpNetwork
 from policy.render import OperatorAllowances
 from policy.yamldoc import (
     BOOL_TAG,
@@ -49,6 +51,9 @@ from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY
 from runner.jobapi.contract import DEFAULT_SOCKET  # the job API's contract: one default for service and clients
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 DEFAULT_STATE_DIR = "/var/lib/microvm-check"
 LIMITS = Limits("config", 64 * 1024, 8, "a config is a mapping of settings with a few small sections",
                 max_problems=20)
@@ -68,11 +73,32 @@ LISTEN_PATTERN = r"^.+:[0-9]{1,5}$"
 SLOT_PREFIX_PATTERN = r"^[a-z][a-z0-9]{0,8}$"
 
 
+class SettingMeta(TypedDict):
+    """A setting's declaration, kept in its dataclass field's metadata by `setting`."""
+
+    kind: str  # how it is read (`_Walk.read_<kind>`) and described (`_KIND_SCHEMAS`)
+    help: str
+    minimum: float | None
+    maximum: float | None
+    pattern: str | None
+    section: type[DataclassInstance] | None  # the dataclass of a "section" setting
+
+
+def _meta(f: Field[Any]) -> SettingMeta:
+    """Every config field is declared with `setting`, which stores a SettingMeta as its metadata."""
+    return cast(SettingMeta, f.metadata)
+
+
+# A list item's own reading: a plain string.
+_ITEM = SettingMeta(kind="string", help="", minimum=None, maximum=None, pattern=None, section=None)
+T = TypeVar("T", bound="DataclassInstance")
+
+
 def setting(default: Any, help: str, kind: str, *, minimum: float | None = None, maximum: float | None = None,
-            pattern: str | None = None, section: type | None = None) -> Any:
-    """A config field: its default, how it is read (`kind`), its range and what it is for, declared once."""
-    metadata = {"kind": kind, "help": help, "minimum": minimum, "maximum": maximum, "pattern": pattern,
-                "section": section}
+            pattern: str | None = None, section: type[DataclassInstance] | None = None) -> Any:
+    """A config field: its default, how it is read (`kind`), its range and what it is for, declared once.
+    Returns a dataclasses.field, typed Any as `field()` is, so each setting keeps its own annotation."""
+    metadata = SettingMeta(kind=kind, help=help, minimum=minimum, maximum=maximum, pattern=pattern, section=section)
     if section is not None:
         return field(default_factory=section, metadata=metadata)
     if isinstance(default, OperatorAllowances):
@@ -330,7 +356,7 @@ class _Walk:
         """A problem with the setting at dotted path `where`, at its line when the file has it."""
         self.problem(self.nodes.get(where), where, message)
 
-    def section(self, cls: type, node: yaml.Node | None, prefix: str) -> Any:
+    def section(self, cls: type[T], node: yaml.Node | None, prefix: str) -> T | None:
         """An instance of `cls` from a mapping node; None after reporting problems."""
         if node is None or is_null(node):
             given: dict[str, yaml.Node] = {}
@@ -344,7 +370,7 @@ class _Walk:
             given, _ = mapping(node, known, prefix.rstrip(".") or "the config", self.problems,
                                unknown=escaped + "{name}: unknown setting (a typo?); {hint}")
         before = len(self.problems.items) + self.problems.dropped
-        values = {}
+        values: dict[str, Any] = {}  # each its own field's type, which the reader of its kind returns
         for f in fields(cls):
             value_node = given.get(f.name)
             if value_node is not None:
@@ -354,32 +380,32 @@ class _Walk:
             return None
         return cls(**values)
 
-    def value(self, f: Field, node: yaml.Node | None, where: str) -> Any:
-        meta = f.metadata
-        if meta["kind"] == "section":
+    def value(self, f: Field[Any], node: yaml.Node | None, where: str) -> Any:
+        meta = _meta(f)
+        if meta["section"] is not None:  # kind "section"
             return self.section(meta["section"], node, where + ".")
         if node is None or is_null(node):
-            return f.default_factory() if f.default is MISSING else f.default
+            return _default(f)
         reader = getattr(self, "read_" + meta["kind"])
         value = reader(node, where, meta)
         if value is not None and meta["kind"] in ("int", "number", "size"):
             self.check_range(node, where, value, meta)
         return value
 
-    def check_range(self, node: yaml.Node, where: str, value: float, meta: Any) -> None:
+    def check_range(self, node: yaml.Node, where: str, value: float, meta: SettingMeta) -> None:
         low, high = meta["minimum"], meta["maximum"]
         if low is not None and value < low:
             self.problem(node, where, f"must be at least {_number(low)}, not {_number(value)}")
         elif high is not None and value > high:
             self.problem(node, where, f"must be at most {_number(high)}, not {_number(value)}")
 
-    def read_int(self, node: yaml.Node, where: str, meta: Any) -> int | None:
+    def read_int(self, node: yaml.Node, where: str, meta: SettingMeta) -> int | None:
         if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and _INTEGER.fullmatch(node.value):
             return int(node.value)
         self.problem(node, where, f"expected an integer in plain decimal digits, not {kind(node)}")
         return None
 
-    def read_number(self, node: yaml.Node, where: str, meta: Any) -> float | None:
+    def read_number(self, node: yaml.Node, where: str, meta: SettingMeta) -> float | None:
         if isinstance(node, yaml.ScalarNode) and node.tag == FLOAT_TAG and _NON_FINITE.fullmatch(node.value):
             self.problem(node, where, f"must be a finite number, not {kind(node)}")
             return None
@@ -393,7 +419,7 @@ class _Walk:
         self.problem(node, where, f"expected a number, not {kind(node)}")
         return None
 
-    def read_size(self, node: yaml.Node, where: str, meta: Any) -> int | None:
+    def read_size(self, node: yaml.Node, where: str, meta: SettingMeta) -> int | None:
         if isinstance(node, yaml.ScalarNode) and node.tag in (INT_TAG, STR_TAG):
             try:
                 return parse_size(node.value)
@@ -402,27 +428,28 @@ class _Walk:
         self.problem(node, where, f"expected a size like 512MiB, 1.5GiB or 1G (whole bytes), not {kind(node)}")
         return None
 
-    def read_bool(self, node: yaml.Node, where: str, meta: Any) -> bool | None:
+    def read_bool(self, node: yaml.Node, where: str, meta: SettingMeta) -> bool | None:
         if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
             return yaml.constructor.SafeConstructor.bool_values[node.value.lower()]
         self.problem(node, where, f"expected true or false, not {kind(node)}")
         return None
 
-    def read_string(self, node: yaml.Node, where: str, meta: Any) -> str | None:
+    def read_string(self, node: yaml.Node, where: str, meta: SettingMeta) -> str | None:
         value = string(node)
         if value is None:
             hint = " (put it in quotes)" if isinstance(node, yaml.ScalarNode) else ""
             self.problem(node, where, f"expected a string{hint}, not {kind(node)}")
             return None
         error = _string_error(value)
-        if error is None and meta.get("pattern") and not re.fullmatch(meta["pattern"].strip("^$"), value):
+        pattern = meta["pattern"]
+        if error is None and pattern and not re.fullmatch(pattern.strip("^$"), value):
             error = f"{quote(value)} does not fit: {meta['help']}"
         if error:
             self.problem(node, where, error)
             return None
         return value
 
-    def read_path(self, node: yaml.Node, where: str, meta: Any) -> Path | None:
+    def read_path(self, node: yaml.Node, where: str, meta: SettingMeta) -> Path | None:
         value = self.read_string(node, where, meta)
         if value is None:
             return None
@@ -432,14 +459,15 @@ class _Walk:
             self.problem(node, where, f"cannot use the path {quote(value)}: {quote(str(exc), 100)}")
             return None
 
-    def read_strings(self, node: yaml.Node, where: str, meta: Any) -> tuple[str, ...] | None:
+    def read_strings(self, node: yaml.Node, where: str, meta: SettingMeta) -> tuple[str, ...] | None:
         if not isinstance(node, yaml.SequenceNode) or not node.value or len(node.value) > MAX_LIST:
             self.problem(node, where, f"expected a list of 1 to {MAX_LIST} strings, not {_shape(node)}")
             return None
-        items = [self.read_string(item, f"{where}[{index}]", {}) for index, item in enumerate(node.value)]
-        return None if None in items else tuple(items)
+        items = [self.read_string(item, f"{where}[{index}]", _ITEM) for index, item in enumerate(node.value)]
+        strings = [item for item in items if item is not None]
+        return tuple(strings) if len(strings) == len(items) else None
 
-    def read_listen(self, node: yaml.Node, where: str, meta: Any) -> tuple[str, int] | None:
+    def read_listen(self, node: yaml.Node, where: str, meta: SettingMeta) -> tuple[str, int] | None:
         value = self.read_string(node, where, meta)
         if value is None:
             return None
@@ -449,15 +477,16 @@ class _Walk:
             self.problem(node, where, str(exc))
             return None
 
-    def read_allow(self, node: yaml.Node, where: str, meta: Any) -> OperatorAllowances | None:
+    def read_allow(self, node: yaml.Node, where: str, meta: SettingMeta) -> OperatorAllowances | None:
         """`network.allow`: the operator's network rules, applied to every networked VM before the
         always-denied destinations, so they alone can open e.g. a proxy on the host or the metadata service."""
         if not isinstance(node, yaml.SequenceNode) or len(node.value) > MAX_ALLOW_RULES:
             self.problem(node, where, f"expected a list of at most {MAX_ALLOW_RULES} rules like "
                                       f"{{cidr: 10.0.0.5/32, ports: [3128]}}, not {_shape(node)}")
             return None
-        rules = [self.allowance(item, f"{where}[{index}]") for index, item in enumerate(node.value)]
-        return None if None in rules else OperatorAllowances(tuple(rules))
+        items = [self.allowance(item, f"{where}[{index}]") for index, item in enumerate(node.value)]
+        rules = [rule for rule in items if rule is not None]
+        return OperatorAllowances(tuple(rules)) if len(rules) == len(items) else None
 
     def allowance(self, node: yaml.Node, where: str) -> Rule | None:
         if not isinstance(node, yaml.MappingNode):
@@ -470,13 +499,14 @@ class _Walk:
         network = self.rule_cidr(given.get("cidr"), node, where)
         ports = self.rule_ports(given.get("ports"), node, where)
         protocol = string(given["protocol"]) if "protocol" in given else "tcp"
-        if protocol not in PROTOCOLS:
+        if not is_protocol(protocol):
             self.problem(given["protocol"], f"{where}.protocol", f"use tcp or udp, not {kind(given['protocol'])}")
+            return None
         if len(self.problems.items) != before or network is None or ports is None:
             return None
         return Rule(frozenset(ports), protocol, network=network)
 
-    def rule_cidr(self, node: yaml.Node | None, rule: yaml.Node, where: str) -> Any:
+    def rule_cidr(self, node: yaml.Node | None, rule: yaml.Node, where: str) -> IpNetwork | None:
         if node is None:
             self.problem(rule, f"{where}.cidr", "missing; give a network like 169.254.169.254/32")
             return None
@@ -493,11 +523,14 @@ class _Walk:
                          f"expected a list of 1 to 128 port numbers like [80, 443], not "
                          f"{_shape(node) if node is not None else 'nothing'}")
             return None
-        ports = [decimal_int(item) for item in node.value]
-        for item, port in zip(node.value, ports):
+        ports = []
+        for item in node.value:
+            port = decimal_int(item)
             if port is None or not 1 <= port <= 65535:
                 self.problem(item, f"{where}.ports", f"{kind(item)} is not a port number (1..65535)")
-        return None if any(p is None or not 1 <= p <= 65535 for p in ports) else ports
+            else:
+                ports.append(port)
+        return ports if len(ports) == len(node.value) else None
 
 
 def _check(config: ServiceConfig, walk: _Walk) -> ServiceConfig | None:
@@ -613,7 +646,7 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2) + "\n"
 
 
-def _section_schema(cls: type) -> dict[str, Any]:
+def _section_schema(cls: type[DataclassInstance]) -> dict[str, Any]:
     doc = (cls.__doc__ or "").split("\n\n")[0].replace("\n", " ").strip()
     properties = {f.name: _nullable(_field_schema(f)) for f in fields(cls)}
     schema: dict[str, Any] = {"type": ["object", "null"], "additionalProperties": False, "properties": properties}
@@ -622,9 +655,9 @@ def _section_schema(cls: type) -> dict[str, Any]:
     return schema
 
 
-def _field_schema(f: Field) -> dict[str, Any]:
-    meta = f.metadata
-    if meta["kind"] == "section":
+def _field_schema(f: Field[Any]) -> dict[str, Any]:
+    meta = _meta(f)
+    if meta["section"] is not None:  # kind "section"
         return {**_section_schema(meta["section"]), "description": meta["help"]}
     schema = {**_KIND_SCHEMAS[meta["kind"]](meta), "description": meta["help"]}
     default = _json_default(f.default)
@@ -633,18 +666,18 @@ def _field_schema(f: Field) -> dict[str, Any]:
     return schema
 
 
-def _bounds(meta: Any) -> dict[str, Any]:
+def _bounds(meta: SettingMeta) -> dict[str, Any]:
     return {key: meta[key] for key in ("minimum", "maximum") if meta[key] is not None}
 
 
-def _string_schema(meta: Any) -> dict[str, Any]:
+def _string_schema(meta: SettingMeta) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_STRING}
-    if meta.get("pattern"):
+    if meta["pattern"]:
         schema["pattern"] = meta["pattern"]
     return schema
 
 
-_KIND_SCHEMAS = {
+_KIND_SCHEMAS: dict[str, Callable[[SettingMeta], dict[str, Any]]] = {  # JSON Schema of each kind
     "int": lambda meta: {"type": "integer", **_bounds(meta)},
     "number": lambda meta: {"type": "number", **_bounds(meta)},
     "size": lambda meta: {"oneOf": [{"type": "integer", **_bounds(meta)}, {"type": "string", "pattern": SIZE_PATTERN}]},
@@ -670,6 +703,14 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
         return schema
     return {"anyOf": [{"type": "null"}, {k: v for k, v in schema.items() if k not in ("description", "default")}],
             **{k: v for k, v in schema.items() if k in ("description", "default")}}
+
+
+def _default(f: Field[Any]) -> Any:
+    """A setting's default: its value, or a fresh one from its factory (`setting` gives it one of the two)."""
+    if f.default is not MISSING:
+        return f.default
+    assert callable(f.default_factory), f"setting {f.name} has no default"
+    return f.default_factory()
 
 
 def _json_default(value: Any) -> Any:
