@@ -15,13 +15,11 @@ the same directory left.
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from runner.vm import cgroup as vm_cgroup
 
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "microvm-check-runners"
@@ -43,11 +41,9 @@ def _pids_root() -> Path:
         if "pids" not in controllers.read_text().split():
             raise CgroupError("cgroup v2 has no pids controller: runners cannot be contained")
         return ROOT
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if len(fields) >= 4 and fields[2] == "cgroup" and "pids" in fields[3].split(","):
-                return Path(fields[1])
+    mount = vm_cgroup.v1_mount("pids")
+    if mount is not None:
+        return mount
     raise CgroupError("no cgroup hierarchy with the pids controller (mount cgroup v2 at /sys/fs/cgroup, or v1's "
                       "pids hierarchy): runners cannot be contained")
 
@@ -96,22 +92,10 @@ def _empty(path: Path) -> None:
         (path / "pids.max").write_text("0")
     except FileNotFoundError:
         return
-    deadline = time.monotonic() + EMPTY_TIMEOUT_SECONDS
-    while True:
-        for pid in RunnerCgroup(path).pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as exc:  # EBUSY: killed processes that have not exited yet
-            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise CgroupError(f"cannot remove the runner cgroup {path}: {exc}") from None
-            time.sleep(0.01)
+    try:
+        vm_cgroup.kill_and_rmdir(path, EMPTY_TIMEOUT_SECONDS)
+    except OSError as exc:
+        raise CgroupError(f"cannot remove the runner cgroup {path}: {exc}") from None
 
 
 def sweep(scope: str) -> list[Path]:

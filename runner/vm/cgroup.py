@@ -49,10 +49,11 @@ def version() -> str | None:
     if controllers.exists():
         have = set(controllers.read_text().split())
         return "v2" if set(V1_CONTROLLERS) <= have else None
-    return "v1" if all(_v1_mount(c) is not None for c in V1_CONTROLLERS) else None
+    return "v1" if all(v1_mount(c) is not None for c in V1_CONTROLLERS) else None
 
 
-def _v1_mount(controller: str) -> Path | None:
+def v1_mount(controller: str) -> Path | None:
+    """Where `controller`'s v1 hierarchy is mounted, if it is (runner.fleet.cgroup asks for pids)."""
     with open("/proc/self/mounts") as mounts:
         for line in mounts:
             fields = line.split()
@@ -63,7 +64,7 @@ def _v1_mount(controller: str) -> Path | None:
 
 def _mounted_v1(controller: str) -> Path:
     """Where `controller`'s v1 hierarchy is mounted; `version()` found it, but it can be unmounted since."""
-    mount = _v1_mount(controller)
+    mount = v1_mount(controller)
     if mount is None:
         raise VMError(f"the cgroup v1 {controller} controller is no longer mounted: mount it again, or use cgroup v2")
     return mount
@@ -144,8 +145,11 @@ def _pids(path: Path) -> list[int]:
         return []
 
 
-def _remove(path: Path) -> None:
-    deadline = time.monotonic() + RMDIR_TIMEOUT_S
+def kill_and_rmdir(path: Path, timeout: float) -> None:
+    """SIGKILL every process in the cgroup at `path` until the directory can be removed (gone already
+    is fine). Raises the OSError of a failed rmdir: EBUSY past `timeout` seconds (a member that will
+    not exit), or any other. Shared with runner.fleet.cgroup, whose callers word their own error."""
+    deadline = time.monotonic() + timeout
     while True:
         for pid in _pids(path):
             try:
@@ -159,8 +163,15 @@ def _remove(path: Path) -> None:
             return
         except OSError as exc:  # EBUSY: a killed process has not exited yet
             if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise VMError(f"cannot remove cgroup {path}: {exc}") from None
+                raise
             time.sleep(0.01)
+
+
+def _remove(path: Path) -> None:
+    try:
+        kill_and_rmdir(path, RMDIR_TIMEOUT_S)
+    except OSError as exc:
+        raise VMError(f"cannot remove cgroup {path}: {exc}") from None
 
 
 def groups(scope: str) -> list[Path]:
