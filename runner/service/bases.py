@@ -27,6 +27,7 @@ import json
 import logging
 import tarfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
@@ -108,6 +109,8 @@ class RepositoryBases:
         self._again: set[tuple[str, bool]] = set()  # asked for while building: build once more after
         self._locks: dict[tuple[str, bool], threading.Lock] = {}
         self._lock = threading.Lock()
+        self._closed = False
+        self._building_in: set[Sandbox] = set()  # the VMs builds run in now, so close() can end them
 
     # -- for jobs ------------------------------------------------------------------------------------
 
@@ -123,6 +126,8 @@ class RepositoryBases:
         except (GitHubError, PolicyError, SandboxError, TemplateNotFound, ValueError) as exc:
             log.warning("warm base of %s: cannot tell whether it is current (%s); jobs use what there is", repository, exc)
             fresh = None
+        if network and self.engine.net is None:
+            return parent  # this engine makes no networked VMs: nothing to build, the job fails as it would
         name = base_name(parent, repository, network)
         current = self._current(name)
         if current is None or current.digest != fresh:
@@ -146,6 +151,8 @@ class RepositoryBases:
         already runs, it runs once more after (the branch may have moved since it started)."""
         key = (repository, network)
         with self._lock:
+            if self._closed:
+                return False
             running = self._building.get(key)
             if running is not None and running.is_alive():
                 self._again.add(key)
@@ -205,7 +212,12 @@ class RepositoryBases:
                             setup_policy: Policy, checkout: bytes, extra: dict[str, object]) -> Template:
         sandbox = self._create(template=self.settings.parent, network=network,
                                policy=setup_policy if network else None, job_id=f"warm-{name}"[:60])
+        with self._lock:
+            self._building_in.add(sandbox)
+            closed = self._closed
         try:
+            if closed:
+                raise BaseBuildError("the service is shutting down")
             sandbox.put_tar(io.BytesIO(checkout))
             output = bytearray()
 
@@ -223,8 +235,23 @@ class RepositoryBases:
                                      f"{output.decode(errors='replace')[-2000:]}")
             sandbox.snapshot(name, digest=digest, extra={"base": extra})
         finally:
+            with self._lock:
+                self._building_in.discard(sandbox)
             sandbox.destroy()
         return self.templates.get(name)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop building: no new builds, the VMs running a setup are destroyed (so their builds fail at
+        once instead of running minutes into a closing engine), and the build threads are joined."""
+        with self._lock:
+            self._closed = True
+            running = list(self._building_in)
+            threads = list(self._building.values())
+        for sandbox in running:
+            sandbox.destroy()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _build_logged(self, repository: str, network: bool, ref: str | None) -> None:
         key = (repository, network)
@@ -232,9 +259,12 @@ class RepositoryBases:
             try:
                 self.build(repository, network, ref)
             except Exception as exc:
+                if self._closed:
+                    log.info("warm base of %s (%s): build stopped by shutdown", repository, variant_of(network))
+                    return
                 log.warning("warm base of %s (%s): the build failed: %s", repository, variant_of(network), exc)
             with self._lock:
-                if key not in self._again:
+                if self._closed or key not in self._again:
                     return
                 self._again.discard(key)
             ref = None  # asked again meanwhile: build what the default branch holds now

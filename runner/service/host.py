@@ -223,4 +223,5 @@ class ServiceHost:
         bases = RepositoryBases(self.engine, create, branch_warm(PolicyStore(self.config.policy_dir), source), source,
                                 BaseSettings.from_config(self.config))
         bases.evict()
+        self._stack.callback(bases.close)  # after the service closes, before the engine: no build outlives the host
         return bases
