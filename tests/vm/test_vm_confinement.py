@@ -133,14 +133,14 @@ def test_doctor_reports_sandbox_privilege_drop_and_cgroup_version(tmp_path, monk
     monkeypatch.setenv("MICROVM_CHECK_STATE", str(tmp_path / "state"))
     (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     monkeypatch.setattr(cgroup, "ROOT", tmp_path)  # a cgroup v2 host
-    cli.cmd_doctor(argparse.Namespace(selftest=False))
+    cli.cmd_doctor(argparse.Namespace(selftest=False, config=tmp_path / "service.yml"))
     out = capsys.readouterr().out
     assert f"-sandbox {jail.SANDBOX}" in out
     assert f"privilege drop: VMs run as {jail.VM_USER}" in out
     assert "cgroup v2: one per VM with cpu, memory and pids limits" in out
 
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # v2 without the memory and pids controllers
-    cli.cmd_doctor(argparse.Namespace(selftest=False))
+    cli.cmd_doctor(argparse.Namespace(selftest=False, config=tmp_path / "service.yml"))
     assert "NO  a cgroup hierarchy (v2 or v1) with the cpu, memory and pids controllers" in capsys.readouterr().out
 
 
