@@ -73,8 +73,8 @@ class Timing:
 def download_wheels(cache: Path) -> list[Path]:
     """The packages' wheels (and nothing else) for the guest's CPython, into `cache` (kept between runs)."""
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(cache),
-                    *PACKAGES], check=True)
+    subprocess.run([sys.executable, "-I", "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+                    "--dest", str(cache.resolve()), *PACKAGES], check=True, cwd="/")
     wheels = sorted(cache.glob("*.whl"))
     names = {w.name.split("-")[0].lower() for w in wheels}
     missing = [p for p in PACKAGES if p not in names]

@@ -38,7 +38,7 @@ import secrets
 import sys
 import tarfile
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, BinaryIO
@@ -449,6 +449,20 @@ def open_stream(stream: BinaryIO) -> tuple[HeaderScanner, tarfile.TarFile]:
         raise UnsafeTar(f"not a valid tar stream: {exc}") from exc
 
 
+def checked_members(stream: BinaryIO, max_files: int | None = None,
+                    too_many: str = "") -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
+    """Each member of an untrusted tar, once the header scanner agrees with tarfile on it, and at most
+    `max_files` of them (`too_many` says so past that; None where the stream's size bounds it): the
+    one walk every reader of such tars uses."""
+    scanner, archive = open_stream(stream)
+    with archive:
+        for count, info in enumerate(archive, start=1):
+            scanner.confirm(info)
+            if max_files is not None and count > max_files:
+                raise UnsafeTar(too_many)
+            yield archive, info
+
+
 def check_tar(src: BinaryIO) -> int:
     """Walk a tar's headers to reject garbage before a VM is spent on it; returns the member count.
 
@@ -501,13 +515,8 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: Limits, stopped: str | 
     state = _CopyState(limits)
     with tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as out:
         try:
-            scanner, source = open_stream(src)
-            with source:
-                for count, info in enumerate(source, start=1):
-                    scanner.confirm(info)
-                    if count > limits.max_files:
-                        raise UnsafeTar(f"more than {limits.max_files} members")
-                    _copy_member(source, info, out, state, done)
+            for source, info in checked_members(src, limits.max_files, f"more than {limits.max_files} members"):
+                _copy_member(source, info, out, state, done)
         except UnsafeTar as exc:
             done.stopped = done.stopped or str(exc)
         except tarfile.TarError as exc:
@@ -600,13 +609,9 @@ def extract(
     seen: set[str] = set()
     dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        scanner, archive = open_stream(stream)
-        with archive:
-            for count, member in enumerate(archive, start=1):
-                scanner.confirm(member)
-                if count > limits.max_files:
-                    raise UnsafeTar(f"more than {limits.max_files} entries: stopped extracting")
-                _extract_member(archive, member, dest_fd, limits, refuse, result, seen)
+        too_many = f"more than {limits.max_files} entries: stopped extracting"
+        for archive, member in checked_members(stream, limits.max_files, too_many):
+            _extract_member(archive, member, dest_fd, limits, refuse, result, seen)
     except tarfile.TarError as exc:
         raise UnsafeTar(f"not a valid tar stream: {exc}") from exc
     finally:

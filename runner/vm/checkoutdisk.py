@@ -79,11 +79,8 @@ def unpack(stream: BinaryIO, tree: Path) -> Unpacked:
     root = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     parents = _Parents(root)
     try:
-        scanner, archive = tarsafe.open_stream(stream)
-        with archive:
-            for member in archive:
-                scanner.confirm(member)
-                _unpack_member(archive, member, parents, result)
+        for archive, member in tarsafe.checked_members(stream):  # the checkout's size bounds the count
+            _unpack_member(archive, member, parents, result)
         parents.close()
         for name, mode, mtime in reversed(result.dir_modes):  # last first: parents stay writable
             fd = parents.open(name)
