@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 from runner.errors import UserError
 from runner.vm.statedir import StateDir
@@ -24,7 +26,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     listing.set_defaults(func=cmd_list)
     rm = sub.add_parser("rm", help="remove a template")
     rm.add_argument("name")
+    rm.add_argument("--yes", action="store_true", help="remove without asking")
     rm.set_defaults(func=cmd_rm)
+    for cmd in (build, listing, rm):
+        cmd.add_argument("--config", type=Path, help="the service config whose state_dir holds the templates "
+                                                     "(default: $MICROVM_CHECK_STATE or /var/lib/microvm-check)")
+
+
+def state_of(args: argparse.Namespace) -> StateDir:
+    """The state directory a command works on: the service config's `state_dir` when --config names one,
+    so `template build --config F` builds where `serve --config F` looks."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return StateDir.default()
+    from runner.service.config import ConfigError, load_config
+
+    try:
+        return StateDir(load_config(path).state_dir)
+    except ConfigError as exc:
+        raise UserError(f"{path} is not a valid service config:\n{exc}") from None
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -33,7 +53,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise UserError("template build needs root (debootstrap, chroot): run it with sudo")
     try:
-        build(args.name, StateDir.default(), force=args.force)
+        build(args.name, state_of(args), force=args.force)
     except (BuildError, RecipeError) as exc:
         raise UserError(f"template build failed: {exc}") from None
     return 0
@@ -42,7 +62,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     """Recipe templates and those made from VMs (warm bases, snapshots): size, age and last use, which
     are what the bases' disk budget evicts by."""
-    store = TemplateStore(StateDir.default().templates)
+    store = TemplateStore(state_of(args).templates)
     templates = store.list()
     if not templates:
         print("no templates: build one with 'microvm-check template build'")
@@ -57,6 +77,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confirm(question: str) -> bool:
+    """Asked on the terminal; without one (a script, a pipe) nothing is removed unless --yes says so."""
+    if not sys.stdin.isatty():
+        raise UserError("template rm asks before removing: pass --yes when there is no terminal to answer")
+    return input(question).strip().lower() in ("y", "yes")
+
+
 def _ago(seconds: float) -> str:
     for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= length:
@@ -65,8 +92,15 @@ def _ago(seconds: float) -> str:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    store = TemplateStore(state_of(args).templates)
+    if not (store.root / args.name).is_dir():
+        raise UserError(f"no template named {args.name!r} in {store.root}")
+    if not getattr(args, "yes", False) and not _confirm(f"remove template {args.name!r} from {store.root}? "
+                                                         "jobs that name it fail until it is rebuilt [y/N] "):
+        print("nothing removed", file=sys.stderr)
+        return 1
     try:
-        TemplateStore(StateDir.default().templates).remove(args.name)
+        store.remove(args.name)
     except TemplateNotFound as exc:
         raise UserError(str(exc)) from None
     print(f"removed template {args.name}")

@@ -11,11 +11,15 @@ import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.vm import accel, cgroup, jail
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore
+
+if TYPE_CHECKING:
+    from runner.service.config import ServiceConfig
 
 
 @dataclass(frozen=True)
@@ -117,18 +121,73 @@ def network_checks(forward: Path = IP_FORWARD) -> list[Check]:
 
 def service_checks(path: Path) -> list[Check]:
     """The service config (the loader `config check` runs) and the job API socket it names."""
+    return load_service_config(path)[1]
+
+
+def load_service_config(path: Path) -> tuple[ServiceConfig | None, list[Check]]:
+    """The config at `path` (None when it is missing or invalid) and what doctor says about it and its socket."""
     from runner.service.config import ConfigError, load_config
 
     if not path.exists():
-        return [Check(False, f"service config {path} exists",
-                      "write one (README: 'Install on a runner host') or name it with --config FILE")]
+        return None, [Check(False, f"service config {path} exists",
+                            "write one (README: 'Install on a runner host') or name it with --config FILE")]
     try:
         config = load_config(path)
     except ConfigError as exc:
-        return [Check(False, f"service config {path} is valid",
-                      f"{len(exc.problems) or 1} problem(s), first: {str(exc).splitlines()[0]}; "
-                      f"`microvm-check config check {path}` lists them all")]
-    return [Check(True, f"service config {path} is valid"), *socket_checks(config.socket, config.socket_group)]
+        return None, [Check(False, f"service config {path} is valid",
+                            f"{len(exc.problems) or 1} problem(s), first: {str(exc).splitlines()[0]}; "
+                            f"`microvm-check config check {path}` lists them all")]
+    return config, [Check(True, f"service config {path} is valid"), *socket_checks(config.socket, config.socket_group)]
+
+
+def config_file_checks(config: ServiceConfig) -> list[Check]:
+    """The files and groups the config names, read as the service will read them: a typo shows here, not at
+    the first webhook delivery or the first runner."""
+    checks = []
+    if config.admin_group is not None:
+        checks.append(_group_check("admin_group", config.admin_group, "members are the operator on the socket"))
+    if config.webhook.secret_path is not None:
+        checks.append(_secret_check("webhook.secret_path", config.webhook.secret_path))
+    if config.policy_dir is not None:
+        ok = config.policy_dir.is_dir() and os.access(config.policy_dir, os.R_OK | os.X_OK)
+        checks.append(Check(ok, f"policy_dir {config.policy_dir} is a readable directory",
+                            "create it (see policy/README.md) or fix policy_dir"))
+    apps = {("github_config", config.github_config), ("webhook.github_config", config.webhook.github_config),
+            ("runners.github_config", config.runners.github_config)}
+    for key, path in sorted((k, p) for k, p in apps if p is not None):
+        checks.append(github_app_check(key, path))
+    return checks
+
+
+def _group_check(key: str, name: str, why: str) -> Check:
+    try:
+        grp.getgrnam(name)
+        return Check(True, f"{key} {name} exists ({why})")
+    except KeyError:
+        return Check(False, f"{key} {name} exists", f"create it (groupadd {name}) or fix {key}")
+
+
+def _secret_check(key: str, path: Path) -> Check:
+    try:
+        ok = bool(path.read_bytes().strip())
+        fix = f"{path} is empty: write the webhook secret into it"
+    except OSError as exc:
+        ok, fix = False, f"cannot read it: {exc.strerror}"
+    return Check(ok, f"{key} {path} is readable and not empty", fix)
+
+
+def github_app_check(key: str, path: Path) -> Check:
+    """The App settings load and their private key signs a JWT (what every call to GitHub starts with)."""
+    from runner.github.config import load_settings
+    from runner.github.errors import GitHubError
+
+    try:
+        settings = load_settings(path)
+        settings.app().jwt()
+    except GitHubError as exc:
+        return Check(False, f"{key} {path}: the GitHub App settings load and the key signs",
+                     str(exc).splitlines()[0])
+    return Check(True, f"{key} {path}: the GitHub App settings load and the key {settings.private_key_path} signs")
 
 
 def socket_checks(socket: str, group: str | None) -> list[Check]:
@@ -163,19 +222,24 @@ def summary(checks: list[Check]) -> str:
     return f"doctor: {len(checks) - len(failed)} of {len(checks)} checks passed, {len(failed)} to fix (marked NO above)"
 
 
-def template_check(state: StateDir) -> Check:
+def template_check(state: StateDir, name: str = "base") -> Check:
     try:
-        template = TemplateStore(state.templates).get("base")
+        template = TemplateStore(state.templates).get(name)
     except TemplateNotFound as exc:
-        return Check(False, "template 'base' is built", str(exc))
+        return Check(False, f"template {name!r} is built in {state.root}", str(exc))
     m = template.manifest
-    return Check(True, f"template 'base' is built ({template.digest}, {m['accel']}, {m['memory_mib']} MiB)")
+    return Check(True, f"template {name!r} is built in {state.root} ({template.digest}, {m['accel']}, "
+                      f"{m['memory_mib']} MiB)")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    state = StateDir.default()
-    checks = [*host_checks(), *confinement_checks(), *network_checks(), template_check(state),
-              *service_checks(args.config)]
+    """With a valid config, its state_dir, its templates and the files it names are what is checked:
+    exactly what `serve --config` will use."""
+    config, service = load_service_config(args.config)
+    state = StateDir(config.state_dir) if config is not None else StateDir.default()
+    names = config.templates if config is not None else ("base",)
+    checks = [*host_checks(), *confinement_checks(), *network_checks(), *(template_check(state, n) for n in names),
+              *service, *(config_file_checks(config) if config is not None else [])]
     for check in checks:
         line = f"{'ok ' if check.ok else 'NO '} {check.what}"
         print(line if check.ok else f"{line}: {check.fix}")
@@ -184,7 +248,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from runner.vm.qemu import qemu_binary
 
         try:
-            template = TemplateStore(state.templates).get("base")
+            template = TemplateStore(state.templates).get(names[0])
             qemu = qemu_binary()
         except (TemplateNotFound, VMError) as exc:
             print(f"accelerator: cannot test-boot the guest: {exc}")

@@ -159,7 +159,26 @@ class ServiceHost:
         except (MicrovmCheckError, OSError) as exc:  # anything else is a bug: its traceback must show
             raise SandboxError(f"the VM engine could not start on {state.root}: {exc}") from exc
         self._stack.callback(self.engine.close)
+        self._require_templates(self.engine)
         return functools.partial(Sandbox.create, engine=self.engine)
+
+    def _require_templates(self, engine: Engine) -> None:
+        """Every template the config offers is built, or the host does not start: otherwise each job fails
+        with "no template" while the service looks healthy. The error names the command that fixes it."""
+        from runner.vm.templates import TemplateNotFound
+
+        missing = []
+        for name in self.config.templates:
+            try:
+                engine.templates.get(name)
+            except TemplateNotFound:
+                missing.append(name)
+        if missing:
+            where = f"{self._origin}: " if self._origin else ""
+            config = f" --config {self._origin}" if self._origin else ""
+            commands = "; ".join(f"sudo microvm-check template build {name}{config}" for name in missing)
+            raise ConfigError(f"{where}templates: {', '.join(map(repr, missing))} not built in "
+                              f"{engine.templates.root}; build {'it' if len(missing) == 1 else 'them'}: {commands}")
 
     def _slot_pool(self, uplink: Uplink | None, upstream: Upstream | None) -> SlotPool:
         from runner.net import HostUplink, SlotPool

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import tarfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from policy.suggest import AuditRecord
@@ -175,3 +177,15 @@ def checkout_tar(files: dict[str, bytes] | None = None) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def baked_template(state_dir: Path, name: str = "base") -> None:
+    """A template's record on disk as `template build` leaves it (manifest, current), for tests of `serve`'s
+    start-up that never restore a VM from it: the host refuses to start without the templates its config offers."""
+    from runner.vm.templates import TemplateStore
+
+    store = TemplateStore(state_dir / "templates")
+    path = store.begin(name, "d" * 20)
+    (path / "manifest.json").write_text(json.dumps({"name": name, "digest": "d" * 20, "accel": "tcg",
+                                                    "memory_mib": 512, "created": 0, "variants": ["nonet"]}))
+    store.publish(name, "d" * 20)

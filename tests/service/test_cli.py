@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from service_fakes import FakeEngine, member, prints, tar_of
+from service_fakes import FakeEngine, baked_template, member, prints, tar_of
 
 from runner.cli import main
 from runner.jobapi.client import JobAPIError, JobClient
@@ -104,6 +104,7 @@ def test_jobs_reads_records_from_the_config(make_config, tmp_path: Path, capsys)
 def test_serve_starts_answers_and_stops_on_sigterm(short_dir: Path) -> None:
     config = short_dir / "service.yml"
     config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\nshutdown_grace_seconds: 5\n")
+    baked_template(short_dir / "state")
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from runner.cli import main; sys.exit(main(sys.argv[1:]))",
                              "serve", "--config", str(config)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -155,3 +156,16 @@ def test_guest_output_passes_unchanged_to_a_pipe(capfdbinary) -> None:
 
     _show("stdout", b"\x1b[1mbold\x1b[0m\n")
     assert capfdbinary.readouterr().out == b"\x1b[1mbold\x1b[0m\n"
+
+
+def test_serve_refuses_to_start_without_a_template_it_offers(short_dir: Path, capsys, monkeypatch) -> None:
+    """Before: serve started and every job failed with "no template named 'big'". Now it names the command."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    config = short_dir / "service.yml"
+    config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\ntemplates: [base, big]\n")
+    baked_template(short_dir / "state", "base")
+    assert main(["serve", "--config", str(config)]) == 1
+    assert capsys.readouterr().err == (
+        f"microvm-check: {config}: templates: 'big' not built in {short_dir}/state/templates; build it: "
+        f"sudo microvm-check template build big --config {config}\n")
+    assert not (short_dir / "api.sock").exists()

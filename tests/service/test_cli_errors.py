@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from service_fakes import baked_template
 
 from policy.load import PolicyError
 from policy.yamldoc import Problem
@@ -86,6 +87,7 @@ def serve_config(short_dir: Path, monkeypatch) -> Path:
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     path = short_dir / "service.yml"
     path.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\n")
+    baked_template(short_dir / "state")
     return path
 
 

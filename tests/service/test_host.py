@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, spec, waits
+from service_fakes import FakeEngine, baked_template, checkout_tar, spec, waits
 
 from runner.errors import ConfigError, SandboxError
 from runner.jobapi.client import JobAPIError, JobClient
@@ -33,8 +33,9 @@ PIECE_THREADS = ("job-worker", "job-reaper", "api-unix", "api-tcp", "github-webh
 
 
 @pytest.fixture
-def need_engine(need_root: None) -> None:
+def need_engine(need_root: None, short_dir: Path) -> None:
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+    baked_template(short_dir / "state")  # make_config's state_dir: the host starts only with its templates
 
 
 @pytest.fixture

@@ -74,3 +74,38 @@ def test_the_socket_and_its_group(tmp_path: Path) -> None:
                                        ((True, False, False), "doctor: 1 of 3 checks passed, 2 to fix (marked NO above)")])
 def test_the_summary_line(oks: tuple[bool, ...], line: str) -> None:
     assert cli.summary([cli.Check(ok, "x") for ok in oks]) == line
+
+
+def _rsa_pem() -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()).decode()
+
+
+def test_doctor_config_checks_what_that_config_uses(tmp_path, monkeypatch, capsys):
+    """--config F: F's state_dir and templates (not the default root, where 'base' may well be built), the files
+    F names read as the service reads them, and the groups it names."""
+    monkeypatch.setattr(accel, "static_checks", lambda: accel.Accel("tcg", "not what this test is about"))
+    state = tmp_path / "state"
+    good_key, bad_key = tmp_path / "app.pem", tmp_path / "bad.pem"
+    good_key.write_text(_rsa_pem())
+    bad_key.write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+    (tmp_path / "good.yml").write_text(f"app_id: 1\nprivate_key_path: {good_key}\n")
+    (tmp_path / "bad.yml").write_text(f"app_id: 1\nprivate_key_path: {bad_key}\n")
+    config = tmp_path / "service.yml"
+    config.write_text(f"state_dir: {state}\ntemplates: [base, big]\nsocket: {tmp_path}/api.sock\n"
+                      f"admin_group: no-such-group-mvc\ngithub_config: {tmp_path}/good.yml\n"
+                      f"webhook: {{secret_path: {tmp_path}/missing-secret, github_config: {tmp_path}/bad.yml}}\n")
+    assert cli.cmd_doctor(argparse.Namespace(selftest=False, config=config)) == 1
+    out = capsys.readouterr().out
+    for name in ("base", "big"):
+        assert f"NO  template '{name}' is built in {state}: no template named '{name}'" in out
+        assert f"build it with 'microvm-check template build {name}'" in out
+    assert "NO  admin_group no-such-group-mvc exists: create it (groupadd no-such-group-mvc)" in out
+    assert f"NO  webhook.secret_path {tmp_path}/missing-secret is readable and not empty: cannot read it" in out
+    assert f"ok  github_config {tmp_path}/good.yml: the GitHub App settings load and the key {good_key} signs" in out
+    assert (f"NO  webhook.github_config {tmp_path}/bad.yml: the GitHub App settings load and the key signs: "
+            "the GitHub App private key is not a usable RSA PEM key") in out

@@ -23,6 +23,7 @@ from runner.vm.engine import Engine
 from runner.vm.errors import AgentError
 from runner.vm.hypervisor import MachineConfig, Snapshot
 from runner.vm.statedir import StateDir
+from tests.service.service_fakes import baked_template
 
 TOKEN = "a-test-token-of-32-characters-xx"
 BAD_MAGIC = P.HEADER.pack(b"XXXX", P.VERSION, P.MSG, 1, 2) + b"{}"
@@ -150,6 +151,7 @@ def test_protocol_errors_show_in_the_services_metrics(short_dir: Path, monkeypat
     monkeypatch.setattr("runner.vm.engine.QemuHypervisor", lambda: hypervisor)
     config = config_from_mapping({"socket": str(short_dir / "api.sock"), "state_dir": str(short_dir / "state"),
                                   "listen": "127.0.0.1:0", "token": TOKEN, "shutdown_grace_seconds": 0})
+    baked_template(short_dir / "state")  # the host starts only with the templates its config offers
     with ServiceHost(config, engine=EngineSettings(pool_size=0)) as host:
         assert host.engine is not None and host.api is not None
         _restore_hostile(host.engine, _snapshot(short_dir))
