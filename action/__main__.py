@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from action import session
 from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
 from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
@@ -80,7 +81,12 @@ class JobDriver:
 
     def _run(self, spec: JobSpec) -> int:
         waiting = QueueWait(self.inputs.timeout_minutes, say=self._say)  # a full queue: wait, up to the timeout
-        self.job_id = waiting.submit(self.client, spec).id
+        self.client.session_token = session.read(self.environ)  # a `keep: job` VM an earlier step opened
+        summary = waiting.submit(self.client, spec)
+        self.job_id = summary.id
+        warning = session.after_submit(self.environ, spec.keep, summary)
+        if warning:
+            self.out.write(annotation("warning", warning) + "\n")
         self._send_checkout()
         dropped = self._relay_logs()
         record = self.client.get(self.job_id)

@@ -23,6 +23,7 @@ from runner.jobapi.contract import (
     DEFAULT_SOCKET,
     JOB_TOKEN_HEADER,
     RUNNER_TOKEN_HEADER,
+    SESSION_TOKEN_HEADER,
     Health,
     JobRecord,
     JobSpec,
@@ -77,7 +78,8 @@ class JobClient:
 
     `runner_token` is a fleet runner's credential (MICROVM_CHECK_RUNNER_TOKEN), sent with every request.
     The job token a submit answers is kept and sent with that job's later requests; `job_tokens`
-    holds them (add one to reach a job this client did not submit). Keeps a small pool of
+    holds them (add one to reach a job this client did not submit). `session_token` is a `keep: job`
+    session's token: sent with each submit, and set from a submit that opened a session. Keeps a small pool of
     connections; close it with `close()` or use the client as a context manager.
     """
 
@@ -89,6 +91,7 @@ class JobClient:
         if runner_token:
             headers[RUNNER_TOKEN_HEADER] = runner_token
         self.job_tokens: dict[str, str] = {}
+        self.session_token: str | None = None
         if url is None:
             self.where = socket or DEFAULT_SOCKET
             transport = httpx.HTTPTransport(uds=self.where, limits=_POOL)
@@ -119,10 +122,15 @@ class JobClient:
     def submit(self, spec: JobSpec | Mapping[str, object]) -> JobSummary:
         """Submit a job; a mapping is sent as it is (the wire form, e.g. to test the service's checks)."""
         body = spec.to_wire() if isinstance(spec, JobSpec) else dict(spec)
+        headers = {"Content-Type": "application/json"}
+        if self.session_token:
+            headers[SESSION_TOKEN_HEADER] = self.session_token
         summary = self._call("POST", "/v1/jobs", JobSummary.from_wire, content=json.dumps(body).encode(),
-                             headers={"Content-Type": "application/json"})
+                             headers=headers)
         if summary.token:
             self.job_tokens[summary.id] = summary.token
+        if summary.session_token:
+            self.session_token = summary.session_token
         return summary
 
     def upload_checkout(self, job_id: str, data: BinaryIO | Iterable[bytes] | bytes) -> JobSummary:

@@ -31,7 +31,10 @@ RUNNER_TOKEN_HEADER = "X-Microvm-Check-Runner-Token"
 RUNNER_TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
 # One job's own credential, answered at submit: reading, streaming, cancelling and uploading need it.
 JOB_TOKEN_HEADER = "X-Microvm-Check-Job-Token"
-MAX_TOKEN = 128  # characters of a runner or job token
+# A `keep: job` session's own credential (runner/service/sessions.py), answered to the step that opened
+# it; the job's later steps send it back in this header to attach to the kept VM.
+SESSION_TOKEN_HEADER = "X-Microvm-Check-Session-Token"
+MAX_TOKEN = 128  # characters of a runner, job or session token
 
 # -- limits -------------------------------------------------------------------------------------------
 
@@ -59,6 +62,13 @@ SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a SHA-1 or SHA-256 commit id, 
 JOB_ID = re.compile(r"j[0-9a-f]{16}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 TEMPLATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def canonical_repository(name: str) -> str:
+    """The one form of a repository name that every comparison and key uses: GitHub's owner and
+    repository names are case-insensitive (`Org/Repo` and `org/repo` are one repository), so two
+    spellings of one repository must never be two tenants, nor one slip past a check of the other."""
+    return name.lower()
 
 
 class WireError(ClientError):
@@ -186,16 +196,21 @@ class JobSummary:
     id: str
     state: JobState
     token: str | None = field(default=None, repr=False, compare=False)  # a secret, not part of what the job is
+    # A submit that opened a `keep: job` session: its token, which the job's later steps send back.
+    session_token: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_wire(cls, data: object) -> JobSummary:
         data = _object(data, "job")
-        return cls(id=_field(data, "id", (str,)), state=_state(data), token=_field(data, "token", (str,), True))
+        return cls(id=_field(data, "id", (str,)), state=_state(data), token=_field(data, "token", (str,), True),
+                   session_token=_field(data, "session_token", (str,), True))
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"id": self.id, "state": self.state.value}
         if self.token is not None:
             wire["token"] = self.token
+        if self.session_token is not None:
+            wire["session_token"] = self.session_token
         return wire
 
 

@@ -27,7 +27,8 @@ from runner import jsonbody
 from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp,
                               parse_decimal)
 from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
-                                    RUNNER_TOKEN_HEADER, JobStarted, JobSummary, QueueFullAnswer, WireError)
+                                    RUNNER_TOKEN_HEADER, SESSION_TOKEN_HEADER, JobStarted, JobSummary,
+                                    QueueFullAnswer, WireError)
 from runner.service.auth import Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
@@ -190,8 +191,9 @@ class Handler(ServedRequest):
         access, caller = self.service.access, self._caller()
         if url.path == "/v1/jobs":
             if method == "POST":
-                record, token = self.service.submit_as(caller, self._json_body())
-                return self._send_json(201, JobSummary(record.id, record.state, token).to_wire())
+                record, token, session_token = self.service.submit_as(caller, self._json_body(),
+                                                                      self.headers.get(SESSION_TOKEN_HEADER))
+                return self._send_json(201, JobSummary(record.id, record.state, token, session_token).to_wire())
             if method == "GET":
                 access.require_operator(caller, "listing all jobs")
                 limit = _int_param(query, "limit", LIST_DEFAULT, 1, LIST_MAX)

@@ -174,16 +174,19 @@ class JobService:
         """The operator's submit (`microvm-check run` in process): `submit_as` without the job token."""
         return self.submit_as(OPERATOR, data)[0]
 
-    def submit_as(self, caller: Caller, data: object) -> tuple[JobRecord, str]:
+    def submit_as(self, caller: Caller, data: object,
+                  session_token: str | None = None) -> tuple[JobRecord, str, str | None]:
         """Validate, check the caller may submit it, then reserve; whatever fails after the reservation
-        releases all of it. Returns the record and the job's own token (runner/service/auth.py).
+        releases all of it. Returns the record, the job's own token (runner/service/auth.py) and, when
+        this step opened a `keep: job` session, the session's token (runner/service/sessions.py):
+        a later step attaches to the kept VM only with `session_token`.
 
         Everything a client sent is checked by `_admit` before anything is spent, so a bad request
         costs no queue slot; past that point a failure (a full disk, SQLite) must not leave a
         reservation, an in-memory job or a directory behind, or the queue shrinks for good.
         """
         spec, policy = self._admit(data, caller)
-        session = self._join_session(spec, policy)
+        session, opened = self._join_session(spec, policy, session_token)
         job_id = "j" + secrets.token_hex(8)
         try:
             self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
@@ -198,17 +201,20 @@ class JobService:
             if session is not None:
                 self.sessions.release(session)
             raise
-        return record, self.access.jobs.issue(job_id)
+        return record, self.access.jobs.issue(job_id), opened
 
-    def _join_session(self, spec: JobSpec, policy: Policy) -> Session | None:
-        """The GitHub job's kept VM this step opens (`keep: job`, none yet) or attaches to (one is
-        kept), or None. The key carries the runner the binding admitted, so no other job finds it."""
+    def _join_session(self, spec: JobSpec, policy: Policy,
+                      token: str | None) -> tuple[Session | None, str | None]:
+        """The GitHub job's kept VM this step opens (`keep: job` without a session's token: a new
+        session and its token) or attaches to (the token of a session of this very job), or None.
+        The key carries the runner the binding admitted and the token only the job has, so no other
+        job finds it, whatever it claims."""
         key = session_key(spec)
         if key is None:
             if spec.keep == "job":
                 raise InvalidJob("keep: job needs the GitHub job's run_id and job_name (the action sends them)")
-            return None
-        return self.sessions.join(key, spec.keep, spec.template or "", policy.digest())
+            return None, None
+        return self.sessions.join(key, spec.keep, spec.template or "", policy.digest(), token)
 
     def _admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy]:
         """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is

@@ -1,17 +1,23 @@
 """One VM across a GitHub job's steps (`keep: job`): a session holds the VM between the steps' execs.
 
-A session belongs to one GitHub job: the key is the repository, run, attempt, job and runner, the
-same things the runner binding (runner/service/auth.py) checks at submit, so a step of another job
-(another run, a re-run, a matrix sibling on another runner) never finds it. The first `keep: job`
-step opens it and its VM comes from the normal path (checkout in, command); each later step of the
-job attaches: no checkout, its own exec, its own record and log. A step with `keep: none` (the
-default) that finds the session runs in it and ends it; so do the job-completed hook, the
-`completed` webhook, the runner's death and the idle TTL, whichever comes first. The VM's own
-engine TTL (`KEEP_MAX_SECONDS`) bounds it even if the service dies.
+A session rests on a secret only its job has: the first `keep: job` step opens it and is answered
+the session's token (the action keeps it in a 0600 file under RUNNER_TEMP, which only the job's
+later steps find, never in the guest's environment); a later step attaches only by presenting it.
+The key (repository, run, attempt, job and runner, as the runner binding in runner/service/auth.py
+checks at submit) must match as well, so a token carried to another job opens nothing. Values a
+client sends are not a credential: a later job (or a local runner that reuses run ids, as nektos/act
+does) that names the same run, attempt, job and runner but has no token gets a VM of its own, and
+cannot end the kept one either.
+
+Each later step of the job attaches: no checkout, its own exec, its own record and log. A step with
+`keep: none` (the default) that presents the token runs in the session and ends it; so do the
+job-completed hook, the `completed` webhook, the runner's end and the idle TTL, whichever comes
+first. The VM's own engine TTL (`KEEP_MAX_SECONDS`) bounds it even if the service dies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import JobError
-from runner.jobapi.contract import KEEP_VALUES
+from runner.jobapi.contract import KEEP_VALUES, MAX_TOKEN, canonical_repository
 from runner.service.spec import SpecError
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ def session_key(spec: Any) -> SessionKey | None:
     """The session a step may open or join; None when the spec does not name its GitHub job."""
     if spec.run_id is None or not spec.job_name:
         return None
-    return SessionKey(spec.repository.lower(), spec.run_id, spec.run_attempt or 1, spec.job_name, spec.runner_name)
+    return SessionKey(canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1, spec.job_name, spec.runner_name)
 
 
 def parse_keep(data: Any) -> str:
@@ -69,6 +75,7 @@ class Session:
     template: str
     policy_digest: str
     touched: float
+    token_digest: bytes = field(repr=False, default=b"")  # SHA-256 of the session's token
     sandbox: Any = None  # None until the first step's VM is up, and again once it has ended
     steps: int = 0
     busy: bool = False  # a step is between its submit and its end: the next one waits for it to end
@@ -91,7 +98,7 @@ class SessionConflict(JobError):
 
 
 class Sessions:
-    """The service's sessions by key; every path that ends one destroys its VM exactly once."""
+    """The service's sessions by id, found by their token; every path that ends one destroys its VM exactly once."""
 
     def __init__(self, destroy: Callable[[Any], None], idle_seconds: float = KEEP_IDLE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -99,24 +106,43 @@ class Sessions:
         self.idle_seconds = idle_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_key: dict[SessionKey, Session] = {}
+        self._by_digest: dict[bytes, Session] = {}
 
-    def join(self, key: SessionKey, keep: str, template: str, policy_digest: str) -> Session | None:
-        """The session a step runs in: the job's open one, a new one for a first `keep: job` step, or
-        None (a plain step). The step holds it (busy) until `release` or `hold`."""
+    def join(self, key: SessionKey, keep: str, template: str, policy_digest: str,
+             token: str | None = None) -> tuple[Session | None, str | None]:
+        """The session a step runs in, and the new session's token when this step opens one.
+
+        A step that presents the token of an open session of its own job attaches to it; a
+        `keep: job` step without one (or with the token of a session that has ended) opens a new
+        session; any other step is a plain one (None). The step holds the session (busy) until
+        `release` or `hold`.
+        """
         with self._lock:
-            session = self._by_key.get(key)
+            session = self._find(key, token)
             if session is None:
                 if keep != "job":
-                    return None
-                session = Session("s" + secrets.token_hex(8), key, template, policy_digest, self._clock())
-                self._by_key[key] = session
+                    return None, None
+                new_token = secrets.token_urlsafe(32)
+                session = Session("s" + secrets.token_hex(8), key, template, policy_digest, self._clock(),
+                                  _digest(new_token))
+                self._by_digest[session.token_digest] = session
+            else:
+                new_token = None
             with session.lock:
                 _check_joinable(session, template, policy_digest)
                 session.busy = True
                 session.steps += 1
                 session.touched = self._clock()
-            return session
+            return session, new_token
+
+    def _find(self, key: SessionKey, token: str | None) -> Session | None:
+        """The open session `token` opens, if it belongs to `key`'s job (called under self._lock)."""
+        if not token or len(token) > MAX_TOKEN:
+            return None
+        session = self._by_digest.get(_digest(token))
+        if session is None or session.key != key:
+            return None
+        return session
 
     def release(self, session: Session) -> None:
         """A step that joined but never ran (its submit failed, it was cancelled while queued): the
@@ -128,15 +154,11 @@ class Sessions:
         if fresh:
             self.end(session, "its first step never ran")
 
-    def get(self, key: SessionKey) -> Session | None:
-        with self._lock:
-            return self._by_key.get(key)
-
     def end(self, session: Session, why: str) -> None:
         """End the session and destroy its VM (idempotent)."""
         with self._lock:
-            if self._by_key.get(session.key) is session:
-                del self._by_key[session.key]
+            if self._by_digest.get(session.token_digest) is session:
+                del self._by_digest[session.token_digest]
         with session.lock:
             if session.ended is None:
                 session.ended = why
@@ -148,7 +170,7 @@ class Sessions:
     def end_where(self, match: Callable[[SessionKey], bool], why: str) -> list[str]:
         """End every session whose key matches; their ids."""
         with self._lock:
-            chosen = [s for key, s in self._by_key.items() if match(key)]
+            chosen = [s for s in self._by_digest.values() if match(s.key)]
         for session in chosen:
             self.end(session, why)
         return [session.id for session in chosen]
@@ -156,18 +178,22 @@ class Sessions:
     def expire(self) -> list[str]:
         """End sessions no step has used for `idle_seconds` (a step that runs keeps it alive)."""
         now = self._clock()
-        return self.end_where(lambda key: self._idle(key, now), f"no step used it for {self.idle_seconds:g} s")
-
-    def _idle(self, key: SessionKey, now: float) -> bool:
-        session = self._by_key.get(key)  # called under self._lock
-        return session is not None and not session.busy and now - session.touched > self.idle_seconds
+        with self._lock:
+            idle = [s for s in self._by_digest.values() if not s.busy and now - s.touched > self.idle_seconds]
+        for session in idle:
+            self.end(session, f"no step used it for {self.idle_seconds:g} s")
+        return [session.id for session in idle]
 
     def close(self, why: str) -> None:
         self.end_where(lambda _key: True, why)
 
     def count(self) -> int:
         with self._lock:
-            return len(self._by_key)
+            return len(self._by_digest)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
 def _check_joinable(session: Session, template: str, policy_digest: str) -> None:

@@ -89,3 +89,26 @@ def test_a_dead_runner_takes_the_kept_vm_with_it(host, sim: Simulation) -> None:
     assert [vm.id for vm in host.engine.live()] == [first.vm_id]
     host.service.runner_died(RUNNER, "the runner's process ended in the middle of its job")
     assert host.engine.live() == [] and host.service.sessions.count() == 0
+
+
+def test_a_later_job_with_the_same_ids_but_without_the_token_gets_a_vm_of_its_own(host, sim: Simulation,
+                                                                                    tmp_path: Path) -> None:
+    """nektos/act gives every run GITHUB_RUN_ID=1: the ids a step sends are no credential. A second
+    job naming the first job's repository, run, attempt, job and runner, but with a RUNNER_TEMP of its
+    own (so without the session token the first step was answered), neither sees nor ends the kept VM."""
+    install, first = _step(host, sim, INSTALL, "job")
+    assert install.returncode == 0, install.log
+    other_temp = tmp_path / "other-runner-temp"
+    other_temp.mkdir()
+    impostor = Simulation(sim.workspace, other_temp, sim.event_payload, extra_env=dict(sim.extra_env))
+    peek, peeked = _step(host, impostor, "cat build/marker && echo PEEK$((1 + 1))", "none")
+    assert peek.returncode != 0 and "PEEK2" not in peek.log and "No such file" in peek.log, peek.log
+    assert peeked.vm_id != first.vm_id
+    assert [vm.id for vm in host.engine.live()] == [first.vm_id]  # the kept VM is still the first job's
+    token_file = sim.temp / "microvm-check-session"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert token_file.read_text().strip() not in json.dumps(sim.env())  # never in a step's environment
+    test, last = _step(host, sim, TEST, "none")
+    assert test.returncode == 0 and "installed" in test.log, test.log
+    assert last.vm_id == first.vm_id and not token_file.exists()
+    assert host.engine.live() == [] and host.service.sessions.count() == 0

@@ -12,19 +12,38 @@ from test_service import GitHubJob, wait_final
 
 from runner.jobapi.contract import JobState
 from runner.service.api import status_of
+from runner.service.auth import OPERATOR
 from runner.service.service import InvalidJob, JobService, JobStateConflict
 from runner.service.sessions import SessionConflict
 
 JOB = {"run_id": 500, "run_attempt": 1, "job_name": "check", "runner_name": "host-a"}
 
 
+class Job:
+    """One GitHub job's steps as the action runs them: the session token a step was answered goes
+    with the job's next submit (the action keeps it in RUNNER_TEMP), and is forgotten after a `keep: none` step."""
+
+    def __init__(self, service: JobService) -> None:
+        self.service, self.token = service, None
+
+    def submit(self, command: str, keep: str = "job", **fields):
+        record, _, opened = self.service.submit_as(OPERATOR, spec(command, keep=keep, **{**JOB, **fields}), self.token)
+        self.token = opened or (self.token if keep == "job" else None)
+        return record
+
+    def step(self, command: str, keep: str = "job", **fields) -> str:
+        """Submit one step, uploading a checkout only when the service waits for one."""
+        record = self.submit(command, keep, **fields)
+        if record.state == JobState.AWAITING_CHECKOUT:
+            self.service.put_checkout(record.id, [checkout_tar()])
+        wait_final(self.service, record.id)
+        return record.id
+
+
 def step(service: JobService, command: str, keep: str = "job", **fields) -> str:
-    """Submit one step as the action does: upload a checkout only when the service waits for one."""
-    record = service.submit(spec(command, keep=keep, **{**JOB, **fields}))
-    if record.state == JobState.AWAITING_CHECKOUT:
-        service.put_checkout(record.id, [checkout_tar()])
-    wait_final(service, record.id)
-    return record.id
+    """A step of the service's one test job (`Job`, remembered on the service object)."""
+    job = service.__dict__.setdefault("_test_job", Job(service))
+    return job.step(command, keep, **fields)
 
 
 def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(make_service, engine: FakeEngine) -> None:
@@ -46,7 +65,7 @@ def test_an_attached_step_is_queued_without_a_checkout(make_service, engine: Fak
     engine.programs["ok"] = prints(b"")
     service = make_service()
     step(service, "ok")
-    record = service.submit(spec("ok", keep="job", **JOB))
+    record = service._test_job.submit("ok", keep="job")
     assert record.state != JobState.AWAITING_CHECKOUT  # queued at once: the action reads this, sends no checkout
     with pytest.raises(JobStateConflict, match="already uploaded or it ended"):
         service.put_checkout(record.id, [checkout_tar()])
@@ -100,7 +119,7 @@ def test_a_step_that_asks_for_another_template_is_refused(make_service, engine: 
     service = make_service(templates=["base", "other"])
     step(service, "ok")
     with pytest.raises(SessionConflict, match="kept VM was restored from template base, this step asks for other") as refused:
-        service.submit(spec("ok", keep="job", template="other", **JOB))
+        service._test_job.submit("ok", keep="job", template="other")
     assert status_of(refused.value) == 409
     service.runner_job_completed("host-a")
     assert engine.alive() == []
@@ -112,3 +131,35 @@ def test_keep_is_checked(make_service) -> None:
         service.submit(spec("ok", keep="forever", **JOB))
     with pytest.raises(InvalidJob, match="keep: job needs the GitHub job's run_id"):
         service.submit(spec("ok", keep="job"))
+
+
+def test_a_later_job_with_the_same_identity_but_no_token_gets_a_vm_of_its_own(make_service, engine: FakeEngine) -> None:
+    """The key's values are what a client sends: another job (or nektos/act reusing run ids) can send
+    them too. Without the session's token it neither attaches to the kept VM nor ends it."""
+    engine.programs.update({"ok": prints(b""), "peek": prints(b"", 1)})
+    service = make_service()
+    first = Job(service)
+    first.step("ok")
+    kept = engine.created[0]
+    impostor = Job(service)
+    impostor.step("peek", keep="job")
+    impostor.step("peek", keep="none")
+    assert len(engine.created) == 2 and kept.alive and len(kept.exec_calls) == 1
+    assert service.sessions.count() == 1  # the impostor's own session ended with its `keep: none` step
+    last = first.step("ok", keep="none")
+    assert service.get(last).vm_id == kept.id and engine.alive() == []
+
+
+def test_a_forged_or_stale_session_token_opens_nothing(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    first = Job(service)
+    first.step("ok")
+    forged = Job(service)
+    forged.token = "x" * 43
+    record, _, opened = service.submit_as(OPERATOR, spec("ok", keep="none", **JOB), forged.token)
+    assert opened is None and record.state == JobState.AWAITING_CHECKOUT  # a plain step: a VM of its own
+    service.cancel(record.id)
+    assert engine.created[0].alive
+    service.runner_job_completed("host-a")
+    assert engine.alive() == []
