@@ -14,6 +14,14 @@ is old enough to close, the newcomer is answered 503 with `Retry-After`. A faile
 want of fds closes the oldest idle connection or answers through a reserved fd, then pauses
 accepting briefly: never a spin.
 
+A request that passed its gate while every worker is busy waits for one as an fd in a FIFO (up to
+`wait_seconds`), not as a 503; `reserved_workers` are kept for the listener's `urgent` requests (the
+fleet's hooks), so those are always served. Long answers (a job's log stream) are handed to one
+stream thread after their head: it copies what the stream has ready to every such connection,
+non-blocking, so a client following a queued job's log costs an fd and no worker. Unauthenticated
+work is bounded per peer (its IP, or its uid on a Unix socket): connections still in the loop, and
+the bodies it reads and their bytes; when a budget is full, the slowest senders are closed first.
+
 The HTTP/1.1 itself (request line and headers, Content-Length and chunked bodies, keep-alive,
 answers framed by Content-Length or chunked, HEAD and HTTP/1.0 peers) is h11's: a sans-IO state
 machine per connection, fed by the selector and then by the worker. This module owns only the IO,
@@ -23,20 +31,22 @@ the deadlines and the caps around it.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
+import re
 import resource
 import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.client import HTTPMessage
 from queue import Empty, SimpleQueue
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 
@@ -53,6 +63,10 @@ _FD_HEADROOM = 64  # fds left to the rest of the process (VMs, files, SQLite) wh
 _MIN_CONNECTIONS = 8
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _MAX_ERROR_TEXT = 200  # of h11's description of a malformed request, echoed in the 400
+_PUMP_TICK_SECONDS = 0.1  # how often the stream thread asks its streams for more
+_PUMP_MAX_PENDING = 1024 * 1024  # bytes of an answer stream queued for a client that does not read
+_PUMP_MAX_UNREAD = 64 * 1024  # bytes a client may send (pipeline) while its stream runs
+_AGE_FLOOR_SECONDS = 1.0  # a body younger than this is rated as if it had been sending for this long
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
@@ -84,6 +98,13 @@ class Limits:
     evict_after_seconds: float = 1.0  # at the cap, a connection this old without a worker may be closed
     write_seconds: float = 120.0  # one send of an answer to a client that does not read
     retry_after_seconds: int = 5
+    wait_seconds: float = 60.0  # a request that passed its gate waits this long for a worker, then 503
+    max_waiting: int = 1024  # requests waiting for a worker at once (each an fd)
+    reserved_workers: int = 0  # of max_workers, kept for the listener's `urgent` requests
+    max_per_peer: int = 256  # connections of one peer still in the loop (idle, head, body)
+    max_bodies_per_peer: int = 1024  # bodies of one peer the loop reads at once
+    max_body_bytes_per_peer: int = 64 * 1024 * 1024  # their declared bytes together
+    allow_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()  # empty: every source
 
 
 @dataclass(frozen=True)
@@ -96,25 +117,42 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Who is at the other end, as far as the connection tells: `key` is the IP, or "uid N" on a Unix socket."""
+
+    key: str
+    sock: socket.socket
+
+
+@dataclass(frozen=True)
 class Head:
-    """A request line and headers, as h11 parsed and validated them."""
+    """A request line and headers, as h11 parsed and validated them, and the peer that sent them."""
 
     method: str
     target: str
     headers: HTTPMessage  # case-insensitive; get() gives the first value, get_all() every one
+    peer: Peer | None = None
 
     @classmethod
-    def of(cls, request: h11.Request) -> Head:
+    def of(cls, request: h11.Request, peer: Peer | None = None) -> Head:
         headers = HTTPMessage()
         for name, value in request.headers:  # h11 checked both: a token, and text without CR, LF or NUL
             headers[name.decode("ascii")] = value.decode("latin-1")  # adds; never replaces
-        return cls(request.method.decode("ascii"), request.target.decode("ascii"), headers)
+        return cls(request.method.decode("ascii"), request.target.decode("ascii"), headers, peer)
 
     @property
     def length(self) -> int | None:
         """The declared Content-Length (h11 checked its digits and merged equal repeats)."""
         value = self.headers.get("Content-Length")
         return int(value) if value is not None else None
+
+
+class Stream(Protocol):
+    """A long answer's body, read without blocking by the stream thread (`ServedRequest.hand_off`)."""
+
+    def read(self) -> tuple[bytes, bool]:
+        """What is ready now (possibly b""), and whether the answer is complete after it."""
+        ...
 
 
 class BadRequestBody(JobError):
@@ -196,6 +234,7 @@ class ServedRequest:
         self.close_connection = False  # set by a handler that wants the connection closed after its answer
         self._parser, self._sock, self._buffered = conn.parser, conn.sock, conn.body
         self._deadline = _Deadline(conn.sock, server.limits)
+        self.handed_off: Stream | None = None
         if not self._buffered and self.head.length in (0, None) and "Transfer-Encoding" not in self.headers:
             self._next()  # the EndOfMessage of an empty body, so the request counts as read whole
 
@@ -249,6 +288,11 @@ class ServedRequest:
     def end_response(self) -> None:
         self._send(h11.EndOfMessage())
 
+    def hand_off(self, stream: Stream) -> None:
+        """After `start_response`: the rest of the answer is `stream`'s, copied by the listener's stream
+        thread, and this request's worker is free as soon as the handler returns."""
+        self.handed_off = stream
+
     def _head(self, status: int, headers: Mapping[str, str]) -> h11.Response:
         items = list(headers.items())
         if self.close_connection or self._parser.their_state is not h11.DONE:
@@ -274,7 +318,11 @@ class _Conn:
     since: float  # when it (re-)entered the selector: eviction goes oldest first
     deadline: float
     parser: h11.Connection  # this connection's HTTP/1.1 state, handed to the worker with it
-    state: str = "head"  # head | body | linger
+    peer: str = ""  # Peer.key: what per-peer limits count
+    state: str = "head"  # head | body | linger | wait (for a worker, out of the selector)
+    body_start: float = 0.0
+    received: int = 0  # body bytes read by the loop
+    last_data: bytes = b""  # the latest bytes read: to tell a 20-digit Content-Length from a garbled one
     prefix: bytes = b""  # the request's first bytes: a refusal to HEAD carries no body, even one h11 could not parse
     head: Head | None = None
     body: list[bytes] = field(default_factory=list)  # read by the loop, for listeners with buffer_body_max
@@ -283,20 +331,27 @@ class _Conn:
 
 
 class BoundedHTTPServer:
-    """Serve `handler` requests on a listening socket within `limits`; `gate` vets each head first."""
+    """Serve `handler` requests on a listening socket within `limits`; `gate` vets each head first, and
+    `urgent` says which requests may take the reserved workers (and go first when all are busy)."""
 
     def __init__(self, listener: socket.socket, handler: type[ServedRequest], limits: Limits, *, name: str,
-                 error_body: Callable[[str], bytes], gate: Callable[[Head], Refusal | None] | None = None) -> None:
+                 error_body: Callable[[str], bytes], gate: Callable[[Head], Refusal | None] | None = None,
+                 urgent: Callable[[Head], bool] | None = None) -> None:
         self.listener, self.handler, self.name = listener, handler, name
         self.limits = replace(limits, max_connections=_LEDGER.claim(limits.max_connections, name))
         self.error_body = error_body
         self.gate = gate or (lambda head: None)
+        self.urgent = urgent or (lambda head: False)
         listener.setblocking(False)
-        self._workers = threading.BoundedSemaphore(limits.max_workers)
+        self._busy_workers = 0
+        self._waiting: deque[_Conn] = deque()  # passed the gate, waiting for a worker (FIFO)
+        self._waiting_urgent: deque[_Conn] = deque()
         self._loop_owned: OrderedDict[_Conn, None] = OrderedDict()
+        self._per_peer: Counter[str] = Counter()  # loop-owned connections by peer
+        self._bodies: dict[str, list[_Conn]] = {}  # buffered bodies being read, by peer
         self._open = 0
         self._buffered = 0
-        self._returns: SimpleQueue[tuple[_Conn, bool]] = SimpleQueue()
+        self._returns: SimpleQueue[tuple[_Conn, bool | None]] = SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reserve: int | None = _open_reserve()
         self._selector = selectors.DefaultSelector()
@@ -306,10 +361,16 @@ class BoundedHTTPServer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._fd_warning_at = 0.0
+        self._pump = _StreamPump(self)
 
     @property
     def address(self) -> Any:
         return self.listener.getsockname()
+
+    def stats(self) -> dict[str, int]:
+        """Connections open, workers busy, requests waiting for one, answers being streamed: for benchmarks."""
+        return {"connections": self._open, "workers": self._busy_workers,
+                "waiting": len(self._waiting) + len(self._waiting_urgent), "streams": self._pump.count}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -325,7 +386,12 @@ class BoundedHTTPServer:
             if self._closed:
                 return
             self._closed = True
+        self._pump.close()
         self._drain_returns(close_all=True)
+        for conn in [*self._waiting, *self._waiting_urgent]:
+            conn.sock.close()
+        self._waiting.clear()
+        self._waiting_urgent.clear()
         for conn in list(self._loop_owned):
             self._close(conn)
         self._selector.close()
@@ -350,6 +416,7 @@ class BoundedHTTPServer:
                         self._drain_returns()
                     else:
                         self._readable(key.data)
+                self._start_waiting()
                 now = time.monotonic()
                 if now >= next_sweep:
                     self._expire(now)
@@ -373,13 +440,32 @@ class BoundedHTTPServer:
 
     def _admit(self, sock: socket.socket, address: Any) -> None:
         now = time.monotonic()
+        peer = _peer_key(sock, address)
+        if not self._allowed(address):
+            sock.close()  # not a source this listener serves: not even an answer
+            return
+        if self._per_peer[peer] >= self.limits.max_per_peer and not self._evict_oldest(now, peer):
+            self._refuse_fresh(sock, self._busy("too many connections from one peer"))
+            return
         if self._open >= self.limits.max_connections and not self._evict_oldest(now):
             self._refuse_fresh(sock, self._busy("too many connections"))
             return
         sock.setblocking(False)
         self._open += 1
         parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
-        self._enter(_Conn(sock, address, since=now, deadline=now + self.limits.idle_seconds, parser=parser))
+        self._enter(_Conn(sock, address, since=now, deadline=now + self.limits.idle_seconds, parser=parser,
+                          peer=peer))
+
+    def _allowed(self, address: Any) -> bool:
+        if not self.limits.allow_sources or not isinstance(address, tuple):
+            return True
+        try:
+            ip = ipaddress.ip_address(address[0].split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in net for net in self.limits.allow_sources)
 
     def _out_of_fds(self, exc: OSError) -> None:
         """accept() failed for want of fds: free one of ours, or answer one client through the reserve; then pause."""
@@ -401,8 +487,11 @@ class BoundedHTTPServer:
         self._paused_until = now + _ACCEPT_PAUSE_SECONDS
         self._selector.unregister(self.listener)
 
-    def _evict_oldest(self, now: float) -> bool:
+    def _evict_oldest(self, now: float, peer: str | None = None) -> bool:
+        """Close the oldest connection in the loop (of `peer`, when given) to make room; False when none is old enough."""
         for conn in self._loop_owned:
+            if peer is not None and conn.peer != peer:
+                continue
             if now - conn.since < self.limits.evict_after_seconds:
                 return False
             log.debug("%s: closing an old %s connection to make room", self.name, conn.state)
@@ -418,6 +507,8 @@ class BoundedHTTPServer:
         except OSError:
             data = b""
         if not data:
+            if conn.state == "body":  # a body cut short by a half-close: the sender is owed an answer
+                return self._refuse(conn, Refusal(400, "the request body ended before its Content-Length"))
             self._close(conn)
             return
         if conn.state == "linger":
@@ -429,6 +520,7 @@ class BoundedHTTPServer:
             if not conn.prefix:
                 conn.deadline = conn.since + self.limits.head_seconds
             conn.prefix += data[:5 - len(conn.prefix)]
+        conn.last_data = data
         conn.parser.receive_data(data)
         self._progress(conn)
 
@@ -438,28 +530,58 @@ class BoundedHTTPServer:
             try:
                 event = conn.parser.next_event()
             except h11.RemoteProtocolError as exc:
-                return self._refuse(conn, _malformed(exc, self.limits))
+                return self._refuse(conn, _malformed(exc, self.limits, conn.last_data))
             if isinstance(event, h11.Request):
-                conn.head = Head.of(event)
+                conn.head = Head.of(event, Peer(conn.peer, conn.sock))
                 refusal = self._vet(conn.head)
                 if refusal:
                     return self._refuse(conn, refusal)
                 length = conn.head.length
                 if not length or length > self.limits.buffer_body_max:
                     return self._dispatch(conn)
-                if self._buffered + length > self.limits.max_buffered_bytes:
-                    return self._refuse(conn, self._busy("too many request bodies arriving at once"))
-                conn.state, conn.reserved = "body", length
+                refusal = self._make_room(conn, length)
+                if refusal:
+                    return self._refuse(conn, refusal)
+                now = time.monotonic()
+                conn.state, conn.reserved, conn.body_start = "body", length, now
                 self._buffered += length
-                conn.deadline = time.monotonic() + self.limits.body_seconds + length / self.limits.body_min_rate
+                self._bodies.setdefault(conn.peer, []).append(conn)
+                conn.deadline = now + self.limits.body_seconds + length / self.limits.body_min_rate
                 if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
                     self._send_once(conn.sock, conn.parser.send(_CONTINUE))
             elif isinstance(event, h11.Data):
                 conn.body.append(event.data)
+                conn.received += len(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 return self._dispatch(conn)
             else:
                 return  # NEED_DATA
+
+    def _make_room(self, conn: _Conn, length: int) -> Refusal | None:
+        """Room for a body of `length` in its peer's and the listener's budgets: the slowest bodies being
+        read give way (they passed only the head's checks); None when it fits now."""
+        limits = self.limits
+        if length > limits.max_body_bytes_per_peer or length > limits.max_buffered_bytes:
+            return self._busy("the request body is larger than this listener buffers")
+        now = time.monotonic()
+
+        def full() -> tuple[bool, list[_Conn]]:
+            mine = self._bodies.get(conn.peer, [])
+            if len(mine) >= limits.max_bodies_per_peer or sum(c.reserved for c in mine) + length > limits.max_body_bytes_per_peer:
+                return True, mine
+            if self._buffered + length > limits.max_buffered_bytes:
+                return True, [c for bodies in self._bodies.values() for c in bodies]
+            return False, []
+
+        while True:
+            over, candidates = full()
+            if not over:
+                return None
+            if not candidates:
+                return self._busy("too many request bodies arriving at once")
+            slowest = min(candidates, key=lambda c: c.received / max(now - c.body_start, _AGE_FLOOR_SECONDS))
+            log.debug("%s: closing the slowest body being read (%d bytes) to make room", self.name, slowest.received)
+            self._refuse(slowest, self._busy("the request body arrived too slowly while others waited"))
 
     def _vet(self, head: Head) -> Refusal | None:
         """Our rules on top of h11's: a bound on header lines, the listener's gate, unambiguous framing."""
@@ -472,14 +594,47 @@ class BoundedHTTPServer:
         return refusal
 
     def _dispatch(self, conn: _Conn) -> None:
-        if not self._workers.acquire(blocking=False):
+        """A worker for a request that passed its gate, or a place in the wait for one (an fd, no thread)."""
+        assert conn.head is not None
+        urgent = self.urgent(conn.head)
+        if self._take_worker(urgent):
+            self._leave(conn)
+            return self._start(conn)
+        waiting = self._waiting_urgent if urgent else self._waiting
+        if len(self._waiting) + len(self._waiting_urgent) >= self.limits.max_waiting:
             return self._refuse(conn, self._busy("every worker is busy"))
-        self._leave(conn)
+        self._unwatch(conn)  # its body, if any, stays in the socket until a worker reads it
+        conn.state, conn.deadline = "wait", time.monotonic() + self.limits.wait_seconds
+        waiting.append(conn)
+
+    def _take_worker(self, urgent: bool) -> bool:
+        cap = self.limits.max_workers - (0 if urgent else self.limits.reserved_workers)
+        with self._lock:
+            if self._busy_workers < cap:
+                self._busy_workers += 1
+                return True
+            return False
+
+    def _release_worker(self) -> None:
+        with self._lock:
+            self._busy_workers -= 1
+        self._wake()
+
+    def _start_waiting(self) -> None:
+        for waiting, urgent in ((self._waiting_urgent, True), (self._waiting, False)):
+            while waiting and self._take_worker(urgent):
+                conn = waiting.popleft()
+                self._buffered -= conn.reserved
+                conn.reserved = 0
+                self._start(conn)
+
+    def _start(self, conn: _Conn) -> None:
+        """On a worker thread; the caller took the worker and the connection is out of the selector."""
         conn.sock.setblocking(True)
         try:
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-worker", daemon=True).start()
         except RuntimeError:  # no thread could be started
-            self._workers.release()
+            self._release_worker()
             conn.sock.setblocking(False)
             self._enter(conn)
             self._refuse(conn, self._busy("no thread available"))
@@ -495,6 +650,9 @@ class BoundedHTTPServer:
                 conn, keep = self._returns.get_nowait()
             except Empty:
                 return
+            if keep is None:  # the stream thread closed it
+                self._open -= 1
+                continue
             conn.sock.setblocking(False)
             if close_all:
                 conn.sock.close()
@@ -503,6 +661,7 @@ class BoundedHTTPServer:
             now = time.monotonic()
             pending = conn.parser.trailing_data[0][:5] if keep else b""  # a pipelined request already arrived
             conn.state, conn.head, conn.body, conn.prefix, conn.since = "head", None, [], pending, now
+            conn.received = 0
             conn.deadline = now + (self.limits.head_seconds if pending else self.limits.idle_seconds)
             self._enter(conn)
             if not keep:
@@ -514,20 +673,47 @@ class BoundedHTTPServer:
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             self._selector.register(self.listener, selectors.EVENT_READ)
-        for conn in [c for c in self._loop_owned if c.deadline <= now]:
+        limits = self.limits
+        for conn in [c for c in self._loop_owned if c.deadline <= now or self._too_slow(c, now)]:
             if conn.state in ("head", "body") and conn.prefix:
                 self._send_once(conn.sock, self._render(Refusal(408, "the request did not arrive in time")))
             self._close(conn)
+        for waiting in (self._waiting, self._waiting_urgent):
+            while waiting and waiting[0].deadline <= now:
+                conn = waiting.popleft()
+                conn.sock.setblocking(False)
+                self._enter(conn)
+                self._refuse(conn, self._busy(f"no worker was free for {limits.wait_seconds:g} s"))
+
+    def _too_slow(self, conn: _Conn, now: float) -> bool:
+        """A body the loop reads must keep up `body_min_rate` after its grace, all along (not only by its deadline)."""
+        if conn.state != "body":
+            return False
+        late = now - conn.body_start - self.limits.body_seconds
+        return late > 0 and conn.received < late * self.limits.body_min_rate
 
     # -- connection bookkeeping -------------------------------------------------------------------
 
     def _enter(self, conn: _Conn) -> None:
         self._loop_owned[conn] = None
+        self._per_peer[conn.peer] += 1
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
-    def _leave(self, conn: _Conn) -> None:
+    def _unwatch(self, conn: _Conn) -> None:
+        """Out of the selector and the per-peer counts; its body reservation, if any, stays."""
         self._selector.unregister(conn.sock)
         del self._loop_owned[conn]
+        self._per_peer[conn.peer] -= 1
+        if self._per_peer[conn.peer] <= 0:
+            del self._per_peer[conn.peer]
+        bodies = self._bodies.get(conn.peer)
+        if bodies is not None and conn in bodies:
+            bodies.remove(conn)
+            if not bodies:
+                del self._bodies[conn.peer]
+
+    def _leave(self, conn: _Conn) -> None:
+        self._unwatch(conn)
         self._buffered -= conn.reserved
         conn.reserved = 0
 
@@ -548,6 +734,11 @@ class BoundedHTTPServer:
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             return self._close(conn)
+        bodies = self._bodies.get(conn.peer)
+        if bodies is not None and conn in bodies:
+            bodies.remove(conn)
+            if not bodies:
+                del self._bodies[conn.peer]
         self._buffered -= conn.reserved
         conn.state, conn.reserved, conn.body = "linger", 0, []
         conn.deadline = min(conn.deadline, time.monotonic() + _LINGER_SECONDS)
@@ -590,38 +781,239 @@ class BoundedHTTPServer:
 
     def _serve(self, conn: _Conn) -> None:
         keep = False
+        request: ServedRequest | None = None
         try:
             request = self.handler(self, conn)
             request.handle()
+            if request.handed_off is not None:
+                self._pump.add(conn, request, request.handed_off)
+                return
             keep = request.finish()
         except (ConnectionError, TimeoutError) as exc:
             log.debug("%s: client %s went away: %s", self.name, conn.address or "unix", exc)
         except Exception:
             log.exception("%s: serving a request failed", self.name)
         finally:
-            self._workers.release()
-            self._give_back(conn, keep)
+            self._release_worker()
+            if request is None or request.handed_off is None:
+                self._give_back(conn, keep)
 
-    def _give_back(self, conn: _Conn, keep: bool) -> None:
+    def _give_back(self, conn: _Conn, keep: bool | None) -> None:
+        """Back to the selector (keep: for its next request; False: to be closed after a linger; None: the
+        stream thread already closed it)."""
         with self._lock:
             if self._closed:
-                conn.sock.close()
+                if keep is not None:
+                    conn.sock.close()
                 return
             self._returns.put((conn, keep))
         self._wake()
 
 
-def _malformed(exc: h11.RemoteProtocolError, limits: Limits) -> Refusal:
+@dataclass(eq=False)
+class _Streaming:
+    conn: _Conn
+    request: ServedRequest
+    stream: Stream
+    pending: bytearray = field(default_factory=bytearray)  # framed by h11, not yet taken by the socket
+    ended: bool = False
+    stalled_since: float | None = None  # the client stopped taking our bytes
+    unread: int = 0
+
+
+class _StreamPump:
+    """One thread that copies every handed-off answer stream to its client without blocking on any of them.
+
+    Each tick it asks each stream with nothing pending for what it has ready, frames it with the
+    request's h11 connection, and sends what the socket takes; the rest waits for the socket to be
+    writable. A client that stops reading for `write_seconds`, or closes, loses its stream; a
+    finished stream gives its connection back to the selector (for its next request, or a linger).
+    """
+
+    def __init__(self, server: BoundedHTTPServer) -> None:
+        self._server = server
+        self._selector = selectors.DefaultSelector()
+        self._streams: dict[socket.socket, _Streaming] = {}
+        self._incoming: SimpleQueue[_Streaming] = SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return len(self._streams)
+
+    def add(self, conn: _Conn, request: ServedRequest, stream: Stream) -> None:
+        conn.sock.setblocking(False)
+        self._incoming.put(_Streaming(conn, request, stream))
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self._server.name}-streams", daemon=True)
+                self._thread.start()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        with self._start_lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        while True:
+            try:
+                self._incoming.get_nowait().conn.sock.close()
+            except Empty:
+                break
+        for entry in list(self._streams.values()):
+            entry.conn.sock.close()
+        self._streams.clear()
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, events in self._selector.select(_PUMP_TICK_SECONDS):
+                    if key.fileobj == self._wake_r:
+                        self._take_incoming()
+                        continue
+                    entry: _Streaming = key.data
+                    if events & selectors.EVENT_READ and not self._client_sent(entry):
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(entry)
+                self._take_incoming()
+                for entry in list(self._streams.values()):
+                    if not entry.pending and not entry.ended:
+                        self._pull(entry)
+                    if entry.pending:
+                        self._flush(entry)
+                    if entry.ended and not entry.pending:
+                        self._finish(entry)
+        except Exception:
+            log.exception("%s: the stream thread failed; its streams are closed", self._server.name)
+            for entry in list(self._streams.values()):
+                self._drop(entry)
+
+    def _take_incoming(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                entry = self._incoming.get_nowait()
+            except Empty:
+                return
+            self._streams[entry.conn.sock] = entry
+            self._selector.register(entry.conn.sock, selectors.EVENT_READ, entry)
+
+    def _pull(self, entry: _Streaming) -> None:
+        try:
+            data, ended = entry.stream.read()
+        except Exception:
+            log.exception("%s: an answer stream failed; its connection is closed", self._server.name)
+            return self._drop(entry)
+        parser = entry.request._parser
+        if data:
+            entry.pending += parser.send(h11.Data(data=data)) or b""
+        if ended:
+            entry.pending += parser.send(h11.EndOfMessage()) or b""
+            entry.ended = True
+
+    def _flush(self, entry: _Streaming) -> None:
+        sock = entry.conn.sock
+        if sock not in self._streams:
+            return
+        try:
+            sent = sock.send(entry.pending)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return self._drop(entry)
+        del entry.pending[:sent]
+        now = time.monotonic()
+        if not entry.pending:
+            entry.stalled_since = None
+            self._selector.modify(sock, selectors.EVENT_READ, entry)
+            return
+        if sent or entry.stalled_since is None:
+            entry.stalled_since = now
+            self._selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, entry)
+        elif now - entry.stalled_since > self._server.limits.write_seconds or len(entry.pending) > _PUMP_MAX_PENDING:
+            self._drop(entry)
+
+    def _client_sent(self, entry: _Streaming) -> bool:
+        """The client wrote while its answer streams: its end of input closes the stream; a pipelined
+        request is kept (bounded) for after it. False when the stream was dropped."""
+        try:
+            data = entry.conn.sock.recv(_RECV)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        entry.unread += len(data)
+        if not data or entry.unread > _PUMP_MAX_UNREAD:
+            self._drop(entry)
+            return False
+        entry.request._parser.receive_data(data)
+        return True
+
+    def _finish(self, entry: _Streaming) -> None:
+        self._forget(entry)
+        self._server._give_back(entry.conn, entry.request.finish())
+
+    def _drop(self, entry: _Streaming) -> None:
+        if entry.conn.sock not in self._streams:
+            return
+        self._forget(entry)
+        entry.conn.sock.close()
+        self._server._give_back(entry.conn, None)
+
+    def _forget(self, entry: _Streaming) -> None:
+        del self._streams[entry.conn.sock]
+        self._selector.unregister(entry.conn.sock)
+
+
+def _peer_key(sock: socket.socket, address: Any) -> str:
+    """The IP of a TCP peer; on a Unix socket the uid the kernel recorded at connect."""
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    try:
+        data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        return f"uid {int.from_bytes(data[4:8], 'little')}"
+    except OSError:
+        return "unix"
+
+
+_HUGE_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*[0-9]{19,}[ \t]*\r?$")
+
+
+def _malformed(exc: h11.RemoteProtocolError, limits: Limits, last: bytes = b"") -> Refusal:
     """h11's verdict on bytes that are not an HTTP/1.1 request, in words a client can act on."""
     if exc.error_status_hint == 431:
         return Refusal(431, f"the request head is larger than {limits.max_head_bytes} bytes")
     if exc.error_status_hint == 501:
         return Refusal(501, "only Transfer-Encoding: chunked is supported")
+    if str(exc) == "bad Content-Length" and _HUGE_LENGTH.search(last):
+        return Refusal(413, "the declared Content-Length is larger than any body this server takes")
     return Refusal(400, f"malformed request: {_describe(exc)}")
 
 
 def _describe(exc: h11.RemoteProtocolError) -> str:
-    return str(exc)[:_MAX_ERROR_TEXT]
+    """h11's words without the bytes it quotes ("Illegal header value b'...'"): a stranger's header, NULs
+    and all, is not echoed back."""
+    return re.split(r" b['\"]", str(exc), maxsplit=1)[0][:_MAX_ERROR_TEXT]
 
 
 def _open_reserve() -> int | None:

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import stat
+import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -36,6 +37,7 @@ from runner.service import metrics, web
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.metrics import JobMetrics
 from runner.service.job import SessionGone
+from runner.service.joblog import LogCursor
 from runner.service.sessions import SessionConflict
 from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
 from runner.service.spec import SpecError
@@ -46,6 +48,7 @@ T = TypeVar("T")
 # Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
 _CHUNK = 1024 * 1024
+HEARTBEAT_SECONDS = 15.0  # an empty line on a silent log stream (docs/job-api.md)
 # Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
 # (and the id may hold no whitespace, so the newline cannot become part of it either).
 _ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?")
@@ -198,6 +201,9 @@ class Handler(ServedRequest):
                 access.require_operator(caller, "listing all jobs")
                 limit = _int_param(query, "limit", LIST_DEFAULT, 1, LIST_MAX)
                 return self._send_json(200, {"jobs": [r.to_wire() for r in self.service.list(limit)]})
+        if url.path == "/v1/status" and method == "GET":
+            access.require_operator(caller, "the host's status")
+            return self._send_json(200, self.server.host_status())
         if url.path in ("/v1/runner/job-started", "/v1/runner/job-completed"):
             if method != "POST":
                 raise MethodNotAllowed(f"{method} is not allowed on {url.path}")
@@ -213,7 +219,8 @@ class Handler(ServedRequest):
         handler = {
             ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_wire()),
             ("PUT", "/checkout"): lambda: self._checkout(job_id),
-            ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ)),
+            ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ),
+                                                 follow=_int_param(query, "follow", 1, 0, 1) == 1),
             ("GET", "/artifacts"): lambda: self._artifacts(job_id),
             ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_wire()),
         }.get((method, rest))
@@ -226,14 +233,16 @@ class Handler(ServedRequest):
         record = self.service.put_checkout(job_id, self._body())
         self._send_json(202, JobSummary(record.id, record.state).to_wire())
 
-    def _logs(self, job_id: str, after: int) -> None:
-        job_log = self.service.log_of(job_id)
-        self.start_response(200, {"Content-Type": "application/x-ndjson"})  # chunked (close-delimited to HTTP/1.0)
-        for line in job_log.follow(after):
-            self.send_data(line)
-        end = {"end": True, "job": self.service.get(job_id).to_wire()}
-        self.send_data(json.dumps(end).encode() + b"\n")
-        self.end_response()
+    def _logs(self, job_id: str, after: int, follow: bool = True) -> None:
+        """The log from seq `after` on, live until the job ends (`follow=0`: what is written so far)."""
+        # chunked (close-delimited to HTTP/1.0), copied by the listener's stream thread: a client following
+        # a queued job's log holds no worker
+        stream = LogStream(self.service.log_of(job_id).cursor(after, wait=follow), lambda: self._end_line(job_id))
+        self.start_response(200, {"Content-Type": "application/x-ndjson"})
+        self.hand_off(stream)
+
+    def _end_line(self, job_id: str) -> bytes:
+        return json.dumps({"end": True, "job": self.service.get(job_id).to_wire()}).encode() + b"\n"
 
     def _artifacts(self, job_id: str) -> None:
         path = self.service.artifacts_path(job_id)
@@ -287,13 +296,35 @@ class Handler(ServedRequest):
 
     def _web_logs(self, job_id: str, after: int) -> None:
         """The job API's log stream with each line in the neutralised view the action prints."""
-        job_log = self.service.log_of(job_id)
+        stream = LogStream(self.service.log_of(job_id).cursor(after), lambda: self._end_line(job_id),
+                           web.neutral_log_line)
         self.start_response(200, {"Content-Type": "application/x-ndjson", **web.HEADERS})
-        for line in job_log.follow(after):
-            self.send_data(web.neutral_log_line(line))
-        end = {"end": True, "job": self.service.get(job_id).to_wire()}
-        self.send_data(json.dumps(end).encode() + b"\n")
-        self.end_response()
+        self.hand_off(stream)
+
+
+class LogStream:
+    """A job's log as the stream thread reads it (runner.httpserve.Stream): the lines committed so far,
+    then the end line once the log is closed. A silent job gets an empty line every HEARTBEAT_SECONDS, so
+    a client's read timeout tells a live but quiet stream (a job waiting in the queue) from a dead one."""
+
+    def __init__(self, cursor: LogCursor, end: Callable[[], bytes],
+                 transform: Callable[[bytes], bytes] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cursor, self._end, self._transform, self._clock = cursor, end, transform, clock
+        self._last = clock()
+
+    def read(self) -> tuple[bytes, bool]:
+        lines, ended = self._cursor.read()
+        now = self._clock()
+        if lines:
+            self._last = now
+            transform = self._transform
+            return b"".join(transform(line) for line in lines) if transform else b"".join(lines), False
+        if ended:
+            return self._end(), True
+        if now - self._last >= HEARTBEAT_SECONDS:
+            self._last = now
+            return b"\n", False
+        return b"", False
 
 
 def is_web_path(path: str) -> bool:
@@ -355,7 +386,13 @@ def _web_token_ok(head: Head, expected: bytes) -> bool:
     return offered is not None and hmac.compare_digest(offered.encode(), expected)
 
 
+def _no_host_status() -> dict[str, object]:
+    return {}
+
+
 class UnixApiServer(BoundedHTTPServer):
+    host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)  # GET /v1/status; set by ApiServers
+
     def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
         self.service, self.path = service, path
         _prepare_socket_path(Path(path))
@@ -388,6 +425,8 @@ class UnixApiServer(BoundedHTTPServer):
 
 
 class TcpApiServer(BoundedHTTPServer):
+    host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)
+
     def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
                  metrics: JobMetrics | None = None) -> None:
         self.service = service
@@ -419,16 +458,24 @@ def _prepare_socket_path(path: Path) -> None:
 class ApiServers:
     """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
-    def __init__(self, service: JobService, limits: Limits = LIMITS, metrics: JobMetrics | None = None) -> None:
+    def __init__(self, service: JobService, limits: Limits = LIMITS, metrics: JobMetrics | None = None,
+                 host_status: Callable[[], dict[str, object]] | None = None) -> None:
+        """`host_status` answers GET /v1/status (the host's VMs, spare pools, queue, recent jobs, runners)."""
         config = service.config
-        self.servers: list[BoundedHTTPServer] = [UnixApiServer(config.socket, service, config.socket_group, limits)]
+        unix = UnixApiServer(config.socket, service, config.socket_group, limits)
+        self.servers: list[BoundedHTTPServer] = [unix]
+        if host_status is not None:
+            unix.host_status = host_status
         if config.listen:
             assert config.token  # the config refuses a listen address without one
             try:
-                self.servers.append(TcpApiServer(config.listen, service, config.token, limits, metrics))
+                tcp = TcpApiServer(config.listen, service, config.token, limits, metrics)
             except BaseException:  # e.g. the port is taken: leave no bound Unix socket behind
                 self.close()
                 raise
+            if host_status is not None:
+                tcp.host_status = host_status
+            self.servers.append(tcp)
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:

@@ -133,15 +133,16 @@ class JobLog:
         assert self._file is not None, f"{self.path}: a finished log is read-only"
         return self._file
 
-    def follow(self, after: int = 0, poll_seconds: float = 1.0) -> Iterator[bytes]:
-        """Yield NDJSON lines (with their newline) with seq > `after`, live, until the log is closed."""
+    def follow(self, after: int = 0, poll_seconds: float = 1.0, wait: bool = True) -> Iterator[bytes]:
+        """Yield NDJSON lines (with their newline) with seq > `after`, live, until the log is closed
+        (`wait=False`: only the lines committed so far)."""
         seq = 0
         if self._closed and not self.path.exists():
             return  # a job that ended before it wrote anything, or whose directory was pruned
         with open(self.path, "rb") as f:
             while True:
                 with self._cond:
-                    while f.tell() >= self._size and not self._closed:
+                    while wait and f.tell() >= self._size and not self._closed:
                         self._cond.wait(poll_seconds)
                     size, closed = self._size, self._closed
                 while f.tell() < size:
@@ -151,8 +152,53 @@ class JobLog:
                     seq += 1
                     if seq > after:
                         yield line
-                if closed or f.tell() < size:
+                if closed or f.tell() < size or not wait:
                     return
+
+    def cursor(self, after: int = 0, wait: bool = True) -> LogCursor:
+        """A non-blocking reader of the lines with seq > `after` (for the API's stream thread); `wait=False`
+        ends it at the lines committed by its first read, as `follow(wait=False)`."""
+        return LogCursor(self, after, wait=wait)
+
+    def committed(self) -> tuple[int, bool]:
+        """Bytes written whole so far, and whether the log is closed (no more will come)."""
+        with self._cond:
+            return self._size, self._closed
+
+
+class LogCursor:
+    """What `follow` yields, without waiting: each `read` returns the whole lines committed since the
+    last one (at most about `limit` bytes), and whether the log has ended after them. The file is open
+    only during a read, so a follower that waits costs no fd."""
+
+    def __init__(self, log: JobLog, after: int = 0, limit: int = 1024 * 1024, wait: bool = True) -> None:
+        self._log, self._after, self._limit = log, after, limit
+        self._offset = 0
+        self._seq = 0
+        self._until: int | None = None if wait else log.committed()[0]
+
+    def read(self) -> tuple[list[bytes], bool]:
+        size, closed = self._log.committed()
+        if self._until is not None:
+            size, closed = min(size, self._until), True
+        if self._offset >= size:
+            return [], closed
+        try:
+            with open(self._log.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(min(size - self._offset, self._limit))
+        except FileNotFoundError:
+            return [], True  # pruned meanwhile
+        end = chunk.rfind(b"\n") + 1
+        if end == 0:  # no whole line: a torn file from a crash, or (limit-sized) an entry past any budget
+            return [], closed or len(chunk) >= self._limit
+        lines = []
+        for line in chunk[:end].splitlines(keepends=True):
+            self._seq += 1
+            if self._seq > self._after:
+                lines.append(line)
+        self._offset += end
+        return lines, closed and self._offset >= size
 
 
 def _b64_size(n: int) -> int:
