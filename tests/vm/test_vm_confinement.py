@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from runner.commands import doctor as cli
-from runner.vm import cgroup, jail
+from runner.vm import cgroup, jail, qemu
 from runner.vm.errors import VMError
 
 
@@ -129,13 +129,19 @@ def test_template_ram_copy_is_sealed_but_maps_privately_writable(tmp_path):
         os.close(fd)
 
 
+SANDBOX_FLAGS = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
 def test_doctor_reports_sandbox_privilege_drop_and_cgroup_version(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MICROVM_CHECK_STATE", str(tmp_path / "state"))
     (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     monkeypatch.setattr(cgroup, "ROOT", tmp_path)  # a cgroup v2 host
     cli.cmd_doctor(argparse.Namespace(selftest=False, config=tmp_path / "service.yml"))
     out = capsys.readouterr().out
-    assert f"-sandbox {jail.SANDBOX}" in out
+    # the literal flags, not jail.SANDBOX: a change to the constant (say, spawn=deny dropped) must fail here,
+    # and every QEMU gets the same flags that doctor reports
+    assert f"QEMU seccomp sandbox: -sandbox {SANDBOX_FLAGS}" in out
+    assert qemu.sandbox_args() == ["-sandbox", SANDBOX_FLAGS]
     assert f"privilege drop: VMs run as {jail.VM_USER}" in out
     assert "cgroup v2: one per VM with cpu, memory and pids limits" in out
 
