@@ -5,6 +5,8 @@ an uplink namespace of its own; no packet leaves them. Prints medians and p99 pe
 last, one JSON line with the headline numbers.
 
     .venv/bin/python bench/net.py [--runs 40]
+
+`--smoke` (the test suite's run, tests/test_bench_smoke.py): 3 runs of each, no goal judged.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def report(name: str, samples: list[float]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs = 3
     prefix = "bn" + secrets.token_hex(3)
     uplink_ns = f"{prefix}-up"
     policy = load_policy(POLICY, "bench-policy.yml")

@@ -2,7 +2,8 @@
 
 Run as root on a host with the template built:  .venv/bin/python bench/restore.py [--samples N]
 Prints the details, then as its last line one JSON object with the numbers the VM engine issue
-asks for. Every ratio is computed from numbers measured in this same run.
+asks for. Every ratio is computed from numbers measured in this same run. `--smoke` (the test
+suite's run, tests/test_bench_smoke.py): every measurement once or twice, with 2 VMs for PSS.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--cold-samples", type=int, default=2)
+    parser.add_argument("--pss-vms", type=int, default=8, help="idle VMs up while PSS is read (default 8)")
+    parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
+    if args.smoke:
+        args.samples, args.cold_samples, args.pss_vms = 2, 1, 2
     templates = TemplateStore(StateDir.default().templates)
     with tempfile.TemporaryDirectory(prefix="mvc-bench-") as tmp:
         engine = Engine(StateDir(Path(tmp) / "pooled"), templates=templates, pool_size=2)
@@ -151,17 +156,17 @@ def main() -> None:
             ready, teardown = ready_and_teardown(engine, args.samples)
             summary("ready (warm pool)", ready)
             summary("teardown", teardown)
-            unpooled = unpooled_restore(engine, max(5, args.samples // 4))
+            unpooled = unpooled_restore(engine, 2 if args.smoke else max(5, args.samples // 4))
             summary("restore, no pool", unpooled)
             cold = cold_boot(engine, args.cold_samples)
             summary("cold boot", cold)
-            pss = pss_per_vm(engine, 8)
-            print(f"PSS per VM with 8 idle VMs up: {pss:.1f} MiB")
+            pss = pss_per_vm(engine, args.pss_vms)
+            print(f"PSS per VM with {args.pss_vms} idle VMs up: {pss:.1f} MiB")
         finally:
             engine.close()
         parallel = Engine(StateDir(Path(tmp) / "parallel"), templates=templates, pool_size=4)
         try:
-            rate = creates_per_second(parallel, threads=4, per_thread=max(3, args.samples // 5))
+            rate = creates_per_second(parallel, threads=4, per_thread=1 if args.smoke else max(3, args.samples // 5))
             print(f"creates per second, 4 in parallel: {rate:.2f}")
         finally:
             parallel.close()

@@ -11,6 +11,10 @@ and each job restores from it and only runs the suite. Both are timed from the r
 the first test's output line and to the job's end. The last line is one JSON object with
 cold_first_test_s, warm_first_test_s and warm_speedup (cold / warm time to the first test), all
 measured in this same run.
+
+`--smoke` (the test suite's run, tests/test_bench_smoke.py) downloads nothing: the checkout holds only
+the suite, the setup makes a venv without pip and the "suite" is one python line printing the mark;
+the same path (a warm base built from a VM, jobs restored from it) on a small job.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def test_escape():
 def test_versions_compare():
     assert packaging.version.Version("1.10") > packaging.version.Version("1.9")
 '''
+SMOKE_SETUP = "python3 -m venv --without-pip /opt/venv"
+SMOKE_TESTS = f"/opt/venv/bin/python -c 'print(\"{MARK}\", flush=True)'"
 SETUP = ("python3 -m venv /opt/venv && /opt/venv/bin/pip install --quiet --no-index --no-cache-dir "
          "--find-links /workspace/wheels -r /workspace/requirements.txt")
 TESTS = "PYTHONUNBUFFERED=1 /opt/venv/bin/python -m pytest -q -s -p no:cacheprovider tests"
@@ -121,12 +127,12 @@ def run_job(engine: Engine, template: str, tar: bytes, command: str) -> Timing:
     return Timing(ready - begin, first[0] - begin, end - begin)
 
 
-def build_base(engine: Engine, tar: bytes, name: str) -> float:
+def build_base(engine: Engine, tar: bytes, name: str, setup: str = SETUP) -> float:
     """What a warm base build does in a VM: the checkout, the setup, a snapshot. Seconds taken."""
     begin = time.monotonic()
     with Sandbox.create(template="base", engine=engine, ttl_seconds=1800) as sbx:
         sbx.put_tar(io.BytesIO(tar))
-        result = sbx.exec(SETUP, timeout_seconds=1500, capture_bytes=64 * 1024)
+        result = sbx.exec(setup, timeout_seconds=1500, capture_bytes=64 * 1024)
         if result.exit_code != 0:
             raise SystemExit(f"the setup failed (exit {result.exit_code}): {result.stderr.decode(errors='replace')}")
         sbx.snapshot(name)
@@ -142,9 +148,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1, help="jobs of each kind (default 1)")
     parser.add_argument("--wheel-cache", type=Path, default=Path("/var/cache/microvm-check-bench/wheels"))
+    parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
 
-    wheels = download_wheels(args.wheel_cache)
+    setup, tests = (SMOKE_SETUP, SMOKE_TESTS) if args.smoke else (SETUP, TESTS)
+    wheels = [] if args.smoke else download_wheels(args.wheel_cache)
     tar = checkout(wheels)
     print(f"checkout: {len(wheels)} wheels, {len(tar) / 1e6:.1f} MB")
     shared = StateDir.default().templates
@@ -154,10 +162,10 @@ def main() -> int:
         (templates / "base").symlink_to(shared / "base")  # the built template, read only; the base goes here
         engine = Engine(StateDir(Path(tmp) / "state"), templates=TemplateStore(templates), pool_size=0)
         try:
-            build_s = build_base(engine, tar, "bench-warm")
+            build_s = build_base(engine, tar, "bench-warm", setup)
             print(f"warm base built in {build_s:.1f} s (checkout, setup, snapshot)")
-            cold = [run_job(engine, "base", tar, f"{SETUP} && {TESTS}") for _ in range(args.samples)]
-            warm = [run_job(engine, "bench-warm", tar, TESTS) for _ in range(args.samples)]
+            cold = [run_job(engine, "base", tar, f"{setup} && {tests}") for _ in range(args.samples)]
+            warm = [run_job(engine, "bench-warm", tar, tests) for _ in range(args.samples)]
         finally:
             engine.close()
     show("cold", cold)
