@@ -537,8 +537,8 @@ class BoundedHTTPServer:
                 if refusal:
                     return self._refuse(conn, refusal)
                 length = conn.head.length
-                if not length or length > self.limits.buffer_body_max:
-                    return self._dispatch(conn)
+                if not length or length > self.limits.buffer_body_max or conn.head.method in ("GET", "HEAD"):
+                    return self._dispatch(conn)  # a GET's body means nothing (RFC 9110 9.3.1): answered unread
                 refusal = self._make_room(conn, length)
                 if refusal:
                     return self._refuse(conn, refusal)

@@ -21,6 +21,7 @@ import stat
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,7 +31,7 @@ from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, R
 from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
                                     RUNNER_TOKEN_HEADER, SESSION_TOKEN_HEADER, JobStarted, JobSummary,
                                     QueueFullAnswer, WireError)
-from runner.service.auth import Caller, Forbidden, Unauthorized
+from runner.service.auth import Access, Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
 from runner.service import metrics, web
@@ -45,8 +46,12 @@ from runner.service.spec import SpecError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average.
-LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024)
+# Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average. JSON bodies are read
+# by the connection loop (a slow one holds no worker); 8 workers are kept for the fleet's hooks, so a job
+# can always be reported and refused or admitted. `limits_for` adds connections for a large queue.
+LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024,
+                buffer_body_max=MAX_JSON_BODY, reserved_workers=8, max_per_peer=256)
+HOOK_PATHS = frozenset({"/v1/runner/job-started", "/v1/runner/job-completed"})
 _CHUNK = 1024 * 1024
 HEARTBEAT_SECONDS = 15.0  # an empty line on a silent log stream (docs/job-api.md)
 # Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
@@ -357,18 +362,75 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, low: int, h
     return value
 
 
+def limits_for(service: JobService, limits: Limits = LIMITS) -> Limits:
+    """Connections for every queued and running job's client (its log stream and one request) on top of
+    the listener's own: waiting clients cost an fd each, never a worker."""
+    config = service.config
+    wanted = 2 * (config.max_queued_jobs + config.max_concurrent_jobs) + 128
+    return replace(limits, max_connections=max(limits.max_connections, wanted),
+                   max_waiting=max(limits.max_waiting, wanted))
+
+
+def _urgent(head: Head) -> bool:
+    """The fleet's hooks take the reserved workers and go first: a job must always be reported."""
+    return urlsplit(head.target).path in HOOK_PATHS
+
+
+def _caller_gate(service: JobService, tcp: bool) -> Callable[[Head], Refusal | None]:
+    """Who is asking, and may they send this body, decided on the head (peer credentials, runner and job
+    tokens are all in it): a body is never read for a caller that would be refused after it."""
+    access = service.access
+
+    def gate(head: Head) -> Refusal | None:
+        if head.method not in ("POST", "PUT"):
+            return None  # no body to protect: the route checks as before
+        path = urlsplit(head.target).path
+        runner_token = head.headers.get(RUNNER_TOKEN_HEADER)
+        try:
+            if tcp:
+                caller = access.tcp_caller(runner_token)
+            else:
+                assert head.peer is not None
+                caller = access.unix_caller(head.peer.sock, runner_token)
+            if path in HOOK_PATHS:
+                access.require_runner(caller)
+            elif path == "/v1/jobs":
+                _may_submit(access, caller)
+            elif (route := job_route(path)) is not None and route[1] in ("/checkout", "/cancel"):
+                access.require_job(caller, route[0], head.headers.get(JOB_TOKEN_HEADER))
+        except JobError as exc:
+            return Refusal(status_of(exc), str(exc))
+        return None
+    return gate
+
+
+def _may_submit(access: Access, caller: Caller) -> None:
+    """What `Access.admit_submit` decides without the spec: a fleet host's plain socket member, and a
+    runner whose hook reported no job, may never submit."""
+    if caller.operator:
+        return
+    if caller.runner is None and access.fleet:
+        raise Forbidden(f"{caller.who} sent no runner token: on a host with a runner fleet, jobs are "
+                        "submitted by the action in a fleet runner's job, which sends its runner token")
+    if caller.runner is not None and access.runners.job_of(caller.runner) is None:
+        raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
+                        "so it may not submit one")
+
+
 def _error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode() + b"\n"
 
 
-def _token_gate(token: str) -> Callable[[Head], Refusal | None]:
-    """Checked on the head alone: a client without the token never sends its body or takes a worker."""
+def _token_gate(token: str, then: Callable[[Head], Refusal | None] = lambda head: None
+                ) -> Callable[[Head], Refusal | None]:
+    """Checked on the head alone: a client without the token never sends its body or takes a worker;
+    one with it is then asked `then` (the caller gate)."""
     expected = token.encode()
 
     def gate(head: Head) -> Refusal | None:
         scheme, _, value = head.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected):
-            return None
+            return then(head)
         if _web_token_ok(head, expected):
             return None
         return Refusal(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
@@ -414,7 +476,8 @@ class UnixApiServer(BoundedHTTPServer):
                 listener.close()
                 os.unlink(path)
                 raise ConfigError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
-        super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body)
+        super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body,
+                         gate=_caller_gate(service, tcp=False), urgent=_urgent)
 
     def close(self) -> None:
         super().close()
@@ -432,7 +495,7 @@ class TcpApiServer(BoundedHTTPServer):
         self.service = service
         self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
         super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
-                         gate=_token_gate(token))
+                         gate=_token_gate(token, _caller_gate(service, tcp=True)), urgent=_urgent)
 
 
 def _prepare_socket_path(path: Path) -> None:
@@ -462,6 +525,7 @@ class ApiServers:
                  host_status: Callable[[], dict[str, object]] | None = None) -> None:
         """`host_status` answers GET /v1/status (the host's VMs, spare pools, queue, recent jobs, runners)."""
         config = service.config
+        limits = limits_for(service, limits)
         unix = UnixApiServer(config.socket, service, config.socket_group, limits)
         self.servers: list[BoundedHTTPServer] = [unix]
         if host_status is not None:
