@@ -17,6 +17,7 @@ Precisely, for policies A and B, `intersect(A, B)` holds the pairwise intersecti
     cannot be expressed as one rule; dropping the pair keeps the result narrower than both sides,
     which is the safe side. Write both layers in the same terms when they must combine.
 - protocols must be equal; ports are the set intersection and must not be empty.
+- a host rule is `raw` (enforced by address, not by name) only when both sides are.
 - mode: block if either side is block, audit only when both are. A job asking for audit on a
   block policy therefore still gets block.
 
@@ -51,7 +52,8 @@ def intersect_rules(a: Rule, b: Rule) -> Rule | None:
         return None
     if a.host is not None and b.host is not None:
         host = intersect_hosts(a.host, b.host)
-        return None if host is None else Rule(ports=ports, protocol=a.protocol, host=host)
+        # raw (enforced by address) only when both sides say so: otherwise the name check stays
+        return None if host is None else Rule(ports=ports, protocol=a.protocol, host=host, raw=a.raw and b.raw)
     if a.network is not None and b.network is not None:
         network = intersect_networks(a.network, b.network)
         return None if network is None else Rule(ports=ports, protocol=a.protocol, network=network)

@@ -20,6 +20,7 @@ import yaml
 from policy.model import SUPPORTED_VERSION, Mode, Network, Policy, Protocol, Rule, is_mode, is_protocol
 from policy.reserved import reserved_containing
 from policy.yamldoc import (
+    BOOL_TAG,
     STR_TAG,
     Limits,
     Problem,
@@ -45,7 +46,7 @@ MAX_PROBLEMS = 100
 LIMITS = Limits("policy", MAX_BYTES, MAX_DEPTH, "a policy is a mapping with a list of flat entries", MAX_PROBLEMS)
 
 TOP_KEYS = ("version", "mode", "allow")
-RULE_KEYS = ("host", "cidr", "ports", "protocol")
+RULE_KEYS = ("host", "cidr", "ports", "protocol", "raw")
 EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host: pypi.org, ports: [443]}"
 
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -167,6 +168,7 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
         "cidr": lambda value: _cidr(value, problems),
         "ports": lambda value: _ports(value, node, problems),
         "protocol": lambda value: _protocol(value, problems),
+        "raw": lambda value: _raw(value, problems),
     }
     for key, value in duplicates:
         checks[key](value)
@@ -182,9 +184,31 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
         problems.at(node, "an allow entry needs 'host' (a DNS name) or 'cidr' (a network)")
     ports = _ports(values.get("ports"), node, problems)
     protocol = _protocol(values.get("protocol"), problems)
+    raw = _raw(values.get("raw"), problems)
+    if raw and "raw" in values and ("host" not in values or protocol != "tcp"):
+        problems.at(values["raw"], "raw: true applies to a tcp host entry only; cidr: and udp entries are "
+                                   "enforced by address already, so drop it")
     if len(problems.items) != before or ports is None or (host is None and network is None):
         return None
-    return Rule(ports=ports, protocol=protocol, host=host, network=network)
+    return Rule(ports=ports, protocol=protocol, host=host, network=network, raw=raw)
+
+
+def _raw(node: yaml.Node | None, problems: Problems) -> bool:
+    """`raw: true` opts a host entry out of the name check (see `policy.model.Rule`)."""
+    if node is None:
+        return False
+    if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG and node.value in ("true", "false"):
+        return node.value == "true"
+    problems.at(node, f"raw: {kind(node)} is not true or false; write raw: true to enforce this entry by "
+                      "address only (raw TCP such as ssh), or leave it out")
+    return False
+
+
+def raw_warnings(policy: Policy) -> list[str]:
+    """What `policy check` says about the rules that are enforced by address, not by name."""
+    return [f"warning: {rule.host} ports {','.join(map(str, sorted(rule.ports)))} is raw: enforced by address "
+            "only, so any name served at the addresses it resolves to is reachable on those ports"
+            for rule in policy.rules if rule.raw]
 
 
 def _host(node: yaml.Node, problems: Problems) -> str | None:

@@ -20,8 +20,9 @@ Protocol = Literal["tcp", "udp"]
 MODES: tuple[str, ...] = ("block", "audit")
 PROTOCOLS: tuple[str, ...] = ("tcp", "udp")
 SUPPORTED_VERSION = 1
-# Rule.sort_key: host rules first, then networks by family, address and prefix, then protocol.
-SortKey = tuple[int, int, str, bytes, int, str]
+# Rule.sort_key: host rules first, then networks by family, address and prefix, then protocol,
+# then name-checked before raw (a raw rule and a checked one for the same host stay two rules).
+SortKey = tuple[int, int, str, bytes, int, str, bool]
 
 
 def is_mode(value: object) -> TypeGuard[Mode]:
@@ -65,16 +66,25 @@ def host_matches(pattern: str, name: str) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
-    """One allowed destination: a host pattern or a network, on some ports of one protocol."""
+    """One allowed destination: a host pattern or a network, on some ports of one protocol.
+
+    A TCP host rule is enforced by name (`runner.net.nameproxy`): each connection's TLS SNI or
+    HTTP Host must be the name, at an address the resolver handed out for it. `raw` opts a TCP
+    host rule out of that (ssh, a database protocol): such a rule is enforced by address only,
+    like a `cidr:` rule, and `policy check` says so.
+    """
 
     ports: frozenset[int]
     protocol: Protocol = "tcp"
     host: str | None = None
     network: Network | None = None
+    raw: bool = False
 
     def __post_init__(self) -> None:
         if (self.host is None) == (self.network is None):
             raise ValueError("a Rule needs exactly one of host or network")
+        if self.raw and (self.host is None or self.protocol != "tcp"):
+            raise ValueError("only a tcp host rule can be raw: networks and udp are enforced by address anyway")
         if not self.ports or not all(type(port) is int and 1 <= port <= 65535 for port in self.ports):
             raise ValueError(f"a Rule needs integer ports in 1..65535, got {sorted(self.ports, key=repr)}")
         as_protocol(self.protocol)  # the annotation does not stop an untyped caller
@@ -102,20 +112,28 @@ class Rule:
         """Whether this is a host rule whose pattern admits `name`."""
         return self.host is not None and host_matches(self.host, name)
 
+    @property
+    def name_checked(self) -> bool:
+        """Whether connections under this rule are checked by name (a TCP host rule, not raw)."""
+        return self.host is not None and self.protocol == "tcp" and not self.raw
+
     def in_family(self, version: int) -> bool:
         """Whether this is a network rule of IP version `version` (4 or 6); a host rule is in neither."""
         return self.network is not None and self.network.version == version
 
     def canonical(self) -> dict[str, object]:
         kind = "host" if self.host is not None else "cidr"
-        return {kind: self.destination, "ports": sorted(self.ports), "protocol": self.protocol}
+        canonical: dict[str, object] = {kind: self.destination, "ports": sorted(self.ports), "protocol": self.protocol}
+        if self.raw:  # only when set: the digests of policies without raw rules stay what they were
+            canonical["raw"] = True
+        return canonical
 
     def sort_key(self) -> SortKey:
         network = self.network
         if network is None:
-            return (0, 0, self.destination, b"", 0, self.protocol)
+            return (0, 0, self.destination, b"", 0, self.protocol, self.raw)
         return (1, network.version, "", network.network_address.packed, network.prefixlen,
-                self.protocol)
+                self.protocol, self.raw)
 
 
 def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
@@ -125,7 +143,7 @@ def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     for rule in rules:
         key = rule.sort_key()
         if key in merged:
-            rule = Rule(merged[key].ports | rule.ports, rule.protocol, rule.host, rule.network)
+            rule = Rule(merged[key].ports | rule.ports, rule.protocol, rule.host, rule.network, rule.raw)
         merged[key] = rule
     return tuple(merged[key] for key in sorted(merged))
 

@@ -28,7 +28,10 @@ prefix; LOG writes to the kernel ring buffer, where the kernel drops it for non-
 unless `nf_log_all_netns` is set, and from where it would have to be scraped back out.
 
 INPUT (the namespace itself: gateway and resolver) admits only the DNS port (UDP and TCP) and the
-operator's allowances from the guest. IPv6 is dropped outright unless the guest has an IPv6
+operator's allowances from the guest, plus the name check's port for connections the slot's nat
+table redirected there (TCP under a name-checked `host:` rule, which therefore never reach FORWARD:
+their openings are REDIRECTs in the nat table, not ACCEPTs in `MVC-DNS-ALLOW`), and from the uplink
+only replies to the name check's own upstream connections. IPv6 is dropped outright unless the guest has an IPv6
 address and an IPv6 network rule (the policy's or the operator's) exists; then the same order applies.
 """
 
@@ -94,6 +97,11 @@ class RenderContext:
     log_prefix: str = "mvc"
     nflog_group: int = 100  # runner.net.addresses.AUDIT_NFLOG_GROUP reads this group
     guest_ip6: IPv6Address | str | None = None
+    # The name check (runner.net.nameproxy) on the gateway: INPUT admits the guest there only for
+    # connections the nat table redirected (ctstate DNAT), and from the uplink only replies to its
+    # own marked upstream connections (connmark). 0: no name check in this namespace.
+    namecheck_port: int = 0
+    namecheck_mark: int = 0
 
     def __post_init__(self) -> None:
         for name in ("guest_ip", "gateway_ip", "dns_ip"):
@@ -110,6 +118,9 @@ class RenderContext:
         _check(_PREFIX.fullmatch(self.log_prefix),
                f"log_prefix {self.log_prefix!r} must be 1..63 of A-Z a-z 0-9 _ . : = / -")
         _check(0 <= self.nflog_group <= 65535, f"nflog_group {self.nflog_group} is out of range 0..65535")
+        _check(0 <= self.namecheck_port <= 65535, f"namecheck_port {self.namecheck_port} is out of range 0..65535")
+        _check(0 <= self.namecheck_mark < 2**32, f"namecheck_mark {self.namecheck_mark} is out of range")
+        _check(bool(self.namecheck_port) == bool(self.namecheck_mark), "namecheck_port and namecheck_mark go together")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,14 @@ REFUSED_NAME = "refused-name"
 # CNAME and read a split-horizon resolver's private answer there). The service log keeps the address.
 REFUSED_DEST = "internal address refused"
 REFUSED_NAME_DEST = "name refused"  # a refused name's record: the resolver gave it no address
-REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME)
+# A TCP connection under a name-checked host rule whose TLS SNI or HTTP Host (the record's name) is
+# not a name the policy allows there, or was not handed out by the resolver for the address dialled.
+NAME_REFUSED = "name-refused"
+# A TCP connection under a name-checked host rule that named nothing the host can check: neither TLS
+# nor HTTP, no SNI, an encrypted ClientHello (the record's name is then its outer SNI, if any), a
+# malformed or smuggling-shaped request, or no first flight in time.
+UNNAMED = "unnamed"
+REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED)
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 MAX_COUNT = 10**9  # a record's count comes from guest traffic: kept in a range a sum cannot overflow into nonsense
 
@@ -119,6 +126,12 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
     if record.reason == REFUSED_NAME:
         return (f"{record.name} was looked up and refused (no rule names it), so no port was tried; "
                 f"add it with the ports it needs, if it is meant to be reached")
+    if record.reason == NAME_REFUSED:
+        return (f"tcp to {record.dest} port {record.port} named {record.name}, which the resolver did not hand "
+                f"that address out for; a host: rule for {record.name} allows it once the job looks the name up")
+    if record.reason == UNNAMED:
+        return (f"tcp to {record.dest} port {record.port} named nothing checkable (no TLS SNI or HTTP Host, or an "
+                f"encrypted ClientHello); a raw: true entry would allow it by address, if that is meant")
     if record.port is None or record.proto not in ("tcp", "udp"):
         return f"not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}"
     if record.name:

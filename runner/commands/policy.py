@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from policy.load import PolicyError, load_policy
+from policy.load import PolicyError, load_policy, raw_warnings
 from policy.render import RenderContext, render
 from policy.store import ORG_FILE
 from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
@@ -81,13 +81,18 @@ def check_command(args: argparse.Namespace) -> int:
 
 
 def _check_one(path: Path, kind: str) -> WarmSpec | None:
-    """Load `path` as the kind of file it is; the repository's warm: section, if it has one."""
+    """Load `path` as the kind of file it is; the repository's warm: section, if it has one.
+    Rules enforced by address rather than by name (`raw: true`) are warned about, not refused."""
     if kind == "auto":
         kind = "org" if path.name == ORG_FILE else "repository"
     if kind == "repository":
-        return load_repository_file(path).warm
-    load_policy(path)  # the org default and a job's policy: the loader refuses a warm: key
-    return None
+        loaded = load_repository_file(path)
+        policy, warm = loaded.policy, loaded.warm
+    else:
+        policy, warm = load_policy(path), None  # the org default and a job's policy: the loader refuses a warm: key
+    for warning in raw_warnings(policy):
+        print(f"{path}: {warning}")
+    return warm
 
 
 def render_command(args: argparse.Namespace) -> int:

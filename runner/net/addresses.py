@@ -25,6 +25,15 @@ UPLINK_POOL = ipaddress.IPv4Network("198.18.0.0/15")
 UPLINK_PREFIXLEN = 30
 MAX_SLOTS = UPLINK_POOL.num_addresses // 4
 
+# The name check (runner.net.nameproxy) listens on the gateway at this port inside each slot; the
+# guest never reaches it directly (the raw guard drops frames to the namespace's own addresses), only
+# through the nat table's REDIRECT of connections under a name-checked rule. Its upstream sockets
+# carry NAMECHECK_MARK (SO_MARK needs CAP_NET_ADMIN: only the host's own processes can set it), the
+# one thing the guard lets the namespace originate towards the uplink, and replies of those
+# connections (connmark) the one thing from the uplink it lets reach a socket of the namespace.
+NAMECHECK_PORT = 15001
+NAMECHECK_MARK = 0x6D7663
+
 # NFLOG group the audit-mode rules log to. NFLOG groups are per network namespace, so one number
 # serves every slot; the policy renderer must log would-be-blocked packets to this group.
 AUDIT_NFLOG_GROUP = 100

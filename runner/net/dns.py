@@ -47,6 +47,7 @@ MAX_ANSWERS = 16
 MAX_OPENED_ADDRESSES = 256  # open at once per slot; expired ones free their place
 MAX_NAMED_ADDRESSES = 1024  # addresses whose name the audit records can show; later ones show none
 MAX_REFUSED_NAMES = 1024
+MAX_NAMES_PER_ADDRESS = 32  # names one address was handed out for (a CDN edge serves many)
 # Per slot, UDP and TCP together: enough for a job's parallel lookups (glibc asks A and AAAA at
 # once, package managers resolve several hosts), since a dropped query costs the guest a 5 s retry.
 # Every slot shares the loop's workers, so the cap stays below their number: one flooding guest
@@ -149,11 +150,15 @@ def valid_name(labels: tuple[bytes, ...]) -> bool:
 
 @dataclass(frozen=True, order=True)
 class Opening:
-    """One line group of the slot's DNS allow chain: `address` on `ports` of `protocol`."""
+    """One line group of the slot's DNS allow chain: `address` on `ports` of `protocol`.
+
+    A `checked` opening (a name-checked host rule, `policy.model.Rule.name_checked`) is not
+    accepted in the filter table but redirected to the name check (`runner.net.nameproxy`)."""
 
     address: str
     protocol: str
     ports: tuple[int, ...]
+    checked: bool = False
 
 
 # Rewrites the slot's whole DNS allow chain to hold exactly these openings, in one commit: an
@@ -208,6 +213,7 @@ class SlotResolver:
     policy: Policy = DENY_ALL
     generation: int = 0
     handed_out: dict[str, str] = field(default_factory=dict)
+    names_at: dict[str, set[str]] = field(default_factory=dict)  # address -> every name it was handed out for
     refused: Counter[str] = field(default_factory=Counter)
     refused_answers: Counter[tuple[str, str]] = field(default_factory=Counter)  # (address, name)
     openings: dict[Opening, float] = field(default_factory=dict)
@@ -234,6 +240,7 @@ class SlotResolver:
             self.policy = DENY_ALL
             self.generation += 1
             self.handed_out.clear()
+            self.names_at.clear()
             self.refused.clear()
             self.refused_answers.clear()
             self.openings.clear()
@@ -277,7 +284,7 @@ class SlotResolver:
                     continue
                 if verdict == _OPEN:
                     for rule in rules:
-                        opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)))
+                        opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)), rule.name_checked)
                         live[opening] = max(live.get(opening, 0.0), now + open_seconds(ttl))
                 kept.append((address, ttl))
             if len({opening.address for opening in live}) > MAX_OPENED_ADDRESSES:
@@ -289,8 +296,30 @@ class SlotResolver:
             for address, _ in kept:
                 if address in self.handed_out or len(self.handed_out) < MAX_NAMED_ADDRESSES:
                     self.handed_out[address] = name
+                    names = self.names_at.setdefault(address, set())
+                    if len(names) < MAX_NAMES_PER_ADDRESS:
+                        names.add(name)
             self._commit(live)
             return kept
+
+    def name_allowed(self, name: str, address: str, port: int) -> bool:
+        """Whether a TCP connection to `address`:`port` that names `name` (TLS SNI, HTTP Host) is
+        one the policy means: a name-checked rule allows `name` on `port`, this resolver handed
+        `address` out for exactly `name`, and that opening is still live. `name` is normalised by
+        the caller (`runner.net.namecheck.normalise_name`)."""
+        with self.lock:
+            if not any(rule.name_checked and rule.allows(port, "tcp", name=name) for rule in self.policy.rules):
+                return False
+            if name not in self.names_at.get(address, ()):
+                return False
+            now = self.clock()
+            return any(opening.checked and opening.address == address and port in opening.ports and expiry > now
+                       for opening, expiry in self.openings.items())
+
+    def audit_only(self) -> bool:
+        """Whether refusals are only recorded (audit mode) rather than enforced."""
+        with self.lock:
+            return self.policy.mode == "audit"
 
     def expire(self) -> None:
         """Close the openings whose time has run out (a failed write leaves them for the next try)."""

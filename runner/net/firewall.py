@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from policy.model import Rule
 from policy.render import DENIED_CHAIN, OperatorAllowances, denied_chain_lines, rule_lines
 from runner.errors import NetworkError
 from runner.net import addresses, netns
@@ -96,12 +97,15 @@ def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
     Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
     only at the DNS service, and never the uplink range, link-local, loopback or multicast (the first
     three and the namespace's own addresses logged as always-denied, see `_denied_chain`). The
-    namespace itself (where QEMU runs) originates nothing towards the uplink: the resolver asks
-    upstream from outside, so a process that escaped the guest into QEMU gains no network. And
-    nothing from the uplink side reaches the namespace's own sockets (mangle INPUT, after NAT has
-    turned replies for the guest back into forwarded traffic), e.g. the resolver.
+    namespace itself originates nothing towards the uplink but the name check's upstream TCP
+    connections, whose sockets carry `NAMECHECK_MARK` (setting it needs CAP_NET_ADMIN, which no
+    guest-facing process has; QEMU runs in a namespace of its own anyway): the resolver asks
+    upstream from outside. And nothing from the uplink side reaches the namespace's own sockets
+    (mangle INPUT, after NAT has turned replies for the guest back into forwarded traffic) but
+    replies on those marked connections (the mark is saved to conntrack on the way out).
     """
     dns = addresses.DNS_IP
+    mark = hex(addresses.NAMECHECK_MARK)
     raw = [
         f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
         f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
@@ -114,9 +118,14 @@ def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
         f"-A MVC-GUARD -d 127.0.0.0/8 -j {DENIED_CHAIN}",
         "-A MVC-GUARD -d 224.0.0.0/3 -j DROP",
         *_denied_chain(),
+        f"-A OUTPUT -o {addresses.VETH_NAME} -p tcp -m mark --mark {mark} -j ACCEPT",
         f"-A OUTPUT -o {addresses.VETH_NAME} -j DROP",
     ]
-    mangle = [f"-A INPUT -i {addresses.VETH_NAME} -j DROP"]
+    mangle = [
+        f"-A OUTPUT -o {addresses.VETH_NAME} -m mark --mark {mark} -j CONNMARK --save-mark",
+        f"-A INPUT -i {addresses.VETH_NAME} -m connmark --mark {mark} -j ACCEPT",
+        f"-A INPUT -i {addresses.VETH_NAME} -j DROP",
+    ]
     return _document(_guard_table(raw), _table("mangle", mangle))
 
 
@@ -164,9 +173,28 @@ def _denied_chain() -> list[str]:
     return denied_chain_lines(addresses.AUDIT_NFLOG_GROUP)
 
 
-def masquerade() -> str:
-    """Every guest has the same IP, so its traffic leaves as the slot's unique veth address."""
-    return _document(_table("nat", [f"-A POSTROUTING -s {addresses.GUEST_IP}/32 -o {addresses.VETH_NAME} -j MASQUERADE"]))
+NAMECHECK_CHAIN = "MVC-NAMECHECK"
+
+
+def masquerade(namecheck: list[str] | None = None) -> str:
+    """The slot's nat table. Every guest has the same IP, so its traffic leaves as the slot's
+    unique veth address; new TCP connections from the guest pass `NAMECHECK_CHAIN`, which
+    redirects those under a name-checked rule to the name check (`namecheck_lines`)."""
+    return _document(_table("nat", [
+        f"-A PREROUTING -i {addresses.TAP_NAME} -p tcp -j {NAMECHECK_CHAIN}",
+        *(namecheck or []),
+        f"-A POSTROUTING -s {addresses.GUEST_IP}/32 -o {addresses.VETH_NAME} -j MASQUERADE",
+    ], chains=(NAMECHECK_CHAIN,)))
+
+
+def namecheck_lines(address_rules: list[Rule], raw: list[Rule], checked: list[Rule]) -> list[str]:
+    """`NAMECHECK_CHAIN`'s rules, first match wins: what a network rule (the policy's `cidr:` or the
+    operator's allowance) or a `raw: true` opening admits keeps address semantics (RETURN, on to the
+    filter table), then the name-checked openings are redirected to the name check."""
+    tcp = [rule for rule in address_rules if rule.protocol == "tcp" and rule.in_family(4)]
+    return [*(line for rule in (*tcp, *raw) for line in rule_lines(NAMECHECK_CHAIN, rule, "RETURN")),
+            *(line for rule in checked
+              for line in rule_lines(NAMECHECK_CHAIN, rule, f"REDIRECT --to-ports {addresses.NAMECHECK_PORT}"))]
 
 
 _BUILTIN_CHAINS = {
@@ -186,8 +214,8 @@ def _document(*tables: list[str]) -> str:
     return "\n".join([line for table in tables for line in table] + [""])
 
 
-def chain_document(chain: str, rules: list[str]) -> str:
-    """A `--noflush` document that replaces user chain `chain` of the filter table with `rules`
+def chain_document(chain: str, rules: list[str], table: str = "filter") -> str:
+    """A `--noflush` document that replaces user chain `chain` of `table` with `rules`
     (`-A chain ...` lines) in one commit, and leaves every other chain alone: declaring a chain
     empties it, with the legacy and the nf_tables backend alike."""
-    return f"*filter\n:{chain} - [0:0]\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"
+    return f"*{table}\n:{chain} - [0:0]\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"

@@ -69,6 +69,12 @@ def _enter(name: str) -> None:
         os.close(fd)
 
 
+def enter(name: str) -> None:
+    """Move the calling thread into namespace `name` for good: only for a thread of one's own that
+    ends when its work there is done (every socket it then creates lives in `name`)."""
+    _enter(name)
+
+
 def run_in(name: str, fn: Callable[[], T]) -> T:
     """Call `fn` inside namespace `name` and return its result (or raise its exception)."""
     result: list[T] = []

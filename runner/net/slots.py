@@ -15,10 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from ipaddress import ip_network
 
 from pyroute2 import IPRoute, NFCTSocket
 
-from policy.model import DENY_ALL, Policy
+from policy.model import DENY_ALL, Policy, Rule, as_protocol
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
 from policy.suggest import AuditRecord, refused_name_record
 from runner.errors import NetworkError
@@ -27,6 +28,7 @@ from runner.net.audit import SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
 from runner.net.firewall import Firewall
 from runner.net.loop import NetLoop
+from runner.net.nameproxy import NameProxy
 from runner.net.uplink import Uplink
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,11 @@ class Slot:
     firewall: Firewall = field(default_factory=Firewall, repr=False)
     resolver: SlotResolver | None = field(default=None, repr=False)
     audit: SlotAudit | None = field(default=None, repr=False)
+    proxy: NameProxy | None = field(default=None, repr=False)
     job: str = ""
     allowances: OperatorAllowances = field(default_factory=OperatorAllowances, repr=False)
     _ipv6_loaded: str = field(default="", repr=False)
+    _address_rules: list[Rule] = field(default_factory=list, repr=False)  # the loaded policy's networks, the operator's
 
     def render_context(self) -> RenderContext:
         return RenderContext(
@@ -64,6 +68,8 @@ class Slot:
             host_addresses=(addresses.uplink_ip(self.index), addresses.veth_ip(self.index)),
             log_prefix=f"mvc:{self.job or self.netns}"[:63],
             nflog_group=addresses.AUDIT_NFLOG_GROUP,
+            namecheck_port=addresses.NAMECHECK_PORT,
+            namecheck_mark=addresses.NAMECHECK_MARK,
         )
 
     def apply_policy(self, policy: Policy) -> None:
@@ -82,7 +88,9 @@ class Slot:
             firewall.check_policy_document(document, family)
         if self.resolver is not None:
             self.resolver.configure(policy)
-        self.firewall.load(self.netns, rendered.ipv4)
+        self._address_rules = [*policy.network_rules, *self.allowances.rules]
+        # the nat table in the same commit: no opening is redirected yet, none of the last job's is
+        self.firewall.load(self.netns, rendered.ipv4 + firewall.masquerade(self._namecheck([])))
         self._load_ipv6(rendered.ipv6)
         if self.audit is not None:
             self.audit.clear()
@@ -96,19 +104,35 @@ class Slot:
             return self.audit.records({})
         records = self.audit.records(dict(self.resolver.handed_out))
         records += [refused_answer_record(*entry) for entry in self.resolver.refused_answer_counts()]
+        if self.proxy is not None:
+            records += self.proxy.records()
         return records + _refused_names(self.resolver, {record.name for record in records})
 
     def write_dns_chain(self, openings: list[Opening]) -> None:
-        """Make the slot's DNS allow chain hold exactly the resolver's live `openings`, in one commit."""
+        """Make the slot's DNS allow chain and its name-check redirects hold exactly the resolver's
+        live `openings`, in one commit: name-checked ones only redirect (nat), the rest accept (filter)."""
         lines: list[str] = []
         for opening in openings:
-            lines.extend(dns_allow_rule(opening.address, opening.ports, opening.protocol).splitlines())
-        self.firewall.load(self.netns, firewall.chain_document(DNS_ALLOW_CHAIN, lines), noflush=True)
+            if not opening.checked:
+                lines.extend(dns_allow_rule(opening.address, opening.ports, opening.protocol).splitlines())
+        document = firewall.chain_document(DNS_ALLOW_CHAIN, lines)
+        document += firewall.chain_document(firewall.NAMECHECK_CHAIN, self._namecheck(openings), table="nat")
+        self.firewall.load(self.netns, document, noflush=True)
+
+    def _namecheck(self, openings: list[Opening]) -> list[str]:
+        def rule(opening: Opening) -> Rule:
+            return Rule(frozenset(opening.ports), as_protocol(opening.protocol), network=ip_network(opening.address))
+
+        raw = [rule(opening) for opening in openings if not opening.checked and opening.protocol == "tcp"]
+        return firewall.namecheck_lines(self._address_rules, raw, [rule(opening) for opening in openings if opening.checked])
 
     def reset(self) -> None:
         """Back to the pooled state: deny-all, no connections, no resolver or audit memory."""
         self.job = ""
-        self.firewall.load(self.netns, firewall.deny_all())
+        self._address_rules = []
+        self.firewall.load(self.netns, firewall.deny_all() + firewall.masquerade())
+        if self.proxy is not None:
+            self.proxy.clear()
         self._ipv6_loaded = ""
         self._load_ipv6(render(DENY_ALL, self.render_context(), self.allowances).ipv6)
         if self.resolver is not None:
@@ -307,6 +331,8 @@ class SlotPool:
             slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)
+            slot.proxy = NameProxy(name, slot.resolver)
+            slot.proxy.start(self._loop)
             slot.reset()
         except Exception as exc:
             self._destroy(slot, forget=False)
@@ -328,6 +354,8 @@ class SlotPool:
                     self._idle.remove(slot)
         if slot.audit is not None and self._loop is not None:
             slot.audit.stop(self._loop)
+        if slot.proxy is not None and self._loop is not None:
+            slot.proxy.stop(self._loop)
         if slot.resolver is not None and self._dns is not None:
             self._dns.detach(slot.resolver)
         netns.remove(slot.netns)

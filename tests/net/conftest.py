@@ -24,6 +24,7 @@ class Net:
     internet: str
     pool: SlotPool
     clock: net_fakes.Clock  # times the resolver's openings: advance it to expire them
+    servers: net_fakes.Servers | None = None  # the fake internet's servers (stopped at the end)
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def net(need_netns, prefix: str) -> Iterator[Net]:
                         clock=clock)
         cleanup.callback(pool.close)
         pool.start()
-        yield Net(prefix, internet, pool, clock)
+        yield Net(prefix, internet, pool, clock, servers)
     assert net_fakes.leftovers(prefix) == []
     ours = ("mvc-", "netns:", net_fakes.SERVER_THREAD)  # pyroute2's own helpers come and go
     stray = [t for t in set(threading.enumerate()) - threads_before if t.is_alive() and t.name.startswith(ours)]

@@ -185,8 +185,14 @@ def attach_guest(prefix: str, slot_ns: str) -> str:
     return guest
 
 
-def reach(guest: str, address: str, port: int, source: str | None = None, timeout: float = 1.5) -> bool:
-    """Whether the guest gets the server's banner from address:port (refused or silent: False)."""
+def reach(guest: str, address: str, port: int, source: str | None = None, timeout: float = 1.5,
+          name: str | None = None) -> bool:
+    """Whether the guest gets the server's banner from address:port (refused or silent: False).
+
+    With `name`, the guest first sends an HTTP request with `Host: name`, as a client under a
+    `host:` rule must (the host's name check admits nothing that does not say which name it is
+    for); the banner servers answer every connection alike, so it changes nothing where no name
+    check sits in between."""
 
     def connect() -> bool:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -196,6 +202,8 @@ def reach(guest: str, address: str, port: int, source: str | None = None, timeou
                 sock.bind((source, 0))
             try:
                 sock.connect((address, port))
+                if name is not None:
+                    sock.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
                 return sock.recv(100) == f"{address}:{port}".encode()
             except OSError:
                 return False
@@ -222,3 +230,38 @@ def leftovers(prefix: str) -> list[str]:
     found = [n for n in netns.names() if n.startswith(prefix)]
     found += [line.split(": ")[1].split("@")[0] for line in links.splitlines() if line.split(": ")[1].startswith(prefix)]
     return found
+
+
+def recording_server(net, address: str, port: int) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """A server at address:port in the fake internet that keeps everything each connection sent
+    (read until the client ends its side) and answers `ok`; returns the list it fills."""
+    received: list[bytes] = []
+    sock = netns.socket_in(net.internet, socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(16)
+    sock.settimeout(0.2)
+    servers = net.servers
+
+    def serve() -> None:
+        while not servers.stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while chunk := conn.recv(65536):
+                        data += chunk
+                except OSError:
+                    pass
+                received.append(data)
+                try:
+                    conn.sendall(b"ok")
+                except OSError:
+                    pass
+
+    servers._spawn(serve, sock)
+    return received

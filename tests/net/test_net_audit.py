@@ -16,7 +16,7 @@ def the_job(guest: str) -> tuple[bool, bool]:
     """What the audited job does: one host by name, one by bare address."""
     answer = lookup(guest, "web.test")
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
-    return reach(guest, ALLOWED_HOST, 8000), reach(guest, DENIED_HOST, 8000)
+    return reach(guest, ALLOWED_HOST, 8000, name="web.test"), reach(guest, DENIED_HOST, 8000)
 
 
 def test_audit_records_and_suggested_policy_passes_in_block_mode(net, slot, guest) -> None:
@@ -41,7 +41,7 @@ def test_audit_records_and_suggested_policy_passes_in_block_mode(net, slot, gues
     again.apply_policy(blocking)
 
     assert the_job(guest) == (True, True)
-    assert not reach(guest, ALLOWED_HOST, 9000)  # and nothing more than the job needed
+    assert not reach(guest, ALLOWED_HOST, 9000, name="web.test")  # and nothing more than the job needed
     blocked = again.audit_records()
     assert [(r.dest, r.port) for r in blocked] == [(ALLOWED_HOST, 9000)]
 
@@ -64,7 +64,7 @@ def test_a_flood_of_denied_packets_is_logged_at_a_bounded_rate(slot, guest) -> N
     counted = {(r.dest, r.port): r.count for r in slot.audit_records()}
     assert 1 <= counted[(DENIED_HOST, 9)] <= 200 + 100 * elapsed + 10  # the burst, then 100 a second
     time.sleep(0.1)  # the bucket refills: the next attempt is logged again
-    assert not reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert (ALLOWED_HOST, 8000) in {(r.dest, r.port) for r in slot.audit_records()}
 
 

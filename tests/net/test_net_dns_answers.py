@@ -46,7 +46,7 @@ def closed_within(guest: str, seconds: float) -> bool:
     (the periodic sweep closes expired openings; nothing here looks the name up again)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not reach(guest, ALLOWED_HOST, 8000):
+        if not reach(guest, ALLOWED_HOST, 8000, name="web.test"):
             return True
         time.sleep(0.2)
     return False
@@ -55,7 +55,7 @@ def closed_within(guest: str, seconds: float) -> bool:
 def test_a_public_address_closes_after_its_ttl_until_looked_up_again(net, slot, guest) -> None:
     slot.apply_policy(load_policy(WEB_POLICY, "p.yml"))
     assert answers(guest, "web.test") == (RCODE.NOERROR, [ALLOWED_HOST])  # TTL 60 s
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
     net.clock.advance(MIN_OPEN_SECONDS - 30)
     assert not closed_within(guest, 3 * SWEEP_SECONDS)  # not yet: sweeps ran, the TTL had not run out
@@ -63,4 +63,4 @@ def test_a_public_address_closes_after_its_ttl_until_looked_up_again(net, slot, 
     assert closed_within(guest, 10 * SWEEP_SECONDS)
 
     assert answers(guest, "web.test") == (RCODE.NOERROR, [ALLOWED_HOST])
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")

@@ -24,7 +24,7 @@ def test_a_day_long_ttl_reaches_the_guest_clamped_and_its_opening_closes_at_the_
     assert answer is not None and answer.header.rcode == RCODE.NOERROR
     assert [(str(rr.rdata), rr.ttl) for rr in answer.rr] == [(ALLOWED_HOST, MAX_TTL)]
     assert MAX_TTL == 300  # the guest keeps an answer five minutes at most
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
     net.clock.advance(MAX_OPEN_SECONDS - 30)  # past the told TTL, short of the longest opening
     assert not closed_within(guest, 3 * SWEEP_SECONDS)

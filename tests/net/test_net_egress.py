@@ -29,20 +29,20 @@ def policy(text: str):  # type: ignore[no-untyped-def]
 
 
 def test_pooled_slot_denies_everything(slot, guest) -> None:
-    assert not reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert lookup(guest, "web.test") is None  # even the resolver is closed until a policy is loaded
 
 
 def test_allowed_name_opens_only_its_port(slot, guest) -> None:
     slot.apply_policy(policy(WEB_POLICY))
-    assert not reach(guest, ALLOWED_HOST, 8000)  # not handed out by the resolver yet
+    assert not reach(guest, ALLOWED_HOST, 8000, name="web.test")  # not handed out by the resolver yet
 
     answer = lookup(guest, "web.test")
 
     assert answer is not None and answer.header.rcode == RCODE.NOERROR
     assert [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
-    assert reach(guest, ALLOWED_HOST, 8000)
-    assert not reach(guest, ALLOWED_HOST, 9000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
+    assert not reach(guest, ALLOWED_HOST, 9000, name="web.test")
     assert not reach(guest, DENIED_HOST, 8000)
 
 
@@ -64,7 +64,7 @@ def test_wildcard_and_tcp_queries(slot, guest) -> None:
 
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
     assert answer.rr[0].rtype == QTYPE.A
-    assert reach(guest, ALLOWED_HOST, 9000)
+    assert reach(guest, ALLOWED_HOST, 9000, name="a.cdn.test")
     bare = lookup(guest, "cdn.test")
     assert bare is not None and bare.header.rcode == RCODE.NXDOMAIN
 
@@ -108,7 +108,7 @@ def test_spoofed_source_ip_is_dropped(slot, guest) -> None:
     slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
     ip("-n", guest, "addr", "add", "10.9.9.9/32", "dev", "eth0")
 
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert not reach(guest, ALLOWED_HOST, 8000, source="10.9.9.9")
 
 
@@ -120,9 +120,9 @@ def test_spoofed_mac_is_dropped(slot, guest) -> None:
         ip("-n", slot.netns, "neigh", "flush", "dev", addresses.TAP_NAME)  # let the slot learn it afresh
 
     use_mac("52:54:00:00:00:99")
-    assert not reach(guest, ALLOWED_HOST, 8000)
+    assert not reach(guest, ALLOWED_HOST, 8000, name="web.test")
     use_mac(addresses.GUEST_MAC)
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
 
 def test_ipv6_is_blocked(slot, guest, net) -> None:
@@ -146,7 +146,7 @@ def test_ipv6_is_blocked(slot, guest, net) -> None:
     slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
 
     assert not reach(guest, SERVER_IP6, 8000)
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
 
 @pytest.mark.parametrize("bad", [b"", b"\x00" * 11, b"\xff" * 600, b"garbage that is not dns"])
@@ -170,7 +170,7 @@ def test_the_slot_namespace_itself_reaches_nothing_upstream(slot, guest) -> None
     """QEMU runs in the slot's namespace: a process escaping the guest into it gains no network."""
     slot.apply_policy(policy("version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n"))
 
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert not reach(slot.netns, ALLOWED_HOST, 8000)
     assert not reach(slot.netns, addresses.uplink_ip(slot.index), 8000)
 
@@ -227,7 +227,7 @@ def test_only_the_operators_allowances_open_always_denied_destinations(need_netn
         assert reach(guest, addresses.GATEWAY_IP, 2222)
         assert not reach(guest, addresses.GATEWAY_IP, 2223)  # the rest of the gateway stays closed
         assert lookup(guest, "web.test") is not None  # and the repository's policy works as before
-        assert reach(guest, ALLOWED_HOST, 8000) and not reach(guest, DENIED_HOST, 8000)
+        assert reach(guest, ALLOWED_HOST, 8000, name="web.test") and not reach(guest, DENIED_HOST, 8000)
         assert {(r.dest, r.port, r.reason) for r in slot.audit_records()} == {
             (addresses.GATEWAY_IP, 2223, ALWAYS_DENIED), (DENIED_HOST, 8000, POLICY)}
     assert net_fakes.leftovers(prefix) == []

@@ -72,10 +72,10 @@ def test_guest_traffic_leaves_through_the_hosts_nat(host_net) -> None:
     guest = net_fakes.attach_guest(pool.prefix, slot.netns)
     slot.apply_policy(load_policy(POLICY, "host.yml"))
 
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert reach(guest, DENIED_HOST, 8000)
     assert lookup(guest, "web.test") is not None
-    assert reach(guest, ALLOWED_HOST, 9000)
+    assert reach(guest, ALLOWED_HOST, 9000, name="web.test")
 
 
 def test_the_host_itself_is_closed_to_guests(host_net) -> None:

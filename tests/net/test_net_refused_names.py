@@ -21,7 +21,7 @@ def test_a_name_refused_in_block_mode_is_in_the_record_and_the_summary(slot, gue
     assert lookup(guest, "denied.test") is not None  # asked twice: counted twice
     answer = lookup(guest, "web.test")
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
     blocked = [record.as_json() for record in slot.audit_records()]  # the job record's blocked_egress
     assert blocked == [{"dest": REFUSED_NAME_DEST, "port": None, "proto": "dns", "name": "denied.test",
@@ -38,7 +38,7 @@ def test_in_audit_mode_a_refused_name_that_was_dialled_is_listed_once_with_its_a
     slot.apply_policy(load_policy("version: 1\nmode: audit\nallow: []\n", "audit.yml"))
 
     assert lookup(guest, "web.test") is not None and lookup(guest, "denied.test") is not None
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
     assert {(r.dest, r.port, r.name, r.reason) for r in slot.audit_records()} == {
         (ALLOWED_HOST, 8000, "web.test", "policy"), (REFUSED_NAME_DEST, None, "denied.test", REFUSED_NAME)}

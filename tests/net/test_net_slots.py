@@ -60,7 +60,7 @@ def test_uplink_addresses_follow_the_slot_index() -> None:
 def test_release_leaves_nothing_of_the_job(net, slot, guest) -> None:
     slot.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
     assert lookup(guest, "web.test") is not None
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
     assert conntrack_entries(slot.netns) > 0
     assert slot.resolver is not None and slot.resolver.handed_out
 
@@ -69,7 +69,7 @@ def test_release_leaves_nothing_of_the_job(net, slot, guest) -> None:
     assert conntrack_entries(slot.netns) == 0
     assert slot.resolver.handed_out == {} and slot.resolver.openings == {}
     assert slot.audit_records() == []
-    assert not reach(guest, ALLOWED_HOST, 8000)  # deny-all again
+    assert not reach(guest, ALLOWED_HOST, 8000, name="web.test")  # deny-all again
     assert lookup(guest, "web.test") is None
     assert net.pool.acquire().netns == slot.netns
 
@@ -123,7 +123,7 @@ def test_releasing_a_slot_twice_leaves_its_next_holder_alone(net, slot, guest) -
 
     net.pool.release(slot)  # a stale second release from the previous VM
 
-    assert holder.netns == slot.netns and reach(guest, ALLOWED_HOST, 8000)
+    assert holder.netns == slot.netns and reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
 
 def test_discarding_a_stale_handle_leaves_the_next_holder_alone(net, slot, guest) -> None:
@@ -134,7 +134,7 @@ def test_discarding_a_stale_handle_leaves_the_next_holder_alone(net, slot, guest
     net.pool.discard(slot)  # the previous VM's handle, discarded after its release
 
     assert holder.netns == slot.netns and holder.netns in netns.names()
-    assert reach(guest, ALLOWED_HOST, 8000)
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
     net.pool.discard(holder)
     assert holder.netns not in netns.names()
 
@@ -154,10 +154,10 @@ def test_the_nf_tables_backend_enforces_the_same_policy(need_netns, prefix) -> N
         guest = net_fakes.attach_guest(prefix, slot.netns)
         slot.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
 
-        assert reach(guest, ALLOWED_HOST, 8000)
-        assert not reach(guest, ALLOWED_HOST, 9000)
+        assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
+        assert not reach(guest, ALLOWED_HOST, 9000, name="web.test")
         assert lookup(guest, "web.test") is not None
-        assert reach(guest, ALLOWED_HOST, 9000)
+        assert reach(guest, ALLOWED_HOST, 9000, name="web.test")
         assert not reach(slot.netns, ALLOWED_HOST, 8000)
     assert net_fakes.leftovers(prefix) == []
 

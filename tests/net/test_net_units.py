@@ -170,7 +170,7 @@ def test_allowed_name_is_answered_and_opened_once(service) -> None:
 
     assert [str(rr.rdata) for rr in first.rr] == [ALLOWED_HOST]
     assert str(second.rr[0].rdata) == ALLOWED_HOST
-    assert opened == [[Opening(ALLOWED_HOST, "tcp", (443, 8000))]]  # the second only extends it
+    assert opened == [[Opening(ALLOWED_HOST, "tcp", (443, 8000), checked=True)]]  # the second only extends it
     assert slot.handed_out == {ALLOWED_HOST: "web.test"}
     assert upstream.queries == 2
 
@@ -367,7 +367,7 @@ def test_only_the_internal_addresses_of_an_answer_are_dropped(service) -> None:
     answer = ask(dns, slot, "mixed.test")
 
     assert answer.header.rcode == RCODE.NOERROR and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
-    assert writes == [[Opening(ALLOWED_HOST, "tcp", (8000,))]]
+    assert writes == [[Opening(ALLOWED_HOST, "tcp", (8000,), checked=True)]]
     assert slot.refused_answer_counts() == [("mixed.test", 1)]
 
 
@@ -436,7 +436,7 @@ def test_openings_expire_with_their_ttl_and_a_lookup_extends_them(service) -> No
     dns, _ = service
     clock, writes = Clock(), []  # type: ignore[var-annotated]
     slot = resolver(WEB, writes, clock)
-    web = [Opening(ALLOWED_HOST, "tcp", (443, 8000))]
+    web = [Opening(ALLOWED_HOST, "tcp", (443, 8000), checked=True)]
 
     ask(dns, slot, "web.test")  # the fake upstream's TTL is 60 s
     clock.advance(50)
@@ -460,7 +460,7 @@ def test_each_answer_also_closes_what_has_expired(service) -> None:
     clock.advance(61)
     ask(dns, slot, "a.cdn.test")  # same address, another rule: web.test's opening is gone in the same write
 
-    assert writes[-1] == [Opening(ALLOWED_HOST, "tcp", (9000,))]
+    assert writes[-1] == [Opening(ALLOWED_HOST, "tcp", (9000,), checked=True)]
 
 
 def test_a_failed_expiry_is_retried_and_other_slots_are_still_swept(service, monkeypatch) -> None:
@@ -590,4 +590,4 @@ def test_a_detached_resolver_never_writes_again(service, monkeypatch) -> None:
     clock.advance(61)
     slot.expire()
 
-    assert writes == [[Opening(ALLOWED_HOST, "tcp", (443, 8000))]]
+    assert writes == [[Opening(ALLOWED_HOST, "tcp", (443, 8000), checked=True)]]
