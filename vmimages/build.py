@@ -80,7 +80,10 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
         with progress("choose the accelerator"):
             chosen = accel_mod.detect(hv.binary, guest_kernel.vmlinuz, initrd)
             progress.say(f"{chosen.name}: {chosen.reason}")
-        digest = recipe.digest(package, chosen.name, hv.version(), _machine_shape(recipe, chosen.name))
+        boot_image, boot_kind = guest_kernel.bootable(staging)
+        # How the kernel boots is part of the machine: a snapshot's memory holds the kernel it booted.
+        digest = recipe.digest(package, chosen.name, hv.version(),
+                               [*_machine_shape(recipe, chosen.name), f"kernel-boot={boot_kind}"])
         if store.has(name, digest) and not force:
             shutil.rmtree(staging)
             progress.say(f"template {name} {digest} is up to date")
@@ -95,7 +98,8 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
         out = store.dir_for(name, digest)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        shutil.copy2(guest_kernel.vmlinuz, out / "vmlinuz")
+        shutil.copy2(boot_image, out / "vmlinuz")  # the image QEMU boots (the PVH ELF, else the bzImage)
+        progress.say(f"kernel boots by {boot_kind}")
         shutil.copy2(initrd, out / "initrd.img")
         for variant, network in VARIANTS.items():
             with progress(f"bake the '{variant}' snapshot (cold boot, warm up, quiesce, snapshot)"):
@@ -119,6 +123,7 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
             "hypervisor": hv.name,
             "hypervisor_version": hv.version(),
             "cmdline": KERNEL_CMDLINE,
+            "kernel_boot": boot_kind,
             "memory_mib": recipe.memory_mib,
             "vcpus": recipe.vcpus,
             "created": time.time(),
