@@ -1,8 +1,17 @@
-"""Benchmark of per-VM networking: slot set-up, teardown, release, and the cost of a policy.
+"""Benchmark of per-VM networking: slot set-up, teardown, release, the cost of a policy, and the
+host's name check (issue 18) against an address-only rule, measured in the same run.
 
 Needs root. Everything happens in namespaces this script makes (prefix `bn<random>`), attached to
 an uplink namespace of its own; no packet leaves them. Prints medians and p99 per measurement and,
 last, one JSON line with the headline numbers.
+
+The name check is measured from a stand-in guest (a namespace whose veth takes the slot's tap0
+name, as tests/net does) to a server in the uplink namespace, once through a `cidr:` rule (the
+kernel forwards it) and once through a `host:` rule (redirected to `runner.net.nameproxy`, which
+reads the ClientHello, checks the SNI and then splices): `name_check_connect_*` is connect, send a
+ClientHello and get the first reply byte; `sni_throughput_ratio` one large download through the
+checked connection over the same through the address-only one. Goals (issue 18): added connect
+p50 <= 3 ms, SNI ratio >= 0.9.
 
     .venv/bin/python bench/net.py [--runs 40]
 
@@ -22,9 +31,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import socket
+import ssl
+import subprocess
+import threading
+
+from dnslib import QTYPE, RR, A, DNSRecord
+
 from bench.stats import percentile
 from policy import load_policy
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns
+from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
 
 POLICY = """\
 version: 1
@@ -57,13 +73,196 @@ def report(name: str, samples: list[float]) -> tuple[float, float]:
     return median, p99
 
 
+SERVER = "203.0.113.10"
+DNS = "203.0.113.53"
+NAME = "bench.test"
+CHECKED_PORT, ADDRESS_PORT = 443, 8443
+NAME_POLICY = f"""\
+version: 1
+allow:
+  - host: {NAME}
+    ports: [{CHECKED_PORT}]
+  - cidr: {SERVER}/32
+    ports: [{ADDRESS_PORT}]
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _hello() -> bytes:
+    context = ssl.create_default_context()
+    out = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), out, server_hostname=NAME)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return out.read()
+
+
+class _Servers:
+    """In the uplink namespace: a DNS answering NAME, and on both ports a server that, after the
+    client's first bytes, sends one byte (latency) or `size` bytes (download) as the client asks."""
+
+    def __init__(self, ns: str, request_bytes: int) -> None:
+        self.request_bytes = request_bytes  # a ClientHello and 12 digits: how many bytes to send back
+        self.stop = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        dns = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
+        dns.bind((DNS, 53))
+        self._start(dns, self._dns)
+        for port in (CHECKED_PORT, ADDRESS_PORT):
+            tcp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((SERVER, port))
+            tcp.listen(64)
+            self._start(tcp, self._tcp)
+
+    def _start(self, sock: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+        sock.settimeout(0.2)
+        self.sockets.append(sock)
+        thread = threading.Thread(target=serve, args=(sock,), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _dns(self, sock: socket.socket) -> None:
+        while not self.stop.is_set():
+            try:
+                data, peer = sock.recvfrom(4096)
+            except OSError:
+                continue
+            query = DNSRecord.parse(data)
+            reply = query.reply()
+            if str(query.q.qname).rstrip(".") == NAME and query.q.qtype == QTYPE.A:
+                reply.add_answer(RR(query.q.qname, QTYPE.A, rdata=A(SERVER), ttl=300))
+            sock.sendto(reply.pack(), peer)
+
+    def _tcp(self, sock: socket.socket) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(10)
+                first = b""
+                while len(first) < self.request_bytes and (chunk := conn.recv(65536)):
+                    first += chunk
+                size = int(first[-12:])
+                block = memoryview(bytes(1 << 20))
+                while size > 0:
+                    sent = conn.send(block[:min(size, len(block))])
+                    size -= sent
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        for sock in self.sockets:
+            sock.close()
+
+
+def _attach_guest(prefix: str, slot_ns: str) -> str:
+    """The stand-in guest: a namespace whose eth0 is the other end of a veth named tap0 in the slot."""
+    guest = f"{prefix}-guest"
+    netns.create(guest)
+    _ip("-n", slot_ns, "link", "del", addresses.TAP_NAME)
+    _ip("-n", slot_ns, "link", "add", addresses.TAP_NAME, "type", "veth", "peer", "name", "eth0", "netns", guest)
+    _ip("-n", slot_ns, "addr", "add", f"{addresses.GATEWAY_IP}/{addresses.GUEST_PREFIXLEN}", "dev", addresses.TAP_NAME)
+    _ip("-n", slot_ns, "link", "set", addresses.TAP_NAME, "up")
+    _ip("-n", guest, "link", "set", "lo", "up")
+    _ip("-n", guest, "link", "set", "eth0", "address", addresses.GUEST_MAC)
+    _ip("-n", guest, "addr", "add", f"{addresses.GUEST_IP}/{addresses.GUEST_PREFIXLEN}", "dev", "eth0")
+    _ip("-n", guest, "link", "set", "eth0", "up")
+    _ip("-n", guest, "route", "add", "default", "via", addresses.GATEWAY_IP)
+    return guest
+
+
+def _connect_ms(port: int, hello: bytes) -> float:
+    start = time.perf_counter()
+    with socket.create_connection((SERVER, port), timeout=10) as sock:
+        sock.sendall(hello + b"%012d" % 1)
+        if not sock.recv(1):
+            raise RuntimeError(f"no reply through port {port}")
+    return (time.perf_counter() - start) * 1000
+
+
+def _download_mb_s(port: int, hello: bytes, size: int) -> float:
+    start = time.perf_counter()
+    got = 0
+    with socket.create_connection((SERVER, port), timeout=30) as sock:
+        sock.sendall(hello + b"%012d" % size)
+        while chunk := sock.recv(1 << 20):
+            got += len(chunk)
+    if got != size:
+        raise RuntimeError(f"downloaded {got} of {size} bytes through port {port}")
+    return size / (1 << 20) / (time.perf_counter() - start)
+
+
+def name_check(runs: int, size: int) -> dict[str, float]:
+    """Connect latency and download throughput, name-checked against address-only, same run."""
+    prefix = "bn" + secrets.token_hex(3)
+    uplink_ns = f"{prefix}-up"
+    netns.create(uplink_ns)
+    servers: _Servers | None = None
+    pool = SlotPool(prefix, NamespaceUplink(uplink_ns), size=0, upstream=Upstream(DNS, netns=uplink_ns))
+    try:
+        _ip("-n", uplink_ns, "link", "set", "lo", "up")
+        for address in (SERVER, DNS):
+            _ip("-n", uplink_ns, "addr", "add", f"{address}/32", "dev", "lo")
+        hello = _hello()
+        servers = _Servers(uplink_ns, len(hello) + 12)
+        pool.start()
+        slot = pool.acquire(job="bench")
+        guest = _attach_guest(prefix, slot.netns)
+        slot.apply_policy(load_policy(NAME_POLICY, "bench-name-policy.yml"))
+
+        def measure() -> dict[str, float]:
+            query = DNSRecord.question(NAME, "A")
+            DNSRecord.parse(query.send(addresses.DNS_IP, addresses.DNS_PORT, timeout=5))
+            checked, direct, checked_rate, direct_rate = [], [], [], []
+            for _ in range(runs):  # interleaved, so drift hits both alike
+                direct.append(_connect_ms(ADDRESS_PORT, hello))
+                checked.append(_connect_ms(CHECKED_PORT, hello))
+            for _ in range(3):
+                direct_rate.append(_download_mb_s(ADDRESS_PORT, hello, size))
+                checked_rate.append(_download_mb_s(CHECKED_PORT, hello, size))
+            address_p50, _ = report("connect, address-only rule", direct)
+            name_p50, name_p99 = report("connect, name-checked rule", checked)
+            ratio = statistics.median(checked_rate) / statistics.median(direct_rate)
+            print(f"{'download, address-only':<28} {statistics.median(direct_rate):8.1f} MiB/s")
+            print(f"{'download, SNI-checked':<28} {statistics.median(checked_rate):8.1f} MiB/s")
+            return {"address_connect_p50_ms": round(address_p50, 2), "name_check_connect_p50_ms": round(name_p50, 2),
+                    "name_check_connect_p99_ms": round(name_p99, 2),
+                    "name_check_added_connect_p50_ms": round(name_p50 - address_p50, 2),
+                    "sni_throughput_ratio": round(ratio, 2)}
+
+        return netns.run_in(guest, measure)
+    finally:
+        pool.close()
+        netns.remove(f"{prefix}-guest")
+        if servers is not None:
+            servers.close()
+        netns.remove(uplink_ns)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
+    parser.add_argument("--download-mb", type=int, default=256, help="size of the throughput download")
     args = parser.parse_args()
     if args.smoke:
-        args.runs = 3
+        args.runs, args.download_mb = 3, 4
     prefix = "bn" + secrets.token_hex(3)
     uplink_ns = f"{prefix}-up"
     policy = load_policy(POLICY, "bench-policy.yml")
@@ -94,6 +293,7 @@ def main() -> None:
         results[f"{key}_p99_ms"] = round(p99, 2)
     # Same-run ratio: what a pooled slot saves, a fresh slot's set-up against applying a policy to a pooled one.
     results["setup_vs_policy_ratio"] = round(statistics.median(setup) / statistics.median(ready), 1)
+    results.update(name_check(args.runs, args.download_mb << 20))
     print(json.dumps(results))
 
 

@@ -321,6 +321,9 @@ class HttpRequests:
                 return self._refuse(TOO_LARGE)
             if _BARE.search(self.buffer):  # a bare CR or LF: no need to wait for the rest
                 return self._refuse(BAD_HTTP)
+            line_end = self.buffer.find(b"\r\n")
+            if line_end >= 0 and not _request_line(self.buffer[:line_end]):  # e.g. SSH's banner
+                return self._refuse(BAD_HTTP)
             return False
         if end + 4 > MAX_HEAD_BYTES:
             return self._refuse(TOO_LARGE)
@@ -386,11 +389,10 @@ Framing = int | Literal["chunked"]  # a Content-Length (0: no body) or chunked
 def parse_head(head: bytes) -> tuple[Claim, Framing]:
     """The claim and body framing of one request head (without its final blank line)."""
     lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]) \
-            or not _VERSION.fullmatch(parts[2]):
+    parts = _request_line(lines[0])
+    if parts is None:
         return Claim("http", None, BAD_HTTP), 0
-    method, target = parts[0].decode(), parts[1].decode()
+    method, target = parts
     headers = _header_lines(b"\r\n".join(lines[1:]))
     if headers is None or _BARE.search(head) or head.endswith(b"\r"):
         return Claim("http", None, BAD_HTTP, method), 0
@@ -411,6 +413,15 @@ def parse_head(head: bytes) -> tuple[Claim, Framing]:
     if framing is None:
         return Claim("http", name, BAD_HTTP, method, path), 0
     return Claim("http", name, None, method, path), framing
+
+
+def _request_line(line: bytes) -> tuple[str, str] | None:
+    """(method, target) of `METHOD SP target SP HTTP/1.x`, or None."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]) \
+            or not _VERSION.fullmatch(parts[2]):
+        return None
+    return parts[0].decode(), parts[1].decode()
 
 
 def _header_lines(block: bytes) -> list[tuple[str, str]] | None:

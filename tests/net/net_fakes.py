@@ -40,6 +40,7 @@ ZONE: dict[str, str | list[str]] = {
     "lan.test": LAN_HOST,  # ... or at the LAN behind the runner host
     "mixed.test": [ALLOWED_HOST, LAN_HOST],
     "wiki.corp.example": LAN_HOST,  # a name only the host's (split-horizon) resolver knows
+    "pkg.test": "203.0.113.30",  # tests/vm/test_vm_network.py's package index, when a test serves it
 }
 TTL = 60
 SERVER_THREAD = "fake-server"

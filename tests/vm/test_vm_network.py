@@ -6,6 +6,7 @@ a fake upstream DNS, a fake metadata server); nothing is routed to the machine's
 
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import http.server
@@ -32,7 +33,7 @@ WHEEL = "demo_pkg-1.0-py3-none-any.whl"
 
 PROBE = textwrap.dedent(
     """
-    import socket, sys
+    import ipaddress, socket, sys
     def tcp(host, port, source=None, family=socket.AF_INET):
         try:
             s = socket.socket(family, socket.SOCK_STREAM); s.settimeout(3)
@@ -40,6 +41,10 @@ PROBE = textwrap.dedent(
             s.connect((host, port))
         except OSError:
             return "closed"
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:  # a name: say which, as a client under a host: rule must (the host checks it)
+            s.sendall(b"GET / HTTP/1.1\\r\\nHost: " + host.encode() + b"\\r\\n\\r\\n")
         try:
             s.settimeout(1); data = s.recv(100)  # the fake web hosts say who they are; HTTP waits
         except OSError:
@@ -84,6 +89,7 @@ def make_wheel() -> bytes:
 
 class IndexHandler(http.server.BaseHTTPRequestHandler):
     wheel = make_wheel()
+    protocol_version = "HTTP/1.1"  # keeps connections alive, as real indexes do
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/simple/demo-pkg":
@@ -286,3 +292,87 @@ def test_an_allowed_name_pointing_into_the_lan_is_refused_unless_a_cidr_rule_all
     with Sandbox.create(engine=net_engine, policy=with_cidr) as sbx:
         got = probe(sbx, "name,lan.test", "tcp,lan.test,8000")
     assert got == {"name,lan.test": lan, "tcp,lan.test,8000": f"open:{lan}:8000"}
+
+
+# What the guest sends to check the name check from inside a real VM: raw first flights built by
+# the guest's own TLS stack and HTTP requests written by hand, each printing what came back.
+FIRST_FLIGHTS = textwrap.dedent(
+    """
+    import socket, ssl, struct, sys
+    def hello(sni, ech=False):
+        ctx = ssl.create_default_context(); ctx.check_hostname = False
+        out = ssl.MemoryBIO(); tls = ctx.wrap_bio(ssl.MemoryBIO(), out, server_hostname=sni)
+        try:
+            tls.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        record = out.read()
+        if not ech:
+            return record
+        body = record[9:]; at = 34; at += 1 + body[at]; at += 2 + struct.unpack_from("!H", body, at)[0]
+        at += 1 + body[at]; (n,) = struct.unpack_from("!H", body, at); extra = struct.pack("!HH", 0xFE0D, 1) + b"\\0"
+        body = body[:at] + struct.pack("!H", n + len(extra)) + body[at + 2:] + extra
+        hs = b"\\x01" + len(body).to_bytes(3, "big") + body
+        return b"\\x16\\x03\\x01" + struct.pack("!H", len(hs)) + hs
+    def http(name):
+        return ("GET / HTTP/1.1\\r\\nHost: %s\\r\\n\\r\\n" % name).encode()
+    def send(address, port, data):
+        try:
+            s = socket.create_connection((address, port), timeout=5); s.sendall(data); got = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+            return "got:" + got.decode("latin-1")
+        except OSError as exc:
+            return "refused" if isinstance(exc, ConnectionResetError) else "error:" + type(exc).__name__
+    web = socket.gethostbyname("web.test")
+    pkg = socket.gethostbyname("pkg.test")
+    two = b"GET /simple/demo-pkg/ HTTP/1.1\\r\\nHost: pkg.test\\r\\n\\r\\n"
+    cases = {
+        "http-right": send(web, 8000, http("web.test")),
+        "http-other-name": send(web, 8000, http("a.cdn.test")),
+        "tls-right": send(web, 8000, hello("web.test")),
+        "tls-other-name": send(web, 8000, hello("evil.cdn.test")),
+        "tls-no-sni": send(web, 8000, hello(None)),
+        "tls-ech": send(web, 8000, hello("web.test", ech=True)),
+        "pipelined": send(pkg, 8080, two + two.replace(b"pkg.test", b"evil.test")),
+        "kept-alive": send(pkg, 8080, two + two.replace(b"\\r\\n\\r\\n", b"\\r\\nConnection: close\\r\\n\\r\\n")),
+    }
+    for key, value in cases.items():
+        print(key, repr(value))
+    """
+)
+
+
+def test_a_host_rule_admits_only_its_own_name_at_the_address_it_resolved_to(net_engine):
+    """Issue 18 from a real VM: web.test and a.cdn.test share an address (a CDN), so only the
+    TLS SNI / HTTP Host tells them apart; the package index keeps connections alive."""
+    policy = policy_of(
+        """
+        version: 1
+        allow:
+          - host: web.test
+            ports: [8000]
+          - host: pkg.test
+            ports: [8080]
+        """
+    )
+    with Sandbox.create(engine=net_engine, policy=policy) as sbx:
+        sbx.files.write("/tmp/flights.py", FIRST_FLIGHTS.encode())
+        r = sbx.exec(["python3", "/tmp/flights.py"], timeout_seconds=180)
+        assert r.exit_code == 0, r.stderr
+        got = {key: ast.literal_eval(value) for key, value in (line.split(" ", 1) for line in r.stdout.decode().splitlines())}
+        records = {(rec.name, rec.reason) for rec in sbx.blocked_egress() if rec.proto == "tcp"}
+        pip = sbx.exec(PIP.replace(f"{INDEX_HOST}", "pkg.test"), timeout_seconds=300)
+    banner = f"got:{net_fakes.ALLOWED_HOST}:8000"
+    assert got["http-right"] == banner and got["tls-right"] == banner
+    for refused in ("http-other-name", "tls-other-name", "tls-no-sni", "tls-ech"):
+        assert got[refused] == "refused", (refused, got[refused])
+    assert got["pipelined"].count("200 OK") == 1, got["pipelined"]  # the evil.test request never left the host
+    assert got["kept-alive"].count("200 OK") == 2, got["kept-alive"]  # the same name twice is fine
+    assert {("a.cdn.test", "name-refused"), ("evil.cdn.test", "name-refused"), (None, "unnamed"),
+            ("web.test", "unnamed"), ("evil.test", "name-refused")} <= records
+    assert pip.exit_code == 0, pip.stdout + pip.stderr  # pip through the name check, by name
+    assert b"installed from the fake index" in pip.stdout
