@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.vm import accel, cgroup, jail
+from runner.vm import accel, cgroup, jail, memory
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore
@@ -254,10 +254,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(f"accelerator: cannot test-boot the guest: {exc}")
             return 1
         verdict = accel.detect(qemu, template.path / "vmlinuz", template.path / "initrd.img")
+    pss = memory.describe(state.vms)  # the VMs running now in this state directory, KVM and TCG apart
     if verdict is None:
         print("accelerator: KVM looks usable; 'doctor --selftest' test-boots the guest to be sure "
-              "(template build does this before choosing)")
+              f"(template build does this before choosing); {pss}")
     else:
-        print(f"accelerator: {verdict.name} ({verdict.reason})")
+        print(f"accelerator: {verdict.name} ({verdict.reason}); {pss}")
     print(summary(checks))
     return 0 if all(c.ok for c in checks) else 1
