@@ -20,6 +20,7 @@ Precisely, for policies A and B, `intersect(A, B)` holds the pairwise intersecti
 - a host rule is `raw` (enforced by address, not by name) only when both sides are.
 - mode: block if either side is block, audit only when both are. A job asking for audit on a
   block policy therefore still gets block.
+- on_block: fail if either side says fail (the stricter), warn only when both do.
 
 The result is never wider than either side, for every connection (see the property tests).
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from functools import reduce
 
-from policy.model import Mode, Network, Policy, Rule, host_matches, network_within
+from policy.model import Mode, Network, OnBlock, Policy, Rule, host_matches, network_within
 
 
 def intersect(first: Policy, *others: Policy) -> Policy:
@@ -40,7 +41,8 @@ def _intersect_two(a: Policy, b: Policy) -> Policy:
     rules = [rule for left in a.rules for right in b.rules
              if (rule := intersect_rules(left, right)) is not None]
     mode: Mode = "audit" if a.mode == b.mode == "audit" else "block"
-    return Policy(version=a.version, mode=mode, rules=tuple(rules))
+    on_block: OnBlock = "fail" if "fail" in (a.on_block, b.on_block) else "warn"
+    return Policy(version=a.version, mode=mode, rules=tuple(rules), on_block=on_block)
 
 
 def intersect_rules(a: Rule, b: Rule) -> Rule | None:

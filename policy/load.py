@@ -17,7 +17,18 @@ from pathlib import Path
 
 import yaml
 
-from policy.model import SUPPORTED_VERSION, Mode, Network, Policy, Protocol, Rule, is_mode, is_protocol
+from policy.model import (
+    SUPPORTED_VERSION,
+    Mode,
+    Network,
+    OnBlock,
+    Policy,
+    Protocol,
+    Rule,
+    is_mode,
+    is_on_block,
+    is_protocol,
+)
 from policy.reserved import reserved_containing
 from policy.yamldoc import (
     BOOL_TAG,
@@ -45,7 +56,7 @@ MAX_DEPTH = 16
 MAX_PROBLEMS = 100
 LIMITS = Limits("policy", MAX_BYTES, MAX_DEPTH, "a policy is a mapping with a list of flat entries", MAX_PROBLEMS)
 
-TOP_KEYS = ("version", "mode", "allow")
+TOP_KEYS = ("version", "mode", "allow", "on_block")
 RULE_KEYS = ("host", "cidr", "ports", "protocol", "raw")
 EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host: pypi.org, ports: [443]}"
 
@@ -103,6 +114,7 @@ def _policy(node: yaml.Node, problems: Problems, sections: dict[str, Section]) -
         "version": lambda value: _version(value, node, problems),
         "mode": lambda value: _mode(value, problems),
         "allow": lambda value: _rules(value, problems),
+        "on_block": lambda value: _on_block(value, problems),
     }
     for key, value in duplicates:
         if key in checks:
@@ -115,9 +127,10 @@ def _policy(node: yaml.Node, problems: Problems, sections: dict[str, Section]) -
     version = _version(values.get("version"), node, problems)
     mode = _mode(values.get("mode"), problems)
     rules = _rules(values.get("allow"), problems)
-    if version is None or mode is None or rules is None:
+    on_block = _on_block(values.get("on_block"), problems)
+    if version is None or mode is None or rules is None or on_block is None:
         return None
-    return Policy(version=version, mode=mode, rules=tuple(rules))
+    return Policy(version=version, mode=mode, rules=tuple(rules), on_block=on_block)
 
 
 def _version(node: yaml.Node | None, top: yaml.Node, problems: Problems) -> int | None:
@@ -140,6 +153,17 @@ def _mode(node: yaml.Node | None, problems: Problems) -> Mode | None:
     if is_mode(value):
         return value
     problems.at(node, f"mode: {kind(node)} is not a mode; use block or audit")
+    return None
+
+
+def _on_block(node: yaml.Node | None, problems: Problems) -> OnBlock | None:
+    if node is None:
+        return "warn"
+    value = string(node)
+    if is_on_block(value):
+        return value
+    problems.at(node, f"on_block: {kind(node)} is not supported; use warn (list refused egress, the default) "
+                      "or fail (a job whose guest had egress refused fails)")
     return None
 
 

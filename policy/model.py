@@ -15,9 +15,11 @@ from typing import Literal, TypeGuard, Union
 Network = Union[IPv4Network, IPv6Network]
 Address = Union[IPv4Address, IPv6Address]
 Mode = Literal["block", "audit"]
+OnBlock = Literal["warn", "fail"]
 Protocol = Literal["tcp", "udp"]
 
 MODES: tuple[str, ...] = ("block", "audit")
+ON_BLOCK: tuple[str, ...] = ("warn", "fail")
 PROTOCOLS: tuple[str, ...] = ("tcp", "udp")
 SUPPORTED_VERSION = 1
 # Rule.sort_key: host rules first, then networks by family, address and prefix, then protocol,
@@ -28,6 +30,11 @@ SortKey = tuple[int, int, str, bytes, int, str, bool]
 def is_mode(value: object) -> TypeGuard[Mode]:
     """Whether `value` names a mode: what turns text read from a file into a `Mode`."""
     return value in MODES
+
+
+def is_on_block(value: object) -> TypeGuard[OnBlock]:
+    """Whether `value` names what a refused egress does to the job (`Policy.on_block`)."""
+    return value in ON_BLOCK
 
 
 def is_protocol(value: object) -> TypeGuard[Protocol]:
@@ -151,15 +158,19 @@ def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
 @dataclass(frozen=True)
 class Policy:
     """What a job's guest may reach. `mode="audit"` lets everything through but records what
-    `block` would have stopped; the rules still say what is meant to be allowed."""
+    `block` would have stopped; the rules still say what is meant to be allowed. `on_block="fail"`
+    fails a job whose guest had egress refused (the default "warn" only lists it)."""
 
     version: int = SUPPORTED_VERSION
     mode: Mode = "block"
     rules: tuple[Rule, ...] = field(default=())
+    on_block: OnBlock = "warn"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.on_block not in ON_BLOCK:
+            raise ValueError(f"on_block must be one of {ON_BLOCK}, got {self.on_block!r}")
         object.__setattr__(self, "rules", _normalise(tuple(self.rules)))
 
     @property
@@ -181,8 +192,11 @@ class Policy:
         return any(rule.allows(port, protocol, name=name, address=address) for rule in self.rules)
 
     def canonical(self) -> dict[str, object]:
-        return {"version": self.version, "mode": self.mode,
-                "allow": [rule.canonical() for rule in self.rules]}
+        canonical: dict[str, object] = {"version": self.version, "mode": self.mode,
+                                        "allow": [rule.canonical() for rule in self.rules]}
+        if self.on_block != "warn":  # only when set: earlier policies keep their digests
+            canonical["on_block"] = self.on_block
+        return canonical
 
     def digest(self) -> str:
         """`sha256:<hex>` of the canonical JSON form: stable across runs, file layout and rule

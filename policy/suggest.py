@@ -60,6 +60,25 @@ class AuditRecord:
                 "reason": self.reason}
 
 
+# What audit mode refuses too (the rest it lets through and only records).
+REFUSED_IN_EVERY_MODE = (ALWAYS_DENIED, INTERNAL_ADDRESS)
+MAX_LISTED = 10  # refused entries named in an on_block: fail message; the rest are counted
+
+
+def refused(records: Iterable[AuditRecord], mode: str) -> list[AuditRecord]:
+    """The records of egress the guest actually had refused: all of them in block mode, only what
+    no mode lets through in audit mode (what `on_block: fail` fails a job for)."""
+    return [record for record in records if mode == "block" or record.reason in REFUSED_IN_EVERY_MODE]
+
+
+def refused_summary(records: list[AuditRecord]) -> str:
+    """One line naming the refused egress (name or address, port, why), for the job's error."""
+    parts = [f"{record.proto} {record.name or record.dest}{f':{record.port}' if record.port else ''} ({record.reason})"
+             for record in records[:MAX_LISTED]]
+    more = f" and {len(records) - MAX_LISTED} more" if len(records) > MAX_LISTED else ""
+    return ", ".join(parts) + more
+
+
 def refused_name_record(name: str, count: int) -> AuditRecord:
     """The record of a name the resolver refused `count` times because no rule of the policy names it."""
     return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from policy import suggest
 from policy.model import Policy
 from runner.errors import JobError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
@@ -199,7 +200,19 @@ class JobRun:
         if result.timed_out:
             timeout = f"the command ran longer than {self.spec.timeout_seconds} s"
             return "timed_out", EXIT_TIMEOUT, timeout
-        return "finished", _exit_code(result.exit_code), None
+        exit_code = _exit_code(result.exit_code)
+        return self._on_block(blocked, exit_code) or ("finished", exit_code, None)
+
+    def _on_block(self, blocked: list[dict[str, Any]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
+        """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
+        policy = self.policy
+        if policy is None or policy.on_block != "fail":
+            return None
+        refused = suggest.refused([r for r in map(suggest.record_from_json, blocked) if r is not None], policy.mode)
+        if not refused:
+            return None
+        self.log.system(f"egress was refused and the policy says on_block: fail: {suggest.refused_summary(refused)}")
+        return "failed", exit_code, f"egress refused (on_block: fail): {suggest.refused_summary(refused)}"
 
     def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> Sandbox | None:
         self.update(state="starting")

@@ -46,6 +46,6 @@ def test_the_org_default_and_a_jobs_policy_may_not_have_one(tmp_path: Path, caps
     assert main(["policy", "check", "--as", "job", str(job)]) == 1
     assert main(["policy", "check", "--as", "repository", str(org)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    unknown = "3:1: unknown key 'warm' in the policy; known keys: version, mode, allow"
+    unknown = "3:1: unknown key 'warm' in the policy; known keys: version, mode, allow, on_block"
     assert lines[:2] == [f"{org}:{unknown}", f"{job}:{unknown}"]
     assert lines[2].startswith(f"ok {org} (warm:")

@@ -1,0 +1,67 @@
+"""Policy model for issue 18: `raw: true` (enforced by address), `on_block`, their composition and
+the `policy check` warning; problems name file:line like the rest of the loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from policy import load_policy
+from policy.compose import intersect
+from policy.load import PolicyError, raw_warnings
+from policy.model import Policy, Rule
+from runner.cli import main as cli_main
+
+BASE = "version: 1\nallow:\n  - host: github.com\n    ports: [22]\n    raw: true\n  - host: pypi.org\n    ports: [443]\n"
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as err:
+        load_policy(text, "p.yml")
+    return [str(problem) for problem in err.value.problems]
+
+
+def test_raw_and_on_block_load_and_change_the_digest_only_when_set() -> None:
+    policy = load_policy(BASE + "on_block: fail\n", "p.yml")
+    assert [(r.host, r.raw, r.name_checked) for r in policy.rules] == [("github.com", True, False),
+                                                                        ("pypi.org", False, True)]
+    assert policy.on_block == "fail"
+    plain = load_policy("version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n", "p.yml")
+    assert plain.canonical() == {"version": 1, "mode": "block",
+                                 "allow": [{"host": "pypi.org", "ports": [443], "protocol": "tcp"}]}
+    assert load_policy(BASE, "p.yml").digest() != policy.digest()
+    assert Policy(rules=(Rule(frozenset({22}), host="a.org", raw=True),)).digest() != \
+        Policy(rules=(Rule(frozenset({22}), host="a.org"),)).digest()
+
+
+def test_bad_raw_and_on_block_values_are_reported_where_they_are() -> None:
+    assert problems("version: 1\non_block: explode\nallow: []\n") == [
+        "p.yml:2:11: on_block: 'explode' is not supported; use warn (list refused egress, the default) or fail "
+        "(a job whose guest had egress refused fails)"]
+    assert problems("version: 1\nallow:\n  - host: a.org\n    ports: [22]\n    raw: yes please\n")[0].startswith(
+        "p.yml:5:10: raw: 'yes please' is not true or false")
+    assert problems("version: 1\nallow:\n  - cidr: 198.51.100.0/24\n    ports: [22]\n    raw: true\n") == [
+        "p.yml:5:10: raw: true applies to a tcp host entry only; cidr: and udp entries are enforced by address "
+        "already, so drop it"]
+
+
+def test_intersection_keeps_the_name_check_and_the_stricter_on_block() -> None:
+    repository = load_policy(BASE + "on_block: fail\n", "repo.yml")
+    job = load_policy("version: 1\nallow:\n  - host: github.com\n    ports: [22]\n  - host: pypi.org\n    ports: [443]\n",
+                      "job.yml")
+    both = intersect(repository, job)
+    assert both.on_block == "fail"
+    assert [(r.host, r.raw) for r in both.rules] == [("github.com", False), ("pypi.org", False)]
+    assert intersect(repository, repository).rules[0].raw is True
+    assert intersect(job, job).on_block == "warn"
+
+
+def test_policy_check_warns_that_a_raw_rule_is_enforced_by_address(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "job.yml"
+    path.write_text(BASE)
+    assert cli_main(["policy", "check", "--as", "job", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: warning: github.com ports 22 is raw: enforced by address only" in out
+    assert f"ok {path}" in out
+    assert raw_warnings(load_policy("version: 1\nallow: []\n", "p.yml")) == []
