@@ -85,7 +85,7 @@ class Engine:
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
         self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
-        self.pool = SpareVMs(self._restore, pool_size)
+        self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
         self._reaper.start()
@@ -127,6 +127,8 @@ class Engine:
         except TemplateNotFound as exc:
             raise SandboxError(str(exc)) from None
         vm = self.pool.take(snapshot)
+        if vm is not None:  # ahead of demand: the next VM is prepared while this one is claimed
+            self.pool.refill(snapshot)
         try:
             if vm is None:
                 vm = self._restore(snapshot, identity=False)  # _claim gives it its identity
@@ -358,6 +360,20 @@ class Engine:
             finally:
                 self._forget(vm)
         self._lock_file.close()
+
+
+MEMORY_SHARE_FOR_SPARES = 0.5  # of MemAvailable, for spare VMs beyond the configured pool size
+
+
+def _memory_cap(snapshot: Snapshot) -> int:
+    """How many spare VMs of `snapshot` the host's memory allows right now: half of what is available,
+    counted at the guest's full memory size (a VM's worst case; an idle clone's PSS is far less)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available_kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0  # unknown: the configured size only
+    return int(available_kib * MEMORY_SHARE_FOR_SPARES) // (snapshot.config.memory_mib * 1024)
 
 
 def _check_resources(tpl: Template, vcpus: int | None, memory_mib: int | None) -> None:

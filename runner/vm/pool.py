@@ -5,13 +5,22 @@ restored guest another 100-300 ms of code translation. Neither depends on the jo
 pays both in the background: it keeps a few restored, never-used VMs per template variant and
 tops them up after each take. A job still gets a VM no one has used; its identity (clock,
 entropy, hostname) and egress policy are applied when it claims it.
+
+How many: the configured size is the floor; above it the pool follows demand (`Demand`): the
+arrivals expected while one VM is prepared, plus two standard deviations of a Poisson process,
+so a burst finds VMs waiting; never more than `cap(snapshot)` (the host's memory). A take that
+finds the pool empty while a VM for it is being prepared waits for that one, at most as long as
+preparing one takes: a miss costs at most one restore, never a second restore racing the filler
+for the same two cores.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,22 +30,79 @@ from runner.vm.vm import VM
 log = logging.getLogger(__name__)
 
 
+class Demand:
+    """Takes of one snapshot seen lately and how long preparing a VM for it takes: the pool's target."""
+
+    WINDOW_S = 120.0  # arrivals older than this say nothing about now
+    MAX_SEEN = 64
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._arrivals: deque[float] = deque(maxlen=self.MAX_SEEN)
+        self.prepare_s: float | None = None  # exponentially weighted mean of the recent prepares
+
+    def arrived(self) -> None:
+        self._arrivals.append(self._clock())
+
+    def prepared(self, seconds: float) -> None:
+        self.prepare_s = seconds if self.prepare_s is None else 0.7 * self.prepare_s + 0.3 * seconds
+
+    def rate(self) -> float:
+        """Arrivals per second over the window (0 with fewer than two)."""
+        now = self._clock()
+        while self._arrivals and now - self._arrivals[0] > self.WINDOW_S:
+            self._arrivals.popleft()
+        if len(self._arrivals) < 2:
+            return 0.0
+        return len(self._arrivals) / max(now - self._arrivals[0], 1e-3)
+
+    def target(self, floor: int, cap: int) -> int:
+        """VMs to keep ready: floor <= ceil(m + 2 sqrt(m)) <= cap, m the arrivals during one prepare."""
+        if floor <= 0:
+            return 0  # no pool configured: every take restores
+        expected = self.rate() * (self.prepare_s or 0.0)
+        wanted = math.ceil(expected + 2 * math.sqrt(expected)) if expected > 0 else 0
+        return max(floor, min(cap, wanted))
+
+
 class SpareVMs:
     """Restored VMs bound to no job yet, per template variant, refilled after each take (the service's
-    `PrewarmedVMs` are another thing: VMs restored for one queued GitHub job, with its policy)."""
+    `PrewarmedVMs` are another thing: VMs restored for one queued GitHub job, with its policy).
 
-    def __init__(self, prepare: Callable[[Snapshot], VM], size: int) -> None:
+    `size` is the floor per snapshot; `cap(snapshot)` the most the host's memory allows (default: the floor)."""
+
+    def __init__(self, prepare: Callable[[Snapshot], VM], size: int,
+                 cap: Callable[[Snapshot], int] | None = None) -> None:
         self._prepare = prepare
         self.size = size
+        self._cap = cap or (lambda snapshot: size)
         self._ready: dict[Snapshot, list[VM]] = defaultdict(list)
         self._filling: dict[Snapshot, threading.Thread] = {}
+        self._demand: dict[Snapshot, Demand] = defaultdict(Demand)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._closed = False
 
+    def target(self, snapshot: Snapshot) -> int:
+        """How many VMs of `snapshot` the pool keeps ready now."""
+        with self._lock:
+            return self._target(snapshot)
+
+    def _target(self, snapshot: Snapshot) -> int:
+        return self._demand[snapshot].target(self.size, max(self.size, self._cap(snapshot)))
+
     def take(self, snapshot: Snapshot) -> VM | None:
+        """A ready VM, or None (then the caller restores one). When none is ready but one is being
+        prepared, wait for it up to one prepare's time: it is further along than a new restore."""
+        with self._lock:
+            self._demand[snapshot].arrived()
         while True:
             with self._lock:
                 entries = self._ready[snapshot]
+                if not entries and snapshot in self._filling and not self._closed:
+                    self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
+                                           or self._closed, timeout=self._demand[snapshot].prepare_s or 0.0)
+                    entries = self._ready[snapshot]  # close() or an eviction may have replaced the list
                 if not entries:
                     return None
                 vm = entries.pop(0)
@@ -54,7 +120,7 @@ class SpareVMs:
         if self.size <= 0:
             return
         with self._lock:
-            if self._closed or snapshot in self._filling or len(self._ready[snapshot]) >= self.size:
+            if self._closed or snapshot in self._filling or len(self._ready[snapshot]) >= self._target(snapshot):
                 return
             filler = threading.Thread(target=self._fill, args=(snapshot,), name="pool-fill", daemon=True)
             self._filling[snapshot] = filler
@@ -72,24 +138,41 @@ class SpareVMs:
         try:
             while True:
                 with self._lock:
-                    if self._closed or len(self._ready[snapshot]) >= self.size:
+                    if self._closed or len(self._ready[snapshot]) >= self._target(snapshot):
                         return
+                began = time.monotonic()
                 vm = self._prepare(snapshot)
                 with self._lock:
+                    self._demand[snapshot].prepared(time.monotonic() - began)
                     if self._closed:
                         vm.destroy()
                         return
                     self._ready[snapshot].append(vm)
+                    self._changed.notify_all()
         except Exception as exc:  # a failed top-up only costs the next job the start-up time
             log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
         finally:
             with self._lock:
                 self._filling.pop(snapshot, None)
+                self._changed.notify_all()
+
+    def ready(self) -> dict[str, int]:
+        """Spare VMs waiting now, by "<template>/<variant>" (alive or not yet noticed dead): what `status`
+        and the metrics count, since these VMs are QEMU processes of their own."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for snapshot, vms in self._ready.items():
+                if vms:
+                    directory, variant = _lineage(snapshot)
+                    key = f"{directory.name}/{variant}"
+                    counts[key] = counts.get(key, 0) + len(vms)
+        return counts
 
     def close(self) -> None:
         """Stop filling, wait for fillers under way (they discard what they spawn) and end the rest."""
         with self._lock:
             self._closed = True
+            self._changed.notify_all()
             fillers = list(self._filling.values())
         for filler in fillers:
             filler.join()
