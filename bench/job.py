@@ -5,7 +5,10 @@ and drives it through the API client, as the action does. Prints medians and p99
 line, one JSON object:
 
 - job_overhead_p50_ms / _p99_ms: submit (with a 1 MiB checkout), run `true`, the result back, the VM
-  destroyed: the whole round trip as a client sees it.
+  destroyed: the whole round trip as a client sees it, for `--jobs` (40) jobs arriving at a steady rate
+  (one every `--load`^-1 service times: half the capacity by default, the service running one job at a
+  time), so the tail shows what a job meets on a busy but not saturated host; the rate is printed
+  (arrivals_per_s, and arrival_load = rate x the median back-to-back round trip).
 - bare_subprocess_p50_ms: `sh -c true` on the host, for scale.
 - log_first_byte_p99_ms: from the moment the service receives a chunk of guest output from the
   engine (the entry's `ts`) to the client holding it: the service's own streaming latency.
@@ -13,8 +16,8 @@ line, one JSON object:
   spool, then made into a disk image on the host and mounted in the guest), in MB/s (10^6 bytes).
 - checkout_100mib_ms: the same checkout's time, upload to the command's start, in ms.
 
-Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--runs N]
-`--smoke` (the test suite's run, tests/test_bench_smoke.py): 2 runs and an 8 MiB checkout, no goal judged.
+Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--jobs 40] [--load 0.5]
+`--smoke` (the test suite's run, tests/test_bench_smoke.py): 3 jobs and an 8 MiB checkout, no goal judged.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +77,8 @@ def spec(command: str, **fields) -> JobSpec:
     return JobSpec(repository="bench/job", sha=SHA, job_name="bench", command=command, **fields)
 
 
-def run_job(client: JobClient, engine: Engine, checkout: bytes, command: str = "true") -> tuple[float, JobRecord]:
+def run_job(client: JobClient, engine: Engine | None, checkout: bytes, command: str = "true") -> tuple[float, JobRecord]:
+    """One job's round trip; with `engine`, also that no VM is left once the result is back (jobs one at a time)."""
     begin = time.perf_counter()
     job = client.submit(spec(command)).id
     client.upload_checkout(job, checkout)
@@ -82,23 +87,60 @@ def run_job(client: JobClient, engine: Engine, checkout: bytes, command: str = "
     rec = client.get(job)
     took = (time.perf_counter() - begin) * 1000
     if rec.state != "finished" or rec.exit_code != 0:
-        raise SystemExit(f"bench job {job} ended {rec['state']} ({rec['error']})")
-    if engine.live():
+        raise SystemExit(f"bench job {job} ended {rec.state} ({rec.error})")
+    if engine is not None and engine.live():
         raise SystemExit(f"bench job {job}: its VM is still alive after the result came back")
     return took, rec
 
 
-def bench_overhead(client: JobClient, engine: Engine, runs: int) -> tuple[list[float], list[JobRecord], list[float]]:
+def steady_arrivals(socket: str, checkout: bytes, jobs: int, interval_s: float) -> list[tuple[float, JobRecord]]:
+    """`jobs` jobs submitted one every `interval_s` (open loop: an arrival never waits for an earlier job),
+    each by a client of its own; their round trips in arrival order."""
+    results: list[tuple[float, JobRecord] | None] = [None] * jobs
+    errors: list[BaseException] = []
+
+    def one(index: int) -> None:
+        client = JobClient(socket=socket)
+        try:
+            results[index] = run_job(client, None, checkout)
+        except BaseException as exc:  # reported below, never swallowed
+            errors.append(exc)
+        finally:
+            client.close()
+
+    start = time.perf_counter()
+    workers = []
+    for index in range(jobs):
+        time.sleep(max(0.0, start + index * interval_s - time.perf_counter()))
+        workers.append(threading.Thread(target=one, args=(index,)))
+        workers[-1].start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, load: float,
+                   probes: int) -> tuple[list[float], list[JobRecord], list[float], float, float]:
+    """(round trips, records, bare subprocess times, arrivals per second, back-to-back median ms)."""
     checkout = small_checkout()
     run_job(client, engine, checkout)  # warm the page cache and the engine's pool
-    results = [run_job(client, engine, checkout) for _ in range(runs)]
-    jobs, records = [r[0] for r in results], [r[1] for r in results]
+    back_to_back = statistics.median(run_job(client, engine, checkout)[0] for _ in range(probes))
+    rate = load / (back_to_back / 1000)  # the service runs one job at a time: capacity is 1 / round trip
+    results = steady_arrivals(socket, checkout, jobs, 1 / rate)
+    deadline = time.monotonic() + 60
+    while engine.live() and time.monotonic() < deadline:  # the last job's VM goes just after its result
+        time.sleep(0.05)
+    if engine.live():
+        raise SystemExit("bench jobs left VMs alive after their results came back")
+    round_trips, records = [r[0] for r in results], [r[1] for r in results]
     bare = []
-    for _ in range(runs):
+    for _ in range(jobs):
         begin = time.perf_counter()
         subprocess.run(["sh", "-c", "true"], check=True)
         bare.append((time.perf_counter() - begin) * 1000)
-    return jobs, records, bare
+    return round_trips, records, bare, rate, back_to_back
 
 
 def phases(records: list[JobRecord]) -> str:
@@ -146,12 +188,15 @@ def bench_checkout(client: JobClient, tmp: Path, mib: int = 100) -> tuple[float,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=40, help="jobs arriving at a steady rate (default 40)")
+    parser.add_argument("--load", type=float, default=0.5,
+                        help="arrival rate as a share of capacity (1 / the back-to-back round trip), default 0.5")
+    parser.add_argument("--probes", type=int, default=5, help="back-to-back jobs that measure the capacity")
     parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
     checkout_mib = 8 if args.smoke else 100
     if args.smoke:
-        args.runs = 2
+        args.jobs, args.probes = 3, 1
     templates = StateDir.default().templates
     tmp = Path(tempfile.mkdtemp(prefix="mvc-bench-job-", dir="/tmp"))
     (tmp / "state").mkdir()
@@ -163,7 +208,8 @@ def main() -> int:
     try:
         with ServiceHost(config, engine=EngineSettings(pool_size=2)) as host:
             assert host.engine is not None and host.service is not None
-            jobs, records, bare = bench_overhead(client, host.engine, args.runs)
+            jobs, records, bare, rate, back_to_back = bench_overhead(client, host.engine, config.socket, args.jobs,
+                                                                     args.load, args.probes)
             logs, exec_to_first = bench_log_latency(client)
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp, checkout_mib)
             accel = host.service.accel
@@ -171,8 +217,11 @@ def main() -> int:
         client.close()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"accel: {accel}")
-    print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} runs: "
-          f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms")
+    print(f"capacity: back-to-back round trip median {back_to_back:.0f} ms; arrivals {rate:.2f}/s "
+          f"(one every {1000 / rate:.0f} ms, {rate * back_to_back / 1000:.2f} of capacity)")
+    print(f"job round trip (1 MiB checkout, `true`, VM destroyed), {len(jobs)} jobs at that rate: "
+          f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms, "
+          f"p99/p50 {percentile(jobs, 0.99) / statistics.median(jobs):.2f}")
     print(f"  where it went (medians): {phases(records)}")
     vm_ms = [(r.timings.finished_at - r.timings.vm_ready_at) * 1000 + r.timings.vm_ready_ms for r in records]
     own = [total - vm for total, vm in zip(jobs, vm_ms)]
@@ -186,6 +235,9 @@ def main() -> int:
     print(json.dumps({
         "job_overhead_p50_ms": round(statistics.median(jobs), 1),
         "job_overhead_p99_ms": round(percentile(jobs, 0.99), 1),
+        "job_overhead_p99_over_p50": round(percentile(jobs, 0.99) / statistics.median(jobs), 2),
+        "arrivals_per_s": round(rate, 3),
+        "arrival_load": round(rate * back_to_back / 1000, 2),
         "bare_subprocess_p50_ms": round(statistics.median(bare), 2),
         # Same-run ratio: how many bare `sh -c true` runs one whole VM job costs on this host right now.
         "overhead_vs_bare": round(statistics.median(jobs) / statistics.median(bare), 1),
