@@ -54,6 +54,9 @@ DENIED_CHAIN = "MVC-DENIED"
 # prefix can pass for it and the audit reader can tell "no policy may allow this" from "not allowed".
 DENIED_LOG_PREFIX = "mvc!always-denied"
 INTERNAL_CHAIN = "MVC-INTERNAL"
+# NFLOG prefix of hits on the operator's block list (`policy.blocklist`, in the slot's raw guard); "!" as above.
+BLOCKED_LOG_PREFIX = "mvc!block-listed"
+BLOCKED_CHAIN = "MVC-BLOCKED"
 # NFLOG prefix of internal-range hits that no opting-in rule admits (reason `internal-address`); "!" as above.
 INTERNAL_LOG_PREFIX = "mvc!internal-address"
 # Every NFLOG rule is rate-limited: a guest flooding denied destinations would otherwise make the host

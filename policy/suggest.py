@@ -39,7 +39,10 @@ NAME_REFUSED = "name-refused"
 # nor HTTP, no SNI, an encrypted ClientHello (the record's name is then its outer SNI, if any), a
 # malformed or smuggling-shaped request, or no first flight in time.
 UNNAMED = "unnamed"
-REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED)
+# On the operator's block list (`policy.blocklist`): refused in every mode, and never suggested.
+BLOCK_LISTED = "block-listed"
+BLOCK_LISTED_DEST = "name block-listed"  # a block-listed name's record: the resolver gave it no address
+REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED, BLOCK_LISTED)
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 MAX_COUNT = 10**9  # a record's count comes from guest traffic: kept in a range a sum cannot overflow into nonsense
 
@@ -61,7 +64,7 @@ class AuditRecord:
 
 
 # What audit mode refuses too (the rest it lets through and only records).
-REFUSED_IN_EVERY_MODE = (ALWAYS_DENIED, INTERNAL_ADDRESS)
+REFUSED_IN_EVERY_MODE = (ALWAYS_DENIED, INTERNAL_ADDRESS, BLOCK_LISTED)
 MAX_LISTED = 10  # refused entries named in an on_block: fail message; the rest are counted
 
 
@@ -100,9 +103,9 @@ def record_from_json(item: object) -> AuditRecord | None:
     count = fields.get("count")
     count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
     if fields.get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
-        if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME):
+        if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME, BLOCK_LISTED):
             return None
-        dest = REFUSED_DEST if reason == INTERNAL_ADDRESS else REFUSED_NAME_DEST
+        dest = {INTERNAL_ADDRESS: REFUSED_DEST, REFUSED_NAME: REFUSED_NAME_DEST}.get(reason, BLOCK_LISTED_DEST)
         return AuditRecord(dest=dest, port=None, proto="dns", name=name, count=count, reason=reason)
     given_dest = fields.get("dest")
     if not isinstance(given_dest, (str, int)):  # JSON has no bytes or address objects; ip_address refuses the rest
@@ -136,6 +139,8 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
     """Where a record goes in a suggestion: a rule target and port, or a comment's text (without "# ")."""
     if record.reason == ALWAYS_DENIED:
         return f"always denied, no policy can allow it, was attempted: {_attempt(record)}"
+    if record.reason == BLOCK_LISTED:
+        return f"on the operator's block list, refused in every mode, was attempted: {record.name or _attempt(record)}"
     if record.reason == INTERNAL_ADDRESS and record.proto == "dns":
         return (f"{record.name} resolved to an internal address, refused; a cidr: rule inside "
                 f"its range allows it, if it is meant to be reached")

@@ -25,8 +25,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from policy.render import DENIED_LOG_PREFIX, INTERNAL_LOG_PREFIX
-from policy.suggest import ALWAYS_DENIED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord
+from policy.render import BLOCKED_LOG_PREFIX, DENIED_LOG_PREFIX, INTERNAL_LOG_PREFIX
+from policy.suggest import ALWAYS_DENIED, BLOCK_LISTED, INTERNAL_ADDRESS, POLICY, REFUSED_DEST, AuditRecord
 from runner.net import addresses, netns
 from runner.net.loop import NetLoop
 
@@ -102,7 +102,8 @@ def payloads(datagram: bytes) -> list[tuple[bytes, str]]:
     return found
 
 
-_REASONS = {DENIED_LOG_PREFIX.encode(): ALWAYS_DENIED, INTERNAL_LOG_PREFIX.encode(): INTERNAL_ADDRESS}
+_REASONS = {DENIED_LOG_PREFIX.encode(): ALWAYS_DENIED, INTERNAL_LOG_PREFIX.encode(): INTERNAL_ADDRESS,
+            BLOCKED_LOG_PREFIX.encode(): BLOCK_LISTED}
 
 
 def _reason(prefix: bytes) -> str:

@@ -32,6 +32,7 @@ from ipaddress import ip_address
 
 from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 
+from policy.blocklist import EMPTY, BlockList
 from policy.model import DENY_ALL, Policy, Rule
 from policy.reserved import internal_range_containing, opted_in
 from runner.errors import NetworkError
@@ -210,12 +211,14 @@ class SlotResolver:
     write_chain: ChainWriter
     allowances: tuple[Rule, ...] = ()
     clock: Callable[[], float] = time.monotonic
+    block_list: BlockList = EMPTY  # the operator's: refused in every mode, before any rule (policy.blocklist)
     policy: Policy = DENY_ALL
     generation: int = 0
     handed_out: dict[str, str] = field(default_factory=dict)
     names_at: dict[str, set[str]] = field(default_factory=dict)  # address -> every name it was handed out for
     refused: Counter[str] = field(default_factory=Counter)
     refused_answers: Counter[tuple[str, str]] = field(default_factory=Counter)  # (address, name)
+    blocked: Counter[str] = field(default_factory=Counter)  # block-listed names asked, or answered into a blocked network
     openings: dict[Opening, float] = field(default_factory=dict)
     sockets: list[socket.socket] = field(default_factory=list)
     in_flight: int = 0
@@ -243,6 +246,7 @@ class SlotResolver:
             self.names_at.clear()
             self.refused.clear()
             self.refused_answers.clear()
+            self.blocked.clear()
             self.openings.clear()
             self.throttled = 0
             self.write_budget = WriteBudget.full(self.clock())
@@ -278,6 +282,9 @@ class SlotResolver:
             live = {opening: expiry for opening, expiry in self.openings.items() if expiry > now}
             kept: list[tuple[str, int]] = []
             for address, ttl in records:
+                if self.block_list.blocks_address(address):
+                    self._count(self.blocked, name)
+                    continue
                 verdict = self._screen(address, rules)
                 if verdict == _REFUSED:
                     self._note_refused_answer(name, address)
@@ -315,6 +322,19 @@ class SlotResolver:
             now = self.clock()
             return any(opening.checked and opening.address == address and port in opening.ports and expiry > now
                        for opening, expiry in self.openings.items())
+
+    def name_blocked(self, name: str) -> bool:
+        """Whether `name` is on the operator's block list (refused in every mode)."""
+        return self.block_list.blocks_name(name)
+
+    def note_blocked(self, name: str) -> None:
+        with self.lock:
+            self._count(self.blocked, name)
+
+    def _count(self, counter: Counter[str], name: str) -> None:
+        """Count `name` in `counter` (call with the lock held), bounded like the refused names."""
+        if name in counter or len(counter) < MAX_REFUSED_NAMES:
+            counter[name] += 1
 
     def audit_only(self) -> bool:
         """Whether refusals are only recorded (audit mode) rather than enforced."""
@@ -418,10 +438,11 @@ class DnsService:
         if loop is not None:
             loop.every(SWEEP_SECONDS, self._start_sweep)
 
-    def attach(self, ns: str, write_chain: ChainWriter, allowances: tuple[Rule, ...] = ()) -> SlotResolver:
+    def attach(self, ns: str, write_chain: ChainWriter, allowances: tuple[Rule, ...] = (),
+               block_list: BlockList = EMPTY) -> SlotResolver:
         """Serve DNS in namespace `ns`; `write_chain` replaces its DNS allow chain, `allowances`
-        are the operator's network rules (see `SlotResolver`)."""
-        resolver = SlotResolver(ns, write_chain, tuple(allowances), self.clock)
+        are the operator's network rules, `block_list` the operator's block list (see `SlotResolver`)."""
+        resolver = SlotResolver(ns, write_chain, tuple(allowances), self.clock, block_list)
         made: list[socket.socket] = []
         try:
             for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
@@ -544,6 +565,9 @@ class DnsService:
             return _error(query, RCODE.REFUSED)
         name = _name(question.qname)
         qtype = QTYPE.get(question.qtype, str(question.qtype))
+        if resolver.name_blocked(name):  # in every mode: the operator's list wins over any rule
+            resolver.note_blocked(name)
+            return _error(query, RCODE.NXDOMAIN)
         policy, generation = resolver.snapshot()
         rules = policy.rules_for_host(name)
         if not rules:

@@ -14,8 +14,17 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from policy.blocklist import EMPTY, BlockList
 from policy.model import Rule
-from policy.render import DENIED_CHAIN, OperatorAllowances, denied_chain_lines, rule_lines
+from policy.render import (
+    BLOCKED_CHAIN,
+    BLOCKED_LOG_PREFIX,
+    DENIED_CHAIN,
+    LOG_LIMIT,
+    OperatorAllowances,
+    denied_chain_lines,
+    rule_lines,
+)
 from runner.errors import NetworkError
 from runner.net import addresses, netns
 
@@ -91,7 +100,7 @@ def deny_all() -> str:
     return "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
 
 
-def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
+def guard4(allowances: OperatorAllowances = OperatorAllowances(), block_list: BlockList = EMPTY) -> str:
     """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
 
     Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
@@ -110,6 +119,7 @@ def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
         f"-A MVC-GUARD ! -s {addresses.GUEST_IP}/32 -j DROP",
         f"-A MVC-GUARD -d {dns}/32 -p udp -m udp --dport {addresses.DNS_PORT} -j RETURN",
         f"-A MVC-GUARD -d {dns}/32 -p tcp -m tcp --dport {addresses.DNS_PORT} -j RETURN",
+        *_blocked(block_list, 4),
         *_allowed(allowances, 4),
         f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
         "-A MVC-GUARD -m addrtype --dst-type BROADCAST -j DROP",
@@ -129,12 +139,25 @@ def guard4(allowances: OperatorAllowances = OperatorAllowances()) -> str:
     return _document(_guard_table(raw), _table("mangle", mangle))
 
 
-def guard6(allowances: OperatorAllowances = OperatorAllowances()) -> str:
+def _blocked(block_list: BlockList, version: int) -> list[str]:
+    """The operator's block list, before the operator's own allowances and any policy: logged as
+    block-listed, then dropped (the raw table cannot reject), in every mode."""
+    networks = [network for network in block_list.networks if network.version == version]
+    if not networks:
+        return []
+    return [*(f"-A MVC-GUARD -d {network} -j {BLOCKED_CHAIN}" for network in networks),
+            f'-A {BLOCKED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {addresses.AUDIT_NFLOG_GROUP} '
+            f'--nflog-prefix "{BLOCKED_LOG_PREFIX}"',
+            f"-A {BLOCKED_CHAIN} -j DROP"]
+
+
+def guard6(allowances: OperatorAllowances = OperatorAllowances(), block_list: BlockList = EMPTY) -> str:
     """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
     and nothing but neighbour discovery originated by the namespace towards the uplink."""
     veth, nd = addresses.VETH_NAME, ("neighbour-solicitation", "neighbour-advertisement")
     raw = [
         *(f"-A MVC-GUARD -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j RETURN" for kind in nd),
+        *_blocked(block_list, 6),
         *_allowed(allowances, 6),
         f"-A MVC-GUARD -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
         *_denied_chain(),
@@ -152,7 +175,7 @@ def _guard_table(rules: list[str]) -> list[str]:
     """The raw table of both families: everything from the tap goes through `MVC-GUARD`, which
     first drops any frame not carrying the guest's MAC, then applies the family's `rules`."""
     entry = [f"-A PREROUTING -i {addresses.TAP_NAME} -j MVC-GUARD", f"-A MVC-GUARD -m mac ! --mac-source {addresses.GUEST_MAC} -j DROP"]
-    return _table("raw", [*entry, *rules], chains=("MVC-GUARD", DENIED_CHAIN))
+    return _table("raw", [*entry, *rules], chains=("MVC-GUARD", DENIED_CHAIN, BLOCKED_CHAIN))
 
 
 def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policy.suggest import NAME_REFUSED, UNNAMED, AuditRecord
+from policy.suggest import BLOCK_LISTED, NAME_REFUSED, UNNAMED, AuditRecord
 from runner.net import addresses, netns
 from runner.net.loop import NetLoop
 from runner.net.namecheck import NOT_TLS_OR_HTTP, Claim, HttpRequests, Piece, client_hello, first_kind
@@ -60,6 +60,8 @@ class NameGate(Protocol):
     """What the proxy asks of the slot's resolver (`runner.net.dns.SlotResolver`)."""
 
     def name_allowed(self, name: str, address: str, port: int) -> bool: ...
+
+    def name_blocked(self, name: str) -> bool: ...
 
     def audit_only(self) -> bool: ...
 
@@ -238,6 +240,9 @@ class NameProxy:
 
     def _admit(self, claim: Claim, address: str, port: int) -> bool:
         """Whether the claim may go on to `address`:`port` (audit mode: always, but counted)."""
+        if claim.name is not None and self.gate.name_blocked(claim.name):
+            self._note(address, port, claim, BLOCK_LISTED)
+            return False  # in every mode
         if claim.refusal is not None:
             reason = UNNAMED
         elif claim.name is None or not self.gate.name_allowed(claim.name, address, port):

@@ -19,9 +19,10 @@ from ipaddress import ip_network
 
 from pyroute2 import IPRoute, NFCTSocket
 
+from policy.blocklist import EMPTY, BlockList
 from policy.model import DENY_ALL, Policy, Rule, as_protocol
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
-from policy.suggest import AuditRecord, refused_name_record
+from policy.suggest import BLOCK_LISTED, BLOCK_LISTED_DEST, AuditRecord, refused_name_record
 from runner.errors import NetworkError
 from runner.net import addresses, firewall, netns
 from runner.net.audit import SlotAudit, refused_answer_record
@@ -104,6 +105,9 @@ class Slot:
             return self.audit.records({})
         records = self.audit.records(dict(self.resolver.handed_out))
         records += [refused_answer_record(*entry) for entry in self.resolver.refused_answer_counts()]
+        with self.resolver.lock:
+            blocked = sorted(self.resolver.blocked.items())
+        records += [AuditRecord(BLOCK_LISTED_DEST, None, "dns", name, count, BLOCK_LISTED) for name, count in blocked]
         if self.proxy is not None:
             records += self.proxy.records()
         return records + _refused_names(self.resolver, {record.name for record in records})
@@ -196,6 +200,7 @@ class SlotPool:
         upstream: Upstream | None = None,
         firewall_tools: Firewall | None = None,
         allowances: OperatorAllowances | None = None,
+        block_list: BlockList = EMPTY,
         max_slots: int = addresses.MAX_SLOTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -210,6 +215,7 @@ class SlotPool:
         self.upstream = upstream or Upstream.from_resolv_conf()
         self.firewall = firewall_tools or Firewall.default()
         self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
+        self.block_list = block_list  # the operator's too: refused in every mode (policy.blocklist)
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)
         self.clock = clock
         self._lock = threading.Lock()
@@ -326,9 +332,10 @@ class SlotPool:
             self.uplink.run(lambda: _add_veth(name))
             self.uplink.configure_end(name, index)
             netns.run_in(name, lambda: _configure_inside(index))
-            self.firewall.load(name, firewall.guard4(self.allowances) + firewall.masquerade() + firewall.deny_all())
-            self.firewall.load(name, firewall.guard6(self.allowances), ipv6=True)
-            slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules)
+            self.firewall.load(name, firewall.guard4(self.allowances, self.block_list) + firewall.masquerade()
+                               + firewall.deny_all())
+            self.firewall.load(name, firewall.guard6(self.allowances, self.block_list), ipv6=True)
+            slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules, self.block_list)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)
             slot.proxy = NameProxy(name, slot.resolver)

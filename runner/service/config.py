@@ -167,6 +167,8 @@ class Network:
     allow: OperatorAllowances = setting(OperatorAllowances(), "operator allowances: rules (cidr, ports, protocol) "
                                         "applied to every networked VM before the always-denied destinations",
                                         "allow")
+    block_list: Path | None = setting(None, "file of names and networks no job may reach in any mode, audit "
+                                            "included (one a line, # comments; policy/blocklist.py)", "path")
 
 
 @dataclass(frozen=True)

@@ -183,9 +183,15 @@ class ServiceHost:
     def _slot_pool(self, uplink: Uplink | None, upstream: Upstream | None) -> SlotPool:
         from runner.net import HostUplink, SlotPool
 
+        from policy.blocklist import EMPTY, BlockListError, load_block_list
+
         network = self.config.network
+        try:
+            block_list = load_block_list(network.block_list) if network.block_list is not None else EMPTY
+        except BlockListError as exc:
+            raise ConfigError(f"network.block_list: {exc}") from None
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
-                        size=network.slots, allowances=network.allow, upstream=upstream)
+                        size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list)
 
     def _start_fleet(self, service: JobService) -> RunnerFleet:
         """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy

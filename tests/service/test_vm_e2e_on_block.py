@@ -68,3 +68,18 @@ def test_on_block_fail_fails_a_job_whose_guest_was_refused_and_keeps_its_exit_co
 
     quiet, _ = probe_job(host, 3, ALLOWED)  # nothing refused: the job's own result stands
     assert (quiet.state, quiet.exit_code, quiet.error) == ("finished", 3, None)
+
+
+def test_the_operators_block_list_is_refused_in_audit_mode_and_fails_an_on_block_fail_job(store_host,
+                                                                                        tmp_path: Path) -> None:
+    blocked = tmp_path / "blocked.txt"
+    blocked.write_text(f"# the operator's feed\n{DENIED_HOST}/32\n")
+    host = store_host(cidr_policy(mode="audit") + "on_block: fail\n", network={"block_list": str(blocked)})
+
+    record, text = probe_job(host, 0, ALLOWED, DENIED)
+    assert reached(text) == {ALLOWED}, text  # audit lets the policy's blocks through, never the block list
+    reasons = {(entry["dest"], entry["reason"]) for entry in record.blocked_egress}
+    assert (DENIED_HOST, "block-listed") in reasons and (ALLOWED_HOST, "policy") in reasons
+    assert (record.state, record.exit_code) == ("failed", 0), record  # only what audit mode refused counts
+    assert record.error is not None and f"tcp {DENIED} (block-listed)" in record.error
+    assert ALLOWED not in record.error
