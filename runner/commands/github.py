@@ -74,9 +74,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         hook_cmd.add_argument("--socket", required=True, help="the job API's Unix socket")
         hook_cmd.set_defaults(func=func)
 
-    cmd = subparsers.add_parser("status", help="the host's runners (idle, busy with what), VMs and queue")
-    cmd.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
-                     help="the running service's config")
+    cmd = subparsers.add_parser("status", help="the running service's VMs, spare pools, queue, recent jobs and "
+                                               "runners (asks it on its socket; operators only)")
+    cmd.add_argument("--config", "--service-config", dest="service_config", type=Path,
+                     default=Path("/etc/microvm-check/service.yml"), help="the running service's config (its socket)")
+    cmd.add_argument("--socket", help="the service's socket (default: the config's)")
     cmd.add_argument("--json", action="store_true", help="the raw status as JSON")
     cmd.set_defaults(func=cmd_status)
 
@@ -248,15 +250,18 @@ def cmd_runner_job_completed(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from runner.fleet import status
-    from runner.fleet.fleet import STATUS_FILE
+    from runner.commands.status import render
+    from runner.jobapi.client import JobAPIError, JobClient
 
-    config = _service_config(args.service_config)
+    where = args.socket or _service_config(args.service_config).socket
     try:
-        data = status.load(config.state_dir / STATUS_FILE)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    print(json.dumps(data, indent=2) if args.json else status.render(data))
+        with JobClient(socket=where) as client:
+            data = client.status()
+    except JobAPIError as exc:
+        hint = " (status is for the operator: root or the config's admin_group)" if exc.status == 403 else \
+            " (is `microvm-check serve` running with this config?)"
+        raise UserError(f"{exc}{hint}") from exc
+    print(json.dumps(data, indent=2) if args.json else render(data))
     return 0
 
 

@@ -6,12 +6,22 @@ as they arrive), and applies one explicit timeout to connecting, each read, each
 for a pooled connection. Answers come back as the contract's types (runner.jobapi.contract), and
 every failure as a JobAPIError a user can act on: what was asked, the status, the service's own
 message, and Retry-After when the service gave one.
+
+A busy service (503) or a full queue (429) is waited out as the answer asks: the request is sent again
+after its Retry-After plus jitter (so clients refused together do not return together), up to the
+job's own deadline (its timeout_seconds from the submit) or `retry_seconds` for requests of no job,
+with one progress line through `say` when the waiting starts. A streamed checkout is replayed from
+its first REPLAY_BYTES, kept while it is sent; one refused after more than that is not retried.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import random
+import re
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -44,6 +54,11 @@ _MAX_ERROR = 64 * 1024  # an error answer: {"error": "..."}
 # kept alive after its answer: over a local socket a new one costs little, and a client that is never
 # closed then leaves no socket open (the service also drops idle ones after 5 s).
 _POOL = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+RETRY_STATUSES = frozenset({429, 503})
+REPLAY_BYTES = 8 * 1024 * 1024  # of a streamed body, kept so that a refused upload can be sent again
+MIN_RETRY_WAIT, MAX_RETRY_WAIT, DEFAULT_RETRY_WAIT = 0.5, 30.0, 5.0  # seconds
+DEFAULT_JOB_SECONDS = 3600  # a job's deadline when its spec leaves timeout_seconds to the service
+_JOB_PATH = re.compile(r"/v1/jobs/([A-Za-z0-9_-]+)")
 
 T = TypeVar("T")
 
@@ -84,13 +99,19 @@ class JobClient:
     """
 
     def __init__(self, socket: str | None = None, url: str | None = None, token: str | None = None,
-                 timeout: float | None = 60.0, runner_token: str | None = None) -> None:
+                 timeout: float | None = 60.0, runner_token: str | None = None, retry_seconds: float = 60.0,
+                 say: Callable[[str], None] | None = None, retry_statuses: frozenset[int] = RETRY_STATUSES) -> None:
         if socket is not None and url is not None:
             raise ValueError("give at most one of socket or url")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if runner_token:
             headers[RUNNER_TOKEN_HEADER] = runner_token
         self.job_tokens: dict[str, str] = {}
+        self.retry_seconds = retry_seconds
+        self.say = say or _stderr_line
+        self.retry_statuses = retry_statuses  # the action waits out a full queue (429) itself: action/queuewait.py
+        self._deadlines: dict[str, float] = {}  # job id -> monotonic time its retries end
+        self._sleep: Callable[[float], None] = time.sleep
         self.session_token: str | None = None
         if url is None:
             self.where = socket or DEFAULT_SOCKET
@@ -125,8 +146,11 @@ class JobClient:
         headers = {"Content-Type": "application/json"}
         if self.session_token:
             headers[SESSION_TOKEN_HEADER] = self.session_token
+        seconds = (spec.timeout_seconds if isinstance(spec, JobSpec) else None) or DEFAULT_JOB_SECONDS
+        deadline = time.monotonic() + seconds
         summary = self._call("POST", "/v1/jobs", JobSummary.from_wire, content=json.dumps(body).encode(),
-                             headers=headers)
+                             headers=headers, deadline=deadline)
+        self._deadlines[summary.id] = deadline
         if summary.token:
             self.job_tokens[summary.id] = summary.token
         if summary.session_token:
@@ -135,7 +159,7 @@ class JobClient:
 
     def upload_checkout(self, job_id: str, data: BinaryIO | Iterable[bytes] | bytes) -> JobSummary:
         """Send the checkout tar: bytes as they are, a file or an iterable of chunks streamed (chunked)."""
-        body = bytes(data) if isinstance(data, (bytes, bytearray)) else _chunks(data)
+        body = bytes(data) if isinstance(data, (bytes, bytearray)) else _Replayable(_chunks(data))
         return self._call("PUT", f"/v1/jobs/{_id(job_id)}/checkout", JobSummary.from_wire, content=body,
                           headers={"Content-Type": "application/x-tar", **self._job(job_id)})
 
@@ -144,6 +168,10 @@ class JobClient:
 
     def list(self, limit: int = 50) -> list[JobRecord]:
         return self._call("GET", f"/v1/jobs?limit={int(limit)}", _records)
+
+    def status(self) -> dict[str, Any]:
+        """GET /v1/status (operators): the host's VMs, spare pools, queue, recent jobs and runners."""
+        return self._call("GET", "/v1/status", _status)
 
     def cancel(self, job_id: str) -> JobRecord:
         return self._call("POST", f"/v1/jobs/{_id(job_id)}/cancel", JobRecord.from_wire,
@@ -160,11 +188,12 @@ class JobClient:
         answers the ids of the jobs it cancelled."""
         return self._call("POST", "/v1/runner/job-completed", _cancelled)
 
-    def logs(self, job_id: str, after: int = 0, reconnects: int = 3) -> Iterator[LogEntry]:
-        """Follow a job's log live; ends when the job has ended. A dropped connection resumes after the last seq."""
+    def logs(self, job_id: str, after: int = 0, reconnects: int = 3, follow: bool = True) -> Iterator[LogEntry]:
+        """Follow a job's log live; ends when the job has ended (with `follow=False`: at the log's end now).
+        A dropped connection resumes after the last seq."""
         while True:
             try:
-                for entry in self._log_stream(job_id, after):
+                for entry in self._log_stream(job_id, after, follow):
                     after = entry.seq
                     yield entry
                 return
@@ -203,29 +232,50 @@ class JobClient:
             what = "does not have the job API's shape" if isinstance(exc, WireError) else "is not JSON"
             raise JobAPIError(f"{method} {path}: the answer {what}: {exc}") from exc
 
-    def _open(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """The streamed answer, its status checked: >= 400 and transport trouble become a JobAPIError.
-        The caller closes it."""
-        request = self._http.build_request(method, path, **kwargs)
-        try:
-            resp = self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise JobAPIError(f"cannot reach the job service at {self.where}: {_reason(exc)}",
-                              timed_out=isinstance(exc, httpx.TimeoutException)) from exc
-        if resp.status_code >= 400:
+    def _open(self, method: str, path: str, deadline: float | None = None, **kwargs: Any) -> httpx.Response:
+        """The streamed answer, its status checked: >= 400 and transport trouble become a JobAPIError;
+        429 and 503 are sent again as the service asks, until `deadline` (default: the job's). The caller
+        closes it."""
+        waiting = False
+        while True:
+            request = self._http.build_request(method, path, **kwargs)
             try:
-                raise _api_error(method, path, resp)
+                resp = self._http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise JobAPIError(f"cannot reach the job service at {self.where}: {_reason(exc)}",
+                                  timed_out=isinstance(exc, httpx.TimeoutException)) from exc
+            if resp.status_code < 400:
+                return resp
+            try:
+                error = _api_error(method, path, resp)
             finally:
                 resp.close()
-        return resp
+            if deadline is None:
+                deadline = self._deadline(path)
+            delay = retry_delay(error.retry_after)
+            content = kwargs.get("content")
+            if (error.status not in self.retry_statuses or time.monotonic() + delay > deadline
+                    or (isinstance(content, _Replayable) and not content.rewind())):
+                raise error
+            if not waiting:
+                waiting = True
+                self.say(f"microvm-check: {error}; retrying as the service asks, for up to "
+                         f"{deadline - time.monotonic():.0f} s")
+            self._sleep(delay)
+
+    def _deadline(self, path: str) -> float:
+        """When retries of a request end: its job's deadline, or `retry_seconds` from now."""
+        match = _JOB_PATH.match(path)
+        job = self._deadlines.get(match.group(1)) if match else None
+        return job if job is not None else time.monotonic() + self.retry_seconds
 
     def _job(self, job_id: str) -> dict[str, str]:
         """The job's own token as a header, when this client has it."""
         token = self.job_tokens.get(job_id)
         return {JOB_TOKEN_HEADER: token} if token else {}
 
-    def _log_stream(self, job_id: str, after: int) -> Iterator[LogEntry]:
-        method, path = "GET", f"/v1/jobs/{_id(job_id)}/logs?after={int(after)}"
+    def _log_stream(self, job_id: str, after: int, follow: bool = True) -> Iterator[LogEntry]:
+        method, path = "GET", f"/v1/jobs/{_id(job_id)}/logs?after={int(after)}" + ("" if follow else "&follow=0")
         try:
             resp = self._open(method, path, headers=self._job(job_id))
         except JobAPIError as exc:
@@ -234,6 +284,8 @@ class JobClient:
             raise
         try:
             for line in _lines(resp, method, path):
+                if not line.strip():
+                    continue  # the service's heartbeat on a silent stream (docs/job-api.md)
                 try:
                     obj = json.loads(line)
                     if isinstance(obj, dict) and obj.get("end"):
@@ -250,6 +302,40 @@ class _StreamBroken(ClientError):
     def __init__(self, message: str, timed_out: bool) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+def retry_delay(retry_after: float | None, uniform: Callable[[float, float], float] = random.uniform) -> float:
+    """The service's Retry-After (bounded) plus up to half of it again at random."""
+    asked = min(max(DEFAULT_RETRY_WAIT if retry_after is None else retry_after, MIN_RETRY_WAIT), MAX_RETRY_WAIT)
+    return asked + uniform(0, asked / 2)
+
+
+def _stderr_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class _Replayable:
+    """A streamed body that can be sent again from its start while it has sent at most REPLAY_BYTES."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._kept: list[bytes] = []
+        self._kept_bytes = 0
+        self._overflowed = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from list(self._kept)
+        for chunk in self._chunks:
+            self._kept_bytes += len(chunk)
+            if self._kept_bytes <= REPLAY_BYTES:
+                self._kept.append(chunk)
+            else:
+                self._overflowed = True
+            yield chunk
+
+    def rewind(self) -> bool:
+        """Whether it can be sent again from its first chunk: not once more was sent than was kept."""
+        return not self._overflowed
 
 
 def _reason(exc: httpx.TransportError) -> str:
@@ -319,6 +405,12 @@ def _cancelled(data: object) -> list[str]:
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise WireError("cancelled: expected a list of job ids")
     return ids
+
+
+def _status(data: object) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise WireError("status: expected a JSON object")
+    return data
 
 
 def _records(data: object) -> list[JobRecord]:

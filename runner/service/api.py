@@ -302,7 +302,7 @@ class Handler(ServedRequest):
     def _web_logs(self, job_id: str, after: int) -> None:
         """The job API's log stream with each line in the neutralised view the action prints."""
         stream = LogStream(self.service.log_of(job_id).cursor(after), lambda: self._end_line(job_id),
-                           web.neutral_log_line)
+                           web.neutral_log_line, heartbeat=False)  # a browser has no read timeout to feed
         self.start_response(200, {"Content-Type": "application/x-ndjson", **web.HEADERS})
         self.hand_off(stream)
 
@@ -312,9 +312,10 @@ class LogStream:
     then the end line once the log is closed. A silent job gets an empty line every HEARTBEAT_SECONDS, so
     a client's read timeout tells a live but quiet stream (a job waiting in the queue) from a dead one."""
 
-    def __init__(self, cursor: LogCursor, end: Callable[[], bytes],
-                 transform: Callable[[bytes], bytes] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cursor: LogCursor, end: Callable[[], bytes], transform: Callable[[bytes], bytes] | None = None,
+                 heartbeat: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self._cursor, self._end, self._transform, self._clock = cursor, end, transform, clock
+        self._heartbeat = heartbeat
         self._last = clock()
 
     def read(self) -> tuple[bytes, bool]:
@@ -326,7 +327,7 @@ class LogStream:
             return b"".join(transform(line) for line in lines) if transform else b"".join(lines), False
         if ended:
             return self._end(), True
-        if now - self._last >= HEARTBEAT_SECONDS:
+        if self._heartbeat and now - self._last >= HEARTBEAT_SECONDS:
             self._last = now
             return b"\n", False
         return b"", False

@@ -8,7 +8,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from runner.errors import UserError
 from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
@@ -17,6 +19,8 @@ from runner.logs import setup as setup_logging
 from runner.service.config import load_config
 from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
+
+T = TypeVar("T")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +52,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     jobs.add_argument("--socket", default=DEFAULT_SOCKET, help="ask the running service on this socket")
     jobs.add_argument("--config", type=Path, help="read the records of this service config directly")
     jobs.set_defaults(func=cmd_jobs)
+    actions = jobs.add_subparsers(dest="jobs_command", metavar="ACTION")
+    show = actions.add_parser("show", help="one job's record: state, result, timings, error, artifacts")
+    logs = actions.add_parser("logs", help="one job's log (stdout, stderr and the service's notes)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep following until the job ends")
+    cancel = actions.add_parser("cancel", help="cancel a job: its VM is destroyed, its record says cancelled")
+    for action, func in ((show, cmd_jobs_show), (logs, cmd_jobs_logs), (cancel, cmd_jobs_cancel)):
+        action.add_argument("id", help="the job's id (as `jobs` lists it)")
+        action.add_argument("--socket", default=argparse.SUPPRESS,
+                            help=f"the running service's socket (default {DEFAULT_SOCKET})")
+        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON, not text")
+        action.set_defaults(func=func)
 
 
 # -- serve ----------------------------------------------------------------------------------------
@@ -97,6 +112,81 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             raise UserError(f"{exc} (is the service running? or pass --config to read its records directly)") from exc
     for rec in records:
         print(json.dumps(rec.to_wire()) if args.json else _row(rec))
+    return 0
+
+
+def _job_client(args: argparse.Namespace) -> Any:
+    """A client of the running service: a job's record, log and cancel go through the API, whose operator
+    check (root or the admin_group; a runner only its own jobs) decides who reaches which job."""
+    from runner.jobapi.client import JobClient
+
+    return JobClient(socket=args.socket)
+
+
+def _api_call(args: argparse.Namespace, call: Callable[[Any], T]) -> T:
+    from runner.jobapi.client import JobAPIError
+
+    try:
+        with _job_client(args) as client:
+            return call(client)
+    except JobAPIError as exc:
+        hint = {403: " (jobs of others are for the operator: root or the config's admin_group)",
+                404: " (`microvm-check jobs` lists the ids)"}.get(exc.status or 0, "")
+        if exc.status is None:
+            hint = " (is the service running? pass its --socket)"
+        raise UserError(f"{exc}{hint}") from exc
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> int:
+    rec = _api_call(args, lambda client: client.get(args.id))
+    if getattr(args, "json", False):
+        print(json.dumps(rec.to_wire(), indent=2))
+        return 0
+    t = rec.timings
+    print(_row(rec))
+    print(f"    state {rec.state.value}, result {result_text(rec)}; VM {rec.vm_id or '-'}"
+          + (" (warm)" if rec.warm else "") + f"; policy {rec.policy_digest or '-'}")
+    print(f"    run {rec.run_id or '-'} attempt {rec.run_attempt or '-'}; created {_when(rec.created_at)}, started "
+          f"{_when(t.started_at)}, finished {_when(t.finished_at)}"
+          + (f"; VM ready in {t.vm_ready_ms:.0f} ms" if t.vm_ready_ms is not None else ""))
+    for item in rec.artifacts:
+        print(f"    artifact {str(item.get('path', item.get('name', '?')))[:200]} ({item.get('size', '?')} bytes)")
+    if rec.blocked_egress:
+        print(f"    blocked egress: {sum(int(b.get('count', 1)) for b in rec.blocked_egress)} attempt(s)")
+    return 0
+
+
+def result_text(rec: JobRecord) -> str:
+    if rec.state.value == "finished":
+        return "success" if rec.exit_code == 0 else f"failure (exit {rec.exit_code})"
+    return rec.state.value if rec.final else "not yet"
+
+
+def _when(epoch: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> int:
+    """The log as `run` shows it: stdout to stdout, stderr and the service's notes to stderr, and on a
+    terminal the guest's control characters defused."""
+    from runner.service.localrun import _show
+
+    def relay(client: Any) -> None:
+        for entry in client.logs(args.id, follow=args.follow):
+            if getattr(args, "json", False):
+                print(json.dumps({"seq": entry.seq, "stream": entry.stream, "ts": entry.ts,
+                                  "data": entry.data.decode("utf-8", "replace")}), flush=True)
+            else:
+                _show(entry.stream, entry.data)
+    _api_call(args, relay)
+    return 0
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    rec = _api_call(args, lambda client: client.cancel(args.id))
+    print(json.dumps(rec.to_wire()) if getattr(args, "json", False) else
+          f"job {rec.id}: {rec.state.value}" + (" (it had already ended)" if rec.final and rec.state.value != "cancelled"
+                                                 else ""))
     return 0
 
 

@@ -109,7 +109,8 @@ class ServiceHost:
         service = self.service = self._start_service(create)
         self.metrics = self._metrics(service)
         if self._serve_api:
-            api = self.api = ApiServers(service, metrics=self.metrics)  # binds the sockets; closes what it bound if one fails
+            # binds the sockets; closes what it bound if one fails
+            api = self.api = ApiServers(service, metrics=self.metrics, host_status=functools.partial(self.status, service))
             self._stack.callback(api.close)
             self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
             api.start()
@@ -220,6 +221,20 @@ class ServiceHost:
         """The VMs and the queue, for `microvm-check status` beside the runners."""
         vms = [{"id": vm.id, "ready_ms": round(vm.ready_ms, 1)} for vm in self.engine.live()] if self.engine else []
         return {"vms": vms, "queue": service.health().to_wire()}
+
+    def status(self, service: JobService, recent: int = 10) -> dict[str, object]:
+        """What `microvm-check status` shows (GET /v1/status, operators only): the VMs, each with the job it
+        runs, the spare pools, the queue, the newest job records, and the runners when there is a fleet."""
+        active = {r.vm_id: r.id for r in service.records.in_states(ACTIVE_STATES) if r.vm_id}
+        vms = [{"id": vm.id, "ready_ms": round(vm.ready_ms, 1), "job": active.get(vm.id)}
+               for vm in self.engine.live()] if self.engine else []
+        pools = {"size": self._engine_settings.pool_size, "ready": self.engine.pool.ready()} if self.engine else None
+        fleet = self.fleet.status() if self.fleet is not None else None
+        if fleet is not None:
+            for key in ("vms", "queue"):
+                fleet.pop(key, None)
+        return {"vms": vms, "spare_pools": pools, "queue": service.health().to_wire(),
+                "recent_jobs": [r.to_wire() for r in service.list(recent)], "fleet": fleet}
 
     def _start_service(self, create: SandboxFactory) -> JobService:
         """The job service, started: it fails the jobs a dead predecessor left active and sweeps their

@@ -1,0 +1,86 @@
+"""`microvm-check status` and `jobs show | logs | cancel`: through the running service's API on its socket, with
+the API's operator checks (root or the admin_group reach every job; anyone else is refused)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
+
+from runner.cli import main
+
+
+def _run(client, command: str) -> str:
+    job = client.submit(spec(command)).id
+    client.upload_checkout(job, checkout_tar())
+    return job
+
+
+def test_status_works_without_a_fleet(api, engine: FakeEngine, tmp_path: Path, capsys) -> None:
+    """Before: `status` read the fleet's status file and refused on a host without `runners:`."""
+    engine.programs["ok"] = prints(b"fine\n")
+    service, client = api()
+    list(client.logs(_run(client, "ok")))
+    config = tmp_path / "service.yml"
+    config.write_text(f"socket: {service.config.socket}\nstate_dir: {service.config.state_dir}\n")
+    assert main(["status", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "jobs: 0 running, 0 queued" in out and "VMs: 0 running" in out
+    assert "recent jobs (1):" in out and "finished" in out and "exit   0" in out
+    assert "runners: none (no runners: section in the config)" in out
+    assert main(["status", "--socket", service.config.socket, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"vms", "spare_pools", "queue", "recent_jobs", "fleet"} and data["fleet"] is None
+    assert [j["state"] for j in data["recent_jobs"]] == ["finished"]
+
+
+def test_jobs_show_logs_and_cancel(api, engine: FakeEngine, capfd) -> None:
+    release = threading.Event()
+    engine.programs.update({"bad": prints(b"oops\n", 3), "wait": waits(release)})
+    service, client = api()
+    sock = service.config.socket
+    failed = _run(client, "bad")
+    list(client.logs(failed))
+    assert main(["jobs", "show", failed, "--socket", sock]) == 0
+    out = capfd.readouterr().out
+    assert failed in out and "result failure (exit 3)" in out
+    assert main(["jobs", "logs", failed, "--socket", sock]) == 0
+    assert "oops" in capfd.readouterr().out
+    running = _run(client, "wait")
+    for entry in client.logs(running):
+        if entry.data == b"started\n":
+            break
+    # without --follow: what the running job has written so far, then the command ends
+    assert main(["jobs", "logs", running, "--socket", sock]) == 0
+    assert "started" in capfd.readouterr().out
+    follower = threading.Thread(target=main, args=(["jobs", "logs", running, "--follow", "--socket", sock],))
+    follower.start()
+    assert main(["jobs", "cancel", running, "--socket", sock]) == 0
+    assert f"job {running}: cancel" in capfd.readouterr().out
+    follower.join(30)
+    assert not follower.is_alive(), "--follow did not end with the job"
+    assert service.get(running).state.value == "cancelled"
+    assert main(["jobs", "show", "nosuchjob", "--socket", sock]) == 1
+    assert "`microvm-check jobs` lists the ids" in capfd.readouterr().err
+    release.set()
+
+
+def test_others_are_refused_by_the_apis_operator_check(api, engine: FakeEngine, short_dir: Path) -> None:
+    """A user who may use the socket (its group) but is not the operator reaches no one's job nor the status."""
+    engine.programs["ok"] = prints(b"fine\n")
+    os.chmod(short_dir, 0o755)
+    service, client = api(socket_group="nogroup")
+    job = _run(client, "ok")
+    list(client.logs(job))
+    for argv in (["jobs", "show", job], ["jobs", "cancel", job], ["jobs", "logs", job], ["status"]):
+        done = subprocess.run([sys.executable, "-I", "-m", "runner.cli", *argv, "--socket", service.config.socket],
+                              user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=60,
+                              cwd="/")
+        assert done.returncode == 1 and ": 403 " in done.stderr, (argv, done.stderr)
+        assert "or by the operator" in done.stderr or "the host's status is for the operator" in done.stderr
+    assert service.get(job).state.value == "finished"
