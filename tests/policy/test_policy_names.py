@@ -65,3 +65,15 @@ def test_policy_check_warns_that_a_raw_rule_is_enforced_by_address(tmp_path: Pat
     assert f"{path}: warning: github.com ports 22 is raw: enforced by address only" in out
     assert f"ok {path}" in out
     assert raw_warnings(load_policy("version: 1\nallow: []\n", "p.yml")) == []
+
+
+def test_the_documented_policy_examples_load_and_mean_what_they_say() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("policy/README.md", "README.md"):
+        text = (root / doc).read_text()
+        example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+        policy = load_policy(example, doc)
+        assert policy.mode == "block", doc
+    documented = load_policy((root / "policy/README.md").read_text().split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert [rule.host for rule in documented.rules if rule.raw] == ["github.com"]
+    assert documented.on_block == "warn"
