@@ -221,8 +221,9 @@ def _raw(node: yaml.Node | None, problems: Problems) -> bool:
     """`raw: true` opts a host entry out of the name check (see `policy.model.Rule`)."""
     if node is None:
         return False
-    if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG and node.value in ("true", "false"):
-        return node.value == "true"
+    value = node.value if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG else None
+    if value in ("true", "false"):
+        return bool(value == "true")
     problems.at(node, f"raw: {kind(node)} is not true or false; write raw: true to enforce this entry by "
                       "address only (raw TCP such as ssh), or leave it out")
     return False
