@@ -79,6 +79,7 @@ class SpareVMs:
         self._ready: dict[Snapshot, list[VM]] = defaultdict(list)
         self._filling: dict[Snapshot, threading.Thread] = {}
         self._demand: dict[Snapshot, Demand] = defaultdict(Demand)
+        self._waiting: set[Snapshot] = set()  # snapshots with a take waiting for the VM being prepared
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closed = False
@@ -99,9 +100,14 @@ class SpareVMs:
         while True:
             with self._lock:
                 entries = self._ready[snapshot]
-                if not entries and snapshot in self._filling and not self._closed:
-                    self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
-                                           or self._closed, timeout=self._demand[snapshot].prepare_s or 0.0)
+                # One filler prepares one VM at a time: one take may wait for it, others restore their own.
+                if not entries and snapshot in self._filling and snapshot not in self._waiting and not self._closed:
+                    self._waiting.add(snapshot)
+                    try:
+                        self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
+                                               or self._closed, timeout=self._demand[snapshot].prepare_s or 0.0)
+                    finally:
+                        self._waiting.discard(snapshot)
                     entries = self._ready[snapshot]  # close() or an eviction may have replaced the list
                 if not entries:
                     return None

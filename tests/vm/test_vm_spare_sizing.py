@@ -92,6 +92,7 @@ def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
             break
         threading.Event().wait(0.01)
     assert pool._changed._waiters, "the take did not wait for the VM in preparation"  # type: ignore[attr-defined]
+    assert pool.take(snapshot) is None, "a second take waits for no VM: only one is being prepared"
     release.set()
     taker.join(WAIT_S)
     assert taken and taken[0] is made[1], "the take restored nothing itself and got the VM being prepared"
