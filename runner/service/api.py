@@ -20,7 +20,7 @@ import socket
 import stat
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -36,7 +36,7 @@ from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError
 from runner.service import metrics, web
 from runner.service.jobqueue import QueueClosed, QueueFull
-from runner.service.metrics import JobMetrics
+from runner.service.metrics import JobMetrics, route_of
 from runner.service.job import SessionGone
 from runner.service.joblog import LogCursor
 from runner.service.sessions import SessionConflict
@@ -141,7 +141,28 @@ class Handler(ServedRequest):
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         self._send_json(status, {"error": message}, headers)
 
+    def respond(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        self._answered = status
+        super().respond(status, body, headers)
+
+    def start_response(self, status: int, headers: Mapping[str, str]) -> None:
+        self._answered = status
+        super().start_response(status, headers)
+
     def _dispatch(self, method: str) -> None:
+        """Answer the route, counted in the metrics by route and status (once it has ended)."""
+        started = time.monotonic()
+        self._answered = 0  # 0: no answer went out (the client left first)
+        try:
+            self._answer(method)
+        finally:
+            metrics = self.server.metrics
+            if metrics is not None:
+                listener = "unix" if isinstance(self.server, UnixApiServer) else "tcp"
+                metrics.request(listener, route_of(urlsplit(self.path).path), method, self._answered,
+                                time.monotonic() - started)
+
+    def _answer(self, method: str) -> None:
         """Answer the route; errors become statuses. A client gone away propagates to the server (logged at debug)."""
         expects_body = method in ("POST", "PUT")
         try:
@@ -455,6 +476,7 @@ def _no_host_status() -> dict[str, object]:
 
 class UnixApiServer(BoundedHTTPServer):
     host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)  # GET /v1/status; set by ApiServers
+    metrics: JobMetrics | None = None  # the requests it answers are counted there; set by ApiServers
 
     def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
         self.service, self.path = service, path
@@ -531,6 +553,7 @@ class ApiServers:
         self.servers: list[BoundedHTTPServer] = [unix]
         if host_status is not None:
             unix.host_status = host_status
+        unix.metrics = metrics
         if config.listen:
             assert config.token  # the config refuses a listen address without one
             try:

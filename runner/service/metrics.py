@@ -15,10 +15,12 @@ durable history (a scrape during a job and the records agree: tests/service/test
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -32,6 +34,33 @@ _READY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200)
 _OVERHEAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _MAX_REASON = 64  # a blocked-egress reason comes from the service's own audit, but is stored next to guest data
+# API answers take milliseconds; a followed log stream lasts as long as its job.
+_REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 600, 3600)
+# The routes, as templates: a label never holds a job id or anything else a client chose.
+API_ROUTES = ("/v1/health", "/v1/jobs", "/v1/status", "/v1/runner/job-started", "/v1/runner/job-completed",
+              "/v1/jobs/{id}", "/v1/jobs/{id}/checkout", "/v1/jobs/{id}/logs", "/v1/jobs/{id}/artifacts",
+              "/v1/jobs/{id}/cancel", "/metrics", "/ui", "/ui/jobs/{id}", "/ui/jobs/{id}/logs",
+              "/ui/jobs/{id}/artifacts", "/ui/jobs/{id}/cancel", "/ui/jobs/{id}/log.txt", "/ui/insights", "/ui/static",
+              "other")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("microvm-check")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def route_of(path: str) -> str:
+    """The API_ROUTES template a request path falls under ("other" for anything else)."""
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1] in ("v1", "ui") and parts[2] == "jobs" and parts[3]:
+        template = "/".join(["", parts[1], "jobs", "{id}", *parts[4:]])
+    elif path.startswith("/ui/static/"):
+        template = "/ui/static"
+    else:
+        template = path.rstrip("/") or path
+    return template if template in API_ROUTES else "other"
 
 
 def result_of(state: str, exit_code: int | None) -> str:
@@ -49,8 +78,9 @@ class ServiceView:
     queued: Callable[[], int]
     prewarmed: Callable[[], int]
     prewarm_max: int
-    live_vms: Callable[[], int] | None = None  # None without an engine (tests above the VM layer)
+    live_vms: Callable[[], int] | None = None  # None without an engine (tests above the VM layer); spares included
     spare_pool_size: int | None = None
+    spare_vms: Callable[[], int] | None = None  # the engine's spare pool, all variants
     runners: Callable[[], list[Any]] | None = None  # the fleet's runners, when runners: is configured
     protocol_errors: Callable[[], dict[str, int]] | None = None  # Engine.protocol_errors, by kind
     webhook_deliveries: Callable[[], dict[tuple[str, str], int]] | None = None  # by (event, result)
@@ -77,6 +107,9 @@ class ServiceCollector(Collector):
         if view.live_vms is not None:
             yield GaugeMetricFamily(f"{PREFIX}_vms_running", "VMs alive on the engine (jobs, spares, pre-warmed)",
                                     value=view.live_vms())
+        if view.spare_vms is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_spare_vms", "Spare VMs restored and waiting for a job (part of "
+                                    "vms_running)", value=view.spare_vms())
         if view.spare_pool_size is not None:
             yield GaugeMetricFamily(f"{PREFIX}_spare_pool_size", "Spare VMs kept ready per snapshot",
                                     value=view.spare_pool_size)
@@ -108,13 +141,23 @@ class JobMetrics:
     """A service instance's registry: the per-job counters and histograms, and the scrape-time gauges."""
 
     def __init__(self) -> None:
+        # `_created` series: the library exports them as extra gauges per counter and histogram, which
+        # dashboards mistake for data; process-wide in prometheus_client, and the service's registries are
+        # the only ones in its process.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        build_info = Gauge(f"{PREFIX}_build_info", "The running build (always 1)", ["version", "python"], registry=r)
+        build_info.labels(_version(), platform.python_version()).set(1)
+        self.requests = Histogram(f"{PREFIX}_api_request_duration_seconds",
+                                  "Job API and page requests answered, by listener, route, method and status; "
+                                  "a log stream lasts until its job ends", ["listener", "route", "method", "status"],
+                                  buckets=_REQUEST_BUCKETS, registry=r)
         self.jobs = Counter(f"{PREFIX}_jobs", "Jobs ended, by final state and result", ["state", "result"], registry=r)
         self.vm_ready = Histogram(f"{PREFIX}_vm_ready_seconds", "From a job's start to its VM answering",
                                   ["warm"], buckets=_READY_BUCKETS, registry=r)
-        self.duration = Histogram(f"{PREFIX}_job_duration_seconds", "The job's command, from start to end",
-                                  buckets=_DURATION_BUCKETS, registry=r)
+        self.duration = Histogram(f"{PREFIX}_job_duration_seconds", "The job's command, from start to end, by "
+                                  "result", ["result"], buckets=_DURATION_BUCKETS, registry=r)
         self.overhead = Histogram(f"{PREFIX}_job_overhead_seconds",
                                   "From a job's checkout queued to its command started (VM, network, checkout)",
                                   buckets=_OVERHEAD_BUCKETS, registry=r)
@@ -134,13 +177,18 @@ class JobMetrics:
         if t.vm_ready_ms is not None:
             self.vm_ready.labels(str(bool(record.warm)).lower()).observe(t.vm_ready_ms / 1000)
         if t.started_at is not None and t.finished_at is not None:
-            self.duration.observe(max(0.0, t.finished_at - t.started_at))
+            self.duration.labels(result_of(state, record.exit_code)).observe(max(0.0, t.finished_at - t.started_at))
         if t.queued_at is not None and t.started_at is not None:
             self.overhead.observe(max(0.0, t.started_at - t.queued_at))
         for entry in record.blocked_egress:
             count = entry.get("count", 1)
             reason = str(entry.get("reason") or "policy")[:_MAX_REASON]
             self.blocked.labels(reason).inc(count if isinstance(count, int) and count > 0 else 1)
+
+    def request(self, listener: str, route: str, method: str, status: int, seconds: float) -> None:
+        """One answered API request; `route` is one of API_ROUTES (the caller maps the path)."""
+        method = method if method in ("GET", "HEAD", "POST", "PUT") else "other"
+        self.requests.labels(listener, route, method, str(status)).observe(max(0.0, seconds))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

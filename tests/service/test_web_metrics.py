@@ -59,7 +59,8 @@ def test_metrics_during_and_after_jobs_agree_with_the_records(hosts, engine: Fak
     for rec in (r for r in records if r.final):
         key = ("microvm_check_jobs_total", (("result", result_of(rec.state, rec.exit_code)), ("state", rec.state)))
         assert during[key] == 1, key
-    assert during[("microvm_check_job_duration_seconds_count", ())] == 2
+    assert during[("microvm_check_job_duration_seconds_count", (("result", "success"),))] == 1
+    assert during[("microvm_check_job_duration_seconds_count", (("result", "failure"),))] == 1
     blocked = sum(b["count"] for r in records for b in r.blocked_egress)
     assert blocked == 6 and during[("microvm_check_blocked_egress_attempts_total", (("reason", "policy"),))] == blocked
     release.set()
@@ -160,3 +161,29 @@ def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeE
     assert deliveries == {"workflow_job/accepted": 1, "workflow_job/duplicate": 1, "workflow_job/bad_signature": 2,
                           "other/bad_signature": 1}
     assert ("microvm_check_guest_protocol_errors_total", (("kind", "frame"),)) not in metrics  # no engine here
+
+
+def test_no_created_series_a_build_info_and_requests_by_route_and_status(hosts, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"fine\n")
+    _, client, base = _start(hosts)
+    job = _run(client, "ok")
+    list(client.logs(job))
+    client.get(job)
+    httpx.get(base + "/v1/jobs/nosuchjob", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert "_created" not in text
+    samples = _scrape(base)
+    (info,) = [labels for (name, labels) in samples if name == "microvm_check_build_info"]
+    assert dict(info)["version"] and samples[("microvm_check_build_info", info)] == 1
+    requests = {labels: value for (name, labels), value in samples.items()
+                if name == "microvm_check_api_request_duration_seconds_count"}
+
+    def count(listener: str, route: str, method: str, status: str) -> float:
+        return requests.get((("listener", listener), ("method", method), ("route", route), ("status", status)), 0)
+    assert count("unix", "/v1/jobs", "POST", "201") == 1
+    assert count("unix", "/v1/jobs/{id}/checkout", "PUT", "202") == 1
+    assert count("unix", "/v1/jobs/{id}/logs", "GET", "200") == 1
+    assert count("unix", "/v1/jobs/{id}", "GET", "200") == 1
+    assert count("tcp", "/v1/jobs/{id}", "GET", "404") == 1
+    assert count("tcp", "/metrics", "GET", "200") >= 1
+    assert not any("nosuchjob" in str(labels) or job in str(labels) for labels in requests)
