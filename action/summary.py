@@ -18,10 +18,14 @@ from action.junit import Failure, Totals
 from action.workflow import annotation
 from policy.suggest import (
     ALWAYS_DENIED,
+    BLOCK_LISTED,
+    BLOCK_LISTED_DEST,
     INTERNAL_ADDRESS,
+    NAME_REFUSED,
     REFUSED_DEST,
     REFUSED_NAME,
     REFUSED_NAME_DEST,
+    UNNAMED,
     record_from_json,
     suggest_policy,
 )
@@ -140,6 +144,8 @@ def _destination(item: Mapping[str, object]) -> object:
     answer here). Also for a record from a service that still put it in. A refused name had none."""
     if item.get("reason") == REFUSED_NAME:
         return REFUSED_NAME_DEST
+    if item.get("reason") == BLOCK_LISTED and item.get("proto") == "dns":
+        return BLOCK_LISTED_DEST
     return REFUSED_DEST if _refused_answer(item) else item.get("dest", "")
 
 
@@ -150,6 +156,13 @@ def _why(reason: object) -> str:
         return "an internal address, refused in every mode (a cidr: rule inside its range can allow it)"
     if reason == REFUSED_NAME:
         return "name refused: no rule names it (in block mode the job got NXDOMAIN)"
+    if reason == NAME_REFUSED:
+        return "the TLS SNI / HTTP Host (name) is not allowed at that address: the host checks names, not just addresses"
+    if reason == UNNAMED:
+        return ("no checkable name: not TLS or HTTP, no SNI, an encrypted ClientHello or a malformed request "
+                "(raw: true on the host entry allows it by address)")
+    if reason == BLOCK_LISTED:
+        return "on the operator's block list, refused in every mode"
     return "not in the policy"
 
 
