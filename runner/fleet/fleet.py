@@ -17,8 +17,10 @@ when it ends everything its job started goes with it, `setsid` or not.
 
 What can be lost is made whole again: at start the fleet kills what a dead predecessor's runners
 left running, removes their directories and deregisters this host's runners that GitHub still lists;
-a runner that exits during its job has the job cancelled in the service (its VM destroyed) and is
-replaced; a runner that got no job within `idle_recycle_seconds` is replaced by a fresh one.
+a runner that exits, with any exit code, has what its job still runs cancelled in the service (its
+VMs destroyed, its sessions ended, its tokens revoked) and is replaced; a busy runner past its
+deadline (`job_timeout_seconds` + `deadline_grace_seconds`) is killed, its cgroup with it; a runner
+that got no job within `idle_recycle_seconds` is replaced by a fresh one.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class FleetSettings:
     max_runners: int
     idle_recycle_seconds: float
     shutdown_grace_seconds: float
+    job_timeout_seconds: float
+    deadline_grace_seconds: float
     runner_user: str
     install_dir: Path
     runners_dir: Path
@@ -86,7 +90,8 @@ class FleetSettings:
         prefix = section.name_prefix or f"mvc-{socket.gethostname().split('.')[0][:30]}"
         return cls(section.org, section.labels, section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
-                   section.shutdown_grace_seconds, section.runner_user, section.install_dir, section.runners_dir,
+                   section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
+                   section.runner_user, section.install_dir, section.runners_dir,
                    prefix, config.state_dir / STATUS_FILE, config.socket)
 
 
@@ -269,6 +274,23 @@ class RunnerFleet:
             self._reap(runner, exit_code)
         elif runner.state is RunnerState.IDLE and now - runner.since > self.settings.idle_recycle_seconds:
             self._retire(runner, f"no job in {self.settings.idle_recycle_seconds:g} s")
+        elif runner.state is RunnerState.BUSY and now - runner.since > self.deadline_seconds:
+            self._expire(runner)
+
+    @property
+    def deadline_seconds(self) -> float:
+        """How long a busy runner may live: its job's timeout plus a grace, counted from its job's report."""
+        return self.settings.job_timeout_seconds + self.settings.deadline_grace_seconds
+
+    def _expire(self, runner: FleetRunner) -> None:
+        """A busy runner past its deadline (stopped, hung, or a job that never ends): SIGKILL reaches it
+        stopped or not, with everything its job started (its cgroup), and what its job still runs in
+        the service fails with the reason."""
+        why = (f"runner {runner.name} passed its deadline (job timeout {self.settings.job_timeout_seconds:g} s + "
+               f"grace {self.settings.deadline_grace_seconds:g} s): it was killed with everything its job started")
+        log.warning("%s", why)
+        self._kill(runner)
+        self._reap(runner, runner.process.wait(), why)
 
     def _busy(self, runner: FleetRunner, job: ReportedJob, now: float) -> None:
         with self._lock:
@@ -277,16 +299,25 @@ class RunnerFleet:
                 self._pending.pop(min(self._pending, key=self._pending.__getitem__))
         log.info("runner %s took %s", runner.name, job.describe())
 
-    def _reap(self, runner: FleetRunner, exit_code: int) -> None:
-        """The runner's process ended: stop what it left, cancel its job if it died in it, deregister
-        it if GitHub did not (a JIT runner is removed by GitHub only after a job it finished)."""
+    def _reap(self, runner: FleetRunner, exit_code: int, why: str | None = None) -> None:
+        """The runner's process ended: stop what it left, and whatever its job still runs in the service
+        is cancelled (VMs destroyed, sessions ended, tokens revoked) whatever the exit code: a job may
+        have killed its own job-completed hook and exited 0. Deregister it if GitHub did not (a JIT
+        runner is removed by GitHub only after a job it finished)."""
         self._kill(runner)
+        if runner.job is None and (job := self.service.runner_job(runner.name)) is not None:
+            runner.job = job  # its hook reported a job since the last pass
         died = runner.job is not None and exit_code != 0
-        if died and runner.job is not None:
-            why = (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) before the job finished: "
-                   "the job failed with it and its VM was destroyed; re-run the job")
-            log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), _exit(exit_code))
-            self.service.runner_died(runner.name, why)
+        if runner.job is not None:
+            why = why or (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) while this job "
+                          "still ran: the job ends with its runner and its VM was destroyed" +
+                          ("; re-run the job" if died else ""))
+            if died:
+                log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), _exit(exit_code))
+            cancelled = self.service.runner_died(runner.name, why)
+            if cancelled and not died:
+                log.warning("runner %s ended %s, but its job still ran %s: cancelled", runner.name,
+                            _exit(exit_code), ", ".join(cancelled))
         if runner.job is None or exit_code != 0:
             self._deregister(runner.github_id)
         self._forget(runner)

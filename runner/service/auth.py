@@ -33,7 +33,13 @@ from typing import Any
 
 from runner.errors import ConfigError, JobError
 from runner.fleet.report import ReportedJob
-from runner.jobapi.contract import JOB_TOKEN_HEADER, MAX_TOKEN, RUNNER_TOKEN_HEADER, RUNNER_TOKEN_VARIABLE
+from runner.jobapi.contract import (
+    JOB_TOKEN_HEADER,
+    MAX_TOKEN,
+    RUNNER_TOKEN_HEADER,
+    RUNNER_TOKEN_VARIABLE,
+    canonical_repository,
+)
 
 MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
 
@@ -101,10 +107,19 @@ class RunnerRegistry:
             self._names[_digest(token)] = name
 
     def remove(self, name: str) -> None:
-        """The runner ended: its token opens nothing from now on."""
+        """The runner ended: its token opens nothing from now on, and its binding is gone."""
+        self.revoke(name)
         with self._lock:
-            self._names = {digest: known for digest, known in self._names.items() if known != name}
             self._jobs.pop(name, None)
+
+    def revoke(self, name: str) -> bool:
+        """The runner's job ended (its completed hook, GitHub's `completed`): its token opens nothing
+        from now on, whatever the runner still does; the binding stays for the fleet's view. True
+        when the runner had a live token."""
+        with self._lock:
+            kept = {digest: known for digest, known in self._names.items() if known != name}
+            revoked, self._names = len(kept) != len(self._names), kept
+        return revoked
 
     def name_for(self, token: str) -> str | None:
         if not token or len(token) > MAX_TOKEN:
@@ -125,17 +140,18 @@ class RunnerRegistry:
 
 
 class JobTokens:
-    """Each job's own token (its digest), for the newest MAX_JOB_TOKENS jobs."""
+    """Each job's own token (its digest), for the newest MAX_JOB_TOKENS jobs, and the fleet runner
+    (if any) whose job submitted it: when that runner's job ends, its jobs' tokens go with it."""
 
     def __init__(self, limit: int = MAX_JOB_TOKENS) -> None:
         self._lock = threading.Lock()
-        self._digests: OrderedDict[str, bytes] = OrderedDict()
+        self._digests: OrderedDict[str, tuple[bytes, str | None]] = OrderedDict()
         self._limit = limit
 
-    def issue(self, job_id: str) -> str:
+    def issue(self, job_id: str, runner: str | None = None) -> str:
         token = secrets.token_urlsafe(32)
         with self._lock:
-            self._digests[job_id] = _digest(token)
+            self._digests[job_id] = (_digest(token), runner)
             while len(self._digests) > self._limit:
                 self._digests.popitem(last=False)
         return token
@@ -144,12 +160,20 @@ class JobTokens:
         with self._lock:
             self._digests.pop(job_id, None)
 
+    def forget_runner(self, runner: str) -> list[str]:
+        """The runner's job ended: the tokens of the jobs it submitted open nothing any more."""
+        with self._lock:
+            gone = [job_id for job_id, (_, owner) in self._digests.items() if owner == runner]
+            for job_id in gone:
+                del self._digests[job_id]
+        return gone
+
     def matches(self, job_id: str, token: str | None) -> bool:
         if not token or len(token) > MAX_TOKEN:
             return False
         with self._lock:
             expected = self._digests.get(job_id)
-        return expected is not None and secrets.compare_digest(expected, _digest(token))
+        return expected is not None and secrets.compare_digest(expected[0], _digest(token))
 
 
 class Access:
@@ -212,13 +236,19 @@ class Access:
         if bound is None:
             raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
                             "so it may not submit one")
-        submitted = (spec.repository.lower(), spec.run_id, spec.run_attempt or 1, spec.job_name)
-        reported = (bound.repository.lower(), bound.run_id, bound.run_attempt, bound.job)
+        submitted = (canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1, spec.job_name)
+        reported = (canonical_repository(bound.repository), bound.run_id, bound.run_attempt, bound.job)
         if submitted != reported:
             raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, but this submit is for "
                             f"{spec.repository} run {spec.run_id}/{spec.run_attempt or 1} job {spec.job_name}: "
                             "a job may only be submitted by the runner GitHub gave it to")
         return caller.runner
+
+    def end_runner_job(self, runner: str) -> None:
+        """The runner's job has ended: its token and its jobs' tokens are revoked (the operator still
+        reaches the jobs' records)."""
+        self.runners.revoke(runner)
+        self.jobs.forget_runner(runner)
 
     def require_job(self, caller: Caller, job_id: str, token: str | None) -> None:
         """Reading, streaming, cancelling or uploading for a job: its own token, or the operator."""

@@ -211,6 +211,13 @@ class RunnerSettings:
                                                   "one", "number", minimum=10, maximum=7 * DAY)
     shutdown_grace_seconds: float = setting(300.0, "at shutdown, busy runners get this long to finish their job",
                                             "number", minimum=0, maximum=DAY)
+    job_timeout_seconds: float = setting(6 * 3600.0, "a busy runner's job may take this long (GitHub's own limit "
+                                                     "for a job: 6 h); past it plus deadline_grace_seconds the "
+                                                     "runner is killed, with all its job started, and what its "
+                                                     "job runs in the service fails", "number",
+                                         minimum=1, maximum=7 * DAY)
+    deadline_grace_seconds: float = setting(300.0, "added to job_timeout_seconds before a busy runner is killed",
+                                            "number", minimum=0, maximum=DAY)
     runner_user: str = setting("microvm-check-runner", "the unprivileged user the runners run as (never root)",
                                "string", pattern=RUNNER_USER_PATTERN)
     install_dir: Path = setting(Path("/opt/microvm-check/actions-runner"), "where `microvm-check runner install` "

@@ -28,7 +28,16 @@ from policy.model import Policy
 from runner.errors import ArchiveError, ConfigError, JobError
 from runner.fleet import report
 from runner.fleet.report import ReportedJob
-from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobStarted, JobState, Verdict
+from runner.jobapi.contract import (
+    JOB_ID,
+    Health,
+    JobRecord,
+    JobSpec,
+    JobStarted,
+    JobState,
+    Verdict,
+    canonical_repository,
+)
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
@@ -201,7 +210,7 @@ class JobService:
             if session is not None:
                 self.sessions.release(session)
             raise
-        return record, self.access.jobs.issue(job_id), opened
+        return record, self.access.jobs.issue(job_id, caller.runner), opened
 
     def _join_session(self, spec: JobSpec, policy: Policy,
                       token: str | None) -> tuple[Session | None, str | None]:
@@ -225,6 +234,9 @@ class JobService:
             spec = parse_spec(data, self.config)
             runner = self.access.admit_submit(caller, spec)
             spec = dataclasses.replace(spec, runner_name=runner or "", keep=parse_keep(data))
+            bound = self.access.runners.job_of(caller.runner) if caller.runner else None
+            if bound is not None:  # the name GitHub gave the runner, not the submit's spelling of it
+                spec = dataclasses.replace(spec, repository=bound.repository)
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
@@ -379,7 +391,7 @@ class JobService:
             return
         if needs_network(policy) and not self.config.network.enabled:
             return  # its submit will be refused: see submit()
-        key = RunKey(job.repository, job.run_id, job.run_attempt)
+        key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
         self.warm.prewarm(key, job.job_id, policy.digest(),
                           lambda: self._template_for(job.repository, template, policy),
                           lambda chosen: self._create_vm(
@@ -390,13 +402,16 @@ class JobService:
 
     def job_completed(self, job: CompletedJob) -> None:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
-        key = RunKey(job.repository, job.run_id, job.run_attempt)
+        key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
         self.warm.discard_job(key, job.job_id)
         why = f"GitHub reports the job completed ({job.conclusion or 'no conclusion'})"
         for run in self._active_runs():
             if _same_github_job(run.spec, job):
                 self.cancel(run.record.id, why)
         self.sessions.end_where(lambda session: _session_of_github_job(session, job), why)
+        bound = self.access.runners.job_of(job.runner_name) if job.runner_name else None
+        if bound is not None and job.runner_name and _reported_is(bound, job):
+            self.access.end_runner_job(job.runner_name)  # its token submits nothing after `completed`
 
     def default_branch_pushed(self, push: Push) -> None:
         """GitHub says the repository's default branch moved: its warm bases are stale, rebuild them
@@ -447,6 +462,7 @@ class JobService:
         for job_id in ids:
             self.cancel(job_id, f"the GitHub job ended (runner {runner}'s job-completed hook) while this job still ran")
         self.sessions.end_where(lambda key: key.runner == runner, f"runner {runner}'s job-completed hook")
+        self.access.end_runner_job(runner)
         return ids
 
     def _guard_rules(self, repository: str) -> RepoRules:
@@ -468,12 +484,14 @@ class JobService:
         return load_settings(path).app().as_installation
 
     def runner_died(self, runner_name: str, reason: str) -> builtins.list[str]:
-        """The runner fleet (runner.fleet) saw the runner that submitted these jobs end in the middle of
-        its job: cancel them with `reason`, destroying their VMs. Returns their ids."""
+        """The runner fleet (runner.fleet) saw the runner that submitted these jobs end, whatever its
+        exit code (a job that kills its own job-completed hook must not outlive its runner): cancel
+        them with `reason`, destroying their VMs, end its sessions, revoke its jobs' tokens. Returns their ids."""
         ids = [run.record.id for run in self._active_runs() if run.spec.runner_name == runner_name]
         for job_id in ids:
             self.cancel(job_id, reason)
         self.sessions.end_where(lambda key: key.runner == runner_name, reason)
+        self.access.end_runner_job(runner_name)
         return ids
 
     # -- internals --------------------------------------------------------------------------------
@@ -523,7 +541,7 @@ class JobService:
     def _claim_warm(self, run: JobRun) -> None:
         spec = run.spec
         if spec.run_id is not None:
-            key = RunKey(spec.repository, spec.run_id, spec.run_attempt or 1)
+            key = RunKey(canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1)
             run.warm = self.warm.claim(key, _template_of(spec), run.record.policy_digest or "")
             if run.warm is not None:
                 run.update(warm=True)
@@ -652,7 +670,8 @@ def _destroy_vm(sandbox: Sandbox) -> None:
 
 def _session_of_github_job(key: SessionKey, job: CompletedJob) -> bool:
     """Whether a session belongs to the GitHub job a `workflow_job` webhook speaks of (as `_same_github_job`)."""
-    if (key.repository, key.run_id, key.run_attempt) != (job.repository.lower(), job.run_id, job.run_attempt):
+    if (key.repository, key.run_id, key.run_attempt) != (canonical_repository(job.repository), job.run_id,
+                                                         job.run_attempt):
         return False
     runner = job.runner_name
     if key.runner and runner:
@@ -667,9 +686,16 @@ def _same_github_job(spec: JobSpec, job: CompletedJob) -> bool:
     workflow (`build`), so names only decide when the runner is unknown: a self-hosted runner runs
     one job at a time, so the run plus the runner's name identify the job exactly.
     """
-    if (spec.repository, spec.run_id, spec.run_attempt or 1) != (job.repository, job.run_id, job.run_attempt):
+    if ((canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1)
+            != (canonical_repository(job.repository), job.run_id, job.run_attempt)):
         return False
     runner = job.runner_name
     if spec.runner_name and runner:
         return spec.runner_name == runner
     return spec.job_name == job.job_name
+
+
+def _reported_is(bound: ReportedJob, job: CompletedJob) -> bool:
+    """Whether the job a runner's hook reported is the run a `workflow_job completed` webhook speaks of."""
+    return ((canonical_repository(bound.repository), bound.run_id, bound.run_attempt)
+            == (canonical_repository(job.repository), job.run_id, job.run_attempt))
