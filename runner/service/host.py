@@ -33,7 +33,7 @@ from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.jobapi.contract import ACTIVE_STATES
 from runner.service.job import SandboxFactory
-from runner.service.metrics import EventsTee, JobMetrics, ServiceView
+from runner.service.metrics import CountedRunners, EventsTee, JobMetrics, ServiceView
 from runner.service.service import JobService, branch_files
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 from runner.vm.statedir import StateDir
@@ -210,7 +210,8 @@ class ServiceHost:
             admin = RunnerAdmin(github.app().as_installation, settings.org)
         except GitHubError as exc:
             raise ConfigError(f"{where}: the GitHub App settings: {exc}") from exc
-        fleet = RunnerFleet(settings, admin, service, extra_status=functools.partial(self._status, service))
+        counted = CountedRunners(service, self.metrics) if self.metrics is not None else service
+        fleet = RunnerFleet(settings, admin, counted, extra_status=functools.partial(self._status, service))
         self._stack.callback(fleet.close)
         try:
             fleet.start()

@@ -161,8 +161,18 @@ class JobMetrics:
         self.overhead = Histogram(f"{PREFIX}_job_overhead_seconds",
                                   "From a job's checkout queued to its command started (VM, network, checkout)",
                                   buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.runners_started = Counter(f"{PREFIX}_runners_started", "Fleet runners registered and started",
+                                       registry=r)
+        self.runners_ended = Counter(f"{PREFIX}_runners_ended", "Fleet runners ended, by whether a job was "
+                                     "reported by them (churn: many ending without one)", ["had_job"], registry=r)
         self.blocked = Counter(f"{PREFIX}_blocked_egress_attempts", "Egress attempts refused, by reason",
                                ["reason"], registry=r)
+
+    def runner_started(self) -> None:
+        self.runners_started.inc()
+
+    def runner_ended(self, had_job: bool) -> None:
+        self.runners_ended.labels(str(had_job).lower()).inc()
 
     def watch(self, view: ServiceView) -> None:
         self.registry.register(ServiceCollector(view))
@@ -203,3 +213,26 @@ class EventsTee:
     def saw(self, record: Any) -> None:
         self._first.saw(record)
         self._metrics.saw(record)
+
+
+class CountedRunners:
+    """The job service as the runner fleet sees it (runner.fleet.FleetService), with each runner's start and
+    end counted: the fleet calls `add_runner` once per runner it starts and `remove_runner` once as it ends."""
+
+    def __init__(self, service: Any, metrics: JobMetrics) -> None:
+        self._service, self._metrics = service, metrics
+
+    def add_runner(self, name: str, token: str) -> None:
+        self._service.add_runner(name, token)
+        self._metrics.runner_started()
+
+    def remove_runner(self, name: str) -> None:
+        had_job = self._service.runner_job(name) is not None
+        self._service.remove_runner(name)
+        self._metrics.runner_ended(had_job)
+
+    def runner_job(self, name: str) -> Any:
+        return self._service.runner_job(name)
+
+    def runner_died(self, runner_name: str, reason: str) -> list[str]:
+        return list(self._service.runner_died(runner_name, reason))

@@ -187,3 +187,17 @@ def test_no_created_series_a_build_info_and_requests_by_route_and_status(hosts, 
     assert count("tcp", "/v1/jobs/{id}", "GET", "404") == 1
     assert count("tcp", "/metrics", "GET", "200") >= 1
     assert not any("nosuchjob" in str(labels) or job in str(labels) for labels in requests)
+
+
+def test_runner_starts_and_ends_are_counted_by_whether_they_had_a_job(hosts) -> None:
+    from runner.service.metrics import CountedRunners
+
+    host, _, base = _start(hosts)
+    counted = CountedRunners(host.service, host.metrics)
+    counted.add_runner("mvc-a", "runner-token-of-the-test-aaaaaaaa")
+    counted.add_runner("mvc-b", "runner-token-of-the-test-bbbbbbbb")
+    counted.remove_runner("mvc-a")
+    samples = _scrape(base)
+    assert samples[("microvm_check_runners_started_total", ())] == 2
+    assert samples[("microvm_check_runners_ended_total", (("had_job", "false"),))] == 1
+    assert counted.runner_job("mvc-b") is None and host.service.runner_job("mvc-a") is None
