@@ -1,0 +1,118 @@
+"""The hashed locks (requirements/*.txt, made by scripts/lock) agree with pyproject.toml.
+
+scripts/setup installs only from the locks, with `pip install --require-hashes`, and checks that
+the venv then holds exactly the lock; so a dependency added to, removed from or narrowed in
+pyproject.toml without running scripts/lock would silently not be what a host runs. These checks
+need no network: each lock is read as the resolver wrote it, its `# via` lines included.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME = ROOT / "requirements" / "runtime.txt"
+TEST = ROOT / "requirements" / "test.txt"
+PROJECT = "microvm-check (pyproject.toml)"
+BUILD = "pyproject.toml [build-system]"
+
+
+@dataclass(frozen=True)
+class Pin:
+    version: str
+    hashes: tuple[str, ...]
+    via: frozenset[str]  # what required it: package names, PROJECT, BUILD or "-c <lock>"
+
+
+def read_lock(path: Path) -> dict[str, Pin]:
+    """The pins of a lock written by `uv pip compile --generate-hashes --annotation-style line`."""
+    pins: dict[str, Pin] = {}
+    for entry in re.split(r"\n(?=[A-Za-z0-9])", path.read_text()):
+        head = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", entry)
+        if not head:
+            assert entry.startswith("#"), f"{path.name}: not a pin: {entry[:80]!r}"
+            continue
+        via = re.search(r"# via (.+)", entry)
+        pins[canonicalize_name(head[1])] = Pin(
+            version=head[2],
+            hashes=tuple(re.findall(r"--hash=(sha256:[0-9a-f]{64})", entry)),
+            via=frozenset(v.strip() for v in via[1].split(",")) if via else frozenset(),
+        )
+    return pins
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def direct(kind: str) -> list[Requirement]:
+    meta = pyproject()
+    reqs = list(meta["project"]["dependencies"]) + list(meta["build-system"]["requires"])
+    if kind == "test":
+        reqs += meta["project"]["optional-dependencies"]["test"]
+    return [Requirement(r) for r in reqs]
+
+
+LOCKS = {"runtime": RUNTIME, "test": TEST}
+
+
+@pytest.mark.parametrize("kind", LOCKS)
+def test_every_direct_dependency_is_pinned_within_its_range(kind: str) -> None:
+    pins = read_lock(LOCKS[kind])
+    for req in direct(kind):
+        pin = pins.get(canonicalize_name(req.name))
+        assert pin, f"{LOCKS[kind].name} lacks {req} from pyproject.toml: run scripts/lock"
+        assert req.specifier.contains(pin.version, prereleases=True), (
+            f"{LOCKS[kind].name} pins {req.name}=={pin.version}, outside pyproject.toml's {req}: run scripts/lock")
+
+
+@pytest.mark.parametrize("kind", LOCKS)
+def test_the_lock_pins_nothing_pyproject_no_longer_asks_for(kind: str) -> None:
+    pins = read_lock(LOCKS[kind])
+    wanted = {canonicalize_name(r.name) for r in direct(kind)}
+    said_direct = {name for name, pin in pins.items() if pin.via & {PROJECT, BUILD}}
+    assert said_direct == wanted, f"{LOCKS[kind].name} is stale (run scripts/lock): " \
+                                  f"pinned as direct {sorted(said_direct - wanted)}, missing {sorted(wanted - said_direct)}"
+    # every other pin is there because a pinned package needs it: nothing orphaned
+    for name, pin in pins.items():
+        parents = {canonicalize_name(v) for v in pin.via if v not in (PROJECT, BUILD) and not v.startswith("-c ")}
+        assert pin.via and parents <= set(pins), f"{LOCKS[kind].name}: {name} is required by {sorted(parents)}"
+        assert pin.via - {f"-c {RUNTIME.relative_to(ROOT)}"}, f"{LOCKS[kind].name}: {name} is pinned only as a constraint"
+
+
+@pytest.mark.parametrize("kind", LOCKS)
+def test_every_pin_is_exact_and_hashed(kind: str) -> None:
+    for name, pin in read_lock(LOCKS[kind]).items():
+        assert pin.hashes, f"{LOCKS[kind].name}: {name} has no --hash (pip --require-hashes would refuse it)"
+
+
+def test_the_test_lock_runs_the_runtime_set_unchanged() -> None:
+    """The tests run the versions a runner host runs: the test set is the runtime set plus test tools."""
+    runtime, test = read_lock(RUNTIME), read_lock(TEST)
+    changed = {n: (p.version, test[n].version if n in test else None) for n, p in runtime.items()
+               if n not in test or test[n].version != p.version or set(p.hashes) - set(test[n].hashes)}
+    assert not changed, f"requirements/test.txt differs from runtime.txt on {changed}: run scripts/lock"
+
+
+def test_the_runtime_lock_holds_no_test_tool() -> None:
+    runtime = read_lock(RUNTIME)
+    tools = {canonicalize_name(Requirement(r).name) for r in pyproject()["project"]["optional-dependencies"]["test"]}
+    assert not tools & set(runtime)
+
+
+def test_a_stale_lock_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above can fail: a dependency added to pyproject.toml without scripts/lock."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text().replace(
+        'dependencies = [\n', 'dependencies = [\n    "sortedcontainers>=2",\n', 1))
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # pyproject() reads it; the locks stay the real ones
+    with pytest.raises(AssertionError, match="lacks sortedcontainers"):
+        test_every_direct_dependency_is_pinned_within_its_range("runtime")
+    with pytest.raises(AssertionError, match="stale"):
+        test_the_lock_pins_nothing_pyproject_no_longer_asks_for("runtime")
