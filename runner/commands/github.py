@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cmd.add_argument("--name", default=socket.gethostname(), help="runner name (default: the host name)")
     cmd.add_argument("--show-token", action="store_true", help="print the token instead of <redacted>")
     cmd.add_argument("--guard-rules", type=Path, help="guard rules file for the job-started hook")
+    cmd.add_argument("--service-config", type=Path,
+                     help="with --runner-dir: give the runner a credential of this service and the service's hooks "
+                          "(`runner credential`), so its jobs are bound to it as a fleet runner's are")
+    cmd.add_argument("--hooks-dir", type=Path, default=DEFAULT_HOOKS_DIR, help="where the root-owned hooks go")
     cmd.set_defaults(func=cmd_register)
 
     cmd = subparsers.add_parser("deregister", help="remove this host's runner from the org")
@@ -69,6 +73,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     install.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
                          help="the service config whose runners.install_dir to use")
     install.set_defaults(func=cmd_runner_install)
+    credential = actions.add_parser("credential", help="give a registered runner a credential of the service and "
+                                                       "its job hooks (runner/fleet/registered.py)")
+    credential.add_argument("--runner-dir", type=Path, required=True, help="the runner's directory (its .env)")
+    credential.add_argument("--name", default=socket.gethostname(), help="the runner's name (default: the host name)")
+    credential.add_argument("--hooks-dir", type=Path, default=DEFAULT_HOOKS_DIR, help="where the root-owned hooks go")
+    credential.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
+                            help="the service whose credential it gets (its state_dir and socket)")
+    credential.set_defaults(func=cmd_runner_credential)
     for name, func in (("job-started", cmd_runner_job_started), ("job-completed", cmd_runner_job_completed)):
         hook_cmd = actions.add_parser(name, help=f"{name} hook of the fleet's runners (not for people)")
         hook_cmd.add_argument("--socket", required=True, help="the job API's Unix socket")
@@ -119,9 +131,11 @@ def web_url(api_url: str) -> str:
     return api_url.removesuffix("/api/v3")
 
 
+DEFAULT_HOOKS_DIR = Path("/opt/microvm-check/runner-hooks")
 SINGLE_RUNNER = (
     "note: this is ONE runner: it takes one job at a time, and keeps its workspace between jobs; jobs it submits "
-    "are authorised by the job API socket's group (docs/job-api.md). For several jobs at once, each on a fresh "
+    "are bound to the job its hook reports when it has a credential of the service (--service-config), else they "
+    "run as the service's local_jobs.repository (docs/job-api.md). For several jobs at once, each on a fresh "
     "runner bound to its job, give the service a runners: section instead (docs/fleet.md)")
 
 
@@ -139,7 +153,10 @@ def cmd_register(args: argparse.Namespace) -> int:
         org_url = f"{web_url(settings.api_url)}/{org}"
         command = runners.config_command(org_url, token, args.name, labels, args.runner_group)
         print(f"registration token for org {org} expires at {token.expires_at}")
-    _install_guard(args)
+    if args.service_config is not None and args.runner_dir is not None:
+        _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir)
+    else:
+        _install_guard(args)
     print(SINGLE_RUNNER)
     return _run_or_print(command, args.runner_dir, args.show_token)
 
@@ -235,6 +252,20 @@ def cmd_runner_install(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     print(f"installed actions/runner {release.version} in {release.path} (read-only); new runners start from it")
     return 0
+
+
+def cmd_runner_credential(args: argparse.Namespace) -> int:
+    _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir)
+    return 0
+
+
+def _issue_credential(service_config: Path, name: str, runner_dir: Path, hooks_dir: Path) -> None:
+    from runner.fleet import registered
+
+    config = _service_config(service_config)
+    env_file = registered.issue(config.state_dir, name, runner_dir, hooks_dir, config.socket)
+    print(f"runner {name} has a credential of the service in {env_file} (0600) and reports its jobs with the hooks "
+          f"in {hooks_dir}; restart the service to let it in")
 
 
 def cmd_runner_job_started(args: argparse.Namespace) -> int:

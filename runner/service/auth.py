@@ -7,9 +7,13 @@ Callers:
 - a fleet runner: a request carrying a runner token (RUNNER_TOKEN_HEADER) the fleet issued (and
   wrote into that runner's `.env` only). It may report its job (the job-started hook), submit only
   for the job it reported, and end what that job still runs (the job-completed hook).
+- a registered runner: the single runner `microvm-check register --service-config` set up, with a
+  credential of its own (runner/fleet/registered.py): bound to the job its hook reports, as a fleet
+  runner is, until that job ends (GitHub's `completed`, its deadline), then free for its next job.
 - a socket member: any other process that can connect (the socket group). With a fleet (`runners:`
-  set) it may do nothing but ask for health; without one (the single runner `register` sets up, one
-  job at a time) it may submit for any repository, as before runner tokens existed.
+  set) it may do nothing but ask for health; without one it may submit local jobs only: they run
+  under the repository name the operator set in `local_jobs.repository` (and that name's policy),
+  whatever repository the submit names; without that setting it may not submit.
 
 Every job gets its own token at submit; reading, streaming, cancelling and uploading for a job need
 it (or the operator). Tokens are kept as SHA-256 digests only, and looked up by digest, so no
@@ -26,7 +30,9 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -95,16 +101,31 @@ def _digest(token: str) -> bytes:
 
 
 class RunnerRegistry:
-    """The fleet's runners by token, and the job each one's hook reported (runner -> current job)."""
+    """The runners by token (the fleet's, and registered ones), and the job each one's hook reported
+    (runner -> current job). A registered runner's credential outlives its jobs, its binding does
+    not: it ends with the job (`revoke`), or `binding_seconds` after the report."""
 
-    def __init__(self) -> None:
+    def __init__(self, binding_seconds: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._names: dict[bytes, str] = {}
-        self._jobs: dict[str, ReportedJob] = {}
+        self._jobs: dict[str, tuple[ReportedJob, float]] = {}
+        self._registered: set[str] = set()
+        self.binding_seconds = binding_seconds
+        self._clock = clock
 
     def add(self, name: str, token: str) -> None:
         with self._lock:
             self._names[_digest(token)] = name
+
+    def add_registered(self, name: str, digest: bytes) -> None:
+        """A registered runner's credential (its digest, as `registered.load` read it)."""
+        with self._lock:
+            self._names[digest] = name
+            self._registered.add(name)
+
+    def registered(self, name: str) -> bool:
+        with self._lock:
+            return name in self._registered
 
     def remove(self, name: str) -> None:
         """The runner ended: its token opens nothing from now on, and its binding is gone."""
@@ -113,10 +134,14 @@ class RunnerRegistry:
             self._jobs.pop(name, None)
 
     def revoke(self, name: str) -> bool:
-        """The runner's job ended (its completed hook, GitHub's `completed`): its token opens nothing
-        from now on, whatever the runner still does; the binding stays for the fleet's view. True
-        when the runner had a live token."""
+        """The runner's job ended (its completed hook, GitHub's `completed`): a fleet runner's token
+        opens nothing from now on, whatever the runner still does (the binding stays for the fleet's
+        view); a registered runner's binding ends and its credential waits for its next job. True
+        when a fleet runner had a live token."""
         with self._lock:
+            if name in self._registered:
+                self._jobs.pop(name, None)
+                return False
             kept = {digest: known for digest, known in self._names.items() if known != name}
             revoked, self._names = len(kept) != len(self._names), kept
         return revoked
@@ -128,15 +153,24 @@ class RunnerRegistry:
             return self._names.get(_digest(token))
 
     def bind(self, name: str, job: ReportedJob) -> None:
-        """The runner's hook reported its job. A runner takes one job, so the first report stands."""
+        """The runner's hook reported its job. A runner takes one job at a time, so the first report
+        stands until the job ends (a registered runner's: or its binding is `binding_seconds` old)."""
+        now = self._clock()
         with self._lock:
-            bound = self._jobs.setdefault(name, job)
+            held = self._jobs.get(name)
+            if held is not None and name in self._registered and now - held[1] > self.binding_seconds:
+                held = None
+            if held is None:
+                self._jobs[name] = held = (job, now)
+        bound = held[0]
         if bound != job:
-            raise Forbidden(f"runner {name} already reported {bound.describe()}; a runner takes one job")
+            raise Forbidden(f"runner {name} already reported {bound.describe()}; a runner takes one job at a time, "
+                            "and this one has not ended")
 
     def job_of(self, name: str) -> ReportedJob | None:
         with self._lock:
-            return self._jobs.get(name)
+            held = self._jobs.get(name)
+        return held[0] if held is not None else None
 
 
 class JobTokens:
@@ -179,10 +213,18 @@ class JobTokens:
 class Access:
     """The rules, applied: who a request comes from, and whether it may do what it asks."""
 
-    def __init__(self, admin_group: str | None, fleet: bool) -> None:
+    def __init__(self, admin_group: str | None, fleet: bool, local_repository: str | None = None,
+                 registered: dict[str, bytes] | None = None, binding_seconds: float = float("inf"),
+                 hook_ends_binding: bool = True) -> None:
         self.admin_gid = _group_id(admin_group)
         self.fleet = fleet  # with runners: a socket member is no one
-        self.runners = RunnerRegistry()
+        self.local_repository = local_repository  # without: what a socket member's jobs run as
+        self.runners = RunnerRegistry(binding_seconds)
+        for name, digest in (registered or {}).items():
+            self.runners.add_registered(name, digest)
+        # A registered runner's job-completed hook ends its binding only where nothing else will
+        # (no webhook): a step holds the credential as well as the hook does.
+        self.hook_ends_binding = hook_ends_binding
         self.jobs = JobTokens()
 
     # -- who is asking ----------------------------------------------------------------------------
@@ -231,7 +273,11 @@ class Access:
             if self.fleet:
                 raise Forbidden(f"{caller.who} sent no runner token: on a host with a runner fleet, jobs are "
                                 f"submitted by the action in a fleet runner's job, which sends its {RUNNER_HINT}")
-            return spec.runner_name or None  # the single runner `register` set up: the socket group decides
+            if self.local_repository is None:
+                raise Forbidden(f"{caller.who} sent no runner credential: without one, a socket member runs local "
+                                "jobs only, and this service has none configured (local_jobs.repository); a runner "
+                                f"set up by `microvm-check register --service-config` sends its {RUNNER_HINT}")
+            return spec.runner_name or None  # a local job: it runs as local_jobs.repository (repository_for)
         bound = self.runners.job_of(caller.runner)
         if bound is None:
             raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
@@ -244,9 +290,24 @@ class Access:
                             "a job may only be submitted by the runner GitHub gave it to")
         return caller.runner
 
-    def end_runner_job(self, runner: str) -> None:
-        """The runner's job has ended: its token and its jobs' tokens are revoked (the operator still
-        reaches the jobs' records)."""
+    def repository_for(self, caller: Caller, spec: Any) -> str:
+        """The repository name a job runs as (its policy, warm base, kept VMs): the one GitHub gave the
+        runner, the operator's choice for a socket member's local jobs, or the operator's own."""
+        if caller.runner is not None:
+            bound = self.runners.job_of(caller.runner)
+            if bound is not None:
+                return str(bound.repository)
+        if not caller.operator and self.local_repository is not None:
+            return self.local_repository
+        return str(spec.repository)
+
+    def end_runner_job(self, runner: str, by_hook: bool = False) -> None:
+        """The runner's job has ended: its token (a registered runner's binding) and its jobs' tokens
+        are revoked; the operator still reaches the jobs' records. `by_hook`: the runner's own
+        job-completed hook said so, which does not end a registered runner's binding where GitHub's
+        `completed` will."""
+        if by_hook and not self.hook_ends_binding and self.runners.registered(runner):
+            return
         self.runners.revoke(runner)
         self.jobs.forget_runner(runner)
 

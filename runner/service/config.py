@@ -187,6 +187,17 @@ class WebhookSettings:
 
 RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
 RUNNER_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
+@dataclass(frozen=True)
+class LocalJobs:
+    """Jobs from a socket member without a runner credential (no fleet, no registered runner): they run
+    under one repository name the operator chooses, and so under that name's policy, never under
+    a repository name the client sends (runner/service/auth.py)."""
+
+    repository: str | None = setting(None, "owner/name such jobs run as (its policy store file gives their egress); "
+                                           "unset: a socket member without a runner credential may not submit",
+                                     "string", pattern=r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
+
+
 
 
 @dataclass(frozen=True)
@@ -278,6 +289,8 @@ class ServiceConfig:
     @property
     def default_template(self) -> str:
         return self.templates[0]
+    local_jobs: LocalJobs = setting(None, "jobs of socket members without a runner credential", "section",
+                                    section=LocalJobs)
 
     @property
     def jobs_dir(self) -> Path:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from policy.model import Policy
 from runner.errors import ArchiveError, ConfigError, JobError
-from runner.fleet import report
+from runner.fleet import registered, report
 from runner.fleet.report import ReportedJob
 from runner.jobapi.contract import (
     JOB_ID,
@@ -111,7 +111,11 @@ class JobService:
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
         self.accel: str | None = None
-        self.access = Access(config.admin_group, fleet=config.runners.org is not None)
+        self.access = Access(config.admin_group, fleet=config.runners.org is not None,
+                             local_repository=config.local_jobs.repository,
+                             registered=registered.load(config.state_dir),
+                             binding_seconds=config.runners.job_timeout_seconds + config.runners.deadline_grace_seconds,
+                             hook_ends_binding=config.webhook.listen is None)
         self._runs: dict[str, JobRun] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -234,9 +238,8 @@ class JobService:
             spec = parse_spec(data, self.config)
             runner = self.access.admit_submit(caller, spec)
             spec = dataclasses.replace(spec, runner_name=runner or "", keep=parse_keep(data))
-            bound = self.access.runners.job_of(caller.runner) if caller.runner else None
-            if bound is not None:  # the name GitHub gave the runner, not the submit's spelling of it
-                spec = dataclasses.replace(spec, repository=bound.repository)
+            # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
+            spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
             policy = self.policies.effective(spec.repository, spec.policy)
         except (SpecError, EgressPolicyError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
@@ -462,7 +465,7 @@ class JobService:
         for job_id in ids:
             self.cancel(job_id, f"the GitHub job ended (runner {runner}'s job-completed hook) while this job still ran")
         self.sessions.end_where(lambda key: key.runner == runner, f"runner {runner}'s job-completed hook")
-        self.access.end_runner_job(runner)
+        self.access.end_runner_job(runner, by_hook=True)
         return ids
 
     def _guard_rules(self, repository: str) -> RepoRules:

@@ -8,8 +8,8 @@ starts; tests/fleet/test_fleet_binding_vm.py does the same with real VMs and the
 - the fork guard runs in the service for the fleet's hooks: a fork pull request job whose `.github`
   changed is refused before any step;
 - a `setsid` child of a job is gone once its runner has ended;
-- without a `runners:` section (the single runner `register` sets up) the socket's group may submit,
-  but still not list, and not reach a job without its token.
+- without a `runners:` section a socket member without a runner credential runs local jobs only (as
+  `local_jobs.repository`), may not list, and not reach a job without its token.
 """
 
 from __future__ import annotations
@@ -135,26 +135,33 @@ def test_a_setsid_child_of_a_job_is_gone_after_its_runner_ends(make_rig) -> None
     assert _gone(pid), f"the job's setsid child {pid} outlived its runner"
 
 
-def test_single_runner_setup_the_socket_group_submits_but_reaches_only_its_own_jobs(account: Account,
-                                                                                     rig_root: Path) -> None:
-    """No `runners:` section: the socket's group is the credential for submits (register's one runner)."""
+def test_single_runner_setup_a_socket_member_runs_local_jobs_only(account: Account, rig_root: Path) -> None:
+    """No `runners:` section and no runner credential: a socket member's jobs run as the operator's
+    `local_jobs.repository`, whatever repository they name, and reach only their own jobs; without
+    that setting a socket member may not submit at all."""
     import yaml
 
     from runner.service.config import load_config
     from runner.service.host import ServiceHost
 
     path = rig_root / "service.yml"
-    path.write_text(yaml.safe_dump({"socket": str(rig_root / "api.sock"), "socket_group": account.group,
-                                    "state_dir": str(rig_root / "state")}))
     socket = rig_root / "api.sock"
+    base = {"socket": str(socket), "socket_group": account.group, "state_dir": str(rig_root / "state")}
+    path.write_text(yaml.safe_dump({**base, "local_jobs": {"repository": "local/jobs"}}))
     with ServiceHost(load_config(path), sandboxes=_no_vms, origin=str(path)) as host:
         first = probe(account, socket, [["submit", spec()]])[0]
         second = probe(account, socket, [["submit", spec("octo-org/other", 9)], ["list"],
                                          ["get", first["id"], None], ["cancel", first["id"], None],
                                          ["get", first["id"], first["token"]]])
         assert host.service.get(first["id"]).state.value == "awaiting_checkout"
+        repositories = {host.service.get(first["id"]).repository, host.service.get(second[0]["id"]).repository}
+    path.write_text(yaml.safe_dump(base))
+    with ServiceHost(load_config(path), sandboxes=_no_vms, origin=str(path)):
+        refused = probe(account, socket, [["submit", spec()]])[0]
     assert first["status"] == 201 and second[0]["status"] == 201
     assert [answer["status"] for answer in second[1:]] == [403, 403, 403, 200]
+    assert repositories == {"local/jobs"}
+    assert refused["status"] == 403 and "runs local jobs only" in refused["error"]
 
 
 def _no_vms(**kwargs: Any) -> Any:
