@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -40,3 +44,50 @@ def test_help_says_what_the_tool_does_and_lists_every_command_on_one_line(
     assert set(listed) == set(commands.choices)
     assert listed["policy"] == "check, render and suggest egress policies"
     assert listed["doctor"] == "check this host and say which accelerator VMs use"
+
+
+def test_the_command_table_is_what_the_areas_register() -> None:
+    """`COMMANDS` (what start-up reads instead of importing every area) names each command's module and help."""
+    from runner.cli import COMMAND_MODULES, COMMANDS
+
+    registered: dict[str, tuple[str, str]] = {}
+    for name in COMMAND_MODULES:
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers()
+        importlib.import_module(name).register(sub)
+        registered |= {a.dest: (name, a.help) for a in sub._choices_actions}
+    assert registered == COMMANDS
+
+
+_PROBE = """
+import json, sys
+from runner.cli import main
+try:
+    main(sys.argv[2:])
+except SystemExit:
+    pass
+open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules)))
+"""
+# What no start-up of these commands may import: the service, the VM and network layers, GitHub.
+HEAVY = ("runner.service.host", "runner.service.service", "runner.service.config", "runner.vm", "runner.net",
+         "runner.github", "runner.fleet", "vmimages")
+
+
+@pytest.mark.parametrize(("argv", "also_not"), [
+    (["--version"], ("policy", "httpx", "yaml", "runner.jobapi")),
+    (["--help"], ("policy", "httpx", "yaml", "runner.jobapi")),
+    (["policy", "check", "{policy}"], ("httpx", "runner.jobapi.client")),
+    (["jobs", "--socket", "{tmp}/no.sock"], ("policy",)),
+])
+def test_start_up_imports_only_the_chosen_commands_area(argv: list[str], also_not: tuple[str, ...],
+                                                        tmp_path: Path) -> None:
+    policy = tmp_path / "p.yml"
+    policy.write_text("version: 1\nmode: block\n")
+    out = tmp_path / "modules.json"
+    argv = [a.format(policy=policy, tmp=tmp_path) for a in argv]
+    subprocess.run([sys.executable, "-c", _PROBE, str(out), *argv], cwd=ROOT, capture_output=True, timeout=60,
+                   check=False)
+    modules = json.loads(out.read_text())
+    assert "runner.cli" in modules
+    heavy = [m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY + also_not)]
+    assert heavy == []

@@ -16,9 +16,10 @@ from runner.errors import UserError
 from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
-from runner.service.config import load_config
-from runner.service.records import RecordStore
 from runner.tarsafe import require_patched_python
+
+# The service's config and records are imported by the commands that use them, not here: `jobs` on a
+# socket and `run` need neither, and the config pulls in the GitHub and policy layers (runner/cli.py).
 
 T = TypeVar("T")
 
@@ -70,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def cmd_serve(args: argparse.Namespace) -> int:
     require_patched_python()
+    from runner.service.config import load_config
     from runner.service.host import ServiceHost
 
     config = load_config(args.config)
@@ -97,6 +99,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise UserError("--limit must be at least 1")
     if args.config:
+        from runner.service.config import load_config
+        from runner.service.records import RecordStore
+
         store = RecordStore(load_config(args.config).records_path)
         try:
             records = store.list(args.limit)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from policy import suggest
 from policy.model import Policy
-from runner.errors import JobError
+from runner.errors import JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.service.config import ArtifactLimits, ServiceConfig
 from runner.service.joblog import JobLog, LogFull
@@ -139,7 +139,7 @@ class JobRun:
             if self.cancel_reason:
                 outcome = self._cancelled()
             else:
-                log.warning("job %s failed", self.record.id, exc_info=True)
+                _log_failure(self.record.id, exc)
                 self.log.system(f"job failed: {exc}")
                 outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
@@ -338,6 +338,16 @@ def _bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, Any]]:
             kept.append({k: v for k, v in entry.items()
                          if isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) and len(str(v)) <= 256})
     return kept
+
+
+def _log_failure(job_id: str, exc: Exception) -> None:
+    """An error of the project's tree says what to fix in one line (its traceback only at DEBUG, issue 27);
+    anything else is a bug in the service, logged with its traceback."""
+    if isinstance(exc, MicrovmCheckError):
+        log.warning("job %s failed: %s", job_id, exc)
+        log.debug("job %s failed", job_id, exc_info=True)
+    else:
+        log.warning("job %s failed", job_id, exc_info=True)
 
 
 def _destroy(sandbox: Sandbox) -> None:
