@@ -49,17 +49,42 @@ def check_version(version: str) -> str:
     return version
 
 
-def verify(tarball: Path, sha256: str) -> None:
-    """Refuse a file whose digest is not the expected one (read in chunks: the release is ~200 MB)."""
+def private_copy(tarball: Path, scratch: Path) -> tuple[BinaryIO, str]:
+    """The bytes of `tarball`, read once through one descriptor into an unnamed file of root's in
+    `scratch` (nobody else can open, rename over or change it), and their SHA-256. Everything after
+    (the check, the unpacking) reads this copy, so what was verified is what is installed, even if
+    the path is renamed over or the file rewritten meanwhile."""
+    try:
+        fd = os.open(tarball, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InstallError(f"cannot open {tarball}: {exc}") from exc
+    copy = tempfile.TemporaryFile(dir=scratch)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+                copy.write(chunk)
+                if copy.tell() > MAX_DOWNLOAD:
+                    raise InstallError(f"{tarball} is larger than {MAX_DOWNLOAD} bytes: not a runner release")
+        copy.flush()
+        copy.seek(0)
+    except BaseException:
+        copy.close()
+        raise
+    return copy, digest.hexdigest()
+
+
+def verify(actual: str, sha256: str, tarball: Path) -> None:
+    """Refuse bytes whose digest is not the expected one."""
+    if not hmac.compare_digest(actual, sha256.lower()):
+        raise InstallError(f"{tarball} has sha256 {actual}, not the expected {sha256.lower()}: "
+                           "it is not the release you meant (or the download broke); nothing was installed")
+
+
+def _check_sha256(sha256: str) -> None:
     if not SHA256_RE.fullmatch(sha256):
         raise InstallError(f"--sha256 must be 64 hexadecimal digits, not {sha256[:80]!r}")
-    digest = hashlib.sha256()
-    with open(tarball, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    if not hmac.compare_digest(digest.hexdigest(), sha256.lower()):
-        raise InstallError(f"{tarball} has sha256 {digest.hexdigest()}, not the expected {sha256.lower()}: "
-                           "it is not the release you meant (or the download broke); nothing was installed")
 
 
 def download(version: str, directory: Path) -> Path:
@@ -87,12 +112,19 @@ def download(version: str, directory: Path) -> Path:
 def install(tarball: Path, version: str, sha256: str, install_dir: Path) -> InstalledRelease:
     """Verify, unpack into `install_dir/<version>`, make it read-only and point `current` at it."""
     check_version(version)
-    verify(tarball, sha256)
+    _check_sha256(sha256)
     install_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    copy, actual = private_copy(tarball, install_dir)
+    with copy:
+        verify(actual, sha256, tarball)
+        return _install_verified(copy, tarball, version, install_dir)
+
+
+def _install_verified(copy: BinaryIO, tarball: Path, version: str, install_dir: Path) -> InstalledRelease:
     final = install_dir / version
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=install_dir))
     try:
-        _unpack(tarball, staging)
+        _unpack(copy, tarball, staging)
         if not (staging / "run.sh").is_file():
             raise InstallError(f"{tarball} has no run.sh at its top: not an actions/runner release")
         _read_only(staging)
@@ -117,17 +149,20 @@ def current(install_dir: Path) -> Path:
     return release
 
 
-def _unpack(tarball: Path, dest: Path) -> None:
+def _unpack(copy: BinaryIO, tarball: Path, dest: Path) -> None:
     """Regular files and directories through the safe extractor; then the release's own relative
-    symbolic links (Node's `npm` and `npx`), each only if it stays inside the release."""
+    symbolic links (Node's `npm` and `npx`), each only if it stays inside the release. Both passes
+    read the verified private copy (`private_copy`), never the path again."""
     try:
-        with gzip.open(tarball, "rb") as stream:
+        copy.seek(0)
+        with gzip.GzipFile(fileobj=copy, mode="rb") as stream:
             # a GzipFile reads like any binary file but is not nominally a BinaryIO; extract only reads it
             result = extract(cast(BinaryIO, stream), dest, RELEASE_LIMITS)
-    except (UnsafeTar, OSError, EOFError) as exc:
+        copy.seek(0)
+        with tarfile.open(fileobj=copy, mode="r:gz") as archive:
+            links = {m.name.lstrip("./"): m.linkname for m in archive if m.issym()}
+    except (UnsafeTar, OSError, EOFError, tarfile.TarError) as exc:
         raise InstallError(f"{tarball}: {exc}") from exc
-    with tarfile.open(tarball, "r:gz") as archive:
-        links = {m.name.lstrip("./"): m.linkname for m in archive if m.issym()}
     problems = [f"{name}: {why}" for name, why in result.skipped if name.lstrip("./") not in links]
     if problems:
         raise InstallError(f"{tarball} holds entries a runner release does not: {'; '.join(problems[:5])}")
