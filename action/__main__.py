@@ -282,8 +282,11 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         inputs = read_inputs(environ)
         workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
         spec = job_spec(inputs, environ, workspace)
-        client = JobClient(socket=inputs.socket, runner_token=runner_token(environ))
+        # a busy service (503) is waited out by the client; a full queue (429) by QueueWait, which says how full
+        client = JobClient(socket=inputs.socket, runner_token=runner_token(environ), retry_statuses=frozenset({503}),
+                           retry_seconds=inputs.timeout_minutes * 60)
         job = JobDriver(client, inputs, workspace, out, environ)
+        client.say = job._say  # the client's one progress line goes to the job log
         return job.run(spec)
     except Interrupted as exc:
         return 128 + exc.signum

@@ -218,7 +218,22 @@ class JobClient:
             resp.close()
         return written
 
+    def attestation(self, job_id: str) -> bytes:
+        """The job's signed record, a DSSE envelope line (runner/attest/), once the job has ended."""
+        return self._bytes("GET", f"/v1/jobs/{_id(job_id)}/attestation", headers=self._job(job_id))
+
+    def attestation_key(self) -> str:
+        """The PEM public key the service signs job records with."""
+        return self._bytes("GET", "/v1/attestation-key").decode("ascii", "replace")
+
     # -- plumbing ---------------------------------------------------------------------------------
+
+    def _bytes(self, method: str, path: str, **kwargs: Any) -> bytes:
+        resp = self._open(method, path, **kwargs)
+        try:
+            return _read(resp, _MAX_JSON, method, path)
+        finally:
+            resp.close()
 
     def _call(self, method: str, path: str, parse: Callable[[object], T], **kwargs: Any) -> T:
         resp = self._open(method, path, **kwargs)
@@ -254,7 +269,8 @@ class JobClient:
                 deadline = self._deadline(path)
             delay = retry_delay(error.retry_after)
             content = kwargs.get("content")
-            if (error.status not in self.retry_statuses or time.monotonic() + delay > deadline
+            if (error.status not in self.retry_statuses or error.retry_after is None  # not asked to come back
+                    or time.monotonic() + delay > deadline
                     or (isinstance(content, _Replayable) and not content.rewind())):
                 raise error
             if not waiting:

@@ -29,7 +29,7 @@ from runner import jsonbody
 from runner.httpserve import (BadRequestBody, BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp,
                               parse_decimal)
 from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MAX_JSON_BODY, MAX_LOG_SEQ,
-                                    RUNNER_TOKEN_HEADER, SESSION_TOKEN_HEADER, JobStarted, JobSummary,
+                                    RUNNER_TOKEN_HEADER, SESSION_TOKEN_HEADER, Health, JobStarted, JobSummary,
                                     QueueFullAnswer, WireError)
 from runner.service.auth import Access, Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
@@ -56,7 +56,7 @@ _CHUNK = 1024 * 1024
 HEARTBEAT_SECONDS = 15.0  # an empty line on a silent log stream (docs/job-api.md)
 # Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
 # (and the id may hold no whitespace, so the newline cannot become part of it either).
-_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/cancel)?")
+_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/attestation|/cancel)?")
 
 
 class BodyFramingError(JobError):
@@ -210,13 +210,25 @@ class Handler(ServedRequest):
             return self.service.access.unix_caller(self._sock, runner_token)
         return self.service.access.tcp_caller(runner_token)
 
+    def _health(self) -> Health:
+        """The counts are the whole host's activity, every repository's: the operator's to see, not a
+        socket member's or a runner's (they get whether the service is up, and its accelerator)."""
+        health = self.service.health()
+        try:
+            operator = self._caller().operator
+        except Unauthorized:
+            operator = False
+        return health if operator else health.without_counts()
+
     def _route(self, method: str) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         if isinstance(self.server, TcpApiServer) and is_web_path(url.path):
             return self._web(method, url.path, query)
         if url.path == "/v1/health" and method == "GET":
-            return self._send_json(200, self.service.health().to_wire())
+            return self._send_json(200, self._health().to_wire())
+        if url.path == "/v1/attestation-key" and method == "GET":  # public: what verifiers check records with
+            return self.respond(200, self.service.attestation_key().encode(), {"Content-Type": "application/x-pem-file"})
         access, caller = self.service.access, self._caller()
         if url.path == "/v1/jobs":
             if method == "POST":
@@ -248,6 +260,8 @@ class Handler(ServedRequest):
             ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ),
                                                  follow=_int_param(query, "follow", 1, 0, 1) == 1),
             ("GET", "/artifacts"): lambda: self._artifacts(job_id),
+            ("GET", "/attestation"): lambda: self.respond(200, self.service.attestation(job_id),
+                                                          {"Content-Type": "application/vnd.in-toto+json"}),
             ("POST", "/cancel"): lambda: self._send_json(202, self.service.cancel(job_id).to_wire()),
         }.get((method, rest))
         if handler is None:
@@ -270,11 +284,12 @@ class Handler(ServedRequest):
     def _end_line(self, job_id: str) -> bytes:
         return json.dumps({"end": True, "job": self.service.get(job_id).to_wire()}).encode() + b"\n"
 
-    def _artifacts(self, job_id: str) -> None:
+    def _artifacts(self, job_id: str, headers: dict[str, str] | None = None) -> None:
         path = self.service.artifacts_path(job_id)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            self.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size)})
+            self.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size),
+                                      **(headers or {})})
             left = size
             while left:
                 data = f.read(min(left, _CHUNK))
@@ -288,9 +303,12 @@ class Handler(ServedRequest):
     # -- the metrics and the read-only web page (TCP listener only; runner/service/web.py) ----------------
 
     def _web(self, method: str, path: str, query: dict[str, list[str]]) -> None:
-        if method not in ("GET", "HEAD"):
-            raise MethodNotAllowed(f"{method} is not allowed on {path}: the page is read-only")
         assert isinstance(self.server, TcpApiServer)  # _route sends only the TCP listener's requests here
+        ui = web.ui_job_route(path)
+        if method == "POST" and ui is not None and ui[1] == "/cancel":
+            return self._web_cancel(ui[0])
+        if method not in ("GET", "HEAD"):
+            raise MethodNotAllowed(f"{method} is not allowed on {path}: only a job's cancel button posts")
         if path == "/metrics":
             return self.respond(200, self.server.metrics.exposition(), {"Content-Type": metrics.CONTENT_TYPE})
         token = query.get("token")
@@ -300,19 +318,52 @@ class Handler(ServedRequest):
                                            **web.HEADERS})
         if path.startswith(web.STATIC):
             return self._web_static(path[len(web.STATIC):])
-        route = job_route("/v1/jobs/" + path[len(web.PREFIX + "/jobs/"):]) if path.startswith(web.PREFIX + "/jobs/") else None
-        if route is not None and route[1] == "/logs":
-            return self._web_logs(route[0], _int_param(query, "after", 0, 0, MAX_LOG_SEQ))
-        if route is not None and route[1] == "":
-            page = web.job_page(self.service, route[0])
+        if ui is not None:
+            job_id, rest = ui
+            if rest == "/logs":
+                return self._web_logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ))
+            if rest == "/artifacts":
+                return self._artifacts(job_id, {"Content-Disposition": f'attachment; filename="{job_id}-artifacts.tar"',
+                                                **web.HEADERS})
+            if rest == "/log.txt":
+                return self._web_log_text(job_id)
+            if rest == "/cancel":
+                raise MethodNotAllowed(f"GET is not allowed on {path}: the job page's cancel button posts")
+            page = web.job_page(self.service, job_id, self.server.token, query.get("q", [""])[-1])
         elif path in (web.PREFIX, web.PREFIX + "/"):
-            page = web.jobs_page(self.service)
+            page = web.jobs_page(self.service, web.ListQuery.from_query(query))
         elif path == web.PREFIX + "/insights":
             page = web.insights_page(self.service, query.get("repository", [""])[-1][:200],
                                      query.get("since", ["14d"])[-1][:8])
         else:
             raise NoRoute(f"no page {path}; the jobs are at {web.PREFIX}")
         self.respond(page.status, page.body, {"Content-Type": page.content_type, **web.HEADERS})
+
+    def _web_cancel(self, job_id: str) -> None:
+        """The job page's cancel button: a same-origin form with the page's CSRF token, then back to the page."""
+        assert isinstance(self.server, TcpApiServer)
+        form = bytearray()
+        empty = self.head.length in (0, None) and "Transfer-Encoding" not in self.headers  # read whole already
+        for chunk in () if empty else self._body():
+            form += chunk
+            if len(form) > web.MAX_FORM:
+                self.close_connection = True
+                raise TooLarge(f"the form is larger than {web.MAX_FORM} bytes")
+        origin = self.headers.get("Origin")
+        if origin is not None and origin != f"http://{self.headers.get('Host', '')}":
+            raise Forbidden(f"a cancel from another origin ({origin[:100]}) is refused")
+        if not web.csrf_ok(self.server.token, job_id, bytes(form)):
+            raise Forbidden("the form's CSRF token is missing or wrong: reload the job page and press cancel again")
+        self.service.cancel(job_id, "cancelled from the jobs page")
+        self.respond(303, b"", {"Location": f"{web.PREFIX}/jobs/{job_id}", **web.HEADERS})
+
+    def _web_log_text(self, job_id: str) -> None:
+        job_log = self.service.log_of(job_id)
+        self.start_response(200, {"Content-Type": "text/plain; charset=utf-8",
+                                  "Content-Disposition": f'attachment; filename="{job_id}.log.txt"', **web.HEADERS})
+        for data in web.log_text(job_log):
+            self.send_data(data)
+        self.end_response()
 
     def _web_static(self, name: str) -> None:
         asset = web.static(name)
@@ -464,7 +515,9 @@ def _web_token_ok(head: Head, expected: bytes) -> bool:
     """The page's other ways to show the token (web.py): its cookie or `?token=`, on GET/HEAD of /ui only,
     so a cookie a browser sends along can never reach a route that changes anything."""
     path = urlsplit(head.target).path
-    if head.method not in ("GET", "HEAD") or path == "/metrics" or not is_web_path(path):
+    ui = web.ui_job_route(path)
+    cancel = head.method == "POST" and ui is not None and ui[1] == "/cancel"  # its form's CSRF token is checked too
+    if not (head.method in ("GET", "HEAD") or cancel) or path == "/metrics" or not is_web_path(path):
         return False
     offered = web.cookie_token(head.headers.get("Cookie", "")) or web.query_token(head.target)
     return offered is not None and hmac.compare_digest(offered.encode(), expected)
@@ -515,7 +568,7 @@ class TcpApiServer(BoundedHTTPServer):
 
     def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
                  metrics: JobMetrics | None = None) -> None:
-        self.service = service
+        self.service, self.token = service, token  # the token also keys the page's CSRF tokens (web.csrf_token)
         self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
         super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
                          gate=_token_gate(token, _caller_gate(service, tcp=True)), urgent=_urgent)

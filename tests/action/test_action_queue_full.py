@@ -153,7 +153,7 @@ def service(short_dir: Path) -> Iterator[JobService]:
 
 
 def test_a_refused_submit_says_how_many_jobs_wait(service: JobService) -> None:
-    with JobClient(socket=service.config.socket) as client:
+    with JobClient(socket=service.config.socket, retry_statuses=frozenset()) as client:
         blocker = client.submit(SPEC)  # awaiting its checkout, it holds the only slot
         with pytest.raises(JobAPIError, match=r"^POST /v1/jobs: 429 the job queue is full \(1 jobs waiting\)") as full:
             client.submit(SPEC)

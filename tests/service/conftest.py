@@ -62,9 +62,10 @@ def make_service(hosts: Callable[..., ServiceHost]) -> Callable[..., JobService]
 
 @pytest.fixture
 def api(hosts: Callable[..., ServiceHost]) -> Callable[..., tuple[JobService, JobClient]]:
-    """A started service served on its Unix socket (and on TCP when the settings say so)."""
+    """A started service served on its Unix socket (and on TCP when the settings say so), and a client that
+    shows its answers as they are (retrying none: tests/service/test_client_retry.py covers the waiting)."""
     def make(**settings: Any) -> tuple[JobService, JobClient]:
         host = hosts(**settings)
         assert host.service is not None
-        return host.service, JobClient(socket=host.config.socket)
+        return host.service, JobClient(socket=host.config.socket, retry_statuses=frozenset())
     return make
