@@ -173,12 +173,23 @@ def make(release: Path, path: Path, user: RunnerIdentity, name: str, token: str,
     runner = RunnerDir(path)
     for sub in ("_work", "_home", "_tmp", "_diag"):
         (path / sub).mkdir(exist_ok=True)
-    env = {**{variable: str(script) for variable, script in hooks.items()}, NAME_VARIABLE: name, TOKEN_VARIABLE: token}
-    (path / ".env").write_text("".join(f"{key}={value}\n" for key, value in env.items()))
     _own(path, user)
-    os.chmod(path / ".env", 0o600)
+    env = {**{variable: str(script) for variable, script in hooks.items()}, NAME_VARIABLE: name, TOKEN_VARIABLE: token}
+    write_private(path / ".env", "".join(f"{key}={value}\n" for key, value in env.items()), user.uid, user.gid)
     os.chmod(path, 0o700)
     return runner
+
+
+def write_private(path: Path, text: str, uid: int, gid: int) -> None:
+    """A new file of `uid`'s, mode 0600 from its creation (never the service's umask, not even for an
+    instant); one the release brought under that name is replaced, a link never followed."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchown(fd, uid, gid)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:

@@ -343,20 +343,25 @@ class JobRecord:
 
 @dataclass(frozen=True)
 class Health:
-    """GET /v1/health: `accel` is None until the service has started its first VM."""
+    """GET /v1/health: `accel` is None until the service has started its first VM. The counts are the
+    whole host's (every repository's jobs): None unless the caller is the operator."""
 
     ok: bool
     accel: str | None
-    running: int
-    queued: int
-    warm: int
+    running: int | None
+    queued: int | None
+    warm: int | None
 
     @classmethod
     def from_wire(cls, data: object) -> Health:
         data = _object(data, "health")
         return cls(ok=_field(data, "ok", (bool,)), accel=_field(data, "accel", (str,), optional=True),
-                   running=_field(data, "running", (int,)), queued=_field(data, "queued", (int,)),
-                   warm=_field(data, "warm", (int,)))
+                   running=_field(data, "running", (int,), optional=True),
+                   queued=_field(data, "queued", (int,), optional=True),
+                   warm=_field(data, "warm", (int,), optional=True))
+
+    def without_counts(self) -> Health:
+        return Health(ok=self.ok, accel=self.accel, running=None, queued=None, warm=None)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

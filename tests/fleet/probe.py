@@ -3,7 +3,7 @@ a list of requests (JSON on argv[1]) and prints one JSON line per request with t
 
 It uses the job API client with whatever credentials its environment holds (the runner's token from
 MICROVM_CHECK_RUNNER_TOKEN, as the action does) and, per request, an optional job token. Requests:
-["list"], ["submit", SPEC], ["get" | "cancel" | "logs" | "artifacts" | "upload", JOB_ID, JOB_TOKEN or null].
+["list"], ["health"], ["submit", SPEC], ["get" | "cancel" | "logs" | "artifacts" | "upload", JOB_ID, JOB_TOKEN or null].
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def attempt(client: JobClient, request: list) -> dict:
     try:
         if op == "list":
             client.list()
+        elif op == "health":
+            return {"op": op, "status": 200, "health": client.health().to_wire()}
         elif op == "submit":
             summary = client.submit(args[0])
             return {"op": op, "status": 201, "id": summary.id, "token": summary.token}
