@@ -132,7 +132,8 @@ class ServiceHost:
             active_jobs=lambda: list(service.records.in_states(ACTIVE_STATES)),
             queued=lambda: service.health().queued, prewarmed=lambda: service.health().warm,
             prewarm_max=self.config.prewarm.max_vms,
-            live_vms=(lambda: len(engine.live()) + sum(engine.pool.ready().values())) if engine is not None else None,
+            live_vms=(lambda: len(engine.live()) + sum(engine.pool.ready().values()) + engine.standby_vmms())
+            if engine is not None else None,
             spare_vms=(lambda: sum(engine.pool.ready().values())) if engine is not None else None,
             spare_pool_size=settings.pool_size if engine is not None else None,
             runners=lambda: self.fleet.runners() if self.fleet is not None else [],
@@ -193,7 +194,8 @@ class ServiceHost:
         except BlockListError as exc:
             raise ConfigError(f"network.block_list: {exc}") from None
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
-                        size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list)
+                        size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list,
+                        upstream_ca=str(network.upstream_ca) if network.upstream_ca is not None else None)
 
     def _start_fleet(self, service: JobService) -> RunnerFleet:
         """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy

@@ -116,6 +116,11 @@ class SpareVMs:
                 return vm
             vm.destroy()
 
+    def drain(self, snapshot: Snapshot) -> list[VM]:
+        """Every VM ready for `snapshot`, taken out for the caller to end (no demand is counted)."""
+        with self._lock:
+            return self._ready.pop(snapshot, [])
+
     def refill(self, snapshot: Snapshot) -> None:
         """Top up the pool for `snapshot` in the background (one filler per snapshot).
 

@@ -53,7 +53,8 @@ def assert_gauges_tell_the_truth(host, base: str) -> dict[tuple[str, tuple], flo
     engine, service = host.engine, host.service
     seen = gauges(base)
     qemus = qemu_processes(engine.state.vms)
-    assert seen[("microvm_check_vms_running", ())] == qemus == len(engine.live()) + sum(engine.pool.ready().values())
+    assert seen[("microvm_check_vms_running", ())] == qemus == (len(engine.live()) + sum(engine.pool.ready().values())
+                                                                + engine.standby_vmms())
     assert seen[("microvm_check_spare_vms", ())] == sum(engine.pool.ready().values())
     assert seen[("microvm_check_spare_pool_size", ())] == 1
     records = list(service.records.in_states(ACTIVE_STATES))
@@ -81,8 +82,9 @@ def test_gauges_match_processes_and_records(vm_host) -> None:
         if entry.data == b"started\n":
             break
     wait_for(lambda: sum(host.engine.pool.ready().values()) == 1, 180, "the spare VM")
+    wait_for(lambda: host.engine.standby_vmms() == 1, 180, "the VMM spawned ahead")
     during = assert_gauges_tell_the_truth(host, base)
-    assert during[("microvm_check_vms_running", ())] == 2  # the job's VM and the spare: before, it said 1
+    assert during[("microvm_check_vms_running", ())] == 3  # the job's VM, the spare, the VMM spawned ahead
     status = client.status()
     assert [vm["job"] for vm in status["vms"]] == [job]
     assert sum(status["spare_pools"]["ready"].values()) == 1 and status["spare_pools"]["size"] == 1
@@ -90,4 +92,4 @@ def test_gauges_match_processes_and_records(vm_host) -> None:
     client.cancel(job)
     wait_for(lambda: client.get(job).final and not host.engine.live(), 60, "the cancelled job's VM to go")
     after = assert_gauges_tell_the_truth(host, base)
-    assert after[("microvm_check_vms_running", ())] == 1  # the spare lives on
+    assert after[("microvm_check_vms_running", ())] == 2  # the spare and the VMM spawned ahead live on

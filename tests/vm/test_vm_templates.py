@@ -59,8 +59,8 @@ def test_template_list_and_rm_commands(tmp_path: Path, monkeypatch, capsys):
     assert main(["template", "list"]) == 0
     out = capsys.readouterr().out
     assert "base" in out and "abc123" in out and "tcg" in out
-    assert main(["template", "rm", "base"]) == 0
+    assert main(["template", "rm", "base", "--yes"]) == 0
     with pytest.raises(TemplateNotFound, match="no template named 'base' in .*: build it with 'microvm-check template build base'"):
         TemplateStore(tmp_path / "templates").get("base")
-    assert main(["template", "rm", "base"]) == 1
+    assert main(["template", "rm", "base", "--yes"]) == 1
     assert "no template named 'base'" in capsys.readouterr().err

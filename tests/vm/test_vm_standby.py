@@ -1,0 +1,49 @@
+"""VMMs spawned ahead (runner.vm.engine: `_standby`): after a restore the engine spawns the next one
+(confined, in its cgroup, waiting at -incoming defer); the next restore uses it; a forgotten template's
+go with its spares; none outlives the engine (make_engine checks processes, directories, cgroups)."""
+
+from __future__ import annotations
+
+import time
+
+WAIT_S = 120.0  # a bound for a loaded machine, not a timing
+
+
+def wait_standby(engine, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while engine.standby_vmms() != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.standby_vmms() == count
+
+
+def test_a_restore_uses_the_vmm_spawned_ahead_and_spawns_the_next(make_engine) -> None:
+    engine = make_engine(pool_size=1)
+    snapshot = engine.template("base").snapshot(False)
+    first = engine._restore(snapshot, identity=False)
+    wait_standby(engine, 1)
+    (ahead,) = engine._standby._ready[snapshot]
+    assert ahead.machine.alive() and ahead.agent is None  # spawned, never restored
+    second = engine._restore(snapshot, identity=False)
+    assert second is ahead and second.agent is not None
+    second.agent.ping(timeout=60)  # answers: restored from the template
+    wait_standby(engine, 1)
+    for vm in (first, second):
+        vm.destroy()
+
+
+def test_no_pool_means_no_vmm_spawned_ahead(make_engine) -> None:
+    engine = make_engine(pool_size=0)
+    snapshot = engine.template("base").snapshot(False)
+    engine._restore(snapshot, identity=False).destroy()
+    time.sleep(0.5)
+    assert engine.standby_vmms() == 0
+
+
+def test_forgetting_a_template_ends_its_vmms_spawned_ahead(make_engine) -> None:
+    engine = make_engine(pool_size=1)
+    snapshot = engine.template("base").snapshot(False)
+    engine._restore(snapshot, identity=False).destroy()
+    wait_standby(engine, 1)
+    (ahead,) = engine._standby._ready[snapshot]
+    engine.forget_template("base")
+    assert engine.standby_vmms() == 0 and ahead.destroyed and not ahead.machine.alive()
