@@ -17,7 +17,8 @@ Precisely, for policies A and B, `intersect(A, B)` holds the pairwise intersecti
     cannot be expressed as one rule; dropping the pair keeps the result narrower than both sides,
     which is the safe side. Write both layers in the same terms when they must combine.
 - protocols must be equal; ports are the set intersection and must not be empty.
-- a host rule is `raw` (enforced by address, not by name) only when both sides are.
+- a host rule is `raw` (enforced by address, not by name) only when both sides are; `methods`
+  and `paths` intersect (a side without them allows any); paths keep only the globs both list.
 - mode: block if either side is block, audit only when both are. A job asking for audit on a
   block policy therefore still gets block.
 - on_block: fail if either side says fail (the stricter), warn only when both do.
@@ -55,11 +56,28 @@ def intersect_rules(a: Rule, b: Rule) -> Rule | None:
     if a.host is not None and b.host is not None:
         host = intersect_hosts(a.host, b.host)
         # raw (enforced by address) only when both sides say so: otherwise the name check stays
-        return None if host is None else Rule(ports=ports, protocol=a.protocol, host=host, raw=a.raw and b.raw)
+        raw = a.raw and b.raw
+        methods, paths = _requests(a, b)
+        if host is None or methods is None or paths is None or (raw and (methods or paths)):
+            return None
+        return Rule(ports=ports, protocol=a.protocol, host=host, raw=raw, methods=methods, paths=paths)
     if a.network is not None and b.network is not None:
         network = intersect_networks(a.network, b.network)
         return None if network is None else Rule(ports=ports, protocol=a.protocol, network=network)
     return None
+
+
+def _requests(a: Rule, b: Rule) -> tuple[frozenset[str] | None, tuple[str, ...] | None]:
+    """The methods and paths both rules allow (empty: any), None for nothing. Two path lists give
+    the globs they share, exactly (a path matching a shared glob passes both sides); globs that only
+    overlap are dropped, the narrower side."""
+    methods = a.methods & b.methods if a.methods and b.methods else a.methods or b.methods
+    if a.methods and b.methods and not methods:
+        return None, None
+    paths = tuple(sorted(set(a.paths) & set(b.paths))) if a.paths and b.paths else a.paths or b.paths
+    if a.paths and b.paths and not paths:
+        return methods, None
+    return methods, paths
 
 
 def intersect_hosts(a: str, b: str) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from policy.model import (
+    HTTP_METHODS,
     SUPPORTED_VERSION,
     Mode,
     Network,
@@ -57,7 +58,9 @@ MAX_PROBLEMS = 100
 LIMITS = Limits("policy", MAX_BYTES, MAX_DEPTH, "a policy is a mapping with a list of flat entries", MAX_PROBLEMS)
 
 TOP_KEYS = ("version", "mode", "allow", "on_block")
-RULE_KEYS = ("host", "cidr", "ports", "protocol", "raw")
+RULE_KEYS = ("host", "cidr", "ports", "protocol", "raw", "methods", "paths")
+MAX_PATHS_PER_RULE = 64
+MAX_PATH_GLOB = 256
 EXAMPLE = "'version: 1', 'mode: block' and an 'allow' list of entries like {host: pypi.org, ports: [443]}"
 
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -193,6 +196,8 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
         "ports": lambda value: _ports(value, node, problems),
         "protocol": lambda value: _protocol(value, problems),
         "raw": lambda value: _raw(value, problems),
+        "methods": lambda value: _methods(value, problems),
+        "paths": lambda value: _paths(value, problems),
     }
     for key, value in duplicates:
         checks[key](value)
@@ -212,9 +217,53 @@ def _rule(node: yaml.Node, problems: Problems) -> Rule | None:
     if raw and "raw" in values and ("host" not in values or protocol != "tcp"):
         problems.at(values["raw"], "raw: true applies to a tcp host entry only; cidr: and udp entries are "
                                    "enforced by address already, so drop it")
+    methods = _methods(values.get("methods"), problems)
+    paths = _paths(values.get("paths"), problems)
+    for key in ("methods", "paths"):
+        if key in values and ("host" not in values or protocol != "tcp" or raw):
+            problems.at(values[key], f"{key}: applies to a tcp host entry that is not raw: only there does the "
+                                     "host read each request")
     if len(problems.items) != before or ports is None or (host is None and network is None):
         return None
-    return Rule(ports=ports, protocol=protocol, host=host, network=network, raw=raw)
+    return Rule(ports=ports, protocol=protocol, host=host, network=network, raw=raw, methods=methods, paths=paths)
+
+
+def _methods(node: yaml.Node | None, problems: Problems) -> frozenset[str]:
+    """`methods: [GET, HEAD]`: the HTTP methods a host entry's requests may use (HEAD comes with GET)."""
+    if node is None:
+        return frozenset()
+    items = node.value if isinstance(node, yaml.SequenceNode) else None
+    if not items:
+        problems.at(node, f"methods must be a non-empty list such as [GET, HEAD]; known: {', '.join(HTTP_METHODS)}")
+        return frozenset()
+    found: set[str] = set()
+    for item in items:
+        value = string(item)
+        if value is None or value not in HTTP_METHODS:
+            problems.at(item, f"methods: {kind(item)} is not an HTTP method; use {', '.join(HTTP_METHODS)} (upper case)")
+        else:
+            found.add(value)
+    return frozenset(found)
+
+
+def _paths(node: yaml.Node | None, problems: Problems) -> tuple[str, ...]:
+    """`paths: ["/simple/*"]`: globs the URL path (no query) must match; `*` spans `/` too."""
+    if node is None:
+        return ()
+    items = node.value if isinstance(node, yaml.SequenceNode) else None
+    if not items or len(items) > MAX_PATHS_PER_RULE:
+        problems.at(node, f'paths must be a list of 1..{MAX_PATHS_PER_RULE} globs such as ["/simple/*"]')
+        return ()
+    found: list[str] = []
+    for item in items:
+        value = string(item)
+        if value is None or not value.startswith("/") or len(value) > MAX_PATH_GLOB \
+                or any(char.isspace() or not char.isprintable() for char in value):
+            problems.at(item, f"paths: {kind(item)} is not a path glob; write one like \"/simple/*\" (starting "
+                              f"with /, at most {MAX_PATH_GLOB} characters, no spaces)")
+        else:
+            found.append(value)
+    return tuple(found)
 
 
 def _raw(node: yaml.Node | None, problems: Problems) -> bool:

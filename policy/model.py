@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import Literal, TypeGuard, Union
 
@@ -23,8 +25,14 @@ ON_BLOCK: tuple[str, ...] = ("warn", "fail")
 PROTOCOLS: tuple[str, ...] = ("tcp", "udp")
 SUPPORTED_VERSION = 1
 # Rule.sort_key: host rules first, then networks by family, address and prefix, then protocol,
-# then name-checked before raw (a raw rule and a checked one for the same host stay two rules).
-SortKey = tuple[int, int, str, bytes, int, str, bool]
+# then name-checked before raw (a raw rule and a checked one for the same host stay two rules),
+# then the HTTP methods and paths (rules that differ in them are not merged).
+SortKey = tuple[int, int, str, bytes, int, str, bool, tuple[str, ...], tuple[str, ...]]
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# A request path that a server could read as another path than a glob sees: dot segments, empty
+# segments, backslashes, and percent-encoded dots, slashes and backslashes. Such a request is never
+# admitted by a `paths:` rule (`Rule.allows_request`).
+_AMBIGUOUS_PATH = re.compile(r"(^|/)\.\.?(/|$)|//|\\|%2[eEfF]|%5[cC]")
 
 
 def is_mode(value: object) -> TypeGuard[Mode]:
@@ -86,12 +94,22 @@ class Rule:
     host: str | None = None
     network: Network | None = None
     raw: bool = False
+    methods: frozenset[str] = frozenset()  # HTTP methods allowed; empty: any (`intercepts`)
+    paths: tuple[str, ...] = ()  # globs on the URL path (`*` spans `/` too); empty: any
 
     def __post_init__(self) -> None:
         if (self.host is None) == (self.network is None):
             raise ValueError("a Rule needs exactly one of host or network")
         if self.raw and (self.host is None or self.protocol != "tcp"):
             raise ValueError("only a tcp host rule can be raw: networks and udp are enforced by address anyway")
+        object.__setattr__(self, "methods", frozenset(self.methods))
+        object.__setattr__(self, "paths", tuple(sorted(set(self.paths))))
+        if (self.methods or self.paths) and not self.name_checked:
+            raise ValueError("methods and paths need a name-checked rule (a tcp host rule, not raw)")
+        if not self.methods <= set(HTTP_METHODS):
+            raise ValueError(f"methods must be among {HTTP_METHODS}, got {sorted(self.methods)}")
+        if not all(path.startswith("/") for path in self.paths):
+            raise ValueError(f"paths must start with /, got {list(self.paths)}")
         if not self.ports or not all(type(port) is int and 1 <= port <= 65535 for port in self.ports):
             raise ValueError(f"a Rule needs integer ports in 1..65535, got {sorted(self.ports, key=repr)}")
         as_protocol(self.protocol)  # the annotation does not stop an untyped caller
@@ -124,6 +142,20 @@ class Rule:
         """Whether connections under this rule are checked by name (a TCP host rule, not raw)."""
         return self.host is not None and self.protocol == "tcp" and not self.raw
 
+    @property
+    def intercepts(self) -> bool:
+        """Whether its requests are checked one by one (methods or paths), which HTTPS needs the
+        host to terminate TLS for (`runner.net.jobca`); without them only the name is checked."""
+        return bool(self.methods or self.paths)
+
+    def allows_request(self, method: str, path: str) -> bool:
+        """Whether one HTTP request's method and path (without the query) pass this rule."""
+        if self.methods and method not in self.methods and not (method == "HEAD" and "GET" in self.methods):
+            return False
+        if not self.paths:
+            return True
+        return not _AMBIGUOUS_PATH.search(path) and any(fnmatchcase(path, glob) for glob in self.paths)
+
     def in_family(self, version: int) -> bool:
         """Whether this is a network rule of IP version `version` (4 or 6); a host rule is in neither."""
         return self.network is not None and self.network.version == version
@@ -133,14 +165,18 @@ class Rule:
         canonical: dict[str, object] = {kind: self.destination, "ports": sorted(self.ports), "protocol": self.protocol}
         if self.raw:  # only when set: the digests of policies without raw rules stay what they were
             canonical["raw"] = True
+        if self.methods:
+            canonical["methods"] = sorted(self.methods)
+        if self.paths:
+            canonical["paths"] = list(self.paths)
         return canonical
 
     def sort_key(self) -> SortKey:
         network = self.network
         if network is None:
-            return (0, 0, self.destination, b"", 0, self.protocol, self.raw)
+            return (0, 0, self.destination, b"", 0, self.protocol, self.raw, tuple(sorted(self.methods)), self.paths)
         return (1, network.version, "", network.network_address.packed, network.prefixlen,
-                self.protocol, self.raw)
+                self.protocol, self.raw, (), ())
 
 
 def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
@@ -150,7 +186,8 @@ def _normalise(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     for rule in rules:
         key = rule.sort_key()
         if key in merged:
-            rule = Rule(merged[key].ports | rule.ports, rule.protocol, rule.host, rule.network, rule.raw)
+            rule = Rule(merged[key].ports | rule.ports, rule.protocol, rule.host, rule.network, rule.raw,
+                        rule.methods, rule.paths)
         merged[key] = rule
     return tuple(merged[key] for key in sorted(merged))
 

@@ -10,12 +10,15 @@ branches each need a little, and the operator wants one policy that lets all of 
 from __future__ import annotations
 
 import ipaddress
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
 import yaml
+
+from policy.model import HTTP_METHODS
 
 POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
 ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
@@ -42,7 +45,26 @@ UNNAMED = "unnamed"
 # On the operator's block list (`policy.blocklist`): refused in every mode, and never suggested.
 BLOCK_LISTED = "block-listed"
 BLOCK_LISTED_DEST = "name block-listed"  # a block-listed name's record: the resolver gave it no address
-REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED, BLOCK_LISTED)
+# An HTTP request under a `methods:`/`paths:` rule whose method or path it does not allow (the
+# record's `method` and `path`, a prefix of the path: the rest may carry secrets of the job's).
+REQUEST_REFUSED = "request-refused"
+# The host terminated TLS for a `methods:`/`paths:` rule and the upstream's certificate failed
+# verification against the host's trust store: the guest got a 502 saying so.
+UPSTREAM_UNTRUSTED = "upstream-untrusted"
+REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED, BLOCK_LISTED,
+           REQUEST_REFUSED, UPSTREAM_UNTRUSTED)
+_PREFIX_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,64}")
+
+
+def path_prefix(path: str) -> str:
+    """What a record keeps of a request path: its first segment as a glob (`/simple/*`), or `/`;
+    only plain characters, so a path the guest chose cannot put markup or secrets in a summary."""
+    first = path.split("?", 1)[0].lstrip("/").split("/", 1)
+    if not first[0]:
+        return "/"
+    if not _PREFIX_SEGMENT.fullmatch(first[0]) or first[0] in (".", ".."):
+        return "/*"
+    return f"/{first[0]}" + ("/*" if len(first) > 1 else "")
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 MAX_COUNT = 10**9  # a record's count comes from guest traffic: kept in a range a sum cannot overflow into nonsense
 
@@ -57,10 +79,15 @@ class AuditRecord:
     name: str | None
     count: int
     reason: str = POLICY
+    method: str | None = None  # an HTTP request's (name-checked rules), else None
+    path: str | None = None  # `path_prefix` of its path
 
     def as_json(self) -> dict[str, object]:
-        return {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name, "count": self.count,
-                "reason": self.reason}
+        found: dict[str, object] = {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name,
+                                    "count": self.count, "reason": self.reason}
+        if self.method is not None:
+            found["method"], found["path"] = self.method, self.path
+        return found
 
 
 # What audit mode refuses too (the rest it lets through and only records).
@@ -119,7 +146,11 @@ def record_from_json(item: object) -> AuditRecord | None:
         return None
     if not isinstance(proto, str) or proto not in PROTOCOLS or reason == REFUSED_NAME:
         return None
-    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason)
+    method, path = fields.get("method"), fields.get("path")
+    method = method if isinstance(method, str) and method in HTTP_METHODS else None
+    path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
+    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason,
+                       method=method, path=path)
 
 
 def _policy_host(name: object) -> TypeGuard[str]:
@@ -153,6 +184,11 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
     if record.reason == NAME_REFUSED:
         return (f"tcp to {record.dest} port {record.port} named {record.name}, which the resolver did not hand "
                 f"that address out for; a host: rule for {record.name} allows it once the job looks the name up")
+    if record.reason == REQUEST_REFUSED:
+        return (f"{record.method} {record.path} on {record.name} (tcp port {record.port}) was refused by the rule's "
+                f"methods/paths; add {record.method} or a path glob covering {record.path} to it, if it is meant")
+    if record.reason == UPSTREAM_UNTRUSTED:
+        return f"{record.name} (tcp port {record.port}) presented a certificate the runner host does not trust"
     if record.reason == UNNAMED:
         return (f"tcp to {record.dest} port {record.port} named nothing checkable (no TLS SNI or HTTP Host, or an "
                 f"encrypted ClientHello); a raw: true entry would allow it by address, if that is meant")

@@ -323,6 +323,21 @@ class SlotResolver:
             return any(opening.checked and opening.address == address and port in opening.ports and expiry > now
                        for opening, expiry in self.openings.items())
 
+    def _request_rules(self, name: str, port: int) -> list[Rule]:
+        return [rule for rule in self.policy.rules if rule.name_checked and rule.allows(port, "tcp", name=name)]
+
+    def request_allowed(self, name: str, port: int, method: str, path: str) -> bool:
+        """Whether an HTTP request to `name`:`port` passes a rule's methods and paths (any rule for it)."""
+        with self.lock:
+            return any(rule.allows_request(method, path) for rule in self._request_rules(name, port))
+
+    def intercepts(self, name: str, port: int) -> bool:
+        """Whether HTTPS to `name`:`port` must be read request by request: every rule for it has
+        methods or paths (one without them already admits any request, so nothing is intercepted)."""
+        with self.lock:
+            rules = self._request_rules(name, port)
+            return bool(rules) and all(rule.intercepts for rule in rules)
+
     def name_blocked(self, name: str) -> bool:
         """Whether `name` is on the operator's block list (refused in every mode)."""
         return self.block_list.blocks_name(name)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -35,10 +37,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policy.suggest import BLOCK_LISTED, NAME_REFUSED, UNNAMED, AuditRecord
+from policy.suggest import (
+    BLOCK_LISTED,
+    NAME_REFUSED,
+    REQUEST_REFUSED,
+    UNNAMED,
+    UPSTREAM_UNTRUSTED,
+    AuditRecord,
+    path_prefix,
+)
 from runner.net import addresses, netns
+from runner.net.jobca import JobCA
 from runner.net.loop import NetLoop
-from runner.net.namecheck import NOT_TLS_OR_HTTP, Claim, HttpRequests, Piece, client_hello, first_kind
+from runner.net.namecheck import (
+    HOST_MISMATCH,
+    MAX_HELLO_BYTES,
+    NOT_TLS_OR_HTTP,
+    Claim,
+    HttpRequests,
+    Piece,
+    client_hello,
+    first_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +82,10 @@ class NameGate(Protocol):
     def name_allowed(self, name: str, address: str, port: int) -> bool: ...
 
     def name_blocked(self, name: str) -> bool: ...
+
+    def request_allowed(self, name: str, port: int, method: str, path: str) -> bool: ...
+
+    def intercepts(self, name: str, port: int) -> bool: ...
 
     def audit_only(self) -> bool: ...
 
@@ -104,7 +128,11 @@ class NameProxy:
 
     netns: str
     gate: NameGate
-    refused: Counter[tuple[str, int, str | None, str]] = field(default_factory=Counter)
+    # How the host verifies upstream servers when it terminates TLS (the host's trust store, plus
+    # the operator's `network.upstream_ca`); the job's CA (`JobCA`) while its policy needs one.
+    upstream_tls: ssl.SSLContext = field(default_factory=ssl.create_default_context)
+    ca: JobCA | None = None
+    refused: Counter[tuple[str, int, str | None, str, str | None, str | None]] = field(default_factory=Counter)
     listener: socket.socket | None = None
     connections: set[_Connection] = field(default_factory=set)
     threads: set[threading.Thread] = field(default_factory=set)
@@ -143,8 +171,9 @@ class NameProxy:
 
     def records(self) -> list[AuditRecord]:
         with self.lock:
-            items = sorted(self.refused.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] or "", item[0][3]))
-        return [AuditRecord(address, port, "tcp", name, count, reason) for (address, port, name, reason), count in items]
+            items = sorted(self.refused.items(), key=lambda item: tuple(str(part) for part in item[0]))
+        return [AuditRecord(address, port, "tcp", name, count, reason, method, path)
+                for (address, port, name, reason, method, path), count in items]
 
     def _on_accept(self, listener: socket.socket) -> None:
         try:
@@ -188,35 +217,48 @@ class NameProxy:
     def _check(self, connection: _Connection) -> None:
         guest = connection.guest
         address, port = original_destination(guest)
-        data, pieces, http = self._first_flight(guest)
-        if data is None:
+        flight = self._first_flight(guest)
+        if flight is None:
             return  # closed before it said anything: nothing reached anyone
+        data, pieces, http = flight
         claim = pieces[0].claim if pieces else client_hello(data) if first_kind(data) == "tls" else None
         if claim is None:
             claim = Claim(first_kind(data) or "tcp", None, NOT_TLS_OR_HTTP if data and not first_kind(data) else TIMED_OUT)
         if not self._admit(claim, address, port):
+            if http is not None and self._why(claim, address, port) == REQUEST_REFUSED:
+                _answer(guest, 403, _refused_text(claim))  # the name was fine: say what was not
+            return
+        if http is None and claim.name is not None and claim.refusal is None and self._intercepts(claim.name, port):
+            self._intercept(connection, claim.name, address, port)
             return
         upstream = self._connect(connection, address, port)
         if upstream is None:
             return
-        if http is None or not pieces:  # TLS, or audit mode letting an unframed first flight through
-            upstream.sendall(data)
+        if http is None or not pieces:  # TLS (still unread in the socket), or audit mode letting HTTP through
+            if http is not None:
+                upstream.sendall(data)
             self._relay(connection, _splice, guest, upstream)
             return
-        if not self._send_pieces(pieces, upstream, address, port):
+        if not self._send_pieces(pieces, upstream, address, port, guest):
             upstream.shutdown(socket.SHUT_WR)
             _splice(upstream, guest)
             connection.closed = True
             return
         self._relay(connection, lambda src, dst: self._follow_http(http, src, dst, address, port), guest, upstream)
 
-    def _first_flight(self, guest: socket.socket) -> tuple[bytes | None, list[Piece], HttpRequests | None]:
-        """The first flight's bytes (None if the guest closed first), the HTTP pieces framed from
-        them (the first carries the claim) and the HTTP framer, or no pieces for TLS and the rest."""
+    def _first_flight(self, guest: socket.socket) -> tuple[bytes, list[Piece], HttpRequests | None] | None:
+        """The first flight: None if the guest closed before sending anything; else its bytes, the
+        HTTP pieces framed from them (the first carries the claim) and the HTTP framer. A TLS (or
+        unknown) first flight is only peeked at, so it is still in the socket for the splice or
+        for the host's own TLS server; HTTP is read, since it is passed on piece by piece."""
         deadline = time.monotonic() + FIRST_FLIGHT_SECONDS
-        data = b""
-        http: HttpRequests | None = None
-        pieces: list[Piece] = []
+        data = _peek(guest, deadline)
+        if data is None:
+            return None
+        if first_kind(data) != "http":
+            return data, [], None
+        http = HttpRequests()
+        data, pieces = b"", []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -227,30 +269,101 @@ class NameProxy:
             except TimeoutError:
                 return data, pieces, http
             if not chunk:
-                return (None, [], None) if not data else (data, pieces, http)
+                return (data, pieces, http) if data else None
             data += chunk
-            kind = first_kind(data)
-            if kind == "http":
-                http = http or HttpRequests()
-                pieces += http.feed(chunk)
-                if any(piece.claim is not None for piece in pieces):
-                    return data, pieces, http
-            elif kind != "tls" or client_hello(data) is not None:
+            pieces += http.feed(chunk)
+            if any(piece.claim is not None for piece in pieces):
                 return data, pieces, http
 
     def _admit(self, claim: Claim, address: str, port: int) -> bool:
-        """Whether the claim may go on to `address`:`port` (audit mode: always, but counted)."""
-        if claim.name is not None and self.gate.name_blocked(claim.name):
-            self._note(address, port, claim, BLOCK_LISTED)
-            return False  # in every mode
-        if claim.refusal is not None:
-            reason = UNNAMED
-        elif claim.name is None or not self.gate.name_allowed(claim.name, address, port):
-            reason = NAME_REFUSED
-        else:
+        """Whether the claim may go on to `address`:`port` (audit mode: yes but counted, unless block-listed)."""
+        reason = self._why(claim, address, port)
+        if reason is None:
             return True
         self._note(address, port, claim, reason)
-        return self.gate.audit_only()
+        return reason != BLOCK_LISTED and self.gate.audit_only()
+
+    def _why(self, claim: Claim, address: str, port: int) -> str | None:
+        """The reason the claim is refused (a `policy.suggest` reason), or None when it is admitted."""
+        if claim.name is not None and self.gate.name_blocked(claim.name):
+            return BLOCK_LISTED
+        if claim.refusal is not None:
+            return UNNAMED
+        if claim.name is None or not self.gate.name_allowed(claim.name, address, port):
+            return NAME_REFUSED
+        if claim.method is not None and not self.gate.request_allowed(claim.name, port, claim.method, claim.path or ""):
+            return REQUEST_REFUSED
+        return None
+
+    def _intercepts(self, name: str, port: int) -> bool:
+        return self.gate.intercepts(name, port)
+
+    def _intercept(self, connection: _Connection, name: str, address: str, port: int) -> None:
+        """HTTPS under a `methods:`/`paths:` rule: the host's TLS server for the guest (a leaf of the
+        job's CA), its own verified TLS client upstream, and every request checked in between."""
+        ca, guest = self.ca, connection.guest
+        if ca is None:  # the slot's policy changed under this connection: nothing to present
+            return
+        guest.settimeout(FIRST_FLIGHT_SECONDS)
+        tls_guest = ca.server_context(name).wrap_socket(guest, server_side=True, do_handshake_on_connect=False)
+        connection.guest = tls_guest  # the plain socket object is detached now: its descriptor is this one's
+        try:
+            tls_guest.do_handshake()  # reads the ClientHello the first flight only peeked at
+        except (ssl.SSLError, OSError) as exc:
+            self._note(address, port, Claim("tls", name, f"the guest refused the job CA's certificate: {exc}"), UNNAMED)
+            return
+        upstream = self._connect(connection, address, port)
+        if upstream is None:
+            return
+        upstream.settimeout(CONNECT_SECONDS)
+        try:
+            tls_up = self.upstream_tls.wrap_socket(upstream, server_hostname=name)
+        except ssl.SSLCertVerificationError as exc:
+            why = f"the certificate of {name} failed verification on the host: {exc.verify_message}"
+            self._note(address, port, Claim("tls", name, why), UPSTREAM_UNTRUSTED)
+            _answer(tls_guest, 502, f"microvm-check: {why}\n")
+            connection.closed = True
+            return
+        except (ssl.SSLError, OSError) as exc:
+            _answer(tls_guest, 502, f"microvm-check: TLS to {name} failed on the host: {exc}\n")
+            connection.closed = True
+            return
+        connection.upstream = tls_up
+        tls_guest.settimeout(None)
+        tls_up.settimeout(None)
+        self._relay_tls(connection, tls_guest, tls_up, name, address, port)
+
+    def _relay_tls(self, connection: _Connection, guest: ssl.SSLSocket, upstream: ssl.SSLSocket,
+                   name: str, address: str, port: int) -> None:
+        """Both directions of an intercepted connection in this one thread (an SSL object must not be
+        read and written from two threads at once): requests framed and checked, responses copied."""
+        http = HttpRequests()
+        ends = {guest: upstream, upstream: guest}
+        while ends and not connection.closed:
+            ready = [sock for sock in ends if sock.pending()] or select.select(list(ends), [], [])[0]
+            for src in ready:
+                dst = ends.get(src)
+                if dst is None:
+                    continue
+                data = src.recv(READ_BYTES)
+                if not data:
+                    ends.pop(src)
+                    _half_close(dst)
+                    continue
+                if src is upstream:
+                    dst.sendall(data)
+                    continue
+                for piece in http.feed(data) if http.state != "closed" else [Piece(data)]:
+                    claim = piece.claim
+                    if claim is not None and claim.name != name and claim.refusal is None:
+                        claim = Claim("http", claim.name, HOST_MISMATCH, claim.method, claim.path)
+                    if claim is not None and not self._admit(claim, address, port):
+                        if self._why(claim, address, port) == REQUEST_REFUSED:
+                            _answer(guest, 403, _refused_text(claim))
+                        connection.closed = True
+                        return
+                    if piece.data:
+                        upstream.sendall(piece.data)
 
     def _connect(self, connection: _Connection, address: str, port: int) -> socket.socket | None:
         upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -266,10 +379,14 @@ class NameProxy:
         connection.guest.settimeout(None)
         return upstream
 
-    def _send_pieces(self, pieces: list[Piece], upstream: socket.socket, address: str, port: int) -> bool:
-        """Pass on framed HTTP pieces up to the first refused request; False when one was refused."""
+    def _send_pieces(self, pieces: list[Piece], upstream: socket.socket, address: str, port: int,
+                     guest: socket.socket) -> bool:
+        """Pass on framed HTTP pieces up to the first refused request; False when one was refused
+        (a request refused for its method or path is answered 403 with the reason)."""
         for index, piece in enumerate(pieces):
             if piece.claim is not None and index and not self._admit(piece.claim, address, port):
+                if self._why(piece.claim, address, port) == REQUEST_REFUSED:
+                    _answer(guest, 403, _refused_text(piece.claim))
                 return False
             if piece.data:
                 upstream.sendall(piece.data)
@@ -286,7 +403,7 @@ class NameProxy:
                 upstream.sendall(chunk)
                 continue
             pieces = http.feed(chunk)
-            if not self._send_pieces([Piece(b"")] + pieces, upstream, address, port):
+            if not self._send_pieces([Piece(b"")] + pieces, upstream, address, port, guest):
                 break
         upstream.shutdown(socket.SHUT_WR)
 
@@ -306,7 +423,7 @@ class NameProxy:
         connection.closed = True
 
     def _note(self, address: str, port: int, claim: Claim, reason: str) -> None:
-        key = (address, port, claim.name, reason)
+        key = (address, port, claim.name, reason, claim.method, path_prefix(claim.path) if claim.path else None)
         with self.lock:
             first = key not in self.refused
             if first and len(self.refused) >= MAX_RECORDS:
@@ -344,5 +461,53 @@ def _splice(src: socket.socket, dst: socket.socket) -> None:
         os.close(write_end)
     try:
         dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def _peek(sock: socket.socket, deadline: float) -> bytes | None:
+    """The first flight without reading it (MSG_PEEK): as soon as it is a complete ClientHello, or
+    plainly not one; None when the guest closed before sending a byte. Waiting for more bytes backs
+    off (1 ms doubling to 64 ms), so a guest trickling bytes costs little host CPU."""
+    data, pause = b"", 0.001
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([sock], [], [], remaining)[0]:
+            return data
+        peeked = sock.recv(MAX_HELLO_BYTES + 5 + 16, socket.MSG_PEEK)
+        if not peeked:
+            return data or None
+        if len(peeked) == len(data):  # readable only for what was already seen
+            time.sleep(min(pause, max(remaining, 0.0)))
+            pause = min(pause * 2, 0.064)
+            continue
+        data = peeked
+        if first_kind(data) != "tls" or client_hello(data) is not None:
+            return data
+
+
+def _refused_text(claim: Claim) -> str:
+    return (f"microvm-check: {claim.method} {claim.path} on {claim.name} is not allowed by this job's egress "
+            "policy (its methods:/paths: for that host)\n")
+
+
+def _answer(sock: socket.socket, status: int, text: str) -> None:
+    """A short HTTP response saying why, then the end of the connection (best effort)."""
+    reason = {403: "Forbidden", 502: "Bad Gateway"}.get(status, "Error")
+    body = text.encode("utf-8", "replace")
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    try:
+        sock.settimeout(2.0)
+        sock.sendall(head + body)
+        if isinstance(sock, ssl.SSLSocket):
+            sock.unwrap()
+    except (OSError, ValueError):
+        pass
+
+
+def _half_close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
     except OSError:
         pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from runner.net import addresses, firewall, netns
 from runner.net.audit import SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
 from runner.net.firewall import Firewall
+from runner.net.jobca import JobCA
 from runner.net.loop import NetLoop
 from runner.net.nameproxy import NameProxy
 from runner.net.uplink import Uplink
@@ -90,6 +92,8 @@ class Slot:
         if self.resolver is not None:
             self.resolver.configure(policy)
         self._address_rules = [*policy.network_rules, *self.allowances.rules]
+        if self.proxy is not None:  # a CA of its own for a job whose HTTPS the host must read, else none
+            self.proxy.ca = JobCA(self.job or self.netns) if any(rule.intercepts for rule in policy.rules) else None
         # the nat table in the same commit: no opening is redirected yet, none of the last job's is
         self.firewall.load(self.netns, rendered.ipv4 + firewall.masquerade(self._namecheck([])))
         self._load_ipv6(rendered.ipv6)
@@ -136,6 +140,7 @@ class Slot:
         self._address_rules = []
         self.firewall.load(self.netns, firewall.deny_all() + firewall.masquerade())
         if self.proxy is not None:
+            self.proxy.ca = None  # the job's CA key goes with the job
             self.proxy.clear()
         self._ipv6_loaded = ""
         self._load_ipv6(render(DENY_ALL, self.render_context(), self.allowances).ipv6)
@@ -201,6 +206,7 @@ class SlotPool:
         firewall_tools: Firewall | None = None,
         allowances: OperatorAllowances | None = None,
         block_list: BlockList = EMPTY,
+        upstream_ca: str | None = None,
         max_slots: int = addresses.MAX_SLOTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -216,6 +222,12 @@ class SlotPool:
         self.firewall = firewall_tools or Firewall.default()
         self.allowances = allowances or OperatorAllowances()  # the operator's config, never a repository's
         self.block_list = block_list  # the operator's too: refused in every mode (policy.blocklist)
+        # What the host trusts when it terminates a job's TLS (methods:/paths:): its own store, plus
+        # the operator's extra CA file (an internal registry, a test's fake internet).
+        self.upstream_tls = ssl.create_default_context()
+        if upstream_ca is not None:
+            self.upstream_tls.load_verify_locations(cafile=upstream_ca)
+        self.upstream_tls.set_alpn_protocols(["http/1.1"])
         self.max_slots = min(max_slots, addresses.MAX_SLOTS)
         self.clock = clock
         self._lock = threading.Lock()
@@ -338,7 +350,7 @@ class SlotPool:
             slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules, self.block_list)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)
-            slot.proxy = NameProxy(name, slot.resolver)
+            slot.proxy = NameProxy(name, slot.resolver, self.upstream_tls)
             slot.proxy.start(self._loop)
             slot.reset()
         except Exception as exc:

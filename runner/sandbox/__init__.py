@@ -12,6 +12,7 @@ A non-zero exit is a result, not an exception. `SandboxError` means the sandbox 
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 import threading
@@ -42,6 +43,10 @@ FILE_TIMEOUT_S = 600.0
 STREAM_CHUNK = 1024 * 1024
 
 T = TypeVar("T")
+# Where the job's CA certificate goes in the guest (Debian's layout: update-ca-certificates' input
+# directory, and the bundle every OpenSSL-based client there reads).
+JOB_CA_FILE = "/usr/local/share/ca-certificates/microvm-check-job.crt"
+GUEST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,14 @@ class Sandbox:
     @property
     def alive(self) -> bool:
         return not self._vm.destroyed
+
+    @property
+    def template_manifest(self) -> dict[str, object]:
+        """The manifest of the template this VM restored from (`<name>/<digest>/manifest.json` above its
+        snapshot's variant directory): its name and digest and, for a derived one (a warm base), its
+        parent's. Read at restore, so a template rebuilt while the job runs does not change the answer."""
+        manifest = json.loads((self._vm.snapshot.disk.parent.parent / "manifest.json").read_text())
+        return manifest if isinstance(manifest, dict) else {}
 
     # ---- running -----------------------------------------------------------------------------
     def _call(self, fn: Callable[[AgentClient], T]) -> T:
@@ -267,6 +280,23 @@ class Sandbox:
             raise SandboxError(result.error)
         assert result.extracted is not None, "unpack() sets one of the two unless it died of a BaseException"
         return result.extracted
+
+    def install_job_ca(self) -> dict[str, str]:
+        """Put the job's CA certificate (runner.net.jobca; never its key) into the guest's trust:
+        the system bundle, which Debian's OpenSSL, Python, pip, curl and git read, and the variables
+        that point the others at it. Returns those variables for the job's commands; {} (and nothing
+        written) when the policy makes the host read no HTTPS (no `methods:`/`paths:` rule)."""
+        slot = self._vm.slot
+        ca = slot.proxy.ca if isinstance(slot, Slot) and slot.proxy is not None else None
+        if ca is None:
+            return {}
+        self.files.write(JOB_CA_FILE, ca.cert_pem)
+        added = self.exec(["sh", "-c", f"cat {JOB_CA_FILE} >> {GUEST_CA_BUNDLE}"], timeout_seconds=60, cwd="/")
+        if added.exit_code != 0:
+            raise SandboxError(f"could not add the job's CA to {GUEST_CA_BUNDLE}: {added.stderr[-500:]!r}")
+        bundle = {name: GUEST_CA_BUNDLE for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT",
+                                                     "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "NPM_CONFIG_CAFILE")}
+        return {**bundle, "NODE_EXTRA_CA_CERTS": JOB_CA_FILE}
 
     def blocked_egress(self) -> list[AuditRecord]:
         """What the guest tried that its policy does not allow (in audit mode: would not allow)."""

@@ -169,6 +169,8 @@ class Network:
                                         "allow")
     block_list: Path | None = setting(None, "file of names and networks no job may reach in any mode, audit "
                                             "included (one a line, # comments; policy/blocklist.py)", "path")
+    upstream_ca: Path | None = setting(None, "extra CA certificates (PEM file) the host trusts, besides its own store, "
+                                             "when it terminates a job's TLS for methods:/paths: rules", "path")
 
 
 @dataclass(frozen=True)

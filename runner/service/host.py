@@ -194,7 +194,8 @@ class ServiceHost:
         except BlockListError as exc:
             raise ConfigError(f"network.block_list: {exc}") from None
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
-                        size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list)
+                        size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list,
+                        upstream_ca=str(network.upstream_ca) if network.upstream_ca is not None else None)
 
     def _start_fleet(self, service: JobService) -> RunnerFleet:
         """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy

@@ -113,6 +113,9 @@ class LocalSandbox:
     def blocked_egress(self) -> list[dict]:
         return []
 
+    def install_job_ca(self) -> dict[str, str]:
+        return {}
+
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)

@@ -266,3 +266,91 @@ def recording_server(net, address: str, port: int) -> list[bytes]:  # type: igno
 
     servers._spawn(serve, sock)
     return received
+
+
+TLS_HOST = "203.0.113.40"  # serves tls.test with a certificate of the fake internet's own CA
+UNTRUSTED_HOST = "203.0.113.41"  # serves untrusted.test with a certificate of a CA nobody trusts
+ZONE.update({"tls.test": TLS_HOST, "untrusted.test": UNTRUSTED_HOST})
+
+
+def test_ca(label: str):  # type: ignore[no-untyped-def]
+    """(key, certificate) of a throw-away CA for the fake internet's TLS servers."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, label)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def tls_server(ns: str, address: str, port: int, name: str, ca, directory, servers: Servers) -> None:  # type: ignore[no-untyped-def]
+    """A real TLS web server (http.server over ssl) at address:port in `ns`, presenting a certificate
+    for `name` signed by `ca`; it answers every request with `<METHOD> <path> <Host>` and keeps the
+    connection alive. Runs until `servers` close."""
+    import datetime
+    import http.server
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = directory / f"{name}.pem"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pem)
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _echo(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            body = f"{self.command} {self.path} {self.headers.get('Host')}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = _echo
+
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    ip("-n", ns, "addr", "add", f"{address}/32", "dev", "lo")
+    server = http.server.ThreadingHTTPServer((address, port), Echo, bind_and_activate=False)
+    server.socket.close()
+    raw = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.socket = context.wrap_socket(raw, server_side=True)
+    server.server_bind()
+    server.server_activate()
+    server.daemon_threads = True
+
+    def serve() -> None:
+        while not servers.stop.is_set():
+            server.handle_request()
+
+    server.timeout = 0.2
+    servers._spawn(serve, server.socket)

@@ -179,3 +179,17 @@ def test_the_summary_names_what_the_name_check_refused(slot, guest) -> None:
     row = next(line for line in text.splitlines() if "collector.evil.test" in line and line.startswith("|"))
     assert "TLS SNI / HTTP Host (name) is not allowed at that address" in row
     assert "host: collector.evil.test" not in text  # a refused name is explained, never suggested as a rule
+
+
+def test_methods_and_paths_on_plain_http_are_checked_request_by_request(slot, guest) -> None:
+    slot.apply_policy(policy('version: 1\nallow:\n  - host: web.test\n    ports: [8000]\n    methods: [GET]\n'
+                             '    paths: ["/ok/*"]\n'))
+    lookup(guest, "web.test")
+
+    assert send(guest, ALLOWED_HOST, 8000, b"GET /ok/x?q=1 HTTP/1.1\r\nHost: web.test\r\n\r\n") == BANNER
+    refused = send(guest, ALLOWED_HOST, 8000, b"POST /ok/x HTTP/1.1\r\nHost: web.test\r\nContent-Length: 0\r\n\r\n")
+    assert refused is not None and refused.startswith(b"HTTP/1.1 403")
+    assert send(guest, ALLOWED_HOST, 8000, b"GET /secret HTTP/1.1\r\nHost: web.test\r\n\r\n", ).startswith(b"HTTP/1.1 403")
+    assert slot.proxy is not None and slot.proxy.ca is not None  # HTTPS to such a rule would need it
+    found = {(r.method, r.path) for r in slot.audit_records() if r.reason == "request-refused"}
+    assert found == {("POST", "/ok/*"), ("GET", "/secret")}

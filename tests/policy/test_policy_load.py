@@ -112,7 +112,7 @@ def test_unknown_key_suggests_the_closest_known_key():
         f"{NAME}:2:1: unknown key 'mdoe' in the policy; did you mean 'mode'?",
         f"{NAME}:4:5: an allow entry needs 'ports', e.g. ports: [443]",
         f"{NAME}:5:5: unknown key 'prots' in an allow entry; did you mean 'ports'?",
-        f"{NAME}:6:5: unknown key 'colour' in an allow entry; known keys: host, cidr, ports, protocol, raw",
+        f"{NAME}:6:5: unknown key 'colour' in an allow entry; known keys: host, cidr, ports, protocol, raw, methods, paths",
     ]
 
 

@@ -101,6 +101,9 @@ class FakeSandbox:
         out.write(data)
         return len(data)
 
+    def install_job_ca(self) -> dict[str, str]:
+        return {}  # no policy here makes the host terminate TLS
+
     def blocked_egress(self) -> list[AuditRecord]:
         """What the real engine returns: runner.net's audit records."""
         return [AuditRecord(dest="192.0.2.7", port=443, proto="tcp", name="blocked.example", count=2),
