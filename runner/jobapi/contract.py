@@ -294,6 +294,7 @@ class JobRecord:
     # Derived from guest traffic and guest files: their readers check each item (action/summary.py).
     blocked_egress: list[dict[str, Any]] = field(default_factory=list)
     artifacts: list[dict[str, Any]] = field(default_factory=list)
+    command: str = ""  # the spec's command, for operators (`jobs`, the page); "" in records from before it was kept
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -337,6 +338,7 @@ class JobRecord:
             exit_code=_field(data, "exit_code", (int,), optional=True),
             error=_field(data, "error", (str,), optional=True),
             timings=Timings.from_wire(data.get("timings")),
+            command=_field(data, "command", (str,), optional=True) or "",
             **listed,
         )
 

@@ -42,7 +42,10 @@ _COLUMNS = (
     "vm_ready_ms REAL",
     "blocked_egress TEXT NOT NULL",
     "artifacts TEXT NOT NULL",
+    "command TEXT NOT NULL DEFAULT ''",
 )
+# Columns added since the first schema: a store made before gets them (ALTER TABLE) when opened.
+_ADDED_COLUMNS = ("command TEXT NOT NULL DEFAULT ''",)
 _NAMES = tuple(c.split()[0] for c in _COLUMNS)
 _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
@@ -84,6 +87,10 @@ class RecordStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"CREATE TABLE IF NOT EXISTS jobs ({', '.join(_COLUMNS)})")
         self._db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at)")
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column in _ADDED_COLUMNS:
+            if column.split()[0] not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column}")
         self.events: RecordEvents = JobEvents()  # the lifecycle log lines, from each record as it is saved (runner.logs)
 
     def close(self) -> None:
@@ -107,6 +114,32 @@ class RecordStore:
                 f"SELECT {', '.join(_NAMES)} FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?", (limit,)
             ).fetchall()
         return [_from_row(r) for r in rows]
+
+    def search(self, results: tuple[str, ...] = (), repository: str = "", limit: int = 50,
+               offset: int = 0) -> tuple[builtins.list[JobRecord], int]:
+        """A page of records, newest first, and how many match in all: `results` are states, or "success" /
+        "failure" (a finished job's exit code), any of which matches; `repository` matches exactly."""
+        where, args = [], []
+        picked = []
+        for result in results:
+            if result == "success":
+                picked.append("(state = 'finished' AND exit_code = 0)")
+            elif result == "failure":
+                picked.append("(state = 'finished' AND exit_code != 0)")
+            else:
+                picked.append("state = ?")
+                args.append(result)
+        if picked:
+            where.append("(" + " OR ".join(picked) + ")")
+        if repository:
+            where.append("repository = ?")
+            args.append(repository)
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        with self._lock:
+            total = self._db.execute(f"SELECT COUNT(*) FROM jobs{clause}", args).fetchone()[0]
+            rows = self._db.execute(f"SELECT {', '.join(_NAMES)} FROM jobs{clause} ORDER BY created_at DESC, rowid DESC "
+                                    "LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()
+        return [_from_row(r) for r in rows], int(total)
 
     def in_states(self, states: tuple[JobState, ...]) -> Iterator[JobRecord]:
         marks = ", ".join("?" for _ in states)

@@ -38,6 +38,8 @@ from runner.jobapi.contract import (
     Verdict,
     canonical_repository,
 )
+from runner.attest.keys import SigningKey
+from runner.service.attestation import ENVELOPE, JobAttestor
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError
@@ -107,6 +109,7 @@ class JobService:
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)
+        self.attestor = JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
@@ -259,13 +262,14 @@ class JobService:
         record = JobRecord(
             id=job_id, state=JobState.QUEUED if attached else JobState.AWAITING_CHECKOUT, repository=spec.repository,
             sha=spec.sha, run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
-            policy_digest=policy.digest(),
+            policy_digest=policy.digest(), command=spec.command,
         )
         if attached:
             record.timings.queued_at = time.time()
         job_dir.mkdir(mode=0o700)
         run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
-                     session=session, sessions=self.sessions if session else None, attached=attached)
+                     session=session, sessions=self.sessions if session else None, attached=attached,
+                     attestor=self.attestor)
         try:
             self.records.put(record)
         except BaseException:
@@ -373,6 +377,21 @@ class JobService:
         if not path.exists():
             raise JobNotFound(f"job {job_id} has no artifacts (none were asked for, matched, or they were rejected)")
         return path
+
+    def attestation(self, job_id: str) -> bytes:
+        """The job's signed record (a DSSE envelope line, runner/service/attestation.py), once it has ended."""
+        record = self.get(job_id)
+        if not record.final:
+            raise JobStateConflict(f"job {job_id} is {record.state}: its record is signed once it has ended")
+        try:
+            return (self.config.jobs_dir / job_id / ENVELOPE).read_bytes()
+        except FileNotFoundError:
+            raise JobNotFound(f"job {job_id} has no signed record (it ended before this service signed records, "
+                              "or signing it failed: see the service's log)") from None
+
+    def attestation_key(self) -> str:
+        """The PEM public key this service signs job records with."""
+        return self.attestor.key.public_pem
 
     def health(self) -> Health:
         queued, _ = self.queue.counts()

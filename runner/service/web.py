@@ -8,14 +8,22 @@ script writes lines with textContent only, so a guest that prints HTML shows it 
 
 Authentication is the TCP API's token: a bearer header, or once `?token=` which sets an HttpOnly,
 SameSite=Strict cookie scoped to /ui and redirects to the same page without the token, so it stays out
-of the address bar, the history and later request logs. The cookie is accepted on GET and HEAD of /ui
-only: nothing it can reach changes state, so a forged cross-site request has nothing to do.
+of the address bar, the history and later request logs. The cookie is accepted on GET and HEAD of /ui,
+and on one POST: a job's cancel button, whose form carries a CSRF token (an HMAC of the job id under the
+service's token) that a page of another site cannot know; nothing else the cookie reaches changes state.
+
+The list refreshes itself with `<meta http-equiv="refresh">` while jobs are active (no script at all);
+a job page shows the last PAGE_LOG_LINES lines of the log, numbered with anchors and timestamped, with
+the whole log as a download (log.txt) and a server-side search (`?q=`) over all of it.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +35,7 @@ import jinja2
 import yaml
 
 from action.workflow import neutralise_line, split_lines
-from runner.jobapi.contract import LIST_MAX, LogEntry
+from runner.jobapi.contract import LogEntry
 
 COOKIE = "microvm_check_token"
 PREFIX = "/ui"
@@ -36,6 +44,15 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
            "Cache-Control": "no-store", "X-Frame-Options": "DENY"}
 PAGE_LOG_LINES = 2000  # the server-rendered log shows the last lines; the script follows the rest
+PAGE_JOBS = 50  # jobs per page of the list
+REFRESH_SECONDS = 10  # the list reloads itself this often while any job is active
+MAX_SEARCH_HITS = 2000
+MAX_FORM = 4096  # the cancel form: one CSRF token
+# The list's filter: a final state, "success"/"failure" (a finished job's exit code), or "active".
+RESULT_FILTERS = ("success", "failure", "failed", "timed_out", "cancelled", "active")
+ACTIVE = ("awaiting_checkout", "queued", "starting", "running")
+_UI_JOB = re.compile(r"/ui/jobs/(?P<id>[A-Za-z0-9_-]{1,64})(?P<rest>/logs|/artifacts|/cancel|/log\.txt)?")
+GITHUB = "https://github.com"
 _SINCE_UNITS = {"d": 86400, "h": 3600}
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("runner.service", "templates"),
                           autoescape=True, undefined=jinja2.StrictUndefined)
@@ -73,6 +90,34 @@ class Page:
     content_type: str = "text/html; charset=utf-8"
 
 
+def ui_job_route(path: str) -> tuple[str, str] | None:
+    """(job id, "" or "/logs", "/artifacts", "/cancel", "/log.txt") for a job's page path, else None."""
+    match = _UI_JOB.fullmatch(path)
+    return (match.group("id"), match.group("rest") or "") if match else None
+
+
+def csrf_token(secret: str, job_id: str) -> str:
+    """The cancel form's token: only a page the service rendered (for someone with its token) holds it."""
+    return hmac.new(secret.encode(), f"cancel:{job_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def csrf_ok(secret: str, job_id: str, form: bytes) -> bool:
+    offered = parse_qs(form.decode("ascii", "replace")).get("csrf", [""])[-1]
+    return hmac.compare_digest(offered.encode(), csrf_token(secret, job_id).encode())
+
+
+def result_of(job: Any) -> str:
+    """The colour and icon class of a job: success/failure for a finished command, else its state."""
+    state = str(job.state)
+    if state == "finished":
+        return "success" if job.exit_code == 0 else "failure"
+    return state
+
+
+RESULT_ICONS = {"success": "✓", "failure": "✗", "failed": "⚠", "timed_out": "⏱", "cancelled": "⊘",
+                "running": "▶", "starting": "…", "queued": "…", "awaiting_checkout": "…"}
+
+
 def _when(epoch: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch)) if epoch else "-"
 
@@ -81,25 +126,82 @@ def _seconds(start: float | None, end: float | None) -> str:
     return f"{end - start:.1f} s" if start and end else "-"
 
 
+def _clock(epoch: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(epoch)) + f".{int((epoch or 0) * 1000) % 1000:03d}" if epoch else ""
+
+
+def _duration(job: Any) -> str:
+    t = job.timings
+    end = t.finished_at or (time.time() if t.started_at else None)
+    if not t.started_at or not end:
+        return "-"
+    took = end - t.started_at
+    text = f"{took:.1f} s" if took < 120 else f"{int(took // 60)} min {int(took % 60)} s"
+    return text if t.finished_at else text + " so far"
+
+
+def github_run(job: Any) -> str | None:
+    """The job's workflow run on GitHub, when the job came from one (a run id and an owner/name repository)."""
+    if not job.run_id or job.repository.count("/") != 1:
+        return None
+    attempt = f"/attempts/{job.run_attempt}" if job.run_attempt else ""
+    return f"{GITHUB}/{job.repository}/actions/runs/{job.run_id}{attempt}"
+
+
 _ENV.filters["when"] = _when
+_ENV.filters["clock"] = _clock
 _ENV.globals["seconds"] = _seconds
+_ENV.globals["duration"] = _duration
+_ENV.globals["result_of"] = result_of
+_ENV.globals["icons"] = RESULT_ICONS
+_ENV.globals["github_run"] = github_run
 
 
 def render(name: str, **context: Any) -> Page:
     return Page(200, _ENV.get_template(name).render(**context).encode())
 
 
-def jobs_page(service: Any) -> Page:
-    records = service.list(LIST_MAX)
-    running = [r for r in records if not r.final]
-    recent = [r for r in records if r.final]
-    return render("jobs.html", running=running, recent=recent, health=service.health())
+@dataclass(frozen=True)
+class ListQuery:
+    """The list's filters and page, from the address (bounded: nothing from it reaches SQL but as values)."""
+
+    result: str = ""
+    repository: str = ""
+    page: int = 1
+    refresh: bool = True
+
+    @classmethod
+    def from_query(cls, query: dict[str, list[str]]) -> ListQuery:
+        result = query.get("state", [""])[-1]
+        page = query.get("page", ["1"])[-1]
+        return cls(result if result in RESULT_FILTERS else "", query.get("repository", [""])[-1].strip()[:200],
+                   int(page) if page.isdigit() and 0 < len(page) < 6 else 1, query.get("refresh", ["1"])[-1] != "0")
+
+    def address(self, **change: Any) -> str:
+        values = {"state": self.result, "repository": self.repository, "page": self.page,
+                  "refresh": "" if self.refresh else "0", **change}
+        kept = {k: v for k, v in values.items() if v not in ("", None) and not (k == "page" and v == 1)}
+        return PREFIX + ("?" + urlencode(kept) if kept else "")
 
 
-def job_page(service: Any, job_id: str) -> Page:
+def jobs_page(service: Any, query: ListQuery | None = None) -> Page:
+    query = query or ListQuery()
+    results = ACTIVE if query.result == "active" else (query.result,) if query.result else ()
+    jobs, total = service.records.search(results, query.repository, PAGE_JOBS, (query.page - 1) * PAGE_JOBS)
+    pages = max(1, -(-total // PAGE_JOBS))
+    health = service.health()
+    refresh = query.refresh and (health.running or health.queued or any(not j.final for j in jobs))
+    return render("jobs.html", jobs=jobs, total=total, query=query, pages=pages, health=health,
+                  refresh=REFRESH_SECONDS if refresh else None, filters=RESULT_FILTERS)
+
+
+def job_page(service: Any, job_id: str, secret: str = "", search: str = "") -> Page:
     record = service.get(job_id)
-    lines, last_seq = _log_lines(service.log_of(job_id))
-    return render("job.html", job=record, lines=lines, last_seq=last_seq, policy=_policy(service, record))
+    lines, last_seq, total = _log_lines(service.log_of(job_id), search[:200])
+    started = record.timings.started_at or record.created_at
+    return render("job.html", job=record, lines=lines, last_seq=last_seq, total_lines=total, search=search[:200],
+                  started=started, policy=_policy(service, record), csrf=csrf_token(secret, job_id) if secret else "",
+                  tail=PAGE_LOG_LINES if total > len(lines) and not search else None)
 
 
 def insights_page(service: Any, repository: str, since: str) -> Page:
@@ -118,16 +220,40 @@ def _since_seconds(since: str) -> float:
     return float(since[:-1]) * unit if unit and since[:-1].isdigit() and len(since) < 6 else 14 * 86400
 
 
-def _log_lines(job_log: Any) -> tuple[list[dict[str, Any]], int]:
-    """The log so far (never waiting for more), neutralised, the last PAGE_LOG_LINES of it."""
+def _log_lines(job_log: Any, search: str = "") -> tuple[list[dict[str, Any]], int, int]:
+    """The log so far (never waiting for more), neutralised, as numbered lines: the last PAGE_LOG_LINES of
+    it, or with `search` the lines (of all) that contain it. Returns them, the last seq and the line count."""
     lines: list[dict[str, Any]] = []
-    seq = 0
+    seq = number = 0
+    needle = search.casefold()
     for raw in _committed(job_log):
         seq += 1
         entry = LogEntry.from_wire(json.loads(raw))
-        lines.append({"stream": entry.stream, "text": neutral_text(entry.data)})
+        for text in _entry_lines(entry):
+            number += 1
+            if needle and (needle not in text.casefold() or len(lines) >= MAX_SEARCH_HITS):
+                continue
+            lines.append({"n": number, "stream": entry.stream, "ts": entry.ts, "text": text})
+            if not needle and len(lines) > 2 * PAGE_LOG_LINES:
+                del lines[:-PAGE_LOG_LINES]
+    if not needle:
         del lines[:-PAGE_LOG_LINES]
-    return lines, seq
+    return lines, seq, number
+
+
+def _entry_lines(entry: LogEntry) -> list[str]:
+    """An entry's text as lines (a piece without its newline is a line of its own)."""
+    text = neutral_text(entry.data)
+    parts = text.split("\n")
+    return parts[:-1] if len(parts) > 1 and parts[-1] == "" else parts
+
+
+def log_text(job_log: Any) -> Iterator[bytes]:
+    """The whole log as text, each line with its time and stream (log.txt), neutralised like the page."""
+    for raw in _committed(job_log):
+        entry = LogEntry.from_wire(json.loads(raw))
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(entry.ts)) + f".{int(entry.ts * 1000) % 1000:03d}Z"
+        yield "".join(f"{stamp} {entry.stream:<6} {text}\n" for text in _entry_lines(entry)).encode()
 
 
 def _committed(job_log: Any) -> Iterator[bytes]:

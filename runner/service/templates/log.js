@@ -1,25 +1,58 @@
-// Follows a running job's log: the NDJSON stream from the last line the server rendered on.
-// Lines are added with textContent only: guest output is never parsed as HTML.
+// Follows a running job's log: the NDJSON stream from the last line the server rendered on, each line
+// numbered, timestamped and marked by stream as the server renders them. Text is set with textContent
+// only: guest output is never parsed as HTML.
 "use strict";
 (function () {
-  const pre = document.getElementById("log");
-  if (!pre || pre.dataset.final === "yes") return;
+  const log = document.getElementById("log");
+  if (!log || log.dataset.final === "yes") return;
   const decoder = new TextDecoder();
-  let after = Number(pre.dataset.after);
+  let after = Number(log.dataset.after);
+  let number = Number(log.dataset.line);
+  const pad = (n, width) => String(n).padStart(width, "0");
+  function clock(ts) {
+    const d = new Date(ts * 1000);
+    return pad(d.getUTCHours(), 2) + ":" + pad(d.getUTCMinutes(), 2) + ":" + pad(d.getUTCSeconds(), 2) + "." +
+      pad(d.getUTCMilliseconds(), 3);
+  }
+  function line(entry, text) {
+    number += 1;
+    const row = document.createElement("div");
+    row.className = "line " + entry.stream;
+    row.id = "L" + number;
+    const anchor = document.createElement("a");
+    anchor.className = "n";
+    anchor.href = "#L" + number;
+    anchor.textContent = String(number);
+    const time = document.createElement("time");
+    time.textContent = clock(entry.ts);
+    time.title = new Date(entry.ts * 1000).toISOString();
+    const stream = document.createElement("span");
+    stream.className = "s";
+    stream.textContent = entry.stream === "stderr" ? "err" : entry.stream === "system" ? "note" : "";
+    const body = document.createElement("span");
+    body.className = "t";
+    body.textContent = text;
+    row.append(anchor, time, stream, body);
+    log.appendChild(row);
+  }
   function show(entry) {
-    const span = document.createElement("span");
-    span.className = entry.stream;
     const bytes = Uint8Array.from(atob(entry.data), (c) => c.charCodeAt(0));
-    span.textContent = decoder.decode(bytes) + (entry.stream === "system" ? "\n" : "");  // notes are whole lines
-    pre.appendChild(span);
+    const parts = decoder.decode(bytes).split(/\r\n|\r|\n/);
+    if (parts.length > 1 && parts[parts.length - 1] === "") parts.pop();
+    parts.forEach((text) => line(entry, text));
     after = entry.seq;
   }
   function ended(job) {
     document.getElementById("state").textContent = job.state;
     document.getElementById("exit").textContent = job.exit_code === null ? "-" : String(job.exit_code);
+    const result = job.state === "finished" ? (job.exit_code === 0 ? "success" : "failure") : job.state;
+    document.getElementById("result").textContent = result.replace("_", " ");
+    const cancel = document.getElementById("cancel");
+    if (cancel) cancel.remove();
+    log.dataset.final = "yes";
   }
   async function follow() {
-    const response = await fetch("/ui/jobs/" + encodeURIComponent(pre.dataset.job) + "/logs?after=" + after,
+    const response = await fetch("/ui/jobs/" + encodeURIComponent(log.dataset.job) + "/logs?after=" + after,
                                  {credentials: "same-origin"});
     const reader = response.body.getReader();
     let buffered = "";
@@ -36,5 +69,5 @@
       }
     }
   }
-  follow().catch((error) => { pre.dataset.error = String(error); });
+  follow().catch((error) => { log.dataset.error = String(error); });
 })();
