@@ -142,8 +142,8 @@ def run_command(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"microvm-check: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; a command that turns SIGTERM/SIGHUP into one sets its signum
+        return 128 + int(getattr(exc, "signum", 2))
     except Exception:  # nothing explains it: shown whole, so it can be reported and fixed
         traceback.print_exc()
         print(BUG, file=sys.stderr)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +29,40 @@ from runner.jobapi.contract import SHA, JobRecord, JobSpec, JobState
 EXIT_FAILED = 1
 EXIT_CANCELLED = 130
 ARTIFACTS_DIR = "artifacts"
+# What stops a `run` as Ctrl-C does: its job is cancelled (the VM destroyed), its private service closed
+# and its temporary directory removed, then it exits 128 + the signal. SIGHUP is the closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal, raised in the main thread where the run is; a KeyboardInterrupt, so every cleanup
+    that already handles Ctrl-C handles it too."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # Only the first signal interrupts: later ones must not break the cancel and the cleanup under way.
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise `Stopped` while the run lasts; the old handlers come back after.
+    (Only the main thread may set handlers: elsewhere, a caller embedding a run keeps its own.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 @dataclass
@@ -40,6 +76,10 @@ class LocalRun:
     socket: str | None = None
 
     def run(self) -> int:
+        with stop_signals():
+            return self._run()
+
+    def _run(self) -> int:
         root = self.directory.resolve()
         try:
             checkout = pack_checkout(root)  # walks the whole tree now: refused before a VM is spent
@@ -89,10 +129,14 @@ class LocalRun:
             client.upload_checkout(job, checkout)
             for entry in client.logs(job):
                 _show(entry.stream, entry.data)
-        except KeyboardInterrupt:
-            client.cancel(job)
-            print("\nmicrovm-check: cancelled", file=sys.stderr)
-            return EXIT_CANCELLED
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (Stopped)
+            _cancel_quietly(client, job)
+            _say(f"\nmicrovm-check: cancelled job {job}"
+                 + (f" ({signal.Signals(exc.signum).name})" if isinstance(exc, Stopped) else ""))
+            return 128 + exc.signum if isinstance(exc, Stopped) else EXIT_CANCELLED
+        except OSError as exc:  # our own output is gone (a closed terminal, a closed pipe): nobody watches
+            _cancel_quietly(client, job)
+            raise UserError(f"job {job} cancelled: cannot write its output: {exc}") from exc
         except (JobAPIError, PackError) as exc:
             _cancel_quietly(client, job)
             raise UserError(f"job {job}: {exc}") from exc
@@ -104,14 +148,17 @@ class LocalRun:
 
 @contextmanager
 def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[JobClient]:
-    """A private service (socket in a temporary directory) for one `run`, closed afterwards.
+    """A private service (socket, records and VM directory in a temporary directory) for one `run`,
+    closed afterwards, the directory removed on every way out (a stop signal is `Stopped`, an exception).
 
-    Its engine is the host's usual one (`MICROVM_CHECK_STATE`, where the templates are); the job's
-    policy is trusted as given, and a job still running at the end is cancelled at once."""
+    Its engine restores the one VM the job needs from the host's templates (`MICROVM_CHECK_STATE`) and
+    keeps no spare pool: spares would be restored next to the job's only to be thrown away at exit. The
+    job's policy is trusted as given, and a job still running at the end is cancelled at once."""
     from runner.service.config import config_from_mapping
     from runner.service.egress import EgressPolicies
     from runner.service.host import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
+    from runner.vm.templates import TemplateStore
 
     tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
     try:
@@ -121,8 +168,9 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
             "max_timeout_seconds": max(timeout_seconds, 1), "default_timeout_seconds": max(timeout_seconds, 1),
             "prewarm": {"max_vms": 0}, "shutdown_grace_seconds": 0,
         })
-        host = ServiceHost(config, engine=EngineSettings(state=StateDir.default()),
-                           policies=EgressPolicies(None, trust_job_policy=True))
+        engine = EngineSettings(state=StateDir(tmp / "engine"), templates=TemplateStore(StateDir.default().templates),
+                                pool_size=0)
+        host = ServiceHost(config, engine=engine, policies=EgressPolicies(None, trust_job_policy=True))
         try:
             host.__enter__()  # not `with`: only a failure to start is the user's to fix
         except (MicrovmCheckError, OSError) as exc:
@@ -131,9 +179,28 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
             with JobClient(socket=config.socket) as client:
                 yield client
         finally:
+            _ignore_stop_signals()  # the cleanup runs to its end: the job is cancelled, its VM destroyed
             host.close()
     finally:
+        _ignore_stop_signals()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ignore_stop_signals() -> None:
+    """From here on a stop signal changes nothing: what it would do (cancel, close, remove) is under way.
+    `stop_signals` puts the caller's handlers back when the run returns."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _say(line: str) -> None:
+    """A line to the user's terminal, which may be gone already (a SIGHUP)."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
 
 
 def _show(stream_name: str, data: bytes) -> None:
