@@ -137,13 +137,21 @@ class RepositoryBases:
         return name
 
     def pushed(self, repository: str, commit: str) -> list[bool]:
-        """The default branch moved to `commit`: rebuild the bases the repository has (each variant
-        built so far) from it, beside the jobs, which keep the last good base meanwhile. A repository
-        without a base has nothing to mark stale: its first job builds the variant it needs."""
+        """A push says the default branch moved (to `commit`): rebuild the bases the repository has
+        (each variant built so far) beside the jobs, which keep the last good base meanwhile. A
+        repository without a base has nothing to mark stale: its first job builds the variant it needs.
+
+        The build is of the default branch's head as GitHub reports it now (its tarball names the
+        commit), never of the commit the delivery names: a signed push replayed after the delivery log
+        forgot it, or one delivered late, must not roll a base back to a commit the branch has left,
+        and a build from the current head is a no-op when the base already holds it."""
         variants = [network for network in (False, True)
                     if self._current(base_name(self.settings.parent, repository, network)) is not None]
         for network in variants:
-            self.rebuild_beside(repository, network, commit)
+            self.rebuild_beside(repository, network)
+        if variants:
+            log.info("push to %s's default branch (%s): rebuilding from the branch's current head", repository,
+                     commit[:12])
         return variants
 
     def rebuild_beside(self, repository: str, network: bool, ref: str | None = None) -> bool:

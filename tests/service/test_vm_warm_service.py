@@ -30,7 +30,7 @@ from runner.service.bases import base_name
 from runner.service.config import config_from_mapping
 from runner.service.egress import EgressPolicies
 from tests.service.service_fakes import checkout_tar
-from tests.service.warm_fakes import POLICY, REPO, DefaultBranch
+from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch
 from tests.vm.conftest import template_store  # noqa: F401 - the built template fixture, as in tests/vm
 
 pytestmark = pytest.mark.vm
@@ -143,7 +143,8 @@ def test_jobs_and_prewarmed_vms_restore_from_the_base_which_a_push_rebuilds_with
         scratch.snapshot("scratch")
     assert {t.name for t in engine.templates.list()} == {"base", NONET, "scratch"}
 
-    # a push to the default branch rebuilds the base from the pushed commit; the budget evicts the rest
+    # a push to the default branch rebuilds the base from the branch's head (asked of GitHub: its tarball
+    # names the commit); the budget evicts the rest
     commit = "7" * 40
     branch.push(commit, {"requirements.txt": "tinypkg==1.0\nattrs\n"})
     status, message = push(host.webhook.port, commit)
@@ -151,7 +152,7 @@ def test_jobs_and_prewarmed_vms_restore_from_the_base_which_a_push_rebuilds_with
     bases.wait(REPO, network=False, timeout=900)
     second = engine.templates.get(NONET)
     assert second.digest != first.digest and second.manifest["base"]["commit"] == commit
-    assert branch.tarball_refs[-1] == commit
+    assert branch.tarball_refs[-1] == "main"
     assert {t.name for t in engine.templates.list()} == {"base", NONET}  # scratch: evicted
     out, notes, _ = run_job(client, b"tinypkg==1.0\n")
     assert out[:2] == ["1.0", "ran"] and f"restoring from the repository's warm base {NONET}" in notes
@@ -177,3 +178,29 @@ def test_a_base_of_one_network_variant_never_serves_the_other(host) -> None:
 
     with pytest.raises(TemplateNotFound, match="was snapshotted from a VM without a network card"):
         engine.templates.get(NONET).snapshot(network=True)  # what a restore of it with a network card reads
+
+
+def test_a_replayed_push_leaves_the_base_as_it_was(host) -> None:
+    """Once the delivery log has forgotten a signed push (24 h or 10,000 newer deliveries), its replay
+    is accepted; the rebuild it asks for is of the default branch's head as GitHub reports it now,
+    never of the commit the old delivery names (issue 16)."""
+    branch = DefaultBranch({".github/microvm-check.yml": POLICY, "requirements.txt": "tinypkg==1.0\n"})
+    branch.commits[FIRST_COMMIT] = dict(branch.commits["main"])  # the first commit stays fetchable by its id
+    branch.register()
+    bases, engine = host.service.bases, host.engine
+    bases.build(REPO, network=False)
+    assert engine.templates.get(NONET).manifest["base"]["commit"] == FIRST_COMMIT
+
+    commit = "7" * 40
+    branch.push(commit, {"requirements.txt": "tinypkg==1.0\nattrs\n"})
+    assert push(host.webhook.port, commit)[0] == 200
+    bases.wait(REPO, network=False, timeout=900)
+    current = engine.templates.get(NONET)
+    assert current.manifest["base"]["commit"] == commit
+
+    # The first push's delivery, replayed (a new delivery id: the log no longer knows the old one).
+    assert push(host.webhook.port, FIRST_COMMIT)[0] == 200
+    bases.wait(REPO, network=False, timeout=900)
+    after = engine.templates.get(NONET)
+    assert (after.digest, after.manifest["base"]["commit"]) == (current.digest, commit)
+    assert FIRST_COMMIT not in branch.tarball_refs
