@@ -373,6 +373,10 @@ class BoundedHTTPServer:
                 "waiting": len(self._waiting) + len(self._waiting_urgent), "streams": self._pump.count}
 
     def start(self) -> None:
+        limits = self.limits
+        log.info("%s: at most %d connections and %d worker threads (%d kept for urgent requests); log streams "
+                 "and waiting requests cost an fd each, no thread", self.name, limits.max_connections,
+                 limits.max_workers, limits.reserved_workers)
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 

@@ -59,7 +59,7 @@ def start(script: Script) -> tuple[http.server.ThreadingHTTPServer, str]:
             self.end_headers()
             self.wfile.write(body)
 
-        do_GET = do_POST = do_PUT = _answer  # noqa: N815
+        do_GET = do_POST = do_PUT = _answer
 
         def log_message(self, *args: object) -> None:
             pass
