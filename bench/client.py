@@ -1,0 +1,161 @@
+"""Benchmark of the client side: what `microvm-check` itself costs around a job (issue 26).
+
+Everything runs the installed `microvm-check` command as a user would (a new process each time):
+
+- start-up: `--version`, `--help`, `policy check FILE`, `jobs` (on a socket nobody serves): p50, p90;
+- `run -- true` through a running `microvm-check serve` (its own state directory, sharing only the built
+  templates; the spare pool warm), split from the job's record into the client's share (process start
+  to submit, plus the job's end to the process's exit), the service's (submit to finished) and the VM's
+  ready time (`vm_ready_ms`, for the "VM-ready share unchanged" check);
+- `run -- true` with no service (the in-process one-job service: one VM restored, no spare pool).
+
+Wall clocks (time.time) on both sides: one host, so the record's timestamps and the process's compare.
+Needs root, QEMU and the built `base` template. Usage: python bench/client.py [--runs 10] [--cli PATH]
+(`--smoke`: two runs each, no goal judged). The goals: --version p50 <= 100 ms; run through serve
+p50 <= 300 ms; run without a service p50 <= 1.5 s. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.stats import percentile
+from runner.jobapi.client import JobAPIError, JobClient
+from runner.vm.statedir import StateDir
+
+CLI = str(Path(sys.executable).parent / "microvm-check")  # --cli: another install's, to compare with
+
+
+def timed(argv: list[str], cwd: Path) -> tuple[float, float, subprocess.CompletedProcess[bytes]]:
+    """(start, end) wall-clock seconds around one run of the command, and its result."""
+    start = time.time()
+    done = subprocess.run([CLI, *argv], cwd=cwd, capture_output=True, timeout=300, check=False)
+    return start, time.time(), done
+
+
+def summary(name: str, values_ms: list[float]) -> dict[str, float]:
+    p50, p90 = statistics.median(values_ms), percentile(values_ms, 0.9)
+    print(f"{name:<40} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms   (n={len(values_ms)})")
+    return {f"{name}_p50_ms": round(p50, 1), f"{name}_p90_ms": round(p90, 1)}
+
+
+def start_up(runs: int, work: Path) -> dict[str, float]:
+    policy = work / "policy.yml"
+    policy.write_text("version: 1\nmode: block\n")
+    out: dict[str, float] = {}
+    for name, argv in (("version", ["--version"]), ("help", ["--help"]),
+                       ("policy_check", ["policy", "check", str(policy)]),
+                       ("jobs_no_service", ["jobs", "--socket", str(work / "nobody.sock")])):
+        samples = []
+        for _ in range(runs):
+            start, end, _done = timed(argv, work)
+            samples.append((end - start) * 1000)
+        out |= summary(name, samples)
+    return out
+
+
+def serve(work: Path) -> subprocess.Popen[bytes]:
+    """`microvm-check serve` on a private socket and state directory whose templates are the host's."""
+    state = work / "state"
+    state.mkdir()
+    (state / "templates").symlink_to(StateDir.default().templates)
+    config = work / "service.yml"
+    config.write_text(f"socket: {work}/api.sock\nstate_dir: {state}\ntemplates: [base]\nmax_concurrent_jobs: 1\n")
+    proc = subprocess.Popen([CLI, "serve", "--config", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=open(work / "serve.log", "wb"))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with JobClient(socket=str(work / "api.sock")) as client:
+                client.health()
+            return proc
+        except JobAPIError:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve exited: {(work / 'serve.log').read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("serve did not answer within 120 s")
+
+
+def through_serve(runs: int, work: Path, checkout: Path) -> dict[str, float]:
+    proc = serve(work)
+    sock = str(work / "api.sock")
+    try:
+        timed(["run", "--socket", sock, "--", "true"], checkout)  # the pool's first fill and the first restore
+        time.sleep(2)  # the spare VM restored after that one
+        total, client_share, service_share, vm_ready = [], [], [], []
+        for _ in range(runs):
+            start, end, done = timed(["run", "--socket", sock, "--", "true"], checkout)
+            assert done.returncode == 0, done.stderr.decode(errors="replace")
+            with JobClient(socket=sock) as client:
+                rec = client.list(1)[0]
+            t = rec.timings
+            assert t.finished_at is not None
+            total.append((end - start) * 1000)
+            client_share.append(((rec.created_at - start) + (end - t.finished_at)) * 1000)
+            service_share.append((t.finished_at - rec.created_at) * 1000)
+            vm_ready.append(rec.timings.vm_ready_ms or 0.0)
+            time.sleep(1)  # the pool refills between jobs, as between a project's checks
+        return (summary("run_serve", total) | summary("run_serve_client_share", client_share)
+                | summary("run_serve_service_share", service_share) | summary("run_serve_vm_ready", vm_ready))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def without_service(runs: int, work: Path, checkout: Path) -> dict[str, float]:
+    samples = []
+    for _ in range(runs):
+        start, end, done = timed(["run", "--socket", str(work / "nobody.sock"), "--", "true"], checkout)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        samples.append((end - start) * 1000)
+    return summary("run_no_service", samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="two runs of each, no goal judged")
+    parser.add_argument("--cli", help="the microvm-check command to measure (default: this venv's)")
+    args = parser.parse_args()
+    global CLI
+    CLI = args.cli or CLI
+    runs = 2 if args.smoke else args.runs
+    if os.geteuid() != 0:
+        raise SystemExit("bench/client.py needs root (VMs, namespaces)")
+    work = Path(tempfile.mkdtemp(prefix="mvc-bench-client-"))
+    try:
+        checkout = work / "checkout"
+        checkout.mkdir()
+        (checkout / "README").write_text("a trivial checkout\n")
+        results = start_up(runs, work)
+        (work / "serve").mkdir()
+        results |= through_serve(runs, work / "serve", checkout)
+        results |= without_service(runs, work, checkout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    goals = {"version_p50_ms": 100, "run_serve_p50_ms": 300, "run_no_service_p50_ms": 1500}
+    for key, goal in goals.items():
+        verdict = "" if args.smoke else ("  ok" if results[key] <= goal else "  MISSED")
+        print(f"goal {key} <= {goal}: {results[key]}{verdict}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
