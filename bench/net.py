@@ -10,8 +10,10 @@ name, as tests/net does) to a server in the uplink namespace, once through a `ci
 kernel forwards it) and once through a `host:` rule (redirected to `runner.net.nameproxy`, which
 reads the ClientHello, checks the SNI and then splices): `name_check_connect_*` is connect, send a
 ClientHello and get the first reply byte; `sni_throughput_ratio` one large download through the
-checked connection over the same through the address-only one. Goals (issue 18): added connect
-p50 <= 3 ms, SNI ratio >= 0.9.
+checked connection over the same through the address-only one; `intercept_throughput_ratio` one
+large HTTPS download through a `methods:` rule (the host terminates TLS with the job's CA and
+verifies the server's) over the same HTTPS download through an address-only rule. Goals (issue
+18): added connect p50 <= 3 ms, SNI ratio >= 0.9, intercept ratio >= 0.5.
 
     .venv/bin/python bench/net.py [--runs 40]
 
@@ -31,9 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import shutil
 import socket
 import ssl
 import subprocess
+import tempfile
 import threading
 
 from dnslib import QTYPE, RR, A, DNSRecord
@@ -77,13 +81,18 @@ SERVER = "203.0.113.10"
 DNS = "203.0.113.53"
 NAME = "bench.test"
 CHECKED_PORT, ADDRESS_PORT = 443, 8443
+TLS_DIRECT_PORT, TLS_INTERCEPT_PORT = 9443, 10443
 NAME_POLICY = f"""\
 version: 1
 allow:
   - host: {NAME}
     ports: [{CHECKED_PORT}]
   - cidr: {SERVER}/32
-    ports: [{ADDRESS_PORT}]
+    ports: [{ADDRESS_PORT}, {TLS_DIRECT_PORT}]
+  - host: {NAME}
+    ports: [{TLS_INTERCEPT_PORT}]
+    methods: [GET]
+    paths: ["/big/*"]
 """
 
 
@@ -148,6 +157,39 @@ class _Servers:
                 continue
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
+    def serve_tls(self, ns: str, context: ssl.SSLContext) -> None:
+        """On both TLS ports: HTTPS whose GET /big/<n> answers n bytes."""
+        for port in (TLS_DIRECT_PORT, TLS_INTERCEPT_PORT):
+            tcp = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((SERVER, port))
+            tcp.listen(16)
+            self._start(tcp, lambda sock: self._tls(sock, context))
+
+    def _tls(self, sock: socket.socket, context: ssl.SSLContext) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._https, args=(conn, context), daemon=True).start()
+
+    @staticmethod
+    def _https(conn: socket.socket, context: ssl.SSLContext) -> None:
+        try:
+            conn.settimeout(30)
+            with context.wrap_socket(conn, server_side=True) as tls:
+                head = b""
+                while b"\r\n\r\n" not in head and (chunk := tls.recv(4096)):
+                    head += chunk
+                size = int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])
+                tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % size)
+                block = memoryview(bytes(1 << 20))
+                while size > 0:
+                    size -= tls.send(block[:min(size, len(block))])
+        except (OSError, ValueError, IndexError):
+            conn.close()
+
     def _answer(self, conn: socket.socket) -> None:
         with conn:
             try:
@@ -208,23 +250,77 @@ def _download_mb_s(port: int, hello: bytes, size: int) -> float:
     return size / (1 << 20) / (time.perf_counter() - start)
 
 
+def _https_mb_s(port: int, context: ssl.SSLContext, size: int) -> float:
+    start = time.perf_counter()
+    got = b""
+    with socket.create_connection((SERVER, port), timeout=60) as raw, context.wrap_socket(raw, server_hostname=NAME) as tls:
+        tls.sendall(f"GET /big/{size} HTTP/1.1\r\nHost: {NAME}\r\n\r\n".encode())
+        while b"\r\n\r\n" not in got:
+            got += tls.recv(65536)
+        body = len(got) - got.index(b"\r\n\r\n") - 4
+        while body < size and (chunk := tls.recv(1 << 20)):
+            body += len(chunk)
+    if body != size:
+        raise RuntimeError(f"downloaded {body} of {size} bytes over HTTPS through port {port}")
+    return size / (1 << 20) / (time.perf_counter() - start)
+
+
+def _bench_ca(directory: Path) -> tuple[ssl.SSLContext, Path]:
+    """A throw-away CA and a server certificate for NAME: the server's context and the CA's PEM file."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, NAME)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(NAME)]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = directory / "server.pem"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    ca_file = directory / "ca.pem"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pem)
+    return context, ca_file
+
+
 def name_check(runs: int, size: int) -> dict[str, float]:
     """Connect latency and download throughput, name-checked against address-only, same run."""
     prefix = "bn" + secrets.token_hex(3)
     uplink_ns = f"{prefix}-up"
     netns.create(uplink_ns)
     servers: _Servers | None = None
-    pool = SlotPool(prefix, NamespaceUplink(uplink_ns), size=0, upstream=Upstream(DNS, netns=uplink_ns))
+    scratch = Path(tempfile.mkdtemp(prefix="mvc-bench-"))
+    server_tls, ca_file = _bench_ca(scratch)
+    pool = SlotPool(prefix, NamespaceUplink(uplink_ns), size=0, upstream=Upstream(DNS, netns=uplink_ns),
+                    upstream_ca=str(ca_file))
     try:
         _ip("-n", uplink_ns, "link", "set", "lo", "up")
         for address in (SERVER, DNS):
             _ip("-n", uplink_ns, "addr", "add", f"{address}/32", "dev", "lo")
         hello = _hello()
         servers = _Servers(uplink_ns, len(hello) + 12)
+        servers.serve_tls(uplink_ns, server_tls)
         pool.start()
         slot = pool.acquire(job="bench")
         guest = _attach_guest(prefix, slot.netns)
         slot.apply_policy(load_policy(NAME_POLICY, "bench-name-policy.yml"))
+        assert slot.proxy is not None and slot.proxy.ca is not None
+        (scratch / "job-ca.pem").write_bytes(slot.proxy.ca.cert_pem)
+        client_tls = ssl.create_default_context(cafile=str(ca_file))  # the guest: the server's CA and the job's
+        client_tls.load_verify_locations(cafile=str(scratch / "job-ca.pem"))
 
         def measure() -> dict[str, float]:
             query = DNSRecord.question(NAME, "A")
@@ -233,18 +329,25 @@ def name_check(runs: int, size: int) -> dict[str, float]:
             for _ in range(runs):  # interleaved, so drift hits both alike
                 direct.append(_connect_ms(ADDRESS_PORT, hello))
                 checked.append(_connect_ms(CHECKED_PORT, hello))
+            https_direct, https_intercepted = [], []
             for _ in range(3):
                 direct_rate.append(_download_mb_s(ADDRESS_PORT, hello, size))
                 checked_rate.append(_download_mb_s(CHECKED_PORT, hello, size))
+                https_direct.append(_https_mb_s(TLS_DIRECT_PORT, client_tls, size))
+                https_intercepted.append(_https_mb_s(TLS_INTERCEPT_PORT, client_tls, size))
             address_p50, _ = report("connect, address-only rule", direct)
             name_p50, name_p99 = report("connect, name-checked rule", checked)
             ratio = statistics.median(checked_rate) / statistics.median(direct_rate)
             print(f"{'download, address-only':<28} {statistics.median(direct_rate):8.1f} MiB/s")
             print(f"{'download, SNI-checked':<28} {statistics.median(checked_rate):8.1f} MiB/s")
+            print(f"{'HTTPS, address-only':<28} {statistics.median(https_direct):8.1f} MiB/s")
+            print(f"{'HTTPS, intercepted':<28} {statistics.median(https_intercepted):8.1f} MiB/s")
             return {"address_connect_p50_ms": round(address_p50, 2), "name_check_connect_p50_ms": round(name_p50, 2),
                     "name_check_connect_p99_ms": round(name_p99, 2),
                     "name_check_added_connect_p50_ms": round(name_p50 - address_p50, 2),
-                    "sni_throughput_ratio": round(ratio, 2)}
+                    "sni_throughput_ratio": round(ratio, 2),
+                    "intercept_throughput_ratio": round(statistics.median(https_intercepted)
+                                                        / statistics.median(https_direct), 2)}
 
         return netns.run_in(guest, measure)
     finally:
@@ -253,6 +356,7 @@ def name_check(runs: int, size: int) -> dict[str, float]:
         if servers is not None:
             servers.close()
         netns.remove(uplink_ns)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:

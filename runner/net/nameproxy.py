@@ -67,6 +67,7 @@ FIRST_FLIGHT_SECONDS = 10.0
 CONNECT_SECONDS = 10.0
 MAX_RECORDS = 1024
 READ_BYTES = 16 * 1024
+REFUSED_DRAIN_SECONDS = 10.0  # after a refused pipelined request: the earlier ones' responses, this long at most
 PIPE_BYTES = 128 * 1024  # measured (bench/net.py): 1 MiB pipes moved less per second than 64-256 KiB
 TIMED_OUT = "no TLS ClientHello or HTTP request head within the time allowed"
 TOO_MANY = "too many connections open through the name check"
@@ -338,32 +339,60 @@ class NameProxy:
         """Both directions of an intercepted connection in this one thread (an SSL object must not be
         read and written from two threads at once): requests framed and checked, responses copied."""
         http = HttpRequests()
-        ends = {guest: upstream, upstream: guest}
-        while ends and not connection.closed:
-            ready = [sock for sock in ends if sock.pending()] or select.select(list(ends), [], [])[0]
-            for src in ready:
-                dst = ends.get(src)
-                if dst is None:
+        refused: Claim | None = None  # a later request refused: its earlier ones' responses still go out
+        drain_until, forwarded = 0.0, 0
+        for sock in (guest, upstream):
+            sock.setblocking(False)  # OpenSSL may hold a record already read: every recv is tried, select only then
+        while not connection.closed:
+            progressed = False
+            for src in ((upstream,) if refused is not None else (guest, upstream)):
+                try:
+                    data = src.recv(READ_BYTES)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
                     continue
-                data = src.recv(READ_BYTES)
-                if not data:
-                    ends.pop(src)
-                    _half_close(dst)
-                    continue
+                progressed = True
+                if not data:  # either end done: so is the connection (what came before is all sent)
+                    return self._end_refused(connection, guest, refused, address, port)
                 if src is upstream:
-                    dst.sendall(data)
+                    _send_all(guest, data)
                     continue
-                for piece in http.feed(data) if http.state != "closed" else [Piece(data)]:
-                    claim = piece.claim
-                    if claim is not None and claim.name != name and claim.refusal is None:
-                        claim = Claim("http", claim.name, HOST_MISMATCH, claim.method, claim.path)
-                    if claim is not None and not self._admit(claim, address, port):
-                        if self._why(claim, address, port) == REQUEST_REFUSED:
-                            _answer(guest, 403, _refused_text(claim))
-                        connection.closed = True
-                        return
-                    if piece.data:
-                        upstream.sendall(piece.data)
+                refused, sent = self._forward_requests(http, data, upstream, name, address, port)
+                forwarded += sent
+                if refused is not None and not forwarded:
+                    return self._end_refused(connection, guest, refused, address, port)  # nothing to wait for
+                if refused is not None:
+                    drain_until = time.monotonic() + REFUSED_DRAIN_SECONDS
+            if progressed:
+                continue
+            wait = None if refused is None else drain_until - time.monotonic()
+            if wait is not None and (wait <= 0 or not select.select([upstream], [], [], min(wait, 1.0))[0]):
+                return self._end_refused(connection, guest, refused, address, port)  # upstream idle: all answered
+            if wait is None:
+                select.select([guest, upstream], [], [])
+
+    def _forward_requests(self, http: HttpRequests, data: bytes, upstream: ssl.SSLSocket, name: str,
+                          address: str, port: int) -> tuple[Claim | None, int]:
+        """Frame the guest's decrypted bytes and pass on what is admitted: the first refused claim
+        and how many request heads went upstream."""
+        sent = 0
+        for piece in http.feed(data) if http.state != "closed" else [Piece(data)]:
+            claim = piece.claim
+            if claim is not None and claim.name != name and claim.refusal is None:
+                claim = Claim("http", claim.name, HOST_MISMATCH, claim.method, claim.path)
+            if claim is not None and not self._admit(claim, address, port):
+                return claim, sent
+            if piece.data:
+                _send_all(upstream, piece.data)
+            sent += claim is not None
+        return None, sent
+
+    def _end_refused(self, connection: _Connection, guest: ssl.SSLSocket, refused: Claim | None,
+                     address: str, port: int) -> None:
+        """The end of an intercepted connection: a refused request is answered (403, why) last."""
+        connection.closed = True
+        if refused is not None and self._why(refused, address, port) == REQUEST_REFUSED:
+            guest.setblocking(True)
+            _answer(guest, 403, _refused_text(refused))
 
     def _connect(self, connection: _Connection, address: str, port: int) -> socket.socket | None:
         upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -504,6 +533,19 @@ def _answer(sock: socket.socket, status: int, text: str) -> None:
             sock.unwrap()
     except (OSError, ValueError):
         pass
+
+
+def _send_all(sock: ssl.SSLSocket, data: bytes) -> None:
+    """sendall for a non-blocking TLS socket: waits for it to take more (CPython lets OpenSSL
+    retry a write from a moved buffer)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except (ssl.SSLWantWriteError, BlockingIOError):
+            select.select([], [sock], [])
+        except ssl.SSLWantReadError:
+            select.select([sock], [], [])
 
 
 def _half_close(sock: socket.socket) -> None:

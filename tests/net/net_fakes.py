@@ -293,10 +293,11 @@ def test_ca(label: str):  # type: ignore[no-untyped-def]
     return key, cert
 
 
-def tls_server(ns: str, address: str, port: int, name: str, ca, directory, servers: Servers) -> None:  # type: ignore[no-untyped-def]
+def tls_server(ns: str, address: str, port: int, name: str, ca, directory, servers: Servers,  # type: ignore[no-untyped-def]
+               handler=None) -> None:
     """A real TLS web server (http.server over ssl) at address:port in `ns`, presenting a certificate
     for `name` signed by `ca`; it answers every request with `<METHOD> <path> <Host>` and keeps the
-    connection alive. Runs until `servers` close."""
+    connection alive (or with `handler`, an http.server handler class). Runs until `servers` close."""
     import datetime
     import http.server
     import ssl
@@ -339,7 +340,7 @@ def tls_server(ns: str, address: str, port: int, name: str, ca, directory, serve
             pass
 
     ip("-n", ns, "addr", "add", f"{address}/32", "dev", "lo")
-    server = http.server.ThreadingHTTPServer((address, port), Echo, bind_and_activate=False)
+    server = http.server.ThreadingHTTPServer((address, port), handler or Echo, bind_and_activate=False)
     server.socket.close()
     raw = netns.socket_in(ns, socket.AF_INET, socket.SOCK_STREAM)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

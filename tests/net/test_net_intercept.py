@@ -145,3 +145,27 @@ def test_each_job_gets_its_own_ca_and_loses_it_with_the_slot(setup: Setup) -> No
     assert again.proxy.ca.cert_pem != first.cert_pem
     again.apply_policy(load_policy("version: 1\nallow:\n  - host: tls.test\n    ports: [8443]\n", "p.yml"))
     assert again.proxy.ca is None  # no methods:/paths: rule: nothing is intercepted, no CA exists
+
+
+
+def test_a_client_that_closes_after_one_request_gets_its_whole_response(setup: Setup) -> None:
+    """urllib's way: HTTP/1.1 with Connection: close, then read to the end."""
+    s = setup
+    s.slot.apply_policy(load_policy(POLICY, "p.yml"))
+    assert s.slot.proxy is not None and s.slot.proxy.ca is not None
+    job_ca = s.tmp / "job-ca.pem"
+    job_ca.write_bytes(s.slot.proxy.ca.cert_pem)
+    lookup(s.guest, "tls.test")
+
+    def fetch() -> bytes:
+        context = ssl.create_default_context(cafile=str(job_ca))
+        with socket.create_connection((TLS_HOST, 8443), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname="tls.test") as tls:
+            tls.sendall(b"GET /simple/x/ HTTP/1.1\r\nHost: tls.test:8443\r\nAccept-Encoding: identity\r\n"
+                        b"Connection: close\r\n\r\n")
+            got = b""
+            while chunk := tls.recv(65536):
+                got += chunk
+            return got
+
+    assert in_ns(s.guest, fetch).endswith(b"\r\n\r\nGET /simple/x/ tls.test:8443")
