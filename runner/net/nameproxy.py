@@ -259,7 +259,7 @@ class NameProxy:
         if first_kind(data) != "http":
             return data, [], None
         http = HttpRequests()
-        data, pieces = b"", []
+        data, pieces = b"", list[Piece]()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
