@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "runner.service.cli",  # serve | run | jobs
     "runner.service.config_cli",  # config check | schema
     "runner.commands.github",  # register | deregister | runners | guard | redeliver
+    "runner.commands.attestation",  # attestation | attestation-key | verify
 )
 
 # Each command, the module that registers it and its one-line help (for `--help` without importing it).
@@ -46,6 +47,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("runner.commands.github", "the running service's VMs, spare pools, queue, recent jobs and runners "
                                         "(asks it on its socket; operators only)"),
     "guard": ("runner.commands.github", "job-started hook: refuse untrusted fork workflows"),
+    "attestation": ("runner.commands.attestation", "print a job's signed record (a DSSE envelope line)"),
+    "attestation-key": ("runner.commands.attestation", "print the public key the service signs job records with"),
+    "verify": ("runner.commands.attestation", "check a signed job record and its artifacts"),
 }
 
 DESCRIPTION = """\
@@ -90,6 +94,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         help="as -v, and show the traceback of an error too (for a bug report)")
     parser.add_argument("--version", action=_Version)
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    modules: tuple[str, ...]
     if command is None:
         modules = COMMAND_MODULES
     elif command in COMMANDS:
