@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from action import session
 from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
+from action.attestation import write_envelope
 from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
@@ -97,7 +98,23 @@ class JobDriver:
                         artifacts=extraction.files, refused_artifacts=extraction.skipped,
                         log_dropped_bytes=dropped)
         self._report(result)
+        self._attestation()
         return result.exit_code
+
+    def _attestation(self) -> None:
+        """The job's signed record next to its artifacts (action/attestation.py); its path is the `attestation`
+        output. Without one (an older service, a failed signature) the step says so and its result stands."""
+        job_id = self._submitted_id
+        temp = self.environ.get("RUNNER_TEMP")
+        try:
+            data = self.client.attestation(job_id)
+            path = write_envelope(data, self.workspace, self.inputs.artifacts_path if self.inputs.artifacts else None,
+                                  Path(temp) if temp else None, job_id)
+        except (*self.api_errors, MicrovmCheckError) as exc:
+            self.out.write(annotation("warning", f"the job's signed record was not written: {exc}") + "\n")
+            return
+        self._say(f"signed job record: {path} (check it with `microvm-check verify`)")
+        append_file("GITHUB_OUTPUT", format_outputs({"attestation": str(path)}), self.environ)
 
     def _send_checkout(self) -> None:
         """Pack and upload the workspace, unless the job attached to a VM an earlier step of this GitHub

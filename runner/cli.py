@@ -20,7 +20,7 @@ import traceback
 
 from runner.errors import MicrovmCheckError
 
-COMMAND_MODULES = (
+COMMAND_MODULES: tuple[str, ...] = (
     "vmimages.cli",  # template build | list | rm
     "runner.commands.doctor",  # doctor
     "runner.commands.policy",  # policy check | render | suggest
@@ -72,6 +72,16 @@ def version() -> str:
         return "unknown (not installed; run scripts/setup)"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse measures the command names at their group's indent but prints them one step deeper, so the
+    longest name (attestation-key) would get its help on a line of its own: measure them where they are printed."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            self._action_max_length += self._indent_increment
+
+
 class _Version(argparse.Action):
     """`--version`, reading the version only when asked."""
 
@@ -88,7 +98,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with `command`'s area registered in full and every other command as a name and
     help line only (None: every area in full, as a test or a caller that wants them all needs)."""
     parser = argparse.ArgumentParser(prog="microvm-check", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
     parser.add_argument("--debug", action="store_true",
                         help="as -v, and show the traceback of an error too (for a bug report)")

@@ -19,6 +19,7 @@ taken for a user's mistake.
     ├── SandboxError     a VM or its guest cannot go on (runner.vm, the job's log budget)
     ├── TemplateError    a VM template cannot be found, described or built (runner.vm.templates, vmimages)
     ├── NetworkError     namespaces, uplink, firewall rules, the guests' resolver (runner.net)
+    ├── AttestationError a signed job record cannot be made, read or verified (runner.attest)
     ├── GitHubError      GitHub did not answer with what we asked for (runner.github)
     └── PolicyError      an egress policy that does not load (defined in policy.load, with its problems)
 
@@ -78,6 +79,10 @@ class TemplateError(MicrovmCheckError):
 
 class NetworkError(MicrovmCheckError):
     """The host's network plumbing for VMs (namespaces, uplink, rules, resolver) failed; no VM runs on it."""
+
+
+class AttestationError(MicrovmCheckError):
+    """A signed job record that cannot be made, read or verified; the message says which part failed."""
 
 
 class GitHubError(MicrovmCheckError):

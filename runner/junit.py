@@ -1,5 +1,9 @@
 """Reads JUnit XML reports the guest produced, which are hostile input.
 
+Shared by the action (its annotations and outputs, action/junit.py) and the service, which reads the
+same reports from a job's artifacts to sign their totals (runner/service/attestation.py) and to post
+them on the pull request's check run: both count the same way.
+
 defusedxml is not available, so the tree is built by `xml.etree.ElementTree.TreeBuilder` fed from a
 raw expat parser whose DOCTYPE, entity-declaration and external-entity handlers refuse the document:
 without a DTD there is no entity expansion (billion laughs) and no external fetch. Files are size-
@@ -20,6 +24,7 @@ from runner.errors import ClientError
 
 MAX_REPORT_BYTES = 32 * 1024 * 1024
 MAX_TEXT = 4000
+SNIFF_BYTES = 4096
 _LOCATION = re.compile(r"^([^\s:][^:\n]*):(\d+):", re.MULTILINE)
 
 
@@ -89,12 +94,17 @@ def read_report(path: Path) -> Totals:
     size = path.stat().st_size
     if size > MAX_REPORT_BYTES:
         raise JUnitError(f"{path.name}: {size} bytes, over the {MAX_REPORT_BYTES}-byte limit")
+    return parse_report(path.name, path.read_bytes())
+
+
+def parse_report(name: str, data: bytes) -> Totals:
+    """Totals and failures of one JUnit document `data`, called `name` in errors."""
     try:
-        root = parse_xml(path.read_bytes())
+        root = parse_xml(data)
     except JUnitError as exc:
-        raise JUnitError(f"{path.name}: {exc}") from exc
+        raise JUnitError(f"{name}: {exc}") from exc
     if root.tag not in ("testsuites", "testsuite"):
-        raise JUnitError(f"{path.name}: root element is <{_clip(root.tag, 80)}>, not <testsuites>/<testsuite>")
+        raise JUnitError(f"{name}: root element is <{_clip(root.tag, 80)}>, not <testsuites>/<testsuite>")
     totals = Totals()
     suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
     for suite in suites:
@@ -105,8 +115,12 @@ def read_report(path: Path) -> Totals:
 def looks_like_junit(path: Path) -> bool:
     """Cheap sniff so that non-JUnit XML artifacts are not reported as broken reports."""
     with path.open("rb") as handle:
-        head = handle.read(4096)
-    return b"<testsuite" in head
+        return head_looks_like_junit(handle.read(SNIFF_BYTES))
+
+
+def head_looks_like_junit(head: bytes) -> bool:
+    """`looks_like_junit` on a file's first SNIFF_BYTES bytes."""
+    return b"<testsuite" in head[:SNIFF_BYTES]
 
 
 def _suite(suite: ET.Element) -> Totals:

@@ -12,6 +12,7 @@ A non-zero exit is a result, not an exception. `SandboxError` means the sandbox 
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 import threading
@@ -150,6 +151,14 @@ class Sandbox:
     @property
     def alive(self) -> bool:
         return not self._vm.destroyed
+
+    @property
+    def template_manifest(self) -> dict[str, object]:
+        """The manifest of the template this VM restored from (`<name>/<digest>/manifest.json` above its
+        snapshot's variant directory): its name and digest and, for a derived one (a warm base), its
+        parent's. Read at restore, so a template rebuilt while the job runs does not change the answer."""
+        manifest = json.loads((self._vm.snapshot.disk.parent.parent / "manifest.json").read_text())
+        return manifest if isinstance(manifest, dict) else {}
 
     # ---- running -----------------------------------------------------------------------------
     def _call(self, fn: Callable[[AgentClient], T]) -> T:

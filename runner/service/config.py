@@ -253,6 +253,8 @@ class ServiceConfig:
     token: str | None = setting(None, "bearer token for TCP clients (at least 16 characters)", "string")
     token_file: Path | None = setting(None, "file holding the bearer token, instead of token", "path")
     state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
+    attestation_key: Path | None = setting(None, "the Ed25519 key job records are signed with, made on first start "
+                                                 "(0600); default: <state_dir>/attestation-key.pem", "path")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
     resources: Resources = setting(None, "job VM size", "section", section=Resources)
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)
@@ -301,6 +303,10 @@ class ServiceConfig:
     @property
     def records_path(self) -> Path:
         return self.state_dir / "jobs.sqlite"
+
+    @property
+    def attestation_key_path(self) -> Path:
+        return self.attestation_key or self.state_dir / "attestation-key.pem"
 
 
 # -- reading --------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from policy import suggest
 from policy.model import Policy
 from runner.errors import JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.config import ArtifactLimits, ServiceConfig
 from runner.service.joblog import JobLog, LogFull
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
@@ -84,6 +85,9 @@ class JobRun:
     session: Session | None = None  # the GitHub job's kept VM this step opens or attaches to
     sessions: Sessions | None = None
     attached: bool = False  # the session already had its VM at submit: no VM start, no checkout
+    attestor: JobAttestor | None = None  # signs the final record (runner/service/attestation.py)
+    vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
+    artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
 
     @property
     def checkout_path(self) -> Path:
@@ -111,7 +115,9 @@ class JobRun:
         return True
 
     def finish(self, state: str, exit_code: int | None = None, error: str | None = None) -> None:
-        """The final record; the job's log ends with it, so live followers see the end."""
+        """The final record, signed first when the service signs records (so whoever sees it final finds
+        its signed record too); the job's log ends with it, so live followers see the end."""
+        facts = artifact_facts(self.dir, ARTIFACTS) if self.attestor is not None and not self.record.final else None
         with self.lock:
             if self.record.final:
                 return
@@ -119,6 +125,9 @@ class JobRun:
             self.record.exit_code = exit_code
             self.record.error = error
             self.record.timings.finished_at = time.time()
+            if self.attestor is not None and facts is not None:
+                self.artifact_facts = facts
+                self.attestor.sign(self.dir, self.record, self.vm_facts, facts)
             self.save(self.record)
         _remove(self.checkout_path)
         self.log.close()
@@ -164,6 +173,7 @@ class JobRun:
             cancelled = self.cancel_reason is not None
         if cancelled:
             return None
+        self.vm_facts = VmFacts.of(sandbox)
         self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=0.0)
         self.log.system(f"step {self.session.steps} of the job, in its kept VM {sandbox.id} "
                         f"(session {self.session.id}); the checkout and earlier steps' files are there")
@@ -245,6 +255,7 @@ class JobRun:
             _destroy(sandbox)
             return None
         ready_ms = (time.monotonic() - begin) * 1000
+        self.vm_facts = VmFacts.of(sandbox)
         self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3))
         self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.warm else ''}")
         return sandbox

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from action.pack import PackError, host_git, pack_checkout
+from runner.attest.statement import ENVELOPE_FILE
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import SHA, JobRecord, JobSpec, JobState
@@ -86,7 +87,7 @@ class LocalRun:
         except PackError as exc:
             raise UserError(f"cannot send the checkout: {exc}") from exc
         out_dir = Path.cwd() / ARTIFACTS_DIR
-        if self.artifacts and out_dir.exists() and any(out_dir.iterdir()):
+        if self.artifacts and out_dir.exists() and any(p.name != ENVELOPE_FILE for p in out_dir.iterdir()):
             raise UserError(f"{out_dir} is not empty: move it away so this run's artifacts do not mix with old ones")
         client = self._remote_client()
         if client is not None:
@@ -143,6 +144,7 @@ class LocalRun:
         record = client.get(job)
         if record.artifacts:
             _fetch_artifacts(client, job, out_dir)
+        _write_attestation(client, job, out_dir)
         return _exit_status(record)
 
 
@@ -167,6 +169,8 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
             "templates": [template or "base"], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
             "max_timeout_seconds": max(timeout_seconds, 1), "default_timeout_seconds": max(timeout_seconds, 1),
             "prewarm": {"max_vms": 0}, "shutdown_grace_seconds": 0,
+            # signed with the host's own key (the one `serve` makes in the default state dir), not one thrown away
+            "attestation_key": str(StateDir.default().root / "attestation-key.pem"),
         })
         engine = EngineSettings(state=StateDir(tmp / "engine"), templates=TemplateStore(StateDir.default().templates),
                                 pool_size=0)
@@ -230,6 +234,18 @@ def _exit_status(record: JobRecord) -> int:
     if code is None or (code == 0 and record.state != JobState.FINISHED):
         return EXIT_FAILED
     return code & 0xFF
+
+
+def _write_attestation(client: JobClient, job: str, out_dir: Path) -> None:
+    """The job's signed record as ./artifacts/microvm-check.intoto.jsonl (the next run replaces it)."""
+    try:
+        data = client.attestation(job)
+        out_dir.mkdir(exist_ok=True)
+        (out_dir / ENVELOPE_FILE).write_bytes(data)
+    except (JobAPIError, OSError) as exc:
+        _say(f"microvm-check: job {job}: its signed record was not written: {exc}")
+        return
+    _say(f"microvm-check: signed job record in {out_dir / ENVELOPE_FILE} (microvm-check verify checks it)")
 
 
 def _fetch_artifacts(client: JobClient, job: str, out_dir: Path) -> None:

@@ -47,6 +47,7 @@ def test_every_input_reaches_the_step_as_an_env_var_and_never_the_script(metadat
 
 def test_outputs_come_from_the_step(metadata: dict) -> None:
     step_id = metadata["runs"]["steps"][0]["id"]
-    assert set(metadata["outputs"]) == {"exit-code", "junit-passed", "junit-failed", "result-json"}
+    assert set(metadata["outputs"]) == {"exit-code", "junit-passed", "junit-failed", "result-json",
+                                        "attestation"}
     for name, spec in metadata["outputs"].items():
         assert spec["value"] == "${{ steps.%s.outputs.%s }}" % (step_id, name)

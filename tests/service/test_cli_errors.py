@@ -46,7 +46,7 @@ def test_every_error_belongs_to_an_area() -> None:
     assert lost == []
     assert {area.__name__ for area in AREAS} == {"UserError", "ConfigError", "JobError", "ClientError", "ArchiveError",
                                                  "SandboxError", "TemplateError", "NetworkError", "GitHubError",
-                                                 "PolicyError"}
+                                                 "AttestationError", "PolicyError"}
 
 
 def _error_of(area: type[MicrovmCheckError], message: str) -> MicrovmCheckError:

@@ -1,0 +1,133 @@
+"""The in-toto Statement v1 a job's record is, and its predicate (this project's own type).
+
+    {"_type": "https://in-toto.io/Statement/v1",
+     "subject": [{"name": "out/report.xml", "digest": {"sha256": "…"}}, …],   # the job's artifacts
+     "predicateType": PREDICATE_TYPE,
+     "predicate": {"job": {...}, "template": {...}, "warmBase": {...} | null, "policyDigest": "sha256:…",
+                   "egressAudit": {"digest": {"sha256": "…"}, "records": N}, "state": "finished",
+                   "exitCode": 0, "junit": {"tests": …} | null, "accelerator": "tcg", "startedAt": "…Z",
+                   "finishedAt": "…Z", "vmReadyMs": …}}
+
+A job without artifacts has no subject to name; the statement then has one subject, the job itself,
+named `job:<id>` with the digest of its egress audit, so the spec's "at least one subject" holds and
+the record is still bound to something a verifier can recompute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from runner.errors import AttestationError
+
+PAYLOAD_TYPE = "application/vnd.in-toto+json"
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://github.com/org/microvm-check/blob/main/docs/attestation.md#job-record-v1"
+ENVELOPE_FILE = "microvm-check.intoto.jsonl"  # written next to the artifacts by the action and `run`
+JOB_SUBJECT_PREFIX = "job:"
+
+
+def canonical_digest(value: object) -> str:
+    """sha256 hex of `value` as compact, key-sorted JSON: how the egress audit is digested here and on
+    the check run, so either can be recomputed from the job's record (`jobs show --json`)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def rfc3339(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch)) + f".{int(epoch % 1 * 1000):03d}Z"
+
+
+@dataclass(frozen=True)
+class Subject:
+    name: str
+    sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "digest": {"sha256": self.sha256}}
+
+
+@dataclass(frozen=True)
+class JobPredicate:
+    """What the service claims about one job; every field is the service's own, none the guest's word
+    (the JUnit totals are the service's count of the reports the guest left)."""
+
+    job: dict[str, Any]  # id, repository, sha, runId, runAttempt, job
+    template: dict[str, str] | None  # name, digest: the recipe template the VM (or its warm base) came from
+    warmBase: dict[str, str] | None  # name, digest: the repository's warm base, when the VM restored from one
+    policyDigest: str | None
+    egressAudit: dict[str, Any]  # digest {sha256}, records: the blocked-egress records of the job's record
+    state: str
+    exitCode: int | None
+    junit: dict[str, int] | None  # tests, passed, failed, skipped
+    accelerator: str | None
+    startedAt: str | None
+    finishedAt: str | None
+    vmReadyMs: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # members a later version adds, kept when read
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(data.pop("extra"))
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> JobPredicate:
+        if not isinstance(data, dict):
+            raise AttestationError("the statement's predicate is not an object")
+        names = [f for f in cls.__dataclass_fields__ if f != "extra"]
+        missing = [n for n in names if n not in data and n not in ("vmReadyMs", "error")]
+        if missing:
+            raise AttestationError(f"the predicate lacks {', '.join(missing)}")
+        known: dict[str, Any] = {n: data.get(n) for n in names}
+        return cls(**known, extra={k: v for k, v in data.items() if k not in names})
+
+
+@dataclass(frozen=True)
+class Statement:
+    subjects: tuple[Subject, ...]
+    predicate: JobPredicate
+
+    def to_json(self) -> dict[str, Any]:
+        return {"_type": STATEMENT_TYPE, "subject": [s.to_json() for s in self.subjects],
+                "predicateType": PREDICATE_TYPE, "predicate": self.predicate.to_json()}
+
+    def payload(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def artifacts(self) -> tuple[Subject, ...]:
+        return tuple(s for s in self.subjects if not s.name.startswith(JOB_SUBJECT_PREFIX))
+
+    @classmethod
+    def parse(cls, payload: bytes) -> Statement:
+        """The statement in a verified payload; AttestationError when it is not one of ours."""
+        try:
+            data = json.loads(payload)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise AttestationError(f"the payload is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("_type") != STATEMENT_TYPE:
+            raise AttestationError(f"the payload is not an in-toto Statement v1 ({STATEMENT_TYPE})")
+        if data.get("predicateType") != PREDICATE_TYPE:
+            raise AttestationError(f"the predicate type is {str(data.get('predicateType'))[:200]!r}, not {PREDICATE_TYPE}")
+        subjects = data.get("subject")
+        if not isinstance(subjects, list) or not subjects:
+            raise AttestationError("the statement has no subject")
+        parsed = []
+        for item in subjects:
+            digest = item.get("digest") if isinstance(item, dict) else None
+            name, sha = (item.get("name"), digest.get("sha256")) if isinstance(digest, dict) else (None, None)
+            if not isinstance(name, str) or not isinstance(sha, str) or len(sha) != 64:
+                raise AttestationError("a subject lacks its name or its sha256 digest")
+            parsed.append(Subject(name, sha))
+        return cls(tuple(parsed), JobPredicate.from_json(data.get("predicate")))
+
+
+def job_subject(job_id: str, audit_sha256: str) -> Subject:
+    return Subject(JOB_SUBJECT_PREFIX + job_id, audit_sha256)

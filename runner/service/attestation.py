@@ -1,0 +1,166 @@
+"""Signed job records: the service signs what each job was, as it ends (runner/attest/ has the formats).
+
+`JobRun.finish` calls `JobAttestor.sign` once, with the final state, exit code and times set and before
+the final record is saved: so a client that sees the record final finds its signed record too. The
+envelope is the job directory's `attestation.intoto.jsonl`, pruned with the job; the API serves it
+(GET /v1/jobs/<id>/attestation) and the public key (GET /v1/attestation-key).
+
+What is signed is the service's own knowledge, never the guest's word: the artifacts' sha256 as the
+service validated them (the clean tar), JUnit totals counted by the service from those artifacts
+(runner/junit.py, as the action counts), the template and warm base the VM restored from (read at
+restore), the effective policy's digest, the digest of the egress audit in the job's record, the exit
+code, the accelerator and the times. A record that cannot be signed (a full disk) is logged; the job
+keeps its result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.attest import dsse
+from runner.attest.keys import SigningKey
+from runner.attest.statement import (
+    PAYLOAD_TYPE,
+    JobPredicate,
+    Statement,
+    Subject,
+    canonical_digest,
+    job_subject,
+    rfc3339,
+)
+from runner.junit import MAX_REPORT_BYTES, JUnitError, Totals, head_looks_like_junit, parse_report
+from runner.tarsafe import skip_marker
+
+if TYPE_CHECKING:
+    from runner.jobapi.contract import JobRecord
+
+log = logging.getLogger(__name__)
+
+ENVELOPE = "attestation.intoto.jsonl"  # in the job's directory
+MAX_JUNIT_REPORTS = 200  # reports the service parses per job; the guest decides how many it leaves
+
+
+@dataclass(frozen=True)
+class VmFacts:
+    """What the VM restored from, taken when it started: template (the recipe's), warm base, accelerator."""
+
+    template: dict[str, str] | None
+    warm_base: dict[str, str] | None
+    accelerator: str | None
+
+    @classmethod
+    def of(cls, sandbox: object) -> VmFacts:
+        try:
+            manifest = getattr(sandbox, "template_manifest", None)
+        except (OSError, ValueError):  # its template's directory went away: the record says it is unknown
+            manifest = None
+        accel = getattr(sandbox, "accel", None)
+        if not isinstance(manifest, dict):
+            return cls(None, None, accel if isinstance(accel, str) else None)
+        own = _named(manifest)
+        parent = _named(manifest.get("parent"))
+        return cls(parent or own, own if parent else None, accel if isinstance(accel, str) else None)
+
+
+@dataclass(frozen=True)
+class ArtifactFacts:
+    """The job's artifacts by sha256 and the JUnit totals counted from them: the check run shows the same."""
+
+    subjects: tuple[Subject, ...] = ()
+    junit: Totals | None = None
+
+    @classmethod
+    def of(cls, tar_path: Path) -> ArtifactFacts:
+        """Read the clean artifact tar the service wrote (runner/tarsafe.py `copy_validated`)."""
+        if not tar_path.exists():
+            return cls()
+        subjects, junit, reports = [], None, 0
+        with tarfile.open(tar_path, "r:") as tar:
+            for member in tar:
+                if not member.isfile() or skip_marker(member) is not None:
+                    continue
+                handle = tar.extractfile(member)
+                if handle is None:
+                    continue
+                digest = hashlib.sha256()
+                keep = member.name.endswith(".xml") and member.size <= MAX_REPORT_BYTES and reports < MAX_JUNIT_REPORTS
+                data = bytearray()
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+                    if keep:
+                        data += chunk
+                subjects.append(Subject(member.name, digest.hexdigest()))
+                if keep and head_looks_like_junit(bytes(data[:4096])):
+                    reports += 1
+                    try:
+                        report = parse_report(member.name, bytes(data))
+                    except JUnitError as exc:
+                        log.info("artifact %s is not a JUnit report the service can count: %s", member.name, exc)
+                        continue
+                    junit = junit or Totals()
+                    junit.add(report)
+        return cls(tuple(subjects), junit)
+
+
+def audit_digest(record: JobRecord) -> str:
+    """sha256 of the egress audit in the record (what `jobs show --json` prints as blocked_egress)."""
+    return canonical_digest(record.blocked_egress)
+
+
+def predicate(record: JobRecord, vm: VmFacts | None, junit: Totals | None) -> JobPredicate:
+    vm = vm or VmFacts(None, None, None)
+    return JobPredicate(
+        job={"id": record.id, "repository": record.repository, "sha": record.sha, "runId": record.run_id,
+             "runAttempt": record.run_attempt, "job": record.job_name},
+        template=vm.template, warmBase=vm.warm_base, policyDigest=record.policy_digest,
+        egressAudit={"digest": {"sha256": audit_digest(record)}, "records": len(record.blocked_egress)},
+        state=record.state.value, exitCode=record.exit_code,
+        junit=None if junit is None else {"tests": junit.tests, "passed": junit.passed, "failed": junit.failed,
+                                          "skipped": junit.skipped},
+        accelerator=vm.accelerator, startedAt=rfc3339(record.timings.started_at),
+        finishedAt=rfc3339(record.timings.finished_at), vmReadyMs=record.timings.vm_ready_ms, error=record.error)
+
+
+class JobAttestor:
+    """Signs each job's final record with the service's key (runner/attest/keys.py)."""
+
+    def __init__(self, key: SigningKey) -> None:
+        self.key = key
+
+    def statement(self, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> Statement:
+        subjects = artifacts.subjects or (job_subject(record.id, audit_digest(record)),)
+        return Statement(subjects, predicate(record, vm, artifacts.junit))
+
+    def sign(self, job_dir: Path, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> bool:
+        """Write the job's envelope; False (logged) when it could not be made."""
+        try:
+            envelope = dsse.sign(PAYLOAD_TYPE, self.statement(record, vm, artifacts).payload(), self.key.private,
+                                 self.key.keyid)
+            tmp = job_dir / f".{ENVELOPE}.part"
+            tmp.write_bytes(envelope.line())
+            os.replace(tmp, job_dir / ENVELOPE)
+            return True
+        except Exception:  # the job's result stands without its signed record; the log says why
+            log.exception("job %s: its record could not be signed", record.id)
+            return False
+
+
+def artifact_facts(job_dir: Path, artifacts_name: str) -> ArtifactFacts:
+    """`ArtifactFacts.of` the job's clean tar; a tar that cannot be read gives no subjects (logged)."""
+    try:
+        return ArtifactFacts.of(job_dir / artifacts_name)
+    except (OSError, tarfile.TarError):
+        log.exception("the artifacts of %s could not be read for its signed record", job_dir.name)
+        return ArtifactFacts()
+
+
+def _named(value: Any) -> dict[str, str] | None:
+    if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("digest"), str):
+        return {"name": value["name"], "digest": value["digest"]}
+    return None
