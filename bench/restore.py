@@ -38,7 +38,7 @@ def wait_for_pool(engine: Engine, snapshot, size: int, timeout: float = 120.0) -
     while time.monotonic() < deadline:
         with engine.pool._lock:
             ready = len(engine.pool._ready[snapshot])
-        if ready >= size:
+        if ready >= size and engine.standby_vmms() >= 1:  # idle: the spares and the VMM spawned ahead are up
             return
         time.sleep(0.05)
     raise RuntimeError("the warm pool did not refill in time")
