@@ -1,0 +1,138 @@
+"""The signed-record formats on their own: DSSE's PAE (the spec's test vector), envelopes the spec allows
+(URL-safe base64, several signatures), what a verifier refuses, and the key file's rules."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from runner.attest import dsse
+from runner.attest.keys import SigningKey
+from runner.attest.statement import PAYLOAD_TYPE, Statement
+from runner.attest.verify import verify_record
+from runner.errors import AttestationError
+from runner.jobapi.contract import JobRecord, JobState
+from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts
+from runner.service.job import ARTIFACTS
+
+
+def test_pae_is_the_specs_test_vector() -> None:
+    assert dsse.pae("http://example.com/HelloWorld", b"hello world") == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+
+
+def test_lengths_are_bytes_not_characters() -> None:
+    assert dsse.pae("t", "é".encode()) == b"DSSEv1 1 t 2 \xc3\xa9"
+
+
+@pytest.fixture
+def key(tmp_path: Path) -> SigningKey:
+    return SigningKey.load_or_create(tmp_path / "state" / "attestation-key.pem")
+
+
+def test_url_safe_base64_and_a_second_signature_of_another_key_verify(key: SigningKey, tmp_path: Path) -> None:
+    other = SigningKey.load_or_create(tmp_path / "other.pem")
+    payload = b'{"a": "\xff\xfe?>"}'
+    envelope = dsse.sign(PAYLOAD_TYPE, payload, key.private, key.keyid)
+    obj = envelope.to_json()
+    obj["payload"] = base64.urlsafe_b64encode(payload).decode()
+    first = dsse.sign(PAYLOAD_TYPE, payload, other.private, other.keyid).to_json()["signatures"]
+    obj["signatures"] = first + obj["signatures"]  # type: ignore[operator]
+    assert dsse.parse(json.dumps(obj).encode()).verify(key.public) == payload
+
+
+def test_the_type_is_signed_too(key: SigningKey) -> None:
+    obj = dsse.sign(PAYLOAD_TYPE, b"{}", key.private, key.keyid).to_json()
+    obj["payloadType"] = "application/json"
+    with pytest.raises(AttestationError, match="does not verify"):
+        dsse.parse(json.dumps(obj).encode()).verify(key.public)
+
+
+@pytest.mark.parametrize("text", [b"", b"[]", b'{"payload": "x"}', b'{"payload": "!!", "payloadType": "t", "signatures": []}'])
+def test_malformed_envelopes_are_refused(text: bytes) -> None:
+    with pytest.raises(AttestationError):
+        dsse.parse(text)
+
+
+def test_the_key_is_made_once_0600_and_a_loose_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "k" / "attestation-key.pem"
+    first = SigningKey.load_or_create(path)
+    assert SigningKey.load_or_create(path).keyid == first.keyid  # a restart keeps it
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    os.chmod(path, 0o644)
+    with pytest.raises(AttestationError, match="mode 0600"):
+        SigningKey.read(path)
+
+
+def _record(state: JobState, **changes: object) -> JobRecord:
+    record = JobRecord(id="j1", state=state, repository="o/r", sha="a" * 40, run_id=7, run_attempt=1,
+                       job_name="test", policy_digest="sha256:" + "b" * 64)
+    record.blocked_egress = [{"host": "evil.example", "port": 443, "count": 2}]
+    for name, value in changes.items():
+        setattr(record, name, value)
+    return record
+
+
+def _artifacts(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / ARTIFACTS).write_bytes(buf.getvalue())
+    return tmp_path / ARTIFACTS
+
+
+JUNIT = (b'<testsuites><testsuite name="s"><testcase name="a"/><testcase name="b"><failure message="m">x</failure>'
+         b'</testcase><testcase name="c"><skipped/></testcase></testsuite></testsuites>')
+
+
+def test_the_service_signs_what_it_counted_and_verify_reads_it_back(key: SigningKey, tmp_path: Path) -> None:
+    facts = ArtifactFacts.of(_artifacts(tmp_path, {"out/report.xml": JUNIT, "bin/tool": b"\x00" * 10}))
+    assert facts.junit is not None and (facts.junit.tests, facts.junit.failed, facts.junit.skipped) == (3, 1, 1)
+    record = _record(JobState.FINISHED, exit_code=1)
+    vm = VmFacts({"name": "base", "digest": "d1"}, {"name": "base--net--o--r", "digest": "d2"}, "tcg")
+    assert JobAttestor(key).sign(tmp_path, record, vm, facts)
+    data = (tmp_path / "attestation.intoto.jsonl").read_bytes()
+    out = tmp_path / "got"
+    (out / "out").mkdir(parents=True)
+    (out / "bin").mkdir()
+    (out / "out" / "report.xml").write_bytes(JUNIT)
+    (out / "bin" / "tool").write_bytes(b"\x00" * 10)
+    (out / "extra.txt").write_text("not signed")
+    verified = verify_record(data, key.public, out)
+    assert sorted(verified.checked) == ["bin/tool", "out/report.xml"] and verified.unattested == ["extra.txt"]
+    p = verified.statement.predicate
+    assert p.junit == {"tests": 3, "passed": 1, "failed": 1, "skipped": 1}
+    assert (p.template, p.warmBase, p.accelerator, p.exitCode) == ({"name": "base", "digest": "d1"},
+                                                                    {"name": "base--net--o--r", "digest": "d2"}, "tcg", 1)
+    assert p.egressAudit["records"] == 1
+    (out / "bin" / "tool").unlink()
+    with pytest.raises(AttestationError, match="bin/tool"):  # a named artifact that is missing fails
+        verify_record(data, key.public, out)
+
+
+def test_a_job_without_artifacts_names_itself(key: SigningKey, tmp_path: Path) -> None:
+    record = _record(JobState.CANCELLED)
+    JobAttestor(key).sign(tmp_path, record, None, ArtifactFacts())
+    statement = Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
+    assert [s.name for s in statement.subjects] == ["job:j1"] and statement.artifacts == ()
+
+
+def test_a_link_in_the_artifacts_directory_is_not_followed(key: SigningKey, tmp_path: Path) -> None:
+    facts = ArtifactFacts.of(_artifacts(tmp_path, {"a/f": b"x"}))
+    record = _record(JobState.FAILED)
+    JobAttestor(key).sign(tmp_path, record, None, facts)
+    out = tmp_path / "got"
+    out.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "f").write_bytes(b"x")
+    (out / "a").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(AttestationError, match="a/f"):
+        verify_record((tmp_path / "attestation.intoto.jsonl").read_bytes(), key.public, out)
