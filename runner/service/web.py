@@ -41,7 +41,9 @@ COOKIE = "microvm_check_token"
 PREFIX = "/ui"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'none'; "
        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+# same-origin, not no-referrer: with no-referrer a browser sends `Origin: null` on the cancel form's POST, and the
+# origin check could not tell the page's own form from a sandboxed frame; other sites still get no referrer.
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
            "Cache-Control": "no-store", "X-Frame-Options": "DENY"}
 PAGE_LOG_LINES = 2000  # the server-rendered log shows the last lines; the script follows the rest
 PAGE_JOBS = 50  # jobs per page of the list
@@ -224,36 +226,64 @@ def _log_lines(job_log: Any, search: str = "") -> tuple[list[dict[str, Any]], in
     """The log so far (never waiting for more), neutralised, as numbered lines: the last PAGE_LOG_LINES of
     it, or with `search` the lines (of all) that contain it. Returns them, the last seq and the line count."""
     lines: list[dict[str, Any]] = []
-    seq = number = 0
     needle = search.casefold()
-    for raw in _committed(job_log):
-        seq += 1
-        entry = LogEntry.from_wire(json.loads(raw))
-        for text in _entry_lines(entry):
-            number += 1
-            if needle and (needle not in text.casefold() or len(lines) >= MAX_SEARCH_HITS):
-                continue
-            lines.append({"n": number, "stream": entry.stream, "ts": entry.ts, "text": text})
-            if not needle and len(lines) > 2 * PAGE_LOG_LINES:
-                del lines[:-PAGE_LOG_LINES]
+    number = 0
+    entries = _Entries(_committed(job_log))
+    for stream, ts, text in _lines_of(entries):
+        number += 1
+        if needle and (needle not in text.casefold() or len(lines) >= MAX_SEARCH_HITS):
+            continue
+        lines.append({"n": number, "stream": stream, "ts": ts, "text": text})
+        if not needle and len(lines) > 2 * PAGE_LOG_LINES:
+            del lines[:-PAGE_LOG_LINES]
     if not needle:
         del lines[:-PAGE_LOG_LINES]
-    return lines, seq, number
+    return lines, entries.seq, number
 
 
-def _entry_lines(entry: LogEntry) -> list[str]:
-    """An entry's text as lines (a piece without its newline is a line of its own)."""
-    text = neutral_text(entry.data)
-    parts = text.split("\n")
-    return parts[:-1] if len(parts) > 1 and parts[-1] == "" else parts
+class _Entries:
+    """The log's entries, counting them (the seq the page's script follows on from)."""
+
+    def __init__(self, raw: Iterator[bytes]) -> None:
+        self._raw, self.seq = raw, 0
+
+    def __iter__(self) -> Iterator[LogEntry]:
+        for line in self._raw:
+            self.seq += 1
+            yield LogEntry.from_wire(json.loads(line))
+
+
+def _lines_of(entries: Any) -> Iterator[tuple[str, float, str]]:
+    """(stream, time, text) per line: output arrives in pieces that split lines anywhere, so a piece that
+    ends inside a line is continued by the next piece of the same stream (another stream ends it)."""
+    pending: tuple[str, float, str] | None = None
+    for entry in entries:
+        text = neutral_text(entry.data)
+        first = entry.ts  # when the first of its lines began
+        if pending is not None:
+            if pending[0] == entry.stream and entry.stream != "system":
+                text, first = pending[2] + text, pending[1]
+            else:
+                yield pending
+            pending = None
+        parts = text.split("\n")
+        for i, part in enumerate(parts[:-1]):
+            yield entry.stream, first if i == 0 else entry.ts, part
+        if parts[-1]:
+            ts = first if len(parts) == 1 else entry.ts
+            if entry.stream == "system":
+                yield entry.stream, ts, parts[-1]  # a note is a whole line
+            else:
+                pending = (entry.stream, ts, parts[-1])
+    if pending is not None:
+        yield pending
 
 
 def log_text(job_log: Any) -> Iterator[bytes]:
     """The whole log as text, each line with its time and stream (log.txt), neutralised like the page."""
-    for raw in _committed(job_log):
-        entry = LogEntry.from_wire(json.loads(raw))
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(entry.ts)) + f".{int(entry.ts * 1000) % 1000:03d}Z"
-        yield "".join(f"{stamp} {entry.stream:<6} {text}\n" for text in _entry_lines(entry)).encode()
+    for stream, ts, text in _lines_of(_Entries(_committed(job_log))):
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
+        yield f"{stamp} {stream:<6} {text}\n".encode()
 
 
 def _committed(job_log: Any) -> Iterator[bytes]:

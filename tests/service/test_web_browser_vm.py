@@ -65,9 +65,9 @@ def test_a_running_job_in_the_browser_and_its_metrics(vm_host) -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(f"{base}/ui?token={TOKEN}")
             assert page.url == f"{base}/ui"  # the token left the address for a cookie
-            assert page.locator(f'#running a[href="/ui/jobs/{job}"]').count() == 1
+            assert page.locator(f'tr.result-running a[href="/ui/jobs/{job}"]').count() == 1
             page.screenshot(path=str(OUTPUT / "jobs.png"), full_page=True)
-            page.click(f'#running a[href="/ui/jobs/{job}"]')
+            page.click(f'tr.result-running a[href="/ui/jobs/{job}"]')
             page.wait_for_selector("#log")
             first = _ticks(page)
             page.wait_for_function(f"() => (document.getElementById('log').textContent.match(/tick-/g) || [])"
@@ -91,5 +91,104 @@ def test_a_running_job_in_the_browser_and_its_metrics(vm_host) -> None:
     assert after[("microvm_check_vm_ready_seconds_count", (("warm", str(record.warm).lower()),))] == 1
     assert after[("microvm_check_vm_ready_seconds_sum", (("warm", str(record.warm).lower()),))] == \
         pytest.approx(record.timings.vm_ready_ms / 1000)
-    assert after[("microvm_check_job_duration_seconds_sum", ())] == \
+    assert after[("microvm_check_job_duration_seconds_sum", (("result", "success"),))] == \
         pytest.approx(record.timings.finished_at - record.timings.started_at)
+
+
+FAILING = ("echo building; echo 'warning: deprecated' >&2; mkdir -p out; echo '<r/>' > out/report.xml; "
+           "echo 'error: 2 tests failed' >&2; exit 3")
+
+
+def test_the_operators_page_in_the_browser(vm_host) -> None:
+    """Real VMs and the real browser: the list's result colours and filters, a failed job's page (stderr told
+    apart without red, line anchors, search, artifact download, the GitHub run link), a huge log's tail view
+    with the whole log as a download, and cancelling a running job with the page's button (CSRF token)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = _chromium()
+    host = vm_host(listen="127.0.0.1:0", token=TOKEN)
+    address = host.api.tcp_address
+    base = f"http://{address[0]}:{address[1]}"
+    client = JobClient(socket=host.config.socket)
+
+    def submit(command: str, **fields) -> str:
+        job = client.submit(spec(command, **fields)).id
+        client.upload_checkout(job, checkout_tar())
+        return job
+    failed = submit(FAILING, artifacts=["out/report.xml"], run_id=987654, run_attempt=1)
+    list(client.logs(failed))
+    huge = submit("seq 1 6000")
+    list(client.logs(huge))
+    running = submit("echo started; sleep 300")
+    for entry in client.logs(running):
+        if entry.data == b"started\n":
+            break
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    violations: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True)
+            page = context.new_page()
+            page.on("console", lambda message: violations.append(message.text)
+                    if "Content Security Policy" in message.text else None)
+            page.goto(f"{base}/ui?token={TOKEN}")
+            assert page.locator(f'tr.result-failure[data-job="{failed}"] td.exit').text_content() == "3"
+            assert page.locator(f'tr.result-success[data-job="{huge}"]').count() == 1
+            assert page.locator(f'tr.result-running[data-job="{running}"]').count() == 1
+            assert page.locator('meta[http-equiv="refresh"]').count() == 1  # a job runs: the list reloads itself
+            colours = page.evaluate("() => [...document.querySelectorAll('#jobs tbody tr td.result')]"
+                                    ".map(td => getComputedStyle(td).color)")
+            assert len(set(colours)) == 3, colours  # failure, success and running look different
+            page.screenshot(path=str(OUTPUT / "jobs-list.png"), full_page=True)
+            page.select_option("#filters select[name=state]", "failure")
+            page.click("#filters button")
+            page.wait_for_url("**/ui?state=failure*")
+            assert [r.get_attribute("data-job") for r in page.locator("#jobs tbody tr").all()] == [failed]
+
+            page.goto(f"{base}/ui/jobs/{failed}")
+            stderr = page.locator("#log .line.stderr")
+            assert stderr.count() == 2 and "warning: deprecated" in stderr.first.text_content()
+            red = page.evaluate("() => { const c = getComputedStyle(document.querySelector('#log .stderr .t')).color;"
+                                " const [r, g, b] = c.match(/\\d+/g).map(Number); return r > 150 && g < 120 && b < 120; }")
+            assert red is False, "stderr is painted red"
+            assert page.locator("#log .line.stderr .s").first.text_content() == "err"
+            assert page.locator("#github-run").get_attribute("href") == \
+                "https://github.com/octo/hello/actions/runs/987654/attempts/1"
+            line = page.locator("#log .line.stdout").first
+            anchor = line.get_attribute("id")
+            line.locator("a.n").click()
+            assert page.url.endswith("#" + anchor)
+            assert page.evaluate("() => getComputedStyle(document.querySelector(':target')).backgroundColor") != \
+                "rgba(0, 0, 0, 0)"
+            assert page.locator(f"#{anchor} time").text_content().count(":") == 2
+            with page.expect_download() as download:
+                page.click("#download-artifacts")
+            assert b"<r/>" in Path(download.value.path()).read_bytes()
+            page.screenshot(path=str(OUTPUT / "job-failed.png"), full_page=True)
+            page.fill("#search input[name=q]", "tests failed")
+            page.click("#search button")
+            page.wait_for_selector("#hits")
+            assert [t.text_content() for t in page.locator("#log .line .t").all()] == ["error: 2 tests failed"]
+
+            page.goto(f"{base}/ui/jobs/{huge}")
+            assert page.locator("#log .line").count() == 2000 and page.locator("#tail-note").is_visible()
+            assert page.locator("#log .line .t").last.text_content() in ("6000", "") or \
+                "6000" in page.locator("#log").text_content()
+            page.screenshot(path=str(OUTPUT / "job-tail.png"))
+            with page.expect_download() as download:
+                page.click("#download-log")
+            whole = Path(download.value.path()).read_text().splitlines()
+            assert [line.split(" ", 2)[2] for line in whole if " stdout " in line] == [str(i) for i in range(1, 6001)]
+
+            page.goto(f"{base}/ui/jobs/{running}")
+            page.click("#cancel button")
+            page.wait_for_function("() => (document.getElementById('state') || {}).textContent === 'cancelled'",
+                                   timeout=60_000)
+            assert page.url == f"{base}/ui/jobs/{running}"
+            page.screenshot(path=str(OUTPUT / "job-cancelled.png"), full_page=True)
+        finally:
+            browser.close()
+    assert violations == []
+    assert client.get(running).state == "cancelled"
+    assert client.get(failed).exit_code == 3

@@ -35,11 +35,23 @@
     row.append(anchor, time, stream, body);
     log.appendChild(row);
   }
+  // A piece of output that ends inside a line is continued by the next piece of the same stream, as the
+  // server renders it (web._lines_of).
+  let open = null;
   function show(entry) {
     const bytes = Uint8Array.from(atob(entry.data), (c) => c.charCodeAt(0));
     const parts = decoder.decode(bytes).split(/\r\n|\r|\n/);
-    if (parts.length > 1 && parts[parts.length - 1] === "") parts.pop();
+    if (open && open.stream === entry.stream && entry.stream !== "system") {
+      open.row.querySelector(".t").textContent += parts.shift();
+      if (parts.length === 0) { after = entry.seq; return; }
+    }
+    open = null;
+    const last = parts.pop();
     parts.forEach((text) => line(entry, text));
+    if (last !== "") {
+      line(entry, last);
+      if (entry.stream !== "system") open = {stream: entry.stream, row: log.lastElementChild};
+    }
     after = entry.seq;
   }
   function ended(job) {
