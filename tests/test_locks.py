@@ -116,3 +116,20 @@ def test_a_stale_lock_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         test_every_direct_dependency_is_pinned_within_its_range("runtime")
     with pytest.raises(AssertionError, match="stale"):
         test_the_lock_pins_nothing_pyproject_no_longer_asks_for("runtime")
+
+
+def _bash_array(script: str, name: str) -> list[str]:
+    body = re.search(rf"^{name}=\(([^)]*)\)", script, re.M | re.S)
+    assert body, f"scripts/setup has no {name}"
+    return [word for line in body[1].splitlines() for word in line.split("#", 1)[0].split()]
+
+
+def test_a_runner_host_gets_no_browser_and_no_test_tools() -> None:
+    """scripts/setup's roles: the runtime packages only by default, the test-only ones with --test (scripts/test)."""
+    setup = (ROOT / "scripts" / "setup").read_text()
+    runtime, test_only = _bash_array(setup, "RUNTIME_APT_PACKAGES"), _bash_array(setup, "TEST_APT_PACKAGES")
+    assert "qemu-system-x86" in runtime and "chromium" in test_only and "prometheus" in test_only
+    assert not set(runtime) & set(test_only)
+    assert "./scripts/setup --test" in (ROOT / "scripts" / "test").read_text()
+    assert re.search(r"^\./scripts/setup$", (ROOT / "scripts" / "demo").read_text(), re.M)  # the demo: runtime only
+    assert "--require-hashes -r" in setup and "pip install -q -e" not in setup
