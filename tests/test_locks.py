@@ -119,9 +119,11 @@ def test_a_stale_lock_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def _bash_array(script: str, name: str) -> list[str]:
-    body = re.search(rf"^{name}=\(([^)]*)\)", script, re.M | re.S)
+    """The words of `NAME=(...)`, which may span lines with a comment on each."""
+    code = "\n".join(line.split("#", 1)[0] for line in script.splitlines())
+    body = re.search(rf"^{name}=\(([^)]*)\)", code, re.M)
     assert body, f"scripts/setup has no {name}"
-    return [word for line in body[1].splitlines() for word in line.split("#", 1)[0].split()]
+    return body[1].split()
 
 
 def test_a_runner_host_gets_no_browser_and_no_test_tools() -> None:
