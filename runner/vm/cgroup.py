@@ -100,19 +100,26 @@ class VMCgroup:
     def create(cls, scope: str, name: str, limits: Limits) -> VMCgroup:
         bases = _bases(scope)
         found = "v2" if len(bases) == 1 else "v1"
+        group = cls([base / name for base in bases], found)
         try:
-            if found == "v2":
-                _enable_v2_controllers(bases[0])
-            else:
-                for base in bases:
-                    base.mkdir(parents=True, exist_ok=True)
-            group = cls([base / name for base in bases], found)
-            for path in group.paths:
-                path.mkdir()
+            try:
+                group._make(bases)
+            except FileNotFoundError:  # another engine's start-up removed the empty scope meanwhile: once more
+                group._make(bases, again=True)
             group._limit(limits)
         except OSError as exc:
             raise VMError(f"cannot create the VM's cgroup under {bases[0]}: {exc}") from None
         return group
+
+    def _make(self, bases: list[Path], again: bool = False) -> None:
+        """The scope's directories (made if missing) and this VM's in each; `again`: some may be ours already."""
+        if self.version == "v2":
+            _enable_v2_controllers(bases[0])
+        else:
+            for base in bases:
+                base.mkdir(parents=True, exist_ok=True)
+        for path in self.paths:
+            path.mkdir(exist_ok=again)
 
     def _limit(self, limits: Limits) -> None:
         quota = int(limits.cpus * CPU_PERIOD_US)
@@ -179,6 +186,47 @@ def groups(scope: str) -> list[Path]:
     if version() is None:
         return []
     return [entry for base in _bases(scope) if base.is_dir() for entry in base.iterdir() if entry.is_dir()]
+
+
+def scope_paths(scope: str) -> list[Path]:
+    """The scope's own directories (one per hierarchy), whether they exist or not."""
+    return _bases(scope) if version() is not None else []
+
+
+def remove_scope(scope: str) -> None:
+    """Remove this scope's own directories once its VMs' are gone (an engine's close): rmdir only, so a
+    scope that still holds a VM's cgroup stays, and nothing is killed."""
+    for base in scope_paths(scope):
+        try:
+            base.rmdir()
+        except OSError:  # gone already, or not empty: a VM's cgroup the engine could not remove
+            pass
+
+
+def remove_empty_scopes(min_age_s: float = 60.0) -> list[str]:
+    """Remove the empty scope directories of engines that ended without closing (a crash, a kill): rmdir,
+    which only an empty cgroup allows. Younger than `min_age_s` is left alone: an engine that has just made
+    its scope is about to create a VM's cgroup in it. Says what it removed."""
+    found = version()
+    if found is None:
+        return []
+    parents = [ROOT / PARENT] if found == "v2" else [_mounted_v1(c) / PARENT for c in V1_CONTROLLERS]
+    removed = []
+    now = time.time()
+    for parent in parents:
+        try:
+            entries = [e for e in parent.iterdir() if e.is_dir()]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if now - entry.stat().st_mtime < min_age_s or any(e.is_dir() for e in entry.iterdir()):
+                    continue
+                entry.rmdir()
+            except OSError:  # not empty after all (processes, a child made meanwhile), or gone
+                continue
+            removed.append(f"empty cgroup {entry}")
+    return removed
 
 
 def sweep(scope: str) -> list[str]:

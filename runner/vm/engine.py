@@ -22,7 +22,7 @@ from pathlib import Path
 
 from policy.model import DENY_ALL, Policy
 from runner.net.slots import Slot, SlotPool
-from runner.vm import checkoutdisk, jail
+from runner.vm import cgroup, checkoutdisk, jail
 from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
@@ -376,6 +376,7 @@ class Engine:
                 log.exception("could not end VM %s cleanly", vm.id)
             finally:
                 self._forget(vm)
+        cgroup.remove_scope(cgroup.scope_for(self.state.vms))  # its VMs' cgroups went with them
         self._lock_file.close()
 
 

@@ -35,6 +35,7 @@ def sweep(vms_dir: Path, keep: frozenset[str] = frozenset()) -> list[str]:
     """Kill orphaned VMMs, remove their cgroups and delete VM directories (except names in `keep`);
     say what was found."""
     found = cgroup.sweep(cgroup.scope_for(vms_dir))
+    found += cgroup.remove_empty_scopes()  # other engines' that crashed: their VM cgroups were swept by them
     for pid in processes_under(vms_dir):
         try:
             os.kill(pid, signal.SIGKILL)

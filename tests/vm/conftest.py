@@ -39,6 +39,8 @@ def assert_no_leftovers(state: StateDir) -> None:
     assert left == [], f"VM directories left behind: {left}"
     groups = cgroup.groups(cgroup.scope_for(state.vms))
     assert groups == [], f"VM cgroups left behind: {groups}"
+    scope = [p for p in cgroup.scope_paths(cgroup.scope_for(state.vms)) if p.exists()]
+    assert scope == [], f"the engine's own cgroup directories left behind: {scope}"
 
 
 @pytest.fixture
