@@ -64,6 +64,7 @@ _MIN_CONNECTIONS = 8
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _MAX_ERROR_TEXT = 200  # of h11's description of a malformed request, echoed in the 400
 _PUMP_TICK_SECONDS = 0.1  # how often the stream thread asks its streams for more
+_PUMP_IDLE_SECONDS = 1.0  # the stream thread ends after this long without streams
 _PUMP_MAX_PENDING = 1024 * 1024  # bytes of an answer stream queued for a client that does not read
 _PUMP_MAX_UNREAD = 64 * 1024  # bytes a client may send (pipeline) while its stream runs
 _AGE_FLOOR_SECONDS = 1.0  # a body younger than this is rated as if it had been sending for this long
@@ -418,7 +419,7 @@ class BoundedHTTPServer:
                         self._accept()
                     elif key.fileobj == self._wake_r:
                         self._drain_returns()
-                    else:
+                    elif key.data in self._loop_owned:  # not closed by an eviction earlier in this batch
                         self._readable(key.data)
                 self._start_waiting()
                 now = time.monotonic()
@@ -492,7 +493,12 @@ class BoundedHTTPServer:
         self._selector.unregister(self.listener)
 
     def _evict_oldest(self, now: float, peer: str | None = None) -> bool:
-        """Close the oldest connection in the loop (of `peer`, when given) to make room; False when none is old enough."""
+        """Close a connection in the loop (of `peer`, when given) to make room: one already answered and
+        lingering, else the oldest; False when none is old enough."""
+        for conn in self._loop_owned:
+            if conn.state == "linger" and (peer is None or conn.peer == peer):
+                self._close(conn)
+                return True
         for conn in self._loop_owned:
             if peer is not None and conn.peer != peer:
                 continue
@@ -884,8 +890,13 @@ class _StreamPump:
         os.close(self._wake_w)
 
     def _run(self) -> None:
+        idle_since = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self._streams:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > _PUMP_IDLE_SECONDS and self._retire():
+                    return
                 for key, events in self._selector.select(_PUMP_TICK_SECONDS):
                     if key.fileobj == self._wake_r:
                         self._take_incoming()
@@ -907,6 +918,14 @@ class _StreamPump:
             log.exception("%s: the stream thread failed; its streams are closed", self._server.name)
             for entry in list(self._streams.values()):
                 self._drop(entry)
+
+    def _retire(self) -> bool:
+        """End the idle thread (the next stream starts another), unless a stream is just being added."""
+        with self._start_lock:
+            if not self._incoming.empty():
+                return False
+            self._thread = None
+            return True
 
     def _take_incoming(self) -> None:
         try:
@@ -990,9 +1009,16 @@ class _StreamPump:
 
 
 def _peer_key(sock: socket.socket, address: Any) -> str:
-    """The IP of a TCP peer; on a Unix socket the uid the kernel recorded at connect."""
+    """The IP of a TCP peer (its /64 for IPv6, which one host has whole); on a Unix socket the uid the kernel
+    recorded at connect."""
     if isinstance(address, tuple) and address:
-        return str(address[0])
+        try:
+            ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+        except ValueError:
+            return str(address[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+            return str(ipaddress.IPv6Network((ip, 64), strict=False))
+        return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
     try:
         data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         return f"uid {int.from_bytes(data[4:8], 'little')}"

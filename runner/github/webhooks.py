@@ -22,6 +22,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Protocol, TypeVar, overload
 
 from runner import jsonbody
@@ -31,9 +32,15 @@ from runner.github.deliveries import DeliveryLog
 from runner.github.jobs import CompletedJob, JobHooks, QueuedJob
 
 log = logging.getLogger(__name__)
+IpNetwork = IPv4Network | IPv6Network
 
 WEBHOOK_PATH = "/github/webhook"
-DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_MAX_BODY = 256 * 1024  # GitHub's workflow_job deliveries are ~10-30 KB, push deliveries rarely 100 KB
+# Before its signature is checked a delivery is a stranger's: per source, at most this many bodies and
+# this many of max_body's bytes are read at once (the slowest give way), and after BODY_GRACE seconds a
+# body must keep up BODY_MIN_RATE all along, which GitHub, sending a delivery in one go, always does.
+PEER_BODIES, PEER_BODY_FACTOR, PEER_CONNECTIONS = 8, 8, 64
+BODY_GRACE, BODY_MIN_RATE = 2.0, 64 * 1024
 GUID_RE = re.compile(r"^[A-Za-z0-9-]{1,100}\Z")  # GitHub sends UUIDs
 SIGNATURE_RE = re.compile(r"sha256=[0-9a-f]{64}\Z")
 IGNORED_JOB_ACTIONS = frozenset({"in_progress", "waiting", "started"})  # "started" is no longer sent
@@ -54,6 +61,7 @@ class WebhookConfig:
     max_body: int = DEFAULT_MAX_BODY
     max_concurrent: int = 16  # deliveries processed at once (worker threads)
     max_connections: int = 512  # open connections, most of them still sending; the oldest give way
+    allow_sources: tuple[IpNetwork, ...] = ()  # only these source networks are served (empty: any)
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,10 @@ class WebhookReceiver:
         content_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if content_type != "application/json":
             return Answer(415, "set the webhook's content type to application/json", REFUSED, close=True)
-        length = parse_decimal(headers.get("Content-Length", "").strip())
+        declared = headers.get("Content-Length", "").strip()
+        length = parse_decimal(declared)
+        if length is None and declared.isascii() and declared.isdigit():
+            length = self.config.max_body + 1  # more digits than parse_decimal takes: a huge body, not a missing length
         if length is None or headers.get("Transfer-Encoding"):
             return Answer(411, "a Content-Length is required", REFUSED, close=True)
         if length > self.config.max_body:
@@ -209,7 +220,10 @@ class _Server(BoundedHTTPServer):
         self.receiver = receiver
         config = receiver.config
         limits = Limits(max_connections=config.max_connections, max_workers=config.max_concurrent,
-                        buffer_body_max=config.max_body)
+                        buffer_body_max=config.max_body, body_seconds=BODY_GRACE, body_min_rate=BODY_MIN_RATE,
+                        max_per_peer=PEER_CONNECTIONS, max_bodies_per_peer=PEER_BODIES,
+                        max_body_bytes_per_peer=PEER_BODY_FACTOR * config.max_body,
+                        allow_sources=config.allow_sources)
         super().__init__(listen_tcp(host, port), _Handler, limits, name="github-webhooks",
                          error_body=_message_body, gate=self._gate)
 

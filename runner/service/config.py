@@ -181,14 +181,14 @@ class WebhookSettings:
     secret_path: Path | None = setting(None, "file holding the webhook secret (required with listen)", "path")
     labels: tuple[str, ...] = setting(DEFAULT_LABELS, "runner labels whose queued jobs are pre-warmed", "strings")
     max_body: int = setting(DEFAULT_MAX_BODY, "largest delivery body accepted", "size", minimum=1, maximum=64 * MIB)
+    allow_sources: tuple[str, ...] | None = setting(None, "source networks (CIDRs, e.g. GitHub's published hook "
+                                                          "ranges) the endpoint serves; unset: any source", "strings")
     redeliver_every: float | None = setting(None, "seconds between sweeps asking GitHub to redeliver failed "
                                                   "deliveries (needs the App settings)", "number",
                                             minimum=30, maximum=DAY)
     github_config: Path | None = setting(None, "the GitHub App settings for the redelivery sweep", "path")
 
 
-RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
-RUNNER_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 @dataclass(frozen=True)
 class LocalJobs:
     """Jobs from a socket member without a runner credential (no fleet, no registered runner): they run
@@ -200,6 +200,8 @@ class LocalJobs:
                                      "string", pattern=r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
 
 
+RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
+RUNNER_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,9 @@ class RunnerSettings:
                                          minimum=1, maximum=7 * DAY)
     deadline_grace_seconds: float = setting(300.0, "added to job_timeout_seconds before a busy runner is killed",
                                             "number", minimum=0, maximum=DAY)
+    network: str = setting("host", "the runners' network: host (the host's, shared), or none (a namespace of its "
+                                   "own with nothing in it: the job API's Unix socket only; runner/fleet/walls.py)",
+                           "string", pattern=r"^(host|none)$")
     runner_user: str = setting("microvm-check-runner", "the unprivileged user the runners run as (never root)",
                                "string", pattern=RUNNER_USER_PATTERN)
     install_dir: Path = setting(Path("/opt/microvm-check/actions-runner"), "where `microvm-check runner install` "
@@ -289,12 +294,12 @@ class ServiceConfig:
                              "string", pattern=r"^(debug|info|warning|error)$")
     runners: RunnerSettings = setting(None, "ephemeral GitHub runners kept by the service", "section",
                                       section=RunnerSettings)
+    local_jobs: LocalJobs = setting(None, "jobs of socket members without a runner credential", "section",
+                                    section=LocalJobs)
 
     @property
     def default_template(self) -> str:
         return self.templates[0]
-    local_jobs: LocalJobs = setting(None, "jobs of socket members without a runner credential", "section",
-                                    section=LocalJobs)
 
     @property
     def jobs_dir(self) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.service.config import ConfigError, WebhookSettings, webhook_from_mapping
@@ -75,6 +76,13 @@ def _secret(settings: WebhookSettings, where: str) -> bytes:
     return secret
 
 
+def _networks(cidrs: tuple[str, ...], where: str) -> tuple[IPv4Network | IPv6Network, ...]:
+    try:
+        return tuple(ip_network(cidr.strip(), strict=False) for cidr in cidrs)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.allow_sources: {exc}; give networks like 192.30.252.0/22") from None
+
+
 class JobListener(Protocol):
     """What every listener hears; `default_branch_pushed` is optional (see `JobHookListeners`)."""
 
@@ -115,7 +123,8 @@ def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: JobHooks
         return None
     from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer  # only when used
 
-    config = WebhookConfig(secret=_secret(settings, where), labels=settings.labels, max_body=settings.max_body)
+    config = WebhookConfig(secret=_secret(settings, where), labels=settings.labels, max_body=settings.max_body,
+                           allow_sources=_networks(settings.allow_sources or (), where))
     sweep = _sweep(settings, where)
     server = WebhookServer(WebhookReceiver(config, hooks), *settings.listen)  # binds: may fail, nothing runs yet
     server.start()

@@ -33,13 +33,15 @@ class NoHooks:
         pass
 
 
-def start_webhook() -> tuple[dict, object]:
-    from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer
+def start_webhook(max_body: int | None = None) -> tuple[dict, object]:
+    from runner.github.webhooks import DEFAULT_MAX_BODY, WebhookConfig, WebhookReceiver, WebhookServer
 
-    server = WebhookServer(WebhookReceiver(WebhookConfig(secret=SECRET, labels=("microvm",)), NoHooks()))
+    config = WebhookConfig(secret=SECRET, labels=("microvm",), max_body=max_body or DEFAULT_MAX_BODY)
+    server = WebhookServer(WebhookReceiver(config, NoHooks()))
     server.start()
     limits = server.httpd.limits
-    return {"port": server.port, "max_connections": limits.max_connections, "max_workers": limits.max_workers}, server.close
+    return {"port": server.port, "max_connections": limits.max_connections, "max_workers": limits.max_workers,
+            "max_body": config.max_body}, server.close
 
 
 def start_api(state: Path) -> tuple[dict, object]:
@@ -67,11 +69,12 @@ def main() -> None:
     parser.add_argument("kind", choices=["webhook", "api"])
     parser.add_argument("--nofile", type=int)
     parser.add_argument("--leave-free", type=int)
+    parser.add_argument("--max-body", type=int)
     args = parser.parse_args()
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
     with tempfile.TemporaryDirectory(prefix="mvc-load-", dir="/tmp") as state:
-        where, stop = start_webhook() if args.kind == "webhook" else start_api(Path(state))
+        where, stop = start_webhook(args.max_body) if args.kind == "webhook" else start_api(Path(state))
         hog = take_fds(args.leave_free) if args.leave_free is not None else []
         print(json.dumps(where), flush=True)
         sys.stdin.read()
