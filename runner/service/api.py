@@ -33,7 +33,7 @@ from runner.jobapi.contract import (JOB_TOKEN_HEADER, LIST_DEFAULT, LIST_MAX, MA
                                     QueueFullAnswer, WireError)
 from runner.service.auth import Access, Caller, Forbidden, Unauthorized
 from runner.errors import ConfigError, JobError
-from runner.service.egress import EgressPolicyError
+from runner.service.egress import EgressPolicyError, PolicySourceUnavailable
 from runner.service import metrics, web
 from runner.service.jobqueue import QueueClosed, QueueFull
 from runner.service.metrics import JobMetrics, route_of
@@ -87,6 +87,7 @@ STATUS: dict[type[JobError], int] = {
     InvalidJob: 400,
     SpecError: 400,
     EgressPolicyError: 400,
+    PolicySourceUnavailable: 503,  # GitHub is down: with Retry-After, so clients wait it out
     jsonbody.JsonBodyError: 400,
     Unauthorized: 401,
     Forbidden: 403,
@@ -174,7 +175,8 @@ class Handler(ServedRequest):
             if isinstance(exc, QueueFull):
                 return self._queue_full(exc)
             message = f"bad request: {exc}" if isinstance(exc, BodyFramingError) else str(exc)
-            self._error(status_of(exc), message)
+            retry_after = getattr(exc, "retry_after", None)  # a refusal that says when to come back
+            self._error(status_of(exc), message, {"Retry-After": str(retry_after)} if retry_after else None)
         except UnicodeError as exc:  # e.g. a lone surrogate that reached a field
             self.close_connection = True
             self._error(400, f"bad request: text that is not valid Unicode ({getattr(exc, 'reason', exc)})")

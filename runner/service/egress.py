@@ -17,12 +17,19 @@ from pathlib import Path
 import policy
 from policy.model import DENY_ALL, Policy
 from runner.errors import JobError
-from runner.github.errors import GitHubError
+from runner.github.errors import GitHubError, RateLimited, Unavailable
 from runner.github.policy_source import POLICY_PATH, PolicySource
 
 
 class EgressPolicyError(JobError):
     """A job policy (or the operator's store) that does not load; the message says where."""
+
+
+class PolicySourceUnavailable(EgressPolicyError):
+    """GitHub, where the repository's policy file is read, is down or rate-limits us: not the job's fault, so
+    the API answers 503 with Retry-After (the action and `run` wait and say so), not 400 invalid job."""
+
+    retry_after = 30
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class EgressPolicies:
             return policy.PolicyStore(self.policy_dir).for_job(repository, job_policy, fallback)
         except (policy.PolicyError, ValueError) as exc:
             raise EgressPolicyError(f"policy: {exc}") from exc
+        except (Unavailable, RateLimited) as exc:
+            raise PolicySourceUnavailable(f"policy: GitHub is unavailable, so {repository}'s {POLICY_PATH} cannot be "
+                                          f"read now ({exc}); try again in a little while") from exc
         except GitHubError as exc:
             raise EgressPolicyError(f"policy: cannot read {repository}'s {POLICY_PATH} from GitHub ({exc}); "
                                     "retry, or give the repository a file in the service's policy store") from exc

@@ -42,7 +42,7 @@ from runner.attest.keys import SigningKey
 from runner.service.attestation import ENVELOPE, JobAttestor
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.config import ServiceConfig
-from runner.service.egress import EgressPolicies, EgressPolicyError
+from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, Sandbox, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
@@ -244,6 +244,8 @@ class JobService:
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
             spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
             policy = self.policies.effective(spec.repository, spec.policy)
+        except PolicySourceUnavailable:
+            raise  # GitHub is down: 503, try again (not an invalid job)
         except (SpecError, EgressPolicyError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
         if needs_network(policy) and not self.config.network.enabled:
