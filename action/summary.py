@@ -8,7 +8,6 @@ goes in: a guest must not be able to inject links, images or fake table rows int
 # No `from __future__ import annotations`: it would bind the name `annotations`, which this module
 # defines as a function (mypy rejects the redefinition). Every annotation here names a defined type.
 
-import html
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,12 +28,12 @@ from policy.suggest import (
     record_from_json,
     suggest_policy,
 )
+from runner.markdown import cell
 
 MAX_SUGGESTED = 256
 
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
 MAX_ROWS = 50
-MAX_CELL = 200
 GUEST_WORKSPACE = "/workspace/"  # where the checkout is unpacked in the guest (docs/job-api.md)
 
 STATE_WORDS = {
@@ -65,19 +64,6 @@ def exit_code_of(record: Mapping[str, Any]) -> int:
     if code == 0 and record.get("state") not in ("finished", None):
         return 1
     return code
-
-
-def cell(value: object, limit: int = MAX_CELL) -> str:
-    """A value safe inside a Markdown table cell: HTML-escaped, no pipes, backticks or newlines."""
-    text = str(value)
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    text = html.escape(text, quote=True)
-    # No links, images, code spans or extra columns; `:` and `www.` so that GFM makes no autolinks.
-    for char, repl in (("|", "&#124;"), ("`", "&#96;"), ("[", "&#91;"), ("]", "&#93;"),
-                       ("\\", "&#92;"), ("!", "&#33;"), (":", "&#58;"), ("www.", "www&#46;")):
-        text = text.replace(char, repl)
-    return " ".join(text.split())
 
 
 def _seconds(timings: Mapping[str, object], start: str, end: str) -> str:

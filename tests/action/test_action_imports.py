@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The project modules the action may import: the job API, the error base, the safe-tar reader its
 # artifacts go through, the JUnit reader it shares with the service, and the policy loader's host check
 # and suggestion (no I/O, no privileges).
-ALLOWED = ("runner.jobapi", "runner.errors", "runner.tarsafe", "runner.junit", "policy.load", "policy.suggest")
+ALLOWED = ("runner.jobapi", "runner.errors", "runner.tarsafe", "runner.junit", "runner.markdown", "policy.load", "policy.suggest")
 
 
 def test_the_action_loads_neither_the_service_nor_the_network_nor_the_vm_layer():

@@ -1,0 +1,235 @@
+"""A check run per job on the pull request's head commit: what the maintainer sees on the PR itself.
+
+    POST  /repos/{owner}/{repo}/check-runs                 status in_progress, when the job's VM starts
+    PATCH /repos/{owner}/{repo}/check-runs/{check_run_id}  annotations 50 at a time, then the conclusion
+
+The shapes are GitHub's (the check-runs OpenAPI fragments under shared/external/rest-api/, which the
+tests validate every request against). Everything of the guest's that goes in is made inert first: the
+summary's values through `runner.markdown.cell` (as the step summary does), the egress section from
+`policy.suggest.record_from_json` (only an address, a port, a protocol, a name the policy loader accepts,
+a known method and a path prefix survive) and annotation fields bounded to GitHub's sizes, with a path
+only when it is a plain relative path in the repository.
+
+The summary carries the job's signed-record digests (the policy, the egress audit, each artifact's
+sha256, the key's id) so a maintainer can match the check run with `microvm-check verify`'s output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, record_from_json, suggest_policy
+from runner.github.errors import GitHubError
+from runner.junit import Failure
+from runner.markdown import cell
+
+if TYPE_CHECKING:
+    from runner.github.client import GitHubClient
+
+MAX_ANNOTATIONS_PER_REQUEST = 50  # GitHub's limit (the fragment's maxItems)
+MAX_ANNOTATIONS = 500  # per check run: the guest decides how many failures and findings there are
+MAX_SUMMARY = 65535  # output.summary and output.text maxLength
+MAX_TITLE = 255
+MAX_MESSAGE = 4000  # GitHub allows 64 KB; a PR page does not need more of a guest's text
+MAX_EGRESS_ROWS = 50
+MAX_FINDINGS = 200
+# `::error file=app.py,line=3,title=T::message` as a tool prints it (GitHub's workflow-command syntax)
+_FINDING = re.compile(r"^::(error|warning|notice)(?: ([^:]*))?::(.*)$")
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._/@+-]{1,500}")
+GUEST_WORKSPACE = "/workspace/"
+CONCLUSIONS = {"finished": None, "failed": "failure", "cancelled": "cancelled", "timed_out": "timed_out"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One annotation: a failed test or a `::error`-style line of the job's output."""
+
+    level: str  # notice | warning | failure
+    message: str
+    title: str = ""
+    path: str | None = None  # a plain relative path in the repository; without one it is no annotation
+    line: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        assert self.path is not None, "an annotation needs a file of the repository"
+        line = self.line or 1
+        found: dict[str, Any] = {"path": self.path, "start_line": line, "end_line": line, "annotation_level": self.level,
+                                 "message": _plain(self.message, MAX_MESSAGE) or "(no message)"}
+        if self.title:
+            found["title"] = _plain(self.title, MAX_TITLE)
+        return found
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What the check run says about one ended job (built by the service from its record and facts)."""
+
+    job_id: str
+    state: str
+    exit_code: int | None
+    duration_s: float | None
+    vm_ready_ms: float | None
+    junit: tuple[int, int, int] | None  # passed, failed, skipped
+    findings: tuple[Finding, ...]
+    blocked_egress: tuple[dict[str, Any], ...]
+    mode: str  # the effective policy's: block or audit
+    digests: dict[str, str] = field(default_factory=dict)  # policy, egress audit, key id
+    artifacts: tuple[tuple[str, str], ...] = ()  # (name, sha256)
+    error: str | None = None
+
+    @property
+    def conclusion(self) -> str:
+        fixed = CONCLUSIONS.get(self.state, "failure")
+        return fixed or ("success" if self.exit_code == 0 else "failure")
+
+
+def failure_findings(failures: Iterable[Failure], prefix: str = "") -> list[Finding]:
+    """JUnit failures as annotations (at their file and line when the report gives a repository path)."""
+    found = []
+    for f in failures:
+        title = f"{f.classname}.{f.name}" if f.classname else f.name
+        found.append(Finding("failure", f.message or f.text or f.kind, title, _repository_path(f.file, prefix), f.line))
+    return found
+
+
+def output_findings(lines: Iterable[str]) -> list[Finding]:
+    """`::error`/`::warning`/`::notice` lines of the job's output (a linter's findings), bounded."""
+    found: list[Finding] = []
+    for raw in lines:
+        match = _FINDING.match(raw.rstrip("\r\n"))
+        if match is None:
+            continue
+        kind, props, message = match.groups()
+        fields = dict(p.split("=", 1) for p in (props or "").split(",") if "=" in p)
+        line = fields.get("line", "")
+        found.append(Finding({"error": "failure", "warning": "warning", "notice": "notice"}[kind], message,
+                             fields.get("title", ""), _repository_path(fields.get("file"), ""),
+                             int(line) if line.isdigit() and 0 < int(line) < 10_000_000 else None))
+        if len(found) >= MAX_FINDINGS:
+            break
+    return found
+
+
+def egress_tried(outcome: JobOutcome) -> tuple[list[AuditRecord], list[AuditRecord]]:
+    """(refused, audit-only) well-formed records: what the guest had refused, and in audit mode what it did
+    that the policy (the default branch's, within the org default) does not allow."""
+    records = [r for r in map(record_from_json, outcome.blocked_egress) if r is not None]
+    if outcome.mode == "block":
+        return records, []
+    return ([r for r in records if r.reason in REFUSED_IN_EVERY_MODE],
+            [r for r in records if r.reason not in REFUSED_IN_EVERY_MODE])
+
+
+def summary(outcome: JobOutcome, details_url: str | None = None) -> str:
+    """The check run's output.summary (Markdown): every guest-derived value through `cell`."""
+    ready = f"{outcome.vm_ready_ms:.0f} ms" if outcome.vm_ready_ms is not None else "–"
+    took = f"{outcome.duration_s:.1f} s" if outcome.duration_s is not None else "–"
+    lines = [f"**{cell(outcome.state)}**, exit code {cell(outcome.exit_code if outcome.exit_code is not None else '–')}",
+             "", "| | |", "| --- | --- |", f"| job | `{cell(outcome.job_id)}` |", f"| duration | {took} |",
+             f"| VM ready | {ready} |"]
+    if outcome.junit is not None:
+        passed, failed, skipped = outcome.junit
+        lines.append(f"| tests (JUnit) | {passed} passed, {failed} failed, {skipped} skipped |")
+    if outcome.error:
+        lines.append(f"| error | {cell(outcome.error, 1000)} |")
+    unplaced = [f for f in outcome.findings if not f.path]
+    if unplaced:
+        lines.append(f"| findings without a file | {len(unplaced)}, first: {cell(unplaced[0].title or unplaced[0].message)} |")
+    lines += _egress(outcome)
+    lines += ["", "#### Signed record", "", "Match these with `microvm-check verify` on the job's "
+              "`microvm-check.intoto.jsonl`:", "", "| | sha256 |", "| --- | --- |"]
+    lines += [f"| {cell(name)} | `{cell(value)}` |" for name, value in outcome.digests.items()]
+    lines += [f"| artifact {cell(name)} | `{cell(sha)}` |" for name, sha in outcome.artifacts[:MAX_EGRESS_ROWS]]
+    if len(outcome.artifacts) > MAX_EGRESS_ROWS:
+        lines.append(f"| … {len(outcome.artifacts) - MAX_EGRESS_ROWS} more artifacts | |")
+    text = "\n".join(lines) + "\n"
+    return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 40] + "\n\n… (summary cut at GitHub's limit)\n"
+
+
+def _egress(outcome: JobOutcome) -> list[str]:
+    refused, audited = egress_tried(outcome)
+    if not refused and not audited:
+        return ["", "#### Egress this pull request tried", "", "Nothing outside the repository's policy."]
+    rows = ["", "#### Egress this pull request tried", "",
+            "What the job's VM tried that the repository's policy (its default branch's, within the org default) "
+            "does not allow" + (" — audit mode: it was let through and recorded" if audited else "") + ":", "",
+            "| name | address | port | proto | method | path | count | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for record in (refused + audited)[:MAX_EGRESS_ROWS]:
+        rows.append(f"| {cell(record.name or '–')} | {cell(record.dest)} | {cell(record.port or '–')} | "
+                    f"{cell(record.proto)} | {cell(record.method or '–')} | {cell(record.path or '–')} | "
+                    f"{cell(record.count)} | {'refused' if record in refused else 'audit'} |")
+    if len(refused) + len(audited) > MAX_EGRESS_ROWS:
+        rows.append(f"| … {len(refused) + len(audited) - MAX_EGRESS_ROWS} more | | | | | | | |")
+    snippet = suggest_policy(refused + audited)
+    return rows + ["", "A policy that would allow these (`policy suggest`; review it, and add what you accept to the "
+                       "default branch's policy in a commit of your own):", "", "```yaml", *snippet.splitlines(), "```"]
+
+
+def annotations(outcome: JobOutcome) -> list[dict[str, Any]]:
+    """The findings that name a file of the repository (GitHub annotates files), bounded."""
+    return [finding.to_json() for finding in outcome.findings if finding.path][:MAX_ANNOTATIONS]
+
+
+class CheckRuns:
+    """The check-runs API of one repository installation, as the App (`checks: write`)."""
+
+    def __init__(self, client: GitHubClient) -> None:
+        self.client = client
+
+    def start(self, repository: str, head_sha: str, name: str, job_id: str, started_at: str,
+              details_url: str | None = None) -> int:
+        body: dict[str, Any] = {"name": name, "head_sha": head_sha, "status": "in_progress", "external_id": job_id,
+                                "started_at": started_at,
+                                "output": {"title": "running in a fresh microVM",
+                                           "summary": f"Job `{cell(job_id)}` is running."}}
+        if details_url:
+            body["details_url"] = details_url
+        answer = self.client.post(f"/repos/{repository}/check-runs", body)
+        check_id = answer.get("id") if isinstance(answer, dict) else None
+        if not isinstance(check_id, int) or isinstance(check_id, bool):
+            raise GitHubError(f"creating the check run of {repository}@{head_sha[:12]}: the answer has no id")
+        return check_id
+
+    def complete(self, repository: str, check_id: int, outcome: JobOutcome, completed_at: str,
+                 details_url: str | None = None) -> int:
+        """Post the annotations in batches of 50 (GitHub appends each batch), the last batch with the
+        conclusion. Returns the number of PATCH requests sent."""
+        title = f"{outcome.conclusion}: exit code {outcome.exit_code if outcome.exit_code is not None else '–'}"
+        text = summary(outcome, details_url)
+        found = annotations(outcome)
+        batches: list[Sequence[dict[str, Any]]] = [found[i:i + MAX_ANNOTATIONS_PER_REQUEST]
+                                                    for i in range(0, len(found), MAX_ANNOTATIONS_PER_REQUEST)] or [[]]
+        path = f"/repos/{repository}/check-runs/{check_id}"
+        for batch in batches[:-1]:
+            self.client.patch(path, {"output": {"title": title, "summary": text, "annotations": list(batch)}})
+        last: dict[str, Any] = {"output": {"title": title, "summary": text}, "status": "completed",
+                                "conclusion": outcome.conclusion, "completed_at": completed_at}
+        if batches[-1]:
+            last["output"]["annotations"] = list(batches[-1])
+        self.client.patch(path, last)
+        return len(batches)
+
+
+def _repository_path(file: str | None, prefix: str) -> str | None:
+    """A report's path as a path in the repository, only when it is a plain relative one."""
+    if not file:
+        return None
+    if file.startswith(GUEST_WORKSPACE):
+        file = file[len(GUEST_WORKSPACE):]
+    elif not file.startswith("/"):
+        file = prefix + file
+    else:
+        return None
+    parts = file.split("/")
+    if not _SAFE_PATH.fullmatch(file) or any(p in ("", ".", "..") for p in parts) or parts[0] == ".git":
+        return None
+    return file
+
+
+def _plain(text: str, limit: int) -> str:
+    """Annotation text: no control characters but newlines and tabs, bounded."""
+    kept = "".join(c if c.isprintable() or c in "\n\t" else "?" for c in text[: limit + 1])
+    return kept if len(kept) <= limit else kept[: limit - 1] + "…"
