@@ -9,6 +9,7 @@ import pytest
 from runner.errors import JobError, SandboxError
 from runner.jobapi.client import JobAPIError
 from runner.service.api import STATUS, status_of
+from runner.service.egress import PolicySourceUnavailable
 from runner.service.jobqueue import QueueFull
 from tests.error_tree import exception_classes, qualified
 
@@ -34,7 +35,8 @@ def test_each_refusal_is_answered_with_its_status_and_message(cls: type[JobError
         client.health()
     assert refused.value.status == status_of(error) == STATUS[cls]
     assert str(error) in str(refused.value)
-    assert refused.value.retry_after == (7 if cls is QueueFull else None)
+    asked = {QueueFull: 7, PolicySourceUnavailable: PolicySourceUnavailable.retry_after}  # they say when to come back
+    assert refused.value.retry_after == asked.get(cls)
 
 
 def test_another_areas_error_at_the_edge_is_a_500_with_its_traceback_logged(api, monkeypatch, caplog) -> None:
