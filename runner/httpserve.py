@@ -1043,7 +1043,7 @@ def _malformed(exc: h11.RemoteProtocolError, limits: Limits, last: bytes = b"") 
 def _describe(exc: h11.RemoteProtocolError) -> str:
     """h11's words without the bytes it quotes ("Illegal header value b'...'"): a stranger's header, NULs
     and all, is not echoed back."""
-    return re.split(r" b['\"]", str(exc), maxsplit=1)[0][:_MAX_ERROR_TEXT]
+    return re.split(r":? (?:b['\"]|bytearray\()", str(exc), maxsplit=1)[0][:_MAX_ERROR_TEXT]
 
 
 def _open_reserve() -> int | None:

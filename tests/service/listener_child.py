@@ -55,7 +55,7 @@ def start_api(state: Path) -> tuple[dict, object]:
                                   "listen": "127.0.0.1:0", "token": TOKEN, "shutdown_grace_seconds": 0})
     host = ServiceHost(config, sandboxes=FakeEngine().create).__enter__()
     tcp = next(s for s in host.api.servers if isinstance(s, TcpApiServer))
-    return {"port": host.api.tcp_address[1], "max_connections": tcp.limits.max_connections,
+    return {"port": host.api.tcp_address[1], "socket": config.socket, "max_connections": tcp.limits.max_connections,
             "max_workers": tcp.limits.max_workers}, host.close
 
 
