@@ -410,8 +410,9 @@ class JobService:
         template = self.config.default_template
         try:
             policy = self.policies.effective(job.repository, None)
-        except EgressPolicyError:
-            log.warning("not pre-warming for %s: its policy does not load", job.repository, exc_info=True)
+        except EgressPolicyError as exc:  # the policy's own message says what to fix; the stack only at DEBUG
+            log.warning("not pre-warming for %s: its policy does not load: %s", job.repository, exc)
+            log.debug("not pre-warming for %s", job.repository, exc_info=True)
             return
         if needs_network(policy) and not self.config.network.enabled:
             return  # its submit will be refused: see submit()
