@@ -27,7 +27,7 @@ from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.pack import PackError, pack_checkout
 from action.queuewait import QueueWait
-from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, outputs
+from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, minutes, outputs
 from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
 from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.errors import MicrovmCheckError, UserError
@@ -226,7 +226,7 @@ class JobDriver:
         for line in failure_annotations(result.junit.failures if result.junit else [], prefix):
             self.out.write(line + "\n")
         if record.get("state") == JobState.TIMED_OUT:
-            self.out.write(annotation("error", f"job timed out after {self.inputs.timeout_minutes:g} minutes") + "\n")
+            self.out.write(annotation("error", f"job timed out after {minutes(self.inputs.timeout_minutes)}") + "\n")
         elif record.get("error"):
             self.out.write(annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
         elif result.exit_code:

@@ -28,7 +28,7 @@ from policy.suggest import (
     record_from_json,
     suggest_policy,
 )
-from runner.markdown import cell
+from runner.markdown import cell, code
 
 MAX_SUGGESTED = 256
 
@@ -54,6 +54,11 @@ class Result:
     artifacts: list[tuple[str, int]]
     refused_artifacts: list[tuple[str, str]]
     log_dropped_bytes: int = 0
+
+
+def minutes(value: float) -> str:
+    """`1 minute`, `0.5 minutes`, `10 minutes`: the step's timeout as people write it."""
+    return f"{value:g} minute" + ("" if value == 1 else "s")
 
 
 def exit_code_of(record: Mapping[str, Any]) -> int:
@@ -84,12 +89,12 @@ def markdown(result: Result) -> str:
         "",
         "| | |",
         "| --- | --- |",
-        f"| job | `{cell(record.get('id', '?'))}` |",
+        f"| job | {code(record.get('id', '?'))} |",
         f"| queued | {_seconds(timings, 'queued_at', 'started_at')} |",
         f"| ran | {_seconds(timings, 'started_at', 'finished_at')} |",
         f"| VM ready | {f'{ready:.0f} ms' if isinstance(ready, (int, float)) else '–'}"
         f"{' (warm)' if record.get('warm') else ''} |",
-        f"| policy | `{cell(record.get('policy_digest') or '–')}` |",
+        f"| policy | {code(record.get('policy_digest') or '–')} |",
     ]
     if record.get("error"):
         lines.append(f"| error | {cell(record['error'], 1000)} |")

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 FORMATS = ("text", "json")
@@ -71,9 +72,10 @@ class JobEvents:
     started, vm destroyed and finished (with the exit code). Remembers each unfinished job's last record
     (a few small fields; forgotten when it ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: Callable[[str], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, tuple[str, str | None]] = {}  # job id -> (state, vm id)
+        self.kept = kept  # whether a VM lives on for its job's next step (`keep: job`); set by the job service
 
     def saw(self, record: Any) -> None:
         state, vm_id = _state(record), record.vm_id
@@ -84,8 +86,7 @@ class JobEvents:
         for event, message, fields in self._news(record, previous, state, vm_id):
             EVENTS.info(f"job {record.id} {message}", extra={"fields": {"event": event, "job_id": record.id, **fields}})
 
-    @staticmethod
-    def _news(record: Any, previous: tuple[str, str | None] | None, state: str,
+    def _news(self, record: Any, previous: tuple[str, str | None] | None, state: str,
               vm_id: str | None) -> list[tuple[str, str, dict[str, Any]]]:
         before_state, before_vm = previous or (None, None)
         news = []
@@ -102,7 +103,9 @@ class JobEvents:
         if state == "running" and before_state != "running":
             news.append(("started", "started", {}))
         if record.final:
-            if vm_id:
+            if vm_id and self.kept is not None and self.kept(vm_id):
+                news.append(("vm_kept", f"VM {vm_id} kept for the job's next step", {"vm_id": vm_id}))
+            elif vm_id:
                 news.append(("vm_destroyed", f"VM {vm_id} destroyed", {"vm_id": vm_id}))
             t = record.timings
             took = round(t.finished_at - t.started_at, 3) if t.finished_at and t.started_at else None

@@ -6,8 +6,12 @@ A leaf module: it imports nothing of the project.
 from __future__ import annotations
 
 import html
+import re
 
 MAX_CELL = 200
+# What a code span may show as it is: CommonMark decodes no entity inside a code span (spec 6.1), so an
+# escaped value there would read `sha256&#58;...`; a value that needs escaping is a plain cell instead.
+_CODE_SAFE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,200}")
 
 
 def cell(value: object, limit: int = MAX_CELL) -> str:
@@ -21,3 +25,9 @@ def cell(value: object, limit: int = MAX_CELL) -> str:
                        ("\\", "&#92;"), ("!", "&#33;"), (":", "&#58;"), ("www.", "www&#46;")):
         text = text.replace(char, repl)
     return " ".join(text.split())
+
+
+def code(value: object) -> str:
+    """A value as a code span inside a table cell when it needs no escaping (digests, ids), else `cell`."""
+    text = str(value)
+    return f"`{text}`" if _CODE_SAFE.fullmatch(text) else cell(text)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy.load import PolicyError, load_policy, raw_warnings
+from policy.model import DENY_ALL
 from policy.render import RenderContext, render
 from policy.store import ORG_FILE
 from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
@@ -130,9 +131,13 @@ def suggest_command(args: argparse.Namespace) -> int:
                                                                       rec.blocked_egress[:MAX_RECORDS_PER_JOB]) if r))
             for rec in records]
     tried = sum(1 for job in jobs if job.records)
+    blind = sum(1 for rec in records if rec.policy_digest == DENY_ALL.digest())
     header = (f"Suggested by `microvm-check policy suggest` from {len(jobs)} jobs of {args.repository} since "
               f"{utc_minute(since)}, {tried} of which tried egress their policy did not allow.\n"
-              "Review it before adopting it: it allows what these jobs tried, nothing more.")
+              + (f"{blind} of them had no network card (their policy allowed nothing, in block mode), so nothing "
+                 "they tried could be seen: run the repository with `mode: audit` to learn what it needs.\n"
+                 if blind else "")
+              + "Review it before adopting it: it allows what these jobs tried, nothing more.")
     print(merged_policy(jobs, header), end="")
     return 0
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, record_from_json, suggest_policy
 from runner.github.errors import GitHubError
 from runner.junit import Failure
-from runner.markdown import cell
+from runner.markdown import cell, code
 
 if TYPE_CHECKING:
     from runner.github.client import GitHubClient
@@ -128,7 +128,7 @@ def summary(outcome: JobOutcome, details_url: str | None = None) -> str:
     ready = f"{outcome.vm_ready_ms:.0f} ms" if outcome.vm_ready_ms is not None else "–"
     took = f"{outcome.duration_s:.1f} s" if outcome.duration_s is not None else "–"
     lines = [f"**{cell(outcome.state)}**, exit code {cell(outcome.exit_code if outcome.exit_code is not None else '–')}",
-             "", "| | |", "| --- | --- |", f"| job | `{cell(outcome.job_id)}` |", f"| duration | {took} |",
+             "", "| | |", "| --- | --- |", f"| job | {code(outcome.job_id)} |", f"| duration | {took} |",
              f"| VM ready | {ready} |"]
     if outcome.junit is not None:
         passed, failed, skipped = outcome.junit
@@ -141,8 +141,8 @@ def summary(outcome: JobOutcome, details_url: str | None = None) -> str:
     lines += _egress(outcome)
     lines += ["", "#### Signed record", "", "Match these with `microvm-check verify` on the job's "
               "`microvm-check.intoto.jsonl`:", "", "| | sha256 |", "| --- | --- |"]
-    lines += [f"| {cell(name)} | `{cell(value)}` |" for name, value in outcome.digests.items()]
-    lines += [f"| artifact {cell(name)} | `{cell(sha)}` |" for name, sha in outcome.artifacts[:MAX_EGRESS_ROWS]]
+    lines += [f"| {cell(name)} | {code(value)} |" for name, value in outcome.digests.items()]
+    lines += [f"| artifact {cell(name)} | {code(sha)} |" for name, sha in outcome.artifacts[:MAX_EGRESS_ROWS]]
     if len(outcome.artifacts) > MAX_EGRESS_ROWS:
         lines.append(f"| … {len(outcome.artifacts) - MAX_EGRESS_ROWS} more artifacts | |")
     text = "\n".join(lines) + "\n"

@@ -46,6 +46,7 @@ from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourc
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, Sandbox, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
+from runner.logs import JobEvents
 from runner.service.records import RecordStore
 from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, session_key
 from runner.service.spec import SpecError, parse_spec
@@ -113,6 +114,8 @@ class JobService:
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
+        if isinstance(self.records.events, JobEvents):  # a kept VM's step says "kept", not "destroyed"
+            self.records.events.kept = self.sessions.holds
         self.accel: str | None = None
         self.access = Access(config.admin_group, fleet=config.runners.org is not None,
                              local_repository=config.local_jobs.repository,

@@ -191,6 +191,12 @@ class Sessions:
         with self._lock:
             return len(self._by_digest)
 
+    def holds(self, vm_id: str) -> bool:
+        """Whether a live session keeps the VM `vm_id` for its job's next step (the lifecycle log says so)."""
+        with self._lock:
+            sessions = list(self._by_digest.values())
+        return any(s.ended is None and getattr(s.sandbox, "id", None) == vm_id for s in sessions)
+
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()

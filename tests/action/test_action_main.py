@@ -116,3 +116,18 @@ def test_the_real_client_reports_a_silent_stream_as_a_timeout(tmp_path):
         for conn in conns:
             conn.close()
         server.close()
+
+
+@pytest.mark.parametrize(("timeout", "said"), [(1, "after 1 minute"), (0.5, "after 0.5 minutes"),
+                                               (10, "after 10 minutes")])
+def test_a_timed_out_job_says_minute_or_minutes(timeout: float, said: str) -> None:
+    """Before: "job timed out after 1 minutes"."""
+    from dataclasses import replace
+
+    from action.summary import Result
+
+    out = io.StringIO()
+    run = JobDriver(FakeClient(0, 0, lambda: None), replace(_inputs(), timeout_minutes=timeout), Path("."), out, {})
+    record = {"id": "j1", "state": "timed_out", "exit_code": None}
+    run._report(Result(record, 124, None, [], []))
+    assert out.getvalue() == f"::error::job timed out {said}\n"

@@ -130,3 +130,19 @@ def test_a_name_the_policy_loader_rejects_is_dropped_and_the_suggestion_still_lo
     suggested = load_policy(yaml_text, "suggestion")  # raises if a rejected name made it in
     assert suggested.allows(443, "tcp", address="203.0.113.9")  # by address instead of the bad name
     assert suggested.allows(443, "tcp", name="files.example.org")
+
+
+def test_digests_render_as_code_on_a_commonmark_renderer() -> None:
+    """Before: the policy cell was `sha256&#58;...` inside a code span, where CommonMark decodes no entity."""
+    from markdown_it import MarkdownIt
+
+    from action.summary import Result, markdown
+
+    digest = "sha256:" + "ab" * 32
+    record = {"id": "j0123abcd", "state": "finished", "exit_code": 0, "policy_digest": digest, "timings": {}}
+    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(record, 0, None, [], [])))
+    assert f"<code>{digest}</code>" in html and "<code>j0123abcd</code>" in html
+    assert "&amp;#58;" not in html
+    hostile = {**record, "id": "x`|<b>y</b>", "policy_digest": "sha256:`evil`"}
+    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(hostile, 0, None, [], [])))
+    assert "<b>" not in html and "<code>" not in html.split("<td>job</td>")[1].split("</tr>")[0]

@@ -147,3 +147,20 @@ def test_suggest_says_what_is_missing(state_dir: Path, tmp_path: Path, capsys) -
         main(["policy", "suggest", "--repository", "octo/app", "--since", "3x"])
     assert capsys.readouterr().err.endswith(
         "microvm-check policy suggest: error: argument --since: expected an age like 14d, 12h, 30m or 2w, not '3x'\n")
+
+
+def test_suggest_says_when_jobs_had_no_network_card_to_see_anything_through(tmp_path: Path, capsys) -> None:
+    """Before: "0 tried egress" over deny-all jobs, as if they had tried nothing; their VMs had no NIC at all."""
+    from policy import DENY_ALL
+
+    store = RecordStore(tmp_path / "jobs.sqlite")
+    for i in range(2):
+        store.put(JobRecord(id=f"j000000000000000{i}", state=JobState.FINISHED, repository="octo/quiet", sha="a" * 40,
+                            run_id=None, run_attempt=None, job_name="test", created_at=time.time() - 60,
+                            policy_digest=DENY_ALL.digest()))
+    store.close()
+    assert main(["policy", "suggest", "--repository", "octo/quiet", "--state-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "from 2 jobs of octo/quiet since " in text and "0 of which tried egress" in text
+    assert ("# 2 of them had no network card (their policy allowed nothing, in block mode), so nothing they tried "
+            "could be seen: run the repository with `mode: audit` to learn what it needs.") in text

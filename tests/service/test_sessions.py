@@ -163,3 +163,20 @@ def test_a_forged_or_stale_session_token_opens_nothing(make_service, engine: Fak
     assert engine.created[0].alive
     service.runner_job_completed("host-a")
     assert engine.alive() == []
+
+
+def test_the_service_log_says_kept_for_a_kept_vm_and_destroyed_at_the_end(make_service, engine: FakeEngine,
+                                                                          caplog) -> None:
+    """Before: every step of a `keep: job` job logged "VM ... destroyed", although the VM lived on."""
+    import logging
+
+    engine.programs.update({"install": prints(b"i\n"), "test": prints(b"t\n")})
+    service = make_service()
+    with caplog.at_level(logging.INFO, logger="runner.jobs"):
+        first, last = step(service, "install"), step(service, "test", keep="none")
+    vm = engine.created[0].id
+    said = {job: [r.getMessage() for r in caplog.records if r.name == "runner.jobs" and job in r.getMessage()]
+            for job in (first, last)}
+    assert f"job {first} VM {vm} kept for the job's next step" in said[first]
+    assert not any("destroyed" in line for line in said[first])
+    assert f"job {last} VM {vm} destroyed" in said[last]
