@@ -193,6 +193,17 @@ def head_sha(environ: Mapping[str, str]) -> str:
     return environ.get("GITHUB_SHA", "")
 
 
+def from_fork(environ: Mapping[str, str]) -> bool:
+    """Whether the event is a pull request whose head is in another repository than its base."""
+    pull = _event(environ).get("pull_request")
+    if not isinstance(pull, dict):
+        return False
+    head, base = pull.get("head"), pull.get("base")
+    names = [side.get("repo", {}).get("full_name") if isinstance(side, dict) and isinstance(side.get("repo"), dict)
+             else None for side in (head, base)]
+    return names[0] is None or names[0] != names[1]
+
+
 def _required(environ: Mapping[str, str], name: str) -> str:
     value = environ.get(name, "")
     if not value:
@@ -217,6 +228,7 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> Job
     return JobSpec(
         repository=_required(environ, "GITHUB_REPOSITORY"),
         sha=head_sha(environ) or _required(environ, "GITHUB_SHA"),
+        fork=from_fork(environ),
         ref=environ.get("GITHUB_REF", ""),
         event=environ.get("GITHUB_EVENT_NAME", ""),
         run_id=_number(environ, "GITHUB_RUN_ID", "0"),

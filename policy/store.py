@@ -72,6 +72,13 @@ class PolicyStore:
         layers = [load_policy(org)] if org is not None else []
         return found.warm, intersect(*layers, found.warm.policy)
 
+    def checks_for(self, repository: str) -> str:
+        """The repository's `checks:` setting in its store file (on, off, forks); off without one."""
+        owner, repo = split_repository(repository)
+        own = self._repository_file(owner, repo)
+        found = load_repository_file(own).checks if own is not None else None
+        return found or "off"
+
     def _org_file(self) -> Path | None:
         if self.directory is None:
             return None

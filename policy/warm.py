@@ -52,17 +52,33 @@ class WarmSpec:
 
 @dataclass(frozen=True)
 class RepositoryFile:
-    """A repository's trusted file: its egress policy and, if it has one, its `warm:` section."""
+    """A repository's trusted file: its egress policy, its `warm:` section if it has one, and its
+    `checks:` setting (on, off or forks: whether the service posts a check run per job on the pull
+    request, runner/github/checks.py; None: not set, off)."""
 
     policy: Policy
     warm: WarmSpec | None
+    checks: str | None = None
+
+
+CHECKS_SETTINGS = ("on", "off", "forks")
 
 
 def load_repository_file(source: str | Path, source_name: str | None = None) -> RepositoryFile:
     """Load a repository's trusted file; `PolicyError` (file:line: problem) for anything wrong."""
     found: list[WarmSpec | None] = []
-    loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems))})
-    return RepositoryFile(loaded, found[0] if found else None)
+    checks: list[str | None] = []
+    loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems)),
+                                               "checks": lambda node, problems: checks.append(_checks(node, problems))})
+    return RepositoryFile(loaded, found[0] if found else None, checks[0] if checks else None)
+
+
+def _checks(node: yaml.Node, problems: Problems) -> str | None:
+    if not isinstance(node, yaml.ScalarNode) or node.value not in CHECKS_SETTINGS:
+        problems.at(node, f"checks must be one of {', '.join(CHECKS_SETTINGS)} (a check run per job on the pull "
+                          "request: always, never, or only for pull requests from forks)")
+        return None
+    return str(node.value)
 
 
 def _warm(node: yaml.Node, problems: Problems) -> WarmSpec | None:

@@ -141,6 +141,9 @@ class JobSpec:
     # "job": the VM stays for the same GitHub job's next step, which attaches to it instead of
     # getting a new one (and sends no checkout); "none": a step that finds a kept VM runs in it and ends it.
     keep: str = "none"
+    # The pull request comes from a fork (the event's head repository is another one): the action's
+    # reading of the runner's event file, used for the `checks: forks` setting only, never to allow anything.
+    fork: bool = False
 
     @property
     def workdir(self) -> str:
@@ -155,6 +158,8 @@ class JobSpec:
         wire["artifacts"] = list(self.artifacts)
         if self.keep == "none":
             del wire["keep"]  # the default: a service that predates `keep` still takes the spec
+        if not self.fork:
+            del wire["fork"]  # likewise
         return wire
 
 

@@ -260,6 +260,9 @@ class ServiceConfig:
     state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
     attestation_key: Path | None = setting(None, "the Ed25519 key job records are signed with, made on first start "
                                                  "(0600); default: <state_dir>/attestation-key.pem", "path")
+    public_url: str | None = setting(None, "where maintainers reach this service's job pages (https://host:port); "
+                                           "a job's check run links <public_url>/ui/jobs/<id>", "string",
+                                     pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
     resources: Resources = setting(None, "job VM size", "section", section=Resources)
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)

@@ -24,6 +24,7 @@ from policy.model import Policy
 from runner.errors import JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
+from runner.service.checkruns import CheckRunReporter
 from runner.service.config import ArtifactLimits, ServiceConfig
 from runner.service.joblog import JobLog, LogFull
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
@@ -88,6 +89,7 @@ class JobRun:
     attestor: JobAttestor | None = None  # signs the final record (runner/service/attestation.py)
     vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
     artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
+    checks: CheckRunReporter | None = None  # posts its check run on the pull request (runner/service/checkruns.py)
 
     @property
     def checkout_path(self) -> Path:
@@ -132,6 +134,8 @@ class JobRun:
         _remove(self.checkout_path)
         self.log.close()
         self.done.set()
+        if self.checks is not None:
+            self.checks.job_ended(self)
 
     def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
         """Run the job to its final state; never raises.
@@ -257,6 +261,8 @@ class JobRun:
         ready_ms = (time.monotonic() - begin) * 1000
         self.vm_facts = VmFacts.of(sandbox)
         self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3))
+        if self.checks is not None:
+            self.checks.vm_started(self)
         self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.warm else ''}")
         return sandbox
 

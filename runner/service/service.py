@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy.model import Policy
+from runner.attest.keys import SigningKey
 from runner.errors import ArchiveError, ConfigError, JobError
 from runner.fleet import registered, report
 from runner.fleet.report import ReportedJob
@@ -38,15 +39,15 @@ from runner.jobapi.contract import (
     Verdict,
     canonical_repository,
 )
-from runner.attest.keys import SigningKey
+from runner.logs import JobEvents
 from runner.service.attestation import ENVELOPE, JobAttestor
 from runner.service.auth import OPERATOR, Access, Caller
+from runner.service.checkruns import CheckRunReporter
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, Sandbox, SandboxFactory, needs_network
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
-from runner.logs import JobEvents
 from runner.service.records import RecordStore
 from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, session_key
 from runner.service.spec import SpecError, parse_spec
@@ -83,6 +84,20 @@ class TooLarge(JobError):
     """A request body over the service's limit for it."""
 
 
+def check_run_reporter(config: ServiceConfig, keyid: str) -> CheckRunReporter | None:
+    """The pull requests' check runs, posted as the GitHub App; None without the App or a policy store
+    (whose repository files say which repositories want them)."""
+    if config.github_config is None or config.policy_dir is None:
+        return None
+    from policy import PolicyStore
+    from runner.github.checks import CheckRuns
+    from runner.github.config import load_settings
+
+    path = config.github_config
+    return CheckRunReporter(lambda: CheckRuns(load_settings(path).app().as_installation),
+                            PolicyStore(config.policy_dir), config.public_url, keyid)
+
+
 def branch_files(config: ServiceConfig) -> PolicySource | None:
     """The repositories' own policy files, read as the org's GitHub App; None without App settings."""
     if config.github_config is None:
@@ -111,6 +126,7 @@ class JobService:
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
         self.records = RecordStore(config.records_path)
         self.attestor = JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
+        self.check_runs = check_run_reporter(config, self.attestor.key.keyid)
         self.queue = JobQueue(config.max_queued_jobs)
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
@@ -176,6 +192,8 @@ class JobService:
         self.warm.close()
         if self._reaper:
             self._reaper.join()
+        if self.check_runs is not None:
+            self.check_runs.close()  # every job has ended: their check runs go out before the service stops
 
     def close(self) -> None:
         """End every job (`drain` with the configured grace, unless drained already), then release the
@@ -274,7 +292,7 @@ class JobService:
         job_dir.mkdir(mode=0o700)
         run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
                      session=session, sessions=self.sessions if session else None, attached=attached,
-                     attestor=self.attestor)
+                     attestor=self.attestor, checks=self.check_runs)
         try:
             self.records.put(record)
         except BaseException:

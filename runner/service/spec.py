@@ -171,4 +171,12 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         timeout_seconds=timeout or config.default_timeout_seconds,
         template=template,
         policy=policy,
+        fork=_fork(data),
     )
+
+
+def _fork(data: dict[str, Any]) -> bool:
+    value = data.get("fork", False)
+    if not isinstance(value, bool):
+        raise SpecError(f"fork: expected true or false, got {_show(value)}")
+    return value

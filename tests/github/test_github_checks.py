@@ -12,8 +12,15 @@ import responses
 from github_fakes import API, assert_valid_request, example
 
 from policy.load import load_policy
-from runner.github.checks import (MAX_ANNOTATIONS_PER_REQUEST, CheckRuns, Finding, JobOutcome, failure_findings,
-                                  output_findings, summary)
+from runner.github.checks import (
+    MAX_ANNOTATIONS_PER_REQUEST,
+    CheckRuns,
+    Finding,
+    JobOutcome,
+    failure_findings,
+    output_findings,
+    summary,
+)
 from runner.github.client import GitHubClient
 from runner.junit import parse_report
 
