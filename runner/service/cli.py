@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     for action, func in ((show, cmd_jobs_show), (logs, cmd_jobs_logs), (cancel, cmd_jobs_cancel)):
         action.add_argument("id", help="the job's id (as `jobs` lists it)")
         action.add_argument("--socket", default=argparse.SUPPRESS,
-                            help=f"the running service's socket (default {DEFAULT_SOCKET})")
+                            help=f"the running service's socket (default: the config's, or {DEFAULT_SOCKET})")
+        action.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="the service config: its socket")
         action.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON, not text")
         action.set_defaults(func=func)
 
@@ -125,7 +126,12 @@ def _job_client(args: argparse.Namespace) -> Any:
     check (root or the admin_group; a runner only its own jobs) decides who reaches which job."""
     from runner.jobapi.client import JobClient
 
-    return JobClient(socket=args.socket)
+    socket = args.socket
+    if args.config is not None and socket == DEFAULT_SOCKET:
+        from runner.service.config import load_config
+
+        socket = load_config(args.config).socket
+    return JobClient(socket=socket)
 
 
 def _api_call(args: argparse.Namespace, call: Callable[[Any], T]) -> T:
