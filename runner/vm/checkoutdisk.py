@@ -22,6 +22,11 @@ with O_NOFOLLOW, every file is created with O_EXCL|O_NOFOLLOW and a link is only
 never followed; `mkfs.ext4 -d` copies links as links. Set-id and sticky bits are dropped (a
 set-uid file owned by root must not exist on the host even for a moment), devices and fifos are
 refused. `.git` is written, unlike in artifacts: this tree is read by mkfs alone, never by git.
+
+Every inode the unpacking makes counts against a budget from the tar's size (`inode_budget`),
+directories a member's path only implies as much as those the archive lists: `a/b/.../z/f` makes
+26 directories for one 512-byte header, so a 12 MiB tar of such paths could otherwise exhaust the
+tmpfs's inodes for every user of it. The same count sizes mkfs's inode table (`-N`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ TREE = "c"  # the checkout's directory inside the image: its root also holds mkf
 MAX_LINK_TARGET = 4095  # PATH_MAX - 1: what the guest kernel accepts
 NAME_LIMITS = tarsafe.Limits(max_name_bytes=4096, max_depth=256)
 MKFS_TIMEOUT_S = 300.0
+DEFAULT_TAR_BYTES = 1024**3  # the size assumed for a stream that cannot say (the service's default checkout limit)
+TAR_HEADER = 512  # the least a member the archive lists costs in the tar
+IMPLIED_PER_MEMBER = 1  # directories a member may imply beyond what it lists, on average
 GUEST_TIMEOUT_S = 600.0
 
 
@@ -68,16 +76,46 @@ class Unpacked:
     regular: dict[str, None] = field(default_factory=dict)  # names of regular files: hard link targets
     dir_modes: list[tuple[str, int, int]] = field(default_factory=list)  # set last, as tar does
 
+    max_inodes: int | None = None  # the budget every new file, link and directory counts against
+    known_dirs: set[str] = field(default_factory=lambda: {""})  # made so far, listed or implied
+
     def inodes(self) -> int:
         return self.files + self.dirs + self.links
 
+    def made(self, what: str) -> None:
+        """One more inode (`what` names it for the refusal): UnsafeTar past the budget."""
+        if self.max_inodes is not None and self.inodes() > self.max_inodes:
+            raise tarsafe.UnsafeTar(f"{what[:80]!r}: the archive makes more than {self.max_inodes} files, links "
+                                    "and directories (counting directories its paths only imply), more than a "
+                                    "tar of its size can hold")
 
-def unpack(stream: BinaryIO, tree: Path) -> Unpacked:
-    """Write `stream`'s members under the new, empty directory `tree`; UnsafeTar on anything refused."""
+    def directories(self, name: str) -> None:
+        """Count the directories `name` and its parents that do not exist yet."""
+        missing = []
+        while name not in self.known_dirs:
+            missing.append(name)
+            name = name.rpartition("/")[0]
+        for made in reversed(missing):
+            self.known_dirs.add(made)
+            self.dirs += 1
+            self.made(made)
+
+
+def inode_budget(tar_bytes: int) -> int:
+    """Inodes a checkout tar of this size may make: one per 512-byte header it could hold, one implied
+    directory each on average, and a few for the image's own."""
+    return (1 + IMPLIED_PER_MEMBER) * (tar_bytes // TAR_HEADER) + 64
+
+
+def unpack(stream: BinaryIO, tree: Path, max_inodes: int | None = None) -> Unpacked:
+    """Write `stream`'s members under the new, empty directory `tree`; UnsafeTar on anything refused,
+    and on more than `max_inodes` files, links and directories (None: the stream's size decides)."""
+    if max_inodes is None:
+        max_inodes = inode_budget(_size(stream))
     tree.mkdir(mode=0o700)
-    result = Unpacked()
+    result = Unpacked(max_inodes=max_inodes)
     root = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    parents = _Parents(root)
+    parents = _Parents(root, result)
     try:
         for archive, member in tarsafe.checked_members(stream):  # the checkout's size bounds the count
             _unpack_member(archive, member, parents, result)
@@ -99,15 +137,17 @@ class _Parents:
     """The directory of the last member, kept open: a tar lists a directory's files together, and
     opening every path component again for each of 20,000 files is most of the unpacking time."""
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, result: Unpacked) -> None:
         self.root = root
+        self._result = result
         self._name: str | None = None
         self._fd = -1
 
     def open(self, name: str) -> int:
-        """The directory `name` ("" for the root), created if missing, never through a link."""
+        """The directory `name` ("" for the root), created if missing (each new one counted), never through a link."""
         if name != self._name:
             self.close()
+            self._result.directories(name)
             self._fd = tarsafe.open_dirs(self.root, name.split("/") if name else [])
             self._name = name
         return self._fd
@@ -124,7 +164,6 @@ def _unpack_member(archive: tarfile.TarFile, member: tarfile.TarInfo, parents: _
     if member.isdir():
         if name:
             parents.open(name)
-            result.dirs += 1
         result.root_given |= not name
         result.dir_modes.append((name, mode, int(member.mtime)))
         return
@@ -136,13 +175,15 @@ def _unpack_member(archive: tarfile.TarFile, member: tarfile.TarInfo, parents: _
     if member.isreg():
         source = archive.extractfile(member)
         assert source is not None  # regular members always have data
-        _write(parent, base, source, member.size, mode, int(member.mtime))
         result.files += 1
+        result.made(name)
+        _write(parent, base, source, member.size, mode, int(member.mtime))
         result.data_blocks += -(-member.size // BLOCK)
         result.regular[name] = None
     elif member.issym():
-        _symlink(parent, base, member.linkname)
         result.links += 1
+        result.made(name)
+        _symlink(parent, base, member.linkname)
         result.data_blocks += 1
     elif member.islnk():
         _hardlink(parents.root, parent, base, member.linkname, result)
@@ -289,6 +330,17 @@ def rehearse(vm: VM, image: Path, timeout: float) -> None:
     vm.machine.change_medium(image)
     vm.agent.call({"op": "checkout", "device": CHECKOUT_DEVICE, "uuid": REHEARSAL_UUID, "dir": TREE,
                    "dest": "/run/microvm-check-rehearsal", "rehearsal": True}, timeout)
+
+
+def _size(stream: BinaryIO) -> int:
+    """The bytes left in a seekable stream (a spooled checkout); for a pipe, unknown: the default limit's."""
+    try:
+        here = stream.tell()
+        end = stream.seek(0, os.SEEK_END)
+        stream.seek(here)
+    except (OSError, ValueError):
+        return DEFAULT_TAR_BYTES
+    return end - here
 
 
 def _why(exc: Exception) -> str:
