@@ -253,9 +253,11 @@ class ServiceConfig:
     socket_group: str | None = setting(None, "the group allowed to use the socket (mode 0660)", "string")
     admin_group: str | None = setting(None, "members (and root) are the operator on the socket: they list all jobs "
                                             "and reach any job (runner/service/auth.py)", "string")
-    listen: tuple[str, int] | None = setting(None, "optional TCP HOST:PORT for the job API; needs token or "
+    listen: tuple[str, int] | None = setting(None, "optional TCP HOST:PORT for the job API, the jobs page "
+                                                   "(/ui) and /metrics (docs/operating.md); needs token or "
                                                    "token_file", "listen")
-    token: str | None = setting(None, "bearer token for TCP clients (at least 16 characters)", "string")
+    token: str | None = setting(None, "bearer token for TCP clients, the jobs page's ?token= login and "
+                                             "/metrics (at least 16 characters)", "string")
     token_file: Path | None = setting(None, "file holding the bearer token, instead of token", "path")
     state_dir: Path = setting(Path(DEFAULT_STATE_DIR), "job directories, records and the VM engine's root", "path")
     attestation_key: Path | None = setting(None, "the Ed25519 key job records are signed with, made on first start "
