@@ -46,6 +46,11 @@ class Limits:
     max_depth: int
     shape: str  # says what the document should look like, after "nested deeper than N levels; "
     max_problems: int = 100
+    # Refused before a node is built: composing costs ~20 us a node, so a 250 KB document of 50,000 lines
+    # or one flow mapping of 40,000 keys took 1-2 s of the service's CPU just to be told it is too big.
+    max_lines: int = 8192
+    max_keys: int = 4096  # mapping keys in the whole document
+    max_items: int = 1024  # entries of one list or mapping, block or flow
 
 
 @dataclass(frozen=True)
@@ -141,11 +146,28 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
         problems.add(None, f"the {limits.noun} is larger than {limits.max_bytes} bytes; "
                            f"a {limits.noun} needs a handful of {_entries(limits)}, not a text this size")
         return None
+    lines = text.count("\n") + (not text.endswith("\n"))
+    if lines > limits.max_lines:
+        problems.add(None, f"the {limits.noun} has {lines} lines, more than {limits.max_lines}; "
+                           f"a {limits.noun} needs a handful of {_entries(limits)}, not a text this long")
+        return None
     before = len(problems.items)
     aliases = 0
     try:
         depth = 0
+        open_counts: list[int] = []  # nodes in each open collection (a mapping's keys and values both)
+        open_mapping: list[bool] = []
+        keys = 0
         for event in yaml.parse(text, Loader=_LOADER):
+            if isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent)) \
+                    and open_counts:
+                open_counts[-1] += 1
+                entries = (open_counts[-1] + 1) // 2 if open_mapping[-1] else open_counts[-1]
+                if open_mapping[-1] and open_counts[-1] % 2 == 1:
+                    keys += 1
+                if entries > limits.max_items or keys > limits.max_keys:
+                    problems.add(event.start_mark, _too_many(limits, keys > limits.max_keys))
+                    return None
             if isinstance(event, yaml.AliasEvent):
                 aliases += 1
                 if aliases == 1:
@@ -153,12 +175,16 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
                                                    "write the entry out in full")
             elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 depth += 1
+                open_counts.append(0)
+                open_mapping.append(isinstance(event, yaml.MappingStartEvent))
                 if depth > limits.max_depth:
                     problems.add(event.start_mark, f"the {limits.noun} is nested deeper than "
                                                    f"{limits.max_depth} levels; {limits.shape}")
                     return None
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
+                open_counts.pop()
+                open_mapping.pop()
         if aliases > 1:  # one problem for them all: a billion-laughs file has hundreds
             problems.items[before] = _more(problems.items[before], f"{aliases - 1} more aliases after it")
         if len(problems.items) != before:
@@ -176,6 +202,13 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
     except yaml.YAMLError as exc:
         problems.add(None, f"YAML error: {quote(str(exc), 200)}")
     return None
+
+
+def _too_many(limits: Limits, keys: bool) -> str:
+    if keys:
+        return (f"the {limits.noun} has more than {limits.max_keys} keys in all; "
+                f"a {limits.noun} needs a handful of {_entries(limits)}")
+    return f"a list or mapping of the {limits.noun} has more than {limits.max_items} entries; {limits.shape}"
 
 
 def _more(problem: Problem, note: str) -> Problem:
