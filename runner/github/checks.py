@@ -168,7 +168,7 @@ def _egress(outcome: JobOutcome) -> list[str]:
                        "default branch's policy in a commit of your own):", "", "```yaml", *snippet.splitlines(), "```"]
 
 
-def annotations(outcome: JobOutcome) -> list[dict[str, Any]]:
+def annotation_payloads(outcome: JobOutcome) -> list[dict[str, Any]]:
     """The findings that name a file of the repository (GitHub annotates files), bounded."""
     return [finding.to_json() for finding in outcome.findings if finding.path][:MAX_ANNOTATIONS]
 
@@ -199,7 +199,7 @@ class CheckRuns:
         conclusion. Returns the number of PATCH requests sent."""
         title = f"{outcome.conclusion}: exit code {outcome.exit_code if outcome.exit_code is not None else '–'}"
         text = summary(outcome, details_url)
-        found = annotations(outcome)
+        found = annotation_payloads(outcome)
         batches: list[Sequence[dict[str, Any]]] = [found[i:i + MAX_ANNOTATIONS_PER_REQUEST]
                                                     for i in range(0, len(found), MAX_ANNOTATIONS_PER_REQUEST)] or [[]]
         path = f"/repos/{repository}/check-runs/{check_id}"

@@ -179,6 +179,8 @@ class JobRun:
             return None
         self.vm_facts = VmFacts.of(sandbox)
         self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=0.0)
+        if self.checks is not None:
+            self.checks.vm_started(self)
         self.log.system(f"step {self.session.steps} of the job, in its kept VM {sandbox.id} "
                         f"(session {self.session.id}); the checkout and earlier steps' files are there")
         return sandbox
