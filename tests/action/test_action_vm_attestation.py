@@ -140,3 +140,18 @@ def test_the_key_is_the_services_alone(service) -> None:
     path = service.config.attestation_key_path
     info = path.stat()
     assert info.st_mode & 0o777 == 0o600 and info.st_uid == 0
+
+
+def test_a_local_run_gets_a_signed_record_too(service, signed, tmp_path: Path, monkeypatch, capsys) -> None:
+    from runner.service.localrun import LocalRun
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "data.txt").write_text("local\n")
+    monkeypatch.chdir(tmp_path)
+    job = LocalRun(directory=checkout, command=["mkdir -p out && cp data.txt out/"], artifacts=["out"],
+                   socket=service.config.socket)
+    assert job.run() == 0
+    envelope = tmp_path / "artifacts" / "microvm-check.intoto.jsonl"
+    code, out = verify(capsys, str(envelope), "--key", str(signed["key"]), "--artifacts", str(tmp_path / "artifacts"))
+    assert code == 0 and "all 1 named match" in out and "out/data.txt" in out, out
