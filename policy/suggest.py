@@ -200,6 +200,16 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
     return ("cidr", f"{record.dest}/{bits}", record.proto), record.port
 
 
+def _request(record: AuditRecord) -> tuple[str, int, str, str] | None:
+    """(host, port, method, path glob) of an HTTP request a `methods:`/`paths:` rule refused: what a
+    suggestion adds as an entry of its own (beside the audited rule, it admits those requests too)."""
+    if record.reason != REQUEST_REFUSED or record.name is None or record.port is None:
+        return None
+    if record.method is None or record.path is None:
+        return None
+    return record.name, record.port, record.method, record.path
+
+
 def _entry(target: _Target, ports: set[int]) -> dict[str, object]:
     kind, value, proto = target
     entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
@@ -219,13 +229,22 @@ def suggest_policy(records: list[AuditRecord]) -> str:
     """
     by_target: dict[_Target, set[int]] = {}
     comments: set[str] = set()
+    requests: dict[tuple[str, int], tuple[set[str], set[str]]] = {}
     for record in records:
+        request = _request(record)
+        if request is not None:
+            methods, paths = requests.setdefault(request[:2], (set(), set()))
+            methods.add(request[2])
+            paths.add(request[3])
+            continue
         where = _classify(record)
         if isinstance(where, str):
             comments.add(f"# {where}\n")
         else:
             by_target.setdefault(where[0], set()).add(where[1])
     allow = [_entry(target, ports) for target, ports in sorted(by_target.items())]
+    allow += [{"host": host, "ports": [port], "methods": sorted(methods), "paths": sorted(paths)}
+              for (host, port), (methods, paths) in sorted(requests.items())]
     text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
     return text + "".join(sorted(comments))
 
