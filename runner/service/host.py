@@ -130,7 +130,7 @@ class ServiceHost:
         engine, settings = self.engine, self._engine_settings
         metrics.watch(ServiceView(
             active_jobs=lambda: list(service.records.in_states(ACTIVE_STATES)),
-            queued=lambda: service.health().queued, prewarmed=lambda: service.health().warm,
+            queued=lambda: service.queue.counts()[0], prewarmed=service.warm.count,
             prewarm_max=self.config.prewarm.max_vms,
             live_vms=(lambda: len(engine.live()) + sum(engine.pool.ready().values()) + engine.standby_vmms())
             if engine is not None else None,
