@@ -20,6 +20,15 @@ it; openings last the answer's TTL clamped to 60 s..1 h and close within
 a sweep (2 s) of that; answers opening new addresses rewrite the chain at most 64 times at once and
 2 a second after (past that the guest gets SERVFAIL); a destroyed slot's resolver never writes again.
 TEST-NET answers are not refused (see `policy.reserved` for why, and what that leaves open).
+
+What the name check promises (`runner.net.nameproxy`, `runner.net.namecheck`): TCP under a
+`host:` rule (not `raw: true`) is never forwarded by the kernel; the slot's nat table redirects it
+to a checker in the namespace that admits it only when its TLS SNI or HTTP Host is a name the
+policy allows on that port *and* the address dialled was handed out by this resolver for that
+name (live opening); each later request of a kept-alive HTTP connection is checked too. Rules
+with `methods:`/`paths:` are read request by request, HTTPS through TLS terminated with the job's
+own CA (`runner.net.jobca`, key in memory only, dropped at slot reset). The operator's block list
+(`policy.blocklist`) is refused by the resolver, the checker and the raw guard in every mode.
 """
 
 from policy.suggest import AuditRecord
