@@ -145,7 +145,7 @@ class JobMetrics:
         # `_created` series: the library exports them as extra gauges per counter and histogram, which
         # dashboards mistake for data; process-wide in prometheus_client, and the service's registries are
         # the only ones in its process.
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         build_info = Gauge(f"{PREFIX}_build_info", "The running build (always 1)", ["version", "python"], registry=r)
