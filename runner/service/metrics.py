@@ -39,7 +39,8 @@ _REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10,
 # The routes, as templates: a label never holds a job id or anything else a client chose.
 API_ROUTES = ("/v1/health", "/v1/jobs", "/v1/status", "/v1/runner/job-started", "/v1/runner/job-completed",
               "/v1/jobs/{id}", "/v1/jobs/{id}/checkout", "/v1/jobs/{id}/logs", "/v1/jobs/{id}/artifacts",
-              "/v1/jobs/{id}/attestation", "/v1/attestation-key", "/v1/jobs/{id}/cancel", "/metrics", "/ui", "/ui/jobs/{id}", "/ui/jobs/{id}/logs",
+              "/v1/jobs/{id}/attestation", "/v1/attestation-key", "/v1/jobs/{id}/cancel", "/metrics", "/ui",
+              "/ui/jobs/{id}", "/ui/jobs/{id}/logs",
               "/ui/jobs/{id}/artifacts", "/ui/jobs/{id}/cancel", "/ui/jobs/{id}/log.txt", "/ui/insights", "/ui/static",
               "other")
 
