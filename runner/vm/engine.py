@@ -134,7 +134,9 @@ class Engine:
         vm = self.pool.take(snapshot)
         try:
             if vm is None:
+                missed_at = time.monotonic()
                 vm = self._restore(snapshot, identity=False)  # _claim gives it its identity
+                self.pool.missed(snapshot, time.monotonic() - missed_at)
             vm.expires_at = started + ttl_seconds
             with self._vms_lock:
                 self._vms[vm.id] = vm

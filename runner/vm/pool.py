@@ -9,9 +9,9 @@ entropy, hostname) and egress policy are applied when it claims it.
 How many: the configured size is the floor; above it the pool follows demand (`Demand`): the
 arrivals expected while one VM is prepared, plus two standard deviations of a Poisson process,
 so a burst finds VMs waiting; never more than `cap(snapshot)` (the host's memory). A take that
-finds the pool empty while a VM for it is being prepared waits for that one, at most as long as
-preparing one takes: a miss costs at most one restore, never a second restore racing the filler
-for the same two cores.
+finds the pool empty while a VM for it is being prepared waits for that one only when it is
+expected sooner than a restore of the taker's own (both times measured): a miss costs at most
+one restore.
 """
 
 from __future__ import annotations
@@ -40,12 +40,25 @@ class Demand:
         self._clock = clock
         self._arrivals: deque[float] = deque(maxlen=self.MAX_SEEN)
         self.prepare_s: float | None = None  # exponentially weighted mean of the recent prepares
+        self.miss_s: float | None = None  # the same for the restores takers did themselves (no rehearsal)
+        self.preparing_since: float | None = None  # when the filler began the VM it is preparing now
 
     def arrived(self) -> None:
         self._arrivals.append(self._clock())
 
     def prepared(self, seconds: float) -> None:
         self.prepare_s = seconds if self.prepare_s is None else 0.7 * self.prepare_s + 0.3 * seconds
+
+    def missed(self, seconds: float) -> None:
+        self.miss_s = seconds if self.miss_s is None else 0.7 * self.miss_s + 0.3 * seconds
+
+    def worth_waiting(self) -> float:
+        """How long a take should wait for the VM being prepared: its expected remaining time, if that
+        is shorter than restoring one itself would take (0: restore). Unknown times mean: do not wait."""
+        if self.preparing_since is None or self.prepare_s is None or self.miss_s is None:
+            return 0.0
+        remaining = self.prepare_s - (self._clock() - self.preparing_since)
+        return remaining if 0 < remaining < self.miss_s else 0.0
 
     def rate(self) -> float:
         """Arrivals per second over the window (0 with fewer than two)."""
@@ -100,12 +113,14 @@ class SpareVMs:
         while True:
             with self._lock:
                 entries = self._ready[snapshot]
-                # One filler prepares one VM at a time: one take may wait for it, others restore their own.
-                if not entries and snapshot in self._filling and snapshot not in self._waiting and not self._closed:
+                # One filler prepares one VM at a time: one take may wait for it (if it will be ready before
+                # a restore of its own would be), others restore their own.
+                wait = self._demand[snapshot].worth_waiting() if snapshot in self._filling else 0.0
+                if not entries and wait > 0 and snapshot not in self._waiting and not self._closed:
                     self._waiting.add(snapshot)
                     try:
                         self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
-                                               or self._closed, timeout=self._demand[snapshot].prepare_s or 0.0)
+                                               or self._closed, timeout=wait)
                     finally:
                         self._waiting.discard(snapshot)
                     entries = self._ready[snapshot]  # close() or an eviction may have replaced the list
@@ -115,6 +130,11 @@ class SpareVMs:
             if not vm.destroyed and vm.machine.alive():
                 return vm
             vm.destroy()
+
+    def missed(self, snapshot: Snapshot, seconds: float) -> None:
+        """A take found nothing and its caller restored a VM itself in `seconds` (what waiting must beat)."""
+        with self._lock:
+            self._demand[snapshot].missed(seconds)
 
     def drain(self, snapshot: Snapshot) -> list[VM]:
         """Every VM ready for `snapshot`, taken out for the caller to end (no demand is counted)."""
@@ -151,10 +171,16 @@ class SpareVMs:
                 with self._lock:
                     if self._closed or len(self._ready[snapshot]) >= self._target(snapshot):
                         return
-                began = time.monotonic()
-                vm = self._prepare(snapshot)
                 with self._lock:
-                    self._demand[snapshot].prepared(time.monotonic() - began)
+                    demand = self._demand[snapshot]
+                    began = demand.preparing_since = demand._clock()
+                try:
+                    vm = self._prepare(snapshot)
+                finally:
+                    with self._lock:
+                        demand.preparing_since = None
+                with self._lock:
+                    demand.prepared(demand._clock() - began)
                     if self._closed:
                         vm.destroy()
                         return

@@ -82,7 +82,8 @@ def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
             break
         threading.Event().wait(0.01)
     assert first is made[0]
-    pool._demand[snapshot].prepare_s = WAIT_S  # a take may wait this long for the VM in preparation
+    demand = pool._demand[snapshot]
+    demand.prepare_s, demand.miss_s = WAIT_S, 2 * WAIT_S  # the VM being prepared is due before a restore of its own
     pool.refill(snapshot)
     taken: list[VM | None] = []
     taker = threading.Thread(target=lambda: taken.append(pool.take(snapshot)))
@@ -104,3 +105,17 @@ def test_a_take_with_nothing_in_preparation_returns_at_once(tmp_path: Path) -> N
     assert pool.take(snapshot_of(tmp_path, "d1")) is None
     assert pool.target(snapshot_of(tmp_path, "d1")) == 0
     pool.close()
+
+
+def test_a_take_does_not_wait_for_a_prepare_slower_than_its_own_restore() -> None:
+    clock = Clock()
+    demand = Demand(clock)
+    demand.prepared(2.0)  # a pooled VM: restore, first answers, checkout rehearsal
+    demand.missed(0.5)  # a taker's own restore
+    assert demand.worth_waiting() == 0.0  # nothing is being prepared
+    demand.preparing_since = clock.now
+    assert demand.worth_waiting() == 0.0  # 2 s left: restoring its own is sooner
+    clock.now += 1.8
+    assert abs(demand.worth_waiting() - 0.2) < 1e-9  # 0.2 s left: waiting is sooner
+    clock.now += 0.5
+    assert demand.worth_waiting() == 0.0  # overdue: no estimate left, restore
