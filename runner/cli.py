@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "redeliver": ("runner.commands.github", "ask GitHub to redeliver failed webhook deliveries"),
     "runner": ("runner.commands.github", "the ephemeral runners the service keeps (runners: section)"),
     "status": ("runner.commands.github", "the running service's VMs, spare pools, queue, recent jobs and runners "
-                                        "(asks it on its socket; operators only)"),
+                                        "(operators only)"),
     "guard": ("runner.commands.github", "job-started hook: refuse untrusted fork workflows"),
     "attestation": ("runner.commands.attestation", "print a job's signed record (a DSSE envelope line)"),
     "attestation-key": ("runner.commands.attestation", "print the public key the service signs job records with"),

@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         hook_cmd.set_defaults(func=func)
 
     cmd = subparsers.add_parser("status", help="the running service's VMs, spare pools, queue, recent jobs and "
-                                               "runners (asks it on its socket; operators only)")
+                                               "runners (operators only)")
     cmd.add_argument("--config", "--service-config", dest="service_config", type=Path,
                      default=Path("/etc/microvm-check/service.yml"), help="the running service's config (its socket)")
     cmd.add_argument("--socket", help="the service's socket (default: the config's)")
