@@ -45,8 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "runners": ("runner.commands.github", "list the org's runners, ours marked by label"),
     "redeliver": ("runner.commands.github", "ask GitHub to redeliver failed webhook deliveries"),
     "runner": ("runner.commands.github", "the ephemeral runners the service keeps (runners: section)"),
-    "status": ("runner.commands.github", "the running service's VMs, spare pools, queue, recent jobs and runners "
-                                        "(operators only)"),
+    "status": ("runner.commands.github", "the running service's VMs, spare pools, queue, jobs, runners"),
     "guard": ("runner.commands.github", "job-started hook: refuse untrusted fork workflows"),
     "attestation": ("runner.commands.attestation", "print a job's signed record (a DSSE envelope line)"),
     "attestation-key": ("runner.commands.attestation", "print the public key the service signs job records with"),

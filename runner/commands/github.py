@@ -86,8 +86,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         hook_cmd.add_argument("--socket", required=True, help="the job API's Unix socket")
         hook_cmd.set_defaults(func=func)
 
-    cmd = subparsers.add_parser("status", help="the running service's VMs, spare pools, queue, recent jobs and "
-                                               "runners (operators only)")
+    cmd = subparsers.add_parser("status", help="the running service's VMs, spare pools, queue, jobs, runners",
+                                description="What the running service holds now, asked on its socket (GET "
+                                            "/v1/status): for the operator (root or the config's admin_group).")
     cmd.add_argument("--config", "--service-config", dest="service_config", type=Path,
                      default=Path("/etc/microvm-check/service.yml"), help="the running service's config (its socket)")
     cmd.add_argument("--socket", help="the service's socket (default: the config's)")
