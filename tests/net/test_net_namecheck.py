@@ -193,3 +193,29 @@ def test_methods_and_paths_on_plain_http_are_checked_request_by_request(slot, gu
     assert slot.proxy is not None and slot.proxy.ca is not None  # HTTPS to such a rule would need it
     found = {(r.method, r.path) for r in slot.audit_records() if r.reason == "request-refused"}
     assert found == {("POST", "/ok/*"), ("GET", "/secret")}
+
+
+def test_the_checker_is_reachable_only_through_the_redirect_and_bounded_per_vm(slot, guest, monkeypatch) -> None:
+    from runner.net import addresses
+
+    monkeypatch.setattr(nameproxy, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(nameproxy, "FIRST_FLIGHT_SECONDS", 3.0)
+    slot.apply_policy(policy(WEB))
+    lookup(guest, "web.test")
+    assert not reach(guest, addresses.GATEWAY_IP, addresses.NAMECHECK_PORT)  # dialled directly: the guard drops it
+
+    def flood() -> list[bytes | None]:
+        held = [socket.create_connection((ALLOWED_HOST, 8000), timeout=3) for _ in range(2)]  # silent: held open
+        try:
+            with socket.create_connection((ALLOWED_HOST, 8000), timeout=3) as third:
+                third.sendall(http("web.test"))
+                try:
+                    return [third.recv(100) or None]
+                except OSError:
+                    return [None]
+        finally:
+            for sock in held:
+                sock.close()
+
+    assert in_ns(guest, flood) == [None]  # the third of two allowed at once is reset, named or not
+    assert (ALLOWED_HOST, 8000, None, UNNAMED) in refusals(slot)
