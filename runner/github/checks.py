@@ -102,8 +102,10 @@ def output_findings(lines: Iterable[str]) -> list[Finding]:
         match = _FINDING.match(raw.rstrip("\r\n"))
         if match is None:
             continue
-        kind, props, message = match.groups()
-        fields = dict(p.split("=", 1) for p in (props or "").split(",") if "=" in p)
+        kind, props, data = match.groups()
+        fields = {k: _unescape(v, _PROPERTY_ESCAPES) for k, v in
+                  (p.split("=", 1) for p in (props or "").split(",") if "=" in p)}
+        message = _unescape(data, _DATA_ESCAPES)
         line = fields.get("line", "")
         found.append(Finding({"error": "failure", "warning": "warning", "notice": "notice"}[kind], message,
                              fields.get("title", ""), _repository_path(fields.get("file"), ""),
@@ -227,6 +229,17 @@ def _repository_path(file: str | None, prefix: str) -> str | None:
     if not _SAFE_PATH.fullmatch(file) or any(p in ("", ".", "..") for p in parts) or parts[0] == ".git":
         return None
     return file
+
+
+# How a tool escapes a workflow command's message and property values (GitHub's toolkit does the same).
+_DATA_ESCAPES = (("%0D", "\r"), ("%0A", "\n"), ("%25", "%"))
+_PROPERTY_ESCAPES = (("%3A", ":"), ("%2C", ","), *_DATA_ESCAPES)
+
+
+def _unescape(text: str, escapes: tuple[tuple[str, str], ...]) -> str:
+    for escaped, char in escapes:
+        text = text.replace(escaped, char)
+    return text
 
 
 def _plain(text: str, limit: int) -> str:

@@ -104,3 +104,25 @@ def test_github_down_leaves_the_job_its_result(make_service, engine: FakeEngine,
         job = _run(service, "ok")
     record = service.get(job)
     assert (record.state, record.exit_code) == ("finished", 0)
+
+
+HOSTILE = "<img src=x onerror=alert(1)> [x](https://evil.example) ![i](https://evil.example/i.png) `c` | col"
+
+
+def test_a_hostile_guests_text_arrives_inert(make_service, engine: FakeEngine, tmp_path, github) -> None:
+    title = HOSTILE.replace("%", "%25").replace(":", "%3A").replace(",", "%2C")  # as a tool escapes a property
+    escaped = HOSTILE.replace("&", "&amp;").replace("<", "&lt;").replace('"', "&quot;")
+    report = (f'<testsuite name="{escaped}"><testcase classname="{escaped}" name="{escaped}" file="../../etc/passwd">'
+              f'<failure message="{escaped}">::add-mask::x\n/etc/shadow:3: boom</failure></testcase></testsuite>')
+    engine.programs["evil"] = prints(f"::error file=/etc/passwd,line=1::{HOSTILE}\n"
+                                     f"::error file=src/ok.py,line=2,title={title}::{HOSTILE}\n".encode(), 1)
+    engine.artifacts_tar = tar_of([(member(f"out/{'x' * 10}.xml"), report.encode())])
+    service = _service(make_service, tmp_path, "on")
+    _run(service, "evil")
+    end = assert_valid_request(github.calls[1].request.body, *UPDATE)
+    summary = end["output"]["summary"]
+    for trick in ("<img", "](", "![", "`c`", "| col", "https://"):
+        assert trick not in summary
+    annotations = end["output"]["annotations"]
+    assert [a["path"] for a in annotations] == ["src/ok.py"]  # no file outside the repository is named
+    assert annotations[0]["title"] == HOSTILE and annotations[0]["message"] == HOSTILE  # plain text on GitHub
