@@ -270,6 +270,14 @@ class ServiceConfig:
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)
     max_queued_jobs: int = setting(32, "submitted but not started jobs (incl. awaiting checkout); 429 beyond",
                                    "int", minimum=1, maximum=100000)
+    max_queued_per_repository: int | None = setting(None, "of max_queued_jobs, the most one repository's runner "
+                                                          "jobs hold (default: half, at least 1)", "int", minimum=1,
+                                                    maximum=100000)
+    max_queued_per_runner: int = setting(2, "queue slots one fleet runner holds (it runs one GitHub job)", "int",
+                                         minimum=1, maximum=100000)
+    max_running_per_repository: int | None = setting(None, "VMs one repository runs at once (default: "
+                                                           "max_concurrent_jobs; the fewest-running goes first "
+                                                           "anyway)", "int", minimum=1, maximum=1024)
     checkout_max_bytes: int = setting(GIB, "largest checkout tar accepted", "size", minimum=1, maximum=TIB)
     checkout_wait_seconds: float = setting(600.0, "a submitted job whose checkout never comes is dropped after "
                                                   "this", "number", minimum=1, maximum=7 * DAY)

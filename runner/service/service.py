@@ -127,7 +127,8 @@ class JobService:
         self.records = RecordStore(config.records_path)
         self.attestor = JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
         self.check_runs = check_run_reporter(config, self.attestor.key.keyid)
-        self.queue = JobQueue(config.max_queued_jobs)
+        self.queue = JobQueue(config.max_queued_jobs, max_queued=_queue_shares(config), max_running={
+            "repository": config.max_running_per_repository or config.max_concurrent_jobs})
         self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
         if isinstance(self.records.events, JobEvents):  # a kept VM's step says "kept", not "destroyed"
@@ -226,7 +227,10 @@ class JobService:
         session, opened = self._join_session(spec, policy, session_token)
         job_id = "j" + secrets.token_hex(8)
         try:
-            self.queue.reserve(job_id)  # QueueFull / QueueClosed go to the caller (429 / 503)
+            # QueueFull / QueueClosed go to the caller (429 / 503); a runner's or a socket member's job has its
+            # repository's and its runner's share of the queue (the operator's own jobs are no tenant's)
+            tenants = {} if caller.operator else {"repository": spec.repository.lower(), "runner": spec.runner_name}
+            self.queue.reserve(job_id, tenants)
         except BaseException:
             if session is not None:
                 self.sessions.release(session)
@@ -553,22 +557,28 @@ class JobService:
             job_id = self.queue.get()
             if job_id is None:
                 return
-            run = self._run(job_id)
-            if run is None:
-                continue
             try:
-                if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
-                    self._choose_template(run)
-                    self._claim_warm(run)
-                elif not run.attached:
-                    self._choose_template(run)
-                run.execute(self._create_vm, self.config)
-            except Exception:  # execute never raises by design; a record that cannot be saved still might
-                log.exception("job %s: the worker failed outside the job's own handling", job_id)
-                self._abandon(run)
+                self._work_on(job_id)
             finally:
-                with self._lock:
-                    self._runs.pop(job_id, None)
+                self.queue.finished(job_id)  # its repository may run another
+
+    def _work_on(self, job_id: str) -> None:
+        run = self._run(job_id)
+        if run is None:
+            return
+        try:
+            if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
+                self._choose_template(run)
+                self._claim_warm(run)
+            elif not run.attached:
+                self._choose_template(run)
+            run.execute(self._create_vm, self.config)
+        except Exception:  # execute never raises by design; a record that cannot be saved still might
+            log.exception("job %s: the worker failed outside the job's own handling", job_id)
+            self._abandon(run)
+        finally:
+            with self._lock:
+                self._runs.pop(job_id, None)
 
     def _choose_template(self, run: JobRun) -> None:
         """The repository's warm base for its job, when it has one of the job's network variant."""
@@ -690,6 +700,13 @@ def _finish(run: JobRun, state: JobState, reason: str) -> None:
         run.checkout_path.unlink(missing_ok=True)
         run.log.close()
         run.done.set()
+
+
+def _queue_shares(config: ServiceConfig) -> dict[str, int]:
+    """Each tenant kind's most queue slots: a repository half the queue (or the operator's number), a runner
+    `max_queued_per_runner`."""
+    return {"repository": config.max_queued_per_repository or max(1, config.max_queued_jobs // 2),
+            "runner": config.max_queued_per_runner}
 
 
 def _template_of(spec: JobSpec) -> str:
