@@ -155,3 +155,14 @@ def test_a_local_run_gets_a_signed_record_too(service, signed, tmp_path: Path, m
     envelope = tmp_path / "artifacts" / "microvm-check.intoto.jsonl"
     code, out = verify(capsys, str(envelope), "--key", str(signed["key"]), "--artifacts", str(tmp_path / "artifacts"))
     assert code == 0 and "all 1 named match" in out and "out/data.txt" in out, out
+
+
+def test_attestation_and_its_key_read_from_the_config_as_jobs_does(signed, service, tmp_path: Path,
+                                                                   capsysbinary) -> None:
+    config = tmp_path / "service.yml"
+    config.write_text(f"socket: {service.config.socket}\nstate_dir: {service.config.state_dir}\n")
+    capsysbinary.readouterr()
+    assert main(["attestation", signed["record"]["id"], "--config", str(config)]) == 0
+    assert capsysbinary.readouterr().out == (signed["artifacts"] / "microvm-check.intoto.jsonl").read_bytes()
+    assert main(["attestation-key", "--config", str(config)]) == 0
+    assert capsysbinary.readouterr().out.decode() == signed["key"].read_text()
