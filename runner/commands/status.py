@@ -39,8 +39,9 @@ def render(data: Mapping[str, Any], now: float | None = None) -> str:
     for job in recent:
         lines.append("  " + job_line(job, now))
     fleet = data.get("fleet")
-    if fleet:
-        lines.append(fleet_status.render(fleet, now))
+    if fleet:  # its VMs and queue lines are the ones above
+        lines += [line for line in fleet_status.render(fleet, now).splitlines()
+                  if not line.startswith(("VMs:", "jobs:"))]
     else:
         lines.append("runners: none (no runners: section in the config)")
     return "\n".join(lines)

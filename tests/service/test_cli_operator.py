@@ -84,3 +84,19 @@ def test_others_are_refused_by_the_apis_operator_check(api, engine: FakeEngine, 
         assert done.returncode == 1 and ": 403 " in done.stderr, (argv, done.stderr)
         assert "or by the operator" in done.stderr or "the host's status is for the operator" in done.stderr
     assert service.get(job).state.value == "finished"
+
+
+def test_status_shows_the_fleets_runners_once_and_its_own_vm_lines(capsys) -> None:
+    from runner.commands.status import render
+
+    now = 1000.0
+    fleet = {"updated_at": now, "org": "octo-org", "labels": ["microvm"], "max_runners": 2, "min_idle": 1,
+             "stopping": False, "runners": [{"name": "mvc-a", "since": now - 30, "job": None}], "pending_jobs": 0,
+             "to_deregister": []}
+    text = render({"vms": [{"id": "v1", "ready_ms": 40.0, "job": "j1"}], "spare_pools": {"size": 1, "ready": {}},
+                   "queue": {"ok": True, "accel": "tcg", "running": 1, "queued": 0, "warm": 0},
+                   "recent_jobs": [], "fleet": fleet}, now)
+    assert "runners for org octo-org" in text and "mvc-a" in text and "idle" in text
+    assert [line for line in text.splitlines() if line.startswith("VMs:")] == \
+        ["VMs: 1 running (1 with a job or a sandbox, 0 spare)"]
+    assert "  v1  ready in 40.0 ms  job j1" in text
