@@ -1,0 +1,48 @@
+"""Two decisions of a kept VM's session (runner/service/sessions.py, `_check_joinable`) that the other
+session tests leave free: a later step runs under the policy the kept VM started with, and steps of
+a job run one at a time in it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from service_fakes import FakeEngine, prints, waits
+from test_service import wait_final
+from test_sessions import Job
+
+from runner.jobapi.contract import JobState
+from runner.service.api import status_of
+from runner.service.sessions import SessionConflict
+
+BLOCK = "version: 1\nallow: []\n"
+FAIL_ON_BLOCK = "version: 1\non_block: fail\nallow: []\n"
+
+
+def test_a_later_step_with_another_egress_policy_is_refused(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service()
+    job = Job(service)
+    job.step("ok", policy=BLOCK)
+    with pytest.raises(SessionConflict, match="egress policy differs") as refused:
+        job.submit("ok", keep="job", policy=FAIL_ON_BLOCK)
+    assert status_of(refused.value) == 409
+    service.runner_job_completed("host-a")
+    assert engine.alive() == []
+
+
+def test_a_second_step_while_the_first_runs_in_the_kept_vm_is_refused(make_service, engine: FakeEngine) -> None:
+    release = threading.Event()
+    engine.programs.update({"ok": prints(b""), "long": waits(release)})
+    service = make_service()
+    job = Job(service)
+    job.step("ok")
+    running = job.submit("long")
+    assert running.state == JobState.QUEUED  # attached: no checkout
+    with pytest.raises(SessionConflict, match="another step of this job still runs") as refused:
+        job.submit("ok")
+    assert status_of(refused.value) == 409
+    release.set()
+    wait_final(service, running.id)
+    job.step("ok", keep="none")
+    assert engine.alive() == [] and len(engine.created) == 1
