@@ -186,23 +186,64 @@ def bench_checkout(client: JobClient, tmp: Path, mib: int = 100) -> tuple[float,
     return size / upload_s / 1e6, size / (upload_s + unpack_s) / 1e6
 
 
+def follow(socket: str, job: str, token: str | None) -> None:
+    """A client of its own following the job's log to its end."""
+    with JobClient(socket=socket) as follower:
+        if token:
+            follower.job_tokens[job] = token
+        for _ in follower.logs(job):
+            pass
+
+
+def bench_queued(client: JobClient, host: ServiceHost, count: int) -> str:
+    """`count` jobs queued behind a running one, each with a client following its log (as `run` and the
+    action do): what the service then holds, from its own listener (issue 17: a stream costs an fd, no thread)."""
+    blocker = client.submit(spec("sleep 600", timeout_seconds=900)).id
+    client.upload_checkout(blocker, small_checkout())
+    jobs = [client.submit(spec("true")).id for _ in range(count)]
+    followers = []
+    for job in jobs:
+        client.upload_checkout(job, small_checkout())
+        followers.append(threading.Thread(target=follow, args=(client.where, job, client.job_tokens.get(job))))
+        followers[-1].start()
+    assert host.api is not None
+    unix = host.api.servers[0]
+    deadline = time.monotonic() + 120
+    while unix.stats()["streams"] < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = unix.stats()
+    listener = sum(1 for t in threading.enumerate() if t.name.startswith(unix.name))
+    line = (f"{count} queued jobs, each followed: the API listener holds {stats['connections']} connections (fds; "
+            f"cap {unix.limits.max_connections}) and {listener} threads ({stats['workers']} of "
+            f"{unix.limits.max_workers} workers busy, {stats['streams']} log streams on one stream thread); "
+            f"service process: {threading.active_count()} threads, {len(os.listdir('/proc/self/fd'))} fds "
+            f"(both include the {count} benchmark clients)")
+    for job in [*jobs, blocker]:
+        client.cancel(job)
+    for follower in followers:
+        follower.join(60)
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=40, help="jobs arriving at a steady rate (default 40)")
     parser.add_argument("--load", type=float, default=0.5,
                         help="arrival rate as a share of capacity (1 / the back-to-back round trip), default 0.5")
     parser.add_argument("--probes", type=int, default=5, help="back-to-back jobs that measure the capacity")
+    parser.add_argument("--queued", type=int, default=200, help="jobs queued at once for the threads/fds line")
     parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
     checkout_mib = 8 if args.smoke else 100
     if args.smoke:
-        args.jobs, args.probes = 3, 1
+        args.jobs, args.probes, args.queued = 3, 1, 10
     templates = StateDir.default().templates
     tmp = Path(tempfile.mkdtemp(prefix="mvc-bench-job-", dir="/tmp"))
     (tmp / "state").mkdir()
     os.symlink(templates, tmp / "state" / "templates")
     config = config_from_mapping({"socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
                                   "max_concurrent_jobs": 1, "checkout_max_bytes": "200MiB",
+                                  "max_queued_jobs": args.queued + 8,
                                   "shutdown_grace_seconds": 0})
     client = JobClient(socket=config.socket)
     try:
@@ -212,6 +253,7 @@ def main() -> int:
                                                                      args.load, args.probes)
             logs, exec_to_first = bench_log_latency(client)
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp, checkout_mib)
+            queued_line = bench_queued(client, host, args.queued)
             accel = host.service.accel
     finally:
         client.close()
@@ -232,6 +274,7 @@ def main() -> int:
           f"p99 {percentile(logs, 0.99):.2f} ms; exec start -> first byte at the client (incl. the guest's "
           f"shell start): {exec_to_first:.0f} ms")
     print(f"{checkout_mib} MiB checkout: upload+spool {upload_mb_s:.0f} MB/s, into the guest {checkout_mb_s:.0f} MB/s")
+    print(queued_line)
     print(json.dumps({
         "job_overhead_p50_ms": round(statistics.median(jobs), 1),
         "job_overhead_p99_ms": round(percentile(jobs, 0.99), 1),

@@ -31,6 +31,7 @@ the deadlines and the caps around it.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -63,7 +64,8 @@ _FD_HEADROOM = 64  # fds left to the rest of the process (VMs, files, SQLite) wh
 _MIN_CONNECTIONS = 8
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _MAX_ERROR_TEXT = 200  # of h11's description of a malformed request, echoed in the 400
-_PUMP_TICK_SECONDS = 0.1  # how often the stream thread asks its streams for more
+_PUMP_TICK_SECONDS = 0.25  # the stream thread's longest sleep; streams wake it when they have more
+_PUMP_ALL_SECONDS = 1.0  # between wakes, every stream is read this often (its heartbeat, a missed wake)
 _PUMP_IDLE_SECONDS = 1.0  # the stream thread ends after this long without streams
 _PUMP_MAX_PENDING = 1024 * 1024  # bytes of an answer stream queued for a client that does not read
 _PUMP_MAX_UNREAD = 64 * 1024  # bytes a client may send (pipeline) while its stream runs
@@ -149,11 +151,18 @@ class Head:
 
 
 class Stream(Protocol):
-    """A long answer's body, read without blocking by the stream thread (`ServedRequest.hand_off`)."""
+    """A long answer's body, read without blocking by the stream thread (`ServedRequest.hand_off`).
+
+    `watch(wake)` asks the stream to call `wake` (from any thread, never blocking) when more may be
+    read; `unwatch(wake)` when the answer is done. Between wakes it is read once a second (heartbeats)."""
 
     def read(self) -> tuple[bytes, bool]:
         """What is ready now (possibly b""), and whether the answer is complete after it."""
         ...
+
+    def watch(self, wake: Callable[[], None]) -> None: ...
+
+    def unwatch(self, wake: Callable[[], None]) -> None: ...
 
 
 class BadRequestBody(JobError):
@@ -829,6 +838,7 @@ class _Streaming:
     ended: bool = False
     stalled_since: float | None = None  # the client stopped taking our bytes
     unread: int = 0
+    wake: Callable[[], None] = lambda: None  # what the stream calls when it has more
 
 
 class _StreamPump:
@@ -850,6 +860,8 @@ class _StreamPump:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._dirty: set[_Streaming] = set()  # streams that said they have more (any thread adds)
+        self._dirty_lock = threading.Lock()
 
     @property
     def count(self) -> int:
@@ -889,8 +901,19 @@ class _StreamPump:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
+    def _poke(self, entry: _Streaming) -> None:
+        with self._dirty_lock:
+            fresh = not self._dirty
+            self._dirty.add(entry)
+        if fresh:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # a wake is already pending, or the pump is closing
+
     def _run(self) -> None:
         idle_since = time.monotonic()
+        next_all = 0.0
         try:
             while not self._stop.is_set():
                 if self._streams:
@@ -907,9 +930,15 @@ class _StreamPump:
                     if events & selectors.EVENT_WRITE:
                         self._flush(entry)
                 self._take_incoming()
-                for entry in list(self._streams.values()):
-                    if not entry.pending and not entry.ended:
+                now = time.monotonic()
+                with self._dirty_lock:
+                    due, self._dirty = self._dirty, set()
+                if now >= next_all:  # every stream once a second: heartbeats, and any wake that was missed
+                    due, next_all = set(self._streams.values()), now + _PUMP_ALL_SECONDS
+                for entry in due:
+                    if entry.conn.sock in self._streams and not entry.pending and not entry.ended:
                         self._pull(entry)
+                for entry in list(self._streams.values()):
                     if entry.pending:
                         self._flush(entry)
                     if entry.ended and not entry.pending:
@@ -940,6 +969,9 @@ class _StreamPump:
                 return
             self._streams[entry.conn.sock] = entry
             self._selector.register(entry.conn.sock, selectors.EVENT_READ, entry)
+            entry.wake = functools.partial(self._poke, entry)
+            entry.stream.watch(entry.wake)
+            self._pull(entry)
 
     def _pull(self, entry: _Streaming) -> None:
         try:
@@ -1006,6 +1038,7 @@ class _StreamPump:
     def _forget(self, entry: _Streaming) -> None:
         del self._streams[entry.conn.sock]
         self._selector.unregister(entry.conn.sock)
+        entry.stream.unwatch(entry.wake)
 
 
 def _peer_key(sock: socket.socket, address: Any) -> str:

@@ -392,6 +392,12 @@ class LogStream:
         self._heartbeat = heartbeat
         self._last = clock()
 
+    def watch(self, wake: Callable[[], None]) -> None:
+        self._cursor.watch(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        self._cursor.unwatch(wake)
+
     def read(self) -> tuple[bytes, bool]:
         lines, ended = self._cursor.read()
         now = self._clock()

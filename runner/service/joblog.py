@@ -40,6 +40,7 @@ class JobLog:
         self._output_bytes = 0  # on disk, for guest output: what the budget counts
         self._full: str | None = None
         self._closed = False
+        self._watchers: list[Callable[[], None]] = []  # told of every commit and the close (LogCursor.watch)
 
     @classmethod
     def finished(cls, path: Path) -> JobLog:
@@ -50,6 +51,7 @@ class JobLog:
         log._file = None
         log._size = log.path.stat().st_size if log.path.exists() else 0
         log._closed = True
+        log._watchers = []
         return log
 
     @property
@@ -112,6 +114,7 @@ class JobLog:
             self._writer().close()
             self._closed = True
             self._cond.notify_all()
+            self._tell_watchers()
 
     def _line(self, stream: str, data: bytes, ts: float) -> bytes:
         """The entry that `_put` would write next."""
@@ -127,6 +130,20 @@ class JobLog:
         writer.flush()
         self._size = writer.tell()
         self._cond.notify_all()
+        self._tell_watchers()
+
+    def _tell_watchers(self) -> None:
+        for wake in self._watchers:
+            wake()  # the stream thread's poke: a set add and a pipe write, never blocking
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        with self._cond:
+            self._watchers.append(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        with self._cond:
+            if wake in self._watchers:
+                self._watchers.remove(wake)
 
     def _writer(self) -> BinaryIO:
         """The open file; only a log this process writes has one, and it writes only until closed."""
@@ -176,6 +193,13 @@ class LogCursor:
         self._offset = 0
         self._seq = 0
         self._until: int | None = None if wait else log.committed()[0]
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """`wake` is called whenever more may be read (a commit, the close)."""
+        self._log.watch(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        self._log.unwatch(wake)
 
     def read(self) -> tuple[list[bytes], bool]:
         size, closed = self._log.committed()
