@@ -82,6 +82,14 @@ def confinement_checks() -> list[Check]:
     return checks
 
 
+def runner_walls(network: str) -> list[str]:
+    """The walls between the fleet's runners on this host (runner/fleet/walls.py): for the operator to
+    read, not checks (a wall this host lacks is said so, with what it means)."""
+    from runner.fleet import walls
+
+    return [f"runner wall {'on ' if on else 'OFF'} {name}: {why}" for name, on, why in walls.in_force(network)]
+
+
 def _qemu_has_sandbox(qemu: str) -> bool:
     """QEMU lists -sandbox in its help only when it was built with seccomp."""
     try:
@@ -254,6 +262,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(f"accelerator: cannot test-boot the guest: {exc}")
             return 1
         verdict = accel.detect(qemu, template.path / "vmlinuz", template.path / "initrd.img")
+    for line in runner_walls(config.runners.network if config is not None else "host"):
+        print(line)
     pss = memory.describe(state.vms)  # the VMs running now in this state directory, KVM and TCG apart
     if verdict is None:
         print("accelerator: KVM looks usable; 'doctor --selftest' test-boots the guest to be sure "

@@ -41,7 +41,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.fleet import cgroup, workdir
+from runner.fleet import cgroup, walls, workdir
 from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.report import ReportedJob
@@ -75,6 +75,7 @@ class FleetSettings:
     shutdown_grace_seconds: float
     job_timeout_seconds: float
     deadline_grace_seconds: float
+    network: str
     runner_user: str
     install_dir: Path
     runners_dir: Path
@@ -91,6 +92,7 @@ class FleetSettings:
         return cls(section.org, section.labels, section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
                    section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
+                   section.network,
                    section.runner_user, section.install_dir, section.runners_dir,
                    prefix, config.state_dir / STATUS_FILE, config.socket)
 
@@ -410,19 +412,20 @@ class RunnerFleet:
     def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
                 user: RunnerIdentity) -> subprocess.Popen[bytes]:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
-        arguments, here kept out of `ps`), as the runner's own uid, in a session and a cgroup of its own.
+        arguments, here kept out of `ps`), as the runner's own uid, in a session, a cgroup and
+        namespaces of its own (runner.fleet.walls).
 
         The runner cannot move itself into a root-owned cgroup, so a shell waits on a pipe
-        until this process has put it there, and only then execs `run.sh`: nothing of the runner
-        ever runs outside the group."""
+        until this process has put it there, and only then makes the namespaces and execs `run.sh`:
+        nothing of the runner ever runs outside the group."""
         log_fd = os.open(runner_dir.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.fchown(log_fd, user.uid, user.gid)
         try:
+            argv = walls.launch_argv(["./run.sh"], user.uid, user.gid, user.groups, self.settings.network)
             process = subprocess.Popen(
-                ["/bin/sh", "-c", 'read -r go && [ "$go" = go ] && exec ./run.sh </dev/null'], cwd=runner_dir.path,
+                argv, cwd=runner_dir.path,
                 env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
-                user=user.uid, group=user.gid, extra_groups=list(user.groups), umask=0o077,
-                start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
+                umask=0o077, start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
         finally:
             os.close(log_fd)
         assert process.stdin is not None

@@ -20,6 +20,7 @@ import pwd
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ HOOK_SCRIPTS = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": "job-started", "ACTIONS_RUNNE
 NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
 # World-writable places a job may leave files in as its uid; a later runner may get the same uid.
 SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+QUARANTINE_SECONDS = 600  # a released runner uid is not leased again before this (the next-lowest is)
 
 
 class RunnerUserError(ConfigError):
@@ -87,13 +89,32 @@ class RunnerIdentity:
 
     def release(self) -> None:
         """Give the uid back once nothing of the runner is left: no process (its cgroup is emptied), no
-        file in its directory, none in the shared temporary directories (removed here)."""
+        file in its directory, none in the shared temporary directories (removed here). The uid is
+        quarantined for QUARANTINE_SECONDS: whatever a job left where nobody looked (a kernel keyring,
+        an object of a kind no sweep knows) must not meet the next runner at once."""
         remove_owned(self.uid, SHARED_TEMP)
+        _quarantine_file(self.uid).write_text(f"released {time.time():.0f}\n")
         self._lease.close()
 
 
 def _unused_uid(uid: int) -> bool:
-    return not any(entry.pw_uid == uid for entry in pwd.getpwall()) and not processes_of(uid)
+    return (not any(entry.pw_uid == uid for entry in pwd.getpwall()) and not processes_of(uid)
+            and not _quarantined(uid))
+
+
+def _quarantine_file(uid: int) -> Path:
+    """The uid's lease file (runner.uidrange), which also records when its last runner released it."""
+    return uidrange.RUNNERS.leases / str(uid)
+
+
+def _quarantined(uid: int, now: float | None = None) -> bool:
+    try:
+        words = _quarantine_file(uid).read_text().split()
+    except OSError:
+        return False
+    if len(words) != 2 or words[0] != "released" or not words[1].isdigit():
+        return False
+    return (time.time() if now is None else now) - int(words[1]) < QUARANTINE_SECONDS
 
 
 def processes_of(uid: int) -> list[int]:

@@ -2,7 +2,8 @@
 a fake GitHub (responses + a queue directory), and the real service (ServiceHost) built from a config
 file with a `runners:` section, on real VMs unless a test needs none.
 
-Everything lives in one short directory under /tmp (socket paths stay short; the runner user must
+Everything lives in one short directory under /run, not /tmp: each runner gets a /tmp of its own
+(runner/fleet/walls.py), in which the rig would not exist (socket paths stay short; the runner user must
 reach the socket, so it is 0755, unlike pytest's 0700 tmp_path). Teardown closes the service, then
 checks that nothing of the runner user is left: no process, no file in the rig or a temporary directory.
 """
@@ -181,7 +182,7 @@ def write_config(root: Path, account: Account, runners: dict[str, Any], **servic
 
 @pytest.fixture
 def rig_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="mvc-fleet-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="mvc-fleet-", dir="/run"))
     root.chmod(0o755)
     yield root
     shutil.rmtree(root, ignore_errors=True)

@@ -62,7 +62,7 @@ def test_health_counts_are_the_operators_only(account: Account, rig_root: Path) 
     socket = rig_root / "api.sock"
     path.write_text(yaml.safe_dump({"socket": str(socket), "socket_group": account.group,
                                     "state_dir": str(rig_root / "state"), "local_jobs": {"repository": "local/jobs"}}))
-    with ServiceHost(load_config(path), sandboxes=_no_vms, origin=str(path)) as host:
+    with ServiceHost(load_config(path), sandboxes=_no_vms, origin=str(path)):
         member = probe(account, socket, [["health"]])[0]["health"]
         with JobClient(socket=str(socket)) as client:  # root: the operator
             operator = client.health()

@@ -1,0 +1,80 @@
+"""The walls between a host's runners: what one runner's job can see of another's, and of the host.
+
+A runner's own uid (runner.fleet.workdir) keeps other runners out of its files and processes where
+the kernel checks uids; it does not hide them. So each runner starts, as root, inside namespaces of
+its own (util-linux `unshare`), and only then drops to its uid (`setpriv`, no new privileges, no
+capabilities left in any set):
+
+- a PID namespace with its own /proc: another runner's processes (their command lines, which may
+  carry another repository's credentials) do not exist for it;
+- a private mount namespace with its own tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock: nothing
+  it leaves there is seen by another runner, nor by the next runner that gets the same uid, and
+  all of it is gone with the namespace;
+- an IPC namespace: System V shared memory, semaphores, message queues and POSIX message queues
+  of its own;
+- with `runners.network: none`, a network namespace with nothing in it (not even loopback up): no host
+  loopback service, no metadata address, no abstract Unix socket of the host or another runner. The
+  job API is a Unix socket on the filesystem, which it still reaches. The default (`host`) shares
+  the host's network: docs/fleet.md says what that leaves in reach.
+
+The first process of the runner (root) waits for the fleet to put it into the runner's cgroup before
+it makes the namespaces, so nothing of the runner ever runs outside it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+NETWORKS = ("host", "none")
+# Each runner's own, private tmpfs mounts (mode 1777 as on the host), sized so that one job cannot
+# fill the host's memory through them.
+PRIVATE_TMPFS = (("/tmp", "1g"), ("/var/tmp", "1g"), ("/dev/shm", "256m"), ("/run/lock", "4m"))
+UNSHARE = "/usr/bin/unshare"
+SETPRIV = "/usr/bin/setpriv"
+
+
+class WallsUnavailable(OSError):
+    """This host lacks what the walls need; the message says what to install."""
+
+
+def launch_argv(program: Sequence[str], uid: int, gid: int, groups: Sequence[int], network: str) -> list[str]:
+    """The runner's command line, started as root: wait for "go" on stdin (the fleet puts the process
+    into the runner's cgroup first), make the namespaces, mount the private tmpfs, drop to the
+    runner's uid and run `program` (relative to the working directory) with stdin from /dev/null."""
+    missing = [tool for tool in (UNSHARE, SETPRIV) if not Path(tool).exists()]
+    if missing:
+        raise WallsUnavailable(f"{', '.join(missing)} missing: install util-linux (runners are walled off with it)")
+    if network not in NETWORKS:
+        raise ValueError(f"runners.network: {network!r} is not one of {', '.join(NETWORKS)}")
+    unshare = [UNSHARE, "--pid", "--fork", "--mount-proc", "--mount", "--ipc", "--propagation", "private"]
+    if network == "none":
+        unshare.append("--net")
+    mounts = "".join(f"mount -t tmpfs -o mode=1777,nosuid,nodev,size={size} mvc-runner-tmp {shlex.quote(where)}\n"
+                     for where, size in PRIVATE_TMPFS)
+    drop = [SETPRIV, f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(str(g) for g in groups) or str(gid)}",
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--", *program]
+    # PID 1 of the namespace stays this shell (it waits, and exits with the runner's status), so the
+    # runner itself is an ordinary process: signals reach it as they would on the host.
+    inner = f"set -e\n{mounts}set +e\n{shlex.join(drop)} </dev/null\nstatus=$?\nexit $status\n"
+    return ["/bin/sh", "-c", 'read -r go && [ "$go" = go ] && exec "$@"', "sh", *unshare, "/bin/sh", "-c", inner]
+
+
+def in_force(network: str) -> list[tuple[str, bool, str]]:
+    """The walls a runner of this host gets: (wall, in force, what it means), for `doctor`."""
+    tools = shutil.which("unshare") is not None and shutil.which("setpriv") is not None
+    namespaces = {name: Path(f"/proc/self/ns/{name}").exists() for name in ("pid", "mnt", "ipc", "net")}
+    return [
+        ("own uid", True, "no runner reads, signals or traces another's files and processes"),
+        ("PID namespace", tools and namespaces["pid"], "another runner's processes and command lines are invisible"),
+        ("mount namespace", tools and namespaces["mnt"],
+         "own tmpfs on " + ", ".join(where for where, _ in PRIVATE_TMPFS)),
+        ("IPC namespace", tools and namespaces["ipc"], "own System V IPC and POSIX message queues"),
+        ("network namespace", tools and namespaces["net"] and network == "none",
+         "no loopback, no metadata address, no abstract sockets of others" if network == "none"
+         else "runners.network is host: the host's network, loopback and abstract sockets are shared"),
+        ("uid quarantine", True, "a released uid is not leased again for a while"),
+        ("memory and CPU limits", False, "not set: a runner's cgroup bounds its number of processes only"),
+    ]

@@ -1,0 +1,81 @@
+"""Runners walled off from each other (runner/fleet/walls.py): two jobs on two stand-in runners at once,
+`runners.network: none`. The first leaves what a job could leave for another: files in /tmp, /var/tmp,
+/dev/shm and /run/lock, a System V shared memory segment, a listening abstract Unix socket and a process
+whose command line holds a secret; the second, running meanwhile, looks for each. The first job's own
+look at the same things (all there) shows that the probes find what exists."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+
+from runner.fleet import walls
+from tests.fleet.test_fleet import wait_until
+
+SECRET = "mvc-wall-cmdline-secret"
+PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+LOOK = r'''
+import json, os, socket, sys
+exchange, places, secret = sys.argv[1], sys.argv[2].split(","), sys.argv[3] + "-secret"  # not in our own argv
+seen = {place: os.path.exists(f"{place}/mvc-wall-a") for place in places}
+shmid = open(f"{exchange}/ipc-a").read().split()[-1]
+seen["sysv"] = any(line.split()[1] == shmid for line in open("/proc/sysvipc/shm").read().splitlines()[1:])
+probe = socket.socket(socket.AF_UNIX)
+try:
+    probe.connect("\0mvc-wall-a")
+    seen["abstract"] = True
+except OSError:
+    seen["abstract"] = False
+cmdlines = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cmdlines.append(open(f"/proc/{pid}/cmdline", "rb").read())
+    except OSError:
+        pass
+seen["cmdline"] = any(secret.encode() in line for line in cmdlines)
+print("seen " + json.dumps(seen))
+'''
+LEAVE = '''set -e
+for place in {places}; do echo left > "$place/mvc-wall-a"; done
+ipcmk -M 4096 -p 0644 > {x}/ipc-a.part && chmod 644 {x}/ipc-a.part && mv {x}/ipc-a.part {x}/ipc-a
+/usr/bin/python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("\\0mvc-wall-a"); s.listen(); \
+time.sleep(600)' >/dev/null 2>&1 </dev/null &
+sh -c 'sleep 600' {secret} >/dev/null 2>&1 </dev/null &
+sleep 0.5
+/usr/bin/python3 -I look.py {x} {csv} {half}
+touch {x}/a-ready
+while [ ! -e {x}/b-done ]; do sleep 0.1; done
+'''
+PEEK = '''while [ ! -e {x}/a-ready ]; do sleep 0.1; done
+/usr/bin/python3 -I look.py {x} {csv} {half}
+touch {x}/b-done
+'''
+
+
+def test_a_runner_sees_nothing_another_runner_leaves(make_rig) -> None:
+    with make_rig(vms=False, min_idle=2, max_runners=2, network="none", shutdown_grace_seconds=0) as rig:
+        exchange = rig.root / "exchange"
+        exchange.mkdir(mode=0o1777)
+        exchange.chmod(0o1777)
+        words = {"x": shlex.quote(str(exchange)), "places": " ".join(PLACES), "csv": ",".join(PLACES),
+                 "secret": SECRET, "half": SECRET.removesuffix("-secret")}
+        wait_until(lambda: len(rig.fleet.runners()) == 2, 60, "two idle runners")
+        rig.enqueue(1, [{"run": LEAVE.format(**words)}], files={"look.py": LOOK})
+        wait_until(lambda: any(r.job for r in rig.fleet.runners()), 60, "the first runner to take its job")
+        rig.enqueue(2, [{"run": PEEK.format(**words)}], files={"look.py": LOOK})
+        results = wait_until(lambda: len(rig.github.results()) == 2 and rig.github.results(), 120, "both jobs")
+        shutil.rmtree(exchange)  # what the jobs left for each other here, as their uids
+    seen = {job["run_id"]: json.loads(next(line for line in job["result"]["log"].splitlines()
+                                           if line.startswith("seen ")).split(" ", 1)[1]) for job in results}
+    everything = {*PLACES, "sysv", "abstract", "cmdline"}
+    assert seen[700001] == dict.fromkeys(everything, True), results[0]["result"]["log"]  # the probes work
+    assert seen[700002] == dict.fromkeys(everything, False)
+
+
+def test_doctor_lists_the_walls_in_force() -> None:
+    lines = {name: (on, why) for name, on, why in walls.in_force("none")}
+    assert lines["PID namespace"][0] and lines["IPC namespace"][0] and lines["network namespace"][0]
+    assert "/dev/shm" in lines["mount namespace"][1]
+    assert lines["memory and CPU limits"] == (False, "not set: a runner's cgroup bounds its number of processes only")
+    assert not {name: on for name, on, _ in walls.in_force("host")}["network namespace"]
