@@ -197,7 +197,7 @@ class LocalJobs:
 
     repository: str | None = setting(None, "owner/name such jobs run as (its policy store file gives their egress); "
                                            "unset: a socket member without a runner credential may not submit",
-                                     "string", pattern=r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$")
+                                     "string", pattern=r"^[\w.-]+/[\w.-]+$")
 
 
 RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
