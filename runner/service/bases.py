@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_MEMBERS = 200_000
+DAY_SECONDS = 86400.0  # the longest back-off of a failing base
 
 
 class BaseBuildError(SandboxError):
@@ -62,11 +63,15 @@ class BaseSettings:
     budget_bytes: int
     setup_timeout_s: float
     max_checkout_bytes: int  # the default branch's tarball, like a job's checkout
+    max_concurrent_builds: int = 1  # on the host at once: the rest wait (a template change makes every base stale)
+    failure_backoff_s: float = 300.0  # a failed build is not retried sooner; doubled per failure in a row
 
     @classmethod
     def from_config(cls, config: ServiceConfig) -> BaseSettings:
         return cls(parent=config.default_template, budget_bytes=config.bases.disk_budget,
-                   setup_timeout_s=config.bases.setup_timeout_seconds, max_checkout_bytes=config.checkout_max_bytes)
+                   setup_timeout_s=config.bases.setup_timeout_seconds, max_checkout_bytes=config.checkout_max_bytes,
+                   max_concurrent_builds=config.bases.max_concurrent_builds,
+                   failure_backoff_s=config.bases.failure_backoff_seconds)
 
 
 def variant_of(network: bool) -> str:
@@ -111,6 +116,9 @@ class RepositoryBases:
         self._lock = threading.Lock()
         self._closed = False
         self._building_in: set[Sandbox] = set()  # the VMs builds run in now, so close() can end them
+        self._turns = threading.BoundedSemaphore(settings.max_concurrent_builds)  # the host's cap on builds
+        self._failed: dict[tuple[str, bool], tuple[int, float]] = {}  # failures in a row, no retry before
+        self.clock: Callable[[], float] = time.monotonic
 
     # -- for jobs ------------------------------------------------------------------------------------
 
@@ -165,6 +173,9 @@ class RepositoryBases:
             if running is not None and running.is_alive():
                 self._again.add(key)
                 return False
+            _, not_before = self._failed.get(key, (0, 0.0))
+            if self.clock() < not_before:
+                return False  # its setup failed lately: jobs use what there is until the back-off ends
             thread = threading.Thread(target=self._build_logged, args=(repository, network, ref),
                                       name=f"base-{repository}-{variant_of(network)}", daemon=True)
             self._building[key] = thread
@@ -265,17 +276,33 @@ class RepositoryBases:
         key = (repository, network)
         while True:
             try:
-                self.build(repository, network, ref)
+                with self._turns:  # the host's cap: a build waits here for its turn
+                    if self._closed:
+                        return
+                    self.build(repository, network, ref)
+                with self._lock:
+                    self._failed.pop(key, None)
             except Exception as exc:
                 if self._closed:
                     log.info("warm base of %s (%s): build stopped by shutdown", repository, variant_of(network))
                     return
-                log.warning("warm base of %s (%s): the build failed: %s", repository, variant_of(network), exc)
+                wait = self._back_off(key)
+                log.warning("warm base of %s (%s): the build failed: %s; not tried again for %.0f s", repository,
+                            variant_of(network), exc, wait)
             with self._lock:
                 if self._closed or key not in self._again:
                     return
                 self._again.discard(key)
             ref = None  # asked again meanwhile: build what the default branch holds now
+
+    def _back_off(self, key: tuple[str, bool]) -> float:
+        """Note one more failure in a row of this base's build: the seconds before it is tried again."""
+        with self._lock:
+            failures = self._failed.get(key, (0, 0.0))[0] + 1
+            wait = min(self.settings.failure_backoff_s * 2.0 ** min(failures - 1, 16), DAY_SECONDS)
+            self._failed[key] = (failures, self.clock() + wait)
+            self._again.discard(key)  # a failed build is not run again at once because a job asked meanwhile
+        return wait
 
     def _fresh_digest(self, repository: str, spec: WarmSpec) -> str:
         parent = self.engine.template(self.settings.parent)

@@ -151,6 +151,12 @@ class Bases:
                                minimum=0, maximum=64 * TIB)
     setup_timeout_seconds: float = setting(1800.0, "a base's warm.setup is stopped (and the build fails) after "
                                                    "this", "number", minimum=1, maximum=DAY)
+    max_concurrent_builds: int = setting(1, "base builds at once on this host (each is a VM running a setup); "
+                                            "the others wait their turn, so a template change rebuilds them one by "
+                                            "one", "int", minimum=1, maximum=64)
+    failure_backoff_seconds: float = setting(300.0, "after a base's build fails it is not tried again for this "
+                                                    "long, doubling with each failure in a row (at most a day)",
+                                             "number", minimum=0, maximum=DAY)
 
 
 @dataclass(frozen=True)
