@@ -7,8 +7,10 @@ cgroup holds everything the job started. At the runner's end `pids.max` is set t
 the group can fork any more, so killing cannot race a fork bomb), every member is killed, and the
 group is removed.
 
-The pids controller is all it needs: cgroup v2's unified hierarchy, or v1's pids hierarchy (as
-runner/vm/cgroup.py does for VMs). Groups are `microvm-check-runners/<scope>/<runner name>`, the scope
+The pids controller is what containment needs: cgroup v2's unified hierarchy, or v1's pids hierarchy
+(as runner/vm/cgroup.py does for VMs). The runner's limits (`Limits`: memory, CPU weight) use the
+memory and cpu controllers: in v2 on the same group, in v1 on groups of the same name in their
+hierarchies, which every process of the runner joins too. Groups are `microvm-check-runners/<scope>/<runner name>`, the scope
 derived from the runners directory, so the start-up sweep only touches what an earlier service of
 the same directory left.
 """
@@ -51,30 +53,55 @@ def _pids_root() -> Path:
 def _base(scope: str) -> Path:
     root = _pids_root()
     base = root / PARENT / scope
-    if root == ROOT and (ROOT / "cgroup.controllers").exists():  # v2: each ancestor must delegate pids
+    if root == ROOT and (ROOT / "cgroup.controllers").exists():  # v2: each ancestor must delegate them
+        wanted = " ".join(f"+{c}" for c in ("pids", "memory", "cpu") if c in (ROOT / "cgroup.controllers").read_text().split())
         for directory in (ROOT, ROOT / PARENT, base):
             directory.mkdir(exist_ok=True)
-            (directory / "cgroup.subtree_control").write_text("+pids")
+            (directory / "cgroup.subtree_control").write_text(wanted)
     else:
         base.mkdir(parents=True, exist_ok=True)
     return base
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one runner may use of the host: memory (bytes, its tmpfs files included) and a CPU weight
+    against the other runners (cgroup v2 cpu.weight 1-10000, default 100; v1 cpu.shares = weight x 10.24)."""
+
+    memory_bytes: int
+    cpu_weight: int
+
+
+@dataclass(frozen=True)
 class RunnerCgroup:
-    path: Path
+    path: Path  # the pids group: what is killed at the runner's end
+    limited: tuple[Path, ...] = ()  # cgroup v1: the runner's groups in the memory and cpu hierarchies
 
     @classmethod
-    def create(cls, scope: str, name: str) -> RunnerCgroup:
+    def create(cls, scope: str, name: str, limits: Limits | None = None) -> RunnerCgroup:
         try:
             path = _base(scope) / name
             path.mkdir()
+            group = cls(path, _limited(scope, name) if limits is not None else ())
+            if limits is not None:
+                group._limit(limits)
         except OSError as exc:
             raise CgroupError(f"cannot create the runner's cgroup for {name}: {exc}") from None
-        return cls(path)
+        return group
+
+    def _limit(self, limits: Limits) -> None:
+        if not self.limited:  # v2: one group holds every controller
+            (self.path / "memory.max").write_text(str(limits.memory_bytes))
+            (self.path / "memory.swap.max").write_text("0")
+            (self.path / "cpu.weight").write_text(str(limits.cpu_weight))
+            return
+        memory, cpu = self.limited
+        (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+        (cpu / "cpu.shares").write_text(str(max(2, round(limits.cpu_weight * 10.24))))
 
     def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
+        for path in (self.path, *self.limited):
+            (path / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> list[int]:
         try:
@@ -83,8 +110,32 @@ class RunnerCgroup:
             return []
 
     def destroy(self) -> None:
-        """Stop forks, kill every process in the group, remove it (idempotent)."""
+        """Stop forks, kill every process in the group, remove it and its v1 limit groups (idempotent)."""
         _empty(self.path)
+        for path in self.limited:
+            try:
+                vm_cgroup.kill_and_rmdir(path, EMPTY_TIMEOUT_SECONDS)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise CgroupError(f"cannot remove the runner cgroup {path}: {exc}") from None
+
+
+def _limited(scope: str, name: str) -> tuple[Path, ...]:
+    """cgroup v1: the runner's own groups in the memory and cpu hierarchies (made here); v2: none, the
+    pids group itself carries the limits (its ancestors delegate memory and cpu, see `_base`)."""
+    if (ROOT / "cgroup.controllers").exists():
+        return ()
+    made = []
+    for controller in ("memory", "cpu"):
+        mount = vm_cgroup.v1_mount(controller)
+        if mount is None:
+            raise CgroupError(f"no cgroup v1 {controller} hierarchy: runners cannot be limited (mount it, or "
+                              "use cgroup v2)")
+        path = mount / PARENT / scope / name
+        path.mkdir(parents=True)
+        made.append(path)
+    return tuple(made)
 
 
 def _empty(path: Path) -> None:
@@ -104,12 +155,24 @@ def sweep(scope: str) -> list[Path]:
     found = [entry for entry in base.iterdir() if entry.is_dir()]
     for entry in found:
         _empty(entry)
+    for limits in _v1_limit_scopes(scope):
+        for entry in (e for e in limits.iterdir() if e.is_dir()):
+            vm_cgroup.kill_and_rmdir(entry, EMPTY_TIMEOUT_SECONDS)
     return found
+
+
+def _v1_limit_scopes(scope: str) -> list[Path]:
+    """cgroup v1: this scope's directories in the memory and cpu hierarchies that exist."""
+    if (ROOT / "cgroup.controllers").exists():
+        return []
+    mounts = [vm_cgroup.v1_mount(controller) for controller in ("memory", "cpu")]
+    return [mount / PARENT / scope for mount in mounts if mount is not None and (mount / PARENT / scope).is_dir()]
 
 
 def remove_scope(scope: str) -> None:
     """The service stops: its (by now empty) scope goes too, so stopped services leave no directories."""
-    try:
-        (_pids_root() / PARENT / scope).rmdir()
-    except OSError:
-        pass  # not empty (a runner's group failed to go: logged then), or already gone
+    for path in (_pids_root() / PARENT / scope, *_v1_limit_scopes(scope)):
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # not empty (a runner's group failed to go: logged then), or already gone

@@ -76,6 +76,7 @@ class FleetSettings:
     job_timeout_seconds: float
     deadline_grace_seconds: float
     network: str
+    limits: cgroup.Limits
     runner_user: str
     install_dir: Path
     runners_dir: Path
@@ -92,7 +93,7 @@ class FleetSettings:
         return cls(section.org, section.labels, section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
                    section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
-                   section.network,
+                   section.network, cgroup.Limits(section.memory_mib << 20, section.cpu_weight),
                    section.runner_user, section.install_dir, section.runners_dir,
                    prefix, config.state_dir / STATUS_FILE, config.socket)
 
@@ -391,7 +392,7 @@ class RunnerFleet:
         try:
             identity = self.user.lease()
             runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
-            group = RunnerCgroup.create(self._scope, name)
+            group = RunnerCgroup.create(self._scope, name, self.settings.limits)
             process = self._launch(runner_dir, jit, group, identity)
         except (OSError, workdir.RunnerUidsExhausted) as exc:
             log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)

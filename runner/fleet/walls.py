@@ -66,6 +66,7 @@ def in_force(network: str) -> list[tuple[str, bool, str]]:
     """The walls a runner of this host gets: (wall, in force, what it means), for `doctor`."""
     tools = shutil.which("unshare") is not None and shutil.which("setpriv") is not None
     namespaces = {name: Path(f"/proc/self/ns/{name}").exists() for name in ("pid", "mnt", "ipc", "net")}
+    limits = _has_limit_controllers()
     return [
         ("own uid", True, "no runner reads, signals or traces another's files and processes"),
         ("PID namespace", tools and namespaces["pid"], "another runner's processes and command lines are invisible"),
@@ -76,5 +77,16 @@ def in_force(network: str) -> list[tuple[str, bool, str]]:
          "no loopback, no metadata address, no abstract sockets of others" if network == "none"
          else "runners.network is host: the host's network, loopback and abstract sockets are shared"),
         ("uid quarantine", True, "a released uid is not leased again for a while"),
-        ("memory and CPU limits", False, "not set: a runner's cgroup bounds its number of processes only"),
+        ("memory and CPU limits", limits, "runners.memory_mib and runners.cpu_weight, on the runner's cgroup" if limits
+         else "not in force: this host's cgroups lack the memory or cpu controller"),
     ]
+
+
+def _has_limit_controllers() -> bool:
+    """cgroup v2 with memory and cpu, or v1's memory and cpu hierarchies (runner/fleet/cgroup.py)."""
+    from runner.vm import cgroup as vm_cgroup
+
+    unified = Path("/sys/fs/cgroup/cgroup.controllers")
+    if unified.exists():
+        return {"memory", "cpu"} <= set(unified.read_text().split())
+    return all(vm_cgroup.v1_mount(controller) is not None for controller in ("memory", "cpu"))

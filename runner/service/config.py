@@ -242,6 +242,10 @@ class RunnerSettings:
     network: str = setting("host", "the runners' network: host (the host's, shared), or none (a namespace of its "
                                    "own with nothing in it: the job API's Unix socket only; runner/fleet/walls.py)",
                            "string", pattern=r"^(host|none)$")
+    memory_mib: int = setting(4096, "memory one runner may use, its host-side steps' processes and its private "
+                                    "tmpfs files included (MiB)", "int", minimum=64, maximum=1024 * 1024)
+    cpu_weight: int = setting(100, "one runner's share of the CPU against the others (cgroup v2 cpu.weight: 1-10000)",
+                              "int", minimum=1, maximum=10000)
     runner_user: str = setting("microvm-check-runner", "the unprivileged user the runners run as (never root)",
                                "string", pattern=RUNNER_USER_PATTERN)
     install_dir: Path = setting(Path("/opt/microvm-check/actions-runner"), "where `microvm-check runner install` "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 from runner.fleet import walls
 from tests.fleet.test_fleet import wait_until
@@ -77,5 +78,30 @@ def test_doctor_lists_the_walls_in_force() -> None:
     lines = {name: (on, why) for name, on, why in walls.in_force("none")}
     assert lines["PID namespace"][0] and lines["IPC namespace"][0] and lines["network namespace"][0]
     assert "/dev/shm" in lines["mount namespace"][1]
-    assert lines["memory and CPU limits"] == (False, "not set: a runner's cgroup bounds its number of processes only")
-    assert not {name: on for name, on, _ in walls.in_force("host")}["network namespace"]
+    assert lines["memory and CPU limits"] == (True, "runners.memory_mib and runners.cpu_weight, on the runner's cgroup")
+
+
+def test_every_process_of_a_runner_is_held_to_its_memory_and_cpu_limits(make_rig) -> None:
+    with make_rig(vms=False, min_idle=1, max_runners=1, memory_mib=300, cpu_weight=50,
+                  shutdown_grace_seconds=0) as rig:
+        runner = wait_until(lambda: rig.fleet.runners(), 60, "a runner")[0]
+        processes = wait_until(lambda: len(pids := runner.cgroup.pids()) >= 3 and pids, 30, "the runner's processes")
+        limits = {pid: _limits_of(pid) for pid in processes}
+    assert set(limits.values()) == {(300 << 20, round(50 * 10.24))}, limits
+
+
+def _limits_of(pid: int) -> tuple[int, int]:
+    """(memory limit, CPU weight as v1 shares) of the cgroups a process is in: v2's one group, or v1's
+    memory and cpu groups."""
+    from runner.vm.cgroup import v1_mount
+
+    groups = dict(line.split(":", 2)[1:] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        path = Path("/sys/fs/cgroup") / groups[""].lstrip("/")
+        return int((path / "memory.max").read_text()), round(int((path / "cpu.weight").read_text()) * 10.24)
+    memory = next(path for controllers, path in groups.items() if "memory" in controllers.split(","))
+    cpu = next(path for controllers, path in groups.items() if "cpu" in controllers.split(","))
+    memory_root, cpu_root = v1_mount("memory"), v1_mount("cpu")
+    assert memory_root is not None and cpu_root is not None
+    return (int((memory_root / memory.lstrip("/") / "memory.limit_in_bytes").read_text()),
+            int((cpu_root / cpu.lstrip("/") / "cpu.shares").read_text()))
