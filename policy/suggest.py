@@ -81,12 +81,19 @@ class AuditRecord:
     reason: str = POLICY
     method: str | None = None  # an HTTP request's (name-checked rules), else None
     path: str | None = None  # `path_prefix` of its path
+    # A TCP connection the name check saw name nothing (no TLS SNI or HTTP Host; the server spoke
+    # first): only a `raw: true` entry admits it. Audit mode records one that no rule covers with
+    # reason POLICY and `name` the name the resolver handed the address out for (what a suggested
+    # raw entry needs); under a name-checked rule the reason is UNNAMED and `name` what it claimed.
+    unnamed: bool = False
 
     def as_json(self) -> dict[str, object]:
         found: dict[str, object] = {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name,
                                     "count": self.count, "reason": self.reason}
         if self.method is not None:
             found["method"], found["path"] = self.method, self.path
+        if self.unnamed:
+            found["unnamed"] = True
         return found
 
 
@@ -149,8 +156,9 @@ def record_from_json(item: object) -> AuditRecord | None:
     method, path = fields.get("method"), fields.get("path")
     method = method if isinstance(method, str) and method in HTTP_METHODS else None
     path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
+    unnamed = fields.get("unnamed") is True and proto == "tcp"
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason,
-                       method=method, path=path)
+                       method=method, path=path, unnamed=unnamed)
 
 
 def _policy_host(name: object) -> TypeGuard[str]:
@@ -163,7 +171,7 @@ def _policy_host(name: object) -> TypeGuard[str]:
     return isinstance(name, str) and "*" not in name and host_error(name) is None
 
 
-_Target = tuple[str, str, str]  # ("host" or "cidr", its value, protocol)
+_Target = tuple[str, str, str, bool]  # ("host" or "cidr", its value, protocol, raw)
 
 
 def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
@@ -189,15 +197,17 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
                 f"methods/paths; add {record.method} or a path glob covering {record.path} to it, if it is meant")
     if record.reason == UPSTREAM_UNTRUSTED:
         return f"{record.name} (tcp port {record.port}) presented a certificate the runner host does not trust"
+    if record.unnamed and record.name and record.port is not None and record.reason == POLICY:
+        return ("host", record.name, "tcp", True), record.port  # only raw: true admits what names nothing
     if record.reason == UNNAMED:
         return (f"tcp to {record.dest} port {record.port} named nothing checkable (no TLS SNI or HTTP Host, or an "
                 f"encrypted ClientHello); a raw: true entry would allow it by address, if that is meant")
     if record.port is None or record.proto not in ("tcp", "udp"):
         return f"not expressible in a policy, was attempted: {record.proto} to {record.name or record.dest}"
     if record.name:
-        return ("host", record.name, record.proto), record.port
+        return ("host", record.name, record.proto, False), record.port
     bits = 128 if ":" in record.dest else 32
-    return ("cidr", f"{record.dest}/{bits}", record.proto), record.port
+    return ("cidr", f"{record.dest}/{bits}", record.proto, False), record.port
 
 
 def _request(record: AuditRecord) -> tuple[str, int, str, str] | None:
@@ -211,11 +221,20 @@ def _request(record: AuditRecord) -> tuple[str, int, str, str] | None:
 
 
 def _entry(target: _Target, ports: set[int]) -> dict[str, object]:
-    kind, value, proto = target
+    kind, value, proto, raw = target
     entry: dict[str, object] = {kind: value, "ports": sorted(ports)}
     if proto != "tcp":
         entry["protocol"] = proto
+    if raw:
+        entry["raw"] = True
     return entry
+
+
+def _raw_warning(target: _Target, ports: set[int]) -> str:
+    """The comment beside a suggested `raw: true` entry: why it is raw, and what that costs."""
+    return (f"{target[1]} ports {','.join(map(str, sorted(ports)))}: the job's connections there named nothing the host "
+            "can check (no TLS SNI or HTTP Host, or the server spoke first), so the entry is raw: enforced by "
+            "address only, any name served at the addresses it resolves to is reachable on those ports")
 
 
 def suggest_policy(records: list[AuditRecord]) -> str:
@@ -243,10 +262,14 @@ def suggest_policy(records: list[AuditRecord]) -> str:
         else:
             by_target.setdefault(where[0], set()).add(where[1])
     allow = [_entry(target, ports) for target, ports in sorted(by_target.items())]
-    allow += [{"host": host, "ports": [port], "methods": sorted(methods), "paths": sorted(paths)}
-              for (host, port), (methods, paths) in sorted(requests.items())]
+    allow += [_request_entry(host, port, methods, paths) for (host, port), (methods, paths) in sorted(requests.items())]
+    comments |= {f"# warning: {_raw_warning(target, ports)}\n" for target, ports in by_target.items() if target[3]}
     text = yaml.safe_dump({"version": 1, "mode": "block", "allow": allow}, sort_keys=False)
     return text + "".join(sorted(comments))
+
+
+def _request_entry(host: str, port: int, methods: set[str], paths: set[str]) -> dict[str, object]:
+    return {"host": host, "ports": [port], "methods": sorted(methods), "paths": sorted(paths)}
 
 
 def _attempt(record: AuditRecord) -> str:
@@ -287,15 +310,25 @@ class _Seen:
 
 def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
     """One block-mode policy YAML that allows what every one of `jobs` tried, each rule preceded by a
-    comment saying in how many jobs, how often and when it was seen; what no policy can or should
+    comment saying in how many jobs, how often and when it was seen (requests a `methods:`/`paths:`
+    rule refused become an entry with those methods and paths, as in `suggest_policy`; connections
+    that named nothing a `raw: true` entry with its warning); what no policy can or should
     allow (always-denied, internal, refused names, ICMP) is listed as comments after it, never allowed.
     `header` (one comment line per line of text) says where the suggestion came from."""
     jobs = list(jobs)
     ports: dict[_Target, set[int]] = {}
     seen: dict[_Target, _Seen] = {}
     notes: dict[str, _Seen] = {}
+    requests: dict[tuple[str, int], tuple[set[str], set[str], _Seen]] = {}
     for job in jobs:
         for record in job.records:
+            request = _request(record)
+            if request is not None:
+                methods, paths, request_seen = requests.setdefault(request[:2], (set(), set(), _Seen()))
+                methods.add(request[2])
+                paths.add(request[3])
+                request_seen.add(job, record.count)
+                continue
             where = _classify(record)
             if isinstance(where, str):
                 notes.setdefault(where, _Seen()).add(job, record.count)
@@ -304,10 +337,16 @@ def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
             ports.setdefault(target, set()).add(port)
             seen.setdefault(target, _Seen()).add(job, record.count)
     lines = [f"# {line}" for line in header.splitlines()]
-    lines += ["version: 1", "mode: block", "allow:" if ports else "allow: []"]
-    for target in sorted(ports):
-        lines.append(f"  # {seen[target].describe(len(jobs))}")
-        rule = yaml.safe_dump([_entry(target, ports[target])], sort_keys=False, default_flow_style=None)
+    lines += ["version: 1", "mode: block", "allow:" if ports or requests else "allow: []"]
+    entries = [(seen[target], _entry(target, ports[target]), _raw_warning(target, ports[target]) if target[3] else "")
+               for target in sorted(ports)]
+    entries += [(request_seen, _request_entry(host, port, methods, paths), "")
+                for (host, port), (methods, paths, request_seen) in sorted(requests.items())]
+    for entry_seen, entry, warning in entries:
+        lines.append(f"  # {entry_seen.describe(len(jobs))}")
+        if warning:
+            lines.append(f"  # warning: {warning}")
+        rule = yaml.safe_dump([entry], sort_keys=False, default_flow_style=None)
         lines += [f"  {line}" for line in rule.splitlines()]
     for text in sorted(notes):
         lines.append(f"# {text} ({notes[text].describe(len(jobs))})")

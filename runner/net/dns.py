@@ -154,12 +154,20 @@ class Opening:
     """One line group of the slot's DNS allow chain: `address` on `ports` of `protocol`.
 
     A `checked` opening (a name-checked host rule, `policy.model.Rule.name_checked`) is not
-    accepted in the filter table but redirected to the name check (`runner.net.nameproxy`)."""
+    accepted in the filter table but redirected to the name check (`runner.net.nameproxy`).
+    In audit mode every answer also opens its address's other TCP ports that way, with no ports
+    (`audited`): the name check then sees what each connection names, or that it names nothing,
+    so the audit record (and the policy suggested from it) says what block mode would need."""
 
     address: str
     protocol: str
     ports: tuple[int, ...]
     checked: bool = False
+
+    @property
+    def audited(self) -> bool:
+        """An audit-mode opening of every TCP port of `address` (after the rules' own)."""
+        return not self.ports
 
 
 # Rewrites the slot's whole DNS allow chain to hold exactly these openings, in one commit: an
@@ -290,8 +298,9 @@ class SlotResolver:
                     self._note_refused_answer(name, address)
                     continue
                 if verdict == _OPEN:
-                    for rule in rules:
-                        opening = Opening(address, rule.protocol, tuple(sorted(rule.ports)), rule.name_checked)
+                    audited = (Opening(address, "tcp", (), True),) if self.policy.mode == "audit" else ()
+                    for opening in (*(Opening(address, rule.protocol, tuple(sorted(rule.ports)), rule.name_checked)
+                                      for rule in rules), *audited):
                         live[opening] = max(live.get(opening, 0.0), now + open_seconds(ttl))
                 kept.append((address, ttl))
             if len({opening.address for opening in live}) > MAX_OPENED_ADDRESSES:
@@ -322,6 +331,21 @@ class SlotResolver:
             now = self.clock()
             return any(opening.checked and opening.address == address and port in opening.ports and expiry > now
                        for opening, expiry in self.openings.items())
+
+    def covers(self, name: str | None, port: int) -> bool:
+        """Whether a name-checked rule of the policy allows `name` on `port` (None: no name, no rule)."""
+        with self.lock:
+            return name is not None and bool(self._request_rules(name, port))
+
+    def handed_out_for(self, name: str, address: str) -> bool:
+        """Whether this resolver handed `address` out for `name` (to this job)."""
+        with self.lock:
+            return name in self.names_at.get(address, ())
+
+    def dialled_name(self, address: str) -> str | None:
+        """The name this resolver last handed `address` out for, if any: what the guest dialled."""
+        with self.lock:
+            return self.handed_out.get(address)
 
     def _request_rules(self, name: str, port: int) -> list[Rule]:
         return [rule for rule in self.policy.rules if rule.name_checked and rule.allows(port, "tcp", name=name)]

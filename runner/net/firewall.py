@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policy.blocklist import EMPTY, BlockList
@@ -210,14 +211,18 @@ def masquerade(namecheck: list[str] | None = None) -> str:
     ], chains=(NAMECHECK_CHAIN,)))
 
 
-def namecheck_lines(address_rules: list[Rule], raw: list[Rule], checked: list[Rule]) -> list[str]:
+def namecheck_lines(address_rules: list[Rule], raw: list[Rule], checked: list[Rule],
+                    audited: Sequence[str] = ()) -> list[str]:
     """`NAMECHECK_CHAIN`'s rules, first match wins: what a network rule (the policy's `cidr:` or the
     operator's allowance) or a `raw: true` opening admits keeps address semantics (RETURN, on to the
-    filter table), then the name-checked openings are redirected to the name check."""
+    filter table), then the name-checked openings are redirected to the name check, and last, in
+    audit mode, every other TCP port of an address the resolver handed out (`audited`: observed,
+    not refused, see `runner.net.dns.Opening`)."""
     tcp = [rule for rule in address_rules if rule.protocol == "tcp" and rule.in_family(4)]
+    redirect = f"REDIRECT --to-ports {addresses.NAMECHECK_PORT}"
     return [*(line for rule in (*tcp, *raw) for line in rule_lines(NAMECHECK_CHAIN, rule, "RETURN")),
-            *(line for rule in checked
-              for line in rule_lines(NAMECHECK_CHAIN, rule, f"REDIRECT --to-ports {addresses.NAMECHECK_PORT}"))]
+            *(line for rule in checked for line in rule_lines(NAMECHECK_CHAIN, rule, redirect)),
+            *(f"-A {NAMECHECK_CHAIN} -d {address}/32 -p tcp -j {redirect}" for address in audited)]
 
 
 _BUILTIN_CHAINS = {

@@ -40,6 +40,7 @@ from typing import Protocol
 from policy.suggest import (
     BLOCK_LISTED,
     NAME_REFUSED,
+    POLICY,
     REQUEST_REFUSED,
     UNNAMED,
     UPSTREAM_UNTRUSTED,
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 FIRST_FLIGHT_SECONDS = 10.0
 CONNECT_SECONDS = 10.0
+AUDIT_GRACE_SECONDS = 1.0  # audit mode: how long a guest may be silent before the server is let speak first
 MAX_RECORDS = 1024
 READ_BYTES = 16 * 1024
 REFUSED_DRAIN_SECONDS = 10.0  # after a refused pipelined request: the earlier ones' responses, this long at most
@@ -89,6 +91,12 @@ class NameGate(Protocol):
     def intercepts(self, name: str, port: int) -> bool: ...
 
     def audit_only(self) -> bool: ...
+
+    def covers(self, name: str | None, port: int) -> bool: ...
+
+    def handed_out_for(self, name: str, address: str) -> bool: ...
+
+    def dialled_name(self, address: str) -> str | None: ...
 
 
 def original_destination(sock: socket.socket) -> tuple[str, int]:
@@ -133,7 +141,7 @@ class NameProxy:
     # the operator's `network.upstream_ca`); the job's CA (`JobCA`) while its policy needs one.
     upstream_tls: ssl.SSLContext = field(default_factory=ssl.create_default_context)
     ca: JobCA | None = None
-    refused: Counter[tuple[str, int, str | None, str, str | None, str | None]] = field(default_factory=Counter)
+    refused: Counter[tuple[str, int, str | None, str, str | None, str | None, bool]] = field(default_factory=Counter)
     listener: socket.socket | None = None
     connections: set[_Connection] = field(default_factory=set)
     threads: set[threading.Thread] = field(default_factory=set)
@@ -173,8 +181,8 @@ class NameProxy:
     def records(self) -> list[AuditRecord]:
         with self.lock:
             items = sorted(self.refused.items(), key=lambda item: tuple(str(part) for part in item[0]))
-        return [AuditRecord(address, port, "tcp", name, count, reason, method, path)
-                for (address, port, name, reason, method, path), count in items]
+        return [AuditRecord(address, port, "tcp", name, count, reason, method, path, unnamed)
+                for (address, port, name, reason, method, path, unnamed), count in items]
 
     def _on_accept(self, listener: socket.socket) -> None:
         try:
@@ -218,6 +226,8 @@ class NameProxy:
     def _check(self, connection: _Connection) -> None:
         guest = connection.guest
         address, port = original_destination(guest)
+        if self.gate.audit_only() and self._server_first(connection, address, port):
+            return
         flight = self._first_flight(guest)
         if flight is None:
             return  # closed before it said anything: nothing reached anyone
@@ -246,6 +256,28 @@ class NameProxy:
             connection.closed = True
             return
         self._relay(connection, lambda src, dst: self._follow_http(http, src, dst, address, port), guest, upstream)
+
+    def _server_first(self, connection: _Connection, address: str, port: int) -> bool:
+        """Audit mode: a guest silent for `AUDIT_GRACE_SECONDS` may be waiting for a server-first
+        protocol (ssh, smtp, a banner), which block mode refuses for naming nothing but audit mode
+        must not stall for the whole first-flight deadline: connect upstream then, and when the
+        server speaks before the guest, record the connection as unnamed, relay it as it is and
+        return True. Otherwise (the guest spoke, in the grace time or after the connect) the first
+        flight is read as in block mode. A client slower than the grace to a server that greets
+        on connect is recorded as unnamed too (its suggestion, `raw: true`, still lets it pass);
+        only such a connection reaches its address (a handshake, no byte) before its name is seen."""
+        if select.select([connection.guest], [], [], AUDIT_GRACE_SECONDS)[0]:
+            return False
+        upstream = self._connect(connection, address, port)
+        if upstream is None:
+            return True
+        ready = select.select([connection.guest, upstream], [], [], FIRST_FLIGHT_SECONDS - AUDIT_GRACE_SECONDS)[0]
+        if upstream not in ready or connection.guest in ready:
+            return False
+        self._note(address, port, Claim("tcp", None, "the server spoke first"), self._why(
+            Claim("tcp", None, "the server spoke first"), address, port) or UNNAMED)
+        self._relay(connection, _splice, connection.guest, upstream)
+        return True
 
     def _first_flight(self, guest: socket.socket) -> tuple[bytes, list[Piece], HttpRequests | None] | None:
         """The first flight: None if the guest closed before sending anything; else its bytes, the
@@ -288,6 +320,12 @@ class NameProxy:
         """The reason the claim is refused (a `policy.suggest` reason), or None when it is admitted."""
         if claim.name is not None and self.gate.name_blocked(claim.name):
             return BLOCK_LISTED
+        if self.gate.audit_only() and not self.gate.covers(claim.name or self.gate.dialled_name(address), port):
+            # an audit opening (no rule for it): block mode refuses it by policy, unless it claims a
+            # name the resolver did not hand this address out for (no rule could admit that)
+            if claim.refusal is None and claim.name is not None and not self.gate.handed_out_for(claim.name, address):
+                return NAME_REFUSED
+            return POLICY
         if claim.refusal is not None:
             return UNNAMED
         if claim.name is None or not self.gate.name_allowed(claim.name, address, port):
@@ -395,6 +433,8 @@ class NameProxy:
             _answer(guest, 403, _refused_text(refused))
 
     def _connect(self, connection: _Connection, address: str, port: int) -> socket.socket | None:
+        if connection.upstream is not None:  # audit mode connected before the first flight
+            return connection.upstream
         upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         upstream.setsockopt(socket.SOL_SOCKET, _SO_MARK, addresses.NAMECHECK_MARK)
         with self.lock:
@@ -452,7 +492,11 @@ class NameProxy:
         connection.closed = True
 
     def _note(self, address: str, port: int, claim: Claim, reason: str) -> None:
-        key = (address, port, claim.name, reason, claim.method, path_prefix(claim.path) if claim.path else None)
+        unnamed = claim.refusal is not None and reason in (UNNAMED, POLICY)
+        # audit mode, no rule: the name the guest dialled, which a suggested raw: true entry needs
+        # (an ECH hello's outer name is not it); else the name claimed, if any
+        name = self.gate.dialled_name(address) if unnamed and reason == POLICY else claim.name
+        key = (address, port, name, reason, claim.method, path_prefix(claim.path) if claim.path else None, unnamed)
         with self.lock:
             first = key not in self.refused
             if first and len(self.refused) >= MAX_RECORDS:

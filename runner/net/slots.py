@@ -132,7 +132,9 @@ class Slot:
             return Rule(frozenset(opening.ports), as_protocol(opening.protocol), network=ip_network(opening.address))
 
         raw = [rule(opening) for opening in openings if not opening.checked and opening.protocol == "tcp"]
-        return firewall.namecheck_lines(self._address_rules, raw, [rule(opening) for opening in openings if opening.checked])
+        checked = [rule(opening) for opening in openings if opening.checked and not opening.audited]
+        audited = sorted({opening.address for opening in openings if opening.audited})
+        return firewall.namecheck_lines(self._address_rules, raw, checked, audited)
 
     def reset(self) -> None:
         """Back to the pooled state: deny-all, no connections, no resolver or audit memory."""

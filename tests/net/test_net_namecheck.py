@@ -219,3 +219,23 @@ def test_the_checker_is_reachable_only_through_the_redirect_and_bounded_per_vm(s
 
     assert in_ns(guest, flood) == [None]  # the third of two allowed at once is reset, named or not
     assert (ALLOWED_HOST, 8000, None, UNNAMED) in refusals(slot)
+
+
+def test_audit_mode_records_whether_a_connection_no_rule_covers_named_itself(slot, guest) -> None:
+    """Audit mode, no rule: the name check still sees each connection, so the record says what block
+    mode would need: a host rule for a TLS/HTTP one that names the name it dialled, `raw: true` for
+    one that names nothing (the server spoke first, as the banner servers do)."""
+    from policy.suggest import POLICY, suggest_policy
+
+    slot.apply_policy(policy("version: 1\nmode: audit\nallow: []\n"))
+    lookup(guest, "web.test")
+    lookup(guest, "denied.test")
+
+    assert reach(guest, DENIED_HOST, 8000)  # server first: let through at once, not after the first-flight wait
+    assert send(guest, ALLOWED_HOST, 9000, hello("web.test")) == f"{ALLOWED_HOST}:9000".encode()
+    records = {(r.dest, r.port, r.name, r.reason, r.unnamed) for r in slot.audit_records()}
+    assert (DENIED_HOST, 8000, "denied.test", POLICY, True) in records
+    assert (ALLOWED_HOST, 9000, "web.test", POLICY, False) in records
+    suggested = policy(suggest_policy(slot.audit_records()))
+    assert sorted((r.host, sorted(r.ports), r.raw) for r in suggested.rules) == [
+        ("denied.test", [8000], True), ("web.test", [9000], False)]

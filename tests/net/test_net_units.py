@@ -211,7 +211,7 @@ def test_refused_names_and_aaaa_never_reach_upstream(service) -> None:
     assert slot.refused["denied.test"] == 1
 
 
-def test_audit_mode_answers_refused_names_but_opens_nothing(service) -> None:
+def test_audit_mode_answers_refused_names_but_opens_nothing_except_to_the_name_check(service) -> None:
     dns, _ = service
     opened: list = []  # type: ignore[type-arg]
     slot = resolver("version: 1\nmode: audit\n", opened)
@@ -219,7 +219,10 @@ def test_audit_mode_answers_refused_names_but_opens_nothing(service) -> None:
     answer = ask(dns, slot, "denied.test")
 
     assert answer.header.rcode == RCODE.NOERROR and answer.rr[0].rtype == QTYPE.A
-    assert opened == [] and slot.handed_out == {"203.0.113.20": "denied.test"}
+    # no rule accepts it; its TCP goes through the name check, which records what it names
+    assert opened == [[Opening("203.0.113.20", "tcp", (), checked=True)]] and opened[0][0].audited
+    assert slot.handed_out == {"203.0.113.20": "denied.test"}
+    assert not slot.name_allowed("denied.test", "203.0.113.20", 8000)
 
 
 def test_an_answer_that_outlives_its_job_opens_nothing(service) -> None:

@@ -164,3 +164,34 @@ def test_suggest_says_when_jobs_had_no_network_card_to_see_anything_through(tmp_
     assert "from 2 jobs of octo/quiet since " in text and "0 of which tried egress" in text
     assert ("# 2 of them had no network card (their policy allowed nothing, in block mode), so nothing they tried "
             "could be seen: run the repository with `mode: audit` to learn what it needs.") in text
+
+
+def test_refused_requests_across_jobs_become_methods_and_paths_entries() -> None:
+    from policy.suggest import REQUEST_REFUSED
+
+    jobs = [JobAudit("j1", T0, (AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 2, REQUEST_REFUSED, "POST", "/legacy/*"),)),
+            JobAudit("j2", T0 + DAY, (AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 1, REQUEST_REFUSED, "GET", "/upload"),
+                                      AuditRecord("203.0.113.10", 8000, "tcp", "web.test", 1)))]
+
+    text = merged_policy(jobs)
+
+    policy = load_policy(text, "merged.yml")
+    assert sorted((r.host, sorted(r.ports), sorted(r.methods), r.paths) for r in policy.rules) == [
+        ("pypi.org", [443], ["GET", "POST"], ("/legacy/*", "/upload")),
+        ("web.test", [8000], [], ())]
+    assert "  # seen in 2 of 2 jobs, 3 attempts, first 2024-05-01 12:00 UTC, last 2024-05-02 12:00 UTC\n" \
+           "  - host: pypi.org\n" in text
+    assert "was refused by the rule's methods/paths" not in text  # an entry now, not a comment
+
+
+def test_connections_that_named_nothing_become_a_raw_entry_with_its_warning() -> None:
+    record = AuditRecord("203.0.113.10", 22, "tcp", "git.test", 3, unnamed=True)
+    assert record_from_json(record.as_json()) == record  # the flag survives the job record
+    assert record_from_json({**record.as_json(), "unnamed": "yes"}).unnamed is False  # type: ignore[union-attr]
+
+    text = merged_policy([JobAudit("j1", T0, (record, AuditRecord("203.0.113.10", 443, "tcp", "git.test", 1)))])
+
+    policy = load_policy(text, "merged.yml")
+    assert sorted((r.host, sorted(r.ports), r.raw) for r in policy.rules) == [
+        ("git.test", [22], True), ("git.test", [443], False)]
+    assert "  # warning: git.test ports 22: the job's connections there named nothing the host can check" in text

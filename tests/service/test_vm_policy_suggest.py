@@ -78,14 +78,17 @@ def test_one_suggested_policy_from_three_audited_jobs_lets_all_three_pass_in_blo
         assert "metadata closed" in text, text  # always denied, audit mode or not
         tried = {(b["name"], b["port"], b["reason"]) for b in record.blocked_egress}
         assert (need.split(":")[0], int(need.split(":")[1]), "policy") in tried, tried
+        # the server speaks first and the job sends nothing: the record says it named nothing
+        assert any(b["name"] == need.split(":")[0] and b.get("unnamed") is True for b in record.blocked_egress), record
         assert (None, 80, "always-denied") in tried, tried
 
     assert main(["policy", "suggest", "--repository", REPOSITORY, "--state-dir", str(vm_root / "state")]) == 0
     suggestion = capsys.readouterr().out
     suggested = load_policy(suggestion, "suggested.yml")
     assert suggested.mode == "block"
-    assert sorted((rule.host, sorted(rule.ports)) for rule in suggested.rules) == [
-        ("a.cdn.test", [9000]), ("denied.test", [8000]), ("web.test", [8000])]
+    assert sorted((rule.host, sorted(rule.ports), rule.raw) for rule in suggested.rules) == [
+        ("a.cdn.test", [9000], True), ("denied.test", [8000], True), ("web.test", [8000], True)]
+    assert "so the entry is raw: enforced by address only" in suggestion
     assert not suggested.allows(80, "tcp", address=METADATA)
     assert "# always denied, no policy can allow it, was attempted: tcp to 169.254.169.254 port 80 " \
            "(seen in 3 of 3 jobs" in suggestion
