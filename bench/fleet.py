@@ -50,7 +50,7 @@ WAIT_S = 3600.0
 @contextmanager
 def fleet(runners: dict[str, Any], max_concurrent_jobs: int) -> Iterator[Rig]:
     """A served fleet with the stand-in runner installed, on a rig of its own that is removed after."""
-    root = Path(tempfile.mkdtemp(prefix="mvc-bench-fleet-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="mvc-bench-fleet-", dir="/run"))  # not /tmp: each runner has its own
     root.chmod(0o755)
     secret = secrets.token_hex(16).encode()
     (root / "webhook-secret").write_bytes(secret)
