@@ -37,6 +37,7 @@ from policy.model import Policy
 from policy.warm import RepositoryFile, WarmSpec
 from runner.github.errors import GitHubError
 from runner.github.policy_source import PolicySource, input_blobs, tarball
+from runner.jobapi.contract import canonical_repository
 from runner.service.config import ServiceConfig
 from runner.vm.errors import SandboxError
 from runner.vm.templates import Template, TemplateNotFound
@@ -81,7 +82,7 @@ def variant_of(network: bool) -> str:
 def base_name(parent: str, repository: str, network: bool) -> str:
     """`<parent>--<variant>--<owner>--<repo>`: unambiguous, as a recipe template's name and an owner
     name never hold two hyphens in a row, and the variant is one of two words."""
-    owner, _, repo = repository.lower().partition("/")
+    owner, _, repo = canonical_repository(repository).partition("/")
     return f"{parent}--{variant_of(network)}--{owner}--{repo}"
 
 

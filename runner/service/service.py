@@ -468,7 +468,7 @@ class JobService:
         from the pushed commit (in the background; jobs keep the last good base meanwhile)."""
         if self.bases is None or self.stopping:
             return
-        rebuilt = self.bases.pushed(push.repository, push.after)
+        rebuilt = self.bases.pushed(canonical_repository(push.repository), push.after)
         if rebuilt:
             log.info("push to %s's default branch (%s): rebuilding its warm bases", push.repository, push.after[:12])
 
@@ -592,7 +592,7 @@ class JobService:
         base of the job's network variant when `template` is that base's parent (the default)."""
         if self.bases is None or template != self.bases.settings.parent:
             return template
-        return self.bases.template_for(repository, needs_network(policy))
+        return self.bases.template_for(canonical_repository(repository), needs_network(policy))
 
     def _claim_warm(self, run: JobRun) -> None:
         spec = run.spec
