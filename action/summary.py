@@ -25,6 +25,7 @@ from policy.suggest import (
     REFUSED_NAME,
     REFUSED_NAME_DEST,
     UNNAMED,
+    narrowed_words,
     record_from_json,
     suggest_policy,
 )
@@ -103,6 +104,7 @@ def markdown(result: Result) -> str:
         lines.append(f"| tests | {j.passed} passed, {j.failed} failed, {j.skipped} skipped |")
     if result.log_dropped_bytes:
         lines.append(f"| log | truncated, {result.log_dropped_bytes} bytes not shown |")
+    lines += _narrowed(record.get("narrowed_egress"))
     lines += _blocked(record.get("blocked_egress") or [])
     lines += _failures(result.junit.failures if result.junit else [])
     lines += _artifacts(result.artifacts, result.refused_artifacts)
@@ -123,6 +125,11 @@ def _blocked(blocked: list[object]) -> list[str]:
     if len(blocked) > MAX_ROWS:
         rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | | |")
     return rows + _suggestion(blocked)
+
+
+def _narrowed(narrowed: object) -> list[str]:
+    words = narrowed_words(narrowed)
+    return [] if words is None else ["", f"> **Egress narrowed away:** {cell(words, 2000)}"]
 
 
 def _refused_answer(item: Mapping[str, object]) -> bool:

@@ -12,11 +12,13 @@ Public API (everything else is internal):
   `.warm_for(repository)`: a repository file's `warm:` section (`load_repository_file`, `WarmSpec`).
 - `render(policy, RenderContext(...), OperatorAllowances(...)) -> RenderedRules(ipv4, ipv6)`;
   `dns_allow_rule(ip, ports, protocol)` is the rule shape the resolver appends to `MVC-DNS-ALLOW`.
+- `narrowed_away(requested, effective) -> list[str]`: a job policy's entries its effective policy
+  allows nothing of, in words (the job record's `narrowed_egress`).
 - `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried, from
   its `AuditRecord`s (`AuditRecord.as_json()` is a job record's `blocked_egress` entry).
 """
 
-from policy.compose import intersect
+from policy.compose import intersect, narrowed_away
 from policy.load import PolicyError, load_policy
 from policy.model import DENY_ALL, Policy, Rule
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules, dns_allow_rule, render
@@ -28,5 +30,5 @@ from policy.yamldoc import Problem
 __all__ = [
     "AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
     "Problem", "RenderContext", "RenderedRules", "RepositoryFile", "Rule", "WarmSpec", "dns_allow_rule",
-    "intersect", "load_policy", "load_repository_file", "render", "suggest_policy",
+    "intersect", "load_policy", "load_repository_file", "narrowed_away", "render", "suggest_policy",
 ]

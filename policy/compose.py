@@ -46,6 +46,21 @@ def _intersect_two(a: Policy, b: Policy) -> Policy:
     return Policy(version=a.version, mode=mode, rules=tuple(rules), on_block=on_block)
 
 
+def narrowed_away(requested: Policy, effective: Policy) -> list[str]:
+    """The entries of `requested` (a job's own policy) of which `effective` (its intersection with
+    the repository's) allows nothing, in words (`pypi.org tcp/443`): what the job asked for and
+    will not get, for its summary and page. Every effective rule stems from a requested one and
+    intersects it, so a requested rule that meets none of them was dropped whole."""
+    return [_describe(rule) for rule in requested.rules
+            if not any(intersect_rules(rule, kept) is not None for kept in effective.rules)]
+
+
+def _describe(rule: Rule) -> str:
+    ports = sorted(rule.ports)
+    listed = ",".join(map(str, ports[:8])) + (f" and {len(ports) - 8} more" if len(ports) > 8 else "")
+    return f"{rule.destination} {rule.protocol}/{listed}"
+
+
 def intersect_rules(a: Rule, b: Rule) -> Rule | None:
     """The rule allowing what both rules allow, or None when they share nothing."""
     if a.protocol != b.protocol:

@@ -116,6 +116,21 @@ def refused_summary(records: list[AuditRecord]) -> str:
     return ", ".join(parts) + more
 
 
+MAX_NARROWED = 20  # entries of a narrowed job policy named in words; the rest are "and more"
+
+
+def narrowed_words(narrowed: object) -> str | None:
+    """In words, what the job's own policy asked for that the repository's allows nothing of (the
+    record's `narrowed_egress`, as `policy.compose.narrowed_away` wrote it), or None: the step summary's
+    and the job page's."""
+    if not isinstance(narrowed, list) or not narrowed:
+        return None
+    asked = ", ".join(str(item) for item in narrowed[:MAX_NARROWED]) + (" and more" if len(narrowed) > MAX_NARROWED else "")
+    return (f"The job's policy asked for {asked}, but the repository's policy allows none of it, so the job ran "
+            "without that egress (a job's policy can only narrow the repository's); ask the repository's "
+            "maintainers to allow it there, if the job needs it.")
+
+
 def refused_name_record(name: str, count: int) -> AuditRecord:
     """The record of a name the resolver refused `count` times because no rule of the policy names it."""
     return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)

@@ -13,7 +13,8 @@ import pytest
 PUBLIC = {
     "policy": {"AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError",
                "PolicyStore", "Problem", "RenderContext", "RenderedRules", "RepositoryFile", "Rule", "WarmSpec",
-               "dns_allow_rule", "intersect", "load_policy", "load_repository_file", "render", "suggest_policy"},
+               "dns_allow_rule", "intersect", "load_policy", "load_repository_file", "narrowed_away", "render",
+               "suggest_policy"},
     "runner.net": {"AuditRecord", "Firewall", "FirewallError", "HostUplink", "NamespaceUplink", "Slot", "SlotError",
                    "SlotPool", "Uplink", "UplinkError", "Upstream"},
     "runner.sandbox": {"ExecResult", "Sandbox", "SandboxError"},

@@ -300,6 +300,8 @@ class JobRecord:
     blocked_egress: list[dict[str, Any]] = field(default_factory=list)
     artifacts: list[dict[str, Any]] = field(default_factory=list)
     command: str = ""  # the spec's command, for operators (`jobs`, the page); "" in records from before it was kept
+    # The entries of the job's own policy that the repository's allowed nothing of (`policy.compose.narrowed_away`).
+    narrowed_egress: list[str] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -344,8 +346,18 @@ class JobRecord:
             error=_field(data, "error", (str,), optional=True),
             timings=Timings.from_wire(data.get("timings")),
             command=_field(data, "command", (str,), optional=True) or "",
+            narrowed_egress=_strings(data.get("narrowed_egress"), "narrowed_egress"),
             **listed,
         )
+
+
+def _strings(value: object, key: str) -> list[str]:
+    """An optional list of strings (absent in records from before the field): [] when missing."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise WireError(f"{key}: expected a list of strings")
+    return value
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,16 @@ class EgressPolicies:
             raise EgressPolicyError(f"policy: cannot read {repository}'s {POLICY_PATH} from GitHub ({exc}); "
                                     "retry, or give the repository a file in the service's policy store") from exc
 
+    def narrowed(self, job_policy: str | None, effective: Policy) -> list[str]:
+        """What the job's own policy asked for that its effective one allows nothing of (a job asked
+        for `pypi.org:443`, the repository allows nothing): its record says so, in words."""
+        if job_policy is None or self.trust_job_policy:
+            return []
+        try:
+            return policy.narrowed_away(policy.load_policy(job_policy, "job policy"), effective)
+        except (policy.PolicyError, ValueError):
+            return []  # not reached: effective() loaded the same text
+
     def _from_branch(self, repository: str) -> Policy | None:
         assert self.branch_files is not None
         found = self.branch_files.for_repository(repository)

@@ -290,6 +290,7 @@ class JobService:
             id=job_id, state=JobState.QUEUED if attached else JobState.AWAITING_CHECKOUT, repository=spec.repository,
             sha=spec.sha, run_id=spec.run_id, run_attempt=spec.run_attempt, job_name=spec.job_name,
             policy_digest=policy.digest(), command=spec.command,
+            narrowed_egress=self.policies.narrowed(spec.policy, policy),
         )
         if attached:
             record.timings.queued_at = time.time()

@@ -198,11 +198,14 @@ def jobs_page(service: Any, query: ListQuery | None = None) -> Page:
 
 
 def job_page(service: Any, job_id: str, secret: str = "", search: str = "") -> Page:
+    from policy.suggest import narrowed_words
+
     record = service.get(job_id)
     lines, last_seq, total = _log_lines(service.log_of(job_id), search[:200])
     started = record.timings.started_at or record.created_at
     return render("job.html", job=record, lines=lines, last_seq=last_seq, total_lines=total, search=search[:200],
                   started=started, policy=_policy(service, record), csrf=csrf_token(secret, job_id) if secret else "",
+                  narrowed=narrowed_words(record.narrowed_egress),
                   tail=PAGE_LOG_LINES if total > len(lines) and not search else None)
 
 

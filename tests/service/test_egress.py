@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import html
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,29 @@ def test_the_service_reads_policies_from_default_branches_with_its_app(make_serv
 
     assert rec.policy_digest == load_policy(BRANCH_POLICY).digest()
     assert responses.calls[-1].request.headers["Authorization"] == f"Bearer {token['token']}"
+
+
+def test_a_job_policy_narrowed_to_nothing_says_so_in_the_record_summary_and_page(make_service, engine: FakeEngine,
+                                                                                 store: Path) -> None:
+    """The job asks for pypi.org:443 and its repository allows nothing: it runs with no egress, and
+    its record, step summary and job page say in words what it asked for and did not get."""
+    from action.summary import Result, markdown
+    from runner.jobapi.contract import JobRecord
+    from runner.service import web
+
+    engine.programs["ok"] = prints(b"")
+    service = make_service(policy_dir=str(store), network={"enabled": True})
+    rec = service.submit(spec("ok", repository="octo/unlisted", policy=NARROWER))
+    service.put_checkout(rec.id, [checkout_tar()])
+    for _ in service.log_of(rec.id).follow():
+        pass
+
+    record = service.get(rec.id)
+    assert record.policy_digest == DENY_ALL.digest() and record.narrowed_egress == ["pypi.org tcp/443"]
+    assert JobRecord.from_wire(record.to_wire()).narrowed_egress == ["pypi.org tcp/443"]
+    summary = markdown(Result(record=record.to_wire(), exit_code=0, junit=None, artifacts=[], refused_artifacts=[]))
+    words = "The job's policy asked for pypi.org tcp/443, but the repository's policy allows none of it"
+    assert f"> **Egress narrowed away:** {words}" in html.unescape(summary)  # as GitHub shows it
+    assert words in html.unescape(web.job_page(service, rec.id).body.decode())
+    ok = service.submit(spec("ok", repository="octo/hello", policy=NARROWER))  # within the repository's: nothing said
+    assert service.get(ok.id).narrowed_egress == []
