@@ -34,6 +34,10 @@ _READY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200)
 _OVERHEAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _MAX_REASON = 64  # a blocked-egress reason comes from the service's own audit, but is stored next to guest data
+# The name check's refusals by name (TLS SNI / HTTP Host), method and path prefix: names come from
+# guest traffic, so the distinct series are capped for the process; later ones count as name "(other)".
+NAMED_REASONS = ("name-refused", "unnamed", "block-listed", "request-refused")
+MAX_NAMED_SERIES = 500
 # API answers take milliseconds; a followed log stream lasts as long as its job.
 _REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 600, 3600)
 # The routes, as templates: a label never holds a job id or anything else a client chose.
@@ -169,6 +173,12 @@ class JobMetrics:
                                      "reported by them (churn: many ending without one)", ["had_job"], registry=r)
         self.blocked = Counter(f"{PREFIX}_blocked_egress_attempts", "Egress attempts refused, by reason",
                                ["reason"], registry=r)
+        self.blocked_named = Counter(f"{PREFIX}_blocked_egress_named_attempts",
+                                     "Connections the name check refused, by reason, the name claimed (TLS SNI / "
+                                     "HTTP Host; \"\" for none), method and path prefix; at most "
+                                     f"{MAX_NAMED_SERIES} names, then \"(other)\"",
+                                     ["reason", "name", "method", "path"], registry=r)
+        self._named: set[tuple[str, str, str, str]] = set()
 
     def runner_started(self) -> None:
         self.runners_started.inc()
@@ -196,6 +206,22 @@ class JobMetrics:
             count = entry.get("count", 1)
             reason = str(entry.get("reason") or "policy")[:_MAX_REASON]
             self.blocked.labels(reason).inc(count if isinstance(count, int) and count > 0 else 1)
+        self._count_named(record.blocked_egress)
+
+    def _count_named(self, entries: list[Any]) -> None:
+        """The name check's refusals by what they claimed, read as the summary reads them (only a
+        well-formed name and path prefix get through: `policy.suggest.record_from_json`)."""
+        from policy.suggest import record_from_json
+
+        for entry in entries:
+            found = record_from_json(entry)
+            if found is None or found.reason not in NAMED_REASONS:
+                continue
+            labels = (found.reason, found.name or "", found.method or "", found.path or "")
+            if labels not in self._named and len(self._named) >= MAX_NAMED_SERIES:
+                labels = (found.reason, "(other)", "", "")
+            self._named.add(labels)
+            self.blocked_named.labels(*labels).inc(found.count)
 
     def request(self, listener: str, route: str, method: str, status: int, seconds: float) -> None:
         """One answered API request; `route` is one of API_ROUTES (the caller maps the path)."""

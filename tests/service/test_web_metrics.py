@@ -201,3 +201,39 @@ def test_runner_starts_and_ends_are_counted_by_whether_they_had_a_job(hosts) -> 
     assert samples[("microvm_check_runners_started_total", ())] == 2
     assert samples[("microvm_check_runners_ended_total", (("had_job", "false"),))] == 1
     assert counted.runner_job("mvc-b") is None and host.service.runner_job("mvc-a") is None
+
+
+def test_the_name_checks_refusals_by_name_method_and_path_on_the_metrics_and_the_job_page(
+        hosts, engine: FakeEngine, monkeypatch) -> None:
+    import service_fakes
+
+    from policy.suggest import AuditRecord
+    from runner.service import metrics
+    from runner.service.web import COOKIE
+
+    refused = [AuditRecord("203.0.113.40", 443, "tcp", "collector.evil.test", 3, "name-refused"),
+               AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 2, "request-refused", "POST", "/legacy/*"),
+               AuditRecord("203.0.113.41", 22, "tcp", None, 1, "unnamed", unnamed=True),
+               AuditRecord("203.0.113.42", 443, "tcp", "bad.test", 1, "block-listed")]
+    monkeypatch.setattr(service_fakes.FakeSandbox, "blocked_egress", lambda self: refused)
+    monkeypatch.setattr(metrics, "MAX_NAMED_SERIES", 4)
+    engine.programs["ok"] = prints(b"")
+    _, client, base = _start(hosts)
+    job = _run(client, "ok")
+    list(client.logs(job))
+
+    scraped = _scrape(base)
+    named = {labels: value for (name, labels), value in scraped.items()
+             if name == "microvm_check_blocked_egress_named_attempts_total"}
+    assert named == {
+        (("method", ""), ("name", "collector.evil.test"), ("path", ""), ("reason", "name-refused")): 3,
+        (("method", "POST"), ("name", "pypi.org"), ("path", "/legacy/*"), ("reason", "request-refused")): 2,
+        (("method", ""), ("name", ""), ("path", ""), ("reason", "unnamed")): 1,
+        (("method", ""), ("name", "bad.test"), ("path", ""), ("reason", "block-listed")): 1}
+    refused[0] = AuditRecord("203.0.113.40", 443, "tcp", "other.evil.test", 1, "name-refused")
+    list(client.logs(_run(client, "ok")))
+    assert _scrape(base)[("microvm_check_blocked_egress_named_attempts_total",
+                          (("method", ""), ("name", "(other)"), ("path", ""), ("reason", "name-refused")))] == 1
+    page = httpx.get(base + f"/ui/jobs/{job}", cookies={COOKIE: TOKEN}).text
+    assert "<td>collector.evil.test</td><td></td><td>3</td><td>name-refused</td>" in page
+    assert "<td>pypi.org</td><td>POST /legacy/*</td><td>2</td><td>request-refused</td>" in page
