@@ -1,0 +1,25 @@
+"""A repository's running quota is given back when its job ends (runner/service/service.py tells the
+queue `finished`): with max_running_per_repository 1, a fleet runner's jobs of one repository run one
+after the other, every one of them, instead of the first one's end leaving the repository's only
+running place taken for good."""
+
+from __future__ import annotations
+
+import time
+
+from service_fakes import FakeEngine, checkout_tar, prints, spec
+from test_tenant_quotas import runner
+
+
+def test_a_repositorys_jobs_run_one_after_another_under_a_running_quota_of_one(make_service, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"")
+    service = make_service(max_queued_jobs=8, max_concurrent_jobs=2, max_running_per_repository=1,
+                           max_queued_per_runner=8)
+    caller = runner(service, "r1", "octo/one")
+    jobs = [service.submit_as(caller, spec("ok", repository="octo/one", run_id=7))[0] for _ in range(3)]
+    for job in jobs:
+        service.put_checkout(job.id, [checkout_tar()])
+    deadline = time.monotonic() + 30  # each job is a no-op; a quota never given back leaves the rest queued for good
+    while time.monotonic() < deadline and any(service.get(job.id).state in ("queued", "running") for job in jobs):
+        time.sleep(0.05)
+    assert [(service.get(job.id).state, service.get(job.id).error) for job in jobs] == [("finished", None)] * 3
