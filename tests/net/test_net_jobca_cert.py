@@ -1,0 +1,65 @@
+"""What a job's CA (runner/net/jobca.py) may vouch for, read from its certificates: it signs server
+leaves only (path length 0: no intermediate it made is valid), lives a day, its leaves are no CA and
+serve TLS servers only, and a job cannot make the host mint leaves without bound (wildcard rules
+would otherwise let it name as many hosts as it likes)."""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from runner.net import jobca
+
+
+def test_the_job_ca_signs_only_leaves_and_lives_a_day() -> None:
+    ca = jobca.JobCA("job-1")
+    constraints = ca.cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    assert constraints.ca and constraints.path_length == 0
+    usage = ca.cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert usage.key_cert_sign and not usage.digital_signature and not usage.key_encipherment
+    assert ca.cert.not_valid_after_utc - ca.cert.not_valid_before_utc <= datetime.timedelta(days=1, minutes=5)
+
+
+def test_a_leaf_is_no_ca_and_serves_tls_servers_only() -> None:
+    ca = jobca.JobCA("job-2")
+    context = ca.server_context("pypi.test")
+    assert isinstance(context, ssl.SSLContext)
+    leaf = _leaf_of(context, ca)
+    assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert list(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+        ExtendedKeyUsageOID.SERVER_AUTH]
+    assert leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == ["pypi.test"]
+
+
+def test_leaves_are_minted_for_at_most_max_leaves_names(monkeypatch) -> None:
+    monkeypatch.setattr(jobca, "MAX_LEAVES", 2)
+    ca = jobca.JobCA("job-3")
+    ca.server_context("a.test")
+    ca.server_context("b.test")
+    ca.server_context("a.test")  # already minted: no new one
+    with pytest.raises(ValueError, match="minted 2 certificates already"):
+        ca.server_context("c.test")
+
+
+def _leaf_of(context: ssl.SSLContext, ca: jobca.JobCA) -> x509.Certificate:
+    """The leaf a server context presents, read back through a TLS handshake in memory."""
+    client = ssl.create_default_context(cadata=ca.cert_pem.decode())
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_client = client.wrap_bio(c_in, c_out, server_hostname="pypi.test")
+    tls_server = context.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for side in (tls_client, tls_server):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+    der = tls_client.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der)
