@@ -18,13 +18,14 @@ from pathlib import Path
 
 from policy.load import host_error
 from policy.model import Address, Network, host_matches
+from runner.errors import ConfigError
 
 MAX_BYTES = 16 * 1024 * 1024  # a large public feed has ~10^5 entries
 MAX_ENTRIES = 200_000
 MAX_PROBLEMS = 20
 
 
-class BlockListError(ValueError):
+class BlockListError(ConfigError):
     """The block list file is unreadable or has bad entries; `str()` lists them as file:line: problem."""
 
 

@@ -24,12 +24,13 @@ taken for a user's mistake.
     └── PolicyError      an egress policy that does not load (defined in policy.load, with its problems)
 
 Domain errors carry no HTTP status: the job API maps them to statuses in one table at its edge
-(runner.service.api.STATUS). Three exceptions stay outside the tree on purpose:
+(runner.service.api.STATUS). These exceptions stay outside the tree on purpose:
 `runner.jobapi.contract.StateTransitionError` (a bug in the service: it must show a traceback),
 `runner.vm.guestwire.ProtocolError` (that file is also installed alone in the guest, which has no
-`runner` package; the host's agent turns it into an AgentError) and `action.__main__.Interrupted`
-(a signal from the runner, not an error). `runner.fleet.cgroup.CgroupError` is still an OSError
-until the fleet stops catching it as one.
+`runner` package; the host's agent turns it into an AgentError), `action.__main__.Interrupted` and
+`runner.service.localrun.Stopped` (signals, not errors: KeyboardInterrupts, so cleanup runs as for
+Ctrl-C) and `runner.net.namecheck._Short` (the name check's private "read more bytes" signal).
+`runner.fleet.cgroup.CgroupError` is still an OSError until the fleet stops catching it as one.
 """
 
 from __future__ import annotations

@@ -394,7 +394,7 @@ class RunnerFleet:
             runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
             group = RunnerCgroup.create(self._scope, name, self.settings.limits)
             process = self._launch(runner_dir, jit, group, identity)
-        except (OSError, workdir.RunnerUidsExhausted) as exc:
+        except (OSError, workdir.RunnerUidsExhausted, walls.WallsUnavailable) as exc:
             log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
             self.service.remove_runner(name)
             if group is not None:

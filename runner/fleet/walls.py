@@ -28,6 +28,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from runner.errors import ConfigError
+
 NETWORKS = ("host", "none")
 # Each runner's own, private tmpfs mounts (mode 1777 as on the host), sized so that one job cannot
 # fill the host's memory through them.
@@ -36,7 +38,7 @@ UNSHARE = "/usr/bin/unshare"
 SETPRIV = "/usr/bin/setpriv"
 
 
-class WallsUnavailable(OSError):
+class WallsUnavailable(ConfigError):
     """This host lacks what the walls need; the message says what to install."""
 
 
