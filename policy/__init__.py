@@ -18,14 +18,43 @@ Public API (everything else is internal):
   its `AuditRecord`s (`AuditRecord.as_json()` is a job record's `blocked_egress` entry).
 """
 
-from policy.compose import intersect, narrowed_away
-from policy.load import PolicyError, load_policy
-from policy.model import DENY_ALL, Policy, Rule
-from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules, dns_allow_rule, render
-from policy.store import PolicyStore
-from policy.suggest import AuditRecord, suggest_policy
-from policy.warm import RepositoryFile, WarmSpec, load_repository_file
-from policy.yamldoc import Problem
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names, for type checkers; at run time each loads on first use (PEP 562, below)
+    from policy.compose import intersect, narrowed_away
+    from policy.load import PolicyError, load_policy
+    from policy.model import DENY_ALL, Policy, Rule
+    from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, RenderedRules, dns_allow_rule, render
+    from policy.store import PolicyStore
+    from policy.suggest import AuditRecord, suggest_policy
+    from policy.warm import RepositoryFile, WarmSpec, load_repository_file
+    from policy.yamldoc import Problem
+
+# Lazy so that `microvm-check policy check` (which needs only policy.load) does not import jinja2 and the
+# renderer, store and suggester on every start (issue 26). Public name -> the module that defines it.
+_HOME = {
+    "intersect": "compose", "narrowed_away": "compose", "PolicyError": "load", "load_policy": "load",
+    "DENY_ALL": "model", "Policy": "model", "Rule": "model", "DNS_ALLOW_CHAIN": "render",
+    "OperatorAllowances": "render", "RenderContext": "render", "RenderedRules": "render",
+    "dns_allow_rule": "render", "render": "render", "PolicyStore": "store", "AuditRecord": "suggest",
+    "suggest_policy": "suggest", "RepositoryFile": "warm", "WarmSpec": "warm",
+    "load_repository_file": "warm", "Problem": "yamldoc",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'policy' has no attribute {name!r}")
+    module = import_module(f"policy.{home}")
+    # bind all of that module's public names now: importing policy.render sets the package attribute
+    # `render` to the submodule, which the function of that name must replace
+    globals().update({public: getattr(module, public) for public, where in _HOME.items() if where == home})
+    return globals()[name]
+
 
 __all__ = [
     "AuditRecord", "DENY_ALL", "DNS_ALLOW_CHAIN", "OperatorAllowances", "Policy", "PolicyError", "PolicyStore",
