@@ -25,14 +25,14 @@ from action.attestation import write_envelope
 from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
-from action.pack import PackError, pack_checkout
 from action.queuewait import QueueWait
 from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, minutes, outputs
 from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
-from action.workflow import annotation, append_file, format_outputs, safe_text
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobSpec, JobState
+from runner.jobapi.pack import PackError, pack_checkout
+from runner.jobapi.workflow import annotation, append_file, format_outputs, safe_text
 
 LOG_RETRIES = 5  # consecutive log-stream failures without progress before the step gives up
 

@@ -16,7 +16,7 @@ import codecs
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from action.workflow import neutralise_line, split_lines, stop_token
+from runner.jobapi.workflow import neutralise_line, split_lines, stop_token
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from action.junit import Failure, Totals
-from action.workflow import annotation
 from policy.suggest import (
     ALWAYS_DENIED,
     BLOCK_LISTED,
@@ -29,6 +28,7 @@ from policy.suggest import (
     record_from_json,
     suggest_policy,
 )
+from runner.jobapi.workflow import annotation
 from runner.markdown import cell, code
 
 MAX_SUGGESTED = 256

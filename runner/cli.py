@@ -25,7 +25,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vmimages.cli",  # template build | list | rm
     "runner.commands.doctor",  # doctor
     "runner.commands.policy",  # policy check | render | suggest
-    "runner.service.cli",  # serve | run | jobs
+    "runner.service.cli",  # serve | jobs
+    "runner.commands.localrun",  # run
     "runner.service.config_cli",  # config check | schema
     "runner.commands.github",  # register | deregister | runners | guard | redeliver
     "runner.commands.attestation",  # attestation | attestation-key | verify
@@ -37,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("runner.commands.doctor", "check this host and say which accelerator VMs use"),
     "policy": ("runner.commands.policy", "check, render and suggest egress policies"),
     "serve": ("runner.service.cli", "run the job service (API on a Unix socket)"),
-    "run": ("runner.service.cli", "run a command on a local checkout in a fresh VM"),
+    "run": ("runner.commands.localrun", "run a command on a local checkout in a fresh VM"),
     "jobs": ("runner.service.cli", "list job records"),
     "config": ("runner.service.config_cli", "check service configs, print their JSON Schema"),
     "register": ("runner.commands.github", "register this host's runner with the org"),

@@ -28,7 +28,7 @@ Domain errors carry no HTTP status: the job API maps them to statuses in one tab
 `runner.jobapi.contract.StateTransitionError` (a bug in the service: it must show a traceback),
 `runner.vm.guestwire.ProtocolError` (that file is also installed alone in the guest, which has no
 `runner` package; the host's agent turns it into an AgentError), `action.__main__.Interrupted` and
-`runner.service.localrun.Stopped` (signals, not errors: KeyboardInterrupts, so cleanup runs as for
+`runner.commands.localrun.Stopped` (signals, not errors: KeyboardInterrupts, so cleanup runs as for
 Ctrl-C) and `runner.net.namecheck._Short` (the name check's private "read more bytes" signal).
 `runner.fleet.cgroup.CgroupError` is still an OSError until the fleet stops catching it as one.
 """

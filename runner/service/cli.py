@@ -1,4 +1,4 @@
-"""`microvm-check serve | run | jobs`: the job service, a local run through it, and its records."""
+"""`microvm-check serve | jobs`: the job service and its records (`run` is runner/commands/localrun.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from runner.logs import setup as setup_logging
 from runner.tarsafe import require_patched_python
 
 # The service's config and records are imported by the commands that use them, not here: `jobs` on a
-# socket and `run` need neither, and the config pulls in the GitHub and policy layers (runner/cli.py).
+# socket needs neither, and the config pulls in the GitHub and policy layers (runner/cli.py).
 
 T = TypeVar("T")
 
@@ -30,22 +30,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--log-format", choices=FORMATS, help="text, or json: one object per line, job events with "
                                                              "their job id (default: the config's log_format, text)")
     serve.set_defaults(func=cmd_serve)
-
-    run = subparsers.add_parser(
-        "run", help="run a command on a local checkout in a fresh VM",
-        description="Pack DIR (without .git), run COMMAND in a fresh VM, stream its output, copy artifacts to "
-                    "./artifacts/ and exit with the command's status. Uses the service on --socket when it "
-                    "answers, otherwise an in-process service for just this job.",
-    )
-    run.add_argument("--policy", type=Path, help="egress policy YAML for the job (default: no network)")
-    run.add_argument("--template", help="VM template (default: the service's first)")
-    run.add_argument("--artifacts", action="append", default=[], metavar="GLOB",
-                     help="files to copy back, relative to DIR (repeatable)")
-    run.add_argument("--timeout", type=int, default=3600, metavar="SECONDS", help="command timeout (default 3600)")
-    run.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the service's socket (default {DEFAULT_SOCKET})")
-    run.add_argument("--dir", type=Path, default=Path("."), help="the checkout to send (default .)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
-    run.set_defaults(func=cmd_run)
 
     jobs = subparsers.add_parser("jobs", help="list job records")
     jobs.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -180,7 +164,7 @@ def _when(epoch: float | None) -> str:
 def cmd_jobs_logs(args: argparse.Namespace) -> int:
     """The log as `run` shows it: stdout to stdout, stderr and the service's notes to stderr, and on a
     terminal the guest's control characters defused."""
-    from runner.service.localrun import _show
+    from runner.jobapi.terminal import show
 
     def relay(client: Any) -> None:
         for entry in client.logs(args.id, follow=args.follow):
@@ -188,7 +172,7 @@ def cmd_jobs_logs(args: argparse.Namespace) -> int:
                 print(json.dumps({"seq": entry.seq, "stream": entry.stream, "ts": entry.ts,
                                   "data": entry.data.decode("utf-8", "replace")}), flush=True)
             else:
-                _show(entry.stream, entry.data)
+                show(entry.stream, entry.data)
     _api_call(args, relay)
     return 0
 
@@ -210,25 +194,3 @@ def _row(rec: JobRecord) -> str:
     line = (f"{rec.id}  {when}  {rec.state.value:<17} exit {code:>3}  {took:>7}  "
             f"{rec.repository}@{rec.sha[:8]} {rec.job_name}{flags}")
     return line + (f"\n    error: {rec.error}" if rec.error else "")
-
-
-# -- run ------------------------------------------------------------------------------------------
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    require_patched_python()
-    from runner.service.localrun import LocalRun
-
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        raise UserError("nothing to run: give the command after --, e.g. microvm-check run -- pytest -q")
-    policy = None
-    if args.policy:
-        try:
-            policy = args.policy.read_text()
-        except OSError as exc:
-            raise UserError(f"--policy {args.policy}: cannot read: {exc.strerror}") from exc
-    job = LocalRun(directory=args.dir, command=command, policy=policy, template=args.template,
-                   artifacts=args.artifacts, timeout_seconds=args.timeout, socket=args.socket)
-    return job.run()
-

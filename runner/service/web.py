@@ -3,7 +3,7 @@
 Server-rendered with jinja2 (autoescape on for every template): it works without JavaScript; one small
 script, served as a file of its own (a strict Content-Security-Policy allows no inline script), follows a
 running job's log through /ui/jobs/<id>/logs, the job API's NDJSON log stream with each line in the
-workflow-command-neutralised view the action prints (action.workflow.neutralise_line, stdlib only). The
+workflow-command-neutralised view the action prints (runner.jobapi.workflow.neutralise_line, stdlib only). The
 script writes lines with textContent only, so a guest that prints HTML shows it as text.
 
 Authentication is the TCP API's token: a bearer header, or once `?token=` which sets an HttpOnly,
@@ -34,8 +34,8 @@ from urllib.parse import parse_qs, urlencode
 import jinja2
 import yaml
 
-from action.workflow import neutralise_line, split_lines
 from runner.jobapi.contract import LogEntry
+from runner.jobapi.workflow import neutralise_line, split_lines
 
 COOKIE = "microvm_check_token"
 PREFIX = "/ui"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from action.logs import LogRelay, RelayLimits
-from action.workflow import ZWSP, neutralise_line, safe_text
+from runner.jobapi.workflow import ZWSP, neutralise_line, safe_text
 
 HOSTILE_LINES = [
     "::set-output name=exit-code::0",

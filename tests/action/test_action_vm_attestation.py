@@ -143,7 +143,7 @@ def test_the_key_is_the_services_alone(service) -> None:
 
 
 def test_a_local_run_gets_a_signed_record_too(service, signed, tmp_path: Path, monkeypatch, capsys) -> None:
-    from runner.service.localrun import LocalRun
+    from runner.commands.localrun import LocalRun
 
     checkout = tmp_path / "checkout"
     checkout.mkdir()

@@ -27,7 +27,7 @@ from action_harness import (
 )
 
 from action.logs import RelayLimits
-from action.workflow import ZWSP
+from runner.jobapi.workflow import ZWSP
 from tests.conftest import require
 from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 

@@ -9,7 +9,7 @@ from gha_runner_model import RunnerModel
 from hypothesis import given
 from hypothesis import strategies as st
 
-from action.workflow import annotation, escape_data, escape_property, format_outputs
+from runner.jobapi.workflow import annotation, escape_data, escape_property, format_outputs
 
 
 def unescape_property(value: str) -> str:

@@ -138,7 +138,7 @@ def test_serve_reports_a_bad_config(tmp_path: Path, capsys) -> None:
 
 
 def test_guest_escape_sequences_are_defused_on_a_terminal(monkeypatch) -> None:
-    from runner.service.localrun import _show
+    from runner.jobapi.terminal import show as _show
 
     leader, follower = os.openpty()
     try:
@@ -152,7 +152,7 @@ def test_guest_escape_sequences_are_defused_on_a_terminal(monkeypatch) -> None:
 
 
 def test_guest_output_passes_unchanged_to_a_pipe(capfdbinary) -> None:
-    from runner.service.localrun import _show
+    from runner.jobapi.terminal import show as _show
 
     _show("stdout", b"\x1b[1mbold\x1b[0m\n")
     assert capfdbinary.readouterr().out == b"\x1b[1mbold\x1b[0m\n"

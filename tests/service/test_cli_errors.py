@@ -25,7 +25,7 @@ from tests.error_tree import exception_classes, qualified
 # it as the OSError it is today.
 OUTSIDE = {"runner.jobapi.contract.StateTransitionError", "runner.vm.guestwire.ProtocolError",
            "runner.vm.agent._Violation", "action.__main__.Interrupted", "runner.fleet.cgroup.CgroupError",
-           "runner.service.localrun.Stopped", "runner.net.namecheck._Short"}
+           "runner.commands.localrun.Stopped", "runner.net.namecheck._Short"}
 AREAS = [cls for cls in vars(errors).values()
          if isinstance(cls, type) and cls.__bases__ == (MicrovmCheckError,)] + [PolicyError]
 

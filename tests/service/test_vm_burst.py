@@ -1,7 +1,7 @@
 """A burst of 200 `microvm-check run` clients against one `serve` on real VMs: every one finishes, with its own
 exit code, and the service's threads and fds stay under the caps it prints.
 
-Each client is `runner.service.localrun.LocalRun` (what `microvm-check run --socket` does) on a thread of
+Each client is `runner.commands.localrun.LocalRun` (what `microvm-check run --socket` does) on a thread of
 this process: it packs its own directory, submits, uploads, follows the log and reads the exit code. The
 service is a real `microvm-check serve` process (`max_concurrent_jobs: 4`, `max_queued_jobs: 200`), so
 its threads and fds are read from /proc from outside. Before issue 17, 132 of 200 failed with 503: every
@@ -25,8 +25,8 @@ import pytest
 from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_serve import serve  # noqa: F401 (fixture)
 
+from runner.commands.localrun import LocalRun
 from runner.jobapi.client import JobClient
-from runner.service.localrun import LocalRun
 
 pytestmark = pytest.mark.vm
 CLIENTS = 200

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from action.pack import PackError, pack_checkout, strip_credentials
+from runner.jobapi.pack import PackError, pack_checkout, strip_credentials
 
 TOKEN = "ghs_SuperSecretToken1234567890"
 
@@ -189,7 +189,7 @@ def test_file_shrinking_while_packing_is_an_error(tmp_path: Path) -> None:
 def test_host_git_ignores_the_workspace_and_ambient_git_settings(with_git: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Git run for a job's checkout takes nothing from the caller's cwd or GIT_* variables."""
-    from runner.service.localrun import _head
+    from runner.commands.localrun import _head
 
     marker = tmp_path / "fsmonitor-ran"
     other = tmp_path / "other"

@@ -8,6 +8,7 @@ job's policy is taken as given (no policy at all means no network).
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import shutil
@@ -21,11 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from action.pack import PackError, host_git, pack_checkout
 from runner.attest.statement import ENVELOPE_FILE
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.jobapi.contract import SHA, JobRecord, JobSpec, JobState
+from runner.jobapi.contract import DEFAULT_SOCKET, SHA, JobRecord, JobSpec, JobState
+from runner.jobapi.pack import PackError, host_git, pack_checkout
+from runner.jobapi.terminal import show
+from runner.tarsafe import require_patched_python
 
 EXIT_FAILED = 1
 EXIT_CANCELLED = 130
@@ -33,6 +36,40 @@ ARTIFACTS_DIR = "artifacts"
 # What stops a `run` as Ctrl-C does: its job is cancelled (the VM destroyed), its private service closed
 # and its temporary directory removed, then it exits 128 + the signal. SIGHUP is the closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = subparsers.add_parser(
+        "run", help="run a command on a local checkout in a fresh VM",
+        description="Pack DIR (without .git), run COMMAND in a fresh VM, stream its output, copy artifacts to "
+                    "./artifacts/ and exit with the command's status. Uses the service on --socket when it "
+                    "answers, otherwise an in-process service for just this job.",
+    )
+    run.add_argument("--policy", type=Path, help="egress policy YAML for the job (default: no network)")
+    run.add_argument("--template", help="VM template (default: the service's first)")
+    run.add_argument("--artifacts", action="append", default=[], metavar="GLOB",
+                     help="files to copy back, relative to DIR (repeatable)")
+    run.add_argument("--timeout", type=int, default=3600, metavar="SECONDS", help="command timeout (default 3600)")
+    run.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the service's socket (default {DEFAULT_SOCKET})")
+    run.add_argument("--dir", type=Path, default=Path("."), help="the checkout to send (default .)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    require_patched_python()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UserError("nothing to run: give the command after --, e.g. microvm-check run -- pytest -q")
+    policy = None
+    if args.policy:
+        try:
+            policy = args.policy.read_text()
+        except OSError as exc:
+            raise UserError(f"--policy {args.policy}: cannot read: {exc.strerror}") from exc
+    job = LocalRun(directory=args.dir, command=command, policy=policy, template=args.template,
+                   artifacts=args.artifacts, timeout_seconds=args.timeout, socket=args.socket)
+    return job.run()
 
 
 class Stopped(KeyboardInterrupt):
@@ -129,7 +166,7 @@ class LocalRun:
         try:
             client.upload_checkout(job, checkout)
             for entry in client.logs(job):
-                _show(entry.stream, entry.data)
+                show(entry.stream, entry.data)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (Stopped)
             _cancel_quietly(client, job)
             _say(f"\nmicrovm-check: cancelled job {job}"
@@ -205,23 +242,6 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr)
     except OSError:
         pass
-
-
-def _show(stream_name: str, data: bytes) -> None:
-    out = sys.stdout if stream_name == "stdout" else sys.stderr
-    if stream_name == "system":
-        data = b"[microvm-check] " + data + b"\n"
-    if out.isatty():
-        data = data.translate(_TERMINAL_SAFE)
-    out.flush()
-    out.buffer.write(data)
-    out.buffer.flush()
-
-
-# The guest is hostile: on a terminal, its escape sequences could retitle the window, write the
-# clipboard (OSC 52) or hide text. Control characters other than tab, newline, carriage return and
-# backspace are shown as "?"; guest programs see no terminal, so they rarely emit colour anyway.
-_TERMINAL_SAFE = bytes(c if c >= 32 and c != 127 or c in b"\t\n\r\b" else ord("?") for c in range(256))
 
 
 def _exit_status(record: JobRecord) -> int:
