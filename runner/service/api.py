@@ -36,6 +36,8 @@ from runner.errors import ConfigError, JobError
 from runner.service.egress import EgressPolicyError, PolicySourceUnavailable
 from runner.service import metrics, web
 from runner.service.jobqueue import QueueClosed, QueueFull
+from runner.service import sandboxapi
+from runner.service.sandboxes import SandboxCallError, SandboxDesk, SandboxLimit, SandboxNotFound, SandboxRefused
 from runner.service.metrics import JobMetrics, route_of
 from runner.service.job import SessionGone
 from runner.service.joblog import LogCursor
@@ -100,6 +102,10 @@ STATUS: dict[type[JobError], int] = {
     TooLarge: 413,
     QueueFull: 429,
     QueueClosed: 503,
+    SandboxCallError: 400,
+    SandboxRefused: 403,
+    SandboxNotFound: 404,
+    SandboxLimit: 429,
 }
 
 
@@ -232,6 +238,11 @@ class Handler(ServedRequest):
         if url.path == "/v1/attestation-key" and method == "GET":  # public: what verifiers check records with
             return self.respond(200, self.service.attestation_key().encode(), {"Content-Type": "application/x-pem-file"})
         access, caller = self.service.access, self._caller()
+        if sandboxapi.route(url.path) is not None:
+            if self.server.sandboxes is None:
+                raise NoRoute("this service offers no interactive sandboxes (it runs no VM engine of its own)")
+            sock = self._sock if isinstance(self.server, UnixApiServer) else None
+            return sandboxapi.SandboxRoutes(self, self.server.sandboxes).answer(method, url.path, query, caller, sock)
         if url.path == "/v1/jobs":
             if method == "POST":
                 record, token, session_token = self.service.submit_as(caller, self._json_body(),
@@ -457,7 +468,8 @@ def _urgent(head: Head) -> bool:
     return urlsplit(head.target).path in HOOK_PATHS
 
 
-def _caller_gate(service: JobService, tcp: bool) -> Callable[[Head], Refusal | None]:
+def _caller_gate(service: JobService, tcp: bool, sandboxes: Callable[[], SandboxDesk | None] = lambda: None
+                 ) -> Callable[[Head], Refusal | None]:
     """Who is asking, and may they send this body, decided on the head (peer credentials, runner and job
     tokens are all in it): a body is never read for a caller that would be refused after it."""
     access = service.access
@@ -479,6 +491,9 @@ def _caller_gate(service: JobService, tcp: bool) -> Callable[[Head], Refusal | N
                 _may_submit(access, caller)
             elif (route := job_route(path)) is not None and route[1] in ("/checkout", "/cancel"):
                 access.require_job(caller, route[0], head.headers.get(JOB_TOKEN_HEADER))
+            elif (desk := sandboxes()) is not None and sandboxapi.route(path) is not None:
+                sandboxapi.vet(desk, access, caller, None if tcp else head.peer.sock, path,  # type: ignore[union-attr]
+                               head.headers.get(sandboxapi.SANDBOX_TOKEN_HEADER))
         except JobError as exc:
             return Refusal(status_of(exc), str(exc))
         return None
@@ -538,6 +553,7 @@ def _no_host_status() -> dict[str, object]:
 class UnixApiServer(BoundedHTTPServer):
     host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)  # GET /v1/status; set by ApiServers
     metrics: JobMetrics | None = None  # the requests it answers are counted there; set by ApiServers
+    sandboxes: SandboxDesk | None = None  # the interactive sandboxes (runner/service/sandboxapi.py); set by ApiServers
 
     def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
         self.service, self.path = service, path
@@ -561,7 +577,7 @@ class UnixApiServer(BoundedHTTPServer):
                 os.unlink(path)
                 raise ConfigError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
         super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body,
-                         gate=_caller_gate(service, tcp=False), urgent=_urgent)
+                         gate=_caller_gate(service, tcp=False, sandboxes=lambda: self.sandboxes), urgent=_urgent)
 
     def close(self) -> None:
         super().close()
@@ -573,13 +589,15 @@ class UnixApiServer(BoundedHTTPServer):
 
 class TcpApiServer(BoundedHTTPServer):
     host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)
+    sandboxes: SandboxDesk | None = None
 
     def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
                  metrics: JobMetrics | None = None) -> None:
         self.service, self.token = service, token  # the token also keys the page's CSRF tokens (web.csrf_token)
         self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
         super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
-                         gate=_token_gate(token, _caller_gate(service, tcp=True)), urgent=_urgent)
+                         gate=_token_gate(token, _caller_gate(service, tcp=True, sandboxes=lambda: self.sandboxes)),
+                         urgent=_urgent)
 
 
 def _prepare_socket_path(path: Path) -> None:
@@ -606,8 +624,10 @@ class ApiServers:
     """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
     def __init__(self, service: JobService, limits: Limits = LIMITS, metrics: JobMetrics | None = None,
-                 host_status: Callable[[], dict[str, object]] | None = None) -> None:
-        """`host_status` answers GET /v1/status (the host's VMs, spare pools, queue, recent jobs, runners)."""
+                 host_status: Callable[[], dict[str, object]] | None = None,
+                 sandboxes: SandboxDesk | None = None) -> None:
+        """`host_status` answers GET /v1/status (the host's VMs, spare pools, queue, recent jobs, runners);
+        `sandboxes` serves /v1/sandboxes (none: those routes answer 404)."""
         config = service.config
         limits = limits_for(service, limits)
         unix = UnixApiServer(config.socket, service, config.socket_group, limits)
@@ -615,6 +635,7 @@ class ApiServers:
         if host_status is not None:
             unix.host_status = host_status
         unix.metrics = metrics
+        unix.sandboxes = sandboxes
         if config.listen:
             assert config.token  # the config refuses a listen address without one
             try:
@@ -624,6 +645,7 @@ class ApiServers:
                 raise
             if host_status is not None:
                 tcp.host_status = host_status
+            tcp.sandboxes = sandboxes
             self.servers.append(tcp)
 
     @property

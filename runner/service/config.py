@@ -206,6 +206,32 @@ class LocalJobs:
                                      "string", pattern=r"^[\w.-]+/[\w.-]+$")
 
 
+@dataclass(frozen=True)
+class SandboxAccess:
+    """Interactive sandboxes (runner/service/sandboxes.py, the `microvm_check` SDK): who may create them on
+    the Unix socket, as which repository (its policy store file is the most their egress gets; a
+    sandbox's own policy only narrows it) and how many, how long and how large. Off unless `group` is
+    set; the operator (root, admin_group, the TCP token) may always create them."""
+
+    group: str | None = setting(None, "unix group whose members may create sandboxes on the socket (a bot's "
+                                      "user in it); unset: only the operator may", "string")
+    repository: str = setting("sandbox/sandbox", "owner/name the sandboxes run as: its policy store file is the "
+                                                 "egress they may get at most", "string",
+                              pattern=r"^[\w.-]+/[\w.-]+$")
+    max_live: int = setting(4, "sandboxes alive at once on this host", "int", minimum=0, maximum=1024)
+    max_per_caller: int = setting(2, "sandboxes one caller (uid, or the operator) holds at once", "int",
+                                  minimum=1, maximum=1024)
+    max_ttl_seconds: float = setting(3600.0, "the longest life a sandbox may ask for; the service destroys it "
+                                             "then, whatever its caller does", "number", minimum=10, maximum=DAY)
+    exec_timeout_seconds: float = setting(600.0, "the longest one exec may run", "number", minimum=1, maximum=DAY)
+    exec_output_bytes: int = setting(16 * MIB, "output one exec streams back; beyond it the command is killed",
+                                     "size", minimum=1, maximum=GIB)
+    file_max_bytes: int = setting(64 * MIB, "largest file written, read, uploaded or downloaded in one call",
+                                  "size", minimum=1, maximum=16 * GIB)
+    max_snapshots: int = setting(2, "snapshots (fork sources) one sandbox may make; each is removed with it",
+                                 "int", minimum=0, maximum=64)
+
+
 RUNNER_NAME_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$"
 RUNNER_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 
@@ -319,6 +345,8 @@ class ServiceConfig:
                                       section=RunnerSettings)
     local_jobs: LocalJobs = setting(None, "jobs of socket members without a runner credential", "section",
                                     section=LocalJobs)
+    sandboxes: SandboxAccess = setting(None, "interactive sandboxes for SDK clients (review bots, audit agents)",
+                                       "section", section=SandboxAccess)
 
     @property
     def default_template(self) -> str:

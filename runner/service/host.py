@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are impo
     from runner.net import SlotPool, Upstream
     from runner.net.uplink import Uplink
     from runner.service.bases import RepositoryBases
+    from runner.service.sandboxes import SandboxDesk
     from runner.vm.engine import Engine
     from runner.vm.templates import TemplateStore
 
@@ -84,6 +85,7 @@ class ServiceHost:
         self.webhook: Webhook | None = None
         self.fleet: RunnerFleet | None = None
         self.metrics: JobMetrics | None = None
+        self.sandboxes: SandboxDesk | None = None
         self._stack = ExitStack()
 
     def __enter__(self) -> "ServiceHost":
@@ -108,11 +110,14 @@ class ServiceHost:
         create = self._sandboxes if self._sandboxes is not None else self._start_engine()
         service = self.service = self._start_service(create)
         self.metrics = self._metrics(service)
+        sandboxes = self.sandboxes = self._start_sandboxes(service, create)
         if self._serve_api:
             # binds the sockets; closes what it bound if one fails
-            api = self.api = ApiServers(service, metrics=self.metrics, host_status=functools.partial(self.status, service))
+            api = self.api = ApiServers(service, metrics=self.metrics, host_status=functools.partial(self.status, service),
+                                        sandboxes=sandboxes)
             self._stack.callback(api.close)
             self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
+            self._stack.callback(sandboxes.close)  # first: an exec in flight returns, so api.close waits on no VM
             api.start()
         if self.config.runners.org is not None:
             self.fleet = self._start_fleet(service)
@@ -121,6 +126,22 @@ class ServiceHost:
         self.webhook = start_webhook(self.config.webhook, hooks, where)
         if self.webhook is not None:
             self._stack.callback(self.webhook.close)
+
+    def _start_sandboxes(self, service: JobService, create: SandboxFactory) -> SandboxDesk:
+        """The interactive sandboxes (runner/service/sandboxes.py) on the jobs' VM factory, saved as job
+        records; snapshots (forks) only on a real engine, whose templates they become."""
+        from runner.service.sandboxes import SandboxDesk
+
+        engine = self.engine
+        forget = None
+        if engine is not None:
+            def forget(name: str) -> None:
+                engine.forget_template(name)
+                engine.templates.remove(name)
+        desk = SandboxDesk(self.config, create, service.policies, service.records.put, forget)
+        self._stack.callback(desk.close)  # before service.close: the records are written as the sandboxes end
+        desk.start()
+        return desk
 
     def _metrics(self, service: JobService) -> JobMetrics:
         """This service's metrics (served on the API's TCP listener): each job's end as its record is saved,

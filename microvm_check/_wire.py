@@ -1,0 +1,215 @@
+"""What the sync and async clients share: where the service is, how each call is asked and how each
+answer is read. Only the sending differs (httpx.Client or httpx.AsyncClient, over the same kind of
+transport), as in httpx's own client/transport split."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_SOCKET = "/run/microvm-check/api.sock"
+TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
+PREFIX = "/v1/sandboxes"
+MAX_ANSWER = 16 * 1024 * 1024  # a JSON answer
+MAX_LINE = 4 * 1024 * 1024  # one exec output line (base64)
+DEFAULT_DOWNLOAD = 256 * 1024 * 1024
+CONNECT_SECONDS = 30.0
+MARGIN_SECONDS = 30.0  # past an exec's own deadline before the client gives up on the service
+
+
+class SandboxError(Exception):
+    """The service refused a call or the sandbox is gone (`status` is the HTTP status; None: not reached).
+    A command's non-zero exit is not one: it is an ExecResult."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+    timed_out: bool
+    truncated: bool  # the service's output budget for one exec was reached: the command was killed
+    blocked_egress: list[dict[str, Any]] = field(default_factory=list)  # what the policy refused so far
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    type: str  # file, dir, link, other
+    size: int
+
+
+@dataclass(frozen=True)
+class Service:
+    """Where the service is: its Unix socket (the peer's uid is who you are), or http://HOST:PORT with the
+    operator's bearer token. Environment: MICROVM_CHECK_SOCKET, or MICROVM_CHECK_URL + MICROVM_CHECK_TOKEN."""
+
+    socket: str | None = None
+    url: str | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Service:
+        url = os.environ.get("MICROVM_CHECK_URL")
+        if url:
+            return cls(url=url, token=os.environ.get("MICROVM_CHECK_TOKEN"))
+        return cls(socket=os.environ.get("MICROVM_CHECK_SOCKET", DEFAULT_SOCKET))
+
+    def base_url(self) -> str:
+        return self.url.rstrip("/") if self.url else "http://localhost"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.url and self.token else {}
+
+    def transport_args(self) -> dict[str, Any]:
+        # one connection per call, none kept: a client that is never closed leaves no socket open
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+        return {"uds": self.socket or DEFAULT_SOCKET, "verify": False, "limits": limits} if not self.url \
+            else {"limits": limits}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request: what the sync and async senders both send."""
+
+    method: str
+    path: str
+    params: list[tuple[str, str]] = field(default_factory=list)
+    json: Any = None
+    content: bytes | None = None
+    read_seconds: float = 120.0
+
+
+def create_call(template: str | None, base: str | None, policy: str | None, ttl_seconds: float,
+                size: str | None = None) -> Call:
+    body = {"template": template, "base": base, "policy": policy, "ttl_seconds": ttl_seconds, "size": size}
+    # a VM restore under software emulation, behind others, takes a while
+    return Call("POST", PREFIX, json={k: v for k, v in body.items() if v is not None}, read_seconds=600.0)
+
+
+def exec_call(sandbox_id: str, command: str | list[str], timeout: float | None, cwd: str,
+              env: dict[str, str] | None) -> Call:
+    body: dict[str, Any] = {"command": command, "cwd": cwd, "env": dict(env or {})}
+    if timeout is not None:
+        body["timeout_seconds"] = timeout
+    # the service ends the call at its deadline; only the service's own silence beyond it is an error
+    return Call("POST", f"{PREFIX}/{sandbox_id}/exec", json=body,
+                read_seconds=(timeout or 3600.0) + MARGIN_SECONDS)
+
+
+def write_call(sandbox_id: str, path: str, data: bytes, mode: int) -> Call:
+    return Call("PUT", f"{PREFIX}/{sandbox_id}/files", [("path", path), ("mode", f"{mode:o}")], content=data)
+
+
+def read_call(sandbox_id: str, path: str) -> Call:
+    return Call("GET", f"{PREFIX}/{sandbox_id}/files", [("path", path)])
+
+
+def list_call(sandbox_id: str, path: str) -> Call:
+    return Call("GET", f"{PREFIX}/{sandbox_id}/files/list", [("path", path)])
+
+
+def upload_call(sandbox_id: str, source: str | os.PathLike[str] | bytes, dest: str) -> Call:
+    return Call("PUT", f"{PREFIX}/{sandbox_id}/upload", [("dest", dest)], content=tar_of(source), read_seconds=600.0)
+
+
+def download_call(sandbox_id: str, globs: list[str], cwd: str) -> Call:
+    return Call("GET", f"{PREFIX}/{sandbox_id}/download", [("glob", g) for g in globs] + [("cwd", cwd)],
+                read_seconds=600.0)
+
+
+def snapshot_call(sandbox_id: str) -> Call:
+    return Call("POST", f"{PREFIX}/{sandbox_id}/snapshot", json={}, read_seconds=900.0)
+
+
+def destroy_call(sandbox_id: str) -> Call:
+    return Call("POST", f"{PREFIX}/{sandbox_id}/destroy", json={})
+
+
+def timeout_of(call: Call) -> httpx.Timeout:
+    return httpx.Timeout(connect=CONNECT_SECONDS, read=call.read_seconds, write=120.0, pool=120.0)
+
+
+def error_of(call: Call, status: int, body: bytes) -> SandboxError:
+    try:
+        message = str(json.loads(body)["error"])[:2000]
+    except (ValueError, KeyError, TypeError):
+        message = body[:500].decode("utf-8", "replace")
+    return SandboxError(f"{call.method} {call.path}: {status}: {message}", status)
+
+
+def answer_json(call: Call, body: bytes) -> Any:
+    if len(body) > MAX_ANSWER:
+        raise SandboxError(f"{call.method} {call.path}: the answer is larger than {MAX_ANSWER} bytes")
+    return json.loads(body)
+
+
+class ExecReader:
+    """An exec's NDJSON answer, line by line, into output callbacks and the final result."""
+
+    def __init__(self, on_output: Any, capture_bytes: int) -> None:
+        self.on_output, self.capture = on_output, capture_bytes
+        self.parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.sizes = {"stdout": 0, "stderr": 0}
+        self.end: dict[str, Any] | None = None
+
+    def line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        if len(raw) > MAX_LINE:
+            raise SandboxError("the service sent an exec line larger than the client's limit")
+        entry = json.loads(raw)
+        if "stream" in entry:
+            stream, data = entry["stream"], base64.b64decode(entry["data"])
+            if stream not in self.parts:
+                return
+            if self.on_output is not None:
+                self.on_output(stream, data)
+            keep = data[: max(0, self.capture - self.sizes[stream])]
+            self.parts[stream].append(keep)
+            self.sizes[stream] += len(keep)
+        elif "error" in entry:
+            raise SandboxError(f"exec: {entry['error']}")
+        else:
+            self.end = entry
+
+    def result(self) -> ExecResult:
+        if self.end is None:
+            raise SandboxError("exec: the service's answer ended before the command's result")
+        end = self.end
+        return ExecResult(int(end["exit_code"]), b"".join(self.parts["stdout"]), b"".join(self.parts["stderr"]),
+                          float(end.get("duration_ms", 0.0)), bool(end.get("timed_out")), bool(end.get("truncated")),
+                          list(end.get("blocked_egress") or []))
+
+
+def entries_of(answer: Any) -> list[FileEntry]:
+    return [FileEntry(str(e["name"]), str(e["type"]), int(e["size"])) for e in answer.get("entries", [])]
+
+
+def tar_of(source: str | os.PathLike[str] | bytes) -> bytes:
+    """A tar to upload: the bytes of one already, a .tar file, or a directory's contents packed here."""
+    if isinstance(source, bytes):
+        return source
+    path = Path(source)
+    if path.is_file():
+        return path.read_bytes()
+    if not path.is_dir():
+        raise SandboxError(f"upload: {path} is neither a directory nor a tar file")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(path.iterdir()):
+            tar.add(entry, arcname=entry.name)
+    return buffer.getvalue()
