@@ -169,6 +169,14 @@ def _v1_limit_scopes(scope: str) -> list[Path]:
     return [mount / PARENT / scope for mount in mounts if mount is not None and (mount / PARENT / scope).is_dir()]
 
 
+def scope_exists(scope: str) -> bool:
+    """Whether any of the scope's directories is still there (a runner's group that failed to go keeps it)."""
+    try:
+        return any(path.is_dir() for path in (_pids_root() / PARENT / scope, *_v1_limit_scopes(scope)))
+    except CgroupError:
+        return False
+
+
 def remove_scope(scope: str) -> None:
     """The service stops: its (by now empty) scope goes too, so stopped services leave no directories."""
     for path in (_pids_root() / PARENT / scope, *_v1_limit_scopes(scope)):

@@ -45,6 +45,7 @@ from runner.fleet import cgroup, walls, workdir
 from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.report import ReportedJob
+from runner.fleet.scope import ScopeClaim
 from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
 from runner.github.errors import GitHubError, NotFound, ValidationFailed
 from runner.github.jobs import CompletedJob, QueuedJob
@@ -83,6 +84,7 @@ class FleetSettings:
     name_prefix: str
     status_path: Path
     socket: str  # the job API's Unix socket, which the runners' hooks and the action talk to
+    state_dir: Path  # the service's own: where its claim on the runners' cgroup scope is kept (scope.py)
 
     @classmethod
     def from_config(cls, config: Any) -> FleetSettings:
@@ -95,7 +97,7 @@ class FleetSettings:
                    section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
                    section.network, cgroup.Limits(section.memory_mib << 20, section.cpu_weight),
                    section.runner_user, section.install_dir, section.runners_dir,
-                   prefix, config.state_dir / STATUS_FILE, config.socket)
+                   prefix, config.state_dir / STATUS_FILE, config.socket, config.state_dir)
 
 
 class FleetService(Protocol):
@@ -163,6 +165,7 @@ class RunnerFleet:
         self._release: Path | None = None
         self._hooks: dict[str, Path] = {}
         self._scope = cgroup.scope_for(settings.runners_dir)
+        self._claim: ScopeClaim | None = None
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class RunnerFleet:
         os.chown(runners_dir, 0, 0)
         os.chmod(runners_dir, 0o711)  # a runner can reach its own directory, not list the others
         self._hooks = workdir.install_hooks(runners_dir, self.settings.socket)
+        self._claim = ScopeClaim.take(self.settings.state_dir, self._scope)  # before the sweep: not a live one's
         self._recover_host()
         self._thread = threading.Thread(target=self._loop, name="runner-fleet", daemon=True)
         self._thread.start()
@@ -201,6 +205,8 @@ class RunnerFleet:
             self._reap(runner, runner.process.wait())
         self._retry_stale()
         cgroup.remove_scope(self._scope)
+        if self._claim is not None:
+            self._claim.release()
         self._write_status()
 
     @property

@@ -23,6 +23,7 @@ the start (a budget lowered since the last run evicts at once) and after every b
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +47,8 @@ if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are impo
     from runner.service.sandboxes import SandboxDesk
     from runner.vm.engine import Engine
     from runner.vm.templates import TemplateStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class ServiceHost:
 
     def _build(self) -> None:
         create = self._sandboxes if self._sandboxes is not None else self._start_engine()
+        self._sweep_runner_scope()
         service = self.service = self._start_service(create)
         self.metrics = self._metrics(service)
         sandboxes = self.sandboxes = self._start_sandboxes(service, create)
@@ -217,6 +221,16 @@ class ServiceHost:
         return SlotPool(network.slot_prefix, uplink or HostUplink(out_iface=network.uplink_interface),
                         size=network.slots, allowances=network.allow, upstream=upstream, block_list=block_list,
                         upstream_ca=str(network.upstream_ca) if network.upstream_ca is not None else None)
+
+    def _sweep_runner_scope(self) -> None:
+        """Kill and remove the runners a dead predecessor of this service left in its cgroup scope, whether or
+        not this config starts a fleet (runner/fleet/scope.py). After the engine: its lock makes the state
+        directory this service's alone."""
+        from runner.fleet.scope import sweep_stale
+
+        swept = sweep_stale(self.config.state_dir)
+        if swept:
+            log.warning("swept runners a previous service left: %s", ", ".join(swept))
 
     def _start_fleet(self, service: JobService) -> RunnerFleet:
         """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy

@@ -106,6 +106,9 @@ def test_restart_deregisters_and_replaces_a_dead_services_runners(make_rig) -> N
         rig.fleet._stop.set()
         rig.fleet._thread.join()
         rig.fleet._runners.clear()
+        claim = rig.fleet._claim  # the kernel drops a dead service's lock on its runners' scope; the claim file stays
+        claim._lock.close()
+        claim._lock = None
         rig.host.fleet = None
     assert {runner.id for runner in rig.github.listed()} == {github_id for _, github_id, _ in old}
     for _, _, pid in old:
