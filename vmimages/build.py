@@ -93,6 +93,7 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
             base = rootfs.debootstrap(recipe.suite, recipe.packages, state.cache)
         with progress("customise the root filesystem and make its ext4 image"):
             tree = rootfs.customise(base, staging / "rootfs")
+            rootfs.install_modules(guest_kernel, recipe.kernel_modules, tree)
             image = rootfs.make_image(tree, staging / "disk.img")
             shutil.rmtree(tree)
         out = store.dir_for(name, digest)
@@ -116,7 +117,8 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
         manifest = {
             "name": name,
             "digest": digest,
-            "recipe": recipe.__dict__ | {"packages": list(recipe.packages), "warmup": list(recipe.warmup)},
+            "recipe": recipe.__dict__ | {"packages": list(recipe.packages), "warmup": list(recipe.warmup),
+                                         "kernel_modules": list(recipe.kernel_modules)},
             "kernel_package": package,
             "accel": chosen.name,
             "accel_reason": chosen.reason,

@@ -58,6 +58,32 @@ class Kernel:
                         ordered.append(path)
         return ordered
 
+    @property
+    def modules_dir(self) -> Path:
+        return self.tree / "lib" / "modules" / self.version
+
+    def module_closure(self, trees: tuple[str, ...]) -> list[str]:
+        """The module files (relative to `modules_dir`) under `trees` and every module they depend on,
+        from the kernel's own modules.dep: what a root filesystem needs for modprobe to load them."""
+        deps: dict[str, list[str]] = {}
+        for line in (self.modules_dir / "modules.dep").read_text().splitlines():
+            module, _, needs = line.partition(":")
+            deps[module] = needs.split()
+        wanted: list[str] = []
+        for tree in trees:
+            prefix = tree.rstrip("/")
+            found = [m for m in deps if m == prefix or m.startswith(prefix + "/")]
+            if not found:
+                raise BuildError(f"recipe kernel_modules: nothing under {tree!r} in {self.package}")
+            wanted += found
+        closure: list[str] = []
+        while wanted:
+            module = wanted.pop()
+            if module not in closure:
+                closure.append(module)
+                wanted += deps[module]
+        return sorted(closure)
+
 
 XZ_MAGIC = b"\xfd7zXZ\x00"
 XEN_ELFNOTE_PHYS32_ENTRY = 18  # the PVH entry point note QEMU looks for (include/xen/interface/elfnote.h)

@@ -15,6 +15,7 @@ from vmimages.rootfs import AGENT_FILES
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 GUEST_FILES = {**AGENT_FILES, "init": GUEST_DIR / "init", "initramfs-init": GUEST_DIR / "initramfs-init"}
+ADDED_LATER = ("kernel_modules",)
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 i8042.noaux i8042.nokbd"
 
 
@@ -31,6 +32,10 @@ class Recipe:
     memory_mib: int = 512
     vcpus: int = 1
     warmup: tuple[str, ...] = field(default_factory=tuple)
+    # Module trees (paths under the kernel's lib/modules/<version>/, e.g. kernel/net/bridge) copied into
+    # the root filesystem with their dependencies and indexed by depmod, so the guest's modprobe (and the
+    # kernel's autoload) finds them: what a container engine needs beyond the initramfs' boot modules.
+    kernel_modules: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, name: str) -> Recipe:
@@ -44,12 +49,19 @@ class Recipe:
             raise RecipeError(f"{path}: unknown keys {sorted(unknown)}")
         data["packages"] = tuple(data.get("packages", ()))
         data["warmup"] = tuple(data.get("warmup", ()))
+        data["kernel_modules"] = tuple(data.get("kernel_modules", ()))
         return cls(**data)
 
     def digest(self, kernel_package: str, accel: str, hypervisor_version: str, machine_args: list[str]) -> str:
         """Changes whenever anything that ends up in the template changes."""
         h = hashlib.sha256()
-        h.update(json.dumps(asdict(self), sort_keys=True).encode())
+        fields = asdict(self)
+        # Fields added after templates existed count only when set: a recipe that does not use them
+        # keeps the digest it had, so the hosts' baked `base` stays current.
+        for name in ADDED_LATER:
+            if not fields[name]:
+                del fields[name]
+        h.update(json.dumps(fields, sort_keys=True).encode())
         h.update(json.dumps([kernel_package, accel, hypervisor_version, KERNEL_CMDLINE, machine_args]).encode())
         for name, source in GUEST_FILES.items():
             h.update(name.encode() + b"\0" + source.read_bytes())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from runner.vm import guestwire
 from vmimages.initramfs import GUEST_DIR
+from vmimages.kernel import Kernel
 from vmimages.run import run
 
 # The guest's /opt/microvm-check: installed name -> source. The agent imports the wire protocol by
@@ -57,6 +58,20 @@ def customise(base: Path, work: Path) -> Path:
     (work / "etc" / "hosts").write_text("127.0.0.1 localhost microvm\n")
     (work / "etc" / "fstab").write_text("/dev/vda / ext4 rw,noatime 0 1\n")
     return work
+
+
+def install_modules(kernel: Kernel, trees: tuple[str, ...], root: Path) -> None:
+    """Copy the module files under `trees` (with their dependencies) into `root`'s /lib/modules and index
+    them with depmod, so the guest's modprobe and the kernel's on-demand loading find them."""
+    if not trees:
+        return
+    dest = root / "lib" / "modules" / kernel.version
+    for module in kernel.module_closure(trees):
+        (dest / module).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(kernel.modules_dir / module, dest / module)
+    for index in ("modules.builtin", "modules.builtin.modinfo", "modules.order"):
+        shutil.copy2(kernel.modules_dir / index, dest / index)
+    run(["depmod", "-b", str(root), kernel.version])
 
 
 def install_agent(agent_dir: Path) -> None:

@@ -29,6 +29,16 @@ def template_store():
     return store
 
 
+def require_template(store, name: str) -> None:
+    """Skip locally, fail in CI, when the template `name` is not built (scripts/setup --test builds them)."""
+    from runner.vm.templates import TemplateNotFound
+
+    try:
+        store.get(name)
+    except TemplateNotFound as exc:
+        require(False, f"{exc}")
+
+
 def assert_no_leftovers(state: StateDir) -> None:
     from runner.vm import cgroup
     from runner.vm.engine import LOCK_NAME

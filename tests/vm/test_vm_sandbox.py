@@ -136,19 +136,38 @@ def test_read_of_missing_file_is_a_clear_error_and_the_sandbox_survives(sandbox)
     assert sandbox.exec("true").exit_code == 0
 
 
-def test_two_restores_differ_in_randomness_and_follow_the_host_clock(engine):
+# With `docker` the container engine runs in the snapshot: its daemon must see the restored clock and
+# draw its IDs (crypto/rand) from the reseeded RNG too, not from the state it was frozen with.
+ENGINE_VIEW = {"base": "", "docker": "; date -d \"$(docker info -f '{{.SystemTime}}')\" +%s.%N"
+                                     "; docker network create n >/dev/null && docker network inspect -f '{{.Id}}' n"}
+
+
+@pytest.mark.parametrize("template", ["base", "docker"])
+def test_two_restores_differ_in_randomness_and_follow_the_host_clock(template, template_store, engine):
+    from tests.vm.conftest import require_template
+
+    require_template(template_store, template)
     seen = []
-    for _ in range(2):
-        with Sandbox.create(engine=engine) as sbx:
+    for n in range(2):
+        with Sandbox.create(template=template, engine=engine, job_id=f"clone-{n}") as sbx:
             before = time.time()
-            r = sbx.exec("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s.%N")
+            r = sbx.exec("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s.%N; hostname"
+                         + ENGINE_VIEW[template], timeout_seconds=300)
             after = time.time()
-            random_hex, guest_time = r.stdout.decode().split()
+            random_hex, guest_time, hostname, *daemon = r.stdout.decode().split()
             # The guest read its clock during the exec: within it, give or take 0.5 s of clock skew,
             # however slow the exec (TCG) was.
             assert before - 0.5 <= float(guest_time) <= after + 0.5, (before, guest_time, after)
+            assert hostname == f"clone-{n}"
+            assert r.exit_code == 0, r.stderr
+            if daemon:
+                daemon_time, network_id = daemon
+                assert before - 0.5 <= float(daemon_time) <= after + 0.5, (before, daemon_time, after)
+                random_hex += network_id
             seen.append(random_hex)
     assert seen[0] != seen[1]
+    if template == "docker":
+        assert seen[0][64:] != seen[1][64:] and len(seen[0]) == 128, seen
 
 
 def test_a_pool_miss_sends_the_identity_once(make_engine, monkeypatch):

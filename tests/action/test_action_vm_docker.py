@@ -1,0 +1,89 @@
+"""Docker inside the job's VM (the `docker` template), end to end on real VMs with no network at all:
+`docker build` of a local context and `docker run` of the result, through the action and through
+`microvm-check run --template docker`; what a job leaves of the engine (a running container, an image)
+is gone in the next job. Needs root, QEMU and the built `docker` template: skipped locally, failing
+under CI=true (scripts/setup --test builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from action_harness import FORK_PR, Simulation, run_action
+from test_action_vm_e2e import _host
+
+from tests.conftest import require
+
+pytestmark = pytest.mark.vm
+
+# An image of nothing but a static busybox: builds with no registry, no base image, no network.
+DOCKERFILE = 'FROM scratch\nCOPY busybox /bin/busybox\nENTRYPOINT ["/bin/busybox"]\n'
+BUILD_AND_RUN = "docker build -q -t t . && docker run --rm t echo ok"
+
+
+@pytest.fixture(scope="module")
+def docker_template() -> None:
+    require(os.geteuid() == 0, "not running as root")
+    require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+    require(Path("/bin/busybox").exists(), "busybox-static is not installed")
+    from runner.vm.statedir import StateDir
+    from runner.vm.templates import TemplateNotFound, TemplateStore
+
+    try:
+        TemplateStore(StateDir.default().templates).get("docker")
+    except TemplateNotFound as exc:
+        require(False, str(exc))
+
+
+def docker_context(workspace: Path) -> None:
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "Dockerfile").write_text(DOCKERFILE)
+    shutil.copy2("/bin/busybox", workspace / "busybox")
+
+
+@pytest.fixture
+def docker_service(docker_template: None) -> Iterator[object]:
+    yield from _host({"templates": ["base", "docker"]})
+
+
+@pytest.fixture
+def sim(tmp_path: Path, external: Path) -> Simulation:
+    docker_context(tmp_path / "workspace")
+    temp = tmp_path / "runner-temp"
+    temp.mkdir()
+    return Simulation(tmp_path / "workspace", temp, json.loads((external / FORK_PR).read_text()))
+
+
+def test_docker_build_and_run_through_the_action_then_the_next_job_finds_nothing(docker_service, sim) -> None:
+    """One job builds an image, runs it, and leaves a container running and the image behind; the next
+    job (its own VM from the same snapshot) finds neither: the engine's state lived on the job's overlay."""
+    socket = docker_service.config.socket
+    first = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10",
+                             "run": f"{BUILD_AND_RUN} && docker run -d --name left t sleep 1000 >/dev/null "
+                                    "&& docker ps -q | wc -l && docker images -q t | wc -l"})
+    assert first.returncode == 0, first.log
+    lines = first.log.splitlines()
+    assert "ok" in lines, first.log
+    second = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10",
+                              "run": "echo containers=$(docker ps -aq | wc -l) images=$(docker images -aq | wc -l)"})
+    assert second.returncode == 0, second.log
+    assert "containers=0 images=0" in second.log, second.log
+
+
+def test_docker_build_and_run_through_local_run(docker_template: None, tmp_path: Path, monkeypatch,
+                                                capfd) -> None:
+    from runner.cli import main
+
+    co = tmp_path / "co"
+    docker_context(co)
+    monkeypatch.chdir(tmp_path)
+    status = main(["run", "--socket", str(tmp_path / "none.sock"), "--dir", str(co), "--template", "docker",
+                   "--timeout", "600", "--", BUILD_AND_RUN])
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "ok" in out.splitlines(), out
