@@ -89,8 +89,9 @@ class Engine:
         # VMMs spawned ahead (jail, cgroup, descriptors, QEMU's own start-up), waiting at `-incoming defer`:
         # a restore that finds one skips 50-60 ms of spawning. Refilled after a restore, not during one: a
         # QEMU starting on the same two cores made the restore slower than spawning its own (measured).
-        # 25-35 MiB of PSS each; only where a pool is wanted at all.
-        self._standby = SpareVMs(self._spawn_now, 1 if pool_size > 0 else 0, cap=_memory_cap)
+        # 25-35 MiB of PSS each; only where a pool is wanted at all. Exactly one per snapshot, replaced one
+        # for one: no cap, so not sized from demand (under load that asked for 2-3 of them and kept them).
+        self._standby = SpareVMs(self._spawn_now, 1 if pool_size > 0 else 0)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="vm-reaper", daemon=True)
         self._reaper.start()
@@ -270,7 +271,8 @@ class Engine:
         except BaseException:
             vm.destroy()
             raise
-        self._standby.refill(snapshot)  # the next restore's VMM, spawned now that this one is done
+        finally:
+            self._standby.refill(snapshot)  # the next restore's VMM, spawned now that this one is done
         return vm
 
     def _spawn(self, snapshot: Snapshot) -> VM:

@@ -166,13 +166,17 @@ class SpareVMs:
             vm.destroy()
 
     def _fill(self, snapshot: Snapshot) -> None:
+        """Prepare VMs until the target is met. The filler leaves `_filling` under the same lock as its
+        decision to stop: a take and a refill in between (seen by the refill as "a filler is at work")
+        would otherwise leave the pool one short until the next refill."""
+        with self._lock:
+            demand = self._demand[snapshot]
         try:
             while True:
                 with self._lock:
                     if self._closed or len(self._ready[snapshot]) >= self._target(snapshot):
+                        self._stop_filling(snapshot)
                         return
-                with self._lock:
-                    demand = self._demand[snapshot]
                     began = demand.preparing_since = demand._clock()
                 try:
                     vm = self._prepare(snapshot)
@@ -181,17 +185,22 @@ class SpareVMs:
                         demand.preparing_since = None
                 with self._lock:
                     demand.prepared(demand._clock() - began)
-                    if self._closed:
-                        vm.destroy()
-                        return
-                    self._ready[snapshot].append(vm)
-                    self._changed.notify_all()
+                    if not self._closed:
+                        self._ready[snapshot].append(vm)
+                        self._changed.notify_all()
+                        continue
+                vm.destroy()
         except Exception as exc:  # a failed top-up only costs the next job the start-up time
             log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
         finally:
             with self._lock:
-                self._filling.pop(snapshot, None)
-                self._changed.notify_all()
+                if self._filling.get(snapshot) is threading.current_thread():  # not a successor's
+                    self._stop_filling(snapshot)
+
+    def _stop_filling(self, snapshot: Snapshot) -> None:
+        """Under the lock: this snapshot's filler is done; takes waiting for it stop waiting."""
+        self._filling.pop(snapshot, None)
+        self._changed.notify_all()
 
     def ready(self) -> dict[str, int]:
         """Spare VMs waiting now, by "<template>/<variant>" (alive or not yet noticed dead): what `status`

@@ -103,3 +103,18 @@ def test_a_rebuilt_template_evicts_vms_pooled_for_the_old_build(tmp_path):
     assert pool.take(old) is None
     assert pool.take(other_variant) is kept
     pool.close()
+
+
+def test_the_vmm_spawned_ahead_is_one_per_snapshot_whatever_the_demand(tmp_path):
+    """The spare pool grows with arrivals x prepare time; the standby VMM does not (it is replaced one for one)."""
+    engine = Engine(StateDir(tmp_path / "state"), hypervisor=object(), pool_size=1)
+    try:
+        snapshot = snapshot_of(tmp_path, "d1")
+        for pool in (engine.pool, engine._standby):
+            pool._demand[snapshot].prepared(5.0)  # slow prepares: a loaded host
+            for _ in range(4):
+                assert pool.take(snapshot) is None  # four arrivals within moments, nothing ready
+        assert engine.pool.target(snapshot) > 1, "the spare pool no longer follows demand: this test shows nothing"
+        assert engine._standby.target(snapshot) == 1
+    finally:
+        engine.close()
