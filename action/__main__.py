@@ -30,7 +30,7 @@ from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, minu
 from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.jobapi.contract import JobSpec, JobState
+from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.jobapi.pack import PackError, pack_checkout
 from runner.jobapi.workflow import annotation, append_file, format_outputs, safe_text
 
@@ -88,9 +88,8 @@ class JobDriver:
         warning = session.after_submit(self.environ, spec.keep, summary)
         if warning:
             self.out.write(annotation("warning", warning) + "\n")
-        self._send_checkout()
-        dropped = self._relay_logs()
-        record = self.client.get(self.job_id)
+        self._send_checkout(summary.state)
+        dropped, record = self._relay_logs()
         extraction = self._artifacts()
         junit = self._junit(extraction)
         wire = record.to_wire()
@@ -116,11 +115,12 @@ class JobDriver:
         self._say(f"signed job record: {path} (check it with `microvm-check verify`)")
         append_file("GITHUB_OUTPUT", format_outputs({"attestation": str(path)}), self.environ)
 
-    def _send_checkout(self) -> None:
+    def _send_checkout(self, state: JobState) -> None:
         """Pack and upload the workspace, unless the job attached to a VM an earlier step of this GitHub
-        job kept (`keep: job`): the service queues such a job at once, the checkout is in its VM."""
+        job kept (`keep: job`): the service queues such a job at once (the submit's answer says so), the
+        checkout is in its VM."""
         job_id = self._submitted_id
-        if self.client.get(job_id).state != JobState.AWAITING_CHECKOUT:
+        if state != JobState.AWAITING_CHECKOUT:
             self._say(f"job {job_id} submitted; it runs in the VM an earlier step of this job kept")
             return
         self._say(f"job {job_id} submitted; packing {self.workspace}")
@@ -130,8 +130,9 @@ class JobDriver:
         except PackError as exc:
             raise UserError(f"checkout refused: {exc}") from exc
 
-    def _relay_logs(self) -> int:
-        """Relay until the job ends; a dropped stream resumes after the last sequence number seen.
+    def _relay_logs(self) -> tuple[int, JobRecord]:
+        """Relay until the job ends; a dropped stream resumes after the last sequence number seen. Answers
+        the bytes the relay dropped and the job's final record (the one the stream ended with, when final).
 
         Only failures in a row without progress count against LOG_RETRIES: new entries reset the
         count, and a read timeout on a job that is still running is a job that prints nothing for
@@ -144,14 +145,16 @@ class JobDriver:
         with LogRelay(self.out, title) as relay:
             while True:
                 before, timed_out = after, False
+                ended: list[JobRecord] = []
                 try:
-                    for entry in self.client.logs(job_id, after=after):
+                    for entry in self.client.logs(job_id, after=after, on_end=ended.append):
                         relay.feed(entry.stream, entry.data)
                         after = max(after, entry.seq)
                 except self.api_errors as exc:
                     last_error, timed_out = exc, _is_timeout(exc)
-                if self.client.get(job_id).final:
-                    return relay.dropped_bytes
+                record = ended[-1] if ended and ended[-1].final else self.client.get(job_id)
+                if record.final:
+                    return relay.dropped_bytes, record
                 if after > before:
                     failures = 0
                 if timed_out:
@@ -301,7 +304,7 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
         spec = job_spec(inputs, environ, workspace)
         # a busy service (503) is waited out by the client; a full queue (429) by QueueWait, which says how full
         client = JobClient(socket=inputs.socket, runner_token=runner_token(environ), retry_statuses=frozenset({503}),
-                           retry_seconds=inputs.timeout_minutes * 60)
+                           retry_seconds=inputs.timeout_minutes * 60, keep_alive=True)
         job = JobDriver(client, inputs, workspace, out, environ)
         client.say = job._say  # the client's one progress line goes to the job log
         return job.run(spec)

@@ -126,12 +126,14 @@ class LocalRun:
         out_dir = Path.cwd() / ARTIFACTS_DIR
         if self.artifacts and out_dir.exists() and any(p.name != ENVELOPE_FILE for p in out_dir.iterdir()):
             raise UserError(f"{out_dir} is not empty: move it away so this run's artifacts do not mix with old ones")
-        client = self._remote_client()
-        if client is not None:
+        spec = self.spec(root)
+        remote = self._remote(spec)
+        if remote is not None:
+            client, job = remote
             with client:
-                return self._drive(client, root, checkout, out_dir)
+                return self._drive(client, job, checkout, out_dir)
         with in_process_service(self.template, self.timeout_seconds) as local:
-            return self._drive(local, root, checkout, out_dir)
+            return self._drive(local, _submit(local, spec), checkout, out_dir)
 
     def spec(self, root: Path) -> JobSpec:
         command = self.command[0] if len(self.command) == 1 else shlex.join(self.command)
@@ -147,25 +149,29 @@ class LocalRun:
             policy=self.policy,
         )
 
-    def _remote_client(self) -> JobClient | None:
+    def _remote(self, spec: JobSpec) -> tuple[JobClient, str] | None:
+        """The service on the socket and the job submitted to it; None when no service is there. The submit
+        is the probe (no health request first): a connection that cannot be made sent nothing, so no job is
+        made twice. The client keeps its one connection for the job's requests."""
         if not self.socket or not Path(self.socket).exists():
             return None
-        client = JobClient(socket=self.socket)
+        client = JobClient(socket=self.socket, keep_alive=True)
         try:
-            client.health()
-        except JobAPIError:
-            client.close()
-            return None
-        return client
-
-    def _drive(self, client: JobClient, root: Path, checkout: Iterator[bytes], out_dir: Path) -> int:
-        try:
-            job = client.submit(self.spec(root)).id
+            return client, _submit(client, spec)
         except JobAPIError as exc:
-            raise UserError(f"the service refused the job: {exc}") from exc
+            client.close()
+            if exc.unreachable:
+                return None
+            raise
+        except BaseException:
+            client.close()
+            raise
+
+    def _drive(self, client: JobClient, job: str, checkout: Iterator[bytes], out_dir: Path) -> int:
+        ended: list[JobRecord] = []
         try:
             client.upload_checkout(job, checkout)
-            for entry in client.logs(job):
+            for entry in client.logs(job, on_end=ended.append):
                 show(entry.stream, entry.data)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (Stopped)
             _cancel_quietly(client, job)
@@ -178,7 +184,7 @@ class LocalRun:
         except (JobAPIError, PackError) as exc:
             _cancel_quietly(client, job)
             raise UserError(f"job {job}: {exc}") from exc
-        record = client.get(job)
+        record = ended[-1] if ended and ended[-1].final else client.get(job)
         if record.artifacts:
             _fetch_artifacts(client, job, out_dir)
         _write_attestation(client, job, out_dir)
@@ -217,7 +223,7 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
         except (MicrovmCheckError, OSError) as exc:
             raise UserError(f"cannot start a service for this run: {exc}") from exc
         try:
-            with JobClient(socket=config.socket) as client:
+            with JobClient(socket=config.socket, keep_alive=True) as client:
                 yield client
         finally:
             _ignore_stop_signals()  # the cleanup runs to its end: the job is cancelled, its VM destroyed
@@ -225,6 +231,16 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
     finally:
         _ignore_stop_signals()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _submit(client: JobClient, spec: JobSpec) -> str:
+    """The new job's id; a refusal is the user's to read (an unreachable service is the caller's to handle)."""
+    try:
+        return client.submit(spec).id
+    except JobAPIError as exc:
+        if exc.unreachable:
+            raise
+        raise UserError(f"the service refused the job: {exc}") from exc
 
 
 def _ignore_stop_signals() -> None:

@@ -50,10 +50,12 @@ _MAX_LINE = 4 * 1024 * 1024  # one log entry, base64: far above the service's en
 _MAX_JSON = 16 * 1024 * 1024  # a whole answer (a list of 1000 records)
 _MAX_ERROR = 64 * 1024  # an error answer: {"error": "..."}
 # A log follower holds one connection for as long as the job runs, and callers may follow several
-# jobs at once; beyond this many a request waits (up to the timeout) for a free one. No connection is
-# kept alive after its answer: over a local socket a new one costs little, and a client that is never
-# closed then leaves no socket open (the service also drops idle ones after 5 s).
+# jobs at once; beyond this many a request waits (up to the timeout) for a free one. By default no
+# connection is kept alive after its answer: a client that is never closed then leaves no socket open
+# (the service also drops idle ones after 5 s). A client that drives one job from submit to its
+# attestation (`run`, the action) keeps its one connection instead (`keep_alive`): no connect per request.
 _POOL = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+_KEEP_ALIVE = httpx.Limits(max_connections=16, max_keepalive_connections=1, keepalive_expiry=4.0)
 RETRY_STATUSES = frozenset({429, 503})
 REPLAY_BYTES = 8 * 1024 * 1024  # of a streamed body, kept so that a refused upload can be sent again
 MIN_RETRY_WAIT, MAX_RETRY_WAIT, DEFAULT_RETRY_WAIT = 0.5, 30.0, 5.0  # seconds
@@ -76,16 +78,18 @@ class JobAPIError(ClientError):
     `retry_after` the seconds the service asked the client to wait (429, 503), `queued` how many jobs
     waited ahead when a submit found the queue full (429; None when the service did not say), and
     `timed_out` says that the service stopped answering within the client's timeout (for a log stream:
-    the job is silent, not necessarily gone).
+    the job is silent, not necessarily gone), `unreachable` that no connection could be made (so nothing
+    of the request was sent: no service is there, a caller may fall back to another).
     """
 
     def __init__(self, message: str, status: int | None = None, retry_after: float | None = None,
-                 timed_out: bool = False, queued: int | None = None) -> None:
+                 timed_out: bool = False, queued: int | None = None, unreachable: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
         self.timed_out = timed_out
         self.queued = queued
+        self.unreachable = unreachable
 
 
 class JobClient:
@@ -100,7 +104,8 @@ class JobClient:
 
     def __init__(self, socket: str | None = None, url: str | None = None, token: str | None = None,
                  timeout: float | None = 60.0, runner_token: str | None = None, retry_seconds: float = 60.0,
-                 say: Callable[[str], None] | None = None, retry_statuses: frozenset[int] = RETRY_STATUSES) -> None:
+                 say: Callable[[str], None] | None = None, retry_statuses: frozenset[int] = RETRY_STATUSES,
+                 keep_alive: bool = False) -> None:
         if socket is not None and url is not None:
             raise ValueError("give at most one of socket or url")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -113,17 +118,18 @@ class JobClient:
         self._deadlines: dict[str, float] = {}  # job id -> monotonic time its retries end
         self._sleep: Callable[[float], None] = time.sleep
         self.session_token: str | None = None
+        limits = _KEEP_ALIVE if keep_alive else _POOL
         if url is None:
             self.where = socket or DEFAULT_SOCKET
             # plain HTTP on a Unix socket never does TLS: no CA bundle to load (0.1 s of every CLI start)
-            transport = httpx.HTTPTransport(uds=self.where, limits=_POOL, verify=False)
+            transport = httpx.HTTPTransport(uds=self.where, limits=limits, verify=False)
             base = "http://localhost"
         else:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"url: expected http(s)://HOST:PORT, got {url!r}")
             self.where, base = url, url
-            transport = httpx.HTTPTransport(limits=_POOL)
+            transport = httpx.HTTPTransport(limits=limits)
         self._http = httpx.Client(transport=transport, base_url=base, headers=headers,
                                   timeout=httpx.Timeout(timeout), follow_redirects=False)
 
@@ -189,12 +195,14 @@ class JobClient:
         answers the ids of the jobs it cancelled."""
         return self._call("POST", "/v1/runner/job-completed", _cancelled)
 
-    def logs(self, job_id: str, after: int = 0, reconnects: int = 3, follow: bool = True) -> Iterator[LogEntry]:
+    def logs(self, job_id: str, after: int = 0, reconnects: int = 3, follow: bool = True,
+             on_end: Callable[[JobRecord], object] | None = None) -> Iterator[LogEntry]:
         """Follow a job's log live; ends when the job has ended (with `follow=False`: at the log's end now).
-        A dropped connection resumes after the last seq."""
+        A dropped connection resumes after the last seq. `on_end` is given the job's record the stream's
+        end line carries (what a `get` right after would answer, without its round trip)."""
         while True:
             try:
-                for entry in self._log_stream(job_id, after, follow):
+                for entry in self._log_stream(job_id, after, follow, on_end):
                     after = entry.seq
                     yield entry
                 return
@@ -259,7 +267,8 @@ class JobClient:
                 resp = self._http.send(request, stream=True)
             except httpx.TransportError as exc:
                 raise JobAPIError(f"cannot reach the job service at {self.where}: {_reason(exc)}",
-                                  timed_out=isinstance(exc, httpx.TimeoutException)) from exc
+                                  timed_out=isinstance(exc, httpx.TimeoutException),
+                                  unreachable=isinstance(exc, httpx.ConnectError)) from exc
             if resp.status_code < 400:
                 return resp
             try:
@@ -291,7 +300,8 @@ class JobClient:
         token = self.job_tokens.get(job_id)
         return {JOB_TOKEN_HEADER: token} if token else {}
 
-    def _log_stream(self, job_id: str, after: int, follow: bool = True) -> Iterator[LogEntry]:
+    def _log_stream(self, job_id: str, after: int, follow: bool = True,
+                    on_end: Callable[[JobRecord], object] | None = None) -> Iterator[LogEntry]:
         method, path = "GET", f"/v1/jobs/{_id(job_id)}/logs?after={int(after)}" + ("" if follow else "&follow=0")
         try:
             resp = self._open(method, path, headers=self._job(job_id))
@@ -306,6 +316,8 @@ class JobClient:
                 try:
                     obj = json.loads(line)
                     if isinstance(obj, dict) and obj.get("end"):
+                        if on_end is not None and "job" in obj:
+                            on_end(JobRecord.from_wire(obj["job"]))
                         return
                     entry = LogEntry.from_wire(obj)
                 except (ValueError, WireError) as exc:

@@ -35,7 +35,8 @@ class FakeClient:
         self.rounds, self.per_round, self.error = rounds, per_round, error
         self.calls, self.seq, self.cancelled = 0, 0, False
 
-    def logs(self, job_id: str, after: int = 0) -> Iterator[LogEntry]:
+    def logs(self, job_id: str, after: int = 0, on_end: object = None) -> Iterator[LogEntry]:
+        # ends without the record (as a stream that broke off): the driver asks get() whether the job is over
         assert after == self.seq, "resumes after the last seq seen"
         self.calls += 1
         for _ in range(self.per_round):
@@ -55,7 +56,8 @@ def _relay(client: FakeClient, monkeypatch: pytest.MonkeyPatch) -> tuple[int, st
     out = io.StringIO()
     run = JobDriver(client, _inputs(), Path("."), out, {})
     run.job_id = "j1"
-    return run._relay_logs(), out.getvalue()
+    dropped, _record = run._relay_logs()
+    return dropped, out.getvalue()
 
 
 def test_a_stream_that_keeps_making_progress_is_never_given_up(monkeypatch):

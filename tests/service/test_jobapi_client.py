@@ -144,3 +144,30 @@ def test_a_job_id_cannot_change_the_path(short_dir: Path) -> None:
             client.get("../health")
         with pytest.raises(JobAPIError, match="not a job id"):
             client.artifacts("j1?x=1", io.BytesIO())
+
+
+def test_one_kept_connection_drives_a_job_and_the_log_ends_with_its_record(api, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"hello\n", exit_code=3)
+    service, plain = api()
+    plain.close()
+    with JobClient(socket=service.config.socket, retry_statuses=frozenset(), keep_alive=True) as client:
+        job = client.submit(SPEC).id
+        client.upload_checkout(job, checkout_tar())
+        ended: list[JobRecord] = []
+        assert b"".join(e.data for e in client.logs(job, on_end=ended.append) if e.stream == "stdout") == b"hello\n"
+        assert len(ended) == 1 and ended[0].final and ended[0].exit_code == 3
+        assert ended[0] == client.get(job)  # what a get after the stream answers, without its round trip
+
+
+def test_a_socket_nobody_serves_is_unreachable_and_a_refusal_is_not(api, tmp_path: Path) -> None:
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as listener:  # bound, then closed: the file stays, nobody accepts
+        listener.bind(str(stale))
+    for where in (stale, tmp_path / "missing.sock"):
+        with JobClient(socket=str(where)) as client, pytest.raises(JobAPIError) as err:
+            client.submit(SPEC)
+        assert err.value.unreachable and err.value.status is None, where
+    _, client = api()
+    with pytest.raises(JobAPIError) as refused:
+        client.submit(JobSpec(repository="octo/hello", sha="HEAD", command="true"))
+    assert refused.value.status == 400 and not refused.value.unreachable
