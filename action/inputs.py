@@ -48,6 +48,7 @@ class Inputs:
     artifacts_path: str = "artifacts"
     artifacts_required: bool = False
     keep: str = "none"  # "job": the VM stays for this job's next step (docs/job-api.md, "One VM across steps")
+    size: str | None = None  # a size class of the service (docs/docker.md, "Sizes"); None: the template's own
 
 
 def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
@@ -71,7 +72,20 @@ def read_inputs(environ: Mapping[str, str]) -> Inputs:
         artifacts_path=_artifacts_path(_get(environ, "artifacts-path", "artifacts") or "artifacts"),
         artifacts_required=_boolean("artifacts-required", _get(environ, "artifacts-required", "false") or "false"),
         keep=_keep(_get(environ, "keep", "none") or "none"),
+        size=_size(_get(environ, "size")),
     )
+
+
+SIZE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+
+
+def _size(value: str) -> str | None:
+    if not value:
+        return None
+    if not SIZE_NAME.fullmatch(value):
+        raise UserError(f"input 'size' must be a size class name of the service (lowercase letters, digits, '-'), "
+                        f"got {value!r}")
+    return value
 
 
 def _keep(value: str) -> str:
@@ -241,6 +255,7 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> Job
         artifacts=tuple(inputs.artifacts),
         timeout_seconds=max(1, round(inputs.timeout_minutes * 60)),
         template=inputs.template,
+        size=inputs.size,
         policy=policy_text(inputs.policy, workspace),
         keep=inputs.keep,
     )

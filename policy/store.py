@@ -79,6 +79,12 @@ class PolicyStore:
         found = load_repository_file(own).checks if own is not None else None
         return found or "off"
 
+    def sizes_for(self, repository: str) -> tuple[str, ...]:
+        """The size classes the repository's store file allows its jobs (`sizes:`); none without one."""
+        owner, repo = split_repository(repository)
+        own = self._repository_file(owner, repo)
+        return load_repository_file(own).sizes if own is not None else ()
+
     def _org_file(self) -> Path | None:
         if self.directory is None:
             return None

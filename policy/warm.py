@@ -59,6 +59,9 @@ class RepositoryFile:
     policy: Policy
     warm: WarmSpec | None
     checks: str | None = None
+    # The size classes (the service config's `sizes:`) this repository's jobs may ask for with `size:`;
+    # none: only the template's own size. Read from the operator's store only, never from a repository.
+    sizes: tuple[str, ...] = ()
 
 
 CHECKS_SETTINGS = ("on", "off", "forks")
@@ -68,9 +71,26 @@ def load_repository_file(source: str | Path, source_name: str | None = None) -> 
     """Load a repository's trusted file; `PolicyError` (file:line: problem) for anything wrong."""
     found: list[WarmSpec | None] = []
     checks: list[str | None] = []
+    sizes: list[tuple[str, ...]] = []
     loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems)),
-                                               "checks": lambda node, problems: checks.append(_checks(node, problems))})
-    return RepositoryFile(loaded, found[0] if found else None, checks[0] if checks else None)
+                                               "checks": lambda node, problems: checks.append(_checks(node, problems)),
+                                               "sizes": lambda node, problems: sizes.append(_sizes(node, problems))})
+    return RepositoryFile(loaded, found[0] if found else None, checks[0] if checks else None,
+                          sizes[0] if sizes else ())
+
+
+SIZE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+
+
+def _sizes(node: yaml.Node, problems: Problems) -> tuple[str, ...]:
+    names = [item.value for item in node.value if isinstance(item, yaml.ScalarNode)] \
+        if isinstance(node, yaml.SequenceNode) else None
+    if names is None or len(names) != len(node.value) or len(names) > 64 \
+            or not all(isinstance(n, str) and SIZE_NAME.fullmatch(n) for n in names):
+        problems.at(node, "sizes must be a list of size class names (lowercase letters, digits, '-'; the service "
+                          "config's sizes:) that this repository's jobs may ask for")
+        return ()
+    return tuple(names)
 
 
 def _checks(node: yaml.Node, problems: Problems) -> str | None:

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -20,9 +21,9 @@ from runner.vm import accel as accel_mod
 from runner.vm.hypervisor import Launch, MachineConfig
 from runner.vm.qemu import QemuHypervisor, bake_backends, device_args
 from runner.vm.statedir import StateDir
-from runner.vm.templates import VARIANTS, Template, TemplateStore
+from runner.vm.templates import VARIANTS, Template, TemplateStore, sized
 from vmimages import bake, initramfs, kernel, rootfs
-from vmimages.recipe import KERNEL_CMDLINE, Recipe
+from vmimages.recipe import KERNEL_CMDLINE, Recipe, Size
 
 
 class Progress:
@@ -61,9 +62,13 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def build(name: str, state: StateDir, force: bool = False) -> Template:
+def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | None = None) -> Template:
     state.ensure()
-    recipe = Recipe.load(name)
+    recipe = Recipe.load(recipe_name)
+    name = recipe_name
+    if size is not None:
+        recipe = replace(recipe, vcpus=size.vcpus, memory_mib=size.memory_mib, disk_mib=size.disk_mib)
+        name = sized(recipe_name, size.name)
     store = TemplateStore(state.templates)
     hv = QemuHypervisor()
     progress = Progress(total=5 + len(VARIANTS))
@@ -94,7 +99,7 @@ def build(name: str, state: StateDir, force: bool = False) -> Template:
         with progress("customise the root filesystem and make its ext4 image"):
             tree = rootfs.customise(base, staging / "rootfs")
             rootfs.install_modules(guest_kernel, recipe.kernel_modules, tree)
-            image = rootfs.make_image(tree, staging / "disk.img")
+            image = rootfs.make_image(tree, staging / "disk.img", recipe.disk_mib or rootfs.FREE_SPACE_MIB)
             shutil.rmtree(tree)
         out = store.dir_for(name, digest)
         shutil.rmtree(out, ignore_errors=True)

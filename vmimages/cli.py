@@ -7,12 +7,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.errors import UserError
 from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore
-from vmimages.recipe import RecipeError
+from vmimages.recipe import RecipeError, Size
 from vmimages.run import BuildError
+
+if TYPE_CHECKING:
+    from runner.service.config import ServiceConfig
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build = sub.add_parser("build", help="build (or refresh) a template from its recipe in vmimages/recipes/")
     build.add_argument("name", nargs="?", default="base")
     build.add_argument("--force", action="store_true", help="rebuild even if the recipe is unchanged")
+    build.add_argument("--size", metavar="SIZE", help="bake it at a size class of the --config's sizes: "
+                                                      "(the template NAME.SIZE that jobs with size: SIZE restore)")
     build.set_defaults(func=cmd_build)
     listing = sub.add_parser("list", help="list the baked templates")
     listing.set_defaults(func=cmd_list)
@@ -36,15 +42,35 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def state_of(args: argparse.Namespace) -> StateDir:
     """The state directory a command works on: the service config's `state_dir` when --config names one,
     so `template build --config F` builds where `serve --config F` looks."""
+    config = config_of(args)
+    return StateDir.default() if config is None else StateDir(config.state_dir)
+
+
+def config_of(args: argparse.Namespace) -> ServiceConfig | None:
     path = getattr(args, "config", None)
     if path is None:
-        return StateDir.default()
+        return None
     from runner.service.config import ConfigError, load_config
 
     try:
-        return StateDir(load_config(path).state_dir)
+        return load_config(path)
     except ConfigError as exc:
         raise UserError(f"{path} is not a valid service config:\n{exc}") from None
+
+
+def size_of(args: argparse.Namespace) -> Size | None:
+    """The size class --size names, from the --config's sizes: (where the service reads it too)."""
+    if not getattr(args, "size", None):
+        return None
+    config = config_of(args)
+    if config is None:
+        raise UserError("template build --size needs --config: the size classes are the service config's sizes:")
+    try:
+        found = config.size(args.size)
+    except KeyError:
+        raise UserError(f"{args.config} has no size class {args.size!r} (its sizes: "
+                        f"{', '.join(config.sizes or {}) or 'none'})") from None
+    return Size(args.size, found.vcpus, found.memory_mib, found.disk_mib)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -53,7 +79,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise UserError("template build needs root (debootstrap, chroot): run it with sudo")
     try:
-        build(args.name, state_of(args), force=args.force)
+        build(args.name, state_of(args), force=args.force, size=size_of(args))
     except (BuildError, RecipeError) as exc:
         raise UserError(f"template build failed: {exc}") from None
     return 0

@@ -15,12 +15,22 @@ from vmimages.rootfs import AGENT_FILES
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 GUEST_FILES = {**AGENT_FILES, "init": GUEST_DIR / "init", "initramfs-init": GUEST_DIR / "initramfs-init"}
-ADDED_LATER = ("kernel_modules",)
+ADDED_LATER = ("kernel_modules", "disk_mib")
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 i8042.noaux i8042.nokbd"
 
 
 class RecipeError(TemplateError):
     pass
+
+
+@dataclass(frozen=True)
+class Size:
+    """A size class to bake a recipe at (the service config's `sizes:`): the template is `<recipe>.<name>`."""
+
+    name: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,8 @@ class Recipe:
     # the root filesystem with their dependencies and indexed by depmod, so the guest's modprobe (and the
     # kernel's autoload) finds them: what a container engine needs beyond the initramfs' boot modules.
     kernel_modules: tuple[str, ...] = ()
+    # Free space in the root filesystem for the job, MiB (0: rootfs.FREE_SPACE_MIB): a size class sets it.
+    disk_mib: int = 0
 
     @classmethod
     def load(cls, name: str) -> Recipe:

@@ -81,10 +81,10 @@ def install_agent(agent_dir: Path) -> None:
         shutil.copy2(source, agent_dir / name)
 
 
-def make_image(tree: Path, image: Path) -> Path:
-    """An ext4 image of `tree` with free space, built without mounting anything."""
+def make_image(tree: Path, image: Path, free_mib: int = FREE_SPACE_MIB) -> Path:
+    """An ext4 image of `tree` with `free_mib` of free space, built without mounting anything."""
     used_kib = int(run(["du", "-sk", "--apparent-size", str(tree)]).split()[0])
-    size_mib = used_kib // 1024 + FREE_SPACE_MIB
+    size_mib = used_kib // 1024 + free_mib
     image.unlink(missing_ok=True)
     run(["mkfs.ext4", "-q", "-F", "-L", "microvm-root", "-E", "root_owner=0:0",
          "-d", str(tree), str(image), f"{size_mib}M"])

@@ -92,7 +92,7 @@ class FleetSettings:
         if section.org is None:
             raise ValueError("runners.org is not set: the fleet is off")
         prefix = section.name_prefix or f"mvc-{socket.gethostname().split('.')[0][:30]}"
-        return cls(section.org, section.labels, section.runner_group, section.min_idle,
+        return cls(section.org, (*section.labels, *config.size_labels), section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
                    section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
                    section.network, cgroup.Limits(section.memory_mib << 20, section.cpu_weight),

@@ -137,6 +137,9 @@ class JobSpec:
     artifacts: tuple[str, ...] = ()
     timeout_seconds: int | None = None
     template: str | None = None
+    # A size class of the service's config (`sizes:`): the VM restores from `<template>.<size>`, baked at
+    # its vCPUs, memory and disk; the repository's store file must allow it. None: the template's own size.
+    size: str | None = None
     policy: str | None = None
     # "job": the VM stays for the same GitHub job's next step, which attaches to it instead of
     # getting a new one (and sends no checkout); "none": a step that finds a kept VM runs in it and ends it.

@@ -114,6 +114,21 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class SizeClass:
+    """A size a job may ask for with `size:` (where its repository's store file allows it): every offered
+    template is baked at it as `<template>.<size>` (template build NAME --size SIZE), and the VM's
+    cgroup limits follow its vCPUs and memory."""
+
+    vcpus: int = setting(1, "vCPUs of this size's VMs", "int", minimum=1, maximum=64)
+    memory_mib: int = setting(512, "memory of this size's VMs in MiB", "int", minimum=128, maximum=1024**2)
+    disk_mib: int = setting(2048, "free space for the job in the VM's root filesystem, MiB", "int",
+                            minimum=256, maximum=1024**2)
+
+
+SIZE_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"  # the names a store file's `sizes:` may list (policy.warm)
+
+
+@dataclass(frozen=True)
 class ArtifactLimits:
     max_count: int = setting(1000, "files and directories a job may return", "int", minimum=0, maximum=10**6)
     max_total_bytes: int = setting(512 * MIB, "bytes a job's artifacts may total", "size", minimum=0, maximum=TIB)
@@ -303,6 +318,9 @@ class ServiceConfig:
                                      pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
     resources: Resources = setting(None, "job VM size", "section", section=Resources)
+    sizes: dict[str, SizeClass] | None = setting(None, "size classes a job may ask for (size: NAME), each "
+                                                       "name: {vcpus, memory_mib, disk_mib}; a repository "
+                                                       "gets only those its store file's sizes: lists", "sizes")
     max_concurrent_jobs: int = setting(2, "VMs running jobs at once (worker threads)", "int", minimum=1, maximum=1024)
     max_queued_jobs: int = setting(32, "submitted but not started jobs (incl. awaiting checkout); 429 beyond",
                                    "int", minimum=1, maximum=100000)
@@ -351,6 +369,16 @@ class ServiceConfig:
     @property
     def default_template(self) -> str:
         return self.templates[0]
+
+    def size(self, name: str) -> SizeClass:
+        """The size class `name`; KeyError when the config offers none of that name."""
+        return (self.sizes or {})[name]
+
+    @property
+    def size_labels(self) -> tuple[str, ...]:
+        """The runner labels that say which size classes this host offers (`runs-on: [self-hosted,
+        size-large]` finds a host that has `large`): the fleet registers its runners with them."""
+        return tuple(f"size-{name}" for name in self.sizes or {})
 
     @property
     def jobs_dir(self) -> Path:
@@ -552,6 +580,26 @@ class _Walk:
         items = [self.read_string(item, f"{where}[{index}]", _ITEM) for index, item in enumerate(node.value)]
         strings = [item for item in items if item is not None]
         return tuple(strings) if len(strings) == len(items) else None
+
+    def read_sizes(self, node: yaml.Node, where: str, meta: SettingMeta) -> dict[str, SizeClass] | None:
+        if not isinstance(node, yaml.MappingNode) or not node.value or len(node.value) > MAX_LIST:
+            self.problem(node, where, f"expected a mapping of 1 to {MAX_LIST} size classes (name: {{vcpus, "
+                                      f"memory_mib, disk_mib}}), not {_shape(node)}")
+            return None
+        sizes: dict[str, SizeClass] = {}
+        for key, value in node.value:
+            name = string(key)
+            if name is None or not re.fullmatch(SIZE_NAME_PATTERN.strip("^$"), name):
+                self.problem(key, where, f"{quote(str(key.value))} is not a size name (lowercase letters, digits, "
+                                         "'-'; up to 32)")
+                continue
+            if name in sizes:
+                self.problem(key, f"{where}.{name}", "given twice")
+                continue
+            found = self.section(SizeClass, value, f"{where}.{name}.")
+            if found is not None:
+                sizes[name] = found
+        return sizes if len(sizes) == len(node.value) else None
 
     def read_listen(self, node: yaml.Node, where: str, meta: SettingMeta) -> tuple[str, int] | None:
         value = self.read_string(node, where, meta)
@@ -773,6 +821,9 @@ _KIND_SCHEMAS: dict[str, Callable[[SettingMeta], dict[str, Any]]] = {  # JSON Sc
     "strings": lambda meta: {"type": "array", "minItems": 1, "maxItems": MAX_LIST,
                              "items": {"type": "string", "minLength": 1, "maxLength": MAX_STRING}},
     "listen": lambda meta: {"type": "string", "pattern": LISTEN_PATTERN},
+    "sizes": lambda meta: {"type": "object", "minProperties": 1, "maxProperties": MAX_LIST,
+                           "propertyNames": {"pattern": SIZE_NAME_PATTERN},
+                           "additionalProperties": _section_schema(SizeClass)},
     "allow": lambda meta: {"type": "array", "maxItems": MAX_ALLOW_RULES, "items": {
         "type": "object", "additionalProperties": False, "required": ["cidr", "ports"], "properties": {
             "cidr": {"type": "string", "description": "a network like 169.254.169.254/32"},

@@ -54,6 +54,13 @@ class EgressPolicies:
             raise EgressPolicyError(f"policy: cannot read {repository}'s {POLICY_PATH} from GitHub ({exc}); "
                                     "retry, or give the repository a file in the service's policy store") from exc
 
+    def sizes_for(self, repository: str) -> tuple[str, ...]:
+        """The size classes the operator's store file allows the repository (none without a store)."""
+        try:
+            return policy.PolicyStore(self.policy_dir).sizes_for(repository)
+        except (policy.PolicyError, ValueError) as exc:
+            raise EgressPolicyError(f"policy store: {exc}") from exc
+
     def narrowed(self, job_policy: str | None, effective: Policy) -> list[str]:
         """What the job's own policy asked for that its effective one allows nothing of (a job asked
         for `pypi.org:443`, the repository allows nothing): its record says so, in words."""

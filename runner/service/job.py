@@ -248,8 +248,9 @@ class JobRun:
             sandbox = create(
                 template=self.spec.template,
                 ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
-                vcpus=config.resources.vcpus,
-                memory_mib=config.resources.memory_mib,
+                # a size class names what its template must have been baked with: the engine checks it
+                vcpus=config.size(self.spec.size).vcpus if self.spec.size else config.resources.vcpus,
+                memory_mib=config.size(self.spec.size).memory_mib if self.spec.size else config.resources.memory_mib,
                 network=needs_network(self.policy),
                 policy=self.policy,
                 job_id=self.record.id,

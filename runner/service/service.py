@@ -53,6 +53,7 @@ from runner.service.sessions import Session, SessionKey, Sessions, parse_keep, s
 from runner.service.spec import SpecError, parse_spec
 from runner.service.warm import PrewarmedVMs, RunKey
 from runner.tarsafe import check_tar
+from runner.vm.templates import sized
 
 if TYPE_CHECKING:
     from runner.github.client import GitHubClient
@@ -269,6 +270,7 @@ class JobService:
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
             spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
             policy = self.policies.effective(spec.repository, spec.policy)
+            spec = self._sized(spec)
         except PolicySourceUnavailable:
             raise  # GitHub is down: 503, try again (not an invalid job)
         except (SpecError, EgressPolicyError) as exc:
@@ -278,6 +280,18 @@ class JobService:
                              f"runs VMs without networking (network.enabled is false in its config): narrow the "
                              f"policy to deny all, or ask the operator to enable networking")
         return spec, policy
+
+    def _sized(self, spec: JobSpec) -> JobSpec:
+        """A spec asking for a size class restores from its template baked at that size, if the
+        repository's store file allows the size (a pull request's spec cannot widen that)."""
+        if spec.size is None:
+            return spec
+        allowed = self.policies.sizes_for(spec.repository)
+        if spec.size not in allowed:
+            raise InvalidJob(f"size: {spec.repository} may not use the size {spec.size!r} (its store file allows "
+                             f"{', '.join(allowed) or 'no sizes'}): the operator lists a repository's sizes in its "
+                             f"store file (<owner>/<repo>.yml, sizes: [{spec.size}]), or leave size out")
+        return dataclasses.replace(spec, template=sized(_template_of(spec), spec.size))
 
     def _open_job(self, job_id: str, spec: JobSpec, policy: Policy, session: Session | None = None) -> JobRecord:
         """The job's directory, log and first record; the job becomes visible only once all exist.

@@ -151,6 +151,12 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
     template = _text(data, "template", config.default_template)
     if template not in config.templates:
         raise SpecError(f"template: {_show(template)} is not offered here; choose one of {', '.join(config.templates)}")
+    size = data.get("size")
+    if size is not None:
+        size = _text(data, "size", None)
+        if size not in (config.sizes or {}):
+            offered = ", ".join(config.sizes or {}) or "none (the service config has no sizes:)"
+            raise SpecError(f"size: {_show(size)} is not offered here; the sizes offered: {offered}")
     policy = data.get("policy")
     if policy is not None:
         policy = _text(data, "policy", None, MAX_POLICY_BYTES)
@@ -170,6 +176,7 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         artifacts=_artifacts(data),
         timeout_seconds=timeout or config.default_timeout_seconds,
         template=template,
+        size=size,
         policy=policy,
         fork=_fork(data),
     )

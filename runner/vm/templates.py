@@ -34,6 +34,11 @@ LAST_USED = "last-used"
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")
 
 
+def sized(template: str, size: str) -> str:
+    """The name of `template` baked at the size class `size` (vmimages: template build NAME --size SIZE)."""
+    return f"{template}.{size}"
+
+
 class TemplateNotFound(TemplateError):
     """No such template on this host; the message says how to build it."""
 

@@ -105,3 +105,13 @@ def _token(env_file: Path) -> str:
 
 def _no_vms(**kwargs: Any) -> Any:
     raise AssertionError("no job here gets a checkout: no VM may be created")
+
+
+def test_the_fleet_registers_its_runners_with_the_labels_of_the_size_classes_offered() -> None:
+    from runner.fleet.fleet import FleetSettings
+    from runner.service.config import config_from_mapping
+
+    config = config_from_mapping({"runners": {"org": "octo-org", "labels": ["self-hosted", "microvm"],
+                                              "github_config": "/nonexistent/github.yml"},
+                                  "sizes": {"large": {"vcpus": 2}, "xl": {"vcpus": 4, "memory_mib": 8192}}})
+    assert FleetSettings.from_config(config).labels == ("self-hosted", "microvm", "size-large", "size-xl")

@@ -17,7 +17,8 @@ def test_a_recipe_without_kernel_modules_keeps_its_digest_and_one_with_them_gets
     # What the digest was before the field existed: the recipe's fields without it (hosts keep their
     # baked `base` only while these agree).
     monkeypatch.setattr(recipe, "ADDED_LATER", ())
-    monkeypatch.setattr(recipe, "asdict", lambda r: {k: v for k, v in asdict(r).items() if k != "kernel_modules"})
+    added = ("kernel_modules", "disk_mib")
+    monkeypatch.setattr(recipe, "asdict", lambda r: {k: v for k, v in asdict(r).items() if k not in added})
     assert base.digest(*ARGS) == today
     monkeypatch.undo()
     assert replace(base, kernel_modules=("kernel/net/bridge",)).digest(*ARGS) != base.digest(*ARGS)
