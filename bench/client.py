@@ -11,8 +11,10 @@ Everything runs the installed `microvm-check` command as a user would (a new pro
 
 Wall clocks (time.time) on both sides: one host, so the record's timestamps and the process's compare.
 Needs root, QEMU and the built `base` template. Usage: python bench/client.py [--runs 10] [--cli PATH]
-(`--smoke`: two runs each, no goal judged). The goals: --version p50 <= 100 ms; run through serve
-p50 <= 300 ms; run without a service p50 <= 1.5 s. Last line: one JSON object.
+[--baseline PATH] (`--smoke`: two runs each, no goal judged; `--baseline`: another install's command
+measured sample by sample interleaved with this one, with new/baseline ratios of the medians). The goals:
+--version p50 <= 100 ms; run through serve p50 <= 300 ms; run without a service p50 <= 1.5 s. Last line:
+one JSON object.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ from bench.stats import percentile
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.vm.statedir import StateDir
 
-CLI = str(Path(sys.executable).parent / "microvm-check")  # --cli: another install's, to compare with
+CLI = str(Path(sys.executable).parent / "microvm-check")
+# With --baseline, every sample of this install is followed by one of the baseline's, so both see the same
+# load (the machine is shared): the baseline's figures are printed as baseline_*, with new/baseline ratios.
+Samples = dict[str, list[float]]
 
 
-def timed(argv: list[str], cwd: Path) -> tuple[float, float, subprocess.CompletedProcess[bytes]]:
+def timed(cli: str, argv: list[str], cwd: Path) -> tuple[float, float, subprocess.CompletedProcess[bytes]]:
     """(start, end) wall-clock seconds around one run of the command, and its result."""
     start = time.time()
-    done = subprocess.run([CLI, *argv], cwd=cwd, capture_output=True, timeout=300, check=False)
+    done = subprocess.run([cli, *argv], cwd=cwd, capture_output=True, timeout=300, check=False)
     return start, time.time(), done
 
 
@@ -51,19 +56,32 @@ def summary(name: str, values_ms: list[float]) -> dict[str, float]:
     return {f"{name}_p50_ms": round(p50, 1), f"{name}_p90_ms": round(p90, 1)}
 
 
-def start_up(runs: int, work: Path) -> dict[str, float]:
+def summaries(per_cli: list[Samples]) -> dict[str, float]:
+    """This install's figures, then the baseline's (baseline_*) and the ratios of their medians."""
+    out: dict[str, float] = {}
+    for name, values in per_cli[0].items():
+        out |= summary(name, values)
+        if len(per_cli) > 1:
+            base = per_cli[1][name]
+            out |= summary(f"baseline_{name}", base)
+            ratio = statistics.median(values) / max(statistics.median(base), 1e-9)
+            print(f"{name + ' new/baseline':<40} {ratio:8.2f}")
+            out[f"{name}_ratio"] = round(ratio, 3)
+    return out
+
+
+def start_up(runs: int, work: Path, clis: list[str]) -> dict[str, float]:
     policy = work / "policy.yml"
     policy.write_text("version: 1\nmode: block\n")
-    out: dict[str, float] = {}
+    per_cli: list[Samples] = [{} for _ in clis]
     for name, argv in (("version", ["--version"]), ("help", ["--help"]),
                        ("policy_check", ["policy", "check", str(policy)]),
                        ("jobs_no_service", ["jobs", "--socket", str(work / "nobody.sock")])):
-        samples = []
         for _ in range(runs):
-            start, end, _done = timed(argv, work)
-            samples.append((end - start) * 1000)
-        out |= summary(name, samples)
-    return out
+            for cli, samples in zip(clis, per_cli):
+                start, end, _done = timed(cli, argv, work)
+                samples.setdefault(name, []).append((end - start) * 1000)
+    return summaries(per_cli)
 
 
 def serve(work: Path) -> subprocess.Popen[bytes]:
@@ -89,27 +107,30 @@ def serve(work: Path) -> subprocess.Popen[bytes]:
     raise SystemExit("serve did not answer within 120 s")
 
 
-def through_serve(runs: int, work: Path, checkout: Path) -> dict[str, float]:
+def through_serve(runs: int, work: Path, checkout: Path, clis: list[str]) -> dict[str, float]:
+    """`run -- true` of each install against one `serve` (this install's): the service's side is the same
+    for both, so the client shares compare."""
     proc = serve(work)
     sock = str(work / "api.sock")
     try:
-        timed(["run", "--socket", sock, "--", "true"], checkout)  # the pool's first fill and the first restore
+        timed(CLI, ["run", "--socket", sock, "--", "true"], checkout)  # the pool's first fill and the first restore
         time.sleep(2)  # the spare VM restored after that one
-        total, client_share, service_share, vm_ready = [], [], [], []
+        per_cli: list[Samples] = [{} for _ in clis]
         for _ in range(runs):
-            start, end, done = timed(["run", "--socket", sock, "--", "true"], checkout)
-            assert done.returncode == 0, done.stderr.decode(errors="replace")
-            with JobClient(socket=sock) as client:
-                rec = client.list(1)[0]
-            t = rec.timings
-            assert t.finished_at is not None
-            total.append((end - start) * 1000)
-            client_share.append(((rec.created_at - start) + (end - t.finished_at)) * 1000)
-            service_share.append((t.finished_at - rec.created_at) * 1000)
-            vm_ready.append(rec.timings.vm_ready_ms or 0.0)
-            time.sleep(1)  # the pool refills between jobs, as between a project's checks
-        return (summary("run_serve", total) | summary("run_serve_client_share", client_share)
-                | summary("run_serve_service_share", service_share) | summary("run_serve_vm_ready", vm_ready))
+            for cli, samples in zip(clis, per_cli):
+                start, end, done = timed(cli, ["run", "--socket", sock, "--", "true"], checkout)
+                assert done.returncode == 0, done.stderr.decode(errors="replace")
+                with JobClient(socket=sock) as client:
+                    rec = client.list(1)[0]
+                t = rec.timings
+                assert t.finished_at is not None
+                for name, value in (("run_serve", end - start),
+                                    ("run_serve_client_share", (rec.created_at - start) + (end - t.finished_at)),
+                                    ("run_serve_service_share", t.finished_at - rec.created_at),
+                                    ("run_serve_vm_ready", (t.vm_ready_ms or 0.0) / 1000)):
+                    samples.setdefault(name, []).append(value * 1000)
+                time.sleep(1)  # the pool refills between jobs, as between a project's checks
+        return summaries(per_cli)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -119,13 +140,14 @@ def through_serve(runs: int, work: Path, checkout: Path) -> dict[str, float]:
             proc.wait()
 
 
-def without_service(runs: int, work: Path, checkout: Path) -> dict[str, float]:
-    samples = []
+def without_service(runs: int, work: Path, checkout: Path, clis: list[str]) -> dict[str, float]:
+    per_cli: list[Samples] = [{} for _ in clis]
     for _ in range(runs):
-        start, end, done = timed(["run", "--socket", str(work / "nobody.sock"), "--", "true"], checkout)
-        assert done.returncode == 0, done.stderr.decode(errors="replace")
-        samples.append((end - start) * 1000)
-    return summary("run_no_service", samples)
+        for cli, samples in zip(clis, per_cli):
+            start, end, done = timed(cli, ["run", "--socket", str(work / "nobody.sock"), "--", "true"], checkout)
+            assert done.returncode == 0, done.stderr.decode(errors="replace")
+            samples.setdefault("run_no_service", []).append((end - start) * 1000)
+    return summaries(per_cli)
 
 
 def main() -> None:
@@ -133,9 +155,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="two runs of each, no goal judged")
     parser.add_argument("--cli", help="the microvm-check command to measure (default: this venv's)")
+    parser.add_argument("--baseline", help="another install's microvm-check, measured interleaved with --cli")
     args = parser.parse_args()
     global CLI
     CLI = args.cli or CLI
+    clis = [CLI, args.baseline] if args.baseline else [CLI]
     runs = 2 if args.smoke else args.runs
     if os.geteuid() != 0:
         raise SystemExit("bench/client.py needs root (VMs, namespaces)")
@@ -144,10 +168,10 @@ def main() -> None:
         checkout = work / "checkout"
         checkout.mkdir()
         (checkout / "README").write_text("a trivial checkout\n")
-        results = start_up(runs, work)
+        results = start_up(runs, work, clis)
         (work / "serve").mkdir()
-        results |= through_serve(runs, work / "serve", checkout)
-        results |= without_service(runs, work, checkout)
+        results |= through_serve(runs, work / "serve", checkout, clis)
+        results |= without_service(runs, work, checkout, clis)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     goals = {"version_p50_ms": 100, "run_serve_p50_ms": 300, "run_no_service_p50_ms": 1500}

@@ -204,3 +204,16 @@ def test_host_git_ignores_the_workspace_and_ambient_git_settings(with_git: Path,
     data = b"".join(pack_checkout(with_git, include_git=True))
     assert data
     assert not marker.exists()
+
+
+def test_a_runs_commit_is_read_in_a_subdirectory_of_a_work_tree_and_zeros_outside_one(with_git: Path,
+                                                                                      tmp_path: Path) -> None:
+    from runner.commands.localrun import _head
+
+    sub = with_git / "sub"
+    sub.mkdir()
+    assert _head(sub) == _head(with_git) != "0" * 40  # git finds the work tree above, as `run --dir sub` sends
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    if not any((d / ".git").exists() for d in plain.parents):  # the test's own tmp dir lies in no work tree
+        assert _head(plain) == "0" * 40
