@@ -142,3 +142,22 @@ def test_a_killed_bot_leaks_nothing_past_the_ttl(serve, vm_root: Path, users: Us
     assert not (vms / created["vm_id"]).exists(), "the sandbox's VM directory is still there"
     assert processes_under(vms / created["vm_id"]) == [], "the sandbox's QEMU still runs"
     assert service.stop() == 0, service.stderr()
+
+
+def readme_sdk_example() -> str:
+    section = (ROOT / "README.md").read_text().split("## The SDK: sandboxes for review bots and audit agents", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_sdk_example_runs(serve, vm_root: Path) -> None:
+    """The README's SDK block, as written, against a real serve (run by root: the operator may create)."""
+    service = serve({})
+    socket = vm_root / "api.sock"
+    service.wait_answering(JobClient(socket=str(socket)))
+    done = subprocess.run([str(PYTHON), "-I", "-c", readme_sdk_example()], env={"MICROVM_CHECK_SOCKET": str(socket),
+                          "PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "checked" and lines[1].startswith("3 ") and lines[1].endswith(" False"), lines
+    assert lines[2] == "b'import sys'" and lines[3] == "['check.py']", lines
+    assert service.stop() == 0, service.stderr()
