@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +110,21 @@ def test_a_run_without_a_service_restores_one_vm_and_a_signal_leaves_nothing(
     assert "Traceback" not in err and "cancelled job" in err, err
     assert list(tmpdir.iterdir()) == [], "the run's temporary directory is left behind"
     assert processes_under(run_dir) == [], "a VM process of the run outlived it"
+
+
+def test_a_run_on_a_socket_nobody_serves_runs_in_its_own_service(templates: Path, checkout: Path,
+                                                                  tmp_path: Path) -> None:
+    """A socket file left by a dead service: the submit cannot connect (nothing sent), so the run falls back."""
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(stale))
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MICROVM_CHECK")} | {"TMPDIR": str(tmpdir)}
+    done = subprocess.run([CLI, "run", "--socket", str(stale), "--", "sh", "-c", "echo in-the-vm"], cwd=checkout,
+                          env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == b"in-the-vm\n", done.stderr.decode(errors="replace")
+    assert list(tmpdir.iterdir()) == []
 
 
 @pytest.fixture
