@@ -202,6 +202,11 @@ class SpareVMs:
         self._filling.pop(snapshot, None)
         self._changed.notify_all()
 
+    def idle(self, snapshot: Snapshot) -> bool:
+        """No filler is preparing a VM of `snapshot` now (a benchmark's quiet host)."""
+        with self._lock:
+            return snapshot not in self._filling
+
     def ready(self) -> dict[str, int]:
         """Spare VMs waiting now, by "<template>/<variant>" (alive or not yet noticed dead): what `status`
         and the metrics count, since these VMs are QEMU processes of their own."""

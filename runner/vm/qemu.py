@@ -461,11 +461,19 @@ class QemuHypervisor(Hypervisor):
             raise
         try:
             max_file_bytes = snapshot.disk.stat().st_size + jail.FILE_SIZE_SLACK  # the overlay's most
-            return QemuMachine(argv, launch, backends, user, group, lease, max_file_bytes)
+            machine = QemuMachine(argv, launch, backends, user, group, lease, max_file_bytes)
         except BaseException:
             group.remove()
             lease.close()
             raise
+        try:
+            # QMP answers once QEMU's main loop runs, i.e. when its start-up is over: a VMM spawned ahead
+            # is then ready for a restore, and no longer busy on the cores a job's VM is using.
+            machine._monitor()
+        except BaseException:
+            machine.kill()
+            raise
+        return machine
 
     def fold(self, stream: Path, target: Snapshot, work_dir: Path) -> None:
         """Make a template variant out of a whole-machine stream (`QemuMachine.save`): a confined
