@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import yaml
+
 from runner import tarsafe
 from runner.errors import UserError
 from runner.jobapi.contract import (
@@ -27,6 +29,8 @@ from runner.jobapi.contract import (
     SHA,
     TEMPLATE_NAME,
     JobSpec,
+    ServiceContainer,
+    parse_services,
 )
 
 MAX_TIMEOUT_MINUTES = 24 * 60
@@ -49,6 +53,7 @@ class Inputs:
     artifacts_required: bool = False
     keep: str = "none"  # "job": the VM stays for this job's next step (docs/job-api.md, "One VM across steps")
     size: str | None = None  # a size class of the service (docs/docker.md, "Sizes"); None: the template's own
+    services: tuple[ServiceContainer, ...] = ()  # containers started in the VM before `run` (docs/docker.md)
 
 
 def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
@@ -73,7 +78,39 @@ def read_inputs(environ: Mapping[str, str]) -> Inputs:
         artifacts_required=_boolean("artifacts-required", _get(environ, "artifacts-required", "false") or "false"),
         keep=_keep(_get(environ, "keep", "none") or "none"),
         size=_size(_get(environ, "size")),
+        services=_services(environ.get("INPUT_SERVICES", "")),
     )
+
+
+MAX_SERVICES_TEXT = 64 * 1024
+
+
+class _NoAliases(yaml.SafeLoader):
+    """YAML without anchors and aliases: a few bytes of aliases can expand to gigabytes on the host."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("aliases (*name) are not allowed here")
+        return super().compose_node(parent, index)
+
+
+def _services(text: str) -> tuple[ServiceContainer, ...]:
+    """The `services:` input: a YAML list of {name, image or build, env, ports, ready, ready-timeout-seconds}."""
+    if not text.strip():
+        return ()
+    if len(text.encode()) > MAX_SERVICES_TEXT:
+        raise UserError(f"input 'services' is larger than {MAX_SERVICES_TEXT} bytes")
+    try:
+        items = yaml.load(text, Loader=_NoAliases)  # a SafeLoader without aliases
+    except yaml.YAMLError as exc:
+        raise UserError(f"input 'services' is not valid YAML: {exc}") from None
+    if isinstance(items, list):
+        items = [{str(k).replace("-", "_"): v for k, v in item.items()} if isinstance(item, dict) else item
+                 for item in items]
+    try:
+        return parse_services(items)
+    except ValueError as exc:
+        raise UserError(f"input 'services': {exc}") from None
 
 
 SIZE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
@@ -256,6 +293,7 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> Job
         timeout_seconds=max(1, round(inputs.timeout_minutes * 60)),
         template=inputs.template,
         size=inputs.size,
+        services=inputs.services,
         policy=policy_text(inputs.policy, workspace),
         keep=inputs.keep,
     )

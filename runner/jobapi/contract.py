@@ -118,6 +118,98 @@ class StateTransitionError(RuntimeError):
 # -- what a client sends ------------------------------------------------------------------------------
 
 
+MAX_SERVICES = 8
+MAX_READY_TIMEOUT_S = 600
+SERVICE_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
+# A Docker image reference: [registry[:port]/]path[:tag][@digest], lowercase path components.
+IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._-]*(?::[0-9]{1,5})?(?:/[a-z0-9][a-z0-9._-]*){0,8}"
+                       r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
+PORT_MAPPING = re.compile(r"(?:([0-9]{1,5}):)?([0-9]{1,5})")
+SERVICE_KEYS = frozenset({"name", "image", "build", "env", "ports", "ready", "ready_timeout_seconds"})
+
+
+@dataclass(frozen=True)
+class ServiceContainer:
+    """A container started in the job's VM before its command and removed after (the action's `services:`):
+    from `image` (pulled through the job's egress policy unless the VM has it) or built from `build`, a
+    directory of the checkout. `ports` publish on the VM's localhost ("5432" or "HOST:CONTAINER");
+    `ready`, a shell command run in the VM, must succeed within `ready_timeout_seconds` before the job's
+    command starts. Everything here is the workflow's (a fork's) text, run only inside its VM."""
+
+    name: str
+    image: str | None = None
+    build: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    ports: tuple[str, ...] = ()
+    ready: str | None = None
+    ready_timeout_seconds: int = 60
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire["ports"] = list(self.ports)
+        return {k: v for k, v in wire.items() if v is not None}
+
+
+def parse_services(value: object) -> tuple[ServiceContainer, ...]:
+    """Service containers from their JSON/YAML shape (a list of mappings); ValueError says what is wrong
+    and where (`services[1].image: ...`). Both the action (its input) and the service (the spec) use it."""
+    if not isinstance(value, list) or len(value) > MAX_SERVICES:
+        raise ValueError(f"services: expected a list of at most {MAX_SERVICES} services, got {type(value).__name__}")
+    found: list[ServiceContainer] = []
+    for index, item in enumerate(value):
+        where = f"services[{index}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a mapping with name and image (or build), got {type(item).__name__}")
+        unknown = sorted(str(k)[:40] for k in item if k not in SERVICE_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(SERVICE_KEYS))}")
+        found.append(_service(item, where))
+    names = [s.name for s in found]
+    if len(set(names)) != len(names):
+        raise ValueError("services: two services have the same name")
+    return tuple(found)
+
+
+def _service(item: dict[str, Any], where: str) -> ServiceContainer:
+    name = item.get("name")
+    if not isinstance(name, str) or not SERVICE_NAME.fullmatch(name):
+        raise ValueError(f"{where}.name: expected a lowercase name (letters, digits, '-'; up to 32), "
+                         f"got {str(name)[:40]!r}")
+    image, build = item.get("image"), item.get("build")
+    if (image is None) == (build is None):
+        raise ValueError(f"{where}: give exactly one of image (a Docker image) and build (a directory of the checkout)")
+    if image is not None and (not isinstance(image, str) or len(image) > MAX_SHORT_TEXT
+                              or not IMAGE_REF.fullmatch(image)):
+        raise ValueError(f"{where}.image: not a Docker image reference: {str(image)[:80]!r}")
+    if build is not None and (not isinstance(build, str) or not build or len(build) > MAX_PATH_BYTES
+                              or build.startswith("/") or ".." in build.split("/") or "\0" in build):
+        raise ValueError(f"{where}.build: expected a relative directory inside the checkout, got {str(build)[:80]!r}")
+    env = item.get("env") or {}
+    if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
+            isinstance(k, str) and ENV_NAME.fullmatch(k) and isinstance(v, (str, int, float)) and len(str(v)) <= 4096
+            for k, v in env.items()):
+        raise ValueError(f"{where}.env: expected a mapping of NAME: value (at most {MAX_ENV}, values up to 4 KiB)")
+    ports = item.get("ports") or []
+    if not isinstance(ports, list) or len(ports) > 16 or not all(_port(p) for p in ports):
+        raise ValueError(f"{where}.ports: expected a list of ports, each PORT or HOST:CONTAINER (1-65535)")
+    ready = item.get("ready")
+    if ready is not None and (not isinstance(ready, str) or not ready.strip() or len(ready) > 4096 or "\0" in ready):
+        raise ValueError(f"{where}.ready: expected a shell command (up to 4 KiB) that succeeds once the service "
+                         "is ready")
+    timeout = item.get("ready_timeout_seconds", 60)
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= MAX_READY_TIMEOUT_S:
+        raise ValueError(f"{where}.ready_timeout_seconds: expected whole seconds from 1 to {MAX_READY_TIMEOUT_S}")
+    return ServiceContainer(name, image, build, {k: str(v) for k, v in env.items()}, tuple(str(p) for p in ports),
+                            ready, timeout)
+
+
+def _port(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return False
+    match = PORT_MAPPING.fullmatch(str(value))
+    return match is not None and all(1 <= int(p) <= 65535 for p in match.groups() if p is not None)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What to run. The service validates a received spec into this type (runner.service.spec), filling
@@ -144,6 +236,8 @@ class JobSpec:
     # "job": the VM stays for the same GitHub job's next step, which attaches to it instead of
     # getting a new one (and sends no checkout); "none": a step that finds a kept VM runs in it and ends it.
     keep: str = "none"
+    # Containers started in the VM before the command and removed after it (the action's `services:`).
+    services: tuple[ServiceContainer, ...] = ()
     # The pull request comes from a fork (the event's head repository is another one): the action's
     # reading of the runner's event file, used for the `checks: forks` setting only, never to allow anything.
     fork: bool = False
@@ -163,6 +257,10 @@ class JobSpec:
             del wire["keep"]  # the default: a service that predates `keep` still takes the spec
         if not self.fork:
             del wire["fork"]  # likewise
+        if self.services:
+            wire["services"] = [service.to_wire() for service in self.services]
+        else:
+            del wire["services"]  # likewise
         return wire
 
 

@@ -23,6 +23,7 @@ from policy import suggest
 from policy.model import Policy
 from runner.errors import JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.checkruns import CheckRunReporter
 from runner.service.config import ArtifactLimits, ServiceConfig
@@ -276,8 +277,10 @@ class JobRun:
     def _run_command(self, sandbox: Sandbox) -> ExecResult:
         self.update(state="running", started_at=time.time())
         env = {"CI": "true", **self.spec.env, **self.trust_env, "MICROVM_CHECK_JOB_ID": self.record.id}
+        # with service containers, the command runs inside the script that starts and removes them
+        command = containers.script(self.spec.services, self.spec.command) if self.spec.services else self.spec.command
         return sandbox.exec(
-            ["sh", "-c", self.spec.command],
+            ["sh", "-c", command],
             timeout_seconds=self.spec.timeout_seconds,
             env=env,
             cwd=self.spec.workdir,

@@ -25,6 +25,8 @@ from runner.jobapi.contract import (
     SHA,
     SPEC_FIELDS,
     JobSpec,
+    ServiceContainer,
+    parse_services,
 )
 from runner.service.config import ServiceConfig
 
@@ -178,8 +180,18 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         template=template,
         size=size,
         policy=policy,
+        services=_services(data),
         fork=_fork(data),
     )
+
+
+def _services(data: dict[str, Any]) -> tuple[ServiceContainer, ...]:
+    if data.get("services") is None:
+        return ()
+    try:
+        return parse_services(data["services"])
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _fork(data: dict[str, Any]) -> bool:

@@ -87,3 +87,38 @@ def test_docker_build_and_run_through_local_run(docker_template: None, tmp_path:
     out = capfd.readouterr().out
     assert status == 0, out
     assert "ok" in out.splitlines(), out
+
+
+# A database-like service: busybox's httpd serving its "rows" on port 5432, logging each request.
+SERVICE_DOCKERFILE = ('FROM scratch\nCOPY busybox /bin/busybox\nCOPY www /www\n'
+                      'ENTRYPOINT ["/bin/busybox", "httpd", "-f", "-v", "-p", "5432", "-h", "/www"]\n')
+READY = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 5432), 1)\""
+QUERY = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:5432/rows').read().decode())\""
+
+
+def test_a_service_container_is_ready_before_run_reached_on_its_port_and_logged(docker_service, sim) -> None:
+    service_dir = sim.workspace / "db"
+    (service_dir / "www").mkdir(parents=True)
+    (service_dir / "www" / "rows").write_text("id=1 name=alice\n")
+    (service_dir / "Dockerfile").write_text(SERVICE_DOCKERFILE)
+    shutil.copy2("/bin/busybox", service_dir / "busybox")
+    services = (f"- name: db\n  build: db\n  ports: ['5432']\n  env: {{POSTGRES_PASSWORD: example}}\n"
+                f"  ready: {json.dumps(READY)}\n")
+    result = run_action(sim, {"template": "docker", "socket": docker_service.config.socket, "timeout-minutes": "10",
+                              "services": services, "run": f"{QUERY} && echo env=$(docker inspect -f "
+                              "'{{range .Config.Env}}{{.}} {{end}}' mvc-service-db)"})
+    assert result.returncode == 0, result.log
+    assert "id=1 name=alice" in result.log and "env=POSTGRES_PASSWORD=example" in result.log, result.log
+    assert "microvm-check services: db is ready" in result.log, result.log
+    assert any(line.startswith("[db] ") and "response:200" in line for line in result.log.splitlines()), result.log
+
+
+def test_a_service_that_never_gets_ready_fails_the_job_saying_so(docker_service, sim) -> None:
+    """The checkout's own image is busybox with no command: it prints its help and exits at once."""
+    services = ("- name: db\n  build: .\n  ready: 'test -e /nonexistent'\n  ready-timeout-seconds: 3\n")
+    result = run_action(sim, {"template": "docker", "socket": docker_service.config.socket, "timeout-minutes": "10",
+                              "services": services, "run": "echo ran-$((40 + 2))"})
+    assert result.returncode == 125, result.log
+    assert ("db never got ready: its ready command 'test -e /nonexistent' did not succeed within 3 s; "
+            "the container is exited") in result.log, result.log
+    assert "ran-42" not in result.log  # the command never started
