@@ -61,12 +61,16 @@ def users() -> Iterator[Users]:
             subprocess.run(["groupdel", group], check=False)
 
 
-def _run_as(uid: int, socket: Path, args: tuple[str, ...], timeout: float) -> list[dict]:
+def run_as(uid: int, argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """`argv` as the user `uid` (its groups, as a login would have them), from / with a bare environment."""
     account = pwd.getpwuid(uid)
-    groups = os.getgrouplist(account.pw_name, account.pw_gid)
-    done = subprocess.run([str(PYTHON), "-I", str(BOT), str(socket), *args], user=uid, group=account.pw_gid,
-                          extra_groups=groups, env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(argv, user=uid, group=account.pw_gid, extra_groups=os.getgrouplist(account.pw_name,
+                          account.pw_gid), env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True, text=True,
+                          timeout=timeout, **kwargs)  # type: ignore[call-overload]
+
+
+def _run_as(uid: int, socket: Path, args: tuple[str, ...], timeout: float) -> list[dict]:
+    done = run_as(uid, [str(PYTHON), "-I", str(BOT), str(socket), *args], timeout)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
