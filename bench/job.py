@@ -152,6 +152,20 @@ def phases(records: list[JobRecord]) -> str:
             f"command + VM destroy {median_ms('started_at', 'finished_at'):.0f} ms")
 
 
+def slowest(round_trips: list[float], records: list[JobRecord], count: int = 3) -> str:
+    """Where the tail's time went, job by job: a pool miss shows as a long restore, a busy host as
+    everything slower at once, queueing as time before the restore began."""
+    def parts(total: float, r: JobRecord) -> str:
+        t = r.timings
+        assert t.queued_at is not None and t.vm_ready_at is not None and t.started_at is not None \
+            and t.finished_at is not None and t.vm_ready_ms is not None
+        before = (t.vm_ready_at - t.queued_at) * 1000 - t.vm_ready_ms
+        return (f"{total:.0f} ms = queue/submit {before:.0f} + restore {t.vm_ready_ms:.0f} + checkout "
+                f"{(t.started_at - t.vm_ready_at) * 1000:.0f} + command/destroy {(t.finished_at - t.started_at) * 1000:.0f}")
+    ranked = sorted(zip(round_trips, records), key=lambda pair: pair[0], reverse=True)[:count]
+    return "; ".join(parts(total, r) for total, r in ranked)
+
+
 def bench_log_latency(client: JobClient) -> tuple[list[float], float]:
     """Per line: service receipt -> client. Also: exec start on the host -> the first byte at the client."""
     job = client.submit(spec("i=0; while [ $i -lt 40 ]; do echo line-$i; i=$((i+1)); sleep 0.05; done")).id
@@ -265,6 +279,7 @@ def main() -> int:
           f"median {statistics.median(jobs):.1f} ms, p99 {percentile(jobs, 0.99):.1f} ms, "
           f"p99/p50 {percentile(jobs, 0.99) / statistics.median(jobs):.2f}")
     print(f"  where it went (medians): {phases(records)}")
+    print(f"  the slowest: {slowest(jobs, records)}")
     vm_ms = [(r.timings.finished_at - r.timings.vm_ready_at) * 1000 + r.timings.vm_ready_ms for r in records]
     own = [total - vm for total, vm in zip(jobs, vm_ms)]
     print(f"  the service's own share (round trip minus VM restore, checkout, command, destroy): "
