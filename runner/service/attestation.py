@@ -39,6 +39,7 @@ from runner.tarsafe import skip_marker
 
 if TYPE_CHECKING:
     from runner.jobapi.contract import JobRecord
+    from runner.sandbox.port import SandboxLike
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,12 @@ class VmFacts:
     accelerator: str | None
 
     @classmethod
-    def of(cls, sandbox: object) -> VmFacts:
+    def of(cls, sandbox: SandboxLike) -> VmFacts:
         try:
-            manifest = getattr(sandbox, "template_manifest", None)
+            manifest: dict[str, object] | None = sandbox.template_manifest
         except (OSError, ValueError):  # its template's directory went away: the record says it is unknown
             manifest = None
-        accel = getattr(sandbox, "accel", None)
+        accel = sandbox.accel
         if not isinstance(manifest, dict):
             return cls(None, None, accel if isinstance(accel, str) else None)
         own = _named(manifest)

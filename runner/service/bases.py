@@ -4,7 +4,7 @@ A repository whose trusted file (`policy.warm`: the operator's store file, or th
 `.github/microvm-check.yml`; never a pull request) has a `warm:` section gets a template of its
 own per network variant, `<template>--<net|nonet>--<owner>--<repo>`: the default branch's files
 (GitHub's tarball) are put in a VM restored from the bare template, `setup` runs there, and the VM
-is snapshotted (`Engine.snapshot`). A restore needs exactly the template's devices, so a job that
+is snapshotted (`Sandbox.snapshot`). A restore needs exactly the template's devices, so a job that
 needs a network card and one that must have none each get a base of their own variant, built when
 a job first needs it: a base of one variant never serves the other. The setup of a `net` base
 runs with the section's egress; that of a `nonet` base has no network at all. The base is keyed by the bare template's digest and the git blob
@@ -38,13 +38,13 @@ from policy.warm import RepositoryFile, WarmSpec
 from runner.github.errors import GitHubError
 from runner.github.policy_source import PolicySource, input_blobs, tarball
 from runner.jobapi.contract import canonical_repository
+from runner.sandbox.port import SandboxLike, VMRequest
 from runner.service.config import ServiceConfig
 from runner.vm.errors import SandboxError
 from runner.vm.templates import Template, TemplateNotFound
 
 if TYPE_CHECKING:
-    from runner.sandbox import Sandbox
-    from runner.vm.engine import Engine
+    from runner.sandbox.port import SandboxProvider
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +99,13 @@ def git_blob_sha(data: bytes) -> str:
 class RepositoryBases:
     """Which template a repository's jobs restore from, and the (re)builds of their bases.
 
-    `engine` is the service's VM engine, `create_sandbox` its `Sandbox.create` bound to it, `warm_for`
-    the repository's `warm:` section and setup policy (`PolicyStore.warm_for` with the default branch as
-    fallback), `github` the App's client for the default branch's files."""
+    `sandboxes` is the service's VM engine as a provider (its sandboxes, templates and spare VMs),
+    `warm_for` the repository's `warm:` section and setup policy (`PolicyStore.warm_for` with the default
+    branch as fallback), `github` the App's client for the default branch's files."""
 
-    def __init__(self, engine: Engine, create_sandbox: Callable[..., Sandbox], warm_for: Callable[[str], tuple[WarmSpec, Policy] | None],
+    def __init__(self, sandboxes: SandboxProvider, warm_for: Callable[[str], tuple[WarmSpec, Policy] | None],
                  github: PolicySource, settings: BaseSettings) -> None:
-        self.engine = engine
-        self.templates = engine.templates
-        self._create = create_sandbox
+        self.sandboxes = sandboxes
         self._warm_for = warm_for
         self.github = github
         self.settings = settings
@@ -116,7 +114,7 @@ class RepositoryBases:
         self._locks: dict[tuple[str, bool], threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._building_in: set[Sandbox] = set()  # the VMs builds run in now, so close() can end them
+        self._building_in: set[SandboxLike] = set()  # the VMs builds run in now, so close() can end them
         self._turns = threading.BoundedSemaphore(settings.max_concurrent_builds)  # the host's cap on builds
         self._failed: dict[tuple[str, bool], tuple[int, float]] = {}  # failures in a row, no retry before
         self.clock: Callable[[], float] = time.monotonic
@@ -135,7 +133,7 @@ class RepositoryBases:
         except (GitHubError, PolicyError, SandboxError, TemplateNotFound, ValueError) as exc:
             log.warning("warm base of %s: cannot tell whether it is current (%s); jobs use what there is", repository, exc)
             fresh = None
-        if network and self.engine.net is None:
+        if network and not self.sandboxes.networked:
             return parent  # this engine makes no networked VMs: nothing to build, the job fails as it would
         name = base_name(parent, repository, network)
         current = self._current(name)
@@ -192,7 +190,7 @@ class RepositoryBases:
 
     def evict(self, keep: frozenset[str] = frozenset()) -> list[str]:
         """Hold the bases (and other derived templates) to the disk budget, least recently used first."""
-        gone = self.templates.evict(self.settings.budget_bytes, keep=keep, before_remove=self.engine.forget_template)
+        gone = self.sandboxes.evict(self.settings.budget_bytes, keep=keep)
         for name in gone:
             log.info("removed the warm base %s: over the bases' disk budget of %d bytes", name,
                      self.settings.budget_bytes)
@@ -210,7 +208,7 @@ class RepositoryBases:
         name = base_name(self.settings.parent, repository, network)
         with self._repository_lock(repository, network):
             ref = ref or self.github.default_branch(repository)
-            parent = self.engine.template(self.settings.parent)
+            parent = self.sandboxes.template(self.settings.parent)
             current = self._current(name)
             if current is not None and current.digest == self._digest_at(repository, spec, parent.digest, ref):
                 return current  # the listings say so: nothing to download
@@ -225,13 +223,13 @@ class RepositoryBases:
                                                 {"repository": repository, "commit": commit, "inputs": blobs})
         self.evict(keep=frozenset({name}))
         if current is not None:  # the base was in use: its spare VMs are of the old build; start new ones
-            self.engine.pool.refill(template.snapshot(network))
+            self.sandboxes.refill(template, network)
         return template
 
     def _setup_and_snapshot(self, repository: str, name: str, network: bool, digest: str, spec: WarmSpec,
                             setup_policy: Policy, checkout: bytes, extra: dict[str, object]) -> Template:
-        sandbox = self._create(template=self.settings.parent, network=network,
-                               policy=setup_policy if network else None, job_id=f"warm-{name}"[:60])
+        sandbox = self.sandboxes.create(VMRequest(template=self.settings.parent, policy=setup_policy if network else None,
+                                                  job_id=f"warm-{name}"[:60], network_card=network))
         with self._lock:
             self._building_in.add(sandbox)
             closed = self._closed
@@ -258,7 +256,10 @@ class RepositoryBases:
             with self._lock:
                 self._building_in.discard(sandbox)
             sandbox.destroy()
-        return self.templates.get(name)
+        template = self._current(name)
+        if template is None:
+            raise BaseBuildError(f"the snapshot of {repository}'s warm base {name} is not in the template store")
+        return template
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop building: no new builds, the VMs running a setup are destroyed (so their builds fail at
@@ -306,17 +307,14 @@ class RepositoryBases:
         return wait
 
     def _fresh_digest(self, repository: str, spec: WarmSpec) -> str:
-        parent = self.engine.template(self.settings.parent)
+        parent = self.sandboxes.template(self.settings.parent)
         return self._digest_at(repository, spec, parent.digest, self.github.default_branch(repository))
 
     def _digest_at(self, repository: str, spec: WarmSpec, parent_digest: str, ref: str) -> str:
         return inputs_key(parent_digest, input_blobs(self.github.client, repository, spec.inputs, ref))
 
     def _current(self, name: str) -> Template | None:
-        try:
-            return self.templates.get(name)
-        except (TemplateNotFound, OSError, ValueError):
-            return None
+        return self.sandboxes.find_template(name)
 
     def _repository_lock(self, repository: str, network: bool) -> threading.Lock:
         with self._lock:

@@ -33,7 +33,7 @@ from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.jobapi.contract import ACTIVE_STATES
-from runner.service.job import SandboxFactory
+from runner.sandbox.port import SandboxFactory
 from runner.service.metrics import CountedRunners, EventsTee, JobMetrics, ServiceView
 from runner.service.service import JobService, branch_files
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the VM and network layers need root and QEMU; they are impo
     from runner.fleet.fleet import RunnerFleet
     from runner.net import SlotPool, Upstream
     from runner.net.uplink import Uplink
+    from runner.sandbox.sandbox import EngineSandboxes
     from runner.service.bases import RepositoryBases
     from runner.service.sandboxes import SandboxDesk
     from runner.vm.engine import Engine
@@ -83,6 +84,7 @@ class ServiceHost:
         self._origin = origin
         self.slots: SlotPool | None = None
         self.engine: Engine | None = None
+        self.provider: EngineSandboxes | None = None  # the engine as the service sees it
         self.service: JobService | None = None
         self.api: ApiServers | None = None
         self.webhook: Webhook | None = None
@@ -136,13 +138,9 @@ class ServiceHost:
         records; snapshots (forks) only on a real engine, whose templates they become."""
         from runner.service.sandboxes import SandboxDesk
 
-        engine = self.engine
-        forget = None
-        if engine is not None:
-            def forget(name: str) -> None:
-                engine.forget_template(name)
-                engine.templates.remove(name)
-        desk = SandboxDesk(self.config, create, service.policies, service.records.put, forget)
+        provider = self.provider
+        desk = SandboxDesk(self.config, create, service.policies, service.records.put,
+                           provider.remove if provider is not None else None)
         self._stack.callback(desk.close)  # before service.close: the records are written as the sandboxes end
         desk.start()
         return desk
@@ -173,7 +171,7 @@ class ServiceHost:
     def _start_engine(self) -> SandboxFactory:
         """The VM engine, networked when the config says so; it sweeps a crashed predecessor's VMs (and
         the slot pool its namespaces) as it starts, not at the first job."""
-        from runner.sandbox import Sandbox
+        from runner.sandbox.sandbox import EngineSandboxes
         from runner.vm.engine import Engine
 
         settings = self._engine_settings
@@ -188,7 +186,8 @@ class ServiceHost:
             raise SandboxError(f"the VM engine could not start on {state.root}: {exc}") from exc
         self._stack.callback(self.engine.close)
         self._require_templates(self.engine)
-        return functools.partial(Sandbox.create, engine=self.engine)
+        self.provider = EngineSandboxes(self.engine)
+        return self.provider.create
 
     def _require_templates(self, engine: Engine) -> None:
         """Every template the config offers is built, or the host does not start: otherwise each job fails
@@ -289,17 +288,15 @@ class ServiceHost:
 
     def _warm_bases(self, policies: EgressPolicies) -> RepositoryBases | None:
         """The repositories' warm bases on the engine; None without real VMs or without the App, which
-        reads the default branches the bases are built from. Bases snapshot their VMs, so they get the
-        engine's own `Sandbox.create` (what jobs get too, as a `SandboxFactory`)."""
-        if self.engine is None or policies.branch_files is None:
+        reads the default branches the bases are built from. Bases snapshot their VMs and keep the spare
+        VMs in step with them, so they get the engine as a whole `SandboxProvider`."""
+        if self.provider is None or policies.branch_files is None:
             return None
         from policy import PolicyStore
-        from runner.sandbox import Sandbox
         from runner.service.bases import BaseSettings, RepositoryBases, branch_warm
 
         source = policies.branch_files
-        create = functools.partial(Sandbox.create, engine=self.engine)
-        bases = RepositoryBases(self.engine, create, branch_warm(PolicyStore(self.config.policy_dir), source), source,
+        bases = RepositoryBases(self.provider, branch_warm(PolicyStore(self.config.policy_dir), source), source,
                                 BaseSettings.from_config(self.config))
         bases.evict()
         self._stack.callback(bases.close)  # after the service closes, before the engine: no build outlives the host

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any
 
 from policy import suggest
 from policy.model import Policy
 from runner.errors import JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.checkruns import CheckRunReporter
@@ -47,24 +48,14 @@ MAX_ARTIFACT_NOTES = 50  # log notes about skipped artifacts; they are outside t
 LOG = "log.ndjson"
 
 
-class Sandbox(Protocol):
-    """What a job needs of `runner.sandbox.Sandbox` (the tests' fakes provide the same)."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def ready_ms(self) -> float: ...
-
-    def put_tar(self, stream: BinaryIO, dest: str = "/workspace") -> None: ...
-    def exec(self, command: str | list[str], *, timeout_seconds: float | None, env: dict[str, str], cwd: str,
-             on_output: Callable[[str, bytes], None], capture_bytes: int) -> ExecResult: ...
-    def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int: ...
-    def blocked_egress(self) -> Iterable[object]: ...  # audit records, checked by _bounded_blocked
-    def install_job_ca(self) -> dict[str, str]: ...  # the job CA's variables for its commands ({}: none)
-    def destroy(self) -> None: ...
-
-
-SandboxFactory = Callable[..., Sandbox]
+def vm_request(config: ServiceConfig, *, template: str, ttl_seconds: float, policy: Policy | None,
+               job_id: str, size: str | None = None) -> VMRequest:
+    """The VM a job (or one pre-warmed for it, or an interactive sandbox) asks for: the service's size
+    for job VMs, or the size class `size` names (what its template must have been baked with: the
+    engine checks it), and the policy the VM's network card follows from."""
+    shape = config.size(size) if size else config.resources
+    return VMRequest(template=template, ttl_seconds=ttl_seconds, resources=Resources(shape.vcpus, shape.memory_mib),
+                     policy=policy, job_id=job_id)
 
 
 @dataclass
@@ -77,9 +68,9 @@ class JobRun:
     log: JobLog
     save: Callable[[JobRecord], None]
     policy: Policy | None = None
-    warm: Sandbox | None = None
+    warm: SandboxLike | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    sandbox: Sandbox | None = None
+    sandbox: SandboxLike | None = None
     cancel_reason: str | None = None
     trust_env: dict[str, str] = field(default_factory=dict)  # from Sandbox.install_job_ca
     uploading: bool = False
@@ -163,14 +154,14 @@ class JobRun:
                 _destroy(sandbox)
             self.finish(*outcome)
 
-    def _attach(self) -> Sandbox | None:
+    def _attach(self) -> SandboxLike | None:
         """The session's VM for this step; it is this step's alone until `_kept` hands it back."""
         assert self.session is not None
         self.update(state="starting")
-        sandbox: Sandbox | None
+        sandbox: SandboxLike | None
         with self.session.lock:
             sandbox, self.session.sandbox = self.session.sandbox, None
-        if sandbox is None or not getattr(sandbox, "alive", True):
+        if sandbox is None or not sandbox.alive:
             raise SessionGone(f"the job's kept VM is gone ({self.session.ended or 'it died'}); "
                               "run the job again")
         with self.lock:
@@ -186,14 +177,14 @@ class JobRun:
                         f"(session {self.session.id}); the checkout and earlier steps' files are there")
         return sandbox
 
-    def _kept(self, sandbox: Sandbox | None, state: str) -> bool:
+    def _kept(self, sandbox: SandboxLike | None, state: str) -> bool:
         """After the step: hand a `keep: job` step's VM to its session when the step ended with a
         result; otherwise end the session (the caller destroys the VM). False: destroy it."""
         session, sessions = self.session, self.sessions
         if session is None or sessions is None:
             return False
         keep = self.spec.keep == "job" and state in ("finished", "timed_out") and not self.cancel_reason
-        if keep and sandbox is not None and getattr(sandbox, "alive", True):
+        if keep and sandbox is not None and sandbox.alive:
             if session.hold(sandbox, time.monotonic()):
                 self.log.system(f"VM {sandbox.id} kept for the job's next step (session {session.id})")
                 return True
@@ -206,7 +197,7 @@ class JobRun:
     def _cancelled(self) -> tuple[str, int | None, str | None]:
         return "cancelled", EXIT_CANCELLED, self.cancel_reason
 
-    def _run_in(self, sandbox: Sandbox, config: ServiceConfig) -> tuple[str, int | None, str | None]:
+    def _run_in(self, sandbox: SandboxLike, config: ServiceConfig) -> tuple[str, int | None, str | None]:
         if not self.attached:
             self._put_checkout(sandbox)
         self.trust_env = sandbox.install_job_ca()  # before any job code runs
@@ -234,11 +225,11 @@ class JobRun:
         self.log.system(f"egress was refused and the policy says on_block: fail: {suggest.refused_summary(refused)}")
         return "failed", exit_code, f"egress refused (on_block: fail): {suggest.refused_summary(refused)}"
 
-    def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> Sandbox | None:
+    def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> SandboxLike | None:
         self.update(state="starting")
         begin = time.monotonic()
         sandbox = self.warm
-        if sandbox is not None and not getattr(sandbox, "alive", True):
+        if sandbox is not None and not sandbox.alive:
             self.log.system(f"the pre-warmed VM {sandbox.id} died while waiting; starting a fresh one")
             _destroy(sandbox)
             sandbox = self.warm = None
@@ -246,16 +237,10 @@ class JobRun:
         if sandbox is None:
             assert self.spec.timeout_seconds is not None  # parse_spec fills in the service's default
             ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
-            sandbox = create(
-                template=self.spec.template,
-                ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
-                # a size class names what its template must have been baked with: the engine checks it
-                vcpus=config.size(self.spec.size).vcpus if self.spec.size else config.resources.vcpus,
-                memory_mib=config.size(self.spec.size).memory_mib if self.spec.size else config.resources.memory_mib,
-                network=needs_network(self.policy),
-                policy=self.policy,
-                job_id=self.record.id,
-            )
+            assert self.spec.template is not None  # parse_spec fills in the service's default
+            sandbox = create(vm_request(config, template=self.spec.template,
+                                        ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
+                                        policy=self.policy, job_id=self.record.id, size=self.spec.size))
         with self.lock:
             self.sandbox = sandbox
             cancelled = self.cancel_reason is not None
@@ -270,11 +255,11 @@ class JobRun:
         self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.warm else ''}")
         return sandbox
 
-    def _put_checkout(self, sandbox: Sandbox) -> None:
+    def _put_checkout(self, sandbox: SandboxLike) -> None:
         with open(self.checkout_path, "rb") as checkout:
             sandbox.put_tar(checkout, "/workspace")
 
-    def _run_command(self, sandbox: Sandbox) -> ExecResult:
+    def _run_command(self, sandbox: SandboxLike) -> ExecResult:
         self.update(state="running", started_at=time.time())
         env = {"CI": "true", **self.spec.env, **self.trust_env, "MICROVM_CHECK_JOB_ID": self.record.id}
         # with service containers, the command runs inside the script that starts and removes them
@@ -288,7 +273,7 @@ class JobRun:
             capture_bytes=0,  # the job log has it all; keeping another copy in memory helps no one
         )
 
-    def _collect_artifacts(self, sandbox: Sandbox, config: ServiceConfig) -> None:
+    def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:
         """Validated artifacts into the job dir; trouble with them is a warning in the log.
 
         The command's exit code is the job's result either way. Files that break a rule (links,
@@ -341,11 +326,6 @@ class SessionGone(JobError):
     """The kept VM a step was to attach to ended before the step started."""
 
 
-def needs_network(policy: Policy | None) -> bool:
-    """A VM whose policy allows nothing gets no network card at all: nothing to filter, nothing to get wrong."""
-    return policy is not None and (bool(policy.rules) or policy.mode == "audit")
-
-
 def _exit_code(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not -255 <= value <= 255:
         raise ValueError(f"the guest reported an impossible exit code {value!r}")
@@ -376,11 +356,11 @@ def _log_failure(job_id: str, exc: Exception) -> None:
         log.warning("job %s failed", job_id, exc_info=True)
 
 
-def _destroy(sandbox: Sandbox) -> None:
+def _destroy(sandbox: SandboxLike) -> None:
     try:
         sandbox.destroy()
     except Exception:
-        log.exception("destroying VM %s failed", getattr(sandbox, "id", "?"))
+        log.exception("destroying VM %s failed", sandbox.id)
 
 
 def _remove(path: Path) -> None:

@@ -29,14 +29,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from policy.model import Policy
 from runner.errors import JobError
 from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
+from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
 from runner.service.config import SandboxAccess, ServiceConfig
 from runner.service.egress import EgressPolicies
-from runner.service.job import LOG, _bounded_blocked, needs_network
+from runner.service.job import LOG, _bounded_blocked, vm_request
 from runner.service.joblog import JobLog, LogFull
 from runner.tarsafe import Limits, check_tar, copy_validated
 
@@ -126,7 +127,7 @@ class LiveSandbox:
     id: str
     owner: Owner
     token_digest: bytes = field(repr=False)
-    vm: Any  # runner.sandbox.Sandbox (the engine's), or a stand-in in tests
+    vm: SandboxLike  # runner.sandbox.Sandbox (the engine's), or a stand-in in tests
     record: JobRecord
     log: JobLog
     policy: Policy
@@ -141,17 +142,18 @@ class LiveSandbox:
         return {"id": self.id, "vm_id": self.record.vm_id, "repository": self.record.repository,
                 "template": self.record.command, "base": self.base,
                 "expires_in": max(0.0, round(self.expires - time.monotonic(), 1)),
-                "accel": getattr(self.vm, "accel", None), "ready_ms": self.record.timings.vm_ready_ms}
+                "accel": self.vm.accel, "ready_ms": self.record.timings.vm_ready_ms}
 
 
 class SandboxDesk:
     """The live sandboxes: created under the config's rules, found by token, reaped at their TTL."""
 
-    def __init__(self, config: ServiceConfig, create_vm: Callable[..., Any], policies: EgressPolicies,
+    def __init__(self, config: ServiceConfig, create_vm: SandboxFactory, policies: EgressPolicies,
                  save: Callable[[JobRecord], None], forget_template: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`create_vm` is the engine's `Sandbox.create`; `save` the job service's record store; and
-        `forget_template` removes a snapshot's template (None: snapshots are not offered)."""
+        """`create_vm` restores a VM from its request (the engine's `SandboxProvider.create`); `save` the
+        job service's record store; and `forget_template` removes a snapshot's template (None: snapshots are
+        not offered)."""
         self.config = config
         self.settings: SandboxAccess = config.sandboxes
         self._create_vm = create_vm
@@ -248,9 +250,9 @@ class SandboxDesk:
         self._save(record)
         started = time.monotonic()
         try:
-            vm = self._create_vm(template=template, ttl_seconds=request.ttl_seconds + _TTL_MARGIN_SECONDS,
-                                 vcpus=self.config.resources.vcpus, memory_mib=self.config.resources.memory_mib,
-                                 network=needs_network(policy), policy=policy, job_id=sandbox_id)
+            vm = self._create_vm(vm_request(self.config, template=template,
+                                            ttl_seconds=request.ttl_seconds + _TTL_MARGIN_SECONDS, policy=policy,
+                                            job_id=sandbox_id))
         except BaseException as exc:
             record.state, record.error = JobState.FAILED, f"the sandbox's VM did not start: {exc}"
             record.timings.finished_at = time.time()
@@ -408,7 +410,7 @@ class _Call:
         sandbox = self.sandbox
         with sandbox.lock:
             sandbox.calls -= 1
-        if exc is not None and not getattr(sandbox.vm, "alive", True):  # the call's failure ended the VM
+        if exc is not None and not sandbox.vm.alive:  # the call's failure ended the VM
             gone = isinstance(exc, (ConnectionError, TimeoutError))
             self.desk.end(sandbox, JobState.CANCELLED if gone else JobState.FAILED,
                           "its caller went away in the middle of an exec" if gone else f"its VM failed: {exc}")

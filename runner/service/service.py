@@ -40,12 +40,13 @@ from runner.jobapi.contract import (
     canonical_repository,
 )
 from runner.logs import JobEvents
+from runner.sandbox.port import SandboxFactory, SandboxLike, VMRequest, needs_network
 from runner.service.attestation import ENVELOPE, JobAttestor
 from runner.service.auth import OPERATOR, Access, Caller
 from runner.service.checkruns import CheckRunReporter
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
-from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, Sandbox, SandboxFactory, needs_network
+from runner.service.job import ARTIFACTS, CHECKOUT, LOG, JobRun, vm_request
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.records import RecordStore
@@ -116,8 +117,8 @@ def branch_files(config: ServiceConfig) -> PolicySource | None:
 class JobService:
     def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory,
                  policies: EgressPolicies | None = None, bases: RepositoryBases | None = None) -> None:
-        """`create_sandbox` makes a job's VM: `Sandbox.create` bound to the engine its owner built
-        (`runner.service.host.ServiceHost`), or a stand-in in tests; `bases` the repositories' warm
+        """`create_sandbox` makes a job's VM from its `VMRequest`: the engine its owner built
+        (`runner.service.host.ServiceHost`) as a `SandboxProvider`, or a stand-in in tests; `bases` the repositories' warm
         bases on that engine (None: every job restores from the template it names)."""
         self.config = config
         self._create = create_sandbox
@@ -459,11 +460,10 @@ class JobService:
         key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
         self.warm.prewarm(key, job.job_id, policy.digest(),
                           lambda: self._template_for(job.repository, template, policy),
-                          lambda chosen: self._create_vm(
-            template=chosen, ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
-            vcpus=self.config.resources.vcpus, memory_mib=self.config.resources.memory_mib,
-            network=needs_network(policy), policy=policy, job_id=f"warm-{job.job_id}",
-        ))
+                          lambda chosen: self._create_vm(vm_request(
+            self.config, template=chosen,
+            ttl_seconds=int(self.config.prewarm.expire_seconds) + self.config.max_timeout_seconds,
+            policy=policy, job_id=f"warm-{job.job_id}")))
 
     def job_completed(self, job: CompletedJob) -> None:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
@@ -561,9 +561,9 @@ class JobService:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _create_vm(self, **kwargs: object) -> Sandbox:
-        sandbox = self._create(**kwargs)
-        self.accel = getattr(sandbox, "accel", self.accel)
+    def _create_vm(self, request: VMRequest) -> SandboxLike:
+        sandbox = self._create(request)
+        self.accel = sandbox.accel
         return sandbox
 
     def _work(self) -> None:
@@ -623,7 +623,7 @@ class JobService:
             try:
                 sandbox.destroy()
             except Exception:
-                log.exception("job %s: destroying VM %s failed", run.record.id, getattr(sandbox, "id", "?"))
+                log.exception("job %s: destroying VM %s failed", run.record.id, sandbox.id)
         if run.session is not None:
             self.sessions.end(run.session, "the service failed to run a step of the job")
         try:
@@ -738,12 +738,12 @@ def _logged(step: Callable[..., object], what: str, *args: object) -> None:
         log.exception("%s failed", what)
 
 
-def _destroy_vm(sandbox: Sandbox) -> None:
+def _destroy_vm(sandbox: SandboxLike) -> None:
     """A kept VM whose session ended; a failure is logged (the engine's TTL and sweep remain)."""
     try:
         sandbox.destroy()
     except Exception:
-        log.exception("destroying kept VM %s failed", getattr(sandbox, "id", "?"))
+        log.exception("destroying kept VM %s failed", sandbox.id)
 
 
 def _session_of_github_job(key: SessionKey, job: CompletedJob) -> bool:

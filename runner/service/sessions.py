@@ -28,6 +28,7 @@ from typing import Any
 
 from runner.errors import JobError
 from runner.jobapi.contract import KEEP_VALUES, MAX_TOKEN, canonical_repository
+from runner.sandbox.port import SandboxLike
 from runner.service.spec import SpecError
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,13 @@ class Session:
     policy_digest: str
     touched: float
     token_digest: bytes = field(repr=False, default=b"")  # SHA-256 of the session's token
-    sandbox: Any = None  # None until the first step's VM is up, and again once it has ended
+    sandbox: SandboxLike | None = None  # None until the first step's VM is up, and again once it has ended
     steps: int = 0
     busy: bool = False  # a step is between its submit and its end: the next one waits for it to end
     ended: str | None = None  # why it ended
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def hold(self, sandbox: Any, now: float) -> bool:
+    def hold(self, sandbox: SandboxLike, now: float) -> bool:
         """After a step: keep its VM for the next. False when the session ended meanwhile (destroy it)."""
         with self.lock:
             self.busy = False
@@ -100,7 +101,7 @@ class SessionConflict(JobError):
 class Sessions:
     """The service's sessions by id, found by their token; every path that ends one destroys its VM exactly once."""
 
-    def __init__(self, destroy: Callable[[Any], None], idle_seconds: float = KEEP_IDLE_SECONDS,
+    def __init__(self, destroy: Callable[[SandboxLike], None], idle_seconds: float = KEEP_IDLE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._destroy = destroy
         self.idle_seconds = idle_seconds
@@ -195,7 +196,7 @@ class Sessions:
         """Whether a live session keeps the VM `vm_id` for its job's next step (the lifecycle log says so)."""
         with self._lock:
             sessions = list(self._by_digest.values())
-        return any(s.ended is None and getattr(s.sandbox, "id", None) == vm_id for s in sessions)
+        return any(s.ended is None and s.sandbox is not None and s.sandbox.id == vm_id for s in sessions)
 
 
 def _digest(token: str) -> bytes:

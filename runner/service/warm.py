@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from runner.sandbox.port import SandboxLike
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class PrewarmedVM:
     policy_digest: str
     expires_at: float
     template: str | None = None  # None until chosen, just before the restore
-    sandbox: Any = None  # None while it is being restored
+    sandbox: SandboxLike | None = None  # None while it is being restored
     discarded: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -53,7 +54,7 @@ class PrewarmedVMs:
         self._closed = False
 
     def prewarm(self, key: RunKey, github_job_id: int, policy_digest: str, choose: Callable[[], str],
-                create: Callable[[str], Any]) -> bool:
+                create: Callable[[str], SandboxLike]) -> bool:
         """In the background, choose the template (`choose()`) and restore a VM from it (`create(template)`);
         False when the pool is full or closed."""
         with self._lock:
@@ -67,7 +68,7 @@ class PrewarmedVMs:
                          daemon=True).start()
         return True
 
-    def _restore(self, vm: PrewarmedVM, choose: Callable[[], str], create: Callable[[str], Any]) -> None:
+    def _restore(self, vm: PrewarmedVM, choose: Callable[[], str], create: Callable[[str], SandboxLike]) -> None:
         try:
             template = choose()
             with self._lock:
@@ -88,7 +89,7 @@ class PrewarmedVMs:
         if unwanted:
             _destroy(sandbox)
 
-    def claim(self, key: RunKey, template: str, policy_digest: str) -> Any:
+    def claim(self, key: RunKey, template: str, policy_digest: str) -> SandboxLike | None:
         """A ready VM for this run with the same template and policy, now owned by the caller; or None."""
         with self._lock:
             for vm in self._vms:
@@ -136,8 +137,8 @@ class PrewarmedVMs:
             self._vms.remove(vm)
 
 
-def _destroy(sandbox: Any) -> None:
+def _destroy(sandbox: SandboxLike) -> None:
     try:
         sandbox.destroy()
     except Exception:
-        log.exception("destroying pre-warmed VM %s failed", getattr(sandbox, "id", "?"))
+        log.exception("destroying pre-warmed VM %s failed", sandbox.id)

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from policy.model import DENY_ALL, Policy
-from runner.net.slots import Slot, SlotPool
+from runner.net.slots import SlotPool
 from runner.vm import cgroup, checkoutdisk, jail
 from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient
 from runner.vm.errors import SandboxError, VMError
@@ -239,7 +239,6 @@ class Engine:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
         assert vm.agent is not None, "_restore gives every VM its agent before a job can claim it"
         if vm.slot is not None:
-            assert isinstance(vm.slot, Slot), "_spawn takes slots only from self.net, a SlotPool"
             try:
                 vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
             except Exception as exc:  # the guest must not run on with an unknown ruleset
@@ -296,17 +295,11 @@ class Engine:
             launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns=namespace)
             machine = self.hv.spawn(snapshot, launch)
         except BaseException:
-            if slot is not None:
-                self._release_slot(slot)
+            if slot is not None and self.net is not None:
+                self.net.release(slot)
             shutil.rmtree(vm_dir, ignore_errors=True)
             raise
-        return VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, release_slot=self._release_slot)
-
-    def _release_slot(self, slot: object) -> None:
-        """VM.release_slot: the VM holds its slot as an object; it is the Slot _spawn took from self.net."""
-        if self.net is not None:
-            assert isinstance(slot, Slot), slot
-            self.net.release(slot)
+        return VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, slots=self.net)
 
     # ---- ending ------------------------------------------------------------------------------
     def destroy(self, vm: VM) -> None:

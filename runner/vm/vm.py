@@ -10,12 +10,15 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.vm.agent import AgentClient
 from runner.vm.hypervisor import Machine, Snapshot
+
+if TYPE_CHECKING:
+    from runner.net.slots import Slot, SlotPool
 
 
 @dataclass
@@ -24,8 +27,8 @@ class VM:
     dir: Path
     machine: Machine
     snapshot: Snapshot
-    slot: object | None = None  # a runner.net Slot when the VM has a network
-    release_slot: Callable[[object], None] | None = None
+    slot: Slot | None = None  # its network namespace, tap and filters when the VM has a network card
+    slots: SlotPool | None = None  # where `slot` came from, and goes back to when the VM is destroyed
     agent: AgentClient | None = None
     ready_ms: float = 0.0
     expires_at: float = float("inf")  # time.monotonic() deadline (the TTL)
@@ -73,7 +76,7 @@ class VM:
         self._killed_by_us = self.machine.alive()
         self.machine.kill()
         try:
-            if self.slot is not None and self.release_slot is not None:
-                self.release_slot(self.slot)
+            if self.slot is not None and self.slots is not None:
+                self.slots.release(self.slot)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -41,8 +41,8 @@ class LocalEngine:
     def __init__(self) -> None:
         self.created: list[LocalSandbox] = []
 
-    def create(self, **kwargs: Any) -> LocalSandbox:
-        sandbox = LocalSandbox(f"local{len(self.created)}", kwargs)
+    def create(self, request: Any) -> LocalSandbox:
+        sandbox = LocalSandbox(f"local{len(self.created)}", request)
         self.created.append(sandbox)
         return sandbox
 
@@ -50,14 +50,19 @@ class LocalEngine:
 class LocalSandbox:
     ready_ms = 0.0
     accel = "none"
+    template_manifest: dict[str, object] = {}
 
-    def __init__(self, sandbox_id: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, sandbox_id: str, request: Any) -> None:
         self.id = sandbox_id
-        self.kwargs = kwargs
+        self.request = request
         self.root = Path(tempfile.mkdtemp(prefix="mvc-act-guest-"))
         (self.root / "workspace").mkdir()
         self.process: subprocess.Popen | None = None
         self.destroyed = threading.Event()
+
+    @property
+    def alive(self) -> bool:
+        return not self.destroyed.is_set()
 
     def _host(self, guest_path: str) -> Path:
         return self.root / guest_path.lstrip("/")

@@ -258,6 +258,6 @@ def serve(rig: Rig, vms: bool = True) -> Iterator[Rig]:
             assert host.engine.live() == [], "a job's VM outlived the service"
 
 
-def _no_vms(**kwargs: Any) -> Any:
+def _no_vms(request: Any) -> Any:
     raise AssertionError("this test runs no job: no VM may be created")
 

@@ -164,5 +164,5 @@ def test_single_runner_setup_a_socket_member_runs_local_jobs_only(account: Accou
     assert refused["status"] == 403 and "runs local jobs only" in refused["error"]
 
 
-def _no_vms(**kwargs: Any) -> Any:
+def _no_vms(request: Any) -> Any:
     raise AssertionError("no job here gets a checkout: no VM may be created")

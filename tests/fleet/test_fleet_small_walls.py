@@ -70,5 +70,5 @@ def test_health_counts_are_the_operators_only(account: Account, rig_root: Path) 
     assert operator.ok and (operator.running, operator.queued, operator.warm) == (0, 0, 0)
 
 
-def _no_vms(**kwargs: Any) -> Any:
+def _no_vms(request: Any) -> Any:
     raise AssertionError("no job here gets a checkout: no VM may be created")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.suggest import AuditRecord
+from runner.sandbox.port import VMRequest
 from runner.vm.errors import SandboxError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -46,11 +47,11 @@ class FakeEngine:
     fail_create: bool = False
     counter: itertools.count = field(default_factory=itertools.count)
 
-    def create(self, **kwargs: Any) -> FakeSandbox:
+    def create(self, request: VMRequest) -> FakeSandbox:
         if self.fail_create:
             raise SandboxError("the template could not be restored")
         with self.lock:
-            sbx = FakeSandbox(self, f"vm{next(self.counter)}", kwargs)
+            sbx = FakeSandbox(self, f"vm{next(self.counter)}", request)
             self.created.append(sbx)
             self.live += 1
             self.max_live = max(self.max_live, self.live)
@@ -61,12 +62,37 @@ class FakeEngine:
             return [s for s in self.created if not s.destroyed.is_set()]
 
 
+@dataclass
+class FakeProvider:
+    """A `SandboxProvider` with no templates: its sandboxes come from `create`, for tests of warm bases
+    whose builds are stand-ins."""
+
+    create: Callable[[VMRequest], Any]
+    networked: bool = False
+
+    def template(self, name: str) -> Any:
+        return None
+
+    def find_template(self, name: str) -> Any:
+        return None
+
+    def forget(self, name: str) -> None:
+        pass
+
+    def refill(self, template: Any, network: bool) -> None:
+        pass
+
+    def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset()) -> list[str]:
+        return []
+
+
 class FakeSandbox:
     accel = "tcg"
     ready_ms = 1.0
+    template_manifest: dict[str, object] = {}  # restored from no template the attestation could name
 
-    def __init__(self, engine: FakeEngine, vm_id: str, kwargs: dict[str, Any]) -> None:
-        self.engine, self.id, self.kwargs = engine, vm_id, kwargs
+    def __init__(self, engine: FakeEngine, vm_id: str, request: VMRequest) -> None:
+        self.engine, self.id, self.request = engine, vm_id, request
         self.files: dict[str, bytes] = {}
         self.destroyed = threading.Event()
         self.exec_calls: list[dict[str, Any]] = []

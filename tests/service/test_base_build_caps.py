@@ -11,15 +11,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from runner.service.bases import BaseSettings, RepositoryBases
+from tests.service.service_fakes import FakeProvider
 
 SETTINGS = BaseSettings(parent="base", budget_bytes=1 << 30, setup_timeout_s=60, max_checkout_bytes=1 << 20,
                         max_concurrent_builds=1, failure_backoff_s=60)
 
 
 def bases(settings: BaseSettings = SETTINGS) -> RepositoryBases:
-    engine = SimpleNamespace(templates=SimpleNamespace(get=lambda name: None), net=None)
     warm_for = lambda repository: (SimpleNamespace(setup="true", inputs=()), None)  # noqa: E731
-    return RepositoryBases(engine, lambda **kw: None, warm_for, github=None, settings=settings)  # type: ignore[arg-type]
+    return RepositoryBases(FakeProvider(lambda request: None), warm_for, github=None, settings=settings)  # type: ignore[arg-type]
 
 
 def test_stale_bases_of_many_repositories_are_rebuilt_one_at_a_time() -> None:

@@ -7,19 +7,19 @@ from types import SimpleNamespace
 from typing import Any
 
 from runner.service.bases import BaseSettings, RepositoryBases
+from tests.service.service_fakes import FakeProvider
 
 SETTINGS = BaseSettings(parent="base", budget_bytes=1 << 30, setup_timeout_s=60, max_checkout_bytes=1 << 20)
 
 
-def bases(create: Any, net: object | None = None) -> RepositoryBases:
-    engine = SimpleNamespace(templates=SimpleNamespace(get=lambda name: None), net=net)
+def bases(create: Any, networked: bool = False) -> RepositoryBases:
     warm_for = lambda repository: (SimpleNamespace(setup="true", inputs=()), None)  # noqa: E731
-    return RepositoryBases(engine, create, warm_for, github=None, settings=SETTINGS)  # type: ignore[arg-type]
+    return RepositoryBases(FakeProvider(create, networked), warm_for, github=None, settings=SETTINGS)  # type: ignore[arg-type]
 
 
 def test_a_service_without_networking_never_builds_a_networked_base() -> None:
     created: list[dict[str, Any]] = []
-    subject = bases(lambda **kw: created.append(kw))
+    subject = bases(lambda request: created.append(request))
     subject._fresh_digest = lambda repository, spec: "d"  # type: ignore[method-assign]
     assert subject.template_for("o/r", network=True) == "base"
     assert subject._building == {} and created == []
@@ -44,7 +44,7 @@ class _HangingSandbox:
 
 def test_close_ends_a_running_build_and_joins_its_thread() -> None:
     sandbox = _HangingSandbox()
-    subject = bases(lambda **kw: sandbox)
+    subject = bases(lambda request: sandbox)
     started = threading.Event()
     original = subject._setup_and_snapshot
 

@@ -69,8 +69,8 @@ def test_the_record_names_the_effective_policy(make_service, engine: FakeEngine,
     for _ in service.log_of(rec.id).follow():
         pass
     assert service.get(rec.id).policy_digest == load_policy(NARROWER).digest()
-    kwargs = engine.created[0].kwargs
-    assert kwargs["network"] is True and kwargs["policy"] == load_policy(NARROWER)
+    request = engine.created[0].request
+    assert request.network is True and request.policy == load_policy(NARROWER)
 
 
 def test_deny_all_vms_get_no_network_card(make_service, engine: FakeEngine, store: Path) -> None:
@@ -80,7 +80,7 @@ def test_deny_all_vms_get_no_network_card(make_service, engine: FakeEngine, stor
     service.put_checkout(rec.id, [checkout_tar()])
     for _ in service.log_of(rec.id).follow():
         pass
-    assert engine.created[0].kwargs["network"] is False
+    assert engine.created[0].request.network is False
 
 
 def test_egress_without_networking_is_refused_at_submit(make_service, store: Path) -> None:

@@ -71,7 +71,7 @@ def test_command_runs_in_the_working_directory_with_the_env(make_service, engine
     call = engine.created[0].exec_calls[0]
     assert call["cwd"] == "/workspace/sub/dir"
     assert call["env"]["GITHUB_SHA"] == "abc" and call["timeout"] == 42
-    assert engine.created[0].kwargs["ttl_seconds"] > 42
+    assert engine.created[0].request.ttl_seconds > 42
 
 
 def test_timeout(make_service, engine: FakeEngine) -> None:

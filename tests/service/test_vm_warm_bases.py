@@ -7,7 +7,6 @@ The setup installs a wheel built there, from the checkout.
 
 from __future__ import annotations
 
-import functools
 import io
 import sys
 import tarfile
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "github"))  # repo_fakes impo
 from policy import PolicyStore
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
-from runner.sandbox import Sandbox
+from runner.sandbox import EngineSandboxes, Sandbox
 from runner.service.bases import BaseSettings, RepositoryBases, base_name, branch_warm
 from runner.service.config import ServiceConfig
 from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch
@@ -65,8 +64,8 @@ def test_a_base_from_the_default_branch_serves_jobs_and_is_rebuilt_when_an_input
     branch = DefaultBranch({".github/microvm-check.yml": POLICY, "requirements.txt": "tinypkg==1.0\n"})
     branch.register()
     github = PolicySource(GitHubClient(lambda: "ghs_installation_token", sleep=lambda _: None))
-    bases = RepositoryBases(engine, functools.partial(Sandbox.create, engine=engine),
-                            branch_warm(PolicyStore(None), github), github, BaseSettings.from_config(ServiceConfig()))
+    bases = RepositoryBases(EngineSandboxes(engine), branch_warm(PolicyStore(None), github), github,
+                            BaseSettings.from_config(ServiceConfig()))
     name = base_name("base", REPO, network=False)
 
     # no base yet: the job would take the bare template, and the base is built beside it

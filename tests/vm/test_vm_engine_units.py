@@ -28,15 +28,19 @@ class FakeMachine:
 WAIT_S = 60.0  # a bound on waiting for the reaper or a filler thread, generous for a loaded machine: not a timing
 
 
-def release_that_fails(slot) -> None:
-    raise RuntimeError("the slot could not be released")
+class SlotsThatFail:
+    def release(self, slot) -> None:
+        raise RuntimeError("the slot could not be released")
+
+
+release_that_fails = SlotsThatFail()
 
 
 def fake_vm(tmp_path, name: str, release=None) -> VM:
     vm_dir = tmp_path / name
     vm_dir.mkdir(parents=True)
     (vm_dir / "disk.qcow2").write_bytes(b"overlay")
-    return VM(id=name, dir=vm_dir, machine=FakeMachine(), snapshot=None, slot=object() if release else None, release_slot=release)
+    return VM(id=name, dir=vm_dir, machine=FakeMachine(), snapshot=None, slot=object() if release else None, slots=release)
 
 
 def test_the_vm_directory_goes_even_when_releasing_the_slot_fails(tmp_path):
