@@ -168,8 +168,7 @@ class LocalRun:
     def _drive(self, client: JobClient, job: str, checkout: Iterator[bytes], out_dir: Path) -> int:
         ended: list[JobRecord] = []
         try:
-            client.upload_checkout(job, checkout)
-            for entry in client.logs(job, on_end=ended.append):
+            for entry in client.upload_and_follow(job, checkout, on_end=ended.append):  # one request for both
                 show(entry.stream, entry.data)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (Stopped)
             _cancel_quietly(client, job)

@@ -170,6 +170,28 @@ class JobClient:
         return self._call("PUT", f"/v1/jobs/{_id(job_id)}/checkout", JobSummary.from_wire, content=body,
                           headers={"Content-Type": "application/x-tar", **self._job(job_id)})
 
+    def upload_and_follow(self, job_id: str, data: BinaryIO | Iterable[bytes] | bytes,
+                          on_end: Callable[[JobRecord], object] | None = None) -> Iterator[LogEntry]:
+        """Send the checkout and follow the job's log in the same request's answer (`PUT .../checkout?follow=1`):
+        the stream is open once the upload is in, with no request of its own. Sent when iterated; a refused
+        upload raises as `upload_checkout` does. A stream that breaks is resumed as `logs` resumes one; a
+        service that answers the upload 202 (one older than `follow`) is followed with `logs`."""
+        body = bytes(data) if isinstance(data, (bytes, bytearray)) else _Replayable(_chunks(data))
+        method, path = "PUT", f"/v1/jobs/{_id(job_id)}/checkout?follow=1"
+        resp = self._open(method, path, content=body, headers={"Content-Type": "application/x-tar", **self._job(job_id)})
+        after = 0
+        try:
+            if resp.status_code == 200:
+                for entry in self._entries(resp, method, path, on_end):
+                    after = entry.seq
+                    yield entry
+                return
+        except _StreamBroken:
+            pass
+        finally:
+            resp.close()
+        yield from self.logs(job_id, after=after, on_end=on_end)
+
     def get(self, job_id: str) -> JobRecord:
         return self._call("GET", f"/v1/jobs/{_id(job_id)}", JobRecord.from_wire, headers=self._job(job_id))
 
@@ -310,21 +332,27 @@ class JobClient:
                 raise _StreamBroken(str(exc), exc.timed_out) from exc
             raise
         try:
-            for line in _lines(resp, method, path):
-                if not line.strip():
-                    continue  # the service's heartbeat on a silent stream (docs/job-api.md)
-                try:
-                    obj = json.loads(line)
-                    if isinstance(obj, dict) and obj.get("end"):
-                        if on_end is not None and "job" in obj:
-                            on_end(JobRecord.from_wire(obj["job"]))
-                        return
-                    entry = LogEntry.from_wire(obj)
-                except (ValueError, WireError) as exc:
-                    raise JobAPIError(f"{method} {path}: a log line is not a log entry: {exc}") from exc
-                yield entry
+            yield from self._entries(resp, method, path, on_end)
         finally:
             resp.close()
+
+    @staticmethod
+    def _entries(resp: httpx.Response, method: str, path: str,
+                 on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
+        """The log entries of a streamed answer, until its end line (whose record goes to `on_end`)."""
+        for line in _lines(resp, method, path):
+            if not line.strip():
+                continue  # the service's heartbeat on a silent stream (docs/job-api.md)
+            try:
+                obj = json.loads(line)
+                if isinstance(obj, dict) and obj.get("end"):
+                    if on_end is not None and "job" in obj:
+                        on_end(JobRecord.from_wire(obj["job"]))
+                    return
+                entry = LogEntry.from_wire(obj)
+            except (ValueError, WireError) as exc:
+                raise JobAPIError(f"{method} {path}: a log line is not a log entry: {exc}") from exc
+            yield entry
 
 
 class _StreamBroken(ClientError):

@@ -269,7 +269,7 @@ class Handler(ServedRequest):
         job_id, rest = route
         handler = {
             ("GET", ""): lambda: self._send_json(200, self.service.get(job_id).to_wire()),
-            ("PUT", "/checkout"): lambda: self._checkout(job_id),
+            ("PUT", "/checkout"): lambda: self._checkout(job_id, follow=_int_param(query, "follow", 0, 0, 1) == 1),
             ("GET", "/logs"): lambda: self._logs(job_id, _int_param(query, "after", 0, 0, MAX_LOG_SEQ),
                                                  follow=_int_param(query, "follow", 1, 0, 1) == 1),
             ("GET", "/artifacts"): lambda: self._artifacts(job_id),
@@ -282,8 +282,12 @@ class Handler(ServedRequest):
         access.require_job(caller, job_id, self.headers.get(JOB_TOKEN_HEADER))
         handler()
 
-    def _checkout(self, job_id: str) -> None:
+    def _checkout(self, job_id: str, follow: bool = False) -> None:
+        """202 and the job's summary; with `follow=1` the job's log stream instead, as GET .../logs answers it:
+        a client that uploads and then follows (run, the action) needs no request of its own for the stream."""
         record = self.service.put_checkout(job_id, self._body())
+        if follow:
+            return self._logs(job_id, 0)
         self._send_json(202, JobSummary(record.id, record.state).to_wire())
 
     def _logs(self, job_id: str, after: int, follow: bool = True) -> None:

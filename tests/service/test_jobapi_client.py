@@ -171,3 +171,15 @@ def test_a_socket_nobody_serves_is_unreachable_and_a_refusal_is_not(api, tmp_pat
     with pytest.raises(JobAPIError) as refused:
         client.submit(JobSpec(repository="octo/hello", sha="HEAD", command="true"))
     assert refused.value.status == 400 and not refused.value.unreachable
+
+
+def test_the_log_stream_opens_with_the_upload(api, engine: FakeEngine) -> None:
+    engine.programs["ok"] = prints(b"hello\n", exit_code=3)
+    _, client = api()
+    job = client.submit(SPEC).id
+    ended: list[JobRecord] = []
+    out = b"".join(e.data for e in client.upload_and_follow(job, checkout_tar(), on_end=ended.append)
+                   if e.stream == "stdout")
+    assert out == b"hello\n" and ended and ended[0].exit_code == 3
+    with pytest.raises(JobAPIError, match="409"):  # a refused upload raises as upload_checkout's does
+        list(client.upload_and_follow(job, checkout_tar()))
