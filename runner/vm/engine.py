@@ -136,7 +136,7 @@ class Engine:
         try:
             if vm is None:
                 missed_at = time.monotonic()
-                vm = self._restore(snapshot, identity=False)  # _claim gives it its identity
+                vm = self._restore(snapshot, identity=False, respawn=False)  # _claim gives it its identity
                 self.pool.missed(snapshot, time.monotonic() - missed_at)
             vm.expires_at = started + ttl_seconds
             with self._vms_lock:
@@ -148,6 +148,7 @@ class Engine:
                 self.destroy(vm)
             else:
                 why = str(exc)
+            self._standby.refill(snapshot)
             if isinstance(exc, SandboxError):
                 raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
             raise
@@ -155,6 +156,7 @@ class Engine:
         # After the claim, not during it: a restore started on the same cores slows the claim (measured).
         # Ahead of demand is the pool's target, which counts the arrivals expected during one refill.
         self.pool.refill(snapshot)
+        self._standby.refill(snapshot)  # after a miss: the successor of the VMM its restore took
         return vm
 
     # ---- snapshotting ------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class Engine:
                 raise SandboxError(f"the egress policy could not be loaded into the VM's network: {exc}") from exc
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
-    def _restore(self, snapshot: Snapshot, identity: bool = True) -> VM:
+    def _restore(self, snapshot: Snapshot, identity: bool = True, respawn: bool = True) -> VM:
         """Spawn, restore and resume a VM, and run the agent's paths once.
 
         Under TCG every clone starts with an empty translation cache, so the first answer from a
@@ -254,7 +256,8 @@ class Engine:
         paths are rehearsed too (runner/vm/checkoutdisk.py). A networked VM's slot
         denies all traffic from its creation until `_claim` loads the job's policy, so the guest
         never runs unfiltered. `identity=False` skips the placeholder identity for a VM that is
-        claimed right away (a pool miss): `_claim` sends the real one.
+        claimed right away (a pool miss): `_claim` sends the real one. `respawn=False` leaves spawning
+        the next VMM ahead to the caller (a miss: after its claim, which a QEMU starting beside it slowed).
         """
         vm = self._spawn(snapshot)
         try:
@@ -269,8 +272,9 @@ class Engine:
                 checkoutdisk.rehearse(vm, self._rehearsal_image, READY_TIMEOUT_S)
         except BaseException:
             vm.destroy()
+            self._standby.refill(snapshot)
             raise
-        finally:
+        if respawn:
             self._standby.refill(snapshot)  # the next restore's VMM, spawned now that this one is done
         return vm
 
