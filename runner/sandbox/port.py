@@ -65,7 +65,7 @@ class VMRequest:
 class GuestFiles(Protocol):
     """Single files in the guest (`runner.sandbox.sandbox.Files`)."""
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    def write(self, path: str, data: bytes | BinaryIO, mode: int = 0o644) -> None: ...  # bytes, or a file read to its end
     def read(self, path: str, max_bytes: int = ...) -> bytes: ...
 
 

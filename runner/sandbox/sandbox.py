@@ -85,8 +85,13 @@ class Files:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        chunks = (data[i : i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
+    def write(self, path: str, data: bytes | BinaryIO, mode: int = 0o644) -> None:
+        """`data`: the bytes, or a file streamed from where it stands to its end (the API's spool)."""
+        if isinstance(data, bytes):
+            chunks: Iterable[bytes] = (data[i : i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
+        else:
+            source = data
+            chunks = iter(lambda: source.read(STREAM_CHUNK), b"")
         self._sbx._call(lambda a: a.write_file(path, chunks, mode, FILE_TIMEOUT_S))
 
     def read(self, path: str, max_bytes: int = 256 * 1024 * 1024) -> bytes:

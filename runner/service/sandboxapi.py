@@ -167,17 +167,26 @@ class SandboxRoutes:
             self.h.end_response()
 
     def _write(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        """The call's slot is taken before the body is read (a refused PUT reads none of it), and the body
+        goes to a spool file in the sandbox's own directory, not into the service's memory."""
         path = guest_path(_one(query, "path"))
         mode = _mode(_one(query, "mode") or "644")
         limit = self.desk.settings.file_max_bytes
-        data = bytearray()
-        for chunk in self.h._body():
-            data += chunk
-            if len(data) > limit:
-                self.h.close_connection = True
-                raise SandboxCallError(f"the file is larger than {limit} bytes (sandboxes.file_max_bytes)")
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
-            live.vm.files.write(path, bytes(data), mode)
+            spool = self.desk.config.jobs_dir / live.id / f"write-{threading.get_ident()}.spool"
+            try:
+                with open(spool, "w+b") as out:
+                    written = 0
+                    for chunk in self.h._body():
+                        written += len(chunk)
+                        if written > limit:
+                            self.h.close_connection = True
+                            raise SandboxCallError(f"the file is larger than {limit} bytes (sandboxes.file_max_bytes)")
+                        out.write(chunk)
+                    out.seek(0)
+                    live.vm.files.write(path, out, mode)
+            finally:
+                spool.unlink(missing_ok=True)
         self.h.respond(204, b"", {})
 
     def _read(self, sandbox: object, query: dict[str, list[str]]) -> None:

@@ -44,6 +44,7 @@ from runner.tarsafe import Limits, check_tar, copy_validated
 log = logging.getLogger(__name__)
 
 MAX_CALLS_PER_SANDBOX = 4  # calls at once on one sandbox: each holds an API worker while it runs
+MAX_CALLS_PER_OWNER = 16  # calls at once on all of one owner's sandboxes: its share of the API's 56 workers
 MAX_PATH = 4096
 MAX_LISTED = 10_000  # entries `files.list` answers
 _REAP_SECONDS = 1.0
@@ -166,6 +167,9 @@ class SandboxDesk:
         self._by_digest: dict[bytes, LiveSandbox] = {}
         self._snapshots: dict[str, Snapshot] = {}
         self._starting: dict[str, int] = {}  # owner key -> creates under way (they count against quotas)
+        self._calls: dict[str, int] = {}  # owner key -> calls under way on all its sandboxes
+        # each owner's share of the API's workers: all its sandboxes' calls, never past MAX_CALLS_PER_OWNER
+        self.max_owner_calls = min(self.settings.max_per_caller * MAX_CALLS_PER_SANDBOX, MAX_CALLS_PER_OWNER)
         self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="sandbox-reaper", daemon=True)
 
@@ -291,8 +295,25 @@ class SandboxDesk:
         raise SandboxRefused(f"sandbox {sandbox_id} is reached only with the token its create answered")
 
     def call(self, sandbox: LiveSandbox) -> _Call:
-        """Hold the sandbox for one call (at most MAX_CALLS_PER_SANDBOX at once)."""
+        """Hold the sandbox for one call (at most MAX_CALLS_PER_SANDBOX at once on it, max_owner_calls on
+        all its owner's sandboxes)."""
         return _Call(self, sandbox)
+
+    def _take_call(self, owner: Owner) -> None:
+        with self._lock:
+            held = self._calls.get(owner.key, 0)
+            if held >= self.max_owner_calls:
+                raise SandboxLimit(f"{owner.key} already runs {self.max_owner_calls} sandbox calls at once "
+                                   "(on all its sandboxes); wait for one")
+            self._calls[owner.key] = held + 1
+
+    def _give_call(self, owner: Owner) -> None:
+        with self._lock:
+            left = self._calls.get(owner.key, 1) - 1
+            if left:
+                self._calls[owner.key] = left
+            else:
+                self._calls.pop(owner.key, None)
 
     # -- ending ---------------------------------------------------------------------------------------
 
@@ -403,6 +424,7 @@ class _Call:
                 raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
             if sandbox.calls >= MAX_CALLS_PER_SANDBOX:
                 raise SandboxLimit(f"sandbox {sandbox.id} already runs {MAX_CALLS_PER_SANDBOX} calls; wait for one")
+            self.desk._take_call(sandbox.owner)
             sandbox.calls += 1
         return sandbox
 
@@ -410,6 +432,7 @@ class _Call:
         sandbox = self.sandbox
         with sandbox.lock:
             sandbox.calls -= 1
+        self.desk._give_call(sandbox.owner)
         if exc is not None and not sandbox.vm.alive:  # the call's failure ended the VM
             gone = isinstance(exc, (ConnectionError, TimeoutError))
             self.desk.end(sandbox, JobState.CANCELLED if gone else JobState.FAILED,
