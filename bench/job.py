@@ -268,7 +268,7 @@ def main() -> int:
             logs, exec_to_first = bench_log_latency(client)
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp, checkout_mib)
             queued_line = bench_queued(client, host, args.queued)
-            accel = host.service.accel
+            accel = host.service.vms.accel
     finally:
         client.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from runner import jsonbody
@@ -42,8 +42,12 @@ from runner.service.metrics import JobMetrics, route_of
 from runner.service.job import SessionGone
 from runner.service.joblog import LogCursor
 from runner.service.sessions import SessionConflict
-from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
+from runner.service.admission import InvalidJob, TooLarge
+from runner.service.service import JobNotFound, JobService, JobStateConflict
 from runner.service.spec import SpecError
+
+if TYPE_CHECKING:
+    from runner.service.desk import RunnerDesk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -258,11 +262,13 @@ class Handler(ServedRequest):
         if url.path in ("/v1/runner/job-started", "/v1/runner/job-completed"):
             if method != "POST":
                 raise MethodNotAllowed(f"{method} is not allowed on {url.path}")
-            runner = access.require_runner(caller)
+            runner, desk = access.require_runner(caller), self.server.desk
+            if desk is None:  # a server built without the host's runner desk (tests of the API alone)
+                raise Forbidden("this server takes no runner reports")
             if url.path.endswith("started"):
                 started = _wire(JobStarted.from_wire, self._json_body())
-                return self._send_json(200, self.service.runner_job_started(runner, started).to_wire())
-            return self._send_json(200, {"cancelled": self.service.runner_job_completed(runner)})
+                return self._send_json(200, desk.runner_job_started(runner, started).to_wire())
+            return self._send_json(200, {"cancelled": desk.runner_job_completed(runner)})
         route = job_route(url.path)
         if route is None:
             raise NoRoute(f"no route {method} {url.path}; see docs/job-api.md")
@@ -556,6 +562,7 @@ def _no_host_status() -> dict[str, object]:
 
 class UnixApiServer(BoundedHTTPServer):
     host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)  # GET /v1/status; set by ApiServers
+    desk: RunnerDesk | None = None  # the runners' job hooks (POST /v1/runner/...); set by ApiServers
     metrics: JobMetrics | None = None  # the requests it answers are counted there; set by ApiServers
     sandboxes: SandboxDesk | None = None  # the interactive sandboxes (runner/service/sandboxapi.py); set by ApiServers
 
@@ -593,6 +600,7 @@ class UnixApiServer(BoundedHTTPServer):
 
 class TcpApiServer(BoundedHTTPServer):
     host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)
+    desk: RunnerDesk | None = None
     sandboxes: SandboxDesk | None = None
 
     def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
@@ -627,18 +635,18 @@ def _prepare_socket_path(path: Path) -> None:
 class ApiServers:
     """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
-    def __init__(self, service: JobService, limits: Limits = LIMITS, metrics: JobMetrics | None = None,
-                 host_status: Callable[[], dict[str, object]] | None = None,
+    def __init__(self, service: JobService, desk: RunnerDesk | None = None, limits: Limits = LIMITS,
+                 metrics: JobMetrics | None = None, host_status: Callable[[], dict[str, object]] | None = None,
                  sandboxes: SandboxDesk | None = None) -> None:
-        """`host_status` answers GET /v1/status (the host's VMs, spare pools, queue, recent jobs, runners);
-        `sandboxes` serves /v1/sandboxes (none: those routes answer 404)."""
+        """`desk` takes the runners' job hooks; `host_status` answers GET /v1/status (the host's VMs, spare
+        pools, queue, recent jobs, runners); `sandboxes` serves /v1/sandboxes (none: those routes answer 404)."""
         config = service.config
         limits = limits_for(service, limits)
         unix = UnixApiServer(config.socket, service, config.socket_group, limits)
         self.servers: list[BoundedHTTPServer] = [unix]
         if host_status is not None:
             unix.host_status = host_status
-        unix.metrics = metrics
+        unix.metrics, unix.desk = metrics, desk
         unix.sandboxes = sandboxes
         if config.listen:
             assert config.token  # the config refuses a listen address without one
@@ -649,7 +657,7 @@ class ApiServers:
                 raise
             if host_status is not None:
                 tcp.host_status = host_status
-            tcp.sandboxes = sandboxes
+            tcp.sandboxes, tcp.desk = sandboxes, desk
             self.servers.append(tcp)
 
     @property

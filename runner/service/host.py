@@ -29,13 +29,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.errors import ConfigError, MicrovmCheckError, SandboxError
+from runner.attest.keys import SigningKey
+from runner.fleet import registered
 from runner.service.api import ApiServers
+from runner.service.attestation import JobAttestor
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.jobapi.contract import ACTIVE_STATES
 from runner.sandbox.port import SandboxFactory
 from runner.service.metrics import CountedRunners, EventsTee, JobMetrics, ServiceView
-from runner.service.service import JobService, branch_files
+from runner.service.desk import RunnerDesk
+from runner.service.github_app import branch_files, check_run_reporter, guard_setup
+from runner.service.reactions import GitHubReactions
+from runner.service.retention import Retention
+from runner.service.service import JobService, access_for
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 from runner.vm.statedir import StateDir
 
@@ -86,6 +93,9 @@ class ServiceHost:
         self.engine: Engine | None = None
         self.provider: EngineSandboxes | None = None  # the engine as the service sees it
         self.service: JobService | None = None
+        self.desk: RunnerDesk | None = None  # the runners, their bindings and the fork guard
+        self.reactions: GitHubReactions | None = None  # what the webhook's deliveries do
+        self.retention: Retention | None = None
         self.api: ApiServers | None = None
         self.webhook: Webhook | None = None
         self.fleet: RunnerFleet | None = None
@@ -115,19 +125,21 @@ class ServiceHost:
         create = self._sandboxes if self._sandboxes is not None else self._start_engine()
         self._sweep_runner_scope()
         service = self.service = self._start_service(create)
+        desk = self.desk = RunnerDesk(service, guard_setup(self.config))
+        self.reactions = GitHubReactions(service, desk)
         self.metrics = self._metrics(service)
         sandboxes = self.sandboxes = self._start_sandboxes(service, create)
         if self._serve_api:
             # binds the sockets; closes what it bound if one fails
-            api = self.api = ApiServers(service, metrics=self.metrics, host_status=functools.partial(self.status, service),
-                                        sandboxes=sandboxes)
+            api = self.api = ApiServers(service, desk, metrics=self.metrics,
+                                        host_status=functools.partial(self.status, service), sandboxes=sandboxes)
             self._stack.callback(api.close)
             self._stack.callback(service.drain)  # runs before api.close: clients see their jobs end
             self._stack.callback(sandboxes.close)  # first: an exec in flight returns, so api.close waits on no VM
             api.start()
         if self.config.runners.org is not None:
-            self.fleet = self._start_fleet(service)
-        hooks = service if self.fleet is None else JobHookListeners((service, self.fleet))
+            self.fleet = self._start_fleet(service, desk)
+        hooks = self.reactions if self.fleet is None else JobHookListeners((self.reactions, self.fleet))
         where = f"{self._origin}: webhook" if self._origin else "webhook"
         self.webhook = start_webhook(self.config.webhook, hooks, where)
         if self.webhook is not None:
@@ -231,7 +243,7 @@ class ServiceHost:
         if swept:
             log.warning("swept runners a previous service left: %s", ", ".join(swept))
 
-    def _start_fleet(self, service: JobService) -> RunnerFleet:
+    def _start_fleet(self, service: JobService, desk: RunnerDesk) -> RunnerFleet:
         """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy
         runners finish their jobs while the service still runs them. They hear the webhook too."""
         from runner.fleet.fleet import FleetSettings, RunnerFleet
@@ -246,7 +258,7 @@ class ServiceHost:
             admin = RunnerAdmin(github.app().as_installation, settings.org)
         except GitHubError as exc:
             raise ConfigError(f"{where}: the GitHub App settings: {exc}") from exc
-        counted = CountedRunners(service, self.metrics) if self.metrics is not None else service
+        counted = CountedRunners(desk, self.metrics) if self.metrics is not None else desk
         fleet = RunnerFleet(settings, admin, counted, extra_status=functools.partial(self._status, service))
         self._stack.callback(fleet.close)
         try:
@@ -279,11 +291,17 @@ class ServiceHost:
         directories now."""
         try:
             policies = self._policies or EgressPolicies(self.config.policy_dir, branch_files=branch_files(self.config))
-            service = JobService(self.config, create, policies, self._warm_bases(policies))
+            access = access_for(self.config, registered.load(self.config.state_dir))
+            attestor = JobAttestor(SigningKey.load_or_create(self.config.attestation_key_path))
+            service = JobService(self.config, create, policies, self._warm_bases(policies), access=access,
+                                 attestor=attestor, check_runs=check_run_reporter(self.config, attestor.key.keyid))
         except ConfigError as exc:  # e.g. unreadable GitHub App settings
             raise ConfigError(f"{self._origin}: {exc}" if self._origin else str(exc)) from exc
         self._stack.callback(service.close)
         service.start()
+        retention = self.retention = Retention(service)
+        self._stack.callback(retention.close)
+        retention.start()
         return service
 
     def _warm_bases(self, policies: EgressPolicies) -> RepositoryBases | None:

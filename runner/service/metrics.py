@@ -18,7 +18,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +26,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from runner.jobapi.contract import ACTIVE_STATES, JobState
+
+if TYPE_CHECKING:
+    from runner.fleet.report import ReportedJob
+    from runner.service.desk import RunnerDesk
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "microvm_check"
@@ -247,8 +251,8 @@ class CountedRunners:
     """The job service as the runner fleet sees it (runner.fleet.FleetService), with each runner's start and
     end counted: the fleet calls `add_runner` once per runner it starts and `remove_runner` once as it ends."""
 
-    def __init__(self, service: Any, metrics: JobMetrics) -> None:
-        self._service, self._metrics = service, metrics
+    def __init__(self, desk: RunnerDesk, metrics: JobMetrics) -> None:
+        self._service, self._metrics = desk, metrics
 
     def add_runner(self, name: str, token: str) -> None:
         self._service.add_runner(name, token)
@@ -259,7 +263,7 @@ class CountedRunners:
         self._service.remove_runner(name)
         self._metrics.runner_ended(had_job)
 
-    def runner_job(self, name: str) -> Any:
+    def runner_job(self, name: str) -> ReportedJob | None:
         return self._service.runner_job(name)
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]:

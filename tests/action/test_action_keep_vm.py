@@ -87,7 +87,7 @@ def test_a_dead_runner_takes_the_kept_vm_with_it(host, sim: Simulation) -> None:
     install, first = _step(host, sim, INSTALL, "job")
     assert install.returncode == 0, install.log
     assert [vm.id for vm in host.engine.live()] == [first.vm_id]
-    host.service.runner_died(RUNNER, "the runner's process ended in the middle of its job")
+    host.desk.runner_died(RUNNER, "the runner's process ended in the middle of its job")
     assert host.engine.live() == [] and host.service.sessions.count() == 0
 
 

@@ -61,6 +61,15 @@ def make_service(hosts: Callable[..., ServiceHost]) -> Callable[..., JobService]
 
 
 @pytest.fixture
+def make_host(hosts: Callable[..., ServiceHost]) -> Callable[..., ServiceHost]:
+    """A started host without API servers: the test drives its `JobService` and the roles beside it
+    (`host.desk`, `host.reactions`, `host.retention`) directly."""
+    def make(**settings: Any) -> ServiceHost:
+        return hosts(serve_api=False, **settings)
+    return make
+
+
+@pytest.fixture
 def api(hosts: Callable[..., ServiceHost]) -> Callable[..., tuple[JobService, JobClient]]:
     """A started service served on its Unix socket (and on TCP when the settings say so), and a client that
     shows its answers as they are (retrying none: tests/service/test_client_retry.py covers the waiting)."""

@@ -16,9 +16,9 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from policy import DENY_ALL, load_policy
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
+from runner.service.admission import InvalidJob
 from runner.service.api import status_of
 from runner.service.egress import EgressPolicies, EgressPolicyError
-from runner.service.service import InvalidJob
 from tests.github.github_fakes import (
     API,
     CONTENTS_FILE,

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
+from runner.service.admission import InvalidJob, TooLarge
 from runner.service.api import status_of
 from runner.service.host import ServiceHost
 from runner.service.jobqueue import QueueFull
 from runner.service.records import RecordStore
-from runner.service.service import InvalidJob, JobNotFound, JobService, JobStateConflict, TooLarge
+from runner.service.service import JobNotFound, JobService, JobStateConflict
 
 
 def run(service: JobService, command: str, **fields) -> str:
@@ -272,10 +273,11 @@ class GitHubJob:  # the fields of runner.github.jobs.QueuedJob / CompletedJob th
     runner_name: str | None = None
 
 
-def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_service, engine: FakeEngine) -> None:
+def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
-    service.prewarm(GitHubJob())
+    host = make_host()
+    service = host.service
+    host.reactions.prewarm(GitHubJob())
     warm_vm = _wait_warm(service, engine)
     other = run(service, "ok", run_id=78, run_attempt=1)
     job = run(service, "ok", run_id=77, run_attempt=1)
@@ -287,29 +289,31 @@ def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_service, engine: Fa
     assert engine.alive() == []
 
 
-def test_job_completed_discards_warm_vm_and_cancels_running(make_service, engine: FakeEngine) -> None:
+def test_job_completed_discards_warm_vm_and_cancels_running(make_host, engine: FakeEngine) -> None:
     engine.programs["sleep"] = waits()
-    service = make_service()
-    service.prewarm(GitHubJob(job_id=600, run_id=90))
+    host = make_host()
+    service = host.service
+    host.reactions.prewarm(GitHubJob(job_id=600, run_id=90))
     warm_vm = _wait_warm(service, engine)
-    service.job_completed(GitHubJob(job_id=600, run_id=90))
+    host.reactions.job_completed(GitHubJob(job_id=600, run_id=90))
     assert warm_vm.destroyed.is_set() and service.warm.count() == 0
     job = run(service, "sleep", run_id=91, run_attempt=1, timeout_seconds=600)
     follow = wait_started(service, job)
-    service.job_completed(GitHubJob(job_id=601, run_id=91))
+    host.reactions.job_completed(GitHubJob(job_id=601, run_id=91))
     list(follow)
     assert service.get(job).state == "cancelled"
     assert engine.alive() == []
 
 
-def test_job_completed_matches_by_runner_when_names_differ(make_service, engine: FakeEngine) -> None:
+def test_job_completed_matches_by_runner_when_names_differ(make_host, engine: FakeEngine) -> None:
     engine.programs["sleep"] = waits()
-    service = make_service()
+    host = make_host()
+    service = host.service
     other = run(service, "sleep", run_id=92, run_attempt=1, timeout_seconds=600, job_name="build", runner_name="host-b")
     job = run(service, "sleep", run_id=92, run_attempt=1, timeout_seconds=600, job_name="build", runner_name="host-a")
     follow = wait_started(service, job)
     wait_started(service, other)
-    service.job_completed(GitHubJob(job_id=602, run_id=92, job_name="build (3.11)", runner_name="host-a"))
+    host.reactions.job_completed(GitHubJob(job_id=602, run_id=92, job_name="build (3.11)", runner_name="host-a"))
     list(follow)
     assert service.get(job).state == "cancelled"
     assert service.get(other).state == "running"
@@ -318,31 +322,34 @@ def test_job_completed_matches_by_runner_when_names_differ(make_service, engine:
     assert engine.alive() == []
 
 
-def test_unclaimed_warm_vms_expire(make_service, engine: FakeEngine) -> None:
-    service = make_service(prewarm={"max_vms": 1, "expire_seconds": 1})
-    service.prewarm(GitHubJob(job_id=1))
-    service.prewarm(GitHubJob(job_id=2))  # over the bound: ignored
+def test_unclaimed_warm_vms_expire(make_host, engine: FakeEngine) -> None:
+    host = make_host(prewarm={"max_vms": 1, "expire_seconds": 1})
+    service = host.service
+    host.reactions.prewarm(GitHubJob(job_id=1))
+    host.reactions.prewarm(GitHubJob(job_id=2))  # over the bound: ignored
     warm_vm = _wait_warm(service, engine)
     assert len(engine.created) == 1
     service.warm._clock = lambda: float("inf")
-    service.reap()
+    host.retention.reap()
     assert warm_vm.destroyed.is_set()
 
 
-def test_checkout_that_never_comes_expires(make_service) -> None:
-    service = make_service(checkout_wait_seconds=5)
+def test_checkout_that_never_comes_expires(make_host) -> None:
+    host = make_host(checkout_wait_seconds=5)
+    service = host.service
     job = service.submit(spec()).id
-    service.reap(now=service.get(job).created_at + 6)
+    host.retention.reap(now=service.get(job).created_at + 6)
     rec = service.get(job)
     assert rec.state == "failed" and "no checkout" in rec.error
 
 
-def test_retention_prunes_records_and_dirs(make_service, engine: FakeEngine) -> None:
+def test_retention_prunes_records_and_dirs(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service(retention={"days": 1, "max_records": 100})
+    host = make_host(retention={"days": 1, "max_records": 100})
+    service = host.service
     job = run(service, "ok")
     wait_final(service, job)
-    assert service.prune(now=service.get(job).created_at + 2 * 86400) == [job]
+    assert host.retention.prune(now=service.get(job).created_at + 2 * 86400) == [job]
     assert not (service.config.jobs_dir / job).exists()
     with pytest.raises(JobNotFound, match=r"^no job 'j[0-9a-f]+' \(records are kept 1 days\)$") as err:
         service.get(job)
@@ -386,10 +393,11 @@ def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine
     assert "artifact transfer ended early" in system_log(service, job)
 
 
-def test_a_dead_prewarmed_vm_is_replaced(make_service, engine: FakeEngine) -> None:
+def test_a_dead_prewarmed_vm_is_replaced(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
-    service.prewarm(GitHubJob(run_id=99))
+    host = make_host()
+    service = host.service
+    host.reactions.prewarm(GitHubJob(run_id=99))
     warm_vm = _wait_warm(service, engine)
     warm_vm.destroyed.set()  # the engine's reaper killed it (TTL, crash) before the submit came
     with engine.lock:

@@ -11,9 +11,10 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from test_service import GitHubJob, wait_final
 
 from runner.jobapi.contract import JobState
+from runner.service.admission import InvalidJob
 from runner.service.api import status_of
 from runner.service.auth import OPERATOR
-from runner.service.service import InvalidJob, JobService, JobStateConflict
+from runner.service.service import JobService, JobStateConflict
 from runner.service.sessions import SessionConflict
 
 JOB = {"run_id": 500, "run_attempt": 1, "job_name": "check", "runner_name": "host-a"}
@@ -61,67 +62,72 @@ def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(mak
     assert engine.alive() == [] and service.sessions.count() == 0
 
 
-def test_an_attached_step_is_queued_without_a_checkout(make_service, engine: FakeEngine) -> None:
+def test_an_attached_step_is_queued_without_a_checkout(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     step(service, "ok")
     record = service._test_job.submit("ok", keep="job")
     assert record.state != JobState.AWAITING_CHECKOUT  # queued at once: the action reads this, sends no checkout
     with pytest.raises(JobStateConflict, match="already uploaded or it ended"):
         service.put_checkout(record.id, [checkout_tar()])
     wait_final(service, record.id)
-    service.runner_job_completed("host-a")
+    host.desk.runner_job_completed("host-a")
     assert engine.alive() == []
 
 
 @pytest.mark.parametrize("other", [{"runner_name": "host-b"}, {"run_attempt": 2}, {"run_id": 501},
                                    {"job_name": "lint"}, {"repository": "octo/other"}])
-def test_a_step_of_another_job_never_attaches(make_service, engine: FakeEngine, other) -> None:
+def test_a_step_of_another_job_never_attaches(make_host, engine: FakeEngine, other) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     step(service, "ok")
     kept = engine.created[0]
     step(service, "ok", keep="none", **other)
     assert len(engine.created) == 2 and engine.created[1].exec_calls and kept.alive
     assert len(kept.exec_calls) == 1
-    service.runner_job_completed("host-a")
+    host.desk.runner_job_completed("host-a")
     assert engine.alive() == []
 
 
 @pytest.mark.parametrize("end", [
-    lambda service: service.runner_job_completed("host-a"),
-    lambda service: service.runner_died("host-a", "the runner died"),
-    lambda service: service.job_completed(GitHubJob(job_id=9, run_id=500, job_name="check (x)",
-                                                    runner_name="host-a", repository="octo/hello")),
+    lambda host: host.desk.runner_job_completed("host-a"),
+    lambda host: host.desk.runner_died("host-a", "the runner died"),
+    lambda host: host.reactions.job_completed(GitHubJob(job_id=9, run_id=500, job_name="check (x)",
+                                                        runner_name="host-a", repository="octo/hello")),
 ])
-def test_the_job_end_destroys_the_kept_vm(make_service, engine: FakeEngine, end) -> None:
+def test_the_job_end_destroys_the_kept_vm(make_host, engine: FakeEngine, end) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     step(service, "ok")
     assert engine.alive() == engine.created
-    end(service)
+    end(host)
     assert engine.alive() == [] and service.sessions.count() == 0
 
 
-def test_an_idle_session_expires(make_service, engine: FakeEngine) -> None:
+def test_an_idle_session_expires(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     step(service, "ok")
     service.sessions.idle_seconds = 0.0
-    service.reap()
+    host.retention.reap()
     assert engine.alive() == []
     assert service.get(step(service, "ok", keep="none")).exit_code == 0  # a fresh VM: the session is gone
     assert len(engine.created) == 2 and engine.alive() == []
 
 
-def test_a_step_that_asks_for_another_template_is_refused(make_service, engine: FakeEngine) -> None:
+def test_a_step_that_asks_for_another_template_is_refused(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service(templates=["base", "other"])
+    host = make_host(templates=["base", "other"])
+    service = host.service
     step(service, "ok")
     with pytest.raises(SessionConflict, match="kept VM was restored from template base, this step asks for other") as refused:
         service._test_job.submit("ok", keep="job", template="other")
     assert status_of(refused.value) == 409
-    service.runner_job_completed("host-a")
+    host.desk.runner_job_completed("host-a")
     assert engine.alive() == []
 
 
@@ -150,9 +156,10 @@ def test_a_later_job_with_the_same_identity_but_no_token_gets_a_vm_of_its_own(ma
     assert service.get(last).vm_id == kept.id and engine.alive() == []
 
 
-def test_a_forged_or_stale_session_token_opens_nothing(make_service, engine: FakeEngine) -> None:
+def test_a_forged_or_stale_session_token_opens_nothing(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     first = Job(service)
     first.step("ok")
     forged = Job(service)
@@ -161,7 +168,7 @@ def test_a_forged_or_stale_session_token_opens_nothing(make_service, engine: Fak
     assert opened is None and record.state == JobState.AWAITING_CHECKOUT  # a plain step: a VM of its own
     service.cancel(record.id)
     assert engine.created[0].alive
-    service.runner_job_completed("host-a")
+    host.desk.runner_job_completed("host-a")
     assert engine.alive() == []
 
 

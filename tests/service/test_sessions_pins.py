@@ -19,15 +19,16 @@ BLOCK = "version: 1\nallow: []\n"
 FAIL_ON_BLOCK = "version: 1\non_block: fail\nallow: []\n"
 
 
-def test_a_later_step_with_another_egress_policy_is_refused(make_service, engine: FakeEngine) -> None:
+def test_a_later_step_with_another_egress_policy_is_refused(make_host, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
-    service = make_service()
+    host = make_host()
+    service = host.service
     job = Job(service)
     job.step("ok", policy=BLOCK)
     with pytest.raises(SessionConflict, match="egress policy differs") as refused:
         job.submit("ok", keep="job", policy=FAIL_ON_BLOCK)
     assert status_of(refused.value) == 409
-    service.runner_job_completed("host-a")
+    host.desk.runner_job_completed("host-a")
     assert engine.alive() == []
 
 

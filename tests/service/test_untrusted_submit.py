@@ -14,8 +14,9 @@ import pytest
 from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits
 
 from runner.jobapi.client import JobAPIError
+from runner.service.admission import InvalidJob
 from runner.service.api import status_of
-from runner.service.service import InvalidJob, JobService
+from runner.service.service import JobService
 
 LONE_SURROGATE = "\ud800"  # a lone surrogate: what json.loads makes of "\\ud800"
 
@@ -44,7 +45,7 @@ def test_a_run_id_beyond_sqlite_is_a_400_and_leaks_no_queue_slot(api, field: str
         assert err.status == 400
         assert f"{field}: must be between" in str(err)
     assert client.submit(spec("true", run_id=2**63 - 1)).state == "awaiting_checkout"
-    assert len(service._active_runs()) == 1
+    assert len(service.runs.all()) == 1
     assert len(list(service.config.jobs_dir.iterdir())) == 1
     assert not [r for r in caplog.records if r.exc_info]
 
@@ -62,7 +63,7 @@ def test_malformed_text_is_refused_naming_the_field(make_service, fields: dict, 
     with pytest.raises(InvalidJob, match=re.escape(message)) as err:
         service.submit({**spec("true"), **fields})
     assert status_of(err.value) == 400
-    assert service._active_runs() == [] and list(service.config.jobs_dir.iterdir()) == []
+    assert service.runs.all() == [] and list(service.config.jobs_dir.iterdir()) == []
 
 
 @pytest.mark.parametrize("fields, message", MALFORMED_TEXT)
@@ -84,14 +85,15 @@ def test_a_submit_whose_record_fails_releases_everything(make_service, monkeypat
     for _ in range(2):  # the second would be QueueFull if the first had kept its reservation
         with pytest.raises(sqlite3.OperationalError):
             service.submit(spec("ok"))
-    assert service._active_runs() == []
+    assert service.runs.all() == []
     assert list(service.config.jobs_dir.iterdir()) == []
     monkeypatch.undo()
     assert service.submit(spec("ok")).state == "awaiting_checkout"
 
 
-def test_a_checkout_whose_record_fails_leaves_no_spool_and_can_expire(make_service, monkeypatch) -> None:
-    service = make_service(max_queued_jobs=1)
+def test_a_checkout_whose_record_fails_leaves_no_spool_and_can_expire(make_host, monkeypatch) -> None:
+    host = make_host(max_queued_jobs=1)
+    service = host.service
     job = service.submit(spec("ok")).id
     save = service.records.put
 
@@ -105,39 +107,40 @@ def test_a_checkout_whose_record_fails_leaves_no_spool_and_can_expire(make_servi
         service.put_checkout(job, [checkout_tar()])
     assert service.get(job).state == "awaiting_checkout"
     assert list((service.config.jobs_dir / job).glob("checkout*")) == []
-    service.reap(time.time() + 10**6)  # a job left "queued" in memory but never queued would never expire
+    host.retention.reap(time.time() + 10**6)  # a job left "queued" in memory but never queued would never expire
     assert service.get(job).state == "failed"
 
 
 @pytest.fixture
 def fast_reaper(monkeypatch) -> None:
-    monkeypatch.setattr("runner.service.service._REAP_SECONDS", 0.01)
+    monkeypatch.setattr("runner.service.retention._REAP_SECONDS", 0.01)
 
 
 def _expired(service: JobService, job_id: str) -> None:
     """Make a job's checkout overdue without waiting for it."""
-    service._run(job_id).record.created_at -= 10**6
+    service.runs.get(job_id).record.created_at -= 10**6
 
 
 @pytest.mark.parametrize("corrupt", [
     pytest.param(lambda record: setattr(record, "run_id", 2**63), id="run_id-2**63"),
     pytest.param(lambda record: setattr(record, "job_name", LONE_SURROGATE), id="job_name-lone-surrogate"),
 ])
-def test_the_reaper_survives_a_record_that_cannot_be_saved(make_service, fast_reaper, corrupt, caplog) -> None:
+def test_the_reaper_survives_a_record_that_cannot_be_saved(make_host, fast_reaper, corrupt, caplog) -> None:
     """Validation now keeps these out; should one get in by another way, the reaper logs it and goes on."""
-    caplog.set_level(logging.ERROR, "runner.service.service")
-    service = make_service()
+    caplog.set_level(logging.ERROR, "runner.service.runs")
+    host = make_host()
+    service = host.service
     bad, good = service.submit(spec("ok")).id, service.submit(spec("ok")).id
-    corrupt(service._run(bad).record)
+    corrupt(service.runs.get(bad).record)
     _expired(service, bad)
     _expired(service, good)
-    assert eventually(lambda: service._active_runs() == []), "the reaper stopped: the good job never expired"
+    assert eventually(lambda: service.runs.all() == []), "the reaper stopped: the good job never expired"
     assert service.get(good).state == "failed"
     assert any(f"expiring job {bad} failed" in r.getMessage() and r.exc_info for r in caplog.records)
     later = service.submit(spec("ok")).id  # and it keeps running: a job submitted afterwards expires too
     _expired(service, later)
-    assert eventually(lambda: service._run(later) is None)
-    assert service._reaper.is_alive()
+    assert eventually(lambda: service.runs.get(later) is None)
+    assert host.retention._reaper.is_alive()
     assert service.queue.counts() == (0, 0)
 
 
@@ -149,14 +152,14 @@ def test_a_worker_survives_a_job_whose_record_cannot_be_saved(make_service, engi
     service.put_checkout(first, [checkout_tar()])
     bad = service.submit(spec("ok")).id
     service.put_checkout(bad, [checkout_tar()])
-    bad_run = service._run(bad)
+    bad_run = service.runs.get(bad)
     bad_run.record.job_name = LONE_SURROGATE  # every later save of its record fails
     release.set()
     after = service.submit(spec("ok")).id
     service.put_checkout(after, [checkout_tar()])
-    assert eventually(lambda: service._run(after) is None), "the only worker died: the next job never ran"
+    assert eventually(lambda: service.runs.get(after) is None), "the only worker died: the next job never ran"
     assert service.get(after).state == "finished"
-    assert service._run(bad) is None and engine.alive() == []
+    assert service.runs.get(bad) is None and engine.alive() == []
     assert bad_run.done.is_set()  # cancel() and log followers are not left waiting on it
     assert not (service.config.jobs_dir / bad / "checkout.tar").exists()
     assert any(r.exc_info for r in caplog.records if bad in r.getMessage())
@@ -173,8 +176,8 @@ def test_refusals_name_the_field(make_service) -> None:
 def test_shutdown_ends_every_job_past_a_record_that_cannot_be_saved(make_service, caplog) -> None:
     service = make_service()
     bad, good = service.submit(spec("ok")).id, service.submit(spec("ok")).id
-    service._run(bad).record.run_id = 2**63
+    service.runs.get(bad).record.run_id = 2**63
     service.drain(0)  # used to raise on the bad record and leave the rest (and the warm pool) as they were
-    assert service._active_runs() == []
+    assert service.runs.all() == []
     assert service.get(good).state == "cancelled"
     assert any(f"cancelling job {bad} failed" in r.getMessage() for r in caplog.records)

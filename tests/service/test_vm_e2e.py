@@ -227,11 +227,12 @@ def test_eight_jobs_with_a_limit_of_two(vm_service) -> None:
     assert len({r.vm_id for r in records}) == 8  # one VM per job, never reused
 
 
-def test_prewarmed_vm_is_used(vm_service) -> None:
+def test_prewarmed_vm_is_used(vm_host) -> None:
     from runner.github.jobs import QueuedJob
 
-    service, client = vm_service()
-    service.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
+    host = vm_host()
+    service, client = host.service, JobClient(socket=host.config.socket)
+    host.reactions.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
                               labels=("microvm",)))
     warmed = list(service.warm._vms)
     for vm in warmed:

@@ -81,7 +81,7 @@ def test_a_prewarmed_vm_is_not_handed_out_after_its_repository_policy_changed(ne
     (store / "octo" / "hello.yml").write_text(old)
     host = net_host(policy_dir=str(store), prewarm={"max_vms": 1})
     service, client = host.service, JobClient(socket=host.config.socket)
-    service.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
+    host.reactions.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
                               labels=("microvm",)))
     (warm,) = list(service.warm._vms)
     assert warm.ready.wait(300) and warm.sandbox is not None

@@ -108,7 +108,7 @@ def push(port: int, commit: str) -> tuple[int, str]:
 def test_jobs_and_prewarmed_vms_restore_from_the_base_which_a_push_rebuilds_within_the_budget(host) -> None:
     branch = DefaultBranch({".github/microvm-check.yml": POLICY, "requirements.txt": "tinypkg==1.0\n"})
     branch.register()
-    service, bases, engine = host.service, host.service.bases, host.engine
+    service, bases, engine = host.service, host.service.vms.bases, host.engine
     client = JobClient(socket=host.config.socket)
     assert bases is not None and bases.settings.budget_bytes == 0
 
@@ -128,7 +128,7 @@ def test_jobs_and_prewarmed_vms_restore_from_the_base_which_a_push_rebuilds_with
     assert record.warm is False
 
     # a VM pre-warmed for a queued job of the repository is restored from the base and claimed by its submit
-    service.prewarm(QueuedJob(repository=REPO, run_id=77, run_attempt=1, job_id=770, job_name="test",
+    host.reactions.prewarm(QueuedJob(repository=REPO, run_id=77, run_attempt=1, job_id=770, job_name="test",
                               labels=("microvm",)))
     [warmed] = list(service.warm._vms)
     assert warmed.ready.wait(300) and warmed.sandbox is not None and warmed.template == NONET
@@ -163,7 +163,7 @@ def test_a_base_of_one_network_variant_never_serves_the_other(host) -> None:
     get is asked of the bases directly: not the nonet base, and the build of the net one is started."""
     branch = DefaultBranch({".github/microvm-check.yml": POLICY, "requirements.txt": "tinypkg==1.0\n"})
     branch.register()
-    bases, engine = host.service.bases, host.engine
+    bases, engine = host.service.vms.bases, host.engine
     client = JobClient(socket=host.config.socket)
     out, _, _ = run_job(client, b"tinypkg==1.0\n")  # builds the nonet base beside
     bases.wait(REPO, network=False, timeout=900)
@@ -187,7 +187,7 @@ def test_a_replayed_push_leaves_the_base_as_it_was(host) -> None:
     branch = DefaultBranch({".github/microvm-check.yml": POLICY, "requirements.txt": "tinypkg==1.0\n"})
     branch.commits[FIRST_COMMIT] = dict(branch.commits["main"])  # the first commit stays fetchable by its id
     branch.register()
-    bases, engine = host.service.bases, host.engine
+    bases, engine = host.service.vms.bases, host.engine
     bases.build(REPO, network=False)
     assert engine.templates.get(NONET).manifest["base"]["commit"] == FIRST_COMMIT
 

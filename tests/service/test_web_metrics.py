@@ -193,14 +193,14 @@ def test_runner_starts_and_ends_are_counted_by_whether_they_had_a_job(hosts) -> 
     from runner.service.metrics import CountedRunners
 
     host, _, base = _start(hosts)
-    counted = CountedRunners(host.service, host.metrics)
+    counted = CountedRunners(host.desk, host.metrics)
     counted.add_runner("mvc-a", "runner-token-of-the-test-aaaaaaaa")
     counted.add_runner("mvc-b", "runner-token-of-the-test-bbbbbbbb")
     counted.remove_runner("mvc-a")
     samples = _scrape(base)
     assert samples[("microvm_check_runners_started_total", ())] == 2
     assert samples[("microvm_check_runners_ended_total", (("had_job", "false"),))] == 1
-    assert counted.runner_job("mvc-b") is None and host.service.runner_job("mvc-a") is None
+    assert counted.runner_job("mvc-b") is None and host.desk.runner_job("mvc-a") is None
 
 
 def test_the_name_checks_refusals_by_name_method_and_path_on_the_metrics_and_the_job_page(

@@ -1,0 +1,109 @@
+"""Admission: what a client sent, checked before anything is spent on it.
+
+The spec is validated (runner/service/spec.py), the caller's right to submit it for its GitHub job
+is checked (runner/service/auth.py), the effective egress policy of the repository it runs as is
+looked up, and a `keep: job` step finds its session; a checkout is spooled within its limit and
+checked as a tar. Whatever is refused here is a client's error (400, 403, 409, 413).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+from policy.model import Policy
+from runner.errors import ArchiveError, JobError
+from runner.jobapi.contract import JobSpec
+from runner.sandbox.port import needs_network
+from runner.service.auth import Access, Caller
+from runner.service.config import ServiceConfig
+from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
+from runner.service.job import CHECKOUT, JobRun
+from runner.service.sessions import Session, Sessions, parse_keep, session_key
+from runner.service.spec import SpecError, parse_spec
+from runner.service.workers import template_of
+from runner.tarsafe import check_tar
+from runner.vm.templates import sized
+
+
+class InvalidJob(JobError):
+    """The job as sent cannot run here: its spec, its egress policy or its checkout."""
+
+
+class TooLarge(JobError):
+    """A request body over the service's limit for it."""
+
+
+class Admission:
+    def __init__(self, config: ServiceConfig, access: Access, policies: EgressPolicies, sessions: Sessions) -> None:
+        self.config, self.access, self.policies, self.sessions = config, access, policies, sessions
+
+    def admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy]:
+        """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
+        checked before the policy is looked up: the policy comes from the repository it may submit for."""
+        try:
+            spec = parse_spec(data, self.config)
+            runner = self.access.admit_submit(caller, spec)
+            spec = dataclasses.replace(spec, runner_name=runner or "", keep=parse_keep(data))
+            # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
+            spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
+            policy = self.policies.effective(spec.repository, spec.policy)
+            spec = self._sized(spec)
+        except PolicySourceUnavailable:
+            raise  # GitHub is down: 503, try again (not an invalid job)
+        except (SpecError, EgressPolicyError) as exc:
+            raise InvalidJob(f"invalid job: {exc}") from exc
+        if needs_network(policy) and not self.config.network.enabled:
+            raise InvalidJob(f"the egress policy for {spec.repository} allows network access, but this service "
+                             f"runs VMs without networking (network.enabled is false in its config): narrow the "
+                             f"policy to deny all, or ask the operator to enable networking")
+        return spec, policy
+
+    def _sized(self, spec: JobSpec) -> JobSpec:
+        """A spec asking for a size class restores from its template baked at that size, if the
+        repository's store file allows the size (a pull request's spec cannot widen that)."""
+        if spec.size is None:
+            return spec
+        allowed = self.policies.sizes_for(spec.repository)
+        if spec.size not in allowed:
+            raise InvalidJob(f"size: {spec.repository} may not use the size {spec.size!r} (its store file allows "
+                             f"{', '.join(allowed) or 'no sizes'}): the operator lists a repository's sizes in its "
+                             f"store file (<owner>/<repo>.yml, sizes: [{spec.size}]), or leave size out")
+        return dataclasses.replace(spec, template=sized(template_of(spec), spec.size))
+
+    def session_for(self, spec: JobSpec, policy: Policy,
+                      token: str | None) -> tuple[Session | None, str | None]:
+        """The GitHub job's kept VM this step opens (`keep: job` without a session's token: a new
+        session and its token) or attaches to (the token of a session of this very job), or None.
+        The key carries the runner the binding admitted and the token only the job has, so no other
+        job finds it, whatever it claims."""
+        key = session_key(spec)
+        if key is None:
+            if spec.keep == "job":
+                raise InvalidJob("keep: job needs the GitHub job's run_id and job_name (the action sends them)")
+            return None, None
+        return self.sessions.join(key, spec.keep, spec.template or "", policy.digest(), token)
+
+
+def spool_checkout(run: JobRun, chunks: Iterable[bytes], limit: int) -> None:
+    """Write the checkout tar into the job's directory, at most `limit` bytes, and check it is a tar the
+    guest may get (runner/tarsafe.py) before it takes the place of the job's checkout."""
+    part = run.dir / f"{CHECKOUT}.part"
+    written = 0
+    try:
+        with open(part, "wb") as out:
+            for chunk in chunks:
+                written += len(chunk)
+                if written > limit:
+                    raise TooLarge(f"the checkout is larger than the service's limit of {limit} bytes; "
+                                   f"leave build outputs out or ask the operator to raise checkout_max_bytes")
+                out.write(chunk)
+        with open(part, "rb") as check:
+            check_tar(check)
+        os.replace(part, run.checkout_path)
+    except ArchiveError as exc:
+        raise InvalidJob(f"checkout: {exc}") from exc
+    finally:
+        if part.exists():
+            part.unlink()

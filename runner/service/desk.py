@@ -1,0 +1,105 @@
+"""The runner desk: the runners whose tokens the service takes, the job each one is bound to, and
+the fork guard those jobs pass through.
+
+The fleet (runner.fleet) adds and removes its runners here; a runner's job-started hook binds it to
+its job (what it may submit) and gets the guard's verdict, run here with the GitHub App the runner's
+user must not reach; its job-completed hook, the runner's end and GitHub's `completed` end what the
+job still runs. The guard's rules and the App client are given by the host (runner/service/host.py),
+which reads them from disk and the environment once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner.fleet import report
+from runner.fleet.report import ReportedJob
+from runner.jobapi.contract import JobStarted, Verdict
+from runner.service.admission import InvalidJob
+from runner.service.auth import Access
+from runner.service.service import JobService
+
+if TYPE_CHECKING:
+    from runner.github.client import GitHubClient
+    from runner.github.guard import GuardRules
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GuardSetup:
+    """What the fork guard runs with: the per-repository rules, the App's installation client (made only
+    when a fork pull request needs GitHub), and why the rules could not be read (then it refuses every job)."""
+
+    rules: GuardRules
+    github: Callable[[], GitHubClient]
+    problem: str | None = None
+
+
+class RunnerDesk:
+    def __init__(self, service: JobService, guard: GuardSetup) -> None:
+        self.service = service
+        self.access: Access = service.access
+        self.guard = guard
+        self._bound: list[Callable[[str, ReportedJob], None]] = []
+
+    def on_bound(self, listener: Callable[[str, ReportedJob], None]) -> None:
+        """Call `listener(runner, job)` whenever a runner's hook binds it to a job (the fleet marks it busy)."""
+        self._bound.append(listener)
+
+    def add_runner(self, name: str, token: str) -> None:
+        """A fleet runner starts: its token (in its `.env`) lets it report and submit its one job."""
+        self.access.runners.add(name, token)
+
+    def remove_runner(self, name: str) -> None:
+        """A fleet runner ended: its token opens nothing any more."""
+        self.access.runners.remove(name)
+
+    def runner_job(self, name: str) -> ReportedJob | None:
+        """The job the runner's hook reported (runner -> current job), for the fleet's status."""
+        return self.access.runners.job_of(name)
+
+    def runner_job_started(self, runner: str, started: JobStarted) -> Verdict:
+        """A runner's job-started hook: remember its job (what it may submit), then run the fork guard
+        here, with the App the runner user must not reach. Its verdict is what the hook prints."""
+        job = report.parse({k: v for k, v in started.to_wire().items() if k != "guard"})
+        if job is None:
+            raise InvalidJob("the reported job is not a job: repository, run_id, run_attempt and job are required")
+        self.access.runners.bind(runner, job)
+        log.info("runner %s took %s", runner, job.describe())
+        for listener in self._bound:
+            listener(runner, job)
+        if self.guard.problem is not None:
+            return Verdict(False, (f"the guard's rules could not be read ({self.guard.problem}), so it refuses the job.",))
+        from runner.github import guard
+
+        rules = self.guard.rules.for_repository(job.repository)
+        verdict = guard.service_verdict(started.guard, job.repository, rules, self.guard.github)
+        if not verdict.allowed:
+            log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
+        return Verdict(verdict.allowed, verdict.reasons)
+
+    def runner_job_completed(self, runner: str) -> list[str]:
+        """A runner's job-completed hook: whatever its job still runs is cancelled and its VM destroyed."""
+        ids = self._end_jobs_of(runner, f"the GitHub job ended (runner {runner}'s job-completed hook) while this "
+                                        "job still ran", f"runner {runner}'s job-completed hook")
+        self.access.end_runner_job(runner, by_hook=True)
+        return ids
+
+    def runner_died(self, runner_name: str, reason: str) -> list[str]:
+        """The runner fleet (runner.fleet) saw the runner that submitted these jobs end, whatever its
+        exit code (a job that kills its own job-completed hook must not outlive its runner): cancel
+        them with `reason`, destroying their VMs, end its sessions, revoke its jobs' tokens. Returns their ids."""
+        ids = self._end_jobs_of(runner_name, reason, reason)
+        self.access.end_runner_job(runner_name)
+        return ids
+
+    def _end_jobs_of(self, runner: str, reason: str, session_reason: str) -> list[str]:
+        ids = self.service.runs.of_runner(runner)
+        for job_id in ids:
+            self.service.cancel(job_id, reason)
+        self.service.sessions.end_where(lambda key: key.runner == runner, session_reason)
+        return ids
