@@ -20,12 +20,12 @@ COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job
 
 
 @pytest.fixture
-def webhook(make_service, engine: FakeEngine, tmp_path: Path):
+def webhook(make_host, engine: FakeEngine, tmp_path: Path):
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET + b"\n")
-    service = make_service()
-    server = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["microvm"]}, service)
-    yield service, f"http://127.0.0.1:{server.port}/github/webhook"
+    host = make_host()
+    server = start_webhook({"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["microvm"]}, host.reactions)
+    yield host.service, f"http://127.0.0.1:{server.port}/github/webhook"
     server.close()
 
 
@@ -70,8 +70,8 @@ def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngin
     assert engine.alive() == [] and len(engine.created) == 1
 
 
-def test_webhook_settings_are_checked(make_service, tmp_path: Path) -> None:
-    service = make_service()
+def test_webhook_settings_are_checked(make_host, tmp_path: Path) -> None:
+    service = make_host().reactions
     assert start_webhook({}, service) is None
     with pytest.raises(ConfigError, match="secret_path: required"):
         start_webhook({"listen": "127.0.0.1:0"}, service)
@@ -81,7 +81,7 @@ def test_webhook_settings_are_checked(make_service, tmp_path: Path) -> None:
         start_webhook({"listen": "127.0.0.1:0", "port": 1}, service)
 
 
-def test_redelivery_sweep_runs_beside_the_endpoint_and_stops_with_it(make_service, tmp_path: Path) -> None:
+def test_redelivery_sweep_runs_beside_the_endpoint_and_stops_with_it(make_host, tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -94,7 +94,7 @@ def test_redelivery_sweep_runs_beside_the_endpoint_and_stops_with_it(make_servic
     github = tmp_path / "github.yml"
     github.write_text(f"client_id: Iv1.test\nprivate_key_path: {pem}\norg: octo\n")
     base = {"listen": "127.0.0.1:0", "secret_path": str(secret)}
-    service = make_service()
+    service = make_host().reactions
     with pytest.raises(ConfigError, match="at least 30"):
         start_webhook({**base, "redeliver_every": 5, "github_config": str(github)}, service)
     with pytest.raises(ConfigError, match="needs the GitHub App settings"):
