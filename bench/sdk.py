@@ -114,7 +114,7 @@ def main() -> None:
                 for name, (run, key) in ways.items():
                     results[name].append(sample(run, engine, key))
             source.destroy()
-            accel = host.service.accel if host.service is not None else None
+            accel = host.service.vms.accel if host.service is not None else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"accel: {accel}; {samples} samples each, from the create call to the end of the first exec('true')")
