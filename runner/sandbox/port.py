@@ -125,11 +125,15 @@ class SandboxProvider(Protocol):
         """Remove template `name` (a snapshot nobody restores from any more), its spare VMs first."""
         ...
 
+    def sandbox_snapshots(self) -> list[str]:
+        """The templates that are sandboxes' snapshots (at start-up: a dead service's leftovers)."""
+        ...
+
     def refill(self, template: Template, network: bool) -> None:
         """Restore spare VMs of one variant of `template` ahead of demand (a base rebuilt in place)."""
         ...
 
     def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset()) -> list[str]:
-        """Remove derived templates, least recently used first, until they fit `budget_bytes`; each one's
-        spare VMs end first. The names removed."""
+        """Remove derived templates (not sandboxes' snapshots), least recently used first, until they fit
+        `budget_bytes`; each one's spare VMs end first. The names removed."""
         ...

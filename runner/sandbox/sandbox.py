@@ -368,6 +368,9 @@ class EngineSandboxes:
         self.forget(name)
         self.engine.templates.remove(name)
 
+    def sandbox_snapshots(self) -> list[str]:
+        return [t.name for t in self.engine.templates.list() if t.sandbox]
+
     def refill(self, template: Template, network: bool) -> None:
         self.engine.pool.refill(template.snapshot(network))
 

@@ -154,7 +154,7 @@ class ServiceHost:
         desk = SandboxDesk(self.config, create, service.policies, service.records.put,
                            provider.remove if provider is not None else None)
         self._stack.callback(desk.close)  # before service.close: the records are written as the sandboxes end
-        desk.start()
+        desk.start(provider.sandbox_snapshots() if provider is not None else ())
         return desk
 
     def _metrics(self, service: JobService) -> JobMetrics:

@@ -16,7 +16,9 @@ the caller's:
 
 A snapshot of a sandbox is a template (its disk and memory as they are), a base that sandboxes of
 the same caller may be created from (`base=`): a fork. It is removed once its source and every
-sandbox restored from it have ended.
+sandbox restored from it have ended, or at the next start of a service that died first; the warm
+bases' disk budget neither counts nor evicts it (its count is bounded by max_per_caller and
+max_snapshots).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -175,7 +177,12 @@ class SandboxDesk:
 
     # -- life cycle -----------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, leftovers: Sequence[str] = ()) -> None:
+        """Serve from now on; first remove `leftovers`, the snapshot templates of a service that died
+        (no sandbox outlives its service, so nothing may restore from them again)."""
+        for name in leftovers:
+            log.info("removing snapshot template %s: its sandboxes ended with a service that stopped", name)
+            self._forget(name)
         self._reaper.start()
 
     def close(self) -> None:

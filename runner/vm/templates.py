@@ -58,8 +58,14 @@ class Template:
 
     @property
     def derived(self) -> bool:
-        """Made from a running VM (not baked from a recipe): these are what the disk budget evicts."""
+        """Made from a running VM (not baked from a recipe)."""
         return "parent" in self.manifest
+
+    @property
+    def sandbox(self) -> bool:
+        """A sandbox's snapshot (Engine.snapshot's extra member "sandbox"): it lives only as long as its
+        sandboxes (runner/service/sandboxes.py), never in the warm bases' budget, never past a restart."""
+        return "sandbox" in self.manifest
 
     def snapshot(self, network: bool) -> Snapshot:
         variant = "net" if network else "nonet"
@@ -128,9 +134,10 @@ class TemplateStore:
     def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset(),
               before_remove: Callable[[str], None] | None = None) -> list[str]:
         """Remove derived templates, least recently used first, until they fit in `budget_bytes`
-        together; `keep` (e.g. the one just built) is never removed. `before_remove(name)` runs
+        together; `keep` (e.g. the one just built) and sandboxes' snapshots (which their live sandboxes
+        may restore from; bounded by the sandboxes' own counts) are never removed nor counted. `before_remove(name)` runs
         first for each (the engine ends its spare VMs). Returns the names removed."""
-        derived = [t for t in self.list() if t.derived]
+        derived = [t for t in self.list() if t.derived and not t.sandbox]
         sizes = {t.name: t.size_bytes() for t in derived}
         total = sum(sizes.values())
         removed = []

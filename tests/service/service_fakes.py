@@ -79,6 +79,9 @@ class FakeProvider:
     def forget(self, name: str) -> None:
         pass
 
+    def sandbox_snapshots(self) -> list[str]:
+        return []
+
     def refill(self, template: Any, network: bool) -> None:
         pass
 

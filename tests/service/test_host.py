@@ -222,3 +222,21 @@ def test_the_api_answers_while_running_jobs_get_their_grace(make_config) -> None
 def test_engine_and_sandboxes_are_one_or_the_other(make_config) -> None:
     with pytest.raises(ValueError, match="either engine settings or a sandbox factory"):
         ServiceHost(make_config(), engine=EngineSettings(), sandboxes=FakeEngine().create)
+
+
+def test_a_dead_services_sandbox_snapshots_are_removed_at_start(need_engine: None, make_config,
+                                                                short_dir: Path) -> None:
+    """No sandbox outlives its service, so their snapshot templates go before the next one serves."""
+    import json
+
+    from runner.vm.templates import TemplateStore
+
+    baked_template(short_dir / "state", "sbx-j0123456789abcdef-1")
+    baked_template(short_dir / "state", "warm-base")
+    store = TemplateStore(short_dir / "state" / "templates")
+    for name, extra in (("sbx-j0123456789abcdef-1", {"sandbox": "j0123456789abcdef"}),
+                        ("warm-base", {"parent": {"name": "base", "digest": "d" * 20}})):
+        manifest = store.dir_for(name, "d" * 20) / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "cmdline": "", "vcpus": 1, **extra}))
+    with ServiceHost(make_config(), engine=EngineSettings(pool_size=0)):
+        assert sorted(t.name for t in store.list()) == ["base", "warm-base"]

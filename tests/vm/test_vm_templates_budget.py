@@ -60,3 +60,14 @@ def test_a_template_without_a_variant_says_how_to_get_one(store):
 
     with pytest.raises(TemplateNotFound, match=r"without a network card: create the sandbox with network=False"):
         store.get("nic-less").snapshot(network=True)
+
+
+def test_sandboxes_snapshots_are_neither_counted_nor_evicted(store):
+    """A sandbox's snapshot lives as long as its sandboxes: the warm bases' budget does not touch it."""
+    _template(store, "warm", 2, 300)
+    _template(store, "sbx-j0123456789abcdef-1", 4, 100)
+    path = store.root / "sbx-j0123456789abcdef-1" / ("d" * 20) / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sandbox": "j0123456789abcdef"}))
+    assert store.evict(budget_bytes=3 << 20) == []  # 2 MiB of warm bases fit; the 4 MiB snapshot is not theirs
+    assert store.evict(budget_bytes=0) == ["warm"]
+    assert [t.name for t in store.list()] == ["sbx-j0123456789abcdef-1"]
