@@ -48,7 +48,7 @@ def docker_context(workspace: Path) -> None:
 
 @pytest.fixture
 def docker_service(docker_template: None) -> Iterator[object]:
-    yield from _host({"templates": ["base", "docker"]})
+    yield from _host({"templates": ["docker", "base"]})  # the default first: the spare VM is a docker one
 
 
 @pytest.fixture
@@ -57,22 +57,6 @@ def sim(tmp_path: Path, external: Path) -> Simulation:
     temp = tmp_path / "runner-temp"
     temp.mkdir()
     return Simulation(tmp_path / "workspace", temp, json.loads((external / FORK_PR).read_text()))
-
-
-def test_docker_build_and_run_through_the_action_then_the_next_job_finds_nothing(docker_service, sim) -> None:
-    """One job builds an image, runs it, and leaves a container running and the image behind; the next
-    job (its own VM from the same snapshot) finds neither: the engine's state lived on the job's overlay."""
-    socket = docker_service.config.socket
-    first = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10",
-                             "run": f"{BUILD_AND_RUN} && docker run -d --name left t sleep 1000 >/dev/null "
-                                    "&& docker ps -q | wc -l && docker images -q t | wc -l"})
-    assert first.returncode == 0, first.log
-    lines = first.log.splitlines()
-    assert "ok" in lines, first.log
-    second = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10",
-                              "run": "echo containers=$(docker ps -aq | wc -l) images=$(docker images -aq | wc -l)"})
-    assert second.returncode == 0, second.log
-    assert "containers=0 images=0" in second.log, second.log
 
 
 def test_docker_build_and_run_through_local_run(docker_template: None, tmp_path: Path, monkeypatch,
@@ -96,7 +80,10 @@ READY = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 5432
 QUERY = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:5432/rows').read().decode())\""
 
 
-def test_a_service_container_is_ready_before_run_reached_on_its_port_and_logged(docker_service, sim) -> None:
+def test_build_run_and_a_service_through_the_action_then_the_next_job_finds_nothing(docker_service, sim) -> None:
+    """One job (one VM) starts a database-like service built from its checkout, reaches it on its port once
+    it is ready, builds an image, runs it, and leaves a container running and the image behind; the next
+    job (its own VM from the same snapshot) finds neither: the engine's state lived on the job's overlay."""
     service_dir = sim.workspace / "db"
     (service_dir / "www").mkdir(parents=True)
     (service_dir / "www" / "rows").write_text("id=1 name=alice\n")
@@ -104,13 +91,21 @@ def test_a_service_container_is_ready_before_run_reached_on_its_port_and_logged(
     shutil.copy2("/bin/busybox", service_dir / "busybox")
     services = (f"- name: db\n  build: db\n  ports: ['5432']\n  env: {{POSTGRES_PASSWORD: example}}\n"
                 f"  ready: {json.dumps(READY)}\n")
-    result = run_action(sim, {"template": "docker", "socket": docker_service.config.socket, "timeout-minutes": "10",
-                              "services": services, "run": f"{QUERY} && echo env=$(docker inspect -f "
-                              "'{{range .Config.Env}}{{.}} {{end}}' mvc-service-db)"})
-    assert result.returncode == 0, result.log
-    assert "id=1 name=alice" in result.log and "env=POSTGRES_PASSWORD=example" in result.log, result.log
-    assert "microvm-check services: db is ready" in result.log, result.log
-    assert any(line.startswith("[db] ") and "response:200" in line for line in result.log.splitlines()), result.log
+    socket = docker_service.config.socket
+    first = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10", "services": services,
+                             "run": f"{QUERY} && echo env=$(docker inspect -f '{{{{range .Config.Env}}}}{{{{.}}}} "
+                                    f"{{{{end}}}}' mvc-service-db) && {BUILD_AND_RUN} "
+                                    "&& docker run -d --name left t sleep 1000 >/dev/null"})
+    assert first.returncode == 0, first.log
+    lines = first.log.splitlines()
+    assert "ok" in lines, first.log
+    assert "id=1 name=alice" in lines and "env=POSTGRES_PASSWORD=example" in first.log, first.log
+    assert "microvm-check services: db is ready" in lines, first.log
+    assert any(line.startswith("[db] ") and "response:200" in line for line in lines), first.log
+    second = run_action(sim, {"template": "docker", "socket": socket, "timeout-minutes": "10",
+                              "run": "echo containers=$(docker ps -aq | wc -l) images=$(docker images -aq | wc -l)"})
+    assert second.returncode == 0, second.log
+    assert "containers=0 images=0" in second.log, second.log
 
 
 def test_a_service_that_never_gets_ready_fails_the_job_saying_so(docker_service, sim) -> None:
