@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from runner.errors import JobError
-from runner.jobapi.contract import JobState
+from runner.jobapi.contract import JOB_ID, JobState
 from runner.service.auth import Access, Caller, _in_group, peer_ids
 from runner.service.sandboxes import (
     SandboxCallError,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 SANDBOX_TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
 PREFIX = "/v1/sandboxes"
-_ROUTE = re.compile(r"/v1/sandboxes(?:/(?P<id>j[0-9a-f]{16})(?P<rest>/exec|/files|/files/list|/upload|/download"
+_ROUTE = re.compile(r"/v1/sandboxes(?:/(?P<id>" + JOB_ID.pattern + r")(?P<rest>/exec|/files|/files/list|/upload|/download"
                     r"|/snapshot|/destroy)?)?")
 _CHUNK = 1024 * 1024
 MAX_ENV = 64
