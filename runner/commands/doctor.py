@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from runner.vm import accel, cgroup, jail, memory
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
-from runner.vm.templates import TemplateNotFound, TemplateStore
+from runner.vm.templates import TemplateNotFound, TemplateStore, sized
 
 if TYPE_CHECKING:
     from runner.service.config import ServiceConfig
@@ -246,6 +246,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     config, service = load_service_config(args.config)
     state = StateDir(config.state_dir) if config is not None else StateDir.default()
     names = config.templates if config is not None else ("base",)
+    # a job may ask any offered template at any offered size: each is a template of its own
+    names = (*names, *(sized(t, size) for t in names for size in (config.sizes or {} if config else {})))
     checks = [*host_checks(), *confinement_checks(), *network_checks(), *(template_check(state, n) for n in names),
               *service, *(config_file_checks(config) if config is not None else [])]
     for check in checks:

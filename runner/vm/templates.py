@@ -100,9 +100,11 @@ class TemplateStore:
     def get(self, name: str) -> Template:
         current = self.root / name / "current"
         if not current.exists():
-            raise TemplateNotFound(
-                f"no template named {name!r} in {self.root}: build it with 'microvm-check template build {name}'"
-            )
+            recipe, _, size = name.partition(".")
+            sized_one = size and "--" not in name  # `<recipe>.<size>`, not a warm base of a dotted repository
+            how = (f"template build {recipe} --size {size} --config <the service config>" if sized_one
+                   else f"template build {name}")
+            raise TemplateNotFound(f"no template named {name!r} in {self.root}: build it with 'microvm-check {how}'")
         digest = current.read_text().strip()
         path = self.dir_for(name, digest)
         manifest = json.loads((path / "manifest.json").read_text())

@@ -97,6 +97,7 @@ def test_doctor_config_checks_what_that_config_uses(tmp_path, monkeypatch, capsy
     (tmp_path / "bad.yml").write_text(f"app_id: 1\nprivate_key_path: {bad_key}\n")
     config = tmp_path / "service.yml"
     config.write_text(f"state_dir: {state}\ntemplates: [base, big]\nsocket: {tmp_path}/api.sock\n"
+                      "sizes: {large: {vcpus: 2}}\n"
                       f"admin_group: no-such-group-mvc\ngithub_config: {tmp_path}/good.yml\n"
                       f"webhook: {{secret_path: {tmp_path}/missing-secret, github_config: {tmp_path}/bad.yml}}\n")
     assert cli.cmd_doctor(argparse.Namespace(selftest=False, config=config)) == 1
@@ -104,6 +105,9 @@ def test_doctor_config_checks_what_that_config_uses(tmp_path, monkeypatch, capsy
     for name in ("base", "big"):
         assert f"NO  template '{name}' is built in {state}: no template named '{name}'" in out
         assert f"build it with 'microvm-check template build {name}'" in out
+        # each offered template at each offered size is a template of its own, and says how it is made
+        assert (f"NO  template '{name}.large' is built in {state}: no template named '{name}.large'" in out
+                and f"'microvm-check template build {name} --size large --config <the service config>'" in out)
     assert "NO  admin_group no-such-group-mvc exists: create it (groupadd no-such-group-mvc)" in out
     assert f"NO  webhook.secret_path {tmp_path}/missing-secret is readable and not empty: cannot read it" in out
     assert f"ok  github_config {tmp_path}/good.yml: the GitHub App settings load and the key {good_key} signs" in out
