@@ -96,7 +96,8 @@ class SandboxRequest:
         if unknown:
             raise SandboxCallError(f"unknown field(s) {', '.join(sorted(map(str, unknown)))[:200]}")
         if data.get("size") is not None:
-            raise SandboxCallError("size: this service offers no size classes; leave it out")
+            raise SandboxCallError("size: sandboxes run at the service's default size (size classes are for jobs); "
+                                   "leave it out")
         template = data.get("template") or config.default_template
         if template not in config.templates:
             raise SandboxCallError(f"template: {str(template)[:80]!r} is not offered here "
@@ -332,11 +333,11 @@ class SandboxDesk:
             sandbox.ended = why
             self._by_id.pop(sandbox.id, None)
             self._by_digest.pop(sandbox.token_digest, None)
+        self.note_blocked(sandbox)  # before the destroy: the VM's network slot, and its audit records, go with it
         try:
             sandbox.vm.destroy()
         except Exception:
             log.exception("sandbox %s: destroying VM %s failed (the engine's TTL remains)", sandbox.id, sandbox.record.vm_id)
-        self.note_blocked(sandbox)
         record = sandbox.record
         record.state, record.timings.finished_at = state, time.time()
         if state is JobState.FINISHED:
@@ -355,7 +356,7 @@ class SandboxDesk:
             blocked = _bounded_blocked(sandbox.vm.blocked_egress())
         except Exception:  # a VM that is gone has nothing more to say
             return
-        if blocked != sandbox.record.blocked_egress:
+        if blocked and blocked != sandbox.record.blocked_egress:  # a slot that went says nothing: keep what was seen
             sandbox.record.blocked_egress = blocked
             if not sandbox.record.final:
                 self._save(sandbox.record)

@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dnslib import CNAME, QTYPE, RCODE, RR, A, DNSRecord
 
@@ -355,3 +356,22 @@ def tls_server(ns: str, address: str, port: int, name: str, ca, directory, serve
 
     server.timeout = 0.2
     servers._spawn(serve, server.socket)
+
+
+def http_server_in(namespace: str, address: str, port: int, handler: type, cleanup: Any) -> None:
+    """An HTTP server (`handler`, an http.server handler class) on `address:port` inside `namespace` (the
+    address added to its loopback), until `cleanup` (an ExitStack) closes: a package index in a fake internet."""
+    import http.server
+
+    ip("-n", namespace, "addr", "add", f"{address}/32", "dev", "lo")
+    server = http.server.ThreadingHTTPServer((address, port), handler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = netns.socket_in(namespace, socket.AF_INET, socket.SOCK_STREAM)
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.server_bind()
+    server.server_activate()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    cleanup.callback(thread.join)
+    cleanup.callback(server.server_close)
+    cleanup.callback(server.shutdown)

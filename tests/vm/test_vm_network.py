@@ -12,9 +12,7 @@ import hashlib
 import http.server
 import io
 import secrets
-import socket
 import textwrap
-import threading
 import zipfile
 from contextlib import ExitStack
 
@@ -111,18 +109,7 @@ class IndexHandler(http.server.BaseHTTPRequestHandler):
 
 
 def serve_index(internet: str, cleanup: ExitStack) -> None:
-    net_fakes.ip("-n", internet, "addr", "add", f"{INDEX_HOST}/32", "dev", "lo")
-    server = http.server.ThreadingHTTPServer((INDEX_HOST, INDEX_PORT), IndexHandler, bind_and_activate=False)
-    server.socket.close()
-    server.socket = netns.socket_in(internet, socket.AF_INET, socket.SOCK_STREAM)
-    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.server_bind()
-    server.server_activate()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    cleanup.callback(thread.join)
-    cleanup.callback(server.server_close)
-    cleanup.callback(server.shutdown)
+    net_fakes.http_server_in(internet, INDEX_HOST, INDEX_PORT, IndexHandler, cleanup)
 
 
 @pytest.fixture
