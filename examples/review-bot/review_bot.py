@@ -12,9 +12,11 @@ tests and the tail of their output. Run it as a user in the service's `sandboxes
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 
 from microvm_check import ExecResult, Sandbox, Service
 
@@ -38,8 +40,12 @@ def pr_tree(repository: str, ref: str) -> bytes:
     """The PR's files as a tar, read from the bare repository (git runs no code of the PR for this)."""
     # the tree, not the commit: git then writes no global pax header (the commit id), which the service's
     # safe tar reader refuses
-    done = subprocess.run(["git", "--git-dir", repository, "archive", "--format=tar", f"{ref}^{{tree}}"],
-                          capture_output=True, timeout=120)
+    # and with no system or global git config, so no filter driver the PR's .gitattributes could name exists
+    with tempfile.TemporaryDirectory(prefix="review-bot-home-") as home:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "GIT_CONFIG_NOSYSTEM": "1",
+               "GIT_CONFIG_GLOBAL": os.devnull, "GIT_ATTR_NOSYSTEM": "1"}
+        done = subprocess.run(["git", "--git-dir", repository, "archive", "--format=tar", f"{ref}^{{tree}}"],
+                              capture_output=True, timeout=120, env=env)
     if done.returncode != 0:
         raise SystemExit(f"git archive {ref} failed: {done.stderr.decode(errors='replace')}")
     return done.stdout

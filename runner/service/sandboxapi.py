@@ -23,6 +23,7 @@ import base64
 import grp
 import json
 import os
+import pwd
 import re
 import threading
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from runner.service.sandboxes import (
     parse_listing,
     spool_tar,
 )
+from runner.uidrange import RUNNER_UIDS
 
 if TYPE_CHECKING:
     from runner.service.api import Handler
@@ -61,12 +63,20 @@ def route(path: str) -> tuple[str | None, str] | None:
     return (match.group("id"), match.group("rest") or "") if match else None
 
 
-def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: object | None) -> str:
-    """The owner key of a caller that may create sandboxes, or SandboxRefused saying who may."""
+def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: object | None,
+             runner_user: str | None = None) -> str:
+    """The owner key of a caller that may create sandboxes, or SandboxRefused saying who may.
+
+    A runner's processes run a fork's own workflow steps on the host: they never create sandboxes, not
+    by leaving out their runner token, nor through the group (a fleet runner's own uid, or the
+    configured `runners.runner_user`, whatever groups it is in)."""
     if caller.operator:
         return "operator"
     if caller.runner is None and sock is not None and settings_group:
         uid, gid = peer_ids(sock)  # type: ignore[arg-type]
+        if uid in RUNNER_UIDS or (runner_user is not None and _user_name(uid) == runner_user):
+            raise SandboxRefused(f"{caller.who} is a runner's user, whose processes run workflow steps of "
+                                 "pull requests: it may not create sandboxes, whatever its groups")
         try:
             group_id = grp.getgrnam(settings_group).gr_gid
         except KeyError:
@@ -77,6 +87,13 @@ def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: o
     raise SandboxRefused(f"{caller.who} may not create sandboxes: the operator may, and {allowed}")
 
 
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 def vet(desk: SandboxDesk, access: Access, caller: Caller, sock: object | None, path: str,
         token: str | None) -> None:
     """The head's check for a POST or PUT under /v1/sandboxes (raises the refusal)."""
@@ -85,7 +102,7 @@ def vet(desk: SandboxDesk, access: Access, caller: Caller, sock: object | None, 
         return
     sandbox_id, _rest = found
     if sandbox_id is None:
-        owner_of(access, desk.settings.group, caller, sock)
+        owner_of(access, desk.settings.group, caller, sock, desk.config.runners.runner_user)
     else:
         desk.find(sandbox_id, token, caller.operator)
 
@@ -106,7 +123,8 @@ class SandboxRoutes:
         if sandbox_id is None:
             if method != "POST":
                 return self._not_allowed(method, path)
-            owner = owner_of(self.h.service.access, self.desk.settings.group, caller, sock)
+            owner = owner_of(self.h.service.access, self.desk.settings.group, caller, sock,
+                             self.desk.config.runners.runner_user)
             return self._create(owner)
         sandbox = self.desk.find(sandbox_id, self.h.headers.get(SANDBOX_TOKEN_HEADER), caller.operator)
         handler: Callable[[], None] | None = {

@@ -37,6 +37,7 @@ BOT = Path(__file__).resolve().parent / "sdk_bot.py"
 class Users:
     bot: int
     outsider: int
+    runner: str  # a runner's user in both groups: runs fork steps on the host, so never creates sandboxes
     socket_group: str
     sandbox_group: str
 
@@ -45,16 +46,18 @@ class Users:
 def users() -> Iterator[Users]:
     """Two users who may use the socket (its group); only the bot is in the sandbox group."""
     tag = secrets.token_hex(3)
-    sock_group, sbx_group, bot, outsider = f"mvcsk{tag}", f"mvcsb{tag}", f"mvcbot{tag}", f"mvcout{tag}"
+    sock_group, sbx_group, bot, outsider, runner = (f"mvcsk{tag}", f"mvcsb{tag}", f"mvcbot{tag}", f"mvcout{tag}",
+                                                    f"mvcrun{tag}")
     for group in (sock_group, sbx_group):
         subprocess.run(["groupadd", "--system", group], check=True)
-    for user, groups in ((bot, f"{sock_group},{sbx_group}"), (outsider, sock_group)):
+    for user, groups in ((bot, f"{sock_group},{sbx_group}"), (outsider, sock_group),
+                         (runner, f"{sock_group},{sbx_group}")):
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--gid", sock_group,
                         "--groups", groups, user], check=True)
     try:
-        yield Users(pwd.getpwnam(bot).pw_uid, pwd.getpwnam(outsider).pw_uid, sock_group, sbx_group)
+        yield Users(pwd.getpwnam(bot).pw_uid, pwd.getpwnam(outsider).pw_uid, runner, sock_group, sbx_group)
     finally:
-        for user in (bot, outsider):
+        for user in (bot, outsider, runner):
             subprocess.run(["pkill", "-KILL", "-u", user], check=False)
             subprocess.run(["userdel", user], check=False)
         for group in (sock_group, sbx_group):
@@ -85,6 +88,7 @@ def facts(lines: list[dict]) -> dict:
 def test_a_bot_drives_sandboxes_and_others_reach_none(serve, vm_root: Path, users: Users) -> None:
     os.chmod(vm_root, 0o755)  # the users reach the socket in it (the state dir stays the service's)
     service = serve({"socket_group": users.socket_group, "max_concurrent_jobs": 1,
+                     "runners": {"runner_user": users.runner},
                      "sandboxes": {"group": users.sandbox_group, "max_ttl_seconds": 600, "max_per_caller": 2}})
     socket = vm_root / "api.sock"
     operator = JobClient(socket=str(socket))
@@ -92,6 +96,8 @@ def test_a_bot_drives_sandboxes_and_others_reach_none(serve, vm_root: Path, user
 
     refused = facts(_run_as(users.outsider, socket, ("create",), 120))
     assert refused["create"] == 403 and users.sandbox_group in refused["message"], refused
+    runner = facts(_run_as(pwd.getpwnam(users.runner).pw_uid, socket, ("create",), 120))
+    assert runner["create"] == 403 and "a runner's user" in runner["message"], runner
 
     seen = facts(_run_as(users.bot, socket, ("tour",), 900))
     assert seen["exit_code"] == 3 and seen["stdout"] == "one\n" and seen["stderr"] == "two\n", seen
