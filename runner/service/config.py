@@ -14,8 +14,10 @@ and the key, and values quoted back are cut short. Numbers must be finite and wi
 
 from __future__ import annotations
 
+import grp
 import json
 import math
+import pwd
 import re
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
@@ -682,6 +684,7 @@ def _check(config: ServiceConfig, walk: _Walk) -> ServiceConfig | None:
         walk.at("network.allow", "has no effect while network.enabled is false; enable networking or remove allow")
     _check_webhook(config.webhook, walk, "webhook.")
     _check_runners(config, walk)
+    _check_sandbox_group(config, walk)
     return replace(config, token=token)
 
 
@@ -703,6 +706,32 @@ def _check_runners(config: ServiceConfig, walk: _Walk) -> None:
     most = runners.max_runners or config.max_concurrent_jobs
     if runners.min_idle > most:
         walk.at("runners.min_idle", f"larger than max_runners ({most}): at most that many runners exist at once")
+
+
+def _check_sandbox_group(config: ServiceConfig, walk: _Walk) -> None:
+    """Sandboxes' creators are never the socket's users at large nor the fleet's runner user: a runner runs
+    a fork's own steps on the host, and a sandbox outlives the job with the sandboxes' repository's egress."""
+    group = config.sandboxes.group
+    if group is None:
+        return
+    if group == config.socket_group:
+        walk.at("sandboxes.group", f"is socket_group ({quote(group)}), which the runners' user is in (docs/fleet.md): "
+                                   "name a group of the sandbox callers (a bot's user) alone")
+        return
+    if config.runners.org is None:
+        return
+    user = config.runners.runner_user
+    try:
+        members = grp.getgrnam(group)
+    except KeyError:
+        return  # no such group yet: nobody is in it
+    try:
+        primary = pwd.getpwnam(user).pw_gid
+    except KeyError:
+        primary = None
+    if user in members.gr_mem or primary == members.gr_gid:
+        walk.at("sandboxes.group", f"group {quote(group)} holds the runners' user {quote(user)} (runners.runner_user): "
+                                   "a fork's workflow step could create sandboxes; take the user out of the group")
 
 
 def _read_token(path: Path, walk: _Walk) -> str | None:
