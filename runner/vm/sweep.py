@@ -1,8 +1,10 @@
 """Start-up sweep: whatever a crashed predecessor left under the VM directory is killed and removed.
 
-Processes are found by what they are, not by what a pid file says: any process whose command
-line names a path under our VM directory is one of our VMMs (a pid file could be stale and
-point at an unrelated process that reused the pid).
+Processes are found by what they are, not by what a pid file says (a pid file could be stale and
+point at an unrelated process that reused the pid): a VMM is a QEMU (its executable a
+`qemu-system-*`) running as one of the VMs' uids (runner.uidrange VM_UIDS, leased by the jail) whose
+command line names a path under our VM directory. An operator's `tail -f .../serial.log`, or any
+other user's process that names such a path, is neither killed nor counted.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import shutil
 import signal
 from pathlib import Path
 
+from runner.uidrange import VM_UIDS
 from runner.vm import cgroup, checkoutdisk
 
 
 def processes_under(vms_dir: Path) -> list[int]:
+    """The VMMs of VMs under `vms_dir`: QEMUs of the VMs' uids naming a path under it."""
     marker = (str(vms_dir).rstrip("/") + "/").encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -26,9 +30,20 @@ def processes_under(vms_dir: Path) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if marker in cmdline:
+        if marker in cmdline and _is_vmm(entry):
             found.append(int(entry))
     return found
+
+
+def _is_vmm(pid: str) -> bool:
+    """A QEMU system emulator whose every uid (real, effective, saved, fs) is one of the VMs'."""
+    try:
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        with open(f"/proc/{pid}/status", "rb") as f:
+            uids = next((line.split()[1:] for line in f if line.startswith(b"Uid:")), [])
+    except (OSError, StopIteration):
+        return False
+    return exe.startswith("qemu-system-") and bool(uids) and all(int(uid) in VM_UIDS for uid in uids)
 
 
 def sweep(vms_dir: Path, keep: frozenset[str] = frozenset()) -> list[str]:
