@@ -104,6 +104,9 @@ def _services(text: str) -> tuple[ServiceContainer, ...]:
         items = yaml.load(text, Loader=_NoAliases)  # a SafeLoader without aliases
     except yaml.YAMLError as exc:
         raise UserError(f"input 'services' is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise UserError("input 'services' is nested too deeply: give a flat list of services "
+                        "(each a mapping of name, image or build, env, ports, ready)") from None
     if isinstance(items, list):
         items = [{str(k).replace("-", "_"): v for k, v in item.items()} if isinstance(item, dict) else item
                  for item in items]

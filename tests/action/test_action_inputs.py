@@ -95,3 +95,9 @@ def test_policy_file_linking_out_of_the_checkout_is_refused(external: Path, tmp_
     env = environ(external, None, INPUT_POLICY="policy.yml")
     with pytest.raises(UserError, match="policy"):
         job_spec(read_inputs(env), env, tmp_path / "ws")
+
+
+def test_a_deeply_nested_services_input_is_a_user_error(external: Path) -> None:
+    """PyYAML recurses per nesting level: 20 000 of them, within the size cap, are a clear error, not a traceback."""
+    with pytest.raises(UserError, match="input 'services' is nested too deeply"):
+        read_inputs(environ(external, None, INPUT_SERVICES="[" * 20000 + "]" * 20000))
