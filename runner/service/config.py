@@ -685,6 +685,7 @@ def _check(config: ServiceConfig, walk: _Walk) -> ServiceConfig | None:
     _check_webhook(config.webhook, walk, "webhook.")
     _check_runners(config, walk)
     _check_sandbox_group(config, walk)
+    _check_sizes_fit(config, walk)
     return replace(config, token=token)
 
 
@@ -732,6 +733,32 @@ def _check_sandbox_group(config: ServiceConfig, walk: _Walk) -> None:
     if user in members.gr_mem or primary == members.gr_gid:
         walk.at("sandboxes.group", f"group {quote(group)} holds the runners' user {quote(user)} (runners.runner_user): "
                                    "a fork's workflow step could create sandboxes; take the user out of the group")
+
+
+HOST_RESERVE_MIB = 1024  # of the host's memory, kept for the service, the kernel and the runners' own steps
+
+
+def _check_sizes_fit(config: ServiceConfig, walk: _Walk) -> None:
+    """max_concurrent_jobs VMs of the largest size class, each at its cgroup's memory limit (the guest's
+    RAM plus QEMU's own, runner/vm/cgroup.py), must fit in this host's memory less a reserve: a class
+    that cannot run as many jobs at once as the config admits is refused here, not found by the OOM killer."""
+    if not config.sizes:
+        return
+    from runner.vm.cgroup import limits_for
+    from runner.vm.memory import host_memory_mib
+
+    host = host_memory_mib()
+    if host is None:
+        return
+    name, largest = max(config.sizes.items(), key=lambda item: item[1].memory_mib)
+    per_vm = limits_for(largest.vcpus, largest.memory_mib).memory_bytes >> 20
+    need = config.max_concurrent_jobs * per_vm
+    if need > host - HOST_RESERVE_MIB:
+        most = max(0, (host - HOST_RESERVE_MIB) // per_vm)
+        walk.at(f"sizes.{name}", f"max_concurrent_jobs ({config.max_concurrent_jobs}) VMs of this size need "
+                                 f"{need} MiB ({per_vm} MiB each: memory_mib plus QEMU's own), more than this host's "
+                                 f"{host} MiB less {HOST_RESERVE_MIB} MiB for the host: lower memory_mib, or "
+                                 f"max_concurrent_jobs to {most} or fewer")
 
 
 def _read_token(path: Path, walk: _Walk) -> str | None:

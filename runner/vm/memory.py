@@ -24,6 +24,15 @@ class AccelMemory:
         return f"{self.accel} {self.pss_mib:.1f} MiB per VM ({self.vms} running)"
 
 
+def host_memory_mib() -> int | None:
+    """The host's memory (MemTotal) in MiB, or None when /proc/meminfo cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def pss_mib(pid: int) -> float | None:
     """The process's PSS in MiB, or None if it is gone (or not readable)."""
     try:
