@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.stats import percentile as pct
 from runner.sandbox import Sandbox
 from runner.vm.agent import AgentClient
-from runner.vm.engine import Engine, _make_overlay
+from runner.vm.engine import Engine
 from runner.vm.hypervisor import Launch
 from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateStore
@@ -101,9 +101,8 @@ def cold_boot(engine: Engine, samples: int) -> list[float]:
     for _ in range(samples):
         with tempfile.TemporaryDirectory(prefix="mvc-cold-") as tmp:
             tmpdir = Path(tmp)
-            overlay = tmpdir / "disk.qcow2"
-            _make_overlay(snapshot.disk, overlay)
-            launch = Launch(vm_dir=tmpdir, disk=overlay, disk_format="qcow2")
+            disk = engine.hv.overlay(snapshot.disk, tmpdir)
+            launch = Launch(vm_dir=tmpdir, disk=disk.path, disk_format=disk.format)
             t = time.monotonic()
             machine = engine.hv.boot(snapshot.config, tmpdir / "mem.ram", launch)
             agent = AgentClient(machine.agent)

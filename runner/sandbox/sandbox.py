@@ -4,7 +4,6 @@ documents it), and `EngineSandboxes`, the engine as the service's `SandboxProvid
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 import threading
@@ -160,7 +159,7 @@ class Sandbox:
         """The manifest of the template this VM restored from (`<name>/<digest>/manifest.json` above its
         snapshot's variant directory): its name and digest and, for a derived one (a warm base), its
         parent's. Read at restore, so a template rebuilt while the job runs does not change the answer."""
-        manifest = json.loads((self._vm.snapshot.disk.parent.parent / "manifest.json").read_text())
+        manifest = self._engine.templates.owner(self._vm.snapshot).manifest
         return manifest if isinstance(manifest, dict) else {}
 
     # ---- running -----------------------------------------------------------------------------

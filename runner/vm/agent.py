@@ -44,6 +44,16 @@ COALESCE_BYTES = 64 * 1024  # output frames of one request are merged up to this
 COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte at once
 TRICKLE_BYTES = 16 * 1024  # a read smaller than this while merging: wait for the merge to be due
 MAX_FRAMES_PER_S = 20_000  # per channel (one VM): bounds the host CPU a frame flood can take
+# `quiesce`: run as root in the guest before a snapshot. The checkout's overlays (their upper layer is
+# under GUEST_CHECKOUT_ROOT) and its medium are unmounted and the directory removed, then the page
+# cache is written and dropped.
+GUEST_CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the guest agent's CHECKOUT_ROOT
+QUIESCE_SCRIPT = (
+    "set -e; root=" + GUEST_CHECKOUT_ROOT + "; "
+    "for m in $(awk -v u=\"upperdir=$root/upper\" 'index($4, u) {print $2}' /proc/mounts); do umount \"$m\"; done; "
+    "if grep -q \" $root/medium \" /proc/mounts; then umount \"$root/medium\"; fi; rm -rf \"$root\"; "
+    "sync; echo 3 > /proc/sys/vm/drop_caches; sync"
+)
 MAX_JSON_DEPTH = 32  # our messages nest 2 levels; deeper would only exercise the parser's recursion
 # What a guest that broke the protocol did, for the engine's count (runner.vm.engine.Engine.protocol_errors):
 # a bad frame (header, size, truncation, a request never sent), a message that does not decode, a flood of
@@ -479,6 +489,16 @@ class AgentClient:
             self._finish(req)
         raise AgentError("exec ended without a reply")
 
+    def quiesce(self, timeout: float) -> None:
+        """Make the guest fit to be snapshotted: the checkout's overlays and medium unmounted (the medium
+        is the job's, never the template's, and its upper layer goes with it), then its page cache
+        written and dropped. Sent as a fixed script run as root through `exec`, which every guest agent
+        baked so far has: an operation of its own in the guest would make every template stale."""
+        outcome = self.exec({"shell": QUIESCE_SCRIPT, "cwd": "/"}, lambda stream, data: None, timeout)
+        if outcome.exit_code != 0 or outcome.timed_out:
+            raise QuiesceFailed(f"the guest's sync and unmount failed (exit {outcome.exit_code}); is something "
+                                "still using its checkout?")
+
     def kill_all(self) -> None:
         """Kill the process tree of every command running now (a cancel)."""
         for rid in list(self._execs):
@@ -518,6 +538,10 @@ class AgentClient:
 
 class GuestOpError(AgentError):
     """An operation failed inside the guest (a missing file, a bad path): the channel is still fine."""
+
+
+class QuiesceFailed(GuestOpError):
+    """The guest could not be made fit for a snapshot (its checkout still busy): the VM runs on."""
 
 
 def _exec_outcome(reply: GuestMessage) -> ExecOutcome:

@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import json
 import logging
-import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 import uuid
-from pathlib import Path
 
 from policy.model import DENY_ALL, Policy
 from runner.net.slots import SlotPool
-from runner.vm import cgroup, checkoutdisk, jail
-from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient
+from runner.vm import cgroup, checkoutdisk
+from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient, QuiesceFailed
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
 from runner.vm.pool import SpareVMs
@@ -40,16 +36,6 @@ READY_TIMEOUT_S = 30.0
 LOCK_NAME = ".engine.lock"
 QUIESCE_S = 3.0  # docs/platform.md: a guest snapshotted while still busy gives clones that answer slowly
 QUIESCE_TIMEOUT_S = 120.0
-DISK_COPY_TIMEOUT_S = 600.0
-# Run as root in the guest before a snapshot: the checkout's medium is the job's, not the template's,
-# so its overlay and mount go (and its upper layer with them); then the page cache is written and dropped.
-GUEST_CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the guest agent's CHECKOUT_ROOT
-QUIESCE_SCRIPT = (
-    "set -e; root=" + GUEST_CHECKOUT_ROOT + "; "
-    "for m in $(awk -v u=\"upperdir=$root/upper\" 'index($4, u) {print $2}' /proc/mounts); do umount \"$m\"; done; "
-    "if grep -q \" $root/medium \" /proc/mounts; then umount \"$root/medium\"; fi; rm -rf \"$root\"; "
-    "sync; echo 3 > /proc/sys/vm/drop_caches; sync"
-)
 
 
 class Engine:
@@ -81,7 +67,6 @@ class Engine:
         swept = sweep(self.state.vms, keep=frozenset({LOCK_NAME}))
         if swept:
             log.warning("swept leftovers of a previous run: %s", ", ".join(swept))
-        self._overlays = _EmptyOverlays()
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
         self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
@@ -175,19 +160,19 @@ class Engine:
                                "'-' (at most 200), starting with a letter or digit")
         if vm.destroyed or vm.agent is None:
             raise SandboxError(f"cannot snapshot VM {vm.id}: {vm.describe_failure()}")
-        parent = self._parent_of(vm)
+        parent = self.templates.owner(vm.snapshot)
         variant = "net" if vm.snapshot.config.network else "nonet"
         digest = digest or uuid.uuid4().hex[:20]
         path = self.templates.begin(name, digest)
         work = self.state.vms / f"{vm.id}-fold-{uuid.uuid4().hex[:6]}"
         try:
             self._quiesce(vm, quiet_s)
-            target = _target(vm.snapshot, path / variant)
+            target = Template.variant_files(vm.snapshot, path / variant)
             target.state_file.parent.mkdir()
             stream = path / "machine.stream"
             try:
                 vm.machine.save(stream)
-                _copy_disk(vm, target.disk)
+                vm.machine.export_disk(vm.snapshot.disk, target.disk)
             finally:
                 if vm.machine.alive():
                     vm.machine.resume()
@@ -195,7 +180,7 @@ class Engine:
             work.mkdir(mode=0o700)
             self.hv.fold(stream, target, work)
             stream.unlink()
-            _write_manifest(path, parent, name, digest, variant, extra or {})
+            self.templates.write_derived(path, parent, variant, extra or {})
             for entry in (target.mem_file, target.state_file):
                 entry.chmod(0o444)  # every clone maps these; nothing may ever write them again
             self.templates.publish(name, digest)
@@ -208,19 +193,12 @@ class Engine:
             shutil.rmtree(work, ignore_errors=True)
         return self.templates.get(name)
 
-    def _parent_of(self, vm: VM) -> Template:
-        """The template a VM was restored from (its files are <templates>/<name>/<digest>/<variant>/)."""
-        digest_dir = vm.snapshot.state_file.parent.parent
-        return Template(name=digest_dir.parent.name, digest=digest_dir.name, path=digest_dir,
-                        manifest=json.loads((digest_dir / "manifest.json").read_text()))
-
     def _quiesce(self, vm: VM, quiet_s: float) -> None:
         assert vm.agent is not None, "snapshot() refuses a VM without an agent channel"
-        outcome = vm.agent.exec({"shell": QUIESCE_SCRIPT, "cwd": "/"}, lambda stream, data: None,
-                                timeout=QUIESCE_TIMEOUT_S)
-        if outcome.exit_code != 0 or outcome.timed_out:
-            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: the guest's sync and unmount failed "
-                               f"(exit {outcome.exit_code}); is something still using its checkout?")
+        try:
+            vm.agent.quiesce(QUIESCE_TIMEOUT_S)
+        except QuiesceFailed as exc:
+            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: {exc}") from None
         if vm.checkout_drive_used:
             vm.machine.eject_medium()
             vm.checkout_drive_used = False
@@ -289,14 +267,13 @@ class Engine:
         vm_dir.mkdir(mode=0o700)
         slot = None
         try:
-            overlay = vm_dir / "disk.qcow2"
-            self._overlays.write(snapshot.disk, overlay)
+            disk = self.hv.overlay(snapshot.disk, vm_dir)
             namespace = ""
             if snapshot.config.network:
                 assert self.net is not None, "create() refuses a networked template without self.net"
                 slot = self.net.acquire()
                 namespace = slot.netns  # where the host opens the VM's tap; QEMU itself runs in none
-            launch = Launch(vm_dir=vm_dir, disk=overlay, disk_format="qcow2", netns=namespace)
+            launch = Launch(vm_dir=vm_dir, disk=disk.path, disk_format=disk.format, netns=namespace)
             machine = self.hv.spawn(snapshot, launch)
         except BaseException:
             if slot is not None and self.net is not None:
@@ -402,101 +379,6 @@ def _check_resources(tpl: Template, vcpus: int | None, memory_mib: int | None) -
         raise SandboxError(f"template {tpl.name!r} has {m['vcpus']} vCPU(s), not {vcpus}: bake a template with a recipe that asks for {vcpus}")
     if memory_mib is not None and memory_mib != m["memory_mib"]:
         raise SandboxError(f"template {tpl.name!r} has {m['memory_mib']} MiB of memory, not {memory_mib}: bake a template with a recipe that asks for {memory_mib}")
-
-
-def _target(source: Snapshot, variant_dir: Path) -> Snapshot:
-    """The files of a new template variant made from a VM restored from `source`."""
-    return Snapshot(config=source.config, mem_file=variant_dir / "mem.ram", state_file=variant_dir / "state.bin",
-                    disk=variant_dir / "disk.img")
-
-
-def _copy_disk(vm: VM, out: Path) -> None:
-    """The VM's disk as it is now (its overlay over the template's disk) into a new raw image.
-
-    The overlay was written by the VM's QEMU, which runs the guest, so it is read by `qemu-img`
-    under that VM's own uid and confinement, with the backing file named here (never the one in
-    the overlay's header); the output is sparse and exactly the template disk's size."""
-    base = vm.snapshot.disk
-    overlay = vm.dir / "disk.qcow2"
-    lease = getattr(vm.machine, "lease", None)
-    if lease is None:
-        raise VMError("only a VM restored by this engine (with a VM uid of its own) can be snapshotted")
-    user = jail.VMUser(jail.VM_USER, lease.uid, jail.vm_user().gid)
-    fds = [os.open(overlay, os.O_RDONLY | os.O_CLOEXEC), os.open(base, os.O_RDONLY | os.O_CLOEXEC),
-           os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)]
-    try:
-        os.fchown(fds[2], user.uid, user.gid)
-        src, backing, dst = (jail.proc_fd(fd) for fd in fds)
-        argv = [shutil.which("qemu-img") or "qemu-img", "convert", "-U", "-q", "-O", "raw", "-S", "4k",
-                "--image-opts", f"driver=qcow2,file.driver=file,file.filename={src},"
-                f"backing.driver=raw,backing.file.driver=file,backing.file.filename={backing}", dst]
-        size = base.stat().st_size
-        proc = jail.spawner().run(lambda: subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={}, cwd="/",
-            pass_fds=fds, preexec_fn=jail.confine(user, size + jail.FILE_SIZE_SLACK)))
-        try:
-            _, err = proc.communicate(timeout=DISK_COPY_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise VMError(f"copying the VM's disk took longer than {DISK_COPY_TIMEOUT_S:.0f} s") from None
-        if proc.returncode != 0:
-            raise VMError(f"qemu-img could not copy the VM's disk: {err.decode(errors='replace').strip()[-500:]}")
-        os.fchown(fds[2], 0, 0)
-        if os.fstat(fds[2]).st_size != size:
-            raise VMError(f"the VM's disk copy is {os.fstat(fds[2]).st_size} bytes, not the template's {size}")
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _write_manifest(path: Path, parent: Template, name: str, digest: str, variant: str,
-                    extra: dict[str, object]) -> None:
-    """The parent's manifest (machine, accelerator, hypervisor version) with this template's own
-    name, digest, one variant and origin; the kernel and initrd are the parent's, linked."""
-    for file in ("vmlinuz", "initrd.img"):
-        try:
-            os.link(parent.path / file, path / file)
-        except OSError:
-            shutil.copy2(parent.path / file, path / file)
-    manifest = {**parent.manifest, **extra, "name": name, "digest": digest, "variants": [variant],
-                "parent": {"name": parent.name, "digest": parent.digest}, "created": time.time()}
-    (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-class _EmptyOverlays:
-    """A VM's disk overlay is the same empty qcow2 for every VM of a template disk: `qemu-img create`
-    runs once per disk (10-15 ms of a restore under load, measured) and each VM gets a copy of its bytes.
-    The header's backing name is never used: restore_backends names the backing file by descriptor."""
-
-    def __init__(self) -> None:
-        self._images: dict[Path, bytes] = {}
-        self._lock = threading.Lock()
-
-    def write(self, base: Path, overlay: Path) -> None:
-        with self._lock:
-            image = self._images.get(base)
-        if image is None:
-            _make_overlay(base, overlay)
-            overlay.chmod(0o600)  # as the copies: only root (and, once handed over, its VM's uid) reads it
-            image = overlay.read_bytes()
-            with self._lock:
-                for gone in [p for p in self._images if not p.exists()]:  # rebuilt templates' disks
-                    del self._images[gone]
-                self._images[base] = image
-            return
-        with os.fdopen(os.open(overlay, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as out:
-            out.write(image)
-
-
-def _make_overlay(base: Path, overlay: Path) -> None:
-    proc = subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "raw", str(overlay)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise VMError(f"qemu-img could not create the VM's disk overlay: {proc.stderr.strip()}")
 
 
 def _hostname(text: str) -> str:

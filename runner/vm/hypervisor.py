@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runner.vm.errors import VMError
 
-__all__ = ["Hypervisor", "Launch", "Machine", "MachineConfig", "Snapshot", "VMError"]
+__all__ = ["Disk", "Hypervisor", "Launch", "Machine", "MachineConfig", "Snapshot", "VMError"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ class Snapshot:
     mem_file: Path
     state_file: Path
     disk: Path
+
+
+@dataclass(frozen=True)
+class Disk:
+    """A restored VM's own writable disk over its template's read-only one."""
+
+    path: Path  # in the VM's directory, gone with it
+    format: str  # "raw" | "qcow2": what `Launch.disk_format` says
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,12 @@ class Machine(ABC):
         """Pause and write the whole machine, RAM included, to `stream` (for `Hypervisor.fold`)."""
 
     @abstractmethod
+    def export_disk(self, base: Path, out: Path) -> None:
+        """Write the VM's disk as it is now (its own disk over `base`, the template disk it was restored
+        with) to `out`, a new raw image of `base`'s size, for a template made from the VM. Read with the
+        VM's own confinement: its disk was written by the process that runs the guest."""
+
+    @abstractmethod
     def eject_medium(self) -> None:
         """Leave the checkout drive empty, as it is in a template."""
 
@@ -110,6 +124,11 @@ class Hypervisor(ABC):
         Every spawned VMM gets a new VM generation ID, which the guest kernel sees after the restore
         and reseeds its RNG from: two clones of one template must never share random numbers.
         """
+
+    @abstractmethod
+    def overlay(self, base: Path, vm_dir: Path) -> Disk:
+        """A new VM's own disk in `vm_dir`, over the template's read-only disk `base` (QEMU: an empty
+        qcow2 overlay; Firecracker, which has no backing files, would make a reflinked copy)."""
 
     @abstractmethod
     def fold(self, stream: Path, target: Snapshot, work_dir: Path) -> None:

@@ -28,7 +28,7 @@ from runner.net.addresses import GUEST_MAC, TAP_NAME  # the same in every VM: ea
 from runner.uidrange import UidLease
 from runner.vm import cgroup, jail
 from runner.vm.guestwire import PORT_NAME
-from runner.vm.hypervisor import Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
+from runner.vm.hypervisor import Disk, Hypervisor, Launch, Machine, MachineConfig, Snapshot, VMError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,7 @@ FILE_MIGRATION_BANDWIDTH = 1 << 40
 # stays resident. 128 MiB bounds that; on a job mixing python imports, git and a venv (measured,
 # alternated in one run, docs/platform.md) it cost no time, while 32 MiB made the job 28% slower.
 TCG_TB_SIZE_MIB = 128
+DISK_COPY_TIMEOUT_S = 600.0
 
 
 def qemu_binary() -> str:
@@ -257,6 +258,7 @@ class QemuMachine(Machine):
         self.argv = argv
         self.group = group
         self.lease = lease
+        self.disk = launch.disk
         stderr = open(launch.vm_dir / "qemu.stderr", "wb")
         try:
             self.proc = jail.spawner().run(lambda: subprocess.Popen(
@@ -383,6 +385,13 @@ class QemuMachine(Machine):
         self.qmp("migrate", uri="fd:state")
         self._wait_migration()
 
+    def export_disk(self, base: Path, out: Path) -> None:
+        """`qemu-img convert` of this VM's overlay over `base` into a sparse raw image, under this VM's
+        uid and confinement, with the backing file named here (never the one in the overlay's header)."""
+        if self.lease is None:
+            raise VMError("only a restored VM (with a VM uid of its own) can be snapshotted, not a template's bake")
+        export_disk(jail.VMUser(jail.VM_USER, self.lease.uid, jail.vm_user().gid), self.disk, base, out)
+
     def eject_medium(self) -> None:
         """Take the checkout drive's medium out and close the empty tray, as in the template."""
         self.qmp("blockdev-open-tray", id=CHECKOUT_DRIVE, force=True)
@@ -425,6 +434,7 @@ class QemuHypervisor(Hypervisor):
 
     def __init__(self) -> None:
         self.binary = qemu_binary()
+        self._overlays = EmptyOverlays()
         self._version: str | None = None
         self._ram: dict[Path, int] = {}  # template RAM file -> its sealed memfd
         self._ram_lock = threading.Lock()
@@ -474,6 +484,11 @@ class QemuHypervisor(Hypervisor):
             machine.kill()
             raise
         return machine
+
+    def overlay(self, base: Path, vm_dir: Path) -> Disk:
+        disk = Disk(vm_dir / "disk.qcow2", "qcow2")
+        self._overlays.write(base, disk.path)
+        return disk
 
     def fold(self, stream: Path, target: Snapshot, work_dir: Path) -> None:
         """Make a template variant out of a whole-machine stream (`QemuMachine.save`): a confined
@@ -526,3 +541,70 @@ class QemuHypervisor(Hypervisor):
         """Free the copies of templates that a rebuild removed (VMs already running keep their mapping)."""
         for path in [p for p in self._ram if not p.exists()]:
             os.close(self._ram.pop(path))
+
+
+class EmptyOverlays:
+    """A VM's disk overlay is the same empty qcow2 for every VM of a template disk: `qemu-img create`
+    runs once per disk (10-15 ms of a restore under load, measured) and each VM gets a copy of its bytes.
+    The header's backing name is never used: restore_backends names the backing file by descriptor."""
+
+    def __init__(self) -> None:
+        self._images: dict[Path, bytes] = {}
+        self._lock = threading.Lock()
+
+    def write(self, base: Path, overlay: Path) -> None:
+        with self._lock:
+            image = self._images.get(base)
+        if image is None:
+            make_overlay(base, overlay)
+            overlay.chmod(0o600)  # as the copies: only root (and, once handed over, its VM's uid) reads it
+            image = overlay.read_bytes()
+            with self._lock:
+                for gone in [p for p in self._images if not p.exists()]:  # rebuilt templates' disks
+                    del self._images[gone]
+                self._images[base] = image
+            return
+        with os.fdopen(os.open(overlay, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as out:
+            out.write(image)
+
+
+def make_overlay(base: Path, overlay: Path) -> None:
+    proc = subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "raw", str(overlay)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise VMError(f"qemu-img could not create the VM's disk overlay: {proc.stderr.strip()}")
+
+
+def export_disk(user: jail.VMUser, overlay: Path, base: Path, out: Path) -> None:
+    """`overlay` over `base` into `out`, a new raw image exactly `base`'s size, sparse. The overlay was
+    written by the VM's QEMU, which runs the guest, so `qemu-img` reads it as `user` (that VM's uid)
+    with the VM's confinement and a file size limit."""
+    fds = [os.open(overlay, os.O_RDONLY | os.O_CLOEXEC), os.open(base, os.O_RDONLY | os.O_CLOEXEC),
+           os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)]
+    try:
+        os.fchown(fds[2], user.uid, user.gid)
+        src, backing, dst = (jail.proc_fd(fd) for fd in fds)
+        argv = [shutil.which("qemu-img") or "qemu-img", "convert", "-U", "-q", "-O", "raw", "-S", "4k",
+                "--image-opts", f"driver=qcow2,file.driver=file,file.filename={src},"
+                f"backing.driver=raw,backing.file.driver=file,backing.file.filename={backing}", dst]
+        size = base.stat().st_size
+        proc = jail.spawner().run(lambda: subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={}, cwd="/",
+            pass_fds=fds, preexec_fn=jail.confine(user, size + jail.FILE_SIZE_SLACK)))
+        try:
+            _, err = proc.communicate(timeout=DISK_COPY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise VMError(f"copying the VM's disk took longer than {DISK_COPY_TIMEOUT_S:.0f} s") from None
+        if proc.returncode != 0:
+            raise VMError(f"qemu-img could not copy the VM's disk: {err.decode(errors='replace').strip()[-500:]}")
+        os.fchown(fds[2], 0, 0)
+        if os.fstat(fds[2]).st_size != size:
+            raise VMError(f"the VM's disk copy is {os.fstat(fds[2]).st_size} bytes, not the template's {size}")
+    finally:
+        for fd in fds:
+            os.close(fd)

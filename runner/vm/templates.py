@@ -11,8 +11,9 @@ Everything under a digest is read-only once baked; a new recipe gets a new diges
 
 A template can also be made from a running VM (`Engine.snapshot`: a repository's warm base, or
 `Sandbox.snapshot`). Its manifest names its `parent` and the one variant it has; its kernel
-and initrd are its parent's. `<root>/templates/<name>/last-used` is touched at each restore, so
-the derived templates can be held to a disk budget, least recently used first (`evict`).
+and initrd are its parent's (`TemplateStore.write_derived`; `owner` reads the lineage back).
+`<root>/templates/<name>/last-used` is touched at each restore, so the derived templates can be
+held to a disk budget, least recently used first (`evict`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +87,12 @@ class Template:
         )
         vdir = self.path / variant
         return Snapshot(config=config, mem_file=vdir / "mem.ram", state_file=vdir / "state.bin", disk=vdir / "disk.img")
+
+    @staticmethod
+    def variant_files(source: Snapshot, variant_dir: Path) -> Snapshot:
+        """The files of a new variant in `variant_dir`, for a VM restored from `source` (same machine)."""
+        return Snapshot(config=source.config, mem_file=variant_dir / "mem.ram", state_file=variant_dir / "state.bin",
+                        disk=variant_dir / "disk.img")
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_blocks * 512 for p in self.path.rglob("*") if p.is_file())
@@ -154,6 +162,26 @@ class TemplateStore:
             total -= sizes[template.name]
             removed.append(template.name)
         return removed
+
+    def owner(self, snapshot: Snapshot) -> Template:
+        """The template a variant's files belong to (<root>/<name>/<digest>/<variant>/), as it was baked,
+        also while a newer build of the name is current: a VM's lineage is what it was restored from."""
+        digest_dir = snapshot.state_file.parent.parent
+        return Template(name=digest_dir.parent.name, digest=digest_dir.name, path=digest_dir,
+                        manifest=json.loads((digest_dir / "manifest.json").read_text()))
+
+    def write_derived(self, path: Path, parent: Template, variant: str, extra: dict[str, object]) -> None:
+        """The manifest of a template made from a VM restored from `parent`, in `path` (from `begin`): the
+        parent's (machine, accelerator, hypervisor version) with this template's own name, digest, one
+        variant and lineage (`parent`); its kernel and initrd are the parent's, linked."""
+        for file in ("vmlinuz", "initrd.img"):
+            try:
+                os.link(parent.path / file, path / file)
+            except OSError:
+                shutil.copy2(parent.path / file, path / file)
+        manifest = {**parent.manifest, **extra, "name": path.parent.name, "digest": path.name, "variants": [variant],
+                    "parent": {"name": parent.name, "digest": parent.digest}, "created": time.time()}
+        (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     def has(self, name: str, digest: str) -> bool:
         return (self.dir_for(name, digest) / "manifest.json").exists()

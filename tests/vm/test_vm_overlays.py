@@ -1,4 +1,4 @@
-"""A VM's disk overlay is a copy of one empty qcow2 made per template disk (runner.vm.engine._EmptyOverlays):
+"""A VM's disk overlay is a copy of one empty qcow2 made per template disk (runner.vm.qemu.EmptyOverlays):
 each copy is a valid overlay of that disk, private to root, and a removed (rebuilt) disk's image is dropped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.vm.engine import _EmptyOverlays
+from runner.vm.qemu import EmptyOverlays
 from tests.conftest import require
 
 
@@ -32,7 +32,7 @@ def test_each_vm_gets_a_valid_private_overlay_of_its_disk(tmp_path: Path, qemu_i
     base = tmp_path / "disk.img"
     with open(base, "wb") as f:
         f.truncate(64 << 20)
-    overlays = _EmptyOverlays()
+    overlays = EmptyOverlays()
     first, second = tmp_path / "a.qcow2", tmp_path / "b.qcow2"
     overlays.write(base, first)
     overlays.write(base, second)
@@ -47,7 +47,7 @@ def test_each_vm_gets_a_valid_private_overlay_of_its_disk(tmp_path: Path, qemu_i
 
 
 def test_a_rebuilt_disk_gets_a_new_image(tmp_path: Path, qemu_img: str) -> None:
-    overlays = _EmptyOverlays()
+    overlays = EmptyOverlays()
     old, new = tmp_path / "old.img", tmp_path / "new.img"
     for disk, size in ((old, 32 << 20), (new, 48 << 20)):
         with open(disk, "wb") as f:
