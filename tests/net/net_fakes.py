@@ -19,6 +19,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,10 +235,9 @@ def leftovers(prefix: str) -> list[str]:
     return found
 
 
-def recording_server(net, address: str, port: int) -> list[bytes]:  # type: ignore[no-untyped-def]
-    """A server at address:port in the fake internet that keeps everything each connection sent
-    (read until the client ends its side) and answers `ok`; returns the list it fills."""
-    received: list[bytes] = []
+def serve_in_internet(net, address: str, port: int, handle: Callable[[socket.socket], None]) -> None:  # type: ignore[no-untyped-def]
+    """A TCP server at address:port in the fake internet that runs `handle(conn)` for each connection,
+    one at a time, until the test's servers stop (the connection is closed after)."""
     sock = netns.socket_in(net.internet, socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((address, port))
@@ -252,20 +252,31 @@ def recording_server(net, address: str, port: int) -> list[bytes]:  # type: igno
             except (TimeoutError, OSError):
                 continue
             with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while chunk := conn.recv(65536):
-                        data += chunk
-                except OSError:
-                    pass
-                received.append(data)
-                try:
-                    conn.sendall(b"ok")
-                except OSError:
-                    pass
+                handle(conn)
 
     servers._spawn(serve, sock)
+
+
+def recording_server(net, address: str, port: int) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """A server at address:port in the fake internet that keeps everything each connection sent
+    (read until the client ends its side) and answers `ok`; returns the list it fills."""
+    received: list[bytes] = []
+
+    def record(conn: socket.socket) -> None:
+        conn.settimeout(5)
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        received.append(data)
+        try:
+            conn.sendall(b"ok")
+        except OSError:
+            pass
+
+    serve_in_internet(net, address, port, record)
     return received
 
 
@@ -375,3 +386,27 @@ def http_server_in(namespace: str, address: str, port: int, handler: type, clean
     cleanup.callback(thread.join)
     cleanup.callback(server.server_close)
     cleanup.callback(server.shutdown)
+
+
+def tls_internet(prefix: str, directory, cleanup, handler=None):  # type: ignore[no-untyped-def]
+    """A fake internet with the two TLS servers (tls.test signed by the CA the slots are told to trust
+    as `upstream_ca`, untrusted.test by one nobody trusts; tls.test answers with `handler` if given)
+    and a started one-slot pool on it; everything is closed and removed through `cleanup`, an ExitStack.
+    Returns (the internet's namespace, the pool)."""
+    from cryptography.hazmat.primitives import serialization
+
+    from runner.net import NamespaceUplink, SlotPool, Upstream
+
+    internet, servers = build_internet(prefix)
+    cleanup.callback(netns.remove, internet)
+    cleanup.callback(servers.close)
+    trusted, stranger = test_ca("fake internet CA"), test_ca("nobody's CA")
+    tls_server(internet, TLS_HOST, 8443, "tls.test", trusted, directory, servers, handler=handler)
+    tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", stranger, directory, servers)
+    ca_file = directory / "upstream-ca.pem"
+    ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
+    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
+                    upstream=Upstream(UPSTREAM_DNS, netns=internet))
+    cleanup.callback(pool.close)
+    pool.start()
+    return internet, pool

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import net_fakes
 import pytest
-from cryptography.hazmat.primitives import serialization
 from net_fakes import TLS_HOST, UNTRUSTED_HOST, in_ns, lookup
 
 from policy import load_policy
 from policy.suggest import REQUEST_REFUSED, UPSTREAM_UNTRUSTED
-from runner.net import NamespaceUplink, Slot, SlotPool, Upstream, netns
+from runner.net import Slot, SlotPool, netns
 
 POLICY = """\
 version: 1
@@ -48,19 +47,8 @@ class Setup:
 def setup(need_netns, tmp_path: Path) -> Iterator[Setup]:
     prefix = "t" + secrets.token_hex(3)
     with ExitStack() as cleanup:
-        internet, servers = net_fakes.build_internet(prefix)
-        cleanup.callback(netns.remove, internet)
         cleanup.callback(netns.remove, f"{prefix}-guest")
-        cleanup.callback(servers.close)
-        trusted, stranger = net_fakes.test_ca("fake internet CA"), net_fakes.test_ca("nobody's CA")
-        net_fakes.tls_server(internet, TLS_HOST, 8443, "tls.test", trusted, tmp_path, servers)
-        net_fakes.tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", stranger, tmp_path, servers)
-        ca_file = tmp_path / "upstream-ca.pem"
-        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
-        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
-                        upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-        cleanup.callback(pool.close)
-        pool.start()
+        _, pool = net_fakes.tls_internet(prefix, tmp_path, cleanup)
         slot = pool.acquire(job="intercepted")
         yield Setup(slot, net_fakes.attach_guest(prefix, slot.netns), pool, tmp_path)
     assert net_fakes.leftovers(prefix) == []

@@ -13,11 +13,11 @@ from __future__ import annotations
 import socket
 import time
 
-from net_fakes import ALLOWED_HOST, in_ns, lookup
+from net_fakes import ALLOWED_HOST, in_ns, lookup, serve_in_internet
 from test_net_namecheck import policy, refusals
 
 from policy.suggest import NAME_REFUSED, UNNAMED
-from runner.net import nameproxy, netns
+from runner.net import nameproxy
 
 PORT = 8081
 WEB = f"version: 1\nallow:\n  - host: web.test\n    ports: [{PORT}]\n"
@@ -27,38 +27,27 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 def keepalive_server(net) -> list[bytes]:  # type: ignore[no-untyped-def]
     """An HTTP/1.1 server at ALLOWED_HOST:PORT in the fake internet; returns the request heads it got."""
     heads: list[bytes] = []
-    sock = netns.socket_in(net.internet, socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((ALLOWED_HOST, PORT))
-    sock.listen(16)
-    sock.settimeout(0.2)
     servers = net.servers
 
-    def serve() -> None:
+    def answer_each(conn: socket.socket) -> None:
+        conn.settimeout(0.2)
+        data = b""
         while not servers.stop.is_set():
             try:
-                conn, _ = sock.accept()
-            except (TimeoutError, OSError):
+                chunk = conn.recv(65536)
+            except TimeoutError:
                 continue
-            with conn:
-                conn.settimeout(0.2)
-                data = b""
-                while not servers.stop.is_set():
-                    try:
-                        chunk = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        break
-                    if not chunk:
-                        break
-                    data += chunk
-                    while b"\r\n\r\n" in data:
-                        head, data = data.split(b"\r\n\r\n", 1)
-                        heads.append(head)
-                        conn.sendall(OK)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+            while b"\r\n\r\n" in data:
+                head, data = data.split(b"\r\n\r\n", 1)
+                heads.append(head)
+                conn.sendall(OK)
 
-    servers._spawn(serve, sock)
+    serve_in_internet(net, ALLOWED_HOST, PORT, answer_each)
     return heads
 
 

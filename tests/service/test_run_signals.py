@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,31 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vm_jobs import templates  # noqa: F401 (fixture)
 
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobState
 from runner.vm.sweep import processes_under
-from tests.conftest import require
 
 pytestmark = pytest.mark.vm
 
 CLI = str(Path(sys.executable).parent / "microvm-check")
 STARTED = b"job-command-started"
-
-
-@pytest.fixture(scope="module")
-def templates() -> Path:
-    require(os.geteuid() == 0, "not running as root")
-    require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
-    from runner.vm.statedir import StateDir
-    from runner.vm.templates import TemplateNotFound, TemplateStore
-
-    path = StateDir.default().templates
-    try:
-        TemplateStore(path).get("base")
-    except TemplateNotFound as exc:
-        require(False, str(exc))
-    return path
 
 
 @pytest.fixture

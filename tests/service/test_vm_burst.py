@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_serve import serve  # noqa: F401 (fixture)
+from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.commands.localrun import LocalRun
 from runner.jobapi.client import JobClient

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import responses
 from fake_internet import ALLOWED_HOST
-from test_vm_e2e import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_network import net_host  # noqa: F401 (fixture)
+from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from policy import PolicyStore, load_policy
 from runner.github.checks import CheckRuns

@@ -8,112 +8,22 @@ or a VM directory is left behind.
 from __future__ import annotations
 
 import io
-import os
-import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from service_fakes import checkout_tar, spec
+from vm_jobs import output, submit, templates, vm_host, vm_root, vm_service  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.config import config_from_mapping
 from runner.service.records import RecordStore
-from runner.service.service import JobService
-from tests.conftest import require
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def templates() -> Path:
-    require(os.geteuid() == 0, "not running as root")
-    require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
-    from runner.vm.statedir import StateDir
-    from runner.vm.templates import TemplateNotFound, TemplateStore
-
-    path = StateDir.default().templates
-    try:
-        TemplateStore(path).get("base")
-    except TemplateNotFound as exc:
-        require(False, str(exc))
-    return path
-
-
-@pytest.fixture
-def vm_root(templates: Path) -> Iterator[Path]:
-    """A private engine root whose templates are the built ones (read only)."""
-    root = Path(tempfile.mkdtemp(prefix="mvc-svc-vm-", dir="/tmp"))
-    (root / "state").mkdir()
-    os.symlink(templates, root / "state" / "templates")
-    yield root
-    assert_no_leftovers(root / "state")
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def assert_no_leftovers(state: Path) -> None:
-    from runner.vm.engine import LOCK_NAME
-    from runner.vm.sweep import processes_under
-
-    vms = state / "vms"
-    if vms.exists():
-        assert processes_under(vms) == [], "QEMU processes left running"
-        assert [p.name for p in vms.iterdir() if p.name != LOCK_NAME] == [], "VM directories left behind"
-    jobs = state / "jobs"
-    if jobs.exists():
-        for job in jobs.iterdir():
-            assert not (job / "checkout.tar").exists(), f"{job.name}: checkout spool left behind"
-
-
-@pytest.fixture
-def vm_host(vm_root: Path) -> Iterator[Callable[..., Any]]:
-    """Started `ServiceHost`s on real VMs; at teardown a job's VM that outlived the service fails the test."""
-    from runner.service.host import EngineSettings, ServiceHost
-
-    made: list[ServiceHost] = []
-
-    def make(**settings: Any) -> ServiceHost:
-        config = config_from_mapping({"socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"),
-                                      "shutdown_grace_seconds": 0, **settings})
-        host = ServiceHost(config, engine=EngineSettings(pool_size=1)).__enter__()
-        made.append(host)
-        return host
-
-    yield make
-    for host in made:
-        assert host.service is not None and host.engine is not None
-        try:
-            host.service.drain()
-            assert host.engine.live() == [], "a job's VM outlived the service"
-        finally:
-            host.close()
-
-
-@pytest.fixture
-def vm_service(vm_host: Callable[..., Any]) -> Callable[..., tuple[JobService, JobClient]]:
-    def make(**settings: Any) -> tuple[JobService, JobClient]:
-        host = vm_host(**settings)
-        return host.service, JobClient(socket=host.config.socket)
-    return make
-
-
-def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
-    job = client.submit(spec(command, **fields)).id
-    client.upload_checkout(job, checkout_tar(files))
-    return job
-
-
-def output(client: JobClient, job: str) -> bytes:
-    return b"".join(e.data for e in client.logs(job) if e.stream in ("stdout", "stderr"))
 
 
 def test_passing_and_failing_commands(vm_service) -> None:

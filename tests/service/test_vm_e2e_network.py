@@ -20,8 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, PROBE, cidr_policy, fake_internet, probed, reached
 from test_egress import BRANCH_REPO, on_github
-from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
-from vm_jobs import output, submit
+from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from policy import load_policy
 from runner.github.jobs import QueuedJob

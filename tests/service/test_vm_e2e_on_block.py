@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 from fake_internet import ALLOWED_HOST, DENIED_HOST, PROBE, cidr_policy, fake_internet, probed, reached
-from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
-from vm_jobs import output, submit
+from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord

@@ -29,8 +29,8 @@ import pytest
 import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from test_vm_e2e import QUEUED, templates, vm_root  # noqa: F401 (fixtures)
-from vm_jobs import output, submit
+from test_vm_e2e import QUEUED
+from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.github.signature import sign
 from runner.jobapi.client import JobAPIError, JobClient

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from fake_internet import DENIED_HOST, fake_internet
-from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_serve import serve  # noqa: F401 (fixture)
 from test_vm_sdk import PYTHON, ROOT, Users, run_as, users  # noqa: F401 (fixture)
+from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.service.config import config_from_mapping

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from test_vm_e2e import templates, vm_host, vm_root  # noqa: F401 (fixtures)
-from vm_jobs import submit
+from vm_jobs import submit, templates, vm_host, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import ACTIVE_STATES

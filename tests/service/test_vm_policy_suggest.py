@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA
-from test_vm_e2e import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_network import net_host  # noqa: F401 (fixture)
+from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from policy import load_policy
 from runner.cli import main

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_vm_e2e import templates, vm_root  # noqa: F401 (fixtures)
 from test_vm_e2e_serve import serve  # noqa: F401 (fixture)
+from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.vm.sweep import processes_under

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_fakes import checkout_tar, spec
-from test_vm_e2e import templates, vm_host, vm_root  # noqa: F401 (fixtures)
+from vm_jobs import templates, vm_host, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from tests.conftest import require

@@ -15,10 +15,8 @@ from cryptography.hazmat.primitives import serialization
 from test_vm_network import WHEEL, IndexHandler
 
 from policy import load_policy
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
-from tests.net.net_fakes import TLS_HOST, UNTRUSTED_HOST
 
 POLICY = """\
 version: 1
@@ -59,18 +57,7 @@ class Index(IndexHandler):
 def tls_engine(need_netns, make_engine, tmp_path):
     prefix = "v" + secrets.token_hex(3)
     with ExitStack() as cleanup:
-        internet, servers = net_fakes.build_internet(prefix)
-        cleanup.callback(netns.remove, internet)
-        cleanup.callback(servers.close)
-        trusted, stranger = net_fakes.test_ca("fake internet CA"), net_fakes.test_ca("nobody's CA")
-        net_fakes.tls_server(internet, TLS_HOST, 8443, "tls.test", trusted, tmp_path, servers, handler=Index)
-        net_fakes.tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", stranger, tmp_path, servers)
-        ca_file = tmp_path / "upstream-ca.pem"
-        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
-        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
-                        upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-        cleanup.callback(pool.close)
-        pool.start()
+        _, pool = net_fakes.tls_internet(prefix, tmp_path, cleanup, handler=Index)
         engine = make_engine(net=pool)
         cleanup.callback(engine.close)
         yield engine
