@@ -165,7 +165,7 @@ class ServiceHost:
         engine, settings = self.engine, self._engine_settings
         metrics.watch(ServiceView(
             active_jobs=lambda: list(service.records.in_states(ACTIVE_STATES)),
-            queued=lambda: service.queue.counts()[0], prewarmed=service.warm.count,
+            queued=lambda: service.queue.counts()[0], prewarmed=service.prewarmed.count,
             prewarm_max=self.config.prewarm.max_vms,
             live_vms=(lambda: len(engine.live()) + sum(engine.pool.ready().values()) + engine.standby_vmms())
             if engine is not None else None,

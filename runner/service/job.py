@@ -68,7 +68,7 @@ class JobRun:
     log: JobLog
     save: Callable[[JobRecord], None]
     policy: Policy | None = None
-    warm: SandboxLike | None = None
+    prewarmed: SandboxLike | None = None  # the VM restored for it ahead of its submit (runner/service/prewarm.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sandbox: SandboxLike | None = None
     cancel_reason: str | None = None
@@ -228,11 +228,11 @@ class JobRun:
     def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> SandboxLike | None:
         self.update(state="starting")
         begin = time.monotonic()
-        sandbox = self.warm
+        sandbox = self.prewarmed
         if sandbox is not None and not sandbox.alive:
             self.log.system(f"the pre-warmed VM {sandbox.id} died while waiting; starting a fresh one")
             _destroy(sandbox)
-            sandbox = self.warm = None
+            sandbox = self.prewarmed = None
             self.update(warm=False)
         if sandbox is None:
             assert self.spec.timeout_seconds is not None  # parse_spec fills in the service's default
@@ -252,7 +252,7 @@ class JobRun:
         self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3))
         if self.checks is not None:
             self.checks.vm_started(self)
-        self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.warm else ''}")
+        self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.prewarmed else ''}")
         return sandbox
 
     def _put_checkout(self, sandbox: SandboxLike) -> None:

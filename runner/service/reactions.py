@@ -14,9 +14,9 @@ from runner.sandbox.port import needs_network
 from runner.service.desk import RunnerDesk
 from runner.service.egress import EgressPolicyError
 from runner.service.job import vm_request
+from runner.service.prewarm import RunKey
 from runner.service.service import JobService
 from runner.service.sessions import SessionKey
-from runner.service.warm import RunKey
 
 if TYPE_CHECKING:
     from runner.github.jobs import CompletedJob, Push, QueuedJob
@@ -46,7 +46,7 @@ class GitHubReactions:
             return  # its submit will be refused: see JobService._admit
         key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
         vms = service.vms
-        service.warm.prewarm(key, job.job_id, policy.digest(),
+        service.prewarmed.prewarm(key, job.job_id, policy.digest(),
                              lambda: vms.template_for(job.repository, template, policy),
                              lambda chosen: vms.create(vm_request(
             config, template=chosen, ttl_seconds=int(config.prewarm.expire_seconds) + config.max_timeout_seconds,
@@ -56,7 +56,7 @@ class GitHubReactions:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
         service = self.service
         key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
-        service.warm.discard_job(key, job.job_id)
+        service.prewarmed.discard_job(key, job.job_id)
         why = f"GitHub reports the job completed ({job.conclusion or 'no conclusion'})"
         for run in service.runs.all():
             if _same_github_job(run.spec, job):

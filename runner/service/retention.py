@@ -58,7 +58,7 @@ class Retention:
         """
         service, config = self.service, self.service.config
         now = time.time() if now is None else now
-        logged(service.warm.expire, "expiring pre-warmed VMs")
+        logged(service.prewarmed.expire, "expiring pre-warmed VMs")
         logged(service.sessions.expire, "expiring idle kept VMs")
         for run in service.runs.all():
             if run.record.state == JobState.AWAITING_CHECKOUT and now - run.record.created_at > config.checkout_wait_seconds:

@@ -37,10 +37,10 @@ from runner.service.egress import EgressPolicies
 from runner.service.job import ARTIFACTS, LOG, JobRun
 from runner.service.joblog import JobLog
 from runner.service.jobqueue import JobQueue, QueueClosed
+from runner.service.prewarm import PrewarmedVMs
 from runner.service.records import RecordStore
 from runner.service.runs import ActiveRuns, finish, logged
 from runner.service.sessions import Session, Sessions
-from runner.service.warm import PrewarmedVMs
 from runner.service.workers import JobVMs, Workers
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class JobService:
         self.check_runs = check_runs
         self.queue = JobQueue(config.max_queued_jobs, max_queued=_queue_shares(config), max_running={
             "repository": config.max_running_per_repository or config.max_concurrent_jobs})
-        self.warm = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
+        self.prewarmed = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
         self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
         if isinstance(self.records.events, JobEvents):  # a kept VM's step says "kept", not "destroyed"
             self.records.events.kept = self.sessions.holds
@@ -86,7 +86,7 @@ class JobService:
         self.admission = Admission(config, self.access, self.policies, self.sessions)
         self.runs = ActiveRuns()
         self.vms = JobVMs(create_sandbox, bases)
-        self.workers = Workers(config, self.queue, self.runs, self.vms, self.warm, self.sessions)
+        self.workers = Workers(config, self.queue, self.runs, self.vms, self.prewarmed, self.sessions)
         self._stopping = threading.Event()
         self._drained = False
 
@@ -123,7 +123,7 @@ class JobService:
             logged(self.end_unstarted, f"cancelling job {run.record.id}", run, JobState.CANCELLED,
                     "the service shut down before the job started")
         self.sessions.close("the service is shutting down")
-        self.warm.close()
+        self.prewarmed.close()
         if self.check_runs is not None:
             self.check_runs.close()  # every job has ended: their check runs go out before the service stops
 
@@ -299,7 +299,7 @@ class JobService:
     def health(self) -> Health:
         queued, _ = self.queue.counts()
         running = sum(1 for run in self.runs.all() if run.record.state in (JobState.STARTING, JobState.RUNNING))
-        return Health(ok=not self.stopping, accel=self.vms.accel, running=running, queued=queued, warm=self.warm.count())
+        return Health(ok=not self.stopping, accel=self.vms.accel, running=running, queued=queued, warm=self.prewarmed.count())
 
     def end_unstarted(self, run: JobRun, state: JobState, reason: str) -> None:
         """Finish a job no worker holds (it never started); it leaves the service even if its record fails."""

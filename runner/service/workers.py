@@ -19,9 +19,9 @@ from runner.sandbox.port import SandboxFactory, SandboxLike, VMRequest, needs_ne
 from runner.service.config import ServiceConfig
 from runner.service.job import JobRun
 from runner.service.jobqueue import JobQueue
+from runner.service.prewarm import PrewarmedVMs, RunKey
 from runner.service.runs import ActiveRuns, finish
 from runner.service.sessions import Sessions
-from runner.service.warm import PrewarmedVMs, RunKey
 
 if TYPE_CHECKING:
     from runner.service.bases import RepositoryBases
@@ -55,9 +55,9 @@ class Workers:
     """`config.max_concurrent_jobs` threads, one job at a time each, until the queue closes."""
 
     def __init__(self, config: ServiceConfig, queue: JobQueue, runs: ActiveRuns, vms: JobVMs,
-                 warm: PrewarmedVMs, sessions: Sessions) -> None:
+                 prewarmed: PrewarmedVMs, sessions: Sessions) -> None:
         self.config, self.queue, self.runs, self.vms = config, queue, runs, vms
-        self.warm, self.sessions = warm, sessions
+        self.prewarmed, self.sessions = prewarmed, sessions
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -115,13 +115,13 @@ class Workers:
         spec = run.spec
         if spec.run_id is not None:
             key = RunKey(canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1)
-            run.warm = self.warm.claim(key, template_of(spec), run.record.policy_digest or "")
-            if run.warm is not None:
+            run.prewarmed = self.prewarmed.claim(key, template_of(spec), run.record.policy_digest or "")
+            if run.prewarmed is not None:
                 run.update(warm=True)
 
     def _abandon(self, run: JobRun) -> None:
         """Destroy whatever VM a job that failed outside `execute` holds, and end it, best effort."""
-        for sandbox in {id(s): s for s in (run.warm, run.sandbox) if s is not None}.values():
+        for sandbox in {id(s): s for s in (run.prewarmed, run.sandbox) if s is not None}.values():
             try:
                 sandbox.destroy()
             except Exception:

@@ -296,7 +296,7 @@ def test_job_completed_discards_warm_vm_and_cancels_running(make_host, engine: F
     host.reactions.prewarm(GitHubJob(job_id=600, run_id=90))
     warm_vm = _wait_warm(service, engine)
     host.reactions.job_completed(GitHubJob(job_id=600, run_id=90))
-    assert warm_vm.destroyed.is_set() and service.warm.count() == 0
+    assert warm_vm.destroyed.is_set() and service.prewarmed.count() == 0
     job = run(service, "sleep", run_id=91, run_attempt=1, timeout_seconds=600)
     follow = wait_started(service, job)
     host.reactions.job_completed(GitHubJob(job_id=601, run_id=91))
@@ -329,7 +329,7 @@ def test_unclaimed_warm_vms_expire(make_host, engine: FakeEngine) -> None:
     host.reactions.prewarm(GitHubJob(job_id=2))  # over the bound: ignored
     warm_vm = _wait_warm(service, engine)
     assert len(engine.created) == 1
-    service.warm._clock = lambda: float("inf")
+    service.prewarmed._clock = lambda: float("inf")
     host.retention.reap()
     assert warm_vm.destroyed.is_set()
 
@@ -357,7 +357,7 @@ def test_retention_prunes_records_and_dirs(make_host, engine: FakeEngine) -> Non
 
 
 def _wait_warm(service: JobService, engine: FakeEngine):
-    for vm in service.warm._vms:
+    for vm in service.prewarmed._vms:
         vm.ready.wait(10)
     return engine.created[-1]
 

@@ -144,7 +144,7 @@ def test_prewarmed_vm_is_used(vm_host) -> None:
     service, client = host.service, JobClient(socket=host.config.socket)
     host.reactions.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
                               labels=("microvm",)))
-    warmed = list(service.warm._vms)
+    warmed = list(service.prewarmed._vms)
     for vm in warmed:
         vm.ready.wait(120)
     assert [vm.sandbox is not None for vm in warmed] == [True]
@@ -246,7 +246,7 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path
     service, hook, client = host.service, host.webhook, JobClient(socket=host.config.socket)
     queued = json.loads((external / QUEUED).read_text())
     assert deliver(hook.port, queued) == 200
-    (warm,) = list(service.warm._vms)
+    (warm,) = list(service.prewarmed._vms)
     assert warm.ready.wait(120) and warm.sandbox is not None
     job = submit(client, "echo warm", repository=queued["repository"]["full_name"],
                  run_id=queued["workflow_job"]["run_id"], run_attempt=1)

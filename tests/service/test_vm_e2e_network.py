@@ -82,7 +82,7 @@ def test_a_prewarmed_vm_is_not_handed_out_after_its_repository_policy_changed(ne
     service, client = host.service, JobClient(socket=host.config.socket)
     host.reactions.prewarm(QueuedJob(repository="octo/hello", run_id=4242, run_attempt=1, job_id=1, job_name="test",
                               labels=("microvm",)))
-    (warm,) = list(service.warm._vms)
+    (warm,) = list(service.prewarmed._vms)
     assert warm.ready.wait(300) and warm.sandbox is not None
     assert warm.policy_digest == load_policy(old).digest()
 

@@ -61,7 +61,7 @@ def assert_gauges_tell_the_truth(host, base: str) -> dict[tuple[str, tuple], flo
         assert seen[("microvm_check_jobs_active", (("state", state.value),))] == \
             sum(r.state == state for r in records), state
     assert seen[("microvm_check_queue_depth", ())] == service.queue.counts()[0]
-    assert seen[("microvm_check_prewarmed_vms", ())] == service.warm.count()
+    assert seen[("microvm_check_prewarmed_vms", ())] == service.prewarmed.count()
     assert seen[("microvm_check_prewarmed_vms_max", ())] == host.config.prewarm.max_vms
     assert seen[("microvm_check_build_info", next(k for n, k in seen if n == "microvm_check_build_info"))] == 1
     known = {"microvm_check_vms_running", "microvm_check_spare_vms", "microvm_check_spare_pool_size",

@@ -130,7 +130,7 @@ def test_jobs_and_prewarmed_vms_restore_from_the_base_which_a_push_rebuilds_with
     # a VM pre-warmed for a queued job of the repository is restored from the base and claimed by its submit
     host.reactions.prewarm(QueuedJob(repository=REPO, run_id=77, run_attempt=1, job_id=770, job_name="test",
                               labels=("microvm",)))
-    [warmed] = list(service.warm._vms)
+    [warmed] = list(service.prewarmed._vms)
     assert warmed.ready.wait(300) and warmed.sandbox is not None and warmed.template == NONET
     out, notes, record = run_job(client, b"tinypkg==1.0\n", run_id=77, run_attempt=1)
     assert out[:2] == ["1.0", "ran"]

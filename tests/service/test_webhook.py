@@ -41,9 +41,9 @@ def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: Fake
     engine.programs["ok"] = prints(b"")
     payload = json.loads((external / QUEUED).read_text())
     assert deliver(url, payload).status_code == 200
-    for vm in service.warm._vms:
+    for vm in service.prewarmed._vms:
         vm.ready.wait(10)
-    assert service.warm.count() == 1
+    assert service.prewarmed.count() == 1
     job = payload["workflow_job"]
     rec = service.submit(spec("ok", repository=payload["repository"]["full_name"], run_id=job["run_id"],
                               run_attempt=job.get("run_attempt") or 1))
@@ -58,7 +58,7 @@ def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngin
     service, url = webhook
     queued = json.loads((external / QUEUED).read_text())
     assert deliver(url, queued).status_code == 200
-    for vm in service.warm._vms:
+    for vm in service.prewarmed._vms:
         vm.ready.wait(10)
     completed = json.loads((external / COMPLETED).read_text())
     # The same real shape, pointed at the job that was queued above.
@@ -66,7 +66,7 @@ def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngin
         completed["workflow_job"][key] = queued["workflow_job"].get(key) or (1 if key == "run_attempt" else None)
     completed["repository"] = queued["repository"]
     assert deliver(url, completed).status_code == 200
-    assert service.warm.count() == 0
+    assert service.prewarmed.count() == 0
     assert engine.alive() == [] and len(engine.created) == 1
 
 

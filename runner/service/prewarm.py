@@ -1,12 +1,17 @@
 """Pre-warmed VMs: restored when GitHub says a job is queued, claimed when its submit arrives.
 
-A warm VM is bound to one (repository, run_id, run_attempt), its template and the policy it was
+A pre-warmed VM is bound to one (repository, run_id, run_attempt), its template and the policy it was
 created with: a submit may only claim it if its effective policy has the same digest, since a VM's
 egress is fixed at creation, and if the service would restore the job from the same template (the
 repository's warm base of the job's network variant, or the bare template). The template is chosen
 in the background with the restore, since choosing a base may ask GitHub whether it is current and
 the webhook must answer at once. Unclaimed VMs expire and are destroyed; the pool is bounded,
 counting VMs still being restored.
+
+Four things are called warm, and this module is one: pre-warmed VMs (one announced job each, here);
+spare VMs (runner/vm/pool.py `SpareVMs`, the engine's, restored ahead for no job in particular); warm
+bases (runner/service/bases.py, a repository's template with its dependencies installed); and the
+`warm:` section of a repository's file that asks for one (policy/warm.py).
 """
 
 from __future__ import annotations
