@@ -44,12 +44,12 @@ from typing import Any, Protocol
 from runner.fleet import cgroup, walls, workdir
 from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
-from runner.fleet.report import ReportedJob
 from runner.fleet.scope import ScopeClaim
 from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
 from runner.github.errors import GitHubError, NotFound, ValidationFailed
 from runner.github.jobs import CompletedJob, QueuedJob
 from runner.github.runners import JitConfig, RunnerAdmin
+from runner.jobapi.contract import JobStarted
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +101,13 @@ class FleetSettings:
 
 
 class FleetService(Protocol):
-    """The job service's side (runner.service.service.JobService): which runners' tokens it takes, the
-    job each runner's hook reported, and cancelling (destroying the VMs of) a dead runner's jobs."""
+    """The job service's side (runner.service.desk.RunnerDesk): which runners' tokens it takes, and
+    cancelling (destroying the VMs of) a dead runner's jobs. It tells the fleet of each runner's job
+    as the runner's hook reports it (`RunnerFleet.runner_bound`)."""
 
     def add_runner(self, name: str, token: str) -> None: ...
 
     def remove_runner(self, name: str) -> None: ...
-
-    def runner_job(self, name: str) -> ReportedJob | None: ...
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]: ...
 
@@ -124,13 +123,13 @@ class FleetRunner:
     token: str = field(repr=False)
     identity: RunnerIdentity | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
     state: RunnerState = RunnerState.IDLE
-    job: ReportedJob | None = None
+    job: JobStarted | None = None
 
     def view(self) -> dict[str, Any]:
         return {"name": self.name, "id": self.github_id, "state": self.state.value, "since": self.since,
                 "directory": str(self.dir.path), "pid": self.process.pid,
                 "uid": self.identity.uid if self.identity else None,
-                "job": self.job.to_json() if self.job else None}
+                "job": {k: v for k, v in self.job.to_wire().items() if k != "guard"} if self.job else None}
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ class RunnerEnd:
     """What became of a runner: for the status and the log."""
 
     name: str
-    job: ReportedJob | None
+    job: JobStarted | None
     exit_code: int | None  # None: retired by the fleet before it took a job
     died: bool  # it ended during its job, which was cancelled
 
@@ -275,10 +274,6 @@ class RunnerFleet:
 
     def _inspect(self, runner: FleetRunner, now: float) -> None:
         exit_code = runner.process.poll()
-        if runner.state is RunnerState.IDLE:
-            job = self.service.runner_job(runner.name)
-            if job is not None:
-                self._busy(runner, job, now)
         if exit_code is not None:
             self._reap(runner, exit_code)
         elif runner.state is RunnerState.IDLE and now - runner.since > self.settings.idle_recycle_seconds:
@@ -301,7 +296,13 @@ class RunnerFleet:
         self._kill(runner)
         self._reap(runner, runner.process.wait(), why)
 
-    def _busy(self, runner: FleetRunner, job: ReportedJob, now: float) -> None:
+    def runner_bound(self, name: str, job: JobStarted) -> None:
+        """The service bound runner `name` to the job its hook reported: it is busy from now on."""
+        for runner in self.runners():
+            if runner.name == name and runner.state is RunnerState.IDLE:
+                self._busy(runner, job, time.time())
+
+    def _busy(self, runner: FleetRunner, job: JobStarted, now: float) -> None:
         with self._lock:
             runner.state, runner.job, runner.since = RunnerState.BUSY, job, now
             if self._pending:  # one queued job fewer waits for a runner (which one GitHub knows)
@@ -314,8 +315,6 @@ class RunnerFleet:
         have killed its own job-completed hook and exited 0. Deregister it if GitHub did not (a JIT
         runner is removed by GitHub only after a job it finished)."""
         self._kill(runner)
-        if runner.job is None and (job := self.service.runner_job(runner.name)) is not None:
-            runner.job = job  # its hook reported a job since the last pass
         died = runner.job is not None and exit_code != 0
         if runner.job is not None:
             why = why or (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) while this job "

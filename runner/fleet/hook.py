@@ -14,6 +14,7 @@ site-packages): nothing the job controls decides what code the hook runs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -94,7 +95,7 @@ def job_started(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
     from runner.fleet import report
     from runner.github import guard
     from runner.jobapi.client import JobAPIError, JobClient
-    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, JobStarted, Verdict, WireError
+    from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE, Verdict, WireError
 
     try:
         job = report.from_environment(environ)
@@ -103,8 +104,7 @@ def job_started(socket: str, environ: Mapping[str, str], out: TextIO) -> int:
         except GitHubError as exc:  # the service's guard refuses a job it cannot see; the reason goes with it
             out.write(f"microvm-check: the job's event could not be read: {exc}\n")
             context = None
-        started = JobStarted(job.repository, job.run_id, job.run_attempt, job.job, job.workflow_ref, job.event,
-                             context)
+        started = dataclasses.replace(job, guard=context)
         with JobClient(socket=socket, runner_token=_runner_token(environ, RUNNER_TOKEN_VARIABLE)) as client:
             verdict = client.job_started(started)
     except (ValueError, JobAPIError, WireError) as exc:

@@ -2,58 +2,47 @@
 
 The hook runs before any step of the job, as the trusted runner starts it, and the service binds the
 runner to the first job it reports (runner/service/auth.py): the runner may then submit only for
-that job. Every field is checked here before the service keeps it.
+that job. The report is the job API's `JobStarted` (runner/jobapi/contract.py), checked here before
+the service keeps it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from runner.github.jobs import REPOSITORY_RE
+from runner.jobapi.contract import GitHubJob, JobStarted
 
 MAX_TEXT = 256
 
 
-@dataclass(frozen=True)
-class ReportedJob:
-    repository: str
-    run_id: int
-    run_attempt: int
-    job: str
-    workflow_ref: str
-    event: str
-
-    def describe(self) -> str:
-        return f"{self.repository} run {self.run_id}/{self.run_attempt} job {self.job}"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def from_environment(environ: Mapping[str, str]) -> ReportedJob:
+def from_environment(environ: Mapping[str, str]) -> JobStarted:
     """What the runner tells every step about its job (GITHUB_* variables); ValueError if unusable."""
-    job = parse({"repository": environ.get("GITHUB_REPOSITORY", ""), "run_id": _int(environ.get("GITHUB_RUN_ID")),
-                 "run_attempt": _int(environ.get("GITHUB_RUN_ATTEMPT", "1")), "job": environ.get("GITHUB_JOB", ""),
-                 "workflow_ref": environ.get("GITHUB_WORKFLOW_REF", ""), "event": environ.get("GITHUB_EVENT_NAME", "")})
-    if job is None:
+    run_id, run_attempt = _int(environ.get("GITHUB_RUN_ID")), _int(environ.get("GITHUB_RUN_ATTEMPT", "1"))
+    started = None
+    if run_id is not None and run_attempt is not None:
+        started = checked(JobStarted(GitHubJob(environ.get("GITHUB_REPOSITORY", ""), run_id, run_attempt,
+                                               environ.get("GITHUB_JOB", "")),
+                                     environ.get("GITHUB_WORKFLOW_REF", ""), environ.get("GITHUB_EVENT_NAME", "")))
+    if started is None:
         raise ValueError("GITHUB_REPOSITORY, GITHUB_RUN_ID, GITHUB_RUN_ATTEMPT and GITHUB_JOB do not name a job")
-    return job
+    return started
 
 
-def parse(data: object) -> ReportedJob | None:
-    if not isinstance(data, dict):
+def checked(started: JobStarted) -> JobStarted | None:
+    """The report as the service keeps it (no guard context: that is for the guard alone), or None when
+    it names no job: an owner/name repository, a job name, printable texts of at most MAX_TEXT
+    characters and run numbers from 1 to 2**63 - 1."""
+    job = started.job
+    texts = (job.repository, job.job, started.workflow_ref, started.event)
+    if not all(isinstance(t, str) and len(t) <= MAX_TEXT and t.isprintable() for t in texts):
         return None
-    texts = [t for key in ("repository", "job", "workflow_ref", "event")
-             if isinstance(t := data.get(key), str) and len(t) <= MAX_TEXT and t.isprintable()]
-    numbers = [n for key in ("run_id", "run_attempt")
-               if isinstance(n := data.get(key), int) and not isinstance(n, bool) and 0 < n < 2**63]
-    if len(texts) != 4 or len(numbers) != 2:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**63 for n in (job.run_id, job.run_attempt)):
         return None
-    if not REPOSITORY_RE.match(texts[0]) or not texts[1]:
+    if not REPOSITORY_RE.match(job.repository) or not job.job:
         return None
-    return ReportedJob(texts[0], numbers[0], numbers[1], texts[1], texts[2], texts[3])
+    return dataclasses.replace(started, guard=None)
 
 
 def _int(text: str | None) -> int | None:

@@ -210,6 +210,61 @@ def _port(value: object) -> bool:
     return match is not None and all(1 <= int(p) <= 65535 for p in match.groups() if p is not None)
 
 
+@dataclass(frozen=True, eq=False)
+class GitHubJob:
+    """One GitHub Actions job, as every layer names it: the spec a runner submits (`JobSpec.github`),
+    the report its job-started hook sends (`JobStarted.job`), a kept VM's session, a pre-warmed VM's
+    run and a webhook's job. `job` is the job's key in the workflow (GITHUB_JOB), or a webhook's display
+    name; `runner` the self-hosted runner that took it ("" unknown).
+
+    Two are equal when they name the same job in the one normal form (`key`: the repository through
+    `canonical_repository`, GitHub's names being case-insensitive); `same_run` and `named_by` are the
+    looser matches, written here once.
+    """
+
+    repository: str  # as GitHub or the client spelled it (shown, and looked up in the policy store)
+    run_id: int
+    run_attempt: int = 1
+    job: str = ""
+    runner: str = ""
+
+    @property
+    def run(self) -> tuple[str, int, int]:
+        return canonical_repository(self.repository), self.run_id, self.run_attempt
+
+    @property
+    def key(self) -> tuple[str, int, int, str, str]:
+        return (*self.run, self.job, self.runner)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GitHubJob) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def same_run(self, other: GitHubJob) -> bool:
+        """The same workflow run and attempt (a pre-warmed VM's claim; a runner's binding against a webhook)."""
+        return self.run == other.run
+
+    def same_job(self, other: GitHubJob) -> bool:
+        """The same run and job key, whichever runner (a runner's submit against the job its hook reported)."""
+        return self.same_run(other) and self.job == other.job
+
+    def named_by(self, other: GitHubJob) -> bool:
+        """Whether a webhook's job (`other`) is this one. The webhook names a job by its display name
+        (`build (3.11)`), the action by its key in the workflow (`build`), so names decide only when a
+        runner is unknown: a self-hosted runner runs one job at a time, so the run plus the runner's
+        name identify the job exactly."""
+        if not self.same_run(other):
+            return False
+        if self.runner and other.runner:
+            return self.runner == other.runner
+        return self.job == other.job
+
+    def describe(self) -> str:
+        return f"{self.repository} run {self.run_id}/{self.run_attempt} job {self.job}"
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What to run. The service validates a received spec into this type (runner.service.spec), filling
@@ -241,6 +296,13 @@ class JobSpec:
     # The pull request comes from a fork (the event's head repository is another one): the action's
     # reading of the runner's event file, used for the `checks: forks` setting only, never to allow anything.
     fork: bool = False
+
+    @property
+    def github(self) -> GitHubJob | None:
+        """The GitHub job this spec is a step of; None when it names no run (a local job)."""
+        if self.run_id is None:
+            return None
+        return GitHubJob(self.repository, self.run_id, self.run_attempt or 1, self.job_name, self.runner_name)
 
     @property
     def workdir(self) -> str:
@@ -323,12 +385,10 @@ class JobSummary:
 @dataclass(frozen=True)
 class JobStarted:
     """A fleet runner's job-started hook to the service: the job it got (what GitHub told the runner),
-    and what the fork guard needs of the event (`runner.github.guard.JobContext`, as wire)."""
+    and what the fork guard needs of the event (`runner.github.guard.JobContext`, as wire). On the
+    wire the job's fields are flat: repository, run_id, run_attempt, job."""
 
-    repository: str
-    run_id: int
-    run_attempt: int
-    job: str
+    job: GitHubJob  # its runner is the one whose token sent the report (set by the service, never sent)
     workflow_ref: str
     event: str
     guard: dict[str, Any] | None = None  # None when the hook could not read the event: the guard refuses
@@ -336,13 +396,18 @@ class JobStarted:
     @classmethod
     def from_wire(cls, data: object) -> JobStarted:
         data = _object(data, "job")
-        return cls(repository=_field(data, "repository", (str,)), run_id=_field(data, "run_id", (int,)),
-                   run_attempt=_field(data, "run_attempt", (int,)), job=_field(data, "job", (str,)),
-                   workflow_ref=_field(data, "workflow_ref", (str,)), event=_field(data, "event", (str,)),
+        job = GitHubJob(repository=_field(data, "repository", (str,)), run_id=_field(data, "run_id", (int,)),
+                        run_attempt=_field(data, "run_attempt", (int,)), job=_field(data, "job", (str,)))
+        return cls(job, workflow_ref=_field(data, "workflow_ref", (str,)), event=_field(data, "event", (str,)),
                    guard=_field(data, "guard", (dict,), True))
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        job = self.job
+        return {"repository": job.repository, "run_id": job.run_id, "run_attempt": job.run_attempt, "job": job.job,
+                "workflow_ref": self.workflow_ref, "event": self.event, "guard": self.guard}
+
+    def describe(self) -> str:
+        return self.job.describe()
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from runner.errors import ConfigError, JobError
-from runner.fleet.report import ReportedJob
 from runner.jobapi.contract import (
     JOB_TOKEN_HEADER,
     MAX_TOKEN,
     RUNNER_TOKEN_HEADER,
     RUNNER_TOKEN_VARIABLE,
-    canonical_repository,
+    JobSpec,
+    JobStarted,
 )
 
 MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
@@ -108,7 +107,7 @@ class RunnerRegistry:
     def __init__(self, binding_seconds: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._names: dict[bytes, str] = {}
-        self._jobs: dict[str, tuple[ReportedJob, float]] = {}
+        self._jobs: dict[str, tuple[JobStarted, float]] = {}
         self._registered: set[str] = set()
         self.binding_seconds = binding_seconds
         self._clock = clock
@@ -152,9 +151,10 @@ class RunnerRegistry:
         with self._lock:
             return self._names.get(_digest(token))
 
-    def bind(self, name: str, job: ReportedJob) -> None:
-        """The runner's hook reported its job. A runner takes one job at a time, so the first report
-        stands until the job ends (a registered runner's: or its binding is `binding_seconds` old)."""
+    def bind(self, name: str, job: JobStarted) -> None:
+        """The runner's hook reported its job (its `job.runner` is `name`). A runner takes one job at a
+        time, so the first report stands until the job ends (a registered runner's: or its binding is
+        `binding_seconds` old)."""
         now = self._clock()
         with self._lock:
             held = self._jobs.get(name)
@@ -167,7 +167,7 @@ class RunnerRegistry:
             raise Forbidden(f"runner {name} already reported {bound.describe()}; a runner takes one job at a time, "
                             "and this one has not ended")
 
-    def job_of(self, name: str) -> ReportedJob | None:
+    def job_of(self, name: str) -> JobStarted | None:
         with self._lock:
             held = self._jobs.get(name)
         return held[0] if held is not None else None
@@ -261,7 +261,7 @@ class Access:
             raise Forbidden(f"only a fleet runner (with its {RUNNER_HINT}) reports jobs, not {caller.who}")
         return caller.runner
 
-    def admit_submit(self, caller: Caller, spec: Any) -> str | None:
+    def admit_submit(self, caller: Caller, spec: JobSpec) -> str | None:
         """May `caller` submit `spec`? Returns the runner name the job belongs to (None: no fleet runner).
 
         A runner may only submit for the job its hook reported: same repository, run, attempt and job,
@@ -282,24 +282,23 @@ class Access:
         if bound is None:
             raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
                             "so it may not submit one")
-        submitted = (canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1, spec.job_name)
-        reported = (canonical_repository(bound.repository), bound.run_id, bound.run_attempt, bound.job)
-        if submitted != reported:
+        submitted = spec.github
+        if submitted is None or not submitted.same_job(bound.job):
             raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, but this submit is for "
                             f"{spec.repository} run {spec.run_id}/{spec.run_attempt or 1} job {spec.job_name}: "
                             "a job may only be submitted by the runner GitHub gave it to")
         return caller.runner
 
-    def repository_for(self, caller: Caller, spec: Any) -> str:
+    def repository_for(self, caller: Caller, spec: JobSpec) -> str:
         """The repository name a job runs as (its policy, warm base, kept VMs): the one GitHub gave the
         runner, the operator's choice for a socket member's local jobs, or the operator's own."""
         if caller.runner is not None:
             bound = self.runners.job_of(caller.runner)
             if bound is not None:
-                return str(bound.repository)
+                return bound.job.repository
         if not caller.operator and self.local_repository is not None:
             return self.local_repository
-        return str(spec.repository)
+        return spec.repository
 
     def end_runner_job(self, runner: str, by_hook: bool = False) -> None:
         """The runner's job has ended: its token (a registered runner's binding) and its jobs' tokens

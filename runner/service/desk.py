@@ -10,13 +10,13 @@ which reads them from disk and the environment once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.fleet import report
-from runner.fleet.report import ReportedJob
 from runner.jobapi.contract import JobStarted, Verdict
 from runner.service.admission import InvalidJob
 from runner.service.auth import Access
@@ -44,9 +44,9 @@ class RunnerDesk:
         self.service = service
         self.access: Access = service.access
         self.guard = guard
-        self._bound: list[Callable[[str, ReportedJob], None]] = []
+        self._bound: list[Callable[[str, JobStarted], None]] = []
 
-    def on_bound(self, listener: Callable[[str, ReportedJob], None]) -> None:
+    def on_bound(self, listener: Callable[[str, JobStarted], None]) -> None:
         """Call `listener(runner, job)` whenever a runner's hook binds it to a job (the fleet marks it busy)."""
         self._bound.append(listener)
 
@@ -58,16 +58,17 @@ class RunnerDesk:
         """A fleet runner ended: its token opens nothing any more."""
         self.access.runners.remove(name)
 
-    def runner_job(self, name: str) -> ReportedJob | None:
+    def runner_job(self, name: str) -> JobStarted | None:
         """The job the runner's hook reported (runner -> current job), for the fleet's status."""
         return self.access.runners.job_of(name)
 
     def runner_job_started(self, runner: str, started: JobStarted) -> Verdict:
         """A runner's job-started hook: remember its job (what it may submit), then run the fork guard
         here, with the App the runner user must not reach. Its verdict is what the hook prints."""
-        job = report.parse({k: v for k, v in started.to_wire().items() if k != "guard"})
-        if job is None:
+        reported = report.checked(started)
+        if reported is None:
             raise InvalidJob("the reported job is not a job: repository, run_id, run_attempt and job are required")
+        job = dataclasses.replace(reported, job=dataclasses.replace(reported.job, runner=runner))
         self.access.runners.bind(runner, job)
         log.info("runner %s took %s", runner, job.describe())
         for listener in self._bound:
@@ -76,8 +77,9 @@ class RunnerDesk:
             return Verdict(False, (f"the guard's rules could not be read ({self.guard.problem}), so it refuses the job.",))
         from runner.github import guard
 
-        rules = self.guard.rules.for_repository(job.repository)
-        verdict = guard.service_verdict(started.guard, job.repository, rules, self.guard.github)
+        repository = job.job.repository
+        verdict = guard.service_verdict(started.guard, repository, self.guard.rules.for_repository(repository),
+                                        self.guard.github)
         if not verdict.allowed:
             log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
         return Verdict(verdict.allowed, verdict.reasons)

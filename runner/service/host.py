@@ -260,6 +260,7 @@ class ServiceHost:
             raise ConfigError(f"{where}: the GitHub App settings: {exc}") from exc
         counted = CountedRunners(desk, self.metrics) if self.metrics is not None else desk
         fleet = RunnerFleet(settings, admin, counted, extra_status=functools.partial(self._status, service))
+        desk.on_bound(fleet.runner_bound)  # the fleet marks the runner busy as its hook reports the job
         self._stack.callback(fleet.close)
         try:
             fleet.start()

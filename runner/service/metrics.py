@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from runner.jobapi.contract import ACTIVE_STATES, JobState
 
 if TYPE_CHECKING:
-    from runner.fleet.report import ReportedJob
+    from runner.jobapi.contract import JobStarted
     from runner.service.desk import RunnerDesk
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -263,7 +263,7 @@ class CountedRunners:
         self._service.remove_runner(name)
         self._metrics.runner_ended(had_job)
 
-    def runner_job(self, name: str) -> ReportedJob | None:
+    def runner_job(self, name: str) -> JobStarted | None:
         return self._service.runner_job(name)
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]:

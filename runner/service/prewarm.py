@@ -22,21 +22,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runner.jobapi.contract import GitHubJob
 from runner.sandbox.port import SandboxLike
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunKey:
-    repository: str
-    run_id: int
-    run_attempt: int
-
-
 @dataclass
 class PrewarmedVM:
-    key: RunKey
+    key: GitHubJob  # the job GitHub announced (its run is what a submit must match)
     github_job_id: int
     policy_digest: str
     expires_at: float
@@ -58,14 +52,14 @@ class PrewarmedVMs:
         self._vms: list[PrewarmedVM] = []
         self._closed = False
 
-    def prewarm(self, key: RunKey, github_job_id: int, policy_digest: str, choose: Callable[[], str],
+    def prewarm(self, key: GitHubJob, github_job_id: int, policy_digest: str, choose: Callable[[], str],
                 create: Callable[[str], SandboxLike]) -> bool:
         """In the background, choose the template (`choose()`) and restore a VM from it (`create(template)`);
         False when the pool is full or closed."""
         with self._lock:
             if self._closed or len(self._vms) >= self.max_vms:
                 return False
-            if any(vm.github_job_id == github_job_id and vm.key == key for vm in self._vms):
+            if any(vm.github_job_id == github_job_id and vm.key.same_run(key) for vm in self._vms):
                 return False  # GitHub redelivers webhooks; one VM per job is enough
             vm = PrewarmedVM(key, github_job_id, policy_digest, self._clock() + self.expire_seconds)
             self._vms.append(vm)
@@ -80,7 +74,7 @@ class PrewarmedVMs:
                 vm.template = template
             sandbox = create(template)
         except Exception:
-            log.warning("pre-warming a VM for %s failed", vm.key, exc_info=True)
+            log.warning("pre-warming a VM for %s failed", vm.key.describe(), exc_info=True)
             with self._lock:
                 self._forget(vm)
             vm.ready.set()
@@ -94,19 +88,19 @@ class PrewarmedVMs:
         if unwanted:
             _destroy(sandbox)
 
-    def claim(self, key: RunKey, template: str, policy_digest: str) -> SandboxLike | None:
+    def claim(self, key: GitHubJob, template: str, policy_digest: str) -> SandboxLike | None:
         """A ready VM for this run with the same template and policy, now owned by the caller; or None."""
         with self._lock:
             for vm in self._vms:
-                if (vm.key == key and vm.template == template and vm.policy_digest == policy_digest
+                if (vm.key.same_run(key) and vm.template == template and vm.policy_digest == policy_digest
                         and vm.sandbox is not None):
                     self._forget(vm)  # claimed: no longer the pool's to expire or discard
                     return vm.sandbox
         return None
 
-    def discard_job(self, key: RunKey, github_job_id: int) -> int:
+    def discard_job(self, key: GitHubJob, github_job_id: int) -> int:
         """Destroy the unclaimed VMs warmed for one GitHub job (it completed or was cancelled)."""
-        return self._discard(lambda vm: vm.key == key and vm.github_job_id == github_job_id)
+        return self._discard(lambda vm: vm.key.same_run(key) and vm.github_job_id == github_job_id)
 
     def expire(self) -> int:
         now = self._clock()

@@ -8,15 +8,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runner.fleet.report import ReportedJob
-from runner.jobapi.contract import JobSpec, canonical_repository
+from runner.jobapi.contract import GitHubJob, canonical_repository
 from runner.sandbox.port import needs_network
 from runner.service.desk import RunnerDesk
 from runner.service.egress import EgressPolicyError
 from runner.service.job import vm_request
-from runner.service.prewarm import RunKey
 from runner.service.service import JobService
-from runner.service.sessions import SessionKey
 
 if TYPE_CHECKING:
     from runner.github.jobs import CompletedJob, Push, QueuedJob
@@ -44,9 +41,8 @@ class GitHubReactions:
             return
         if needs_network(policy) and not config.network.enabled:
             return  # its submit will be refused: see JobService._admit
-        key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
         vms = service.vms
-        service.prewarmed.prewarm(key, job.job_id, policy.digest(),
+        service.prewarmed.prewarm(_announced(job), job.job_id, policy.digest(),
                              lambda: vms.template_for(job.repository, template, policy),
                              lambda chosen: vms.create(vm_request(
             config, template=chosen, ttl_seconds=int(config.prewarm.expire_seconds) + config.max_timeout_seconds,
@@ -55,15 +51,15 @@ class GitHubReactions:
     def job_completed(self, job: CompletedJob) -> None:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
         service = self.service
-        key = RunKey(canonical_repository(job.repository), job.run_id, job.run_attempt)
-        service.prewarmed.discard_job(key, job.job_id)
+        completed = _announced(job, job.runner_name)
+        service.prewarmed.discard_job(completed, job.job_id)
         why = f"GitHub reports the job completed ({job.conclusion or 'no conclusion'})"
         for run in service.runs.all():
-            if _same_github_job(run.spec, job):
+            if run.spec.github is not None and run.spec.github.named_by(completed):
                 service.cancel(run.record.id, why)
-        service.sessions.end_where(lambda session: _session_of_github_job(session, job), why)
+        service.sessions.end_where(lambda key: key.named_by(completed), why)
         bound = self.desk.runner_job(job.runner_name) if job.runner_name else None
-        if bound is not None and job.runner_name and _reported_is(bound, job):
+        if bound is not None and job.runner_name and bound.job.same_run(completed):
             service.access.end_runner_job(job.runner_name)  # its token submits nothing after `completed`
 
     def default_branch_pushed(self, push: Push) -> None:
@@ -77,34 +73,6 @@ class GitHubReactions:
             log.info("push to %s's default branch (%s): rebuilding its warm bases", push.repository, push.after[:12])
 
 
-def _session_of_github_job(key: SessionKey, job: CompletedJob) -> bool:
-    """Whether a session belongs to the GitHub job a `workflow_job` webhook speaks of (as `_same_github_job`)."""
-    if (key.repository, key.run_id, key.run_attempt) != (canonical_repository(job.repository), job.run_id,
-                                                         job.run_attempt):
-        return False
-    runner = job.runner_name
-    if key.runner and runner:
-        return key.runner == runner
-    return key.job == job.job_name
-
-
-def _same_github_job(spec: JobSpec, job: CompletedJob) -> bool:
-    """Whether a submitted job is the GitHub job a webhook speaks of.
-
-    The webhook names a job by its display name (`build (3.11)`), the action by its key in the
-    workflow (`build`), so names only decide when the runner is unknown: a self-hosted runner runs
-    one job at a time, so the run plus the runner's name identify the job exactly.
-    """
-    if ((canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1)
-            != (canonical_repository(job.repository), job.run_id, job.run_attempt)):
-        return False
-    runner = job.runner_name
-    if spec.runner_name and runner:
-        return spec.runner_name == runner
-    return spec.job_name == job.job_name
-
-
-def _reported_is(bound: ReportedJob, job: CompletedJob) -> bool:
-    """Whether the job a runner's hook reported is the run a `workflow_job completed` webhook speaks of."""
-    return ((canonical_repository(bound.repository), bound.run_id, bound.run_attempt)
-            == (canonical_repository(job.repository), job.run_id, job.run_attempt))
+def _announced(job: QueuedJob | CompletedJob, runner: str | None = None) -> GitHubJob:
+    """The job a `workflow_job` webhook speaks of: named by its display name, on its runner if it has one."""
+    return GitHubJob(job.repository, job.run_id, job.run_attempt, job.job_name, runner or "")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import JobError
-from runner.jobapi.contract import KEEP_VALUES, MAX_TOKEN, canonical_repository
+from runner.jobapi.contract import KEEP_VALUES, MAX_TOKEN, GitHubJob, JobSpec
 from runner.sandbox.port import SandboxLike
 from runner.service.spec import SpecError
 
@@ -37,25 +37,10 @@ KEEP_IDLE_SECONDS = 900.0  # a kept VM waits at most this long for the job's nex
 KEEP_MAX_SECONDS = 6 * 3600  # a kept VM's hard life in the engine: GitHub's own limit for a job
 
 
-@dataclass(frozen=True)
-class SessionKey:
-    """The GitHub job a session belongs to; `runner` tells matrix siblings (same job key) apart."""
-
-    repository: str
-    run_id: int
-    run_attempt: int
-    job: str
-    runner: str
-
-    def describe(self) -> str:
-        return f"{self.repository} run {self.run_id}/{self.run_attempt} job {self.job} on runner {self.runner or '?'}"
-
-
-def session_key(spec: Any) -> SessionKey | None:
-    """The session a step may open or join; None when the spec does not name its GitHub job."""
-    if spec.run_id is None or not spec.job_name:
-        return None
-    return SessionKey(canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1, spec.job_name, spec.runner_name)
+def session_key(spec: JobSpec) -> GitHubJob | None:
+    """The GitHub job whose session a step may open or join; None when the spec does not name its job."""
+    job = spec.github
+    return job if job is not None and job.job else None
 
 
 def parse_keep(data: Any) -> str:
@@ -72,7 +57,7 @@ class Session:
     """A kept VM and what the job's later steps must match to use it."""
 
     id: str
-    key: SessionKey
+    key: GitHubJob
     template: str
     policy_digest: str
     touched: float
@@ -109,7 +94,7 @@ class Sessions:
         self._lock = threading.Lock()
         self._by_digest: dict[bytes, Session] = {}
 
-    def join(self, key: SessionKey, keep: str, template: str, policy_digest: str,
+    def join(self, key: GitHubJob, keep: str, template: str, policy_digest: str,
              token: str | None = None) -> tuple[Session | None, str | None]:
         """The session a step runs in, and the new session's token when this step opens one.
 
@@ -136,7 +121,7 @@ class Sessions:
                 session.touched = self._clock()
             return session, new_token
 
-    def _find(self, key: SessionKey, token: str | None) -> Session | None:
+    def _find(self, key: GitHubJob, token: str | None) -> Session | None:
         """The open session `token` opens, if it belongs to `key`'s job (called under self._lock)."""
         if not token or len(token) > MAX_TOKEN:
             return None
@@ -165,10 +150,11 @@ class Sessions:
                 session.ended = why
             sandbox, session.sandbox = session.sandbox, None
         if sandbox is not None:
-            log.info("session %s (%s) ends: %s", session.id, session.key.describe(), why)
+            log.info("session %s (%s on runner %s) ends: %s", session.id, session.key.describe(),
+                     session.key.runner or "?", why)
             self._destroy(sandbox)
 
-    def end_where(self, match: Callable[[SessionKey], bool], why: str) -> list[str]:
+    def end_where(self, match: Callable[[GitHubJob], bool], why: str) -> list[str]:
         """End every session whose key matches; their ids."""
         with self._lock:
             chosen = [s for s in self._by_digest.values() if match(s.key)]

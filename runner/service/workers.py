@@ -19,7 +19,7 @@ from runner.sandbox.port import SandboxFactory, SandboxLike, VMRequest, needs_ne
 from runner.service.config import ServiceConfig
 from runner.service.job import JobRun
 from runner.service.jobqueue import JobQueue
-from runner.service.prewarm import PrewarmedVMs, RunKey
+from runner.service.prewarm import PrewarmedVMs
 from runner.service.runs import ActiveRuns, finish
 from runner.service.sessions import Sessions
 
@@ -113,9 +113,8 @@ class Workers:
 
     def _claim_warm(self, run: JobRun) -> None:
         spec = run.spec
-        if spec.run_id is not None:
-            key = RunKey(canonical_repository(spec.repository), spec.run_id, spec.run_attempt or 1)
-            run.prewarmed = self.prewarmed.claim(key, template_of(spec), run.record.policy_digest or "")
+        if spec.github is not None:
+            run.prewarmed = self.prewarmed.claim(spec.github, template_of(spec), run.record.policy_digest or "")
             if run.prewarmed is not None:
                 run.update(warm=True)
 

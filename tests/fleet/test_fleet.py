@@ -22,7 +22,7 @@ from runner.fleet import workdir
 from runner.fleet.install import InstallError, install
 from runner.fleet.workdir import RunnerUser
 from runner.jobapi.client import JobClient
-from runner.jobapi.contract import JobStarted
+from runner.jobapi.contract import GitHubJob, JobStarted
 
 # Each job first looks for what an earlier job may have left (in its workspace, its runner's home and
 # temporary directory), then leaves such files itself, then runs its check in a VM through the action.
@@ -80,7 +80,7 @@ def test_runner_killed_mid_job_fails_it_destroys_its_vm_and_is_replaced(make_rig
                                          None), 600, "the first job to run in its VM")
         victim = wait_until(lambda: [r for r in rig.fleet.runners() if r.state.value == "busy"], 30,
                             "the fleet to see its runner busy")[0]
-        assert victim.job is not None and victim.job.run_id == 700001
+        assert victim.job is not None and victim.job.job.run_id == 700001
         os.kill(victim.process.pid, signal.SIGKILL)  # the runner alone, as a crash would
         final = wait_until(lambda: (r := rig.host.service.get(record.id)).final and r, 120, "the job to end")
         assert final.state.value == "cancelled"
@@ -174,7 +174,7 @@ def test_status_shows_the_runners_busy_with_which_job(make_rig, capsys) -> None:
         runners = wait_until(lambda: len(rig.fleet.runners()) == 2 and rig.fleet.runners(), 60, "two idle runners")
         busy = runners[0]
         with JobClient(socket=str(rig.root / "api.sock"), runner_token=busy.token) as client:
-            verdict = client.job_started(JobStarted("octo/repo", 42, 2, "build", "", "push",
+            verdict = client.job_started(JobStarted(GitHubJob("octo/repo", 42, 2, "build"), "", "push",
                                                     {"event_name": "push", "repository": "octo/repo",
                                                      "workflow_ref": "", "pull_request": None}))
         assert verdict.allowed, verdict

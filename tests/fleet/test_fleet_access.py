@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.jobapi.client import JobClient
-from runner.jobapi.contract import JobStarted
+from runner.jobapi.contract import GitHubJob, JobStarted
 from tests.fleet.conftest import PYTHON, Account
 from tests.fleet.test_fleet import _gone, wait_until
 
@@ -41,7 +41,7 @@ def spec(repository: str = "listendev/lstn", run_id: int = RUN_ID, job: str = "c
 
 
 def started(repository: str = "listendev/lstn", run_id: int = RUN_ID) -> JobStarted:
-    return JobStarted(repository, run_id, 1, "check", f"{repository}/{WORKFLOW}@refs/heads/main", "push",
+    return JobStarted(GitHubJob(repository, run_id, 1, "check"), f"{repository}/{WORKFLOW}@refs/heads/main", "push",
                       {"event_name": "push", "repository": repository, "workflow_ref": "", "pull_request": None})
 
 

@@ -31,7 +31,7 @@ def test_a_second_job_cannot_reach_the_first_and_job_completed_destroys_its_vm(m
         rig.enqueue(1, [rig.action_step("echo first-job; sleep 600")])
         first = wait_until(lambda: next((r for r in rig.host.service.list(limit=5) if r.state.value == "running"),
                                         None), 600, "the first job to run in its VM")
-        holder = wait_until(lambda: [r for r in rig.fleet.runners() if r.job and r.job.run_id == 700001], 30,
+        holder = wait_until(lambda: [r for r in rig.fleet.runners() if r.job and r.job.job.run_id == 700001], 30,
                             "the fleet to see the first runner busy")[0]
         assert first.repository == "listendev/lstn" and first.run_id == 700001
         requests = [["list"], ["get", first.id, None], ["logs", first.id, None], ["artifacts", first.id, None],

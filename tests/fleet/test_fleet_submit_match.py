@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner.jobapi.client import JobClient
-from runner.jobapi.contract import JobStarted
+from runner.jobapi.contract import GitHubJob, JobStarted
 from tests.fleet.test_fleet import wait_until
 from tests.fleet.test_fleet_access import RUN_ID, WORKFLOW, probe
 
@@ -29,7 +29,7 @@ def test_a_submit_differing_only_in_job_or_attempt_is_refused_and_letter_case_is
         socket = rig.root / "api.sock"
         with JobClient(socket=str(socket), runner_token=runner.token) as client:
             assert client.job_started(JobStarted(
-                REPORTED, RUN_ID, 1, "check", f"{REPORTED}/{WORKFLOW}@refs/heads/main", "push",
+                GitHubJob(REPORTED, RUN_ID, 1, "check"), f"{REPORTED}/{WORKFLOW}@refs/heads/main", "push",
                 {"event_name": "push", "repository": REPORTED, "workflow_ref": "", "pull_request": None})).allowed
         answers = probe(rig.account, socket, [
             submit(job="deploy"), submit(attempt=2), submit("listendev/LSTN"), submit("LISTENDEV/LSTN")], runner.token)

@@ -12,7 +12,7 @@ import threading
 import pytest
 from service_fakes import FakeEngine, checkout_tar, spec, waits
 
-from runner.fleet.report import ReportedJob
+from runner.jobapi.contract import GitHubJob, JobStarted
 from runner.service.auth import Caller, Kind
 from runner.service.jobqueue import JobQueue, QueueFull
 
@@ -20,7 +20,8 @@ from runner.service.jobqueue import JobQueue, QueueFull
 def runner(service, name: str, repository: str) -> Caller:
     """A fleet runner whose job-started hook reported a job of `repository` (run 7, job "test")."""
     service.access.runners.add(name, f"token-of-{name}-0123456789")
-    service.access.runners.bind(name, ReportedJob(repository, 7, 1, "test", f"{repository}/.github/w.yml@main", "push"))
+    job = GitHubJob(repository, 7, 1, "test", name)
+    service.access.runners.bind(name, JobStarted(job, f"{repository}/.github/w.yml@main", "push"))
     return Caller(Kind.RUNNER, f"runner {name}", runner=name)
 
 
