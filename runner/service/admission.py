@@ -20,7 +20,7 @@ from runner.service.auth import Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import CHECKOUT, JobRun
-from runner.service.sessions import Session, Sessions, parse_keep, session_key
+from runner.service.sessions import Session, Sessions, session_key
 from runner.service.spec import SpecError, parse_spec
 from runner.service.workers import template_of
 from runner.tarsafe import check_tar
@@ -45,7 +45,7 @@ class Admission:
         try:
             spec = parse_spec(data, self.config)
             runner = self.access.admit_submit(caller, spec)
-            spec = dataclasses.replace(spec, runner_name=runner or "", keep=parse_keep(data))
+            spec = dataclasses.replace(spec, runner_name=runner or "")
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
             spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
             policy = self.policies.effective(spec.repository, spec.policy)

@@ -24,12 +24,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from runner.errors import JobError
-from runner.jobapi.contract import KEEP_VALUES, MAX_TOKEN, GitHubJob, JobSpec
+from runner.jobapi.contract import MAX_TOKEN, GitHubJob, JobSpec
 from runner.sandbox.port import SandboxLike
-from runner.service.spec import SpecError
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +39,6 @@ def session_key(spec: JobSpec) -> GitHubJob | None:
     """The GitHub job whose session a step may open or join; None when the spec does not name its job."""
     job = spec.github
     return job if job is not None and job.job else None
-
-
-def parse_keep(data: Any) -> str:
-    """The `keep` field of a submitted spec: "none" (the default) or "job"."""
-    value = data.get("keep", "none") if isinstance(data, dict) else "none"
-    if value not in KEEP_VALUES:
-        shown = repr(value)[:40]
-        raise SpecError(f"keep: expected one of {', '.join(KEEP_VALUES)}, got {shown}")
-    return value
 
 
 @dataclass

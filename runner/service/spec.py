@@ -13,6 +13,7 @@ from typing import Any
 from runner.errors import JobError
 from runner.jobapi.contract import (
     ENV_NAME,
+    KEEP_VALUES,
     MAX_ARTIFACT_GLOBS,
     MAX_COMMAND_BYTES,
     MAX_ENV,
@@ -181,6 +182,7 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
         size=size,
         policy=policy,
         services=_services(data),
+        keep=_keep(data),
         fork=_fork(data),
     )
 
@@ -199,3 +201,11 @@ def _fork(data: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"fork: expected true or false, got {_show(value)}")
     return value
+
+
+def _keep(data: dict[str, Any]) -> str:
+    """The `keep` field: "none" (the default) or "job" (runner/service/sessions.py)."""
+    value = data.get("keep", "none")
+    if value not in KEEP_VALUES:
+        raise SpecError(f"keep: expected one of {', '.join(KEEP_VALUES)}, got {repr(value)[:40]}")
+    return str(value)
