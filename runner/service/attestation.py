@@ -21,7 +21,7 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.attest import dsse
 from runner.attest.keys import SigningKey
@@ -161,7 +161,7 @@ def artifact_facts(job_dir: Path, artifacts_name: str) -> ArtifactFacts:
         return ArtifactFacts()
 
 
-def _named(value: Any) -> dict[str, str] | None:
+def _named(value: object) -> dict[str, str] | None:
     if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("digest"), str):
         return {"name": value["name"], "digest": value["digest"]}
     return None

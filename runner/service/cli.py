@@ -10,13 +10,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from runner.errors import UserError
 from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
 from runner.tarsafe import require_patched_python
+
+if TYPE_CHECKING:
+    from runner.jobapi.client import JobClient
 
 # The service's config and records are imported by the commands that use them, not here: `jobs` on a
 # socket needs neither, and the config pulls in the GitHub and policy layers (runner/cli.py).
@@ -105,7 +108,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_client(args: argparse.Namespace) -> Any:
+def _job_client(args: argparse.Namespace) -> JobClient:
     """A client of the running service: a job's record, log and cancel go through the API, whose operator
     check (root or the admin_group; a runner only its own jobs) decides who reaches which job."""
     from runner.jobapi.client import JobClient
@@ -118,7 +121,7 @@ def _job_client(args: argparse.Namespace) -> Any:
     return JobClient(socket=socket)
 
 
-def _api_call(args: argparse.Namespace, call: Callable[[Any], T]) -> T:
+def _api_call(args: argparse.Namespace, call: Callable[[JobClient], T]) -> T:
     from runner.jobapi.client import JobAPIError
 
     try:
@@ -166,7 +169,7 @@ def cmd_jobs_logs(args: argparse.Namespace) -> int:
     terminal the guest's control characters defused."""
     from runner.jobapi.terminal import show
 
-    def relay(client: Any) -> None:
+    def relay(client: JobClient) -> None:
         for entry in client.logs(args.id, follow=args.follow):
             if getattr(args, "json", False):
                 print(json.dumps({"seq": entry.seq, "stream": entry.stream, "ts": entry.ts,

@@ -16,9 +16,10 @@ durable history (a scrape during a job and the records agree: tests/service/test
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,8 +29,10 @@ from prometheus_client.registry import Collector
 from runner.jobapi.contract import ACTIVE_STATES, JobState
 
 if TYPE_CHECKING:
-    from runner.jobapi.contract import JobStarted
+    from runner.fleet.fleet import FleetRunner
+    from runner.jobapi.contract import JobRecord, JobStarted
     from runner.service.desk import RunnerDesk
+    from runner.service.records import RecordEvents
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "microvm_check"
@@ -83,14 +86,14 @@ def result_of(state: str, exit_code: int | None) -> str:
 class ServiceView:
     """What the scrape-time collector reads; each a callable so nothing is cached between scrapes."""
 
-    active_jobs: Callable[[], list[Any]]  # records in a non-final state
+    active_jobs: Callable[[], list[JobRecord]]  # records in a non-final state
     queued: Callable[[], int]
     prewarmed: Callable[[], int]
     prewarm_max: int
     live_vms: Callable[[], int] | None = None  # None without an engine (tests above the VM layer); spares included
     spare_pool_size: int | None = None
     spare_vms: Callable[[], int] | None = None  # the engine's spare pool, all variants
-    runners: Callable[[], list[Any]] | None = None  # the fleet's runners, when runners: is configured
+    runners: Callable[[], list[FleetRunner]] | None = None  # the fleet's runners, when runners: is configured
     protocol_errors: Callable[[], dict[str, int]] | None = None  # Engine.protocol_errors, by kind
     webhook_deliveries: Callable[[], dict[tuple[str, str], int]] | None = None  # by (event, result)
 
@@ -193,7 +196,7 @@ class JobMetrics:
     def watch(self, view: ServiceView) -> None:
         self.registry.register(ServiceCollector(view))
 
-    def saw(self, record: Any) -> None:
+    def saw(self, record: JobRecord) -> None:
         """A job record was saved: count it if it just became final."""
         if not record.final:  # a record turns final once (JobState allows no move out of a final state)
             return
@@ -212,7 +215,7 @@ class JobMetrics:
             self.blocked.labels(reason).inc(count if isinstance(count, int) and count > 0 else 1)
         self._count_named(record.blocked_egress)
 
-    def _count_named(self, entries: list[Any]) -> None:
+    def _count_named(self, entries: Iterable[object]) -> None:
         """The name check's refusals by what they claimed, read as the summary reads them (only a
         well-formed name and path prefix get through: `policy.suggest.record_from_json`)."""
         from policy.suggest import record_from_json
@@ -239,10 +242,10 @@ class JobMetrics:
 class EventsTee:
     """The record store's event sink, followed by the metrics: both see every saved record."""
 
-    def __init__(self, first: Any, metrics: JobMetrics) -> None:
+    def __init__(self, first: RecordEvents, metrics: JobMetrics) -> None:
         self._first, self._metrics = first, metrics
 
-    def saw(self, record: Any) -> None:
+    def saw(self, record: JobRecord) -> None:
         self._first.saw(record)
         self._metrics.saw(record)
 

@@ -8,7 +8,7 @@ job API's contract (runner.jobapi.contract); this module holds the checks and th
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+from collections.abc import Mapping
 
 from runner.errors import JobError
 from runner.jobapi.contract import (
@@ -40,13 +40,13 @@ class SpecError(JobError):
     """An invalid JobSpec; the message names the field."""
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """A refused value for an error message, cut short: the client may have sent megabytes."""
     text = repr(value)
     return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
-def checked_text(value: Any, where: str, limit: int) -> str:
+def checked_text(value: object, where: str, limit: int) -> str:
     """A string that is valid UTF-8 (JSON may carry lone surrogates such as "\\ud800", which no file,
     database or guest can take), holds no NUL (it would cut a path or a command short) and fits `limit` bytes."""
     if not isinstance(value, str):
@@ -62,14 +62,14 @@ def checked_text(value: Any, where: str, limit: int) -> str:
     return value
 
 
-def _text(data: dict[str, Any], key: str, default: str | None, limit: int = MAX_SHORT_TEXT) -> str:
+def _text(data: Mapping[str, object], key: str, default: str | None, limit: int = MAX_SHORT_TEXT) -> str:
     value = data.get(key, default)
     if value is None:
         raise SpecError(f"{key}: required")
     return checked_text(value, key, limit)
 
 
-def _int(data: dict[str, Any], key: str, minimum: int, maximum: int) -> int | None:
+def _int(data: Mapping[str, object], key: str, minimum: int, maximum: int) -> int | None:
     """An optional integer within [minimum, maximum]: every integer from a client has both bounds."""
     value = data.get(key)
     if value is None:
@@ -103,7 +103,7 @@ def env_allowed(name: str, allowlist: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in allowlist)
 
 
-def _env(data: dict[str, Any], allowlist: tuple[str, ...]) -> dict[str, str]:
+def _env(data: Mapping[str, object], allowlist: tuple[str, ...]) -> dict[str, str]:
     env = data.get("env")
     if env is None:
         return {}
@@ -123,7 +123,7 @@ def _env(data: dict[str, Any], allowlist: tuple[str, ...]) -> dict[str, str]:
     return dict(env)
 
 
-def _artifacts(data: dict[str, Any]) -> tuple[str, ...]:
+def _artifacts(data: Mapping[str, object]) -> tuple[str, ...]:
     globs = data.get("artifacts")
     if globs is None:
         return ()
@@ -134,7 +134,7 @@ def _artifacts(data: dict[str, Any]) -> tuple[str, ...]:
     return tuple(relative_path(g, f"artifacts[{i}]", allow_glob=True) for i, g in enumerate(globs))
 
 
-def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
+def parse_spec(data: object, config: ServiceConfig) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError("the body must be a JSON object (a JobSpec)")
     unknown = [key for key in data if key not in SPEC_FIELDS]
@@ -187,7 +187,7 @@ def parse_spec(data: Any, config: ServiceConfig) -> JobSpec:
     )
 
 
-def _services(data: dict[str, Any]) -> tuple[ServiceContainer, ...]:
+def _services(data: Mapping[str, object]) -> tuple[ServiceContainer, ...]:
     if data.get("services") is None:
         return ()
     try:
@@ -196,14 +196,14 @@ def _services(data: dict[str, Any]) -> tuple[ServiceContainer, ...]:
         raise SpecError(str(exc)) from None
 
 
-def _fork(data: dict[str, Any]) -> bool:
+def _fork(data: Mapping[str, object]) -> bool:
     value = data.get("fork", False)
     if not isinstance(value, bool):
         raise SpecError(f"fork: expected true or false, got {_show(value)}")
     return value
 
 
-def _keep(data: dict[str, Any]) -> str:
+def _keep(data: Mapping[str, object]) -> str:
     """The `keep` field: "none" (the default) or "job" (runner/service/sessions.py)."""
     value = data.get("keep", "none")
     if value not in KEEP_VALUES:
