@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_network
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from runner.service.config import ConfigError, WebhookSettings, webhook_from_mapping
 
@@ -114,7 +114,7 @@ class JobHookListeners:
                 listener.default_branch_pushed(push)
 
 
-def start_webhook(settings: WebhookSettings | Mapping[str, Any], hooks: JobHooks, where: str = "webhook") -> Webhook | None:
+def start_webhook(settings: WebhookSettings | Mapping[str, object], hooks: JobHooks, where: str = "webhook") -> Webhook | None:
     """Start the GitHub webhook endpoint described by `settings` (a loaded section, or a mapping that is
     checked like one); None when it is not configured."""
     if not isinstance(settings, WebhookSettings):
