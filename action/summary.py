@@ -28,6 +28,7 @@ from policy.suggest import (
     record_from_json,
     suggest_policy,
 )
+from runner.jobapi.contract import step_exit_code
 from runner.jobapi.workflow import annotation
 from runner.markdown import cell, code
 
@@ -63,13 +64,9 @@ def minutes(value: float) -> str:
 
 
 def exit_code_of(record: Mapping[str, Any]) -> int:
-    """The step's exit status: the guest's, bounded to 0-255; 1 when the job failed without one."""
-    code = record.get("exit_code")
-    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
-        return 124 if record.get("state") == "timed_out" else 1
-    if code == 0 and record.get("state") not in ("finished", None):
-        return 1
-    return code
+    """The step's exit status (`contract.step_exit_code`: the guest's, bounded to 0-255; 1 when the job
+    failed without one, 124 when it timed out)."""
+    return step_exit_code(record.get("state"), record.get("exit_code"))
 
 
 def _seconds(timings: Mapping[str, object], start: str, end: str) -> str:

@@ -25,12 +25,11 @@ from pathlib import Path
 from runner.attest.statement import ENVELOPE_FILE
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.jobapi.contract import DEFAULT_SOCKET, SHA, JobRecord, JobSpec, JobState
+from runner.jobapi.contract import DEFAULT_SOCKET, SHA, JobRecord, JobSpec, step_exit_code
 from runner.jobapi.pack import PackError, host_git, pack_checkout
 from runner.jobapi.terminal import show
 from runner.tarsafe import require_patched_python
 
-EXIT_FAILED = 1
 EXIT_CANCELLED = 130
 ARTIFACTS_DIR = "artifacts"
 # What stops a `run` as Ctrl-C does: its job is cancelled (the VM destroyed), its private service closed
@@ -258,15 +257,10 @@ def _say(line: str) -> None:
 
 
 def _exit_status(record: JobRecord) -> int:
-    """The guest's status; a job that failed around a successful command (artifacts refused) is 1."""
+    """The step's status as the action decides it (`contract.step_exit_code`), the error said first."""
     if record.error:
         print(f"microvm-check: job {record.id} {record.state}: {record.error}", file=sys.stderr)
-    code = record.exit_code
-    if record.state == JobState.CANCELLED:
-        return code if code is not None else EXIT_CANCELLED
-    if code is None or (code == 0 and record.state != JobState.FINISHED):
-        return EXIT_FAILED
-    return code & 0xFF
+    return step_exit_code(record.state, record.exit_code)
 
 
 def _write_attestation(client: JobClient, job: str, out_dir: Path) -> None:

@@ -517,6 +517,21 @@ class JobRecord:
         )
 
 
+EXIT_FAILED = 1  # a step whose job failed, or was cancelled, without a usable status of the guest's
+EXIT_TIMED_OUT = 124  # a step whose job timed out before the guest gave a status (timeout(1)'s)
+
+
+def step_exit_code(state: object, exit_code: object) -> int:
+    """A job's step exit status, decided one way for the action, `run` and the page: the guest's status
+    when it is an integer 0-255 (it is untrusted), else 124 for a timed-out job and 1 for any other;
+    a 0 counts only for a finished job (a job that failed around a passing command, say its artifacts
+    were refused, is 1). `state` None is a record from before states were answered: finished."""
+    if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
+        return EXIT_TIMED_OUT if state == JobState.TIMED_OUT else EXIT_FAILED
+    if exit_code == 0 and state not in (JobState.FINISHED, None):
+        return EXIT_FAILED
+    return exit_code
+
 def _strings(value: object, key: str) -> list[str]:
     """An optional list of strings (absent in records from before the field): [] when missing."""
     if value is None:

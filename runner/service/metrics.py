@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from runner.jobapi.contract import ACTIVE_STATES, JobState
+from runner.jobapi.contract import ACTIVE_STATES, JobState, step_exit_code
 
 if TYPE_CHECKING:
     from runner.fleet.fleet import FleetRunner
@@ -78,7 +78,7 @@ def route_of(path: str) -> str:
 def result_of(state: str, exit_code: int | None) -> str:
     """A final job's result label: success and failure only for a command that ran to its end."""
     if state == JobState.FINISHED:
-        return "success" if exit_code == 0 else "failure"
+        return "success" if step_exit_code(state, exit_code) == 0 else "failure"
     return state
 
 

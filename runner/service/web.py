@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlencode
 import jinja2
 import yaml
 
-from runner.jobapi.contract import LogEntry
+from runner.jobapi.contract import JobRecord, LogEntry, step_exit_code
 from runner.jobapi.workflow import neutralise_line, split_lines
 
 COOKIE = "microvm_check_token"
@@ -108,11 +108,12 @@ def csrf_ok(secret: str, job_id: str, form: bytes) -> bool:
     return hmac.compare_digest(offered.encode(), csrf_token(secret, job_id).encode())
 
 
-def result_of(job: Any) -> str:
-    """The colour and icon class of a job: success/failure for a finished command, else its state."""
+def result_of(job: JobRecord) -> str:
+    """The colour and icon class of a job: success/failure for a finished command (its step exit code,
+    decided as the action decides it), else its state."""
     state = str(job.state)
     if state == "finished":
-        return "success" if job.exit_code == 0 else "failure"
+        return "success" if step_exit_code(job.state, job.exit_code) == 0 else "failure"
     return state
 
 
