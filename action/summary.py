@@ -24,11 +24,11 @@ from policy.suggest import (
     REFUSED_NAME,
     REFUSED_NAME_DEST,
     UNNAMED,
+    admitted,
     narrowed_words,
-    record_from_json,
     suggest_policy,
 )
-from runner.jobapi.contract import step_exit_code
+from runner.jobapi.contract import BlockedEgress, step_exit_code
 from runner.jobapi.workflow import annotation
 from runner.markdown import cell, code
 
@@ -102,23 +102,22 @@ def markdown(result: Result) -> str:
     if result.log_dropped_bytes:
         lines.append(f"| log | truncated, {result.log_dropped_bytes} bytes not shown |")
     lines += _narrowed(record.get("narrowed_egress"))
-    lines += _blocked(record.get("blocked_egress") or [])
+    lines += _blocked(BlockedEgress.listed(record.get("blocked_egress")))
     lines += _failures(result.junit.failures if result.junit else [])
     lines += _artifacts(result.artifacts, result.refused_artifacts)
     return "\n".join(lines) + "\n"
 
 
-def _blocked(blocked: list[object]) -> list[str]:
+def _blocked(blocked: list[BlockedEgress]) -> list[str]:
     if not blocked:
         return []
     rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count | why |",
             "| --- | --- | --- | --- | --- | --- |"]
-    for item in blocked[:MAX_ROWS]:
-        entry: Mapping[str, object] = item if isinstance(item, dict) else {}
-        port = entry.get("port")  # None for ICMP and for refused DNS answers: no port was tried
+    for entry in blocked[:MAX_ROWS]:
+        port = entry.port  # None for ICMP and for refused DNS answers: no port was tried
         rows.append(f"| {cell(_destination(entry))} | {cell('-' if port is None else port)} | "
-                    f"{cell(entry.get('proto', ''))} | {cell(entry.get('name') or '')} | {cell(entry.get('count', ''))} | "
-                    f"{_why(entry.get('reason'))} |")
+                    f"{cell(entry.proto)} | {cell(entry.name or '')} | {cell('' if entry.count is None else entry.count)} | "
+                    f"{_why(entry.reason)} |")
     if len(blocked) > MAX_ROWS:
         rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | | |")
     return rows + _suggestion(blocked)
@@ -129,19 +128,19 @@ def _narrowed(narrowed: object) -> list[str]:
     return [] if words is None else ["", f"> **Egress narrowed away:** {cell(words, 2000)}"]
 
 
-def _refused_answer(item: Mapping[str, object]) -> bool:
-    return item.get("reason") == INTERNAL_ADDRESS and item.get("proto") == "dns"
+def _refused_answer(item: BlockedEgress) -> bool:
+    return item.reason == INTERNAL_ADDRESS and item.proto == "dns"
 
 
-def _destination(item: Mapping[str, object]) -> object:
+def _destination(item: BlockedEgress) -> str:
     """The address dialled, but never one the resolver refused: the guest was not given it, and this
     summary is public (a fork could CNAME an allowed name to an internal one and read a split-horizon
     answer here). Also for a record from a service that still put it in. A refused name had none."""
-    if item.get("reason") == REFUSED_NAME:
+    if item.reason == REFUSED_NAME:
         return REFUSED_NAME_DEST
-    if item.get("reason") == BLOCK_LISTED and item.get("proto") == "dns":
+    if item.reason == BLOCK_LISTED and item.proto == "dns":
         return BLOCK_LISTED_DEST
-    return REFUSED_DEST if _refused_answer(item) else item.get("dest", "")
+    return REFUSED_DEST if _refused_answer(item) else item.dest
 
 
 def _why(reason: object) -> str:
@@ -161,12 +160,12 @@ def _why(reason: object) -> str:
     return "not in the policy"
 
 
-def _suggestion(blocked: list[object]) -> list[str]:
+def _suggestion(blocked: list[BlockedEgress]) -> list[str]:
     """The policy that would have let the job do what it tried: how an audit run becomes a policy.
-    Only well-formed entries make it in (`record_from_json`): they came from the guest's traffic. A
-    refused internal answer stays out: the table above explains it, and allowing it is a decision."""
-    entries = [item for item in blocked[:MAX_SUGGESTED] if not (isinstance(item, dict) and _refused_answer(item))]
-    records = [record for record in map(record_from_json, entries) if record is not None]
+    Only well-formed entries make it in (`policy.suggest.admitted`): they came from the guest's traffic.
+    A refused internal answer stays out: the table above explains it, and allowing it is a decision."""
+    entries = [item for item in blocked[:MAX_SUGGESTED] if not _refused_answer(item)]
+    records = [record for record in map(admitted, entries) if record is not None]
     if not records:
         return []
     return ["", "A policy that would allow these attempts (review before adopting it):", "", "```yaml",

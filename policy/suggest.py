@@ -12,9 +12,9 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Protocol, TypeGuard
 
 import yaml
 
@@ -136,42 +136,77 @@ def refused_name_record(name: str, count: int) -> AuditRecord:
     return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)
 
 
+class Attempt(Protocol):
+    """What a blocked-egress entry offers, typed (`runner.jobapi.contract.BlockedEgress`, which policy
+    cannot import): its values still derive from the guest's traffic, so `admitted` checks each."""
+
+    @property
+    def dest(self) -> str: ...
+    @property
+    def port(self) -> int | None: ...
+    @property
+    def proto(self) -> str: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def count(self) -> int | None: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def method(self) -> str | None: ...
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def unnamed(self) -> bool: ...
+
+
 def record_from_json(item: object) -> AuditRecord | None:
-    """A job record's `blocked_egress` entry as an AuditRecord, or None when it is not well formed.
+    """A job record's `blocked_egress` entry as an AuditRecord, or None when it is not well formed
+    (`_admit`'s rules; the service's readers, which hold the entries as JSON)."""
+    if not isinstance(item, Mapping):
+        return None
+    fields: Mapping[object, object] = item
+    return _admit(fields.get)
+
+
+def admitted(attempt: Attempt) -> AuditRecord | None:
+    """A typed blocked-egress entry as an AuditRecord, or None when it is not well formed (`_admit`)."""
+    return _admit(lambda key: getattr(attempt, key, None))
+
+
+def _admit(get: Callable[[str], object]) -> AuditRecord | None:
+    """The entry whose fields `get` answers as an AuditRecord, or None when it is not well formed.
 
     The entries derive from the guest's traffic and reach a policy file: only an address, a port in
     range, a known protocol and a name the policy loader accepts get through, so a suggestion always
     loads and no text of the guest's choosing lands in it. An unknown reason is read as POLICY.
     """
-    if not isinstance(item, Mapping):
-        return None
-    fields: Mapping[object, object] = item
-    given_reason, given_name = fields.get("reason"), fields.get("name")
+    given_reason, given_name = get("reason"), get("name")
     reason = given_reason if isinstance(given_reason, str) and given_reason in REASONS else POLICY
     name = given_name if _policy_host(given_name) else None
-    count = fields.get("count")
+    count = get("count")
     count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
-    if fields.get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
+    if get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
         if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME, BLOCK_LISTED):
             return None
         dest = {INTERNAL_ADDRESS: REFUSED_DEST, REFUSED_NAME: REFUSED_NAME_DEST}.get(reason, BLOCK_LISTED_DEST)
         return AuditRecord(dest=dest, port=None, proto="dns", name=name, count=count, reason=reason)
-    given_dest = fields.get("dest")
+    given_dest = get("dest")
     if not isinstance(given_dest, (str, int)):  # JSON has no bytes or address objects; ip_address refuses the rest
         return None
     try:
         dest = str(ipaddress.ip_address(given_dest))
     except ValueError:
         return None
-    port, proto = fields.get("port"), fields.get("proto")
+    port, proto = get("port"), get("proto")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         return None
     if not isinstance(proto, str) or proto not in PROTOCOLS or reason == REFUSED_NAME:
         return None
-    method, path = fields.get("method"), fields.get("path")
+    method, path = get("method"), get("path")
     method = method if isinstance(method, str) and method in HTTP_METHODS else None
     path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
-    unnamed = fields.get("unnamed") is True and proto == "tcp"
+    unnamed = get("unnamed") is True and proto == "tcp"
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason,
                        method=method, path=path, unnamed=unnamed)
 

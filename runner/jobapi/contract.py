@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import ipaddress
 import re
 import time
 from collections.abc import Mapping
@@ -442,6 +443,60 @@ class Timings:
         data = _object(data if data is not None else {}, "timings")
         return cls(**{f.name: _field(data, f.name, (int, float), optional=True) for f in fields(cls)})
 
+
+@dataclass(frozen=True)
+class BlockedEgress:
+    """One entry of a job record's `blocked_egress` (docs/job-api.md), typed: how the action and the page
+    read it. The values derive from the guest's traffic: `from_wire` checks only their types; what they
+    may say (an address, a port in range, a name a policy loads) is `policy.suggest.admitted`'s, for a
+    suggestion, and every text is escaped where it is shown."""
+
+    dest: str  # the address dialled, or the words the service shows instead (a refused DNS answer)
+    port: int | None  # None for ICMP and for DNS records: no port was tried
+    proto: str
+    name: str | None
+    count: int | None
+    reason: str | None
+    method: str | None = None
+    path: str | None = None
+    unnamed: bool = False
+
+    @classmethod
+    def from_wire(cls, item: object) -> BlockedEgress | None:
+        """The entry, or None when it is not a JSON object or its port is not an integer (or absent)."""
+        if not isinstance(item, Mapping):
+            return None
+        port = item.get("port")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+            return None
+        return cls(dest=_address(item.get("dest")), port=port, proto=_text(item.get("proto")) or "",
+                   name=_text(item.get("name")), count=_integer(item.get("count")), reason=_text(item.get("reason")),
+                   method=_text(item.get("method")), path=_text(item.get("path")), unnamed=item.get("unnamed") is True)
+
+    @classmethod
+    def listed(cls, items: object) -> list[BlockedEgress]:
+        """A record's `blocked_egress` list, typed; entries that are not well typed are left out."""
+        entries = (cls.from_wire(item) for item in items) if isinstance(items, list) else ()
+        return [entry for entry in entries if entry is not None]
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _address(value: object) -> str:
+    """A `dest` as text: JSON gives a string; an integer is read as the address it numbers, as
+    `ipaddress.ip_address` reads it."""
+    if isinstance(value, int):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            return str(value)
+    return value if isinstance(value, str) else ""
 
 @dataclass
 class JobRecord:

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlencode
 import jinja2
 import yaml
 
-from runner.jobapi.contract import JobRecord, LogEntry, step_exit_code
+from runner.jobapi.contract import BlockedEgress, JobRecord, LogEntry, step_exit_code
 from runner.jobapi.workflow import neutralise_line, split_lines
 
 COOKIE = "microvm_check_token"
@@ -204,18 +204,19 @@ def job_page(service: Any, job_id: str, secret: str = "", search: str = "") -> P
     record = service.get(job_id)
     lines, last_seq, total = _log_lines(service.log_of(job_id), search[:200])
     started = record.timings.started_at or record.created_at
-    return render("job.html", job=record, lines=lines, last_seq=last_seq, total_lines=total, search=search[:200],
+    return render("job.html", job=record, blocked=BlockedEgress.listed(record.blocked_egress), lines=lines,
+                  last_seq=last_seq, total_lines=total, search=search[:200],
                   started=started, policy=_policy(service, record), csrf=csrf_token(secret, job_id) if secret else "",
                   narrowed=narrowed_words(record.narrowed_egress),
                   tail=PAGE_LOG_LINES if total > len(lines) and not search else None)
 
 
 def insights_page(service: Any, repository: str, since: str) -> Page:
-    from policy.suggest import JobAudit, merged_policy, record_from_json
+    from policy.suggest import JobAudit, admitted, merged_policy
 
     seconds = _since_seconds(since)
     records = service.records.of_repository(repository, time.time() - seconds) if repository else []
-    jobs = [JobAudit(r.id, r.created_at, tuple(a for a in map(record_from_json, r.blocked_egress) if a))
+    jobs = [JobAudit(r.id, r.created_at, tuple(a for a in map(admitted, BlockedEgress.listed(r.blocked_egress)) if a))
             for r in records]
     suggestion = merged_policy(jobs, f"{repository}: {len(jobs)} jobs since {since}") if jobs else None
     return render("insights.html", repository=repository, since=since, jobs=len(jobs), suggestion=suggestion)
