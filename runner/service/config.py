@@ -86,7 +86,7 @@ class SettingMeta(TypedDict):
     section: type[DataclassInstance] | None  # the dataclass of a "section" setting
 
 
-def _meta(f: Field[Any]) -> SettingMeta:
+def _meta(f: Field[object]) -> SettingMeta:
     """Every config field is declared with `setting`, which stores a SettingMeta as its metadata."""
     return cast(SettingMeta, f.metadata)
 
@@ -96,10 +96,10 @@ _ITEM = SettingMeta(kind="string", help="", minimum=None, maximum=None, pattern=
 T = TypeVar("T", bound="DataclassInstance")
 
 
-def setting(default: Any, help: str, kind: str, *, minimum: float | None = None, maximum: float | None = None,
+def setting(default: object, help: str, kind: str, *, minimum: float | None = None, maximum: float | None = None,
             pattern: str | None = None, section: type[DataclassInstance] | None = None) -> Any:
     """A config field: its default, how it is read (`kind`), its range and what it is for, declared once.
-    Returns a dataclasses.field, typed Any as `field()` is, so each setting keeps its own annotation."""
+    Returns a dataclasses.field, as loosely typed as `field()`, so each setting keeps its own annotation."""
     metadata = SettingMeta(kind=kind, help=help, minimum=minimum, maximum=maximum, pattern=pattern, section=section)
     if section is not None:
         return field(default_factory=section, metadata=metadata)
@@ -409,14 +409,14 @@ def load_config(path: str | Path) -> ServiceConfig:
     return _build(node, problems, path.parent)
 
 
-def config_from_mapping(data: dict[str, Any], where: str = "<config>", base: Path = Path(".")) -> ServiceConfig:
+def config_from_mapping(data: dict[str, object], where: str = "<config>", base: Path = Path(".")) -> ServiceConfig:
     """A config from Python values (tests, `run`, benchmarks), checked exactly like a file.
     `where` names the source in messages, `base` resolves relative paths."""
     problems = Problems(where, LIMITS.max_problems)
     return _build(_to_node(data, problems), problems, base)
 
 
-def webhook_from_mapping(data: dict[str, Any], base: Path = Path(".")) -> WebhookSettings:
+def webhook_from_mapping(data: dict[str, object], base: Path = Path(".")) -> WebhookSettings:
     """A `webhook:` section from Python values, checked like the one in a config file."""
     problems = Problems("<webhook settings>")
     walk = _Walk(problems, base)
@@ -447,7 +447,7 @@ _Representer.add_multi_representer(PurePath, lambda r, value: r.represent_str(st
 _Representer.add_representer(tuple, lambda r, value: r.represent_list(list(value)))
 
 
-def _to_node(data: Any, problems: Problems) -> yaml.Node | None:
+def _to_node(data: object, problems: Problems) -> yaml.Node | None:
     representer = _Representer(sort_keys=False)
     try:
         return representer.represent_data(data)
@@ -496,7 +496,7 @@ class _Walk:
             return None
         return cls(**values)
 
-    def value(self, f: Field[Any], node: yaml.Node | None, where: str) -> Any:
+    def value(self, f: Field[object], node: yaml.Node | None, where: str) -> object:
         meta = _meta(f)
         if meta["section"] is not None:  # kind "section"
             return self.section(meta["section"], node, where + ".")
@@ -822,8 +822,10 @@ def _number(value: float) -> str:
 
 # -- the JSON Schema for editors ------------------------------------------------------------------
 
+JSONSchema = dict[str, object]  # a JSON Schema (sub)document, as json.dumps writes it
 
-def json_schema() -> dict[str, Any]:
+
+def json_schema() -> JSONSchema:
     """The config's JSON Schema, from the same dataclasses the loader walks (docs/service-config.schema.json).
     Null is allowed wherever the loader reads it as "the default". What spans settings (token with
     listen, default vs max timeout, allow without networking) only the loader checks."""
@@ -836,16 +838,16 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2) + "\n"
 
 
-def _section_schema(cls: type[DataclassInstance]) -> dict[str, Any]:
+def _section_schema(cls: type[DataclassInstance]) -> JSONSchema:
     doc = (cls.__doc__ or "").split("\n\n")[0].replace("\n", " ").strip()
     properties = {f.name: _nullable(_field_schema(f)) for f in fields(cls)}
-    schema: dict[str, Any] = {"type": ["object", "null"], "additionalProperties": False, "properties": properties}
+    schema: JSONSchema = {"type": ["object", "null"], "additionalProperties": False, "properties": properties}
     if doc and not doc.startswith(cls.__name__ + "("):
         schema["description"] = doc
     return schema
 
 
-def _field_schema(f: Field[Any]) -> dict[str, Any]:
+def _field_schema(f: Field[object]) -> JSONSchema:
     meta = _meta(f)
     if meta["section"] is not None:  # kind "section"
         return {**_section_schema(meta["section"]), "description": meta["help"]}
@@ -856,18 +858,18 @@ def _field_schema(f: Field[Any]) -> dict[str, Any]:
     return schema
 
 
-def _bounds(meta: SettingMeta) -> dict[str, Any]:
+def _bounds(meta: SettingMeta) -> JSONSchema:
     return {key: meta[key] for key in ("minimum", "maximum") if meta[key] is not None}
 
 
-def _string_schema(meta: SettingMeta) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_STRING}
+def _string_schema(meta: SettingMeta) -> JSONSchema:
+    schema: JSONSchema = {"type": "string", "minLength": 1, "maxLength": MAX_STRING}
     if meta["pattern"]:
         schema["pattern"] = meta["pattern"]
     return schema
 
 
-_KIND_SCHEMAS: dict[str, Callable[[SettingMeta], dict[str, Any]]] = {  # JSON Schema of each kind
+_KIND_SCHEMAS: dict[str, Callable[[SettingMeta], JSONSchema]] = {  # JSON Schema of each kind
     "int": lambda meta: {"type": "integer", **_bounds(meta)},
     "number": lambda meta: {"type": "number", **_bounds(meta)},
     "size": lambda meta: {"oneOf": [{"type": "integer", **_bounds(meta)}, {"type": "string", "pattern": SIZE_PATTERN}]},
@@ -889,7 +891,7 @@ _KIND_SCHEMAS: dict[str, Callable[[SettingMeta], dict[str, Any]]] = {  # JSON Sc
 }
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+def _nullable(schema: JSONSchema) -> JSONSchema:
     if isinstance(schema.get("type"), str):
         return {**schema, "type": [schema["type"], "null"]}
     if "type" in schema:
@@ -898,7 +900,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
             **{k: v for k, v in schema.items() if k in ("description", "default")}}
 
 
-def _default(f: Field[Any]) -> Any:
+def _default(f: Field[object]) -> object:
     """A setting's default: its value, or a fresh one from its factory (`setting` gives it one of the two)."""
     if f.default is not MISSING:
         return f.default
@@ -906,7 +908,7 @@ def _default(f: Field[Any]) -> Any:
     return f.default_factory()
 
 
-def _json_default(value: Any) -> Any:
+def _json_default(value: object) -> object:
     if isinstance(value, PurePath):
         return str(value)
     if isinstance(value, tuple):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from policy import suggest
 from policy.model import Policy
@@ -214,7 +214,7 @@ class JobRun:
         exit_code = _exit_code(result.exit_code)
         return self._on_block(blocked, exit_code) or ("finished", exit_code, None)
 
-    def _on_block(self, blocked: list[dict[str, Any]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
+    def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
         policy = self.policy
         if policy is None or policy.on_block != "fail":
@@ -332,9 +332,9 @@ def _exit_code(value: object) -> int:
     return value
 
 
-def _bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, Any]]:
+def _bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, object]]:
     """Blocked-egress records as plain JSON, bounded: their content derives from guest traffic."""
-    kept: list[dict[str, Any]] = []
+    kept: list[dict[str, object]] = []
     for entry in list(entries or [])[:MAX_BLOCKED_RECORDS]:
         if hasattr(entry, "as_json"):  # runner.net.audit.AuditRecord
             entry = entry.as_json()

@@ -25,10 +25,10 @@ import hmac
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 from urllib.parse import parse_qs, urlencode
 
 import jinja2
@@ -36,6 +36,10 @@ import yaml
 
 from runner.jobapi.contract import BlockedEgress, JobRecord, LogEntry, step_exit_code
 from runner.jobapi.workflow import neutralise_line, split_lines
+
+if TYPE_CHECKING:
+    from runner.service.joblog import JobLog
+    from runner.service.service import JobService
 
 COOKIE = "microvm_check_token"
 PREFIX = "/ui"
@@ -133,7 +137,7 @@ def _clock(epoch: float | None) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(epoch)) + f".{int((epoch or 0) * 1000) % 1000:03d}" if epoch else ""
 
 
-def _duration(job: Any) -> str:
+def _duration(job: JobRecord) -> str:
     t = job.timings
     end = t.finished_at or (time.time() if t.started_at else None)
     if not t.started_at or not end:
@@ -143,7 +147,7 @@ def _duration(job: Any) -> str:
     return text if t.finished_at else text + " so far"
 
 
-def github_run(job: Any) -> str | None:
+def github_run(job: JobRecord) -> str | None:
     """The job's workflow run on GitHub, when the job came from one (a run id and an owner/name repository)."""
     if not job.run_id or job.repository.count("/") != 1:
         return None
@@ -160,7 +164,7 @@ _ENV.globals["icons"] = RESULT_ICONS
 _ENV.globals["github_run"] = github_run
 
 
-def render(name: str, **context: Any) -> Page:
+def render(name: str, **context: object) -> Page:
     return Page(200, _ENV.get_template(name).render(**context).encode())
 
 
@@ -180,14 +184,14 @@ class ListQuery:
         return cls(result if result in RESULT_FILTERS else "", query.get("repository", [""])[-1].strip()[:200],
                    int(page) if page.isdigit() and 0 < len(page) < 6 else 1, query.get("refresh", ["1"])[-1] != "0")
 
-    def address(self, **change: Any) -> str:
+    def address(self, **change: object) -> str:
         values = {"state": self.result, "repository": self.repository, "page": self.page,
                   "refresh": "" if self.refresh else "0", **change}
         kept = {k: v for k, v in values.items() if v not in ("", None) and not (k == "page" and v == 1)}
         return PREFIX + ("?" + urlencode(kept) if kept else "")
 
 
-def jobs_page(service: Any, query: ListQuery | None = None) -> Page:
+def jobs_page(service: JobService, query: ListQuery | None = None) -> Page:
     query = query or ListQuery()
     results = ACTIVE if query.result == "active" else (query.result,) if query.result else ()
     jobs, total = service.records.search(results, query.repository, PAGE_JOBS, (query.page - 1) * PAGE_JOBS)
@@ -198,7 +202,7 @@ def jobs_page(service: Any, query: ListQuery | None = None) -> Page:
                   refresh=REFRESH_SECONDS if refresh else None, filters=RESULT_FILTERS)
 
 
-def job_page(service: Any, job_id: str, secret: str = "", search: str = "") -> Page:
+def job_page(service: JobService, job_id: str, secret: str = "", search: str = "") -> Page:
     from policy.suggest import narrowed_words
 
     record = service.get(job_id)
@@ -211,7 +215,7 @@ def job_page(service: Any, job_id: str, secret: str = "", search: str = "") -> P
                   tail=PAGE_LOG_LINES if total > len(lines) and not search else None)
 
 
-def insights_page(service: Any, repository: str, since: str) -> Page:
+def insights_page(service: JobService, repository: str, since: str) -> Page:
     from policy.suggest import JobAudit, admitted, merged_policy
 
     seconds = _since_seconds(since)
@@ -227,10 +231,28 @@ def _since_seconds(since: str) -> float:
     return float(since[:-1]) * unit if unit and since[:-1].isdigit() and len(since) < 6 else 14 * 86400
 
 
-def _log_lines(job_log: Any, search: str = "") -> tuple[list[dict[str, Any]], int, int]:
+class PageLine(TypedDict):
+    """One numbered line of the job page's log."""
+
+    n: int
+    stream: str
+    ts: float
+    text: str
+
+
+class PolicyView(TypedDict):
+    """The job page's policy section: the repository's policy now (or why it does not load), and whether
+    the job ran under it."""
+
+    text: str | None
+    error: str | None
+    same: bool
+    digest: NotRequired[str]
+
+def _log_lines(job_log: JobLog, search: str = "") -> tuple[list[PageLine], int, int]:
     """The log so far (never waiting for more), neutralised, as numbered lines: the last PAGE_LOG_LINES of
     it, or with `search` the lines (of all) that contain it. Returns them, the last seq and the line count."""
-    lines: list[dict[str, Any]] = []
+    lines: list[PageLine] = []
     needle = search.casefold()
     number = 0
     entries = _Entries(_committed(job_log))
@@ -258,7 +280,7 @@ class _Entries:
             yield LogEntry.from_wire(json.loads(line))
 
 
-def _lines_of(entries: Any) -> Iterator[tuple[str, float, str]]:
+def _lines_of(entries: Iterable[LogEntry]) -> Iterator[tuple[str, float, str]]:
     """(stream, time, text) per line: output arrives in pieces that split lines anywhere, so a piece that
     ends inside a line is continued by the next piece of the same stream (another stream ends it)."""
     pending: tuple[str, float, str] | None = None
@@ -284,14 +306,14 @@ def _lines_of(entries: Any) -> Iterator[tuple[str, float, str]]:
         yield pending
 
 
-def log_text(job_log: Any) -> Iterator[bytes]:
+def log_text(job_log: JobLog) -> Iterator[bytes]:
     """The whole log as text, each line with its time and stream (log.txt), neutralised like the page."""
     for stream, ts, text in _lines_of(_Entries(_committed(job_log))):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
         yield f"{stamp} {stream:<6} {text}\n".encode()
 
 
-def _committed(job_log: Any) -> Iterator[bytes]:
+def _committed(job_log: JobLog) -> Iterator[bytes]:
     """The lines written so far: read the log file up to its last newline, never following it."""
     path = Path(job_log.path)
     if not path.exists():
@@ -312,7 +334,7 @@ def neutral_log_line(raw: bytes) -> bytes:
     return json.dumps({**entry.to_wire(), "data": base64.b64encode(data).decode()}).encode() + b"\n"
 
 
-def _policy(service: Any, record: Any) -> dict[str, Any]:
+def _policy(service: JobService, record: JobRecord) -> PolicyView:
     """The repository's effective policy now, and whether it is the one the job ran under (same digest)."""
     try:
         current = service.policies.effective(record.repository, None)
