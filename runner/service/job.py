@@ -82,10 +82,19 @@ class JobRun:
     vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
     artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
     checks: CheckRunReporter | None = None  # posts its check run on the pull request (runner/service/checkruns.py)
+    # The repository's warm base its worker chose (runner/service/workers.py), restored instead of the
+    # spec's template; the spec stays as admitted.
+    warm_base: str | None = None
 
     @property
     def checkout_path(self) -> Path:
         return self.dir / CHECKOUT
+
+    @property
+    def template(self) -> str:
+        """The template its VM restores from: the warm base chosen for it, else the spec's."""
+        assert self.spec.template is not None  # parse_spec fills in the service's default
+        return self.warm_base or self.spec.template
 
     def update(self, **changes: object) -> None:
         with self.lock:
@@ -237,8 +246,7 @@ class JobRun:
         if sandbox is None:
             assert self.spec.timeout_seconds is not None  # parse_spec fills in the service's default
             ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
-            assert self.spec.template is not None  # parse_spec fills in the service's default
-            sandbox = create(vm_request(config, template=self.spec.template,
+            sandbox = create(vm_request(config, template=self.template,
                                         ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
                                         policy=self.policy, job_id=self.record.id, size=self.spec.size))
         with self.lock:

@@ -7,7 +7,6 @@ so a pre-warmed VM and the submit that claims it choose the same template.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -108,13 +107,13 @@ class Workers:
         """The repository's warm base for its job, when it has one of the job's network variant."""
         template = self.vms.template_for(run.spec.repository, template_of(run.spec), run.policy)
         if template != run.spec.template:
-            run.spec = dataclasses.replace(run.spec, template=template)
+            run.warm_base = template
             run.log.system(f"restoring from the repository's warm base {template}")
 
     def _claim_warm(self, run: JobRun) -> None:
         spec = run.spec
         if spec.github is not None:
-            run.prewarmed = self.prewarmed.claim(spec.github, template_of(spec), run.record.policy_digest or "")
+            run.prewarmed = self.prewarmed.claim(spec.github, run.template, run.record.policy_digest or "")
             if run.prewarmed is not None:
                 run.update(warm=True)
 
