@@ -17,7 +17,9 @@ PUBLIC = {
                "suggest_policy"},
     "runner.net": {"AuditRecord", "Firewall", "FirewallError", "HostUplink", "NamespaceUplink", "Slot", "SlotError",
                    "SlotPool", "Uplink", "UplinkError", "Upstream"},
-    "runner.sandbox": {"ExecResult", "Sandbox", "SandboxError"},
+    # the VM port (runner/sandbox/port.py) and the in-process Sandbox that implements it
+    "runner.sandbox": {"EngineSandboxes", "ExecResult", "Resources", "Sandbox", "SandboxError", "SandboxFactory",
+                       "SandboxLike", "SandboxProvider", "VMRequest", "needs_network"},
 }
 
 

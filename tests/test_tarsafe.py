@@ -268,13 +268,14 @@ def test_serve_and_run_refuse_a_vulnerable_python(monkeypatch) -> None:
     with pytest.raises(UserError, match="CVE-2024-6232.*MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON=1"):
         tarsafe.require_patched_python({})
     tarsafe.require_patched_python({"MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON": "1"})
+    from runner.commands import localrun
     from runner.service import cli
 
     monkeypatch.delenv("MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON", raising=False)
     with pytest.raises(UserError, match="CVE-2024-6232"):
         cli.cmd_serve(None)
     with pytest.raises(UserError, match="CVE-2024-6232"):
-        cli.cmd_run(None)
+        localrun.cmd_run(None)
 
 
 # ---- hostile streams: where the scanner and tarfile could part ways ----------------------------
