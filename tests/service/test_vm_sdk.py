@@ -171,3 +171,22 @@ def test_the_readmes_sdk_example_runs(serve, vm_root: Path) -> None:
     assert lines[0] == "checked" and lines[1].startswith("3 ") and lines[1].endswith(" False"), lines
     assert lines[2] == "b'import sys'" and lines[3] == "['check.py']", lines
     assert service.stop() == 0, service.stderr()
+
+
+def readme_embedding_example() -> str:
+    section = (ROOT / "README.md").read_text().split("the in-process\n`runner.sandbox.Sandbox`", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_embedding_example_runs(vm_root: Path, tmp_path: Path) -> None:
+    """The README's in-process block, as written, on an engine of its own (MICROVM_CHECK_STATE names it, as
+    StateDir.default() reads it), run from a directory holding the `./my-project` it copies in."""
+    project = tmp_path / "my-project"
+    project.mkdir()
+    (project / "test_ok.py").write_text("import unittest\n\nclass T(unittest.TestCase):\n"
+                                        "    def test_ok(self):\n        self.assertTrue(True)\n")
+    done = subprocess.run([str(PYTHON), "-I", "-c", readme_embedding_example()],
+                          env={"MICROVM_CHECK_STATE": str(vm_root / "state"), "PATH": "/usr/bin:/bin"},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "test_ok (test_ok.T" in done.stdout and done.stdout.splitlines()[-1].startswith("0 "), done.stdout
