@@ -21,7 +21,7 @@ from runner.vm import guestwire as P
 from runner.vm.agent import MAX_STRAY_FRAMES, AgentClient
 from runner.vm.engine import Engine
 from runner.vm.errors import AgentError
-from runner.vm.hypervisor import MachineConfig, Snapshot
+from runner.vm.hypervisor import Disk, MachineConfig, Snapshot
 from runner.vm.statedir import StateDir
 from tests.service.service_fakes import baked_template
 
@@ -111,6 +111,11 @@ class HostileHypervisor:
     def spawn(self, snapshot: Snapshot, launch) -> HostileMachine:
         self.machines.append(HostileMachine())
         return self.machines[-1]
+
+    def overlay(self, base: Path, vm_dir: Path) -> Disk:
+        """A plain copy (the Hypervisor interface's non-QEMU way): the hostile guest never reads it."""
+        shutil.copyfile(base, vm_dir / "disk.img")
+        return Disk(vm_dir / "disk.img", "raw")
 
 
 def _snapshot(directory: Path) -> Snapshot:
