@@ -50,16 +50,20 @@ def _pids_root() -> Path:
                       "pids hierarchy): runners cannot be contained")
 
 
+def _delegate(base: Path, wanted: str) -> None:
+    for directory in (ROOT, ROOT / PARENT, base):
+        directory.mkdir(exist_ok=True)
+        (directory / "cgroup.subtree_control").write_text(wanted)
+
+
 def _base(scope: str) -> Path:
     root = _pids_root()
     base = root / PARENT / scope
     if root == ROOT and (ROOT / "cgroup.controllers").exists():  # v2: each ancestor must delegate them
         wanted = " ".join(f"+{c}" for c in ("pids", "memory", "cpu") if c in (ROOT / "cgroup.controllers").read_text().split())
-        for directory in (ROOT, ROOT / PARENT, base):
-            directory.mkdir(exist_ok=True)
-            (directory / "cgroup.subtree_control").write_text(wanted)
+        vm_cgroup.retry_past_parent_removal(lambda: _delegate(base, wanted))
     else:
-        base.mkdir(parents=True, exist_ok=True)
+        vm_cgroup.make_dirs(base)
     return base
 
 
@@ -133,7 +137,8 @@ def _limited(scope: str, name: str) -> tuple[Path, ...]:
             raise CgroupError(f"no cgroup v1 {controller} hierarchy: runners cannot be limited (mount it, or "
                               "use cgroup v2)")
         path = mount / PARENT / scope / name
-        path.mkdir(parents=True)
+        vm_cgroup.make_dirs(path.parent)
+        path.mkdir()
         made.append(path)
     return tuple(made)
 
@@ -183,4 +188,5 @@ def remove_scope(scope: str) -> None:
         try:
             path.rmdir()
         except OSError:
-            pass  # not empty (a runner's group failed to go: logged then), or already gone
+            continue  # not empty (a runner's group failed to go: logged then), or already gone
+        vm_cgroup.remove_shared_parent(path.parent)

@@ -14,6 +14,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ PARENT = "microvm-check"
 V1_CONTROLLERS = ("cpu", "memory", "pids")
 CPU_PERIOD_US = 100_000
 RMDIR_TIMEOUT_S = 5.0
+_PARENT_RACE_TRIES = 3  # makes of a scope directory, each after the shared parent was removed under it
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,38 @@ def _bases(scope: str) -> list[Path]:
 def _enable_v2_controllers(base: Path) -> None:
     """In v2 a controller works in a child only if every ancestor delegates it (subtree_control)."""
     wanted = " ".join(f"+{c}" for c in V1_CONTROLLERS)
+    retry_past_parent_removal(lambda: _delegate(base, wanted))
+
+
+def _delegate(base: Path, wanted: str) -> None:
     for directory in (ROOT, ROOT / PARENT, base):
         directory.mkdir(exist_ok=True)
         (directory / "cgroup.subtree_control").write_text(wanted)
+
+
+def make_dirs(path: Path) -> None:
+    """`mkdir -p` of a scope's directory under a shared parent that a peer's `remove_shared_parent` may
+    rmdir (when empty) between this mkdir's steps: then it is made again."""
+    retry_past_parent_removal(lambda: path.mkdir(parents=True, exist_ok=True))
+
+
+def retry_past_parent_removal(make: Callable[[], None]) -> None:
+    for _ in range(_PARENT_RACE_TRIES - 1):
+        try:
+            make()
+            return
+        except FileNotFoundError:  # the shared parent went between two steps: an rmdir of an empty one
+            continue
+    make()
+
+
+def remove_shared_parent(parent: Path) -> None:
+    """The shared parent (`microvm-check`, `microvm-check-runners`) goes with its last scope, so a host
+    whose services all stopped keeps no directory of ours; rmdir only, so a peer's scope keeps it."""
+    try:
+        parent.rmdir()
+    except OSError:  # another engine's or fleet's scope is in it, or it is gone already
+        pass
 
 
 @dataclass
@@ -117,7 +148,7 @@ class VMCgroup:
             _enable_v2_controllers(bases[0])
         else:
             for base in bases:
-                base.mkdir(parents=True, exist_ok=True)
+                make_dirs(base)
         for path in self.paths:
             path.mkdir(exist_ok=again)
 
@@ -200,7 +231,8 @@ def remove_scope(scope: str) -> None:
         try:
             base.rmdir()
         except OSError:  # gone already, or not empty: a VM's cgroup the engine could not remove
-            pass
+            continue
+        remove_shared_parent(base.parent)
 
 
 def remove_empty_scopes(min_age_s: float = 60.0) -> list[str]:
@@ -226,6 +258,7 @@ def remove_empty_scopes(min_age_s: float = 60.0) -> list[str]:
             except OSError:  # not empty after all (processes, a child made meanwhile), or gone
                 continue
             removed.append(f"empty cgroup {entry}")
+        remove_shared_parent(parent)
     return removed
 
 

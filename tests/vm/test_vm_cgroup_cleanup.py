@@ -18,6 +18,24 @@ def test_an_engine_removes_its_own_cgroups_at_close(make_engine) -> None:
     assert cgroup.groups(scope) == []
     engine.close()
     assert [p for p in cgroup.scope_paths(scope) if p.exists()] == []
+    for parent in (p.parent for p in cgroup.scope_paths(scope)):  # the shared parent goes with its last scope
+        assert not parent.exists() or [e for e in parent.iterdir() if e.is_dir()], f"{parent} left empty"
+
+
+def test_a_peers_scope_keeps_the_shared_parent(make_engine) -> None:
+    engine = make_engine(pool_size=0)
+    scope = cgroup.scope_for(engine.state.vms)
+    engine.destroy(engine.create("base", network=False))
+    peers = [p.parent / ("peer" + uuid.uuid4().hex[:8]) for p in cgroup.scope_paths(scope)]
+    try:
+        for peer in peers:
+            peer.mkdir()
+        engine.close()
+        assert all(peer.parent.is_dir() for peer in peers), "a peer's scope lost its parent"
+    finally:
+        for peer in peers:
+            peer.rmdir()
+            cgroup.remove_shared_parent(peer.parent)
 
 
 def test_the_start_up_sweep_removes_empty_scopes_that_crashed_engines_left(make_engine) -> None:
@@ -46,3 +64,5 @@ def test_the_start_up_sweep_removes_empty_scopes_that_crashed_engines_left(make_
         for path in made:
             if path.exists():
                 path.rmdir()
+        for parent in parents:
+            cgroup.remove_shared_parent(parent)
