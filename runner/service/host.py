@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from runner.errors import ConfigError, MicrovmCheckError, SandboxError
 from runner.attest.keys import SigningKey
 from runner.fleet import registered
-from runner.service.api import ApiServers
+from runner.service.listeners import ApiServers
 from runner.service.attestation import JobAttestor
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies

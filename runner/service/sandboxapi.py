@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from runner.errors import JobError
 from runner.jobapi.contract import JOB_ID, JobState
+from runner.service.api import MethodNotAllowed, NoRoute
 from runner.service.auth import Access, Caller, _in_group, peer_ids
 from runner.service.sandboxes import (
     SandboxCallError,
@@ -46,7 +47,7 @@ from runner.service.sandboxes import (
 from runner.uidrange import RUNNER_UIDS
 
 if TYPE_CHECKING:
-    from runner.service.api import Handler
+    from runner.service.handler import Handler
 
 SANDBOX_TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
 PREFIX = "/v1/sandboxes"
@@ -116,8 +117,6 @@ class SandboxRoutes:
     def answer(self, method: str, path: str, query: dict[str, list[str]], caller: Caller, sock: object | None) -> None:
         found = route(path)
         if found is None:
-            from runner.service.api import NoRoute
-
             raise NoRoute(f"no route {method} {path}; see docs/sdk.md")
         sandbox_id, rest = found
         if sandbox_id is None:
@@ -144,8 +143,6 @@ class SandboxRoutes:
 
     @staticmethod
     def _not_allowed(method: str, path: str) -> None:
-        from runner.service.api import MethodNotAllowed
-
         raise MethodNotAllowed(f"{method} is not allowed on {path}; see docs/sdk.md")
 
     # -- the routes ------------------------------------------------------------------------------------

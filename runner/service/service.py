@@ -1,7 +1,7 @@
 """The job service's core: the job API (admission, checkouts, records, logs, artifacts) and shutdown.
 
-The HTTP layer (`runner.service.api`) and the in-process `microvm-check run` both drive this class;
-it never speaks HTTP itself. Its other roles sit beside it, each given this core by the host
+The HTTP layer (`runner.service.api` and the modules it names) and the in-process `microvm-check run`
+both drive this class; it never speaks HTTP itself. Its other roles sit beside it, each given this core by the host
 (runner/service/host.py): the workers (runner/service/workers.py), the runner desk with the fork
 guard (desk.py), the reactions to GitHub's webhooks (reactions.py) and retention (retention.py).
 

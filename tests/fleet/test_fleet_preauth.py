@@ -1,5 +1,5 @@
-"""The job API decides who is asking on the head, before a body is read (runner/service/api.py,
-`_caller_gate`), and the fleet's hooks are urgent (they take the reserved workers).
+"""The job API decides who is asking on the head, before a body is read (runner/service/gates.py,
+`caller_gate`), and the fleet's hooks are urgent (they take the reserved workers).
 
 A process of the runner user on a fleet host, without a runner token or with a forged one, declares a
 small JSON body and never sends it: it is answered at once (403 / 401) and its connection closed. Were

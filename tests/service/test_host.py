@@ -20,9 +20,9 @@ from service_fakes import FakeEngine, baked_template, checkout_tar, spec, waits
 
 from runner.errors import ConfigError, SandboxError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.api import ApiServers
 from runner.service.config import ServiceConfig
 from runner.service.host import EngineSettings, ServiceHost
+from runner.service.listeners import ApiServers
 from runner.service.service import JobService
 from runner.service.webhook import Webhook
 from tests.conftest import require
