@@ -243,6 +243,12 @@ class GitHubJob:
     def __hash__(self) -> int:
         return hash(self.key)
 
+    @classmethod
+    def named(cls, repository: str, run_id: int | None, run_attempt: int | None, job: str,
+              runner: str) -> GitHubJob | None:
+        """The GitHub job a spec's fields name; None when they name no run (a local job)."""
+        return None if run_id is None else cls(repository, run_id, run_attempt or 1, job, runner)
+
     def same_run(self, other: GitHubJob) -> bool:
         """The same workflow run and attempt (a pre-warmed VM's claim; a runner's binding against a webhook)."""
         return self.run == other.run
@@ -268,8 +274,9 @@ class GitHubJob:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run. The service validates a received spec into this type (runner.service.spec), filling
-    in its own defaults for `template` and `timeout_seconds`; a client leaves them None for those."""
+    """What to run. The service validates a received spec (runner.service.spec) and builds this type once,
+    at admission, with its own defaults for `template` and `timeout_seconds` (a client leaves them None for
+    those) and what only it decides: the repository the job runs as, its runner and its sized template."""
 
     repository: str
     sha: str
@@ -301,9 +308,7 @@ class JobSpec:
     @property
     def github(self) -> GitHubJob | None:
         """The GitHub job this spec is a step of; None when it names no run (a local job)."""
-        if self.run_id is None:
-            return None
-        return GitHubJob(self.repository, self.run_id, self.run_attempt or 1, self.job_name, self.runner_name)
+        return GitHubJob.named(self.repository, self.run_id, self.run_attempt, self.job_name, self.runner_name)
 
     @property
     def workdir(self) -> str:

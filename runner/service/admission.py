@@ -1,14 +1,14 @@
 """Admission: what a client sent, checked before anything is spent on it.
 
 The spec is validated (runner/service/spec.py), the caller's right to submit it for its GitHub job
-is checked (runner/service/auth.py), the effective egress policy of the repository it runs as is
-looked up, and a `keep: job` step finds its session; a checkout is spooled within its limit and
+is checked (runner/service/auth.py), the repository it runs as, its runner and its template decided and
+the effective egress policy of that repository looked up, all before the job's one JobSpec is built;
+a `keep: job` step finds its session; a checkout is spooled within its limit and
 checked as a tar. Whatever is refused here is a client's error (400, 403, 409, 413).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable
 
@@ -21,8 +21,7 @@ from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import CHECKOUT, JobRun
 from runner.service.sessions import Session, Sessions, session_key
-from runner.service.spec import SpecError, parse_spec
-from runner.service.workers import template_of
+from runner.service.spec import SpecError, Submission, parse_submission
 from runner.tarsafe import check_tar
 from runner.vm.templates import sized
 
@@ -40,16 +39,16 @@ class Admission:
         self.config, self.access, self.policies, self.sessions = config, access, policies, sessions
 
     def admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy]:
-        """The validated spec and its effective policy, or a JobError; reserves nothing. The caller is
-        checked before the policy is looked up: the policy comes from the repository it may submit for."""
+        """The job's spec, built once from what was sent and what the service decides of it, and its
+        effective policy; or a JobError; reserves nothing. The caller is checked before the policy is
+        looked up: the policy comes from the repository it may submit for."""
         try:
-            spec = parse_spec(data, self.config)
-            runner = self.access.admit_submit(caller, spec)
-            spec = dataclasses.replace(spec, runner_name=runner or "")
+            submitted = parse_submission(data, self.config)
+            runner = self.access.admit_submit(caller, submitted)
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
-            spec = dataclasses.replace(spec, repository=self.access.repository_for(caller, spec))
-            policy = self.policies.effective(spec.repository, spec.policy)
-            spec = self._sized(spec)
+            repository = self.access.repository_for(caller, submitted)
+            policy = self.policies.effective(repository, submitted.policy)
+            spec = submitted.spec(repository, runner or "", self._template(submitted, repository))
         except PolicySourceUnavailable:
             raise  # GitHub is down: 503, try again (not an invalid job)
         except (SpecError, EgressPolicyError) as exc:
@@ -60,17 +59,18 @@ class Admission:
                              f"policy to deny all, or ask the operator to enable networking")
         return spec, policy
 
-    def _sized(self, spec: JobSpec) -> JobSpec:
+    def _template(self, submitted: Submission, repository: str) -> str:
         """A spec asking for a size class restores from its template baked at that size, if the
         repository's store file allows the size (a pull request's spec cannot widen that)."""
-        if spec.size is None:
-            return spec
-        allowed = self.policies.sizes_for(spec.repository)
-        if spec.size not in allowed:
-            raise InvalidJob(f"size: {spec.repository} may not use the size {spec.size!r} (its store file allows "
+        size = submitted.size
+        if size is None:
+            return submitted.template
+        allowed = self.policies.sizes_for(repository)
+        if size not in allowed:
+            raise InvalidJob(f"size: {repository} may not use the size {size!r} (its store file allows "
                              f"{', '.join(allowed) or 'no sizes'}): the operator lists a repository's sizes in its "
-                             f"store file (<owner>/<repo>.yml, sizes: [{spec.size}]), or leave size out")
-        return dataclasses.replace(spec, template=sized(template_of(spec), spec.size))
+                             f"store file (<owner>/<repo>.yml, sizes: [{size}]), or leave size out")
+        return sized(submitted.template, size)
 
     def session_for(self, spec: JobSpec, policy: Policy,
                       token: str | None) -> tuple[Session | None, str | None]:

@@ -42,9 +42,9 @@ from runner.jobapi.contract import (
     MAX_TOKEN,
     RUNNER_TOKEN_HEADER,
     RUNNER_TOKEN_VARIABLE,
-    JobSpec,
     JobStarted,
 )
+from runner.service.spec import Submission
 
 MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
 
@@ -261,7 +261,7 @@ class Access:
             raise Forbidden(f"only a fleet runner (with its {RUNNER_HINT}) reports jobs, not {caller.who}")
         return caller.runner
 
-    def admit_submit(self, caller: Caller, spec: JobSpec) -> str | None:
+    def admit_submit(self, caller: Caller, spec: Submission) -> str | None:
         """May `caller` submit `spec`? Returns the runner name the job belongs to (None: no fleet runner).
 
         A runner may only submit for the job its hook reported: same repository, run, attempt and job,
@@ -285,11 +285,11 @@ class Access:
         submitted = spec.github
         if submitted is None or not submitted.same_job(bound.job):
             raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, but this submit is for "
-                            f"{spec.repository} run {spec.run_id}/{spec.run_attempt or 1} job {spec.job_name}: "
+                            f"{spec.claim()}: "
                             "a job may only be submitted by the runner GitHub gave it to")
         return caller.runner
 
-    def repository_for(self, caller: Caller, spec: JobSpec) -> str:
+    def repository_for(self, caller: Caller, spec: Submission) -> str:
         """The repository name a job runs as (its policy, warm base, kept VMs): the one GitHub gave the
         runner, the operator's choice for a socket member's local jobs, or the operator's own."""
         if caller.runner is not None:

@@ -93,7 +93,7 @@ class JobRun:
     @property
     def template(self) -> str:
         """The template its VM restores from: the warm base chosen for it, else the spec's."""
-        assert self.spec.template is not None  # parse_spec fills in the service's default
+        assert self.spec.template is not None  # an admitted spec has it (runner/service/admission.py)
         return self.warm_base or self.spec.template
 
     def update(self, **changes: object) -> None:
@@ -244,7 +244,7 @@ class JobRun:
             sandbox = self.prewarmed = None
             self.update(warm=False)
         if sandbox is None:
-            assert self.spec.timeout_seconds is not None  # parse_spec fills in the service's default
+            assert self.spec.timeout_seconds is not None  # an admitted spec has it (runner/service/admission.py)
             ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
             sandbox = create(vm_request(config, template=self.template,
                                         ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,

@@ -1,14 +1,17 @@
 """JobSpec: what a client asks the service to run, validated before anything is spent on it.
 
 Clients include the action running for fork pull requests, so every field is bounded and checked here
-and the rest of the service can trust a JobSpec's shape. The type, its limits and patterns are the
+(into a Submission, which admission completes into the job's one JobSpec) and the rest of the service
+can trust a JobSpec's shape. The type, its limits and patterns are the
 job API's contract (runner.jobapi.contract); this module holds the checks and the service's defaults.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from runner.errors import JobError
 from runner.jobapi.contract import (
@@ -25,6 +28,7 @@ from runner.jobapi.contract import (
     REPOSITORY,
     SHA,
     SPEC_FIELDS,
+    GitHubJob,
     JobSpec,
     ServiceContainer,
     parse_services,
@@ -134,7 +138,40 @@ def _artifacts(data: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(relative_path(g, f"artifacts[{i}]", allow_glob=True) for i, g in enumerate(globs))
 
 
-def parse_spec(data: object, config: ServiceConfig) -> JobSpec:
+@dataclass(frozen=True)
+class Submission:
+    """A submitted spec with every field checked, before the service has decided the three things only it
+    decides: the runner the job belongs to, the repository it runs as and the template it restores from
+    (a size class selects the template's variant). Admission (runner/service/admission.py) decides them
+    from what the submit claims here and builds the job's one JobSpec with `spec()`; nothing rewrites a
+    JobSpec after that."""
+
+    repository: str  # as the client named it
+    runner_name: str  # likewise: a fleet runner's submit is bound to its own name instead
+    job_name: str
+    run_id: int | None
+    run_attempt: int | None
+    template: str  # as named, or the service's default
+    size: str | None
+    policy: str | None  # the job's own policy text
+    # JobSpec with every other field as checked, waiting for the service's three
+    complete: Callable[..., JobSpec] = field(repr=False, compare=False)
+
+    @property
+    def github(self) -> GitHubJob | None:
+        """The GitHub job the client says this is a step of (None: a local job)."""
+        return GitHubJob.named(self.repository, self.run_id, self.run_attempt, self.job_name, self.runner_name)
+
+    def claim(self) -> str:
+        """The job this submit says it is, for a refusal's message."""
+        return f"{self.repository} run {self.run_id}/{self.run_attempt or 1} job {self.job_name}"
+
+    def spec(self, repository: str, runner_name: str, template: str) -> JobSpec:
+        """The job's spec: as submitted, with the repository, runner and template the service decided."""
+        return self.complete(repository=repository, runner_name=runner_name, template=template)
+
+
+def parse_submission(data: object, config: ServiceConfig) -> Submission:
     if not isinstance(data, dict):
         raise SpecError("the body must be a JSON object (a JobSpec)")
     unknown = [key for key in data if key not in SPEC_FIELDS]
@@ -164,27 +201,30 @@ def parse_spec(data: object, config: ServiceConfig) -> JobSpec:
     if policy is not None:
         policy = _text(data, "policy", None, MAX_POLICY_BYTES)
     timeout = _int(data, "timeout_seconds", 1, config.max_timeout_seconds)
-    return JobSpec(
-        repository=repository,
+    job_name = _text(data, "job_name", "")
+    runner_name = _text(data, "runner_name", "")
+    ref, event = _text(data, "ref", ""), _text(data, "event", "")
+    run_id, run_attempt = _int(data, "run_id", 0, MAX_RUN_ID), _int(data, "run_attempt", 1, MAX_RUN_ID)
+    complete = functools.partial(
+        JobSpec,
         sha=sha,
         command=command,
-        job_name=_text(data, "job_name", ""),
-        runner_name=_text(data, "runner_name", ""),
-        ref=_text(data, "ref", ""),
-        event=_text(data, "event", ""),
-        run_id=_int(data, "run_id", 0, MAX_RUN_ID),
-        run_attempt=_int(data, "run_attempt", 1, MAX_RUN_ID),
+        job_name=job_name,
+        ref=ref,
+        event=event,
+        run_id=run_id,
+        run_attempt=run_attempt,
         working_directory=relative_path(_text(data, "working_directory", "."), "working_directory"),
         env=_env(data, config.env_allowlist),
         artifacts=_artifacts(data),
         timeout_seconds=timeout or config.default_timeout_seconds,
-        template=template,
         size=size,
         policy=policy,
         services=_services(data),
         keep=_keep(data),
         fork=_fork(data),
     )
+    return Submission(repository, runner_name, job_name, run_id, run_attempt, template, size, policy, complete)
 
 
 def _services(data: Mapping[str, object]) -> tuple[ServiceContainer, ...]:

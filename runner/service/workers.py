@@ -133,6 +133,6 @@ class Workers:
 
 
 def template_of(spec: JobSpec) -> str:
-    """The template a validated spec names: `parse_spec` fills in the service's default."""
+    """The template an admitted spec names: admission always sets it (the service's default, or sized)."""
     assert spec.template is not None, f"job spec for {spec.repository} was not validated (no template)"
     return spec.template

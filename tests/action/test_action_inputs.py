@@ -10,7 +10,7 @@ import pytest
 from action.inputs import job_spec, read_inputs
 from runner.errors import UserError
 from runner.service.config import ServiceConfig
-from runner.service.spec import parse_spec
+from tests.service.service_fakes import spec_as_sent
 
 FORK = "webhooks/real-captured/listendev-lstn.pull_request.opened.from-fork.json"
 SAME_REPO = "webhooks/octokit-webhooks-payload-examples/pull_request/synchronize.payload.json"
@@ -35,7 +35,7 @@ def test_spec_uses_the_pull_request_head_sha_and_passes_the_services_validation(
     assert spec.sha == head != env["GITHUB_SHA"]
     assert (spec.run_id, spec.run_attempt, spec.timeout_seconds) == (99, 2, 90)
     assert spec.artifacts == ("report.xml", "dist/*.whl")
-    parsed = parse_spec(spec.to_wire(), ServiceConfig())
+    parsed = spec_as_sent(spec.to_wire(), ServiceConfig())
     assert parsed.sha == head and parsed.command == "pytest -q"
 
 

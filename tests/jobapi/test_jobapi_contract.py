@@ -19,7 +19,7 @@ from runner.jobapi.contract import (
     WireError,
 )
 from runner.service.config import ServiceConfig
-from runner.service.spec import parse_spec
+from tests.service.service_fakes import spec_as_sent
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def test_a_spec_leaves_the_services_defaults_to_the_service():
     wire = spec.to_wire()
     assert "template" not in wire and "timeout_seconds" not in wire and wire["artifacts"] == ["a.xml"]
     config = ServiceConfig()
-    parsed = parse_spec(wire, config)
+    parsed = spec_as_sent(wire, config)
     assert (parsed.template, parsed.timeout_seconds) == (config.default_template, config.default_timeout_seconds)
     assert parsed == JobSpec(**{**spec.__dict__, "template": config.default_template,
                                 "timeout_seconds": config.default_timeout_seconds})

@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from policy.suggest import AuditRecord
+from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import VMRequest
+from runner.service.config import ServiceConfig
+from runner.service.spec import parse_submission
 from runner.vm.errors import SandboxError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -199,6 +202,13 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarf
 
 def spec(command: str = "true", **fields: Any) -> dict[str, Any]:
     return {"repository": "octo/hello", "sha": SHA, "job_name": "test", "command": command, **fields}
+
+
+def spec_as_sent(data: object, config: ServiceConfig) -> JobSpec:
+    """The JobSpec a submission makes when the service decides nothing of it (the repository, runner and
+    template as sent): what the spec's own checks give, without an admission's caller or policy store."""
+    submitted = parse_submission(data, config)
+    return submitted.spec(submitted.repository, submitted.runner_name, submitted.template)
 
 
 def checkout_tar(files: dict[str, bytes] | None = None) -> bytes:

@@ -7,16 +7,16 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_fakes import spec
+from service_fakes import spec, spec_as_sent
 
 from runner.service.config import config_from_mapping
-from runner.service.spec import SpecError, env_allowed, parse_spec
+from runner.service.spec import SpecError, env_allowed
 
 CONFIG = config_from_mapping({"templates": ["base", "big"], "max_timeout_seconds": 600, "default_timeout_seconds": 60})
 
 
 def test_full_spec() -> None:
-    job = parse_spec(spec("pytest -q", ref="refs/pull/1/merge", event="pull_request_target", run_id=9,
+    job = spec_as_sent(spec("pytest -q", ref="refs/pull/1/merge", event="pull_request_target", run_id=9,
                           run_attempt=2, working_directory="pkg/sub", env={"GITHUB_REF": "x", "CI": "1"},
                           artifacts=["report.xml", "dist/*.whl"], timeout_seconds=30, template="big",
                           policy="version: 1\n"), CONFIG)
@@ -26,7 +26,7 @@ def test_full_spec() -> None:
 
 
 def test_defaults() -> None:
-    job = parse_spec(spec(), CONFIG)
+    job = spec_as_sent(spec(), CONFIG)
     assert (job.workdir, job.timeout_seconds, job.template, job.policy) == ("/workspace", 60, "base", None)
 
 
@@ -54,13 +54,13 @@ def test_defaults() -> None:
 ])
 def test_invalid_specs(fields: dict, message: str) -> None:
     with pytest.raises(SpecError) as err:
-        parse_spec(spec(**fields), CONFIG)
+        spec_as_sent(spec(**fields), CONFIG)
     assert message in str(err.value)
 
 
 def test_not_an_object() -> None:
     with pytest.raises(SpecError, match="JSON object"):
-        parse_spec(["a"], CONFIG)
+        spec_as_sent(["a"], CONFIG)
 
 
 @pytest.mark.parametrize("name, allowed", [("CI", True), ("GITHUB_SHA", True), ("RUNNER_OS", True),
@@ -78,7 +78,7 @@ def test_the_denylist_ignores_case_even_when_the_allowlist_admits_the_name(name:
     assert env_allowed(name, ("*",)) is False
     assert env_allowed(name, (name,)) is False
     with pytest.raises(SpecError, match=f"^env.{name}: not forwarded to the guest; the service allows \\*"):
-        parse_spec(spec(env={name: "x"}), config_from_mapping({"templates": ["base"], "env_allowlist": ["*"]}))
+        spec_as_sent(spec(env={name: "x"}), config_from_mapping({"templates": ["base"], "env_allowlist": ["*"]}))
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -108,12 +108,12 @@ def test_the_denylist_ignores_case_even_when_the_allowlist_admits_the_name(name:
 def test_out_of_range_and_malformed_text_are_spec_errors(fields: dict, message: str) -> None:
     """Each of these used to pass validation and fail later, in SQLite or an encoder, as a 500."""
     with pytest.raises(SpecError, match=re.escape(message)) as err:
-        parse_spec(spec(**fields), CONFIG)
+        spec_as_sent(spec(**fields), CONFIG)
     assert len(str(err.value)) < 300  # the message never echoes the whole value back
 
 
 def test_the_largest_sqlite_integer_is_a_valid_run_id() -> None:
-    job = parse_spec(spec(run_id=2**63 - 1, run_attempt=2**63 - 1), CONFIG)
+    job = spec_as_sent(spec(run_id=2**63 - 1, run_attempt=2**63 - 1), CONFIG)
     assert (job.run_id, job.run_attempt) == (2**63 - 1, 2**63 - 1)
 
 
@@ -154,7 +154,7 @@ spec_dicts = st.fixed_dictionaries({}, optional={
 @given(spec_dicts)
 def test_any_json_is_a_spec_or_a_spec_error(data: dict) -> None:
     try:
-        job = parse_spec({**spec(), **data}, CONFIG)
+        job = spec_as_sent({**spec(), **data}, CONFIG)
     except SpecError:
         return
     assert job.workdir.startswith("/workspace")
