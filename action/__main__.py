@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,7 +30,7 @@ from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, minu
 from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.jobapi.contract import JobRecord, JobSpec, JobState, LogEntry
 from runner.jobapi.pack import PackError, pack_checkout
 from runner.jobapi.workflow import annotation, append_file, format_outputs, safe_text
 
@@ -67,6 +67,7 @@ class JobDriver:
         self.environ = environ
         self.job_id: str | None = None
         self.artifact_trouble: list[str] = []  # why artifacts did not all come back (artifacts-required)
+        self._ended: list[JobRecord] = []  # the records the log streams' end lines carried
 
     def run(self, spec: JobSpec) -> int:
         try:
@@ -88,8 +89,7 @@ class JobDriver:
         warning = session.after_submit(self.environ, spec.keep, summary)
         if warning:
             self.out.write(annotation("warning", warning) + "\n")
-        self._send_checkout(summary.state)
-        dropped, record = self._relay_logs()
+        dropped, record = self._relay_logs(self._send_checkout(summary.state))
         extraction = self._artifacts()
         junit = self._junit(extraction)
         wire = record.to_wire()
@@ -115,24 +115,27 @@ class JobDriver:
         self._say(f"signed job record: {path} (check it with `microvm-check verify`)")
         append_file("GITHUB_OUTPUT", format_outputs({"attestation": str(path)}), self.environ)
 
-    def _send_checkout(self, state: JobState) -> None:
-        """Pack and upload the workspace, unless the job attached to a VM an earlier step of this GitHub
-        job kept (`keep: job`): the service queues such a job at once (the submit's answer says so), the
-        checkout is in its VM."""
+    def _send_checkout(self, state: JobState) -> Iterator[LogEntry] | None:
+        """Pack and upload the workspace in the request that answers the job's log stream (`PUT .../checkout
+        ?follow=1`, as `run` does): the logs come on the upload's own connection, no request of their own.
+        Answers that stream, or None when the job attached to a VM an earlier step of this GitHub job kept
+        (`keep: job`): the service queues such a job at once (the submit's answer says so), the checkout
+        is in its VM. A refused upload raises here, before any log is relayed."""
         job_id = self._submitted_id
         if state != JobState.AWAITING_CHECKOUT:
             self._say(f"job {job_id} submitted; it runs in the VM an earlier step of this job kept")
-            return
+            return None
         self._say(f"job {job_id} submitted; packing {self.workspace}")
         try:
             chunks = pack_checkout(self.workspace, include_git=self.inputs.include_git)
-            self.client.upload_checkout(job_id, chunks)
+            return self.client.upload_and_follow(job_id, chunks, on_end=self._ended.append)
         except PackError as exc:
             raise UserError(f"checkout refused: {exc}") from exc
 
-    def _relay_logs(self) -> tuple[int, JobRecord]:
-        """Relay until the job ends; a dropped stream resumes after the last sequence number seen. Answers
-        the bytes the relay dropped and the job's final record (the one the stream ended with, when final).
+    def _relay_logs(self, stream: Iterator[LogEntry] | None) -> tuple[int, JobRecord]:
+        """Relay `stream` (the upload's answer; None: open one) until the job ends; a dropped stream resumes
+        after the last sequence number seen. Answers the bytes the relay dropped and the job's final record
+        (the one the stream ended with, when final).
 
         Only failures in a row without progress count against LOG_RETRIES: new entries reset the
         count, and a read timeout on a job that is still running is a job that prints nothing for
@@ -141,17 +144,20 @@ class JobDriver:
         job_id = self._submitted_id
         after, failures = 0, 0
         last_error: Exception | None = None
+        ended = self._ended
         title = f"microvm-check: {self.inputs.run.strip().splitlines()[0][:100]}"
         with LogRelay(self.out, title) as relay:
             while True:
                 before, timed_out = after, False
-                ended: list[JobRecord] = []
                 try:
-                    for entry in self.client.logs(job_id, after=after, on_end=ended.append):
+                    if stream is None:
+                        stream = self.client.logs(job_id, after=after, on_end=ended.append)
+                    for entry in stream:
                         relay.feed(entry.stream, entry.data)
                         after = max(after, entry.seq)
                 except self.api_errors as exc:
                     last_error, timed_out = exc, _is_timeout(exc)
+                stream = None
                 record = ended[-1] if ended and ended[-1].final else self.client.get(job_id)
                 if record.final:
                     return relay.dropped_bytes, record

@@ -173,19 +173,30 @@ class JobClient:
     def upload_and_follow(self, job_id: str, data: BinaryIO | Iterable[bytes] | bytes,
                           on_end: Callable[[JobRecord], object] | None = None) -> Iterator[LogEntry]:
         """Send the checkout and follow the job's log in the same request's answer (`PUT .../checkout?follow=1`):
-        the stream is open once the upload is in, with no request of its own. Sent when iterated; a refused
-        upload raises as `upload_checkout` does. A stream that breaks is resumed as `logs` resumes one; a
-        service that answers the upload 202 (one older than `follow`) is followed with `logs`."""
+        the stream is open once the upload is in, with no request of its own.
+
+        The upload is sent now, before this returns: a refused one raises here, as `upload_checkout` does, so a
+        caller can tell a checkout that never landed from a log stream that broke afterwards. The returned
+        iterator reads the log (iterate it to its end: that closes the answer); a stream that breaks is resumed
+        as `logs` resumes one, and a service that answers the upload 202 (one older than `follow`) is followed
+        with `logs`."""
         body = bytes(data) if isinstance(data, (bytes, bytearray)) else _Replayable(_chunks(data))
         method, path = "PUT", f"/v1/jobs/{_id(job_id)}/checkout?follow=1"
         resp = self._open(method, path, content=body, headers={"Content-Type": "application/x-tar", **self._job(job_id)})
+        if resp.status_code != 200:
+            resp.close()
+            return self.logs(job_id, on_end=on_end)
+        return self._follow_answer(job_id, resp, method, path, on_end)
+
+    def _follow_answer(self, job_id: str, resp: httpx.Response, method: str, path: str,
+                       on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
+        """The log entries of an upload's answer; past a break, the rest through `logs`."""
         after = 0
         try:
-            if resp.status_code == 200:
-                for entry in self._entries(resp, method, path, on_end):
-                    after = entry.seq
-                    yield entry
-                return
+            for entry in self._entries(resp, method, path, on_end):
+                after = entry.seq
+                yield entry
+            return
         except _StreamBroken:
             pass
         finally:

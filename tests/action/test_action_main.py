@@ -56,8 +56,29 @@ def _relay(client: FakeClient, monkeypatch: pytest.MonkeyPatch) -> tuple[int, st
     out = io.StringIO()
     run = JobDriver(client, _inputs(), Path("."), out, {})
     run.job_id = "j1"
-    dropped, _record = run._relay_logs()
+    dropped, _record = run._relay_logs(None)
     return dropped, out.getvalue()
+
+
+def test_the_uploads_own_stream_is_relayed_and_a_break_resumed_after_its_last_seq(monkeypatch):
+    """The log comes first on the upload's answer (PUT .../checkout?follow=1); when that breaks off, the
+    driver follows with logs() from the last seq the upload's stream brought, and shows both."""
+    monkeypatch.setattr(main_mod.time, "sleep", lambda _s: None)
+    client = FakeClient(rounds=0, per_round=1, error=lambda: None)
+    client.seq = 2
+
+    def upload_answer() -> Iterator[LogEntry]:
+        yield LogEntry(1, "stdout", 0.0, b"upload line 1\n")
+        yield LogEntry(2, "stdout", 0.0, b"upload line 2\n")
+        raise JobAPIError("connection reset")
+
+    out = io.StringIO()
+    run = JobDriver(client, _inputs(), Path("."), out, {})
+    run.job_id = "j1"
+    run._relay_logs(upload_answer())
+    assert client.calls == 1  # one logs() request, after seq 2 (FakeClient checks `after`)
+    text = out.getvalue()
+    assert text.index("upload line 1") < text.index("upload line 2") < text.index("line 3")
 
 
 def test_a_stream_that_keeps_making_progress_is_never_given_up(monkeypatch):

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from action_harness import (
@@ -30,6 +31,9 @@ from action.logs import RelayLimits
 from runner.jobapi.workflow import ZWSP
 from tests.conftest import require
 from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
+
+if TYPE_CHECKING:
+    from runner.service.host import ServiceHost
 
 pytestmark = pytest.mark.vm
 
@@ -79,7 +83,7 @@ def template() -> None:
         require(False, str(exc))
 
 
-def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> Iterator[object]:
+def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> Iterator[ServiceHost]:
     """The real job service (ServiceHost) on this test's own engine and socket; networked on `internet`."""
     from runner.service.config import config_from_mapping
     from runner.service.host import EngineSettings, ServiceHost
@@ -96,7 +100,7 @@ def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> 
     try:
         with ServiceHost(config, engine=engine) as host:
             assert host.service is not None and host.engine is not None
-            yield host.service
+            yield host
             host.service.drain()
             assert host.engine.live() == [], "a job's VM outlived the service"
     finally:
@@ -104,8 +108,13 @@ def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> 
 
 
 @pytest.fixture
-def service(template: None) -> Iterator[object]:
+def host(template: None) -> Iterator[ServiceHost]:
     yield from _host({})
+
+
+@pytest.fixture
+def service(host: ServiceHost) -> object:
+    return host.service
 
 
 # The repository of the simulated pull request (FORK_PR's base) may reach ALLOWED_HOST:8000, nothing else.
@@ -121,8 +130,9 @@ def net_service(template: None, need_netns: None, tmp_path: Path) -> Iterator[ob
     store.mkdir(parents=True)
     (store / "lstn.yml").write_text(HOSTILE_POLICY)
     with fake_internet() as internet:
-        yield from _host({"network": internet.network, "policy_dir": str(store.parent),
-                          "logs": {"max_bytes": "64MiB"}}, internet)
+        for host in _host({"network": internet.network, "policy_dir": str(store.parent),
+                           "logs": {"max_bytes": "64MiB"}}, internet):
+            yield host.service
 
 
 @pytest.fixture
@@ -140,7 +150,9 @@ def suite_inputs(service) -> dict[str, str]:
     return {"run": "python3 run_tests.py", "artifacts": "out/report.xml", "socket": service.config.socket}
 
 
-def test_passing_suite_in_a_vm(service, sim: Simulation) -> None:
+def test_passing_suite_in_a_vm(host: ServiceHost, service, sim: Simulation) -> None:
+    """...and its log comes back on the upload's own request: the service answered one checkout request,
+    with the log stream (200, not 202), and no request for the logs of their own."""
     (sim.workspace / "pass-me").write_text("")
     result = run_action(sim, suite_inputs(service))
     assert result.returncode == 0, result.log
@@ -148,6 +160,23 @@ def test_passing_suite_in_a_vm(service, sim: Simulation) -> None:
     record = json.loads(result.outputs["result-json"])["record"]
     assert record["state"] == "finished" and record["vm_id"]
     assert "VM ready" in result.summary
+    assert "2 passed, 0 failed" in result.log  # the guest's output, relayed
+    assert _answered(host) == {("POST", "/v1/jobs", "201"): 1, ("PUT", "/v1/jobs/{id}/checkout", "200"): 1,
+                               ("GET", "/v1/jobs/{id}/artifacts", "200"): 1,
+                               ("GET", "/v1/jobs/{id}/attestation", "200"): 1}
+
+
+def _answered(host: ServiceHost) -> dict[tuple[str, str, str], int]:
+    """The requests the service's own metrics counted (`..._api_request_duration_seconds`), by method, route
+    and status; each is counted once it has ended (a log stream: with its job)."""
+    assert host.metrics is not None
+    counted: dict[tuple[str, str, str], int] = {}
+    for family in host.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_api_request_duration_seconds_count") and sample.value:
+                labels = sample.labels
+                counted[(labels["method"], labels["route"], labels["status"])] = int(sample.value)
+    return counted
 
 
 def test_failing_suite_in_a_vm(service, sim: Simulation) -> None:
