@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from policy import suggest
 from policy.model import Policy
-from runner.errors import JobError, MicrovmCheckError
+from runner.errors import JobError, MicrovmCheckError, SandboxError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.checkruns import CheckRunReporter
+from runner.service.command import direct_argv, shell_argv
 from runner.service.config import ArtifactLimits, ServiceConfig
 from runner.service.joblog import JobLog, LogFull
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
@@ -272,14 +273,20 @@ class JobRun:
         env = {"CI": "true", **self.spec.env, **self.trust_env, "MICROVM_CHECK_JOB_ID": self.record.id}
         # with service containers, the command runs inside the script that starts and removes them
         command = containers.script(self.spec.services, self.spec.command) if self.spec.services else self.spec.command
-        return sandbox.exec(
-            ["sh", "-c", command],
-            timeout_seconds=self.spec.timeout_seconds,
-            env=env,
-            cwd=self.spec.workdir,
-            on_output=self.log.append,
-            capture_bytes=0,  # the job log has it all; keeping another copy in memory helps no one
-        )
+
+        def run(argv: list[str]) -> ExecResult:
+            return sandbox.exec(argv, timeout_seconds=self.spec.timeout_seconds, env=env, cwd=self.spec.workdir,
+                                on_output=self.log.append,
+                                capture_bytes=0)  # the job log has it all; another copy in memory helps no one
+
+        direct = direct_argv(command)  # no shell when it would only split words (runner/service/command.py)
+        if direct is not None:
+            try:
+                return run(direct)
+            except SandboxError:  # not started (not found, not executable, no #!): the shell says why, or runs it
+                if not sandbox.alive or self.cancel_reason:
+                    raise
+        return run(shell_argv(command))
 
     def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:
         """Validated artifacts into the job dir; trouble with them is a warning in the log.

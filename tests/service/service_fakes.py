@@ -118,8 +118,9 @@ class FakeSandbox:
              user: str | None = None, on_output: Callable[[str, bytes], None] | None = None,
              capture_bytes: int = 0) -> ExecResult:
         self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
-        assert command[:2] == ["sh", "-c"] and len(command) == 3, command
-        program = self.engine.programs[command[2]]
+        # a job's command comes as `sh -c COMMAND`, or as its words when the shell would only split them
+        shell = command[:2] == ["sh", "-c"] and len(command) == 3
+        program = self.engine.programs[command[2] if shell else " ".join(command)]
         result = program(self, on_output or (lambda s, d: None), timeout_seconds)
         if self.destroyed.is_set():
             raise SandboxError(f"VM {self.id} was destroyed")

@@ -30,11 +30,18 @@ def test_passing_and_failing_commands(vm_service) -> None:
     service, client = vm_service()
     ok = submit(client, "cat README && echo from-$MICROVM_CHECK_JOB_ID && pwd", env={"GITHUB_SHA": "abc"})
     bad = submit(client, "echo boom >&2; exit 3")
+    # plain words start without a shell (runner/service/command.py); one the guest cannot start is then
+    # run by the shell, which says so as it always did
+    plain, missing = submit(client, "cat README"), submit(client, "no-such-program --version")
     assert output(client, ok) == f"hello\nfrom-{ok}\n/workspace\n".encode()
     assert output(client, bad) == b"boom\n"
+    assert output(client, plain) == b"hello\n"
+    assert b"no-such-program: not found" in output(client, missing)
     good, failed = client.get(ok), client.get(bad)
     assert (good.state, good.exit_code) == ("finished", 0)
     assert (failed.state, failed.exit_code) == ("finished", 3)
+    assert (client.get(plain).state, client.get(plain).exit_code) == ("finished", 0)
+    assert (client.get(missing).state, client.get(missing).exit_code) == ("finished", 127)
     for rec in (good, failed):
         assert rec.vm_id and rec.policy_digest.startswith("sha256:") and rec.warm is False
         t = rec.timings
