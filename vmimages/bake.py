@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.vm.agent import AgentClient
+from runner.vm import guestwire
+from runner.vm.agent import AgentClient, GuestMessage
 from runner.vm.hypervisor import Hypervisor, Launch, MachineConfig, Snapshot
 from vmimages.run import BuildError, run
 
@@ -27,7 +28,9 @@ def bake(
     variant_dir: Path,
     warmup: tuple[str, ...],
     say: Callable[[str], None],
-) -> Snapshot:
+) -> frozenset[str]:
+    """Bake the variant into `variant_dir`; returns the operations its guest agent answers (the
+    template's manifest records them: the host refuses a template whose agent lacks one it sends)."""
     variant_dir.mkdir(parents=True)
     disk = variant_dir / "disk.img"
     run(["cp", "--sparse=always", str(pristine_disk), str(disk)])
@@ -41,11 +44,12 @@ def bake(
     try:
         started = time.monotonic()
         try:
-            agent.ping(timeout=BOOT_TIMEOUT_S)
+            pong = agent.ping(timeout=BOOT_TIMEOUT_S)
         except Exception as exc:
             console = console_log.read_text(errors="replace")[-1500:] if console_log.exists() else ""
             raise BuildError(f"the template never answered after a cold boot: {exc}\nconsole:\n{console}") from None
         say(f"cold boot to agent ready: {time.monotonic() - started:.1f} s")
+        agent_ops = _agent_ops(pong)
         for command in (*warmup, "sync"):
             outcome = agent.exec({"shell": command, "cwd": "/"}, lambda stream, data: None, timeout=120)
             if outcome.exit_code != 0:
@@ -58,4 +62,15 @@ def bake(
     shutil.rmtree(bake_dir)
     for path in (disk, snapshot.mem_file, snapshot.state_file):
         path.chmod(0o444)  # every clone maps these; nothing may ever write them again
-    return snapshot
+    return agent_ops
+
+
+def _agent_ops(pong: GuestMessage) -> frozenset[str]:
+    """The operations the baked agent says it serves; all of those the host sends, or the build fails."""
+    ops = pong.get("ops")
+    answered = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
+    lacking = guestwire.OPS - answered
+    if lacking:
+        raise BuildError(f"the template's guest agent does not serve {sorted(lacking)}: its root filesystem did not "
+                         "get this checkout's vmimages/guest/agent.py")
+    return answered

@@ -107,6 +107,7 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
         shutil.copy2(boot_image, out / "vmlinuz")  # the image QEMU boots (the PVH ELF, else the bzImage)
         progress.say(f"kernel boots by {boot_kind}")
         shutil.copy2(initrd, out / "initrd.img")
+        agent_ops: frozenset[str] = frozenset()
         for variant, network in VARIANTS.items():
             with progress(f"bake the '{variant}' snapshot (cold boot, warm up, quiesce, snapshot)"):
                 config = MachineConfig(
@@ -118,7 +119,7 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
                     network=network,
                     accel=chosen.name,
                 )
-                bake.bake(hv, config, image, out / variant, recipe.warmup, progress.say)
+                agent_ops = bake.bake(hv, config, image, out / variant, recipe.warmup, progress.say)
         manifest = {
             "name": name,
             "digest": digest,
@@ -131,6 +132,7 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
             "hypervisor_version": hv.version(),
             "cmdline": KERNEL_CMDLINE,
             "kernel_boot": boot_kind,
+            "agent_ops": sorted(agent_ops),  # what the baked agent answered: the host checks it (templates.stale_agent)
             "memory_mib": recipe.memory_mib,
             "vcpus": recipe.vcpus,
             "created": time.time(),

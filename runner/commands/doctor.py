@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from runner.vm import accel, cgroup, jail, memory
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
-from runner.vm.templates import TemplateNotFound, TemplateStore, sized
+from runner.vm.templates import TemplateNotFound, TemplateStore, sized, stale_agent
 
 if TYPE_CHECKING:
     from runner.service.config import ServiceConfig
@@ -235,6 +235,9 @@ def template_check(state: StateDir, name: str = "base") -> Check:
         template = TemplateStore(state.templates).get(name)
     except TemplateNotFound as exc:
         return Check(False, f"template {name!r} is built in {state.root}", str(exc))
+    stale = stale_agent(template)
+    if stale is not None:
+        return Check(False, f"template {name!r} has a guest agent this host can use", stale)
     m = template.manifest
     return Check(True, f"template {name!r} is built in {state.root} ({template.digest}, {m['accel']}, "
                       f"{m['memory_mib']} MiB)")

@@ -68,16 +68,22 @@ def start_vms(config: ServiceConfig, settings: EngineSettings, stack: ExitStack,
 
 
 def _require_templates(config: ServiceConfig, engine: Engine, origin: str | None) -> None:
-    """Every template the config offers is built, or the host does not start: otherwise each job fails
-    with "no template" while the service looks healthy. The error names the command that fixes it."""
-    from runner.vm.templates import TemplateNotFound
+    """Every template the config offers is built, with a guest agent that serves what this host sends, or
+    the host does not start: otherwise each job fails with "no template" (or "baked with an older agent")
+    while the service looks healthy. The error names the command that fixes it."""
+    from runner.vm.templates import TemplateNotFound, stale_agent
 
-    missing = []
+    missing, stale = [], []
     for name in config.templates:
         try:
-            engine.templates.get(name)
+            problem = stale_agent(engine.templates.get(name), config=origin or None)
         except TemplateNotFound:
             missing.append(name)
+            continue
+        if problem is not None:
+            stale.append(problem)
+    if stale:
+        raise ConfigError(f"{origin + ': ' if origin else ''}{'; '.join(stale)}")
     if missing:
         where = f"{origin}: " if origin else ""
         flag = f" --config {origin}" if origin else ""

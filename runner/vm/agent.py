@@ -44,16 +44,6 @@ COALESCE_BYTES = 64 * 1024  # output frames of one request are merged up to this
 COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte at once
 TRICKLE_BYTES = 16 * 1024  # a read smaller than this while merging: wait for the merge to be due
 MAX_FRAMES_PER_S = 20_000  # per channel (one VM): bounds the host CPU a frame flood can take
-# `quiesce`: run as root in the guest before a snapshot. The checkout's overlays (their upper layer is
-# under GUEST_CHECKOUT_ROOT) and its medium are unmounted and the directory removed, then the page
-# cache is written and dropped.
-GUEST_CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the guest agent's CHECKOUT_ROOT
-QUIESCE_SCRIPT = (
-    "set -e; root=" + GUEST_CHECKOUT_ROOT + "; "
-    "for m in $(awk -v u=\"upperdir=$root/upper\" 'index($4, u) {print $2}' /proc/mounts); do umount \"$m\"; done; "
-    "if grep -q \" $root/medium \" /proc/mounts; then umount \"$root/medium\"; fi; rm -rf \"$root\"; "
-    "sync; echo 3 > /proc/sys/vm/drop_caches; sync"
-)
 MAX_JSON_DEPTH = 32  # our messages nest 2 levels; deeper would only exercise the parser's recursion
 # What a guest that broke the protocol did, for the engine's count (runner.vm.engine.Engine.protocol_errors):
 # a bad frame (header, size, truncation, a request never sent), a message that does not decode, a flood of
@@ -75,6 +65,15 @@ class ExecOutcome:
     exit_code: int
     timed_out: bool
     killed: bool
+
+
+@dataclass(frozen=True)
+class Quiesced:
+    """The guest's answer to `quiesce`: how many of the checkout's mounts it unmounted, and how long
+    writing and dropping its page cache took."""
+
+    unmounted: int
+    sync_ms: float
 
 
 class _Request:
@@ -452,7 +451,7 @@ class AgentClient:
         if reply.get("ok") is True:
             return reply
         error = str(reply.get("error", "no reason given"))[:2000]
-        raise GuestOpError(f"{message.get('op')} failed in the guest: {error}")
+        raise GuestOpError(f"{message.get('op')} failed in the guest: {error}", reply)
 
     # ---- operations ------------------------------------------------------------------------
     def ping(self, timeout: float = 10.0) -> GuestMessage:
@@ -489,15 +488,21 @@ class AgentClient:
             self._finish(req)
         raise AgentError("exec ended without a reply")
 
-    def quiesce(self, timeout: float) -> None:
-        """Make the guest fit to be snapshotted: the checkout's overlays and medium unmounted (the medium
-        is the job's, never the template's, and its upper layer goes with it), then its page cache
-        written and dropped. Sent as a fixed script run as root through `exec`, which every guest agent
-        baked so far has: an operation of its own in the guest would make every template stale."""
-        outcome = self.exec({"shell": QUIESCE_SCRIPT, "cwd": "/"}, lambda stream, data: None, timeout)
-        if outcome.exit_code != 0 or outcome.timed_out:
-            raise QuiesceFailed(f"the guest's sync and unmount failed (exit {outcome.exit_code}); is something "
-                                "still using its checkout?")
+    def quiesce(self, timeout: float) -> Quiesced:
+        """Make the guest fit to be snapshotted (guestwire's QUIESCE: the checkout unmounted, the page
+        cache written and dropped) within `timeout`; the host waits a grace longer, so the guest's own
+        refusal (QuiesceFailed, the VM runs on) comes before the host gives up on the channel. An agent
+        that does not know the operation is one baked before it existed: AgentTooOld."""
+        message = {"op": P.QUIESCE, "timeout": timeout}
+        try:
+            reply = self.call(message, timeout + KILL_GRACE_S)
+        except GuestOpError as exc:
+            if exc.reply.get("error") == P.unknown_op(P.QUIESCE):
+                raise AgentTooOld(P.QUIESCE) from None
+            refused = exc.reply.get("refused")
+            known = refused if isinstance(refused, str) and refused in P.QUIESCE_REFUSALS else None
+            raise QuiesceFailed(str(exc), known) from None
+        return _quiesced(reply)
 
     def kill_all(self) -> None:
         """Kill the process tree of every command running now (a cancel)."""
@@ -537,11 +542,39 @@ class AgentClient:
 
 
 class GuestOpError(AgentError):
-    """An operation failed inside the guest (a missing file, a bad path): the channel is still fine."""
+    """An operation failed inside the guest (a missing file, a bad path): the channel is still fine.
+    `reply` is the guest's answer as it came (untrusted: read it member by member)."""
+
+    def __init__(self, message: str, reply: GuestMessage | None = None) -> None:
+        super().__init__(message)
+        self.reply: GuestMessage = reply if reply is not None else {}
 
 
 class QuiesceFailed(GuestOpError):
-    """The guest could not be made fit for a snapshot (its checkout still busy): the VM runs on."""
+    """The guest could not be made fit for a snapshot: `refused` is one of guestwire's QUIESCE_REFUSALS
+    (a command still running, the checkout held, the sync too slow), or None for another failure. The
+    VM runs on."""
+
+    def __init__(self, message: str, refused: str | None) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class AgentTooOld(GuestOpError):
+    """The guest's agent answered "unknown op": its template was baked before the operation existed."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(f"the guest agent does not know the operation {op!r}")
+        self.op = op
+
+
+def _quiesced(reply: GuestMessage) -> Quiesced:
+    unmounted, sync_ms = reply.get("unmounted"), reply.get("sync_ms")
+    if not isinstance(unmounted, int) or isinstance(unmounted, bool) or not 0 <= unmounted <= 64:
+        raise AgentError(f"the guest reported an invalid count of unmounted checkout mounts: {str(unmounted)[:40]!r}")
+    if not isinstance(sync_ms, (int, float)) or isinstance(sync_ms, bool) or not 0 <= sync_ms < 1e9:
+        raise AgentError(f"the guest reported an invalid sync time: {str(sync_ms)[:40]!r}")
+    return Quiesced(unmounted=unmounted, sync_ms=float(sync_ms))
 
 
 def _exec_outcome(reply: GuestMessage) -> ExecOutcome:

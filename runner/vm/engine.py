@@ -19,14 +19,14 @@ import uuid
 from policy.model import DENY_ALL, Policy
 from runner.net.slots import SlotPool
 from runner.vm import cgroup, checkoutdisk
-from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient, QuiesceFailed
+from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient, AgentTooOld, QuiesceFailed
 from runner.vm.errors import SandboxError, VMError
 from runner.vm.hypervisor import Hypervisor, Launch, Snapshot
 from runner.vm.pool import SpareVMs
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
-from runner.vm.templates import NAME, Template, TemplateNotFound, TemplateStore
+from runner.vm.templates import NAME, Template, TemplateNotFound, TemplateStore, stale_agent
 from runner.vm.vm import VM
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,9 @@ class Engine:
                 f"template {name!r} was baked by {template.manifest.get('hypervisor_version')!r} but this host runs "
                 f"{self.hv.version()!r}: rebuild it with 'microvm-check template build {name}'"
             )
+        stale = stale_agent(template)
+        if stale is not None:
+            raise SandboxError(stale)
         return template
 
     def create(
@@ -196,9 +199,15 @@ class Engine:
     def _quiesce(self, vm: VM, quiet_s: float) -> None:
         assert vm.agent is not None, "snapshot() refuses a VM without an agent channel"
         try:
-            vm.agent.quiesce(QUIESCE_TIMEOUT_S)
+            done = vm.agent.quiesce(QUIESCE_TIMEOUT_S)
+        except AgentTooOld as exc:  # a template whose manifest claims an agent it does not have
+            template = self.templates.owner(vm.snapshot)
+            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: "
+                               f"{stale_agent(template, frozenset({exc.op}))}") from None
         except QuiesceFailed as exc:
             raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: {exc}") from None
+        log.debug("VM %s quiesced: %d checkout mounts unmounted, page cache written in %.0f ms", vm.id,
+                  done.unmounted, done.sync_ms)
         if vm.checkout_drive_used:
             vm.machine.eject_medium()
             vm.checkout_drive_used = False

@@ -42,6 +42,24 @@ MAX_REQUEST_ID = 2**31
 PORT_NAME = "org.microvm-check.agent.0"
 CHECKOUT_DEVICE = "/dev/sr0"  # the template's only CD-ROM (runner/vm/qemu.py), where checkouts arrive
 
+# The operations a request's "op" names: what the guest agent serves (vmimages/guest/agent.py `OPS`) and
+# the host may send. A template records those its agent answered at bake time (its manifest's
+# "agent_ops", from `ping`), and the host refuses a template whose agent lacks one of these
+# (runner.vm.templates.stale_agent): a new operation is added here, and every template is rebuilt.
+QUIESCE = "quiesce"
+OPS = frozenset({"exec", "kill", "ping", "identity", "write_file", "read_file", "put_tar", "checkout", "get_tar",
+                 QUIESCE})
+# Why the guest refused to quiesce (its reply's "refused"): the VM runs on, not fit for a snapshot.
+EXEC_RUNNING = "exec-running"  # a command is still running: it may be using the checkout
+CHECKOUT_BUSY = "checkout-busy"  # a process left behind (a daemon) holds the checkout: it cannot be unmounted
+SYNC_TIMED_OUT = "sync-timed-out"  # writing the page cache took longer than the request allowed
+QUIESCE_REFUSALS = frozenset({EXEC_RUNNING, CHECKOUT_BUSY, SYNC_TIMED_OUT})
+
+
+def unknown_op(op: object) -> str:
+    """The error every guest agent so far answers for an op it does not know."""
+    return f"unknown op {op!r}"
+
 
 # A decoded MSG. Its values are whatever JSON held: the guest trusts its host's requests as they
 # come, and the host narrows a guest's reply member by member (runner.vm.agent.GuestMessage).

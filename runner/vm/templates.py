@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import TemplateError
+from runner.vm import guestwire
 from runner.vm.hypervisor import MachineConfig, Snapshot
 
 VARIANTS = {"net": True, "nonet": False}
@@ -39,6 +40,16 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")
 def sized(template: str, size: str) -> str:
     """The name of `template` baked at the size class `size` (vmimages: template build NAME --size SIZE)."""
     return f"{template}.{size}"
+
+
+def build_command(name: str, config: str | Path | None = None) -> str:
+    """The command that (re)builds template `name` from its recipe: `<recipe>.<size>` is baked at a size class
+    of a service config's `sizes:`; `config` (a path) is the service config whose state directory holds it."""
+    recipe, _, size = name.partition(".")
+    option = f" --config {config}" if config is not None else ""
+    if size and "--" not in name:  # `<recipe>.<size>`, not a warm base of a dotted repository
+        return f"microvm-check template build {recipe} --size {size} --config {config or '<the service config>'}"
+    return f"microvm-check template build {name}{option}"
 
 
 class TemplateNotFound(TemplateError):
@@ -57,6 +68,13 @@ class Template:
     @property
     def variants(self) -> tuple[str, ...]:
         return tuple(self.manifest.get("variants", VARIANTS))
+
+    @property
+    def agent_ops(self) -> frozenset[str]:
+        """The operations its guest agent answered to at bake time (a derived template runs its parent's
+        agent, and inherits the record); empty for a template baked before they were recorded."""
+        ops = self.manifest.get("agent_ops")
+        return frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
 
     @property
     def derived(self) -> bool:
@@ -108,11 +126,7 @@ class TemplateStore:
     def get(self, name: str) -> Template:
         current = self.root / name / "current"
         if not current.exists():
-            recipe, _, size = name.partition(".")
-            sized_one = size and "--" not in name  # `<recipe>.<size>`, not a warm base of a dotted repository
-            how = (f"template build {recipe} --size {size} --config <the service config>" if sized_one
-                   else f"template build {name}")
-            raise TemplateNotFound(f"no template named {name!r} in {self.root}: build it with 'microvm-check {how}'")
+            raise TemplateNotFound(f"no template named {name!r} in {self.root}: build it with '{build_command(name)}'")
         digest = current.read_text().strip()
         path = self.dir_for(name, digest)
         manifest = json.loads((path / "manifest.json").read_text())
@@ -211,3 +225,23 @@ class TemplateStore:
         if not path.exists():
             raise TemplateNotFound(f"no template named {name!r} in {self.root}")
         shutil.rmtree(path)
+
+
+def stale_agent(template: Template, missing: frozenset[str] | None = None,
+                config: str | Path | None = None) -> str | None:
+    """Why this host cannot use `template` (its guest agent lacks operations the host sends: `missing`, by
+    default those of guestwire.OPS its manifest does not record), with the command that fixes it (for the
+    service config `config`, a path, when given); None when nothing is missing. A derived template's fix
+    is its parent's rebuild: it runs its parent's agent."""
+    lacking = sorted(guestwire.OPS - template.agent_ops if missing is None else missing)
+    if not lacking:
+        return None
+    what = f"template {template.name!r} ({template.digest}) was baked with a guest agent older than this host: "
+    what += (f"it lacks {', '.join(map(repr, lacking))}, which this host sends" if template.agent_ops
+             else "its manifest records none of the operations the agent answers (agent_ops)")
+    if not template.derived:
+        return f"{what}: rebuild it with '{build_command(template.name, config)}'"
+    parent = str(template.manifest["parent"].get("name", "?"))
+    return (f"{what} (its agent is that of {parent!r}, which it was made from): rebuild {parent!r} with "
+            f"'{build_command(parent, config)}', then make {template.name!r} again from it (a repository's warm base "
+            "is remade by itself when its parent changes)")

@@ -22,6 +22,7 @@ from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import VMRequest
 from runner.service.config import ServiceConfig
 from runner.service.spec import parse_submission
+from runner.vm import guestwire
 from runner.vm.errors import SandboxError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -230,5 +231,6 @@ def baked_template(state_dir: Path, name: str = "base") -> None:
     store = TemplateStore(state_dir / "templates")
     path = store.begin(name, "d" * 20)
     (path / "manifest.json").write_text(json.dumps({"name": name, "digest": "d" * 20, "accel": "tcg",
+                                                    "agent_ops": sorted(guestwire.OPS),
                                                     "memory_mib": 512, "created": 0, "variants": ["nonet"]}))
     store.publish(name, "d" * 20)

@@ -169,3 +169,24 @@ def test_serve_refuses_to_start_without_a_template_it_offers(short_dir: Path, ca
         f"microvm-check: {config}: templates: 'big' not built in {short_dir}/state/templates; build it: "
         f"sudo microvm-check template build big --config {config}\n")
     assert not (short_dir / "api.sock").exists()
+
+
+def test_serve_refuses_to_start_with_a_template_whose_agent_is_older(short_dir: Path, capsys, monkeypatch) -> None:
+    """A template baked before its agent had `quiesce` (or any operation the host sends): serve names it and the
+    rebuild, rather than starting and failing the first snapshot of a warm base."""
+    import json
+
+    from runner.vm.templates import TemplateStore
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    config = short_dir / "service.yml"
+    config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\n")
+    baked_template(short_dir / "state", "base")
+    manifest = TemplateStore(short_dir / "state" / "templates").dir_for("base", "d" * 20) / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "agent_ops"}))
+    assert main(["serve", "--config", str(config)]) == 1
+    assert capsys.readouterr().err == (
+        f"microvm-check: {config}: template 'base' ({'d' * 20}) was baked with a guest agent older than this host: its "
+        "manifest records none of the operations the agent answers (agent_ops): rebuild it with 'microvm-check "
+        f"template build base --config {config}'\n")
+    assert not (short_dir / "api.sock").exists()

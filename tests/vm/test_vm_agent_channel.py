@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from runner.vm import guestwire as P
-from runner.vm.agent import AgentClient, GuestOpError
+from runner.vm.agent import AgentClient, AgentTooOld, GuestOpError, Quiesced, QuiesceFailed
 from runner.vm.errors import AgentError
 
 
@@ -297,3 +297,51 @@ def test_an_unforeseen_failure_in_the_reader_still_breaks_the_channel(pair, monk
     with pytest.raises(AgentError, match="reader failed: KeyError"):
         client.ping(timeout=30)
     assert "reader failed: KeyError: 'unforeseen'" in wait_broken(client, broken)
+
+
+def _answer_quiesce(guest: socket.socket, reply: dict, seen: list[dict]) -> None:
+    def run() -> None:
+        seen.append(read_request(guest).json())
+        guest.sendall(P.encode_msg(1, reply))
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_quiesce_is_an_operation_of_its_own_with_a_typed_answer(pair):
+    client, guest, broken = pair
+    seen: list[dict] = []
+    _answer_quiesce(guest, {"ok": True, "unmounted": 2, "sync_ms": 41.5}, seen)
+    assert client.quiesce(timeout=30) == Quiesced(unmounted=2, sync_ms=41.5)
+    assert seen == [{"op": P.QUIESCE, "timeout": 30}] and broken == []
+
+
+@pytest.mark.parametrize("refused", sorted(P.QUIESCE_REFUSALS))
+def test_a_refused_quiesce_says_why_and_the_channel_stays(pair, refused):
+    client, guest, broken = pair
+    _answer_quiesce(guest, {"ok": False, "refused": refused, "error": "1 command(s) still running"}, [])
+    with pytest.raises(QuiesceFailed, match="^quiesce failed in the guest: 1 command") as failed:
+        client.quiesce(timeout=30)
+    assert failed.value.refused == refused and broken == [] and client.broken is None
+
+
+def test_an_agent_without_quiesce_is_told_apart_from_a_refusal(pair):
+    """What every agent baked before the operation answers: the host must say the template is stale."""
+    client, guest, broken = pair
+    _answer_quiesce(guest, {"ok": False, "error": "unknown op 'quiesce'"}, [])
+    with pytest.raises(AgentTooOld) as old:
+        client.quiesce(timeout=30)
+    assert old.value.op == P.QUIESCE and broken == []
+
+
+@pytest.mark.parametrize("answer", [
+    {"ok": True, "unmounted": 10**9, "sync_ms": 1.0},
+    {"ok": True, "unmounted": True, "sync_ms": 1.0},
+    {"ok": True, "unmounted": 1, "sync_ms": "fast"},
+    {"ok": True, "unmounted": 1, "sync_ms": -1},
+    {"ok": True},
+])
+def test_a_quiesce_answer_out_of_bounds_is_an_error(pair, answer):
+    client, guest, broken = pair
+    _answer_quiesce(guest, answer, [])
+    with pytest.raises(AgentError, match="the guest reported an invalid"):
+        client.quiesce(timeout=30)

@@ -106,3 +106,69 @@ def test_output_of_a_daemon_after_the_reply_is_drained_not_sent(G, monkeypatch):
     assert not pumps[0].is_alive()
     assert [(kind, payload) for kind, _, payload in channel.frames if kind != P.MSG] == [(P.STDOUT, b"before")]
     assert channel.frames[-1][0] == P.MSG
+
+
+def test_the_agent_serves_exactly_the_operations_the_wire_protocol_names(G):
+    """guestwire.OPS is what templates record and the host requires: the agent must agree with it, and
+    say so in `ping` (what the bake records in the manifest)."""
+    assert set(G.OPS) == P.OPS
+    assert G.op_ping(G.Request(FakeChannel(), 1, {"op": "ping"}))["ops"] == sorted(P.OPS)
+    channel = FakeChannel()
+    G.handle(G.Request(channel, 2, {"op": "no-such-op"}))
+    assert channel.frames == [(P.MSG, 2, repr({"ok": False, "error": P.unknown_op("no-such-op")}).encode())]
+
+
+def test_the_checkout_mounts_are_found_overlays_first_and_nothing_else(G):
+    root = G.CHECKOUT_ROOT
+    mounts = [
+        "/dev/vda / ext4 rw,noatime 0 0",
+        f"/dev/sr0 {root}/medium ext4 ro,nosuid,nodev,relatime 0 0",
+        f"overlay /workspace/my\\040project overlay rw,relatime,lowerdir={root}/medium/tree:/workspace/my\\040project,"
+        f"upperdir={root}/upper,workdir={root}/work,redirect_dir=on 0 0",
+        "overlay /var/lib/docker/overlay2/abc/merged overlay rw,lowerdir=/var/lib/docker/overlay2/l/X,"
+        "upperdir=/var/lib/docker/overlay2/abc/diff,workdir=/var/lib/docker/overlay2/abc/work 0 0",
+        f"overlay /elsewhere overlay rw,upperdir={root}/upper-not-ours,workdir=/w 0 0",
+    ]
+    assert G.checkout_mounts(line + "\n" for line in mounts) == ["/workspace/my project", f"{root}/medium"]
+
+
+def test_quiesce_is_refused_while_a_command_runs_and_no_command_starts_while_it_runs(G, monkeypatch, tmp_path):
+    monkeypatch.setattr(G, "CGROUP_ROOT", str(tmp_path))
+    unmounted: list[str] = []
+    monkeypatch.setattr(G, "_unmount_checkout", lambda: unmounted.append("x") or 1)
+    running = G.Exec(G.Request(FakeChannel(), 7, {"op": "exec"}))
+    monkeypatch.setitem(G.EXECS, 7, running)
+    reply = G.op_quiesce(G.Request(FakeChannel(), 8, {"op": P.QUIESCE, "timeout": 5}))
+    assert reply["ok"] is False and reply["refused"] == P.EXEC_RUNNING and unmounted == []
+    assert not G.QUIESCING.is_set()
+    del G.EXECS[7]
+
+    def flush() -> None:  # while the page cache is written, a command is refused
+        started = G.op_exec(G.Request(FakeChannel(), 9, {"op": "exec", "argv": ["true"]}))
+        assert started == {"ok": False, "error": "the guest is being quiesced for a snapshot: no command may start now"}
+        assert not (tmp_path / "9").exists()
+
+    monkeypatch.setattr(G, "_flush_page_cache", flush)
+    reply = G.op_quiesce(G.Request(FakeChannel(), 10, {"op": P.QUIESCE, "timeout": 5}))
+    assert reply["ok"] is True and reply["unmounted"] == 1 and reply["sync_ms"] >= 0, reply
+    assert unmounted == ["x"] and not G.QUIESCING.is_set()
+
+
+def test_quiesce_refuses_a_held_checkout_and_a_sync_past_its_timeout(G, monkeypatch):
+    import errno
+
+    def busy() -> int:
+        raise OSError(errno.EBUSY, "umount /workspace: Device or resource busy")
+
+    monkeypatch.setattr(G, "_unmount_checkout", busy)
+    reply = G.op_quiesce(G.Request(FakeChannel(), 1, {"op": P.QUIESCE, "timeout": 5}))
+    assert reply["ok"] is False and reply["refused"] == P.CHECKOUT_BUSY and "still uses the checkout" in reply["error"]
+    release = threading.Event()
+    monkeypatch.setattr(G, "_unmount_checkout", lambda: 0)
+    monkeypatch.setattr(G, "_flush_page_cache", lambda: release.wait(30))
+    try:
+        reply = G.op_quiesce(G.Request(FakeChannel(), 2, {"op": P.QUIESCE, "timeout": 0.05}))
+    finally:
+        release.set()
+    assert reply["ok"] is False and reply["refused"] == P.SYNC_TIMED_OUT, reply
+    assert not G.QUIESCING.is_set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import threading
 
 import pytest
 
@@ -82,3 +83,27 @@ def test_snapshot_of_a_dirty_vm_then_create_round_trip(private_engine, private_t
             clone.put_tar(io.BytesIO(_tar({"pr.txt": b"a later checkout\n"})))
             assert clone.exec("cat /workspace/pr.txt").stdout == b"a later checkout\n"
     assert len(randoms[0]) == 64 and randoms[0] != randoms[1]
+
+
+def test_a_snapshot_is_refused_while_a_command_runs_or_a_daemon_holds_the_checkout(private_engine, private_templates):
+    """The guest's own `quiesce` refuses, says why, and the sandbox runs on, its checkout still there;
+    no template is made. (Before it was an operation, a failed umount in a shell script said only "exit 1".)"""
+    with Sandbox.create(engine=private_engine) as sbx:
+        sbx.put_tar(io.BytesIO(_tar({"job.txt": b"the job's checkout\n"})))
+        running = threading.Thread(target=sbx.exec, args=("echo started > /tmp/started; exec sleep 600",), daemon=True)
+        running.start()
+        # A second command while the first runs: it returns once the first has started.
+        waited = sbx.exec("for i in $(seq 600); do [ -e /tmp/started ] && exit 0; sleep 0.1; done; exit 1", cwd="/")
+        assert waited.exit_code == 0
+        with pytest.raises(SandboxError, match=r"1 command\(s\) still running: the checkout may be in use"):
+            sbx.snapshot("refused")
+        sbx.cancel()
+        running.join(timeout=60)
+        assert not running.is_alive()
+        daemon = sbx.exec("sleep 600 > /dev/null 2>&1 < /dev/null & echo $! > /tmp/daemon")
+        assert daemon.exit_code == 0, daemon.stderr
+        with pytest.raises(SandboxError, match="a process left running \\(a daemon\\?\\) still uses the checkout"):
+            sbx.snapshot("refused")
+        assert sbx.exec("kill $(cat /tmp/daemon); cat /workspace/job.txt", cwd="/").stdout == b"the job's checkout\n"
+    with pytest.raises(TemplateNotFound):
+        private_templates.get("refused")

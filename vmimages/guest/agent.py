@@ -19,6 +19,7 @@ import glob
 import io
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -153,6 +154,7 @@ class Exec:
 
 EXECS: dict[int, Exec] = {}
 EXECS_LOCK = threading.Lock()
+QUIESCING = threading.Event()  # set under EXECS_LOCK while a quiesce runs: no exec may start meanwhile
 
 
 def _user_ids(user: str | None) -> tuple[int, int, list[int]] | None:
@@ -206,6 +208,9 @@ def op_exec(req: Request) -> dict:
     job = Exec(req)
     os.makedirs(job.cgroup, exist_ok=True)
     with EXECS_LOCK:
+        if QUIESCING.is_set():
+            os.rmdir(job.cgroup)
+            return {"ok": False, "error": "the guest is being quiesced for a snapshot: no command may start now"}
         EXECS[req.rid] = job
     start = time.monotonic()
     try:
@@ -273,7 +278,7 @@ def op_kill(req: Request) -> dict:
 def op_ping(req: Request) -> dict:
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
-    return {"ok": True, "version": P.VERSION, "uptime": uptime}
+    return {"ok": True, "version": P.VERSION, "uptime": uptime, "ops": sorted(OPS)}
 
 
 def op_identity(req: Request) -> dict:
@@ -419,6 +424,85 @@ def _undo_checkout(dest: str) -> None:
             code = ctypes.get_errno()
             raise OSError(code, f"umount {target}: {os.strerror(code)}")
     shutil.rmtree(CHECKOUT_ROOT)
+
+
+def op_quiesce(req: Request) -> dict:
+    """Make the guest fit to be snapshotted: the checkout's overlays and its medium unmounted (the
+    medium is the job's, never the template's, and the upper layer goes with it), then the page cache
+    written and dropped, within the request's "timeout".
+
+    Refused while a command runs (it may be using the checkout, and a snapshot taken under it would
+    hold it half-written), and no command starts until this ends. A refusal says why in "refused"
+    (guestwire's QUIESCE_REFUSALS); the VM runs on.
+    """
+    deadline = time.monotonic() + float(req.message["timeout"])
+    with EXECS_LOCK:
+        running = sorted(EXECS)
+        if not running:
+            QUIESCING.set()
+    if running:
+        return {"ok": False, "refused": P.EXEC_RUNNING,
+                "error": f"{len(running)} command(s) still running: the checkout may be in use"}
+    try:
+        try:
+            unmounted = _unmount_checkout()
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            return {"ok": False, "refused": P.CHECKOUT_BUSY,
+                    "error": f"{exc.strerror}: a process left running (a daemon?) still uses the checkout"}
+        started = time.monotonic()
+        flushed = threading.Thread(target=_flush_page_cache, daemon=True)
+        flushed.start()
+        flushed.join(max(0.0, deadline - started))
+        if flushed.is_alive():
+            return {"ok": False, "refused": P.SYNC_TIMED_OUT,
+                    "error": f"writing the page cache took longer than {req.message['timeout']} s"}
+        return {"ok": True, "unmounted": unmounted, "sync_ms": (time.monotonic() - started) * 1000}
+    finally:
+        QUIESCING.clear()
+
+
+def _unmount_checkout() -> int:
+    """Unmount the checkout (see `checkout_mounts`) and remove its directory; how many mounts went."""
+    with open("/proc/mounts") as mounts:
+        targets = checkout_mounts(mounts)
+    for target in targets:
+        if LIBC.umount2(target.encode(), 0) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"umount {target}: {os.strerror(code)}")
+    shutil.rmtree(CHECKOUT_ROOT, ignore_errors=True)
+    return len(targets)
+
+
+def checkout_mounts(lines) -> list:
+    """The checkout's mounts among /proc/mounts' `lines`, in the order they can come off: its overlays
+    (those whose upper layer is ours: a container engine's have their own), then the medium below them."""
+    upper = f"upperdir={CHECKOUT_ROOT}/upper"
+    medium = f"{CHECKOUT_ROOT}/medium"
+    overlays, media = [], []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        target = _unescape_mount_field(fields[1])
+        if upper in fields[3].split(","):
+            overlays.append(target)
+        elif target == medium:
+            media.append(target)
+    return overlays + media
+
+
+def _unescape_mount_field(field: str) -> str:
+    """/proc/mounts writes space, tab, newline and backslash in a path as octal escapes (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _flush_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+    os.sync()
 
 
 SKIPPED_KEY = "MICROVM_CHECK.skipped"  # runner/tarsafe.py: a zero-size member naming a file left out
@@ -587,6 +671,7 @@ OPS = {
     "put_tar": op_put_tar,
     "checkout": op_checkout,
     "get_tar": op_get_tar,
+    P.QUIESCE: op_quiesce,
 }
 
 
@@ -594,7 +679,7 @@ def handle(req: Request) -> None:
     op = OPS.get(req.message.get("op"))
     try:
         if op is None:
-            reply = {"ok": False, "error": f"unknown op {req.message.get('op')!r}"}
+            reply = {"ok": False, "error": P.unknown_op(req.message.get("op"))}
         else:
             reply = op(req)
     except Exception as exc:  # the host gets every failure as a reply, never silence
