@@ -10,21 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy.load import PolicyError, load_policy, raw_warnings
-from policy.model import DENY_ALL
-from policy.render import RenderContext, render
 from policy.store import ORG_FILE
-from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
 from policy.warm import WarmSpec, load_repository_file
 from runner.errors import UserError
 
 if TYPE_CHECKING:
     from runner.jobapi.contract import JobRecord
 
-# What `policy render` shows rules for: a typical VM namespace, so that the output reads like the real thing.
-EXAMPLE_CONTEXT = RenderContext(
-    guest_ip="172.16.0.2", guest_mac="52:54:00:12:34:56", gateway_ip="172.16.0.1",
-    dns_ip="172.16.0.1", guest_ip6="fd00:16::2", log_prefix="mvc:example",
-)
+# The renderer (jinja2) and the suggester are imported by the commands that use them, not at start-up:
+# `policy check` needs neither (runner/cli.py).
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,11 +91,16 @@ def _check_one(path: Path, kind: str) -> WarmSpec | None:
 
 
 def render_command(args: argparse.Namespace) -> int:
+    from policy.render import RenderContext, render
+
     try:
         policy = load_policy(args.file)
     except PolicyError as exc:
         raise UserError(f"{args.file} is not a valid policy:\n{exc}") from None
-    rules = render(policy, EXAMPLE_CONTEXT)
+    # a typical VM namespace, so that the output reads like the real thing
+    example = RenderContext(guest_ip="172.16.0.2", guest_mac="52:54:00:12:34:56", gateway_ip="172.16.0.1",
+                            dns_ip="172.16.0.1", guest_ip6="fd00:16::2", log_prefix="mvc:example")
+    rules = render(policy, example)
     print(rules.ipv6 if args.ipv6 else rules.ipv4, end="")
     return 0
 
@@ -121,6 +120,8 @@ def duration(text: str) -> float:
 
 
 def suggest_command(args: argparse.Namespace) -> int:
+    from policy.model import DENY_ALL
+    from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
 
     since = time.time() - args.since
     records = _job_records(args, since)

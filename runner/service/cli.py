@@ -16,7 +16,6 @@ from runner.errors import UserError
 from runner.jobapi.contract import DEFAULT_SOCKET, JobRecord
 from runner.logs import FORMATS
 from runner.logs import setup as setup_logging
-from runner.tarsafe import require_patched_python
 
 if TYPE_CHECKING:
     from runner.jobapi.client import JobClient
@@ -58,8 +57,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    require_patched_python()
     from runner.service.config import load_config
+    from runner.tarsafe import require_patched_python
+
+    require_patched_python()
     from runner.service.host import ServiceHost
 
     config = load_config(args.config)
@@ -96,6 +97,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         finally:
             store.close()
     else:
+        _require_socket(args.socket, "or pass --config to read its records directly")
         from runner.jobapi.client import JobAPIError, JobClient
 
         try:
@@ -108,6 +110,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_socket(socket: str, hint: str) -> None:
+    """A socket path where nothing is is a service that is not running: said without loading the HTTP
+    client, which is most of these commands' start-up (a socket that is there is asked)."""
+    if not Path(socket).exists():
+        raise UserError(f"cannot reach the job service at {socket}: there is no socket there "
+                        f"(is the service running? {hint})")
+
+
 def _job_client(args: argparse.Namespace) -> JobClient:
     """A client of the running service: a job's record, log and cancel go through the API, whose operator
     check (root or the admin_group; a runner only its own jobs) decides who reaches which job."""
@@ -118,14 +128,16 @@ def _job_client(args: argparse.Namespace) -> JobClient:
         from runner.service.config import load_config
 
         socket = load_config(args.config).socket
+    _require_socket(socket, "pass its --socket")
     return JobClient(socket=socket)
 
 
 def _api_call(args: argparse.Namespace, call: Callable[[JobClient], T]) -> T:
+    client = _job_client(args)  # refused before the HTTP client loads when there is no socket
     from runner.jobapi.client import JobAPIError
 
     try:
-        with _job_client(args) as client:
+        with client:
             return call(client)
     except JobAPIError as exc:
         hint = {403: " (jobs of others are for the operator: root or the config's admin_group)",
