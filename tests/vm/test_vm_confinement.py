@@ -165,6 +165,7 @@ def test_restored_qemu_inherits_no_environment_cwd_or_capability_bound_from_the_
     assert _environ(pid) == {}
     assert os.readlink(f"/proc/{pid}/cwd") == "/"
     assert _status(pid)["CapBnd"] == "0000000000000000"
+    assert _status(pid)["THP_enabled"] == "0"  # jail.confine: no huge pages for TCG's buffer (memory per VM)
     engine.destroy(vm)
 
 def test_restored_qemu_cannot_open_connections_on_the_hosts_network(make_engine):
