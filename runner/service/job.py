@@ -9,29 +9,25 @@ session for the job's next step, which attaches to it (no checkout) instead of s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from policy import suggest
 from policy.model import Policy
 from runner.errors import JobError, MicrovmCheckError, SandboxError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
-from runner.service.checkruns import CheckRunReporter
 from runner.service.command import direct_argv, shell_argv
-from runner.service.config import ArtifactLimits, ServiceConfig
+from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog, LogFull
+from runner.service.outputs import bounded_blocked, collect_artifacts, refused_egress
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
-from runner.tarsafe import Limits, copy_validated
 
 if TYPE_CHECKING:
     from runner.sandbox import ExecResult
@@ -40,12 +36,10 @@ log = logging.getLogger(__name__)
 
 EXIT_TIMEOUT = 124
 EXIT_CANCELLED = 130
-MAX_BLOCKED_RECORDS = 1000
 _TTL_MARGIN_SECONDS = 120  # the engine's own hard limit, past the job's timeout, in case we die
 
 CHECKOUT = "checkout.tar"
 ARTIFACTS = "artifacts.tar"
-MAX_ARTIFACT_NOTES = 50  # log notes about skipped artifacts; they are outside the guest's log budget
 LOG = "log.ndjson"
 
 
@@ -57,6 +51,15 @@ def vm_request(config: ServiceConfig, *, template: str, ttl_seconds: float, poli
     shape = config.size(size) if size else config.resources
     return VMRequest(template=template, ttl_seconds=ttl_seconds, resources=Resources(shape.vcpus, shape.memory_mib),
                      policy=policy, job_id=job_id)
+
+
+class JobWatcher(Protocol):
+    """What hears of a job's VM starting and of its end: the pull request's check run
+    (runner/service/checkruns.py `CheckRunReporter`)."""
+
+    def vm_started(self, run: JobRun) -> None: ...
+
+    def job_ended(self, run: JobRun) -> None: ...
 
 
 @dataclass
@@ -82,7 +85,7 @@ class JobRun:
     attestor: JobAttestor | None = None  # signs the final record (runner/service/attestation.py)
     vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
     artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
-    checks: CheckRunReporter | None = None  # posts its check run on the pull request (runner/service/checkruns.py)
+    checks: JobWatcher | None = None  # posts its check run on the pull request (runner/service/checkruns.py)
     # The repository's warm base its worker chose (runner/service/workers.py), restored instead of the
     # spec's template; the spec stays as admitted.
     warm_base: str | None = None
@@ -215,7 +218,7 @@ class JobRun:
         if self.cancel_reason:
             return self._cancelled()
         self._collect_artifacts(sandbox, config)
-        blocked = _bounded_blocked(sandbox.blocked_egress())
+        blocked = bounded_blocked(sandbox.blocked_egress())
         with self.lock:
             self.record.blocked_egress = blocked
         if result.timed_out:
@@ -226,14 +229,11 @@ class JobRun:
 
     def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
-        policy = self.policy
-        if policy is None or policy.on_block != "fail":
+        refused = refused_egress(self.policy, blocked)
+        if refused is None:
             return None
-        refused = suggest.refused([r for r in map(suggest.record_from_json, blocked) if r is not None], policy.mode)
-        if not refused:
-            return None
-        self.log.system(f"egress was refused and the policy says on_block: fail: {suggest.refused_summary(refused)}")
-        return "failed", exit_code, f"egress refused (on_block: fail): {suggest.refused_summary(refused)}"
+        self.log.system(f"egress was refused and the policy says on_block: fail: {refused}")
+        return "failed", exit_code, f"egress refused (on_block: fail): {refused}"
 
     def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> SandboxLike | None:
         self.update(state="starting")
@@ -289,52 +289,15 @@ class JobRun:
         return run(shell_argv(command))
 
     def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:
-        """Validated artifacts into the job dir; trouble with them is a warning in the log.
-
-        The command's exit code is the job's result either way. Files that break a rule (links,
-        devices, oversize, refused names) are skipped and named; the clean tar carries them as
-        markers so the action can name them too. A guest that breaks the transfer as a whole (its
-        framing, the byte budget) ends it: what was validated before stays.
-        """
-        if not self.spec.artifacts:
+        """Validated artifacts into the job dir (runner/service/artifacts.py); trouble with them is a
+        warning in the log, and the command's exit code is the job's result either way."""
+        entries = collect_artifacts(sandbox, self.spec, self.dir, self.dir / ARTIFACTS, config.artifacts, self.log,
+                                    lambda: bool(self.cancel_reason))
+        if entries is None:
             return
-        limits = config.artifacts
-        raw, clean = self.dir / "artifacts.raw", self.dir / ARTIFACTS
-        # Headers and padding take at most 1.5 KiB a member plus the end blocks.
-        budget = limits.max_total_bytes + 1536 * (limits.max_count + 2) + 10240
-        stopped: str | None = None
-        try:
-            with open(raw, "wb") as out:
-                size = sandbox.get_tar(list(self.spec.artifacts), out, budget, cwd=self.spec.workdir)
-            if size == 0:
-                self.log.system(f"no files matched the artifact patterns {', '.join(self.spec.artifacts)}")
-                return
-        except Exception as exc:  # the guest failed or broke the transfer: keep what arrived intact
-            if self.cancel_reason:
-                _remove(raw)
-                raise
-            stopped = f"the guest's artifact transfer failed: {exc}"
-        try:
-            self._validate_artifacts(raw, clean, limits, stopped)
-        finally:
-            _remove(raw)
-
-    def _validate_artifacts(self, raw: Path, clean: Path, limits: ArtifactLimits, stopped: str | None) -> None:
-        tar_limits = Limits(max_files=limits.max_count, max_file_bytes=limits.max_total_bytes,
-                            max_total_bytes=limits.max_total_bytes)
-        with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
-            copied = copy_validated(src, dst, tar_limits, stopped=stopped, stop_names=self.spec.artifacts)
-        os.replace(f"{clean}.part", clean)
-        for name, why in copied.skipped[:MAX_ARTIFACT_NOTES]:
-            self.log.system(f"warning: artifact {name} skipped: {why}")
-        if len(copied.skipped) > MAX_ARTIFACT_NOTES:  # the guest chose how many; the clean tar names each
-            self.log.system(f"warning: {len(copied.skipped) - MAX_ARTIFACT_NOTES} more artifacts skipped "
-                            "(the artifact tar carries a note for each)")
-        if copied.stopped:
-            self.log.system(f"warning: artifact transfer ended early: {copied.stopped}")
         with self.lock:
-            self.record.artifacts = [m.to_json() for m in copied.files]
-        self.log.system(f"collected {len(copied.files)} artifact file(s)")
+            self.record.artifacts = entries
+        self.log.system(f"collected {len(entries)} artifact file(s)")
 
 
 class SessionGone(JobError):
@@ -345,20 +308,6 @@ def _exit_code(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not -255 <= value <= 255:
         raise ValueError(f"the guest reported an impossible exit code {value!r}")
     return value
-
-
-def _bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, object]]:
-    """Blocked-egress records as plain JSON, bounded: their content derives from guest traffic."""
-    kept: list[dict[str, object]] = []
-    for entry in list(entries or [])[:MAX_BLOCKED_RECORDS]:
-        if hasattr(entry, "as_json"):  # runner.net.audit.AuditRecord
-            entry = entry.as_json()
-        elif dataclasses.is_dataclass(entry) and not isinstance(entry, type):
-            entry = dataclasses.asdict(entry)
-        if isinstance(entry, dict):
-            kept.append({k: v for k, v in entry.items()
-                         if isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) and len(str(v)) <= 256})
-    return kept
 
 
 def _log_failure(job_id: str, exc: Exception) -> None:

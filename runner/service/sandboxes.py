@@ -39,8 +39,9 @@ from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
 from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
 from runner.service.config import SandboxAccess, ServiceConfig
 from runner.service.egress import EgressPolicies
-from runner.service.job import LOG, _bounded_blocked, vm_request
+from runner.service.job import LOG, vm_request
 from runner.service.joblog import JobLog, LogFull
+from runner.service.outputs import bounded_blocked
 from runner.tarsafe import Limits, check_tar, copy_validated
 
 log = logging.getLogger(__name__)
@@ -353,7 +354,7 @@ class SandboxDesk:
     def note_blocked(self, sandbox: LiveSandbox) -> None:
         """What the guest tried that its policy refused, into the record (the page shows it)."""
         try:
-            blocked = _bounded_blocked(sandbox.vm.blocked_egress())
+            blocked = bounded_blocked(sandbox.vm.blocked_egress())
         except Exception:  # a VM that is gone has nothing more to say
             return
         if blocked and blocked != sandbox.record.blocked_egress:  # a slot that went says nothing: keep what was seen
