@@ -10,6 +10,8 @@ import time
 from service_fakes import FakeEngine, checkout_tar, prints, spec
 from test_tenant_quotas import runner
 
+from runner.jobapi.contract import ACTIVE_STATES
+
 
 def test_a_repositorys_jobs_run_one_after_another_under_a_running_quota_of_one(make_service, engine: FakeEngine) -> None:
     engine.programs["ok"] = prints(b"")
@@ -19,7 +21,10 @@ def test_a_repositorys_jobs_run_one_after_another_under_a_running_quota_of_one(m
     jobs = [service.submit_as(caller, spec("ok", repository="octo/one", run_id=7))[0] for _ in range(3)]
     for job in jobs:
         service.put_checkout(job.id, [checkout_tar()])
-    deadline = time.monotonic() + 30  # each job is a no-op; a quota never given back leaves the rest queued for good
-    while time.monotonic() < deadline and any(service.get(job.id).state in ("queued", "running") for job in jobs):
+    # Each job is a no-op; a quota never given back leaves the rest queued for good. Wait for every job to end,
+    # not only to leave "queued"/"running": a job the worker has just taken is "starting" (under load, long enough
+    # to be seen), and stopping there made this test fail with a healthy service.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(service.get(job.id).state in ACTIVE_STATES for job in jobs):
         time.sleep(0.05)
     assert [(service.get(job.id).state, service.get(job.id).error) for job in jobs] == [("finished", None)] * 3
