@@ -7,6 +7,7 @@ look at the same things (all there) shows that the probes find what exists."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -40,10 +41,11 @@ print("seen " + json.dumps(seen))
 LEAVE = '''set -e
 for place in {places}; do echo left > "$place/mvc-wall-a"; done
 ipcmk -M 4096 -p 0644 > {x}/ipc-a.part && chmod 644 {x}/ipc-a.part && mv {x}/ipc-a.part {x}/ipc-a
-/usr/bin/python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("\\0mvc-wall-a"); s.listen(); \
-time.sleep(600)' >/dev/null 2>&1 </dev/null &
+/usr/bin/python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind("\\0mvc-wall-a"); s.listen(); \
+open(sys.argv[1], "w").close(); time.sleep(600)' {x}/a-listens >/dev/null 2>&1 </dev/null &
 sh -c 'sleep 600' {secret} >/dev/null 2>&1 </dev/null &
-sleep 0.5
+n=0  # until the socket listens and the secret's process has its command line (a loaded machine takes seconds)
+until [ -e {x}/a-listens ] && pgrep -f -- {secret} >/dev/null; do n=$((n + 1)); [ $n -lt 600 ] || break; sleep 0.05; done
 /usr/bin/python3 -I look.py {x} {csv} {half}
 touch {x}/a-ready
 while [ ! -e {x}/b-done ]; do sleep 0.1; done
@@ -85,9 +87,20 @@ def test_every_process_of_a_runner_is_held_to_its_memory_and_cpu_limits(make_rig
     with make_rig(vms=False, min_idle=1, max_runners=1, memory_mib=300, cpu_weight=50,
                   shutdown_grace_seconds=0) as rig:
         runner = wait_until(lambda: rig.fleet.runners(), 60, "a runner")[0]
-        processes = wait_until(lambda: len(pids := runner.cgroup.pids()) >= 3 and pids, 30, "the runner's processes")
-        limits = {pid: _limits_of(pid) for pid in processes}
+        limits = wait_until(lambda: _settled_limits(runner.cgroup.pids()), 30, "the runner's processes")
     assert set(limits.values()) == {(300 << 20, round(50 * 10.24))}, limits
+
+
+def _settled_limits(pids: list[int]) -> dict[int, tuple[int, int]] | None:
+    """The limits of each of a runner's processes once the runner program runs (as a uid other than root), or
+    None before: while the walls go up, short-lived `mount` processes come and go, and one that ends between
+    the cgroup's list and the read of its /proc entry is no finding."""
+    try:
+        uids = {os.stat(f"/proc/{pid}").st_uid for pid in pids}
+        limits = {pid: _limits_of(pid) for pid in pids}
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return limits if len(pids) >= 3 and uids - {0} else None
 
 
 def _limits_of(pid: int) -> tuple[int, int]:
