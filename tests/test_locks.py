@@ -9,6 +9,7 @@ need no network: each lock is read as the resolver wrote it, its `# via` lines i
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "requirements" / "runtime.txt"
@@ -135,3 +138,31 @@ def test_a_runner_host_gets_no_browser_and_no_test_tools() -> None:
     assert "./scripts/setup --test" in (ROOT / "scripts" / "test").read_text()
     assert re.search(r"^\./scripts/setup$", (ROOT / "scripts" / "demo").read_text(), re.M)  # the demo: runtime only
     assert "--require-hashes -r" in setup and "pip install -q -e" not in setup
+
+
+def test_no_service_of_a_test_package_runs_or_starts_at_boot() -> None:
+    """Debian starts a package's own service when it installs it (prometheus on :9090, docker-registry on :5000,
+    every interface). Every test-only package that ships one (a systemd unit or an init script) has it named in
+    scripts/setup's TEST_SERVICES, which setup keeps from starting at install (policy-rc.d) and stops and
+    disables on every run; scripts/test runs setup first, so here none runs or is enabled."""
+    setup = (ROOT / "scripts" / "setup").read_text()
+    named = set(_bash_array(setup, "TEST_SERVICES"))
+    shipped: dict[str, str] = {}
+    for package in _bash_array(setup, "TEST_APT_PACKAGES"):
+        listed = subprocess.run(["dpkg-query", "-L", package], capture_output=True, text=True)
+        require(listed.returncode == 0, f"{package} is not installed (scripts/setup --test installs it)")
+        for path in map(Path, listed.stdout.split()):
+            if path.parent in (Path("/lib/systemd/system"), Path("/usr/lib/systemd/system"), Path("/etc/init.d")):
+                shipped[path.name.removesuffix(".service")] = package
+    assert {"prometheus", "docker-registry"} <= set(shipped)  # what dpkg says, so the check above can find one
+    assert set(shipped) <= named, f"add to TEST_SERVICES in scripts/setup: {sorted(set(shipped) - named)}"
+    for service in named:
+        if Path("/run/systemd/system").is_dir():
+            for query in ("is-active", "is-enabled"):
+                answer = subprocess.run(["systemctl", query, service], capture_output=True, text=True).stdout.strip()
+                assert answer not in ("active", "enabled"), f"{service} is {answer}"
+        elif Path(f"/etc/init.d/{service}").exists():
+            status = subprocess.run([f"/etc/init.d/{service}", "status"], capture_output=True, text=True)
+            assert status.returncode != 0, f"{service} runs: {status.stdout}"
+            starts = sorted(str(p) for p in Path("/etc").glob(f"rc[2-5].d/S??{service}"))
+            assert starts == [], f"{service} starts at boot: {starts}"
