@@ -71,14 +71,17 @@ def _require_templates(config: ServiceConfig, engine: Engine, origin: str | None
     """Every template the config offers is built, with a guest agent that serves what this host sends, or
     the host does not start: otherwise each job fails with "no template" (or "baked with an older agent")
     while the service looks healthy. The error names the command that fixes it."""
-    from runner.vm.templates import TemplateNotFound, stale_agent
+    from runner.vm.templates import TemplateNotFound, sized, stale_agent
 
     missing, stale = [], []
-    for name in config.templates:
+    # a size class's template (`<name>.<size>`) is built on demand, so only one that exists is checked
+    at_sizes = [sized(name, size) for name in config.templates for size in config.sizes or {}]
+    for name in (*config.templates, *at_sizes):
         try:
             problem = stale_agent(engine.templates.get(name), config=origin or None)
         except TemplateNotFound:
-            missing.append(name)
+            if name in config.templates:
+                missing.append(name)
             continue
         if problem is not None:
             stale.append(problem)

@@ -180,13 +180,17 @@ def test_serve_refuses_to_start_with_a_template_whose_agent_is_older(short_dir: 
 
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     config = short_dir / "service.yml"
-    config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\n")
-    baked_template(short_dir / "state", "base")
-    manifest = TemplateStore(short_dir / "state" / "templates").dir_for("base", "d" * 20) / "manifest.json"
-    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "agent_ops"}))
+    config.write_text(f"socket: {short_dir}/api.sock\nstate_dir: {short_dir}/state\n"
+                      "sizes:\n  large: {vcpus: 2, memory_mib: 1024, disk_mib: 3072}\n  huge: {vcpus: 2, memory_mib: 2048}\n")
+    for name in ("base", "base.large"):  # base.huge was never built: a size class's template is made on demand
+        baked_template(short_dir / "state", name)
+        manifest = TemplateStore(short_dir / "state" / "templates").dir_for(name, "d" * 20) / "manifest.json"
+        manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "agent_ops"}))
     assert main(["serve", "--config", str(config)]) == 1
+    old_agent = "was baked with a guest agent older than this host: its manifest records none of the operations the " \
+                "agent answers (agent_ops)"
     assert capsys.readouterr().err == (
-        f"microvm-check: {config}: template 'base' ({'d' * 20}) was baked with a guest agent older than this host: its "
-        "manifest records none of the operations the agent answers (agent_ops): rebuild it with 'microvm-check "
-        f"template build base --config {config}'\n")
+        f"microvm-check: {config}: template 'base' ({'d' * 20}) {old_agent}: rebuild it with 'microvm-check "
+        f"template build base --config {config}'; template 'base.large' ({'d' * 20}) {old_agent}: rebuild it with "
+        f"'microvm-check template build base --size large --config {config}'\n")
     assert not (short_dir / "api.sock").exists()
