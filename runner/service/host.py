@@ -103,7 +103,9 @@ class ServiceHost:
         self.engine = self.vms.engine if self.vms is not None else None
         provider = self.vms.provider if self.vms is not None else None
         host_fleet.sweep_runner_scope(config)
-        service = self.service = host_jobs.start_service(config, create, provider, self._policies, stack, origin)
+        service = self.service = host_jobs.start_service(
+            config, create, lambda policies: host_github.warm_bases(config, provider, policies, stack),
+            self._policies, stack, origin)
         self.retention = host_jobs.start_retention(service, stack)
         self.desk, self.reactions = host_github.runner_desk(config, service)
         self.metrics = host_status.job_metrics(config, service, self.engine, settings.pool_size,

@@ -1,6 +1,7 @@
 """The host's GitHub side, built for ServiceHost (runner/service/host.py): the runner desk (registry,
 bindings and the fork guard, with the guard's rules read once and the App client), the reactions to
-GitHub's webhooks, and the webhook listener that delivers them (to the fleet as well, when there is one).
+GitHub's webhooks, the webhook listener that delivers them (to the fleet as well, when there is one), and
+the repositories' warm bases, built from their default branches.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from runner.service.webhook import JobHookListeners, Webhook, start_webhook
 
 if TYPE_CHECKING:
     from runner.fleet.fleet import RunnerFleet
+    from runner.sandbox.port import SandboxProvider
+    from runner.service.bases import RepositoryBases
+    from runner.service.egress import EgressPolicies
     from runner.service.service import JobService
 
 
@@ -35,3 +39,21 @@ def webhook(config: ServiceConfig, reactions: GitHubReactions, fleet: RunnerFlee
     if listener is not None:
         stack.callback(listener.close)
     return listener
+
+
+def warm_bases(config: ServiceConfig, provider: SandboxProvider | None, policies: EgressPolicies,
+               stack: ExitStack) -> RepositoryBases | None:
+    """The repositories' warm bases on the engine; None without real VMs or without the App, which
+    reads the default branches the bases are built from. Bases snapshot their VMs and keep the spare
+    VMs in step with them, so they get the engine as a whole `SandboxProvider`."""
+    if provider is None or policies.branch_files is None:
+        return None
+    from policy import PolicyStore
+    from runner.service.bases import BaseSettings, RepositoryBases, branch_warm
+
+    source = policies.branch_files
+    bases = RepositoryBases(provider, branch_warm(PolicyStore(config.policy_dir), source), source,
+                            BaseSettings.from_config(config))
+    bases.evict()
+    stack.callback(bases.close)  # after the service closes, before the engine: no build outlives the host
+    return bases

@@ -1,10 +1,11 @@
 """The host's job side, built for ServiceHost (runner/service/host.py): the job service with what the
 host reads from disk and the environment (the registered runners' credentials, the signing key, the
-App's check runs and branch policy files), the repositories' warm bases, and retention.
+App's check runs and branch policy files), and retention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
@@ -17,22 +18,26 @@ from runner.service.egress import EgressPolicies
 from runner.service.github_app import branch_files, check_run_reporter
 from runner.service.retention import Retention
 from runner.service.service import JobService, access_for
+from runner.service.workers import JobVMs
 
 if TYPE_CHECKING:
-    from runner.sandbox.port import SandboxFactory, SandboxProvider
+    from runner.sandbox.port import SandboxFactory
     from runner.service.bases import RepositoryBases
 
 
-def start_service(config: ServiceConfig, create: SandboxFactory, provider: SandboxProvider | None,
-                  policies: EgressPolicies | None, stack: ExitStack, origin: str | None) -> JobService:
+def start_service(config: ServiceConfig, create: SandboxFactory,
+                  warm_bases: Callable[[EgressPolicies], RepositoryBases | None], policies: EgressPolicies | None,
+                  stack: ExitStack, origin: str | None) -> JobService:
     """The job service, started: it fails the jobs a dead predecessor left active and sweeps their
-    directories now."""
+    directories now. `warm_bases` makes the repositories' warm bases on its policies' GitHub source
+    (runner/service/host_github.py)."""
     try:
         policies = policies or EgressPolicies(config.policy_dir, branch_files=branch_files(config))
         access = access_for(config, registered.load(config.state_dir))
         attestor = JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
-        service = JobService(config, create, policies, _warm_bases(config, provider, policies, stack), access=access,
-                             attestor=attestor, check_runs=check_run_reporter(config, attestor.key.keyid))
+        vms = JobVMs(create, warm_bases(policies))
+        service = JobService(config, vms, policies, access=access, attestor=attestor,
+                             check_runs=check_run_reporter(config, attestor.key.keyid))
     except ConfigError as exc:  # e.g. unreadable GitHub App settings
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from exc
     stack.callback(service.close)
@@ -46,21 +51,3 @@ def start_retention(service: JobService, stack: ExitStack) -> Retention:
     stack.callback(retention.close)
     retention.start()
     return retention
-
-
-def _warm_bases(config: ServiceConfig, provider: SandboxProvider | None, policies: EgressPolicies,
-                stack: ExitStack) -> RepositoryBases | None:
-    """The repositories' warm bases on the engine; None without real VMs or without the App, which
-    reads the default branches the bases are built from. Bases snapshot their VMs and keep the spare
-    VMs in step with them, so they get the engine as a whole `SandboxProvider`."""
-    if provider is None or policies.branch_files is None:
-        return None
-    from policy import PolicyStore
-    from runner.service.bases import BaseSettings, RepositoryBases, branch_warm
-
-    source = policies.branch_files
-    bases = RepositoryBases(provider, branch_warm(PolicyStore(config.policy_dir), source), source,
-                            BaseSettings.from_config(config))
-    bases.evict()
-    stack.callback(bases.close)  # after the service closes, before the engine: no build outlives the host
-    return bases

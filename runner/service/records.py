@@ -13,7 +13,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -83,7 +83,8 @@ class RecordEvents(Protocol):
 
 
 class RecordStore:
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, kept: Callable[[str], bool] | None = None) -> None:
+        """`kept`: whether a VM lives on for its job's next step (a session's), so its step's end says so."""
         self.path = Path(path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
@@ -94,7 +95,7 @@ class RecordStore:
         for column in _ADDED_COLUMNS:
             if column.split()[0] not in have:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column}")
-        self.events: RecordEvents = JobEvents()  # the lifecycle log lines, from each record as it is saved (runner.logs)
+        self.events: RecordEvents = JobEvents(kept)  # the lifecycle log lines, from each record as it is saved (runner.logs)
 
     def close(self) -> None:
         with self._lock:

@@ -20,14 +20,10 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from policy.model import Policy
-from runner.attest.keys import SigningKey
 from runner.errors import JobError
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState
-from runner.logs import JobEvents
-from runner.sandbox.port import SandboxFactory, SandboxLike
 from runner.service.admission import Admission, spool_checkout
 from runner.service.attestation import ENVELOPE, JobAttestor
 from runner.service.auth import OPERATOR, Access, Caller
@@ -40,11 +36,8 @@ from runner.service.jobqueue import JobQueue, QueueClosed
 from runner.service.prewarm import PrewarmedVMs
 from runner.service.records import RecordStore
 from runner.service.runs import ActiveRuns, finish, logged
-from runner.service.sessions import Session, Sessions
+from runner.service.sessions import Session, Sessions, destroy_kept
 from runner.service.workers import JobVMs, Workers
-
-if TYPE_CHECKING:
-    from runner.service.bases import RepositoryBases
 
 log = logging.getLogger(__name__)
 
@@ -60,32 +53,29 @@ class JobStateConflict(JobError):
 
 
 class JobService:
-    def __init__(self, config: ServiceConfig, create_sandbox: SandboxFactory,
-                 policies: EgressPolicies | None = None, bases: RepositoryBases | None = None, *,
-                 access: Access | None = None, attestor: JobAttestor | None = None,
+    def __init__(self, config: ServiceConfig, vms: JobVMs, policies: EgressPolicies | None = None, *,
+                 attestor: JobAttestor, access: Access | None = None,
                  check_runs: CheckRunReporter | None = None) -> None:
-        """`create_sandbox` makes a job's VM from its `VMRequest`: the engine its owner built
-        (`runner.service.host.ServiceHost`) as a `SandboxProvider`, or a stand-in in tests; `bases` the repositories' warm
-        bases on that engine (None: every job restores from the template it names). The host gives
-        what is read from disk or the environment: the policies' GitHub source, the access rules with
-        the registered runners, the signing key, the check-run reporter."""
+        """`vms` makes a job's VM from its `VMRequest` (runner/service/workers.py): the engine its owner
+        built (`runner.service.host.ServiceHost`, runner/service/host_jobs.py) as a `SandboxProvider`, or a
+        stand-in in tests, with the repositories' warm bases on that engine. The host gives what is read
+        from disk or the environment: the policies' GitHub source, the access rules with the registered
+        runners, the signing key (in `attestor`), the check-run reporter."""
         self.config = config
         self.policies = policies or EgressPolicies(config.policy_dir)
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
         config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
-        self.records = RecordStore(config.records_path)
-        self.attestor = attestor or JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
+        self.attestor = attestor
         self.check_runs = check_runs
         self.queue = JobQueue(config.max_queued_jobs, max_queued=_queue_shares(config), max_running={
             "repository": config.max_running_per_repository or config.max_concurrent_jobs})
         self.prewarmed = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
-        self.sessions = Sessions(_destroy_vm)  # `keep: job`: one VM across a GitHub job's steps
-        if isinstance(self.records.events, JobEvents):  # a kept VM's step says "kept", not "destroyed"
-            self.records.events.kept = self.sessions.holds
+        self.sessions = Sessions(destroy_kept)  # `keep: job`: one VM across a GitHub job's steps
+        self.records = RecordStore(config.records_path, kept=self.sessions.holds)  # a kept VM's step says "kept"
         self.access = access or access_for(config)
         self.admission = Admission(config, self.access, self.policies, self.sessions)
         self.runs = ActiveRuns()
-        self.vms = JobVMs(create_sandbox, bases)
+        self.vms = vms
         self.workers = Workers(config, self.queue, self.runs, self.vms, self.prewarmed, self.sessions)
         self._stopping = threading.Event()
         self._drained = False
@@ -332,11 +322,3 @@ def _queue_shares(config: ServiceConfig) -> dict[str, int]:
     `max_queued_per_runner`."""
     return {"repository": config.max_queued_per_repository or max(1, config.max_queued_jobs // 2),
             "runner": config.max_queued_per_runner}
-
-
-def _destroy_vm(sandbox: SandboxLike) -> None:
-    """A kept VM whose session ended; a failure is logged (the engine's TTL and sweep remain)."""
-    try:
-        sandbox.destroy()
-    except Exception:
-        log.exception("destroying kept VM %s failed", sandbox.id)

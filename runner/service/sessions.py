@@ -189,3 +189,11 @@ def _check_joinable(session: Session, template: str, policy_digest: str) -> None
     if session.policy_digest != policy_digest:
         raise SessionConflict("this step's egress policy differs from the one the job's kept VM was started with: "
                               "a kept VM keeps its first step's policy (give every step the same `policy` input)")
+
+
+def destroy_kept(sandbox: SandboxLike) -> None:
+    """A kept VM whose session ended; a failure is logged (the engine's TTL and sweep remain)."""
+    try:
+        sandbox.destroy()
+    except Exception:
+        log.exception("destroying kept VM %s failed", sandbox.id)

@@ -1,8 +1,9 @@
-"""The service's classes stay small: one past 25 methods is two roles in one (docs/architecture.md).
+"""The service's classes and modules stay small: a class past 25 methods is two roles in one, a module
+importing more than 12 of the project's modules two concepts in one (docs/architecture.md).
 
 The split of the job service (the job API core, workers, admission, the runner desk, the GitHub
-reactions, retention) holds only as long as nothing grows back; this reads runner/service's source
-and names the class that grew.
+reactions, retention), of the API by resource and of the host's assembly by role holds only as long as
+nothing grows back; this reads runner/service's source and names the class or module that grew.
 """
 
 from __future__ import annotations
@@ -36,3 +37,62 @@ def test_the_count_sees_a_class_that_grew(methods: int, refused: bool) -> None:
     body = "".join(f"    def m{n}(self) -> None: ...\n" for n in range(methods))
     counted = methods_per_class(f"class Grown:\n{body}")
     assert (counted["Grown"] > MAX_METHODS) is refused
+
+
+ROOT = SERVICE.parents[1]
+PROJECT = ("runner", "policy", "action", "microvm_check", "vmimages")
+MAX_IMPORTS = 12
+# A module that must know more of the project than MAX_IMPORTS, with why. A name here needs its reason,
+# and its own ceiling, so it cannot grow either.
+OVER_THE_LIMIT: dict[str, tuple[int, str]] = {
+    "service.py": (17, "JobService is the core every other role is given: it still makes the parts it owns "
+                       "(records, queue, pre-warmed VMs, sessions, admission, workers) and calls into each "
+                       "(spool_checkout, QueueClosed, finish); the host's job builder (host_jobs.py) making "
+                       "them, as it already makes its JobVMs, is the next step"),
+}
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def project_imports(source: str) -> set[str]:
+    """The project modules a module imports, wherever the import stands (at the top, under TYPE_CHECKING,
+    in a function): `from runner.service import web` counts runner.service.web, a name's own module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" if _is_module(f"{node.module}.{alias.name}") else node.module
+                      for alias in node.names}
+    return {name for name in found if name.split(".")[0] in PROJECT}
+
+
+def test_no_service_module_imports_more_than_12_project_modules() -> None:
+    """A module that needs more of the project is two concepts, or an assembly that is not a builder of
+    one role (runner/service/host.py calls one per role: host_vms, host_jobs, host_github, ...)."""
+    modules = sorted(SERVICE.rglob("*.py"))
+    assert len(modules) > 10
+    counts = {str(path.relative_to(SERVICE)): len(project_imports(path.read_text())) for path in modules}
+    assert counts["host.py"] > 3  # the imports were read, not an empty set everywhere
+    over = {name: count for name, count in counts.items()
+            if count > OVER_THE_LIMIT.get(name, (MAX_IMPORTS, ""))[0]}
+    assert over == {}, f"split these by concept (or give the builder of a role its own module): {over}"
+
+
+@pytest.mark.parametrize(("imported", "refused"), [(MAX_IMPORTS, False), (MAX_IMPORTS + 1, True)])
+def test_the_count_sees_a_module_that_imports_one_too_many(imported: int, refused: bool) -> None:
+    names = [f"runner.service.m{n}" for n in range(imported - 2)]
+    source = "\n".join([
+        *(f"import {name}" for name in names[:-1]),
+        f"from {names[-1]} import Thing",
+        "from runner.service import api",  # a module named in a from-import counts as itself
+        "import os, json",  # not the project's: not counted
+        "if TYPE_CHECKING:\n    from policy.model import Policy",
+        "def f():\n    from runner.service.m0 import Other",  # the same module again: counted once
+    ])
+    counted = project_imports(source)
+    assert "runner.service.api" in counted and "os" not in counted
+    assert (len(counted) > MAX_IMPORTS) is refused
