@@ -123,8 +123,9 @@ def steady_arrivals(socket: str, checkout: bytes, jobs: int, interval_s: float) 
 
 
 def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, load: float,
-                   probes: int) -> tuple[list[float], list[JobRecord], list[float], float, float]:
-    """(round trips, records, bare subprocess times, arrivals per second, back-to-back median ms)."""
+                   probes: int) -> tuple[list[float], list[JobRecord], list[float], float, float, int]:
+    """(round trips, records, bare subprocess times, arrivals per second, back-to-back mean ms, pool misses
+    among the steady arrivals)."""
     checkout = small_checkout()
     run_job(client, engine, checkout)  # warm the page cache and the engine's pool
     # The service runs one job at a time, so capacity is 1 / the round trip, but a sustained one: a
@@ -133,7 +134,9 @@ def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, lo
     # misses of 600-800 ms at half that "capacity"); the mean over enough probes to drain the pool does not.
     back_to_back = statistics.fmean(run_job(client, engine, checkout)[0] for _ in range(probes))
     rate = load / (back_to_back / 1000)
+    misses_before = engine.pool.misses
     results = steady_arrivals(socket, checkout, jobs, 1 / rate)
+    misses = engine.pool.misses - misses_before
     deadline = time.monotonic() + 60
     while engine.live() and time.monotonic() < deadline:  # the last job's VM goes just after its result
         time.sleep(0.05)
@@ -145,7 +148,7 @@ def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, lo
         begin = time.perf_counter()
         subprocess.run(["sh", "-c", "true"], check=True)
         bare.append((time.perf_counter() - begin) * 1000)
-    return round_trips, records, bare, rate, back_to_back
+    return round_trips, records, bare, rate, back_to_back, misses
 
 
 def phases(records: list[JobRecord]) -> str:
@@ -269,7 +272,7 @@ def main() -> int:
     try:
         with ServiceHost(config, engine=EngineSettings(pool_size=2)) as host:
             assert host.engine is not None and host.service is not None
-            jobs, records, bare, rate, back_to_back = bench_overhead(client, host.engine, config.socket, args.jobs,
+            jobs, records, bare, rate, back_to_back, misses = bench_overhead(client, host.engine, config.socket, args.jobs,
                                                                      args.load, args.probes)
             logs, exec_to_first = bench_log_latency(client)
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp, checkout_mib)
@@ -286,6 +289,7 @@ def main() -> int:
           f"p99/p50 {percentile(jobs, 0.99) / statistics.median(jobs):.2f}")
     print(f"  where it went (medians): {phases(records)}")
     print(f"  the slowest: {slowest(jobs, records)}")
+    print(f"  pool misses (a take found no spare VM and restored its own): {misses} of {len(jobs)}")
     vm_ms = [(r.timings.finished_at - r.timings.vm_ready_at) * 1000 + r.timings.vm_ready_ms for r in records]
     own = [total - vm for total, vm in zip(jobs, vm_ms)]
     print(f"  the service's own share (round trip minus VM restore, checkout, command, destroy): "

@@ -96,6 +96,7 @@ class SpareVMs:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closed = False
+        self.misses = 0  # takes that found nothing and restored their own VM, since the start (`missed`)
 
     def target(self, snapshot: Snapshot) -> int:
         """How many VMs of `snapshot` the pool keeps ready now."""
@@ -134,6 +135,7 @@ class SpareVMs:
     def missed(self, snapshot: Snapshot, seconds: float) -> None:
         """A take found nothing and its caller restored a VM itself in `seconds` (what waiting must beat)."""
         with self._lock:
+            self.misses += 1
             self._demand[snapshot].missed(seconds)
 
     def drain(self, snapshot: Snapshot) -> list[VM]:

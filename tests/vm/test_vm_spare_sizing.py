@@ -104,6 +104,9 @@ def test_a_take_with_nothing_in_preparation_returns_at_once(tmp_path: Path) -> N
     pool = SpareVMs(lambda snapshot: fake_vm(tmp_path / "vms", "never"), size=0)
     assert pool.take(snapshot_of(tmp_path, "d1")) is None
     assert pool.target(snapshot_of(tmp_path, "d1")) == 0
+    assert pool.misses == 0  # counted when the taker reports its own restore (bench/job.py prints them)
+    pool.missed(snapshot_of(tmp_path, "d1"), 0.4)
+    assert pool.misses == 1
     pool.close()
 
 
