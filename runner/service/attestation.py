@@ -134,6 +134,10 @@ class JobAttestor:
     def __init__(self, key: SigningKey) -> None:
         self.key = key
 
+    def envelope(self, job_dir: Path) -> bytes:
+        """The job's signed record as `sign` wrote it (FileNotFoundError: not signed)."""
+        return (job_dir / ENVELOPE).read_bytes()
+
     def statement(self, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> Statement:
         subjects = artifacts.subjects or (job_subject(record.id, audit_digest(record)),)
         return Statement(subjects, predicate(record, vm, artifacts.junit))

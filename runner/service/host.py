@@ -104,7 +104,7 @@ class ServiceHost:
         provider = self.vms.provider if self.vms is not None else None
         host_fleet.sweep_runner_scope(config)
         service = self.service = host_jobs.start_service(
-            config, create, lambda policies: host_github.warm_bases(config, provider, policies, stack),
+            config, lambda policies: host_github.job_vms(config, create, provider, policies, stack),
             self._policies, stack, origin)
         self.retention = host_jobs.start_retention(service, stack)
         self.desk, self.reactions = host_github.runner_desk(config, service)

@@ -1,7 +1,7 @@
 """The host's GitHub side, built for ServiceHost (runner/service/host.py): the runner desk (registry,
 bindings and the fork guard, with the guard's rules read once and the App client), the reactions to
 GitHub's webhooks, the webhook listener that delivers them (to the fleet as well, when there is one), and
-the repositories' warm bases, built from their default branches.
+the VMs jobs run in, with the repositories' warm bases built from their default branches.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from runner.service.desk import RunnerDesk
 from runner.service.github_app import guard_setup
 from runner.service.reactions import GitHubReactions
 from runner.service.webhook import JobHookListeners, Webhook, start_webhook
+from runner.service.workers import JobVMs
 
 if TYPE_CHECKING:
     from runner.fleet.fleet import RunnerFleet
-    from runner.sandbox.port import SandboxProvider
+    from runner.sandbox.port import SandboxFactory, SandboxProvider
     from runner.service.bases import RepositoryBases
     from runner.service.egress import EgressPolicies
     from runner.service.service import JobService
@@ -41,8 +42,14 @@ def webhook(config: ServiceConfig, reactions: GitHubReactions, fleet: RunnerFlee
     return listener
 
 
-def warm_bases(config: ServiceConfig, provider: SandboxProvider | None, policies: EgressPolicies,
-               stack: ExitStack) -> RepositoryBases | None:
+def job_vms(config: ServiceConfig, create: SandboxFactory, provider: SandboxProvider | None,
+            policies: EgressPolicies, stack: ExitStack) -> JobVMs:
+    """The VMs jobs run in: the host's sandbox factory, with the repositories' warm bases on its engine."""
+    return JobVMs(create, _warm_bases(config, provider, policies, stack))
+
+
+def _warm_bases(config: ServiceConfig, provider: SandboxProvider | None, policies: EgressPolicies,
+                stack: ExitStack) -> RepositoryBases | None:
     """The repositories' warm bases on the engine; None without real VMs or without the App, which
     reads the default branches the bases are built from. Bases snapshot their VMs and keep the spare
     VMs in step with them, so they get the engine as a whole `SandboxProvider`."""

@@ -16,28 +16,26 @@ from runner.service.attestation import JobAttestor
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.service.github_app import branch_files, check_run_reporter
+from runner.service.jobparts import access_for, job_parts
 from runner.service.retention import Retention
-from runner.service.service import JobService, access_for
-from runner.service.workers import JobVMs
+from runner.service.service import JobService
 
 if TYPE_CHECKING:
-    from runner.sandbox.port import SandboxFactory
-    from runner.service.bases import RepositoryBases
+    from runner.service.workers import JobVMs
 
 
-def start_service(config: ServiceConfig, create: SandboxFactory,
-                  warm_bases: Callable[[EgressPolicies], RepositoryBases | None], policies: EgressPolicies | None,
+def start_service(config: ServiceConfig, vms_for: Callable[[EgressPolicies], JobVMs], policies: EgressPolicies | None,
                   stack: ExitStack, origin: str | None) -> JobService:
     """The job service, started: it fails the jobs a dead predecessor left active and sweeps their
-    directories now. `warm_bases` makes the repositories' warm bases on its policies' GitHub source
-    (runner/service/host_github.py)."""
+    directories now. `vms_for` makes the VMs its jobs run in, with the warm bases on its policies'
+    GitHub source (runner/service/host_github.py `job_vms`)."""
     try:
         policies = policies or EgressPolicies(config.policy_dir, branch_files=branch_files(config))
         access = access_for(config, registered.load(config.state_dir))
         attestor = JobAttestor(SigningKey.load_or_create(config.attestation_key_path))
-        vms = JobVMs(create, warm_bases(policies))
-        service = JobService(config, vms, policies, access=access, attestor=attestor,
-                             check_runs=check_run_reporter(config, attestor.key.keyid))
+        vms = vms_for(policies)
+        service = JobService(config, job_parts(config, vms, policies=policies, access=access, attestor=attestor,
+                                               check_runs=check_run_reporter(config, attestor.key.keyid)))
     except ConfigError as exc:  # e.g. unreadable GitHub App settings
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from exc
     stack.callback(service.close)

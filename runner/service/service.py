@@ -24,20 +24,15 @@ from pathlib import Path
 from policy.model import Policy
 from runner.errors import JobError
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState
-from runner.service.admission import Admission, spool_checkout
-from runner.service.attestation import ENVELOPE, JobAttestor
-from runner.service.auth import OPERATOR, Access, Caller
-from runner.service.checkruns import CheckRunReporter
+from runner.service.admission import spool_checkout
+from runner.service.auth import OPERATOR, Caller
 from runner.service.config import ServiceConfig
-from runner.service.egress import EgressPolicies
 from runner.service.job import ARTIFACTS, LOG, JobRun
 from runner.service.joblog import JobLog
-from runner.service.jobqueue import JobQueue, QueueClosed
-from runner.service.prewarm import PrewarmedVMs
-from runner.service.records import RecordStore
-from runner.service.runs import ActiveRuns, finish, logged
-from runner.service.sessions import Session, Sessions, destroy_kept
-from runner.service.workers import JobVMs, Workers
+from runner.service.jobparts import JobParts
+from runner.service.jobqueue import QueueClosed
+from runner.service.runs import finish, logged
+from runner.service.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +48,15 @@ class JobStateConflict(JobError):
 
 
 class JobService:
-    def __init__(self, config: ServiceConfig, vms: JobVMs, policies: EgressPolicies | None = None, *,
-                 attestor: JobAttestor, access: Access | None = None,
-                 check_runs: CheckRunReporter | None = None) -> None:
-        """`vms` makes a job's VM from its `VMRequest` (runner/service/workers.py): the engine its owner
-        built (`runner.service.host.ServiceHost`, runner/service/host_jobs.py) as a `SandboxProvider`, or a
-        stand-in in tests, with the repositories' warm bases on that engine. The host gives what is read
-        from disk or the environment: the policies' GitHub source, the access rules with the registered
-        runners, the signing key (in `attestor`), the check-run reporter."""
+    def __init__(self, config: ServiceConfig, parts: JobParts) -> None:
+        """`parts` (runner/service/jobparts.py) are made by the host (runner/service/host_jobs.py) from
+        what it reads from disk and the environment: the policies' GitHub source, the access rules with
+        the registered runners, the signing key, the check-run reporter, and the VMs jobs run in."""
         self.config = config
-        self.policies = policies or EgressPolicies(config.policy_dir)
-        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
-        config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
-        self.attestor = attestor
-        self.check_runs = check_runs
-        self.queue = JobQueue(config.max_queued_jobs, max_queued=_queue_shares(config), max_running={
-            "repository": config.max_running_per_repository or config.max_concurrent_jobs})
-        self.prewarmed = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
-        self.sessions = Sessions(destroy_kept)  # `keep: job`: one VM across a GitHub job's steps
-        self.records = RecordStore(config.records_path, kept=self.sessions.holds)  # a kept VM's step says "kept"
-        self.access = access or access_for(config)
-        self.admission = Admission(config, self.access, self.policies, self.sessions)
-        self.runs = ActiveRuns()
-        self.vms = vms
-        self.workers = Workers(config, self.queue, self.runs, self.vms, self.prewarmed, self.sessions)
+        self.policies, self.records, self.attestor = parts.policies, parts.records, parts.attestor
+        self.check_runs, self.queue, self.prewarmed = parts.check_runs, parts.queue, parts.prewarmed
+        self.sessions, self.access, self.admission = parts.sessions, parts.access, parts.admission
+        self.runs, self.vms, self.workers = parts.runs, parts.vms, parts.workers
         self._stopping = threading.Event()
         self._drained = False
 
@@ -277,7 +257,7 @@ class JobService:
         if not record.final:
             raise JobStateConflict(f"job {job_id} is {record.state}: its record is signed once it has ended")
         try:
-            return (self.config.jobs_dir / job_id / ENVELOPE).read_bytes()
+            return self.attestor.envelope(self.config.jobs_dir / job_id)
         except FileNotFoundError:
             raise JobNotFound(f"job {job_id} has no signed record (it ended before this service signed records, "
                               "or signing it failed: see the service's log)") from None
@@ -306,19 +286,3 @@ class JobService:
             self.get(job_id)
             raise JobStateConflict(f"job {job_id} has already ended")
         return run
-
-
-def access_for(config: ServiceConfig, registered: dict[str, bytes] | None = None) -> Access:
-    """Who may do what on this service (runner/service/auth.py); `registered`: the runner credentials
-    `microvm-check register --service-config` left in the state directory (the host reads them)."""
-    return Access(config.admin_group, fleet=config.runners.org is not None,
-                  local_repository=config.local_jobs.repository, registered=registered,
-                  binding_seconds=config.runners.job_timeout_seconds + config.runners.deadline_grace_seconds,
-                  hook_ends_binding=config.webhook.listen is None)
-
-
-def _queue_shares(config: ServiceConfig) -> dict[str, int]:
-    """Each tenant kind's most queue slots: a repository half the queue (or the operator's number), a runner
-    `max_queued_per_runner`."""
-    return {"repository": config.max_queued_per_repository or max(1, config.max_queued_jobs // 2),
-            "runner": config.max_queued_per_runner}

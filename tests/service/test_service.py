@@ -18,6 +18,7 @@ from runner.service.admission import InvalidJob, TooLarge
 from runner.service.api import status_of
 from runner.service.attestation import JobAttestor
 from runner.service.host import ServiceHost
+from runner.service.jobparts import job_parts
 from runner.service.jobqueue import QueueFull
 from runner.service.records import RecordStore
 from runner.service.service import JobNotFound, JobService, JobStateConflict
@@ -249,8 +250,8 @@ def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engi
 
 def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEngine) -> None:
     config = make_config()
-    crashed = JobService(config, JobVMs(engine.create, None),
-                         attestor=JobAttestor(SigningKey.load_or_create(config.attestation_key_path)))
+    crashed = JobService(config, job_parts(config, JobVMs(engine.create, None),
+                                           attestor=JobAttestor(SigningKey.load_or_create(config.attestation_key_path))))
     job = crashed.submit(spec()).id
     crashed.put_checkout(job, [checkout_tar()])  # queued, never run: no workers were started
     orphan = config.jobs_dir / "j00000000000000ff"

@@ -1,0 +1,73 @@
+"""The job service's parts, made once by the host (runner/service/host_jobs.py) and given to JobService
+(runner/service/service.py): the records, the queue with each tenant's share, the pre-warmed VMs, the
+`keep: job` sessions, the in-memory jobs, admission and the workers, on the VMs, policies, access rules,
+signer and check-run reporter the host made from disk and the environment. The other roles (the runner
+desk, the GitHub reactions, retention, the API) reach the parts through the service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.service.admission import Admission
+from runner.service.attestation import JobAttestor
+from runner.service.auth import Access
+from runner.service.checkruns import CheckRunReporter
+from runner.service.config import ServiceConfig
+from runner.service.egress import EgressPolicies
+from runner.service.jobqueue import JobQueue
+from runner.service.prewarm import PrewarmedVMs
+from runner.service.records import RecordStore
+from runner.service.runs import ActiveRuns
+from runner.service.sessions import Sessions, destroy_kept
+from runner.service.workers import JobVMs, Workers
+
+
+@dataclass(frozen=True)
+class JobParts:
+    policies: EgressPolicies
+    records: RecordStore
+    attestor: JobAttestor
+    check_runs: CheckRunReporter | None
+    queue: JobQueue
+    prewarmed: PrewarmedVMs
+    sessions: Sessions
+    access: Access
+    admission: Admission
+    runs: ActiveRuns
+    vms: JobVMs
+    workers: Workers
+
+
+def job_parts(config: ServiceConfig, vms: JobVMs, *, attestor: JobAttestor, policies: EgressPolicies | None = None,
+              access: Access | None = None, check_runs: CheckRunReporter | None = None) -> JobParts:
+    """`vms` makes a job's VM from its `VMRequest` (runner/service/workers.py): the host's engine as a
+    `SandboxProvider`, or a stand-in in tests, with the repositories' warm bases on that engine."""
+    policies = policies or EgressPolicies(config.policy_dir)
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # job logs and artifacts: not for other users
+    config.jobs_dir.mkdir(exist_ok=True, mode=0o700)
+    queue = JobQueue(config.max_queued_jobs, max_queued=_queue_shares(config), max_running={
+        "repository": config.max_running_per_repository or config.max_concurrent_jobs})
+    prewarmed = PrewarmedVMs(config.prewarm.max_vms, config.prewarm.expire_seconds)
+    sessions = Sessions(destroy_kept)  # `keep: job`: one VM across a GitHub job's steps
+    records = RecordStore(config.records_path, kept=sessions.holds)  # a kept VM's step says "kept"
+    access = access or access_for(config)
+    runs = ActiveRuns()
+    return JobParts(policies, records, attestor, check_runs, queue, prewarmed, sessions, access,
+                    Admission(config, access, policies, sessions), runs, vms,
+                    Workers(config, queue, runs, vms, prewarmed, sessions))
+
+
+def access_for(config: ServiceConfig, registered: dict[str, bytes] | None = None) -> Access:
+    """Who may do what on this service (runner/service/auth.py); `registered`: the runner credentials
+    `microvm-check register --service-config` left in the state directory (the host reads them)."""
+    return Access(config.admin_group, fleet=config.runners.org is not None,
+                  local_repository=config.local_jobs.repository, registered=registered,
+                  binding_seconds=config.runners.job_timeout_seconds + config.runners.deadline_grace_seconds,
+                  hook_ends_binding=config.webhook.listen is None)
+
+
+def _queue_shares(config: ServiceConfig) -> dict[str, int]:
+    """Each tenant kind's most queue slots: a repository half the queue (or the operator's number), a runner
+    `max_queued_per_runner`."""
+    return {"repository": config.max_queued_per_repository or max(1, config.max_queued_jobs // 2),
+            "runner": config.max_queued_per_runner}
