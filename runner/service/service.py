@@ -23,7 +23,7 @@ from pathlib import Path
 
 from policy.model import Policy
 from runner.errors import JobError
-from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState
+from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState, canonical_repository
 from runner.service.admission import spool_checkout
 from runner.service.auth import OPERATOR, Caller
 from runner.service.config import ServiceConfig
@@ -132,7 +132,7 @@ class JobService:
         try:
             # QueueFull / QueueClosed go to the caller (429 / 503); a runner's or a socket member's job has its
             # repository's and its runner's share of the queue (the operator's own jobs are no tenant's)
-            tenants = {} if caller.operator else {"repository": spec.repository.lower(), "runner": spec.runner_name}
+            tenants = {} if caller.operator else {"repository": canonical_repository(spec.repository), "runner": spec.runner_name}
             self.queue.reserve(job_id, tenants)
         except BaseException:
             if session is not None:
