@@ -46,8 +46,10 @@ def docker_context(workspace: Path) -> None:
     shutil.copy2("/bin/busybox", workspace / "busybox")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def docker_service(docker_template: None) -> Iterator[object]:
+    """One service, so one restore of its docker spare VM, for both action tests: each job still gets a VM of
+    its own (what the next-job test checks); at the end no job's VM outlives the service (`_host`)."""
     yield from _host({"templates": ["docker", "base"]})  # the default first: the spare VM is a docker one
 
 
