@@ -26,6 +26,10 @@ V1_CONTROLLERS = ("cpu", "memory", "pids")
 CPU_PERIOD_US = 100_000
 RMDIR_TIMEOUT_S = 5.0
 _PARENT_RACE_TRIES = 3  # makes of a scope directory, each after the shared parent was removed under it
+# cgroup v2 cpu.weight (v1 cpu.shares = weight x 10.24, at least 2) of a VM no job owns yet (spawned ahead,
+# in the spare pool) and of a job's VM: against its engine's other VMs, a spare takes only the CPU left over.
+SPARE_CPU_WEIGHT = 1
+JOB_CPU_WEIGHT = 100
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,13 @@ class VMCgroup:
     def add(self, pid: int) -> None:
         for path in self.paths:
             (path / "cgroup.procs").write_text(str(pid))
+
+    def weigh(self, weight: int) -> None:
+        """The VM's share of the CPU against its siblings (the engine's other VMs) when they compete."""
+        if self.version == "v2":
+            (self.paths[0] / "cpu.weight").write_text(str(weight))
+        else:
+            (self.paths[0] / "cpu.shares").write_text(str(max(2, round(weight * 10.24))))
 
     def remove(self) -> None:
         """Kill whatever is still inside, then remove the directories (idempotent)."""

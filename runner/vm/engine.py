@@ -70,7 +70,8 @@ class Engine:
         self._vms: dict[str, VM] = {}
         self._vms_lock = threading.Lock()
         self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
-        self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap)
+        self._preparing: dict[Snapshot, VM] = {}  # the spare each pool filler is preparing now (under _vms_lock)
+        self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap, hurry=self._hurry)
         # VMMs spawned ahead (jail, cgroup, descriptors, QEMU's own start-up), waiting at `-incoming defer`:
         # a restore that finds one skips 50-60 ms of spawning. Refilled after a restore, not during one: a
         # QEMU starting on the same two cores made the restore slower than spawning its own (measured).
@@ -126,6 +127,8 @@ class Engine:
                 missed_at = time.monotonic()
                 vm = self._restore(snapshot, identity=False, respawn=False)  # _claim gives it its identity
                 self.pool.missed(snapshot, time.monotonic() - missed_at)
+            else:
+                vm.machine.set_spare(False)
             vm.expires_at = started + ttl_seconds
             with self._vms_lock:
                 self._vms[vm.id] = vm
@@ -248,6 +251,11 @@ class Engine:
         """
         vm = self._spawn(snapshot)
         try:
+            if identity:  # a spare: it takes only the CPU the jobs' VMs leave, unless a take waits for it
+                with self._vms_lock:
+                    self._preparing[snapshot] = vm
+            else:  # a pool miss: a job is waiting for this VM
+                vm.machine.set_spare(False)
             vm.machine.restore(snapshot)
             vm.agent = AgentClient(vm.machine.agent, on_broken=vm.channel_broken,
                                    on_protocol_error=self._protocol_error)
@@ -261,9 +269,23 @@ class Engine:
             vm.destroy()
             self._standby.refill(snapshot)
             raise
+        finally:
+            if identity:
+                with self._vms_lock:
+                    self._preparing.pop(snapshot, None)
         if respawn:
             self._standby.refill(snapshot)  # the next restore's VMM, spawned now that this one is done
         return vm
+
+    def _hurry(self, snapshot: Snapshot) -> None:
+        """A take waits for the spare being prepared for `snapshot`: it gets a job's CPU share now."""
+        with self._vms_lock:
+            vm = self._preparing.get(snapshot)
+        if vm is not None:
+            try:
+                vm.machine.set_spare(False)
+            except VMError as exc:  # it only goes slower; the take's wait is bounded
+                log.warning("%s", exc)
 
     def _spawn(self, snapshot: Snapshot) -> VM:
         """A VMM for `snapshot`, not yet restored: one spawned ahead if there is one, else a new one."""

@@ -98,6 +98,11 @@ class Machine(ABC):
         """Insert `image` (a raw disk image, read-only) as the checkout drive's new medium."""
 
     @abstractmethod
+    def set_spare(self, spare: bool) -> None:
+        """A spare VM (spawned ahead or pooled, no job's yet) takes only the CPU its engine's other VMs leave;
+        a job's VM its full share."""
+
+    @abstractmethod
     def alive(self) -> bool:
         """Whether the VMM process still runs."""
 

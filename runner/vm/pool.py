@@ -85,8 +85,10 @@ class SpareVMs:
     `size` is the floor per snapshot; `cap(snapshot)` the most the host's memory allows (default: the floor)."""
 
     def __init__(self, prepare: Callable[[Snapshot], VM], size: int,
-                 cap: Callable[[Snapshot], int] | None = None) -> None:
+                 cap: Callable[[Snapshot], int] | None = None,
+                 hurry: Callable[[Snapshot], None] | None = None) -> None:
         self._prepare = prepare
+        self._hurry = hurry or (lambda snapshot: None)  # a take now waits for the VM being prepared
         self.size = size
         self._cap = cap or (lambda snapshot: size)
         self._ready: dict[Snapshot, list[VM]] = defaultdict(list)
@@ -120,6 +122,7 @@ class SpareVMs:
                 if not entries and wait > 0 and snapshot not in self._waiting and not self._closed:
                     self._waiting.add(snapshot)
                     try:
+                        self._hurry(snapshot)
                         self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
                                                or self._closed, timeout=wait)
                     finally:

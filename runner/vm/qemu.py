@@ -398,6 +398,14 @@ class QemuMachine(Machine):
         self.qmp("blockdev-remove-medium", id=CHECKOUT_DRIVE)
         self.qmp("blockdev-close-tray", id=CHECKOUT_DRIVE)
 
+    def set_spare(self, spare: bool) -> None:
+        if self.group is None:
+            return
+        try:
+            self.group.weigh(cgroup.SPARE_CPU_WEIGHT if spare else cgroup.JOB_CPU_WEIGHT)
+        except OSError as exc:
+            raise VMError(f"cannot set the VM's CPU weight: {exc}") from None
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -477,6 +485,7 @@ class QemuHypervisor(Hypervisor):
             lease.close()
             raise
         try:
+            machine.set_spare(True)  # until a job claims it (Engine.create)
             # QMP answers once QEMU's main loop runs, i.e. when its start-up is over: a VMM spawned ahead
             # is then ready for a restore, and no longer busy on the cores a job's VM is using.
             machine._monitor()

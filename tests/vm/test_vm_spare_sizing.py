@@ -73,7 +73,8 @@ def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
         made.append(vm)
         return vm
 
-    pool = SpareVMs(prepare, size=1)
+    hurried: list[object] = []
+    pool = SpareVMs(prepare, size=1, hurry=hurried.append)
     snapshot = snapshot_of(tmp_path, "d1")
     pool.refill(snapshot)
     first = None
@@ -93,6 +94,7 @@ def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
             break
         threading.Event().wait(0.01)
     assert pool._changed._waiters, "the take did not wait for the VM in preparation"  # type: ignore[attr-defined]
+    assert hurried == [snapshot], "the engine is told to give the VM being prepared a job's CPU share"
     assert pool.take(snapshot) is None, "a second take waits for no VM: only one is being prepared"
     release.set()
     taker.join(WAIT_S)

@@ -60,3 +60,30 @@ def test_forgetting_a_template_ends_its_vmms_spawned_ahead(make_engine) -> None:
     (ahead,) = engine._standby._ready[snapshot]
     engine.forget_template("base")
     assert engine.standby_vmms() == 0 and ahead.destroyed and not ahead.machine.alive()
+
+
+def _cpu_share(vm) -> int:
+    """The VM's cgroup CPU share as cgroup v2 weights count it (v1 cpu.shares / 10.24)."""
+    group = vm.machine.group
+    if group.version == "v2":
+        return int((group.paths[0] / "cpu.weight").read_text())
+    return round(int((group.paths[0] / "cpu.shares").read_text()) / 10.24)
+
+
+def test_spares_yield_the_cpu_to_the_jobs_vms_until_claimed(make_engine) -> None:
+    """A VMM spawned ahead and a pooled VM run at the spare CPU weight (they take only what the engine's
+    job VMs leave, so preparing the next VM does not slow a running job); a claimed one at a job's."""
+    from runner.vm import cgroup
+
+    engine = make_engine(pool_size=1)
+    snapshot = engine.template("base").snapshot(False)
+    engine.pool.refill(snapshot)
+    deadline = time.monotonic() + WAIT_S
+    while not (engine.pool._ready[snapshot] and engine.standby_vmms() == 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (spare,) = engine.pool._ready[snapshot]
+    (ahead,) = engine._standby._ready[snapshot]
+    assert _cpu_share(spare) == _cpu_share(ahead) == cgroup.SPARE_CPU_WEIGHT
+    vm = engine.create("base", network=False)
+    assert vm is spare and _cpu_share(vm) == cgroup.JOB_CPU_WEIGHT
+    engine.destroy(vm)
