@@ -28,7 +28,7 @@ from runner.service.auth import Forbidden, Unauthorized
 from runner.service.egress import EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import SessionGone
 from runner.service.jobqueue import QueueClosed, QueueFull
-from runner.service.sandboxes import SandboxCallError, SandboxLimit, SandboxNotFound, SandboxRefused
+from runner.service.sandboxes import SandboxCallError, SandboxLimit, SandboxNotFound, SandboxRefused, SandboxUnavailable
 from runner.service.service import JobNotFound, JobStateConflict
 from runner.service.sessions import SessionConflict
 from runner.service.spec import SpecError
@@ -79,6 +79,7 @@ STATUS: dict[type[JobError], int] = {
     SandboxRefused: 403,
     SandboxNotFound: 404,
     SandboxLimit: 429,
+    SandboxUnavailable: 503,
 }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from policy.model import Policy
-from runner.errors import JobError
+from runner.errors import JobError, SandboxError
 from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
 from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
 from runner.service.config import SandboxAccess, ServiceConfig
@@ -70,6 +70,13 @@ class SandboxRefused(JobError):
 
 class SandboxCallError(JobError):
     """A sandbox call the service will not make as asked (a path, a size, a deadline); 400."""
+
+
+class SandboxUnavailable(JobError):
+    """The sandbox's VM did not start (a restore or its agent failed, or timed out on a busy host): the
+    caller's request was fine and may be sent again (503 with Retry-After), unlike a bug of ours (500)."""
+
+    retry_after = 5
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,8 @@ class SandboxDesk:
             job_log.system(record.error)
             job_log.close()
             self._save(record)
+            if isinstance(exc, (SandboxError, TimeoutError)):
+                raise SandboxUnavailable(f"{record.error}; try again in {SandboxUnavailable.retry_after} s") from exc
             raise
         ready_ms = round((time.monotonic() - started) * 1000, 3)
         record.state, record.vm_id = JobState.RUNNING, vm.id

@@ -11,7 +11,7 @@ from runner.jobapi.client import JobAPIError
 from runner.service.api import STATUS, status_of
 from runner.service.egress import PolicySourceUnavailable
 from runner.service.jobqueue import QueueFull
-from runner.service.sandboxes import SandboxLimit
+from runner.service.sandboxes import SandboxLimit, SandboxUnavailable
 from tests.error_tree import exception_classes, qualified
 
 
@@ -36,8 +36,8 @@ def test_each_refusal_is_answered_with_its_status_and_message(cls: type[JobError
         client.health()
     assert refused.value.status == status_of(error) == STATUS[cls]
     assert str(error) in str(refused.value)
-    asked = {QueueFull: 7, PolicySourceUnavailable: PolicySourceUnavailable.retry_after,
-             SandboxLimit: SandboxLimit.retry_after}  # they say when to come back
+    asked = {QueueFull: 7, PolicySourceUnavailable: PolicySourceUnavailable.retry_after,  # they say when to come back
+             SandboxLimit: SandboxLimit.retry_after, SandboxUnavailable: SandboxUnavailable.retry_after}
     assert refused.value.retry_after == asked.get(cls)
 
 
