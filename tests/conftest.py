@@ -7,8 +7,10 @@ a silent skip there would hide a broken setup.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,18 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("microvm-check")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI in-process configures the root logger (`runner.logs.setup` binds a handler to
+    the sys.stderr of that moment, pytest's capture file, closed after the test); put it back, so a later test
+    that logs does not print "--- Logging error ---" and fail on it only because of the order tests ran in."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def require(condition: bool, why: str) -> None:
