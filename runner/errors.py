@@ -74,6 +74,11 @@ class SandboxError(MicrovmCheckError):
     """The sandbox cannot go on (its VM died, expired, or its guest misbehaved); it has been destroyed."""
 
 
+class CommandNotStarted(SandboxError):
+    """The guest could not start the program at all (not found, not executable): nothing of it ran, so
+    starting something else in its place runs the job's command once, not twice. The sandbox lives on."""
+
+
 class TemplateError(MicrovmCheckError):
     """A VM template that cannot be found, described or built."""
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, BinaryIO, TypeGuard, TypeVar
 from policy.model import Policy
 from policy.suggest import AuditRecord
 from runner import tarsafe
+from runner.errors import CommandNotStarted
 from runner.sandbox.port import Resources, VMRequest
 from runner.vm import checkoutdisk
-from runner.vm.agent import AgentClient, GuestOpError
+from runner.vm.agent import AgentClient, GuestOpError, NotStarted
 from runner.vm.engine import Engine
 from runner.vm.errors import AgentError, SandboxError
 from runner.vm.templates import Template, TemplateNotFound
@@ -170,6 +171,8 @@ class Sandbox:
             raise SandboxError(vm.describe_failure())
         try:
             return fn(vm.agent)
+        except NotStarted as exc:
+            raise CommandNotStarted(str(exc)) from None
         except GuestOpError as exc:
             raise SandboxError(str(exc)) from None
         except AgentError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from policy.model import Policy
-from runner.errors import JobError, MicrovmCheckError, SandboxError
+from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
 from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service import containers
@@ -274,19 +274,25 @@ class JobRun:
         # with service containers, the command runs inside the script that starts and removes them
         command = containers.script(self.spec.services, self.spec.command) if self.spec.services else self.spec.command
 
-        def run(argv: list[str]) -> ExecResult:
-            return sandbox.exec(argv, timeout_seconds=self.spec.timeout_seconds, env=env, cwd=self.spec.workdir,
+        begun = time.monotonic()
+        limit: float | None = self.spec.timeout_seconds
+
+        def run(argv: list[str], timeout: float | None) -> ExecResult:
+            return sandbox.exec(argv, timeout_seconds=timeout, env=env, cwd=self.spec.workdir,
                                 on_output=self.log.append,
                                 capture_bytes=0)  # the job log has it all; another copy in memory helps no one
 
         direct = direct_argv(command)  # no shell when it would only split words (runner/service/command.py)
         if direct is not None:
             try:
-                return run(direct)
-            except SandboxError:  # not started (not found, not executable, no #!): the shell says why, or runs it
-                if not sandbox.alive or self.cancel_reason:
+                return run(direct, limit)
+            except CommandNotStarted:  # nothing of it ran (not found, not executable, no #!): the shell says
+                if not sandbox.alive or self.cancel_reason:  # why, or runs it; any later failure is the job's
                     raise
-        return run(shell_argv(command))
+            # the step has one deadline: the shell in the argv's place gets what is left of it
+            if limit is not None:
+                limit = max(1.0, limit - (time.monotonic() - begun))
+        return run(shell_argv(command), limit)
 
     def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:
         """Validated artifacts into the job dir (runner/service/artifacts.py); trouble with them is a

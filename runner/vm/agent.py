@@ -446,12 +446,16 @@ class AgentClient:
         finally:
             self._finish(req)
 
-    @staticmethod
-    def _check(message: HostMessage, reply: GuestMessage) -> GuestMessage:
+    @classmethod
+    def _check(cls, message: HostMessage, reply: GuestMessage) -> GuestMessage:
         if reply.get("ok") is True:
             return reply
+        raise GuestOpError(cls._failure(message, reply), reply)
+
+    @staticmethod
+    def _failure(message: HostMessage, reply: GuestMessage) -> str:
         error = str(reply.get("error", "no reason given"))[:2000]
-        raise GuestOpError(f"{message.get('op')} failed in the guest: {error}", reply)
+        return f"{message.get('op')} failed in the guest: {error}"
 
     # ---- operations ------------------------------------------------------------------------
     def ping(self, timeout: float = 10.0) -> GuestMessage:
@@ -474,12 +478,18 @@ class AgentClient:
         message = {**message, "op": "exec", "timeout": timeout}
         req = self._open(message, deadline)
         self._execs.add(req.rid)
+        started = False  # the guest's {"ev": "started"}: past it, a failure is not "could not start"
         try:
             for frame in self._frames(req, deadline):
                 if frame.kind in (P.STDOUT, P.STDERR):
+                    started = True  # output comes from a started program, whatever the guest says
                     on_output("stdout" if frame.kind == P.STDOUT else "stderr", frame.payload)
                 elif frame.kind == P.MSG and "ok" in frame.json():
+                    if frame.json().get("ok") is not True and not started:
+                        raise NotStarted(self._failure(message, frame.json()), frame.json())
                     return _exec_outcome(self._check(message, frame.json()))
+                elif frame.kind == P.MSG and frame.json().get("ev") == "started":
+                    started = True
         except TimeoutError:
             self._fail(f"the guest did not end the command {KILL_GRACE_S:.0f} s after its timeout")
             raise AgentError(self.broken) from None
@@ -558,6 +568,10 @@ class QuiesceFailed(GuestOpError):
     def __init__(self, message: str, refused: str | None) -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class NotStarted(GuestOpError):
+    """An exec refused before its program started (the guest sent no "started" and no output)."""
 
 
 class AgentTooOld(GuestOpError):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.suggest import AuditRecord
+from runner.errors import CommandNotStarted
 from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import VMRequest
 from runner.service.config import ServiceConfig
@@ -49,6 +50,7 @@ class FakeEngine:
     live: int = 0
     max_live: int = 0
     fail_create: bool = False
+    unstartable: set[str] = field(default_factory=set)  # programs an argv cannot start: the guest's "not found"
     counter: itertools.count = field(default_factory=itertools.count)
 
     def create(self, request: VMRequest) -> FakeSandbox:
@@ -121,6 +123,8 @@ class FakeSandbox:
         self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
         # a job's command comes as `sh -c COMMAND`, or as its words when the shell would only split them
         shell = command[:2] == ["sh", "-c"] and len(command) == 3
+        if not shell and command[0] in self.engine.unstartable:
+            raise CommandNotStarted(f"exec failed in the guest: cannot start {command[0]!r}: No such file or directory")
         program = self.engine.programs[command[2] if shell else " ".join(command)]
         result = program(self, on_output or (lambda s, d: None), timeout_seconds)
         if self.destroyed.is_set():

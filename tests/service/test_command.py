@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.service.command import direct_argv
+from runner.service.command import DIRECT_MAX_CHARS, direct_argv
 
 
 @pytest.mark.parametrize(("command", "argv"), [
@@ -29,6 +29,8 @@ def test_plain_words_run_as_their_argv(command: str, argv: list[str]) -> None:
     "make && make test", "a; b", "a | b", "a > out", "a < in", "a &", "(a)", "{ a; }", "! a",
     "echo $HOME", "ls ~", "ls *.py", "ls a?", "ls [ab]", "cat `x`", "a 'b c'", 'a "b"', "a\\ b",
     "make # comment", "make\nmake test", "a\rb", "a\u00a0b", "pytest -k ü",
+    "-x foo", "+x foo", "--version",  # sh reads a leading - or + as its own options and runs nothing
+    "x " * (DIRECT_MAX_CHARS // 2 + 1),  # long: its argv could outgrow the agent's message on the wire
 ])
 def test_anything_the_shell_would_interpret_goes_through_it(command: str) -> None:
     assert direct_argv(command) is None

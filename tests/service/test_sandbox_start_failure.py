@@ -9,8 +9,9 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from service_fakes import FakeEngine
+
 from runner.service.host import ServiceHost
-from tests.service.service_fakes import FakeEngine
 
 
 def _create(path: Path) -> tuple[int, dict[str, str], dict]:

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from runner.vm import guestwire as P
-from runner.vm.agent import AgentClient, AgentTooOld, GuestOpError, Quiesced, QuiesceFailed
+from runner.vm.agent import AgentClient, AgentTooOld, GuestOpError, NotStarted, Quiesced, QuiesceFailed
 from runner.vm.errors import AgentError
 
 
@@ -188,6 +188,25 @@ def test_a_failed_exec_names_the_operation(pair):
     answer_after_request(guest, P.encode_msg(1, {"ok": False, "error": "cannot start 'nope'"}))
     with pytest.raises(GuestOpError, match="^exec failed in the guest: cannot start 'nope'"):
         client.exec({"argv": ["nope"]}, lambda s, d: None, timeout=5)
+    assert broken == []
+
+
+def test_an_exec_refused_before_it_started_is_told_apart_from_one_that_failed_after(pair):
+    """The service starts a shell in place of an argv only when nothing of the argv ran (ATTACK2 finding 1):
+    a refusal after the guest said "started", or after any output, is that command's failure, not NotStarted."""
+    client, guest, broken = pair
+    refusal = {"ok": False, "error": "cannot start 'pytest': No such file or directory"}
+    answer_after_request(guest, P.encode_msg(1, refusal))
+    with pytest.raises(NotStarted):
+        client.exec({"argv": ["pytest"]}, lambda s, d: None, timeout=5)
+    answer_after_request(guest, P.encode_msg(2, {"ev": "started", "pid": 7}) + P.encode_msg(2, refusal))
+    with pytest.raises(GuestOpError) as after_started:
+        client.exec({"argv": ["pytest"]}, lambda s, d: None, timeout=5)
+    assert not isinstance(after_started.value, NotStarted)
+    answer_after_request(guest, P.encode(P.STDOUT, 3, b"ran\n") + P.encode_msg(3, refusal))
+    with pytest.raises(GuestOpError) as after_output:
+        client.exec({"argv": ["pytest"]}, lambda s, d: None, timeout=5)
+    assert not isinstance(after_output.value, NotStarted)
     assert broken == []
 
 
