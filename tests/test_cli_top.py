@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import subprocess
@@ -91,3 +92,32 @@ def test_start_up_imports_only_the_chosen_commands_area(argv: list[str], also_no
     assert "runner.cli" in modules
     heavy = [m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY + also_not)]
     assert heavy == []
+
+
+_ENTRY_PROBE = """
+import gc
+import runner.cli as cli
+seen = {}
+def look(args):
+    seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+    return 0
+cli.run_command = look
+status = cli.entry()
+print(seen["enabled"], seen["frozen"] > 10000, status)
+"""
+
+
+def test_the_installed_command_runs_with_its_start_up_frozen_and_the_collector_on(tmp_path: Path) -> None:
+    """`entry` (the console script, `python -m runner.cli`): the imported area is frozen out of the collector's
+    walks (start-up and exit time), and the command itself runs with collection on; `main` in a caller's
+    process (this one) changes nothing of its collector."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["microvm-check"] == "runner.cli:entry"
+    policy = tmp_path / "p.yml"
+    policy.write_text("version: 1\nmode: block\n")
+    done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "policy", "check", str(policy)], cwd=ROOT,
+                          capture_output=True, timeout=60, check=True)
+    assert done.stdout.decode().split() == ["True", "True", "0"]
+    before = gc.get_freeze_count()
+    assert main(["policy", "check", str(policy)]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == before
