@@ -379,6 +379,7 @@ class AgentClient:
 
     # ---- requests --------------------------------------------------------------------------
     def _open(self, message: HostMessage, deadline: float) -> _Request:
+        data = _encoded(message)  # before the request exists: one too large for the wire leaves nothing behind
         with self._lock:
             if self.broken:
                 raise AgentError(self.broken)
@@ -386,7 +387,7 @@ class AgentClient:
             self._issued = rid
             req = _Request(rid)
             self._pending[rid] = req
-        self._send(P.encode_msg(rid, message), deadline)
+        self._send(P.encode(P.MSG, rid, data), deadline)
         return req
 
     def _finish(self, req: _Request) -> None:
@@ -568,6 +569,20 @@ class QuiesceFailed(GuestOpError):
     def __init__(self, message: str, refused: str | None) -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class RequestTooLarge(GuestOpError):
+    """A request past the guest agent's message size (guestwire.MAX_MSG), refused before anything was sent:
+    the channel is fine, and for an exec nothing started."""
+
+
+def _encoded(message: HostMessage) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > P.MAX_MSG:
+        raise RequestTooLarge(f"{message.get('op')}: the request is {len(data)} bytes, more than the {P.MAX_MSG} the "
+                              "guest agent takes in one message: shorten the command or its env (large values can "
+                              "go in a file of the checkout)")
+    return data
 
 
 class NotStarted(GuestOpError):

@@ -15,7 +15,15 @@ import threading
 import pytest
 
 from runner.vm import guestwire as P
-from runner.vm.agent import AgentClient, AgentTooOld, GuestOpError, NotStarted, Quiesced, QuiesceFailed
+from runner.vm.agent import (
+    AgentClient,
+    AgentTooOld,
+    GuestOpError,
+    NotStarted,
+    Quiesced,
+    QuiesceFailed,
+    RequestTooLarge,
+)
 from runner.vm.errors import AgentError
 
 
@@ -207,6 +215,17 @@ def test_an_exec_refused_before_it_started_is_told_apart_from_one_that_failed_af
     with pytest.raises(GuestOpError) as after_output:
         client.exec({"argv": ["pytest"]}, lambda s, d: None, timeout=5)
     assert not isinstance(after_output.value, NotStarted)
+    assert broken == []
+
+
+def test_a_request_past_the_agents_message_size_is_refused_before_it_is_sent(pair):
+    """A job's command and env can add up past guestwire.MAX_MSG (an env of 128 x 32 KiB is allowed): a clear
+    error naming the fix, nothing sent, the channel fine for the next request (it was a raw ValueError)."""
+    client, guest, broken = pair
+    with pytest.raises(RequestTooLarge, match=r"^exec: the request is \d+ bytes, more than the 65536 .* shorten"):
+        client.exec({"argv": ["true"], "env": {"BIG": "x" * P.MAX_MSG}}, lambda s, d: None, timeout=5)
+    answer_after_request(guest, P.encode_msg(1, {"ok": True, "ops": []}))  # the refused one took no id
+    assert client.ping(timeout=5)["ok"] is True
     assert broken == []
 
 
