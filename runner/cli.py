@@ -13,13 +13,13 @@ the areas register.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import os
 import sys
 import traceback
 
+from runner import startup
 from runner.errors import MicrovmCheckError
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -151,25 +151,16 @@ def _command_word(argv: list[str]) -> str | None:
 
 def entry() -> int:
     """The installed command (and `python -m runner.cli`): `main` as a program of its own, whose start-up
-    objects the cyclic garbage collector leaves alone.
-
-    Importing a command's area makes ~100k objects, none of them garbage, and the collector walked them
-    during the imports (~8 ms of `run`) and again at exit, when the interpreter's final collections took
-    20-30 ms of a `run -- true`. So the collector is off while the area is imported, and what exists once
-    the arguments are parsed is frozen (`gc.freeze`: moved where no collection looks), then collection
-    resumes for what the command itself makes. Only for a process of its own: a caller of `main` (a test)
-    keeps its collector as it was."""
-    gc.disable()
-    return main(frozen_start=True)
+    objects (the command's area, imported) the cyclic garbage collector leaves alone (runner/startup.py)."""
+    startup.begin()
+    return main()
 
 
-def main(argv: list[str] | None = None, *, frozen_start: bool = False) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_word(argv) or "--help")
     args = parser.parse_args(argv)
-    if frozen_start:
-        gc.freeze()
-        gc.enable()
+    startup.settled()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose or args.debug else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -121,3 +121,26 @@ def test_the_installed_command_runs_with_its_start_up_frozen_and_the_collector_o
     before = gc.get_freeze_count()
     assert main(["policy", "check", str(policy)]) == 0
     assert gc.isenabled() and gc.get_freeze_count() == before
+
+
+_LONG_LIVED_PROBE = """
+import gc
+from runner import startup
+with startup.long_lived():
+    outside = gc.isenabled(), gc.get_freeze_count()
+startup.begin()
+startup.settled()
+before = gc.get_freeze_count()
+with startup.long_lived():
+    inside = gc.isenabled()
+    kept = [[n] for n in range(50000)]
+print(outside == (True, 0), inside, gc.isenabled(), gc.get_freeze_count() - before >= 50000)
+"""
+
+
+def test_a_programs_long_lived_block_is_frozen_and_elsewhere_nothing_changes() -> None:
+    """`startup.long_lived` (the in-process service of `run`): in the command's own process the block runs with
+    the collector off and what it made is frozen after; in any other process (before `begin`) it changes nothing."""
+    done = subprocess.run([sys.executable, "-c", _LONG_LIVED_PROBE], cwd=ROOT, capture_output=True, timeout=60,
+                          check=True)
+    assert done.stdout.decode().split() == ["True", "False", "True", "True"]

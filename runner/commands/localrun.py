@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from runner import startup
 from runner.attest.statement import ENVELOPE_FILE
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
@@ -29,6 +31,9 @@ from runner.jobapi.contract import DEFAULT_SOCKET, SHA, JobRecord, JobSpec, step
 from runner.jobapi.pack import PackError, host_git, pack_checkout
 from runner.jobapi.terminal import show
 from runner.tarsafe import require_patched_python
+
+if TYPE_CHECKING:
+    from runner.service.host import ServiceHost
 
 EXIT_CANCELLED = 130
 ARTIFACTS_DIR = "artifacts"
@@ -195,31 +200,12 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
     Its engine restores the one VM the job needs from the host's templates (`MICROVM_CHECK_STATE`) and
     keeps no spare pool: spares would be restored next to the job's only to be thrown away at exit. The
     job's policy is trusted as given, and a job still running at the end is cancelled at once."""
-    from runner.service.config import config_from_mapping
-    from runner.service.egress import EgressPolicies
-    from runner.service.host import EngineSettings, ServiceHost
-    from runner.vm.statedir import StateDir
-    from runner.vm.templates import TemplateStore
-
     tmp = Path(tempfile.mkdtemp(prefix="mvc-run-"))
     try:
-        config = config_from_mapping({
-            "socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
-            "templates": [template or "base"], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
-            "max_timeout_seconds": max(timeout_seconds, 1), "default_timeout_seconds": max(timeout_seconds, 1),
-            "prewarm": {"max_vms": 0}, "shutdown_grace_seconds": 0,
-            # signed with the host's own key (the one `serve` makes in the default state dir), not one thrown away
-            "attestation_key": str(StateDir.default().root / "attestation-key.pem"),
-        })
-        engine = EngineSettings(state=StateDir(tmp / "engine"), templates=TemplateStore(StateDir.default().templates),
-                                pool_size=0)
-        host = ServiceHost(config, engine=engine, policies=EgressPolicies(None, trust_job_policy=True))
+        with startup.long_lived():  # the service's modules and parts live as long as the run
+            host = _start_service(tmp, template, timeout_seconds)
         try:
-            host.__enter__()  # not `with`: only a failure to start is the user's to fix
-        except (MicrovmCheckError, OSError) as exc:
-            raise UserError(f"cannot start a service for this run: {exc}") from exc
-        try:
-            with JobClient(socket=config.socket, keep_alive=True) as client:
+            with JobClient(socket=str(tmp / "api.sock"), keep_alive=True) as client:
                 yield client
         finally:
             _ignore_stop_signals()  # the cleanup runs to its end: the job is cancelled, its VM destroyed
@@ -227,6 +213,32 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
     finally:
         _ignore_stop_signals()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_service(tmp: Path, template: str | None, timeout_seconds: int) -> ServiceHost:
+    """The private service of `in_process_service`, started, its socket at tmp/api.sock."""
+    from runner.service.config import config_from_mapping
+    from runner.service.egress import EgressPolicies
+    from runner.service.host import EngineSettings, ServiceHost
+    from runner.vm.statedir import StateDir
+    from runner.vm.templates import TemplateStore
+
+    config = config_from_mapping({
+        "socket": str(tmp / "api.sock"), "state_dir": str(tmp / "state"),
+        "templates": [template or "base"], "max_concurrent_jobs": 1, "max_queued_jobs": 1,
+        "max_timeout_seconds": max(timeout_seconds, 1), "default_timeout_seconds": max(timeout_seconds, 1),
+        "prewarm": {"max_vms": 0}, "shutdown_grace_seconds": 0,
+        # signed with the host's own key (the one `serve` makes in the default state dir), not one thrown away
+        "attestation_key": str(StateDir.default().root / "attestation-key.pem"),
+    })
+    engine = EngineSettings(state=StateDir(tmp / "engine"), templates=TemplateStore(StateDir.default().templates),
+                            pool_size=0)
+    host = ServiceHost(config, engine=engine, policies=EgressPolicies(None, trust_job_policy=True))
+    try:
+        host.__enter__()  # not `with`: only a failure to start is the user's to fix
+    except (MicrovmCheckError, OSError) as exc:
+        raise UserError(f"cannot start a service for this run: {exc}") from exc
+    return host
 
 
 def _submit(client: JobClient, spec: JobSpec) -> str:
