@@ -59,6 +59,25 @@ def test_env_cwd_and_user(sandbox):
     assert r.stdout.decode().split() == ["hello", "/tmp", "runner"]
 
 
+# The command's own ids, its session (sid) and pid, its cgroup, and the agent's (the child of PID 1).
+WHO = "id; echo $(ps -o sid= -p $$) $$; cat /proc/self/cgroup; cat /proc/$(pgrep -P 1 -f agent.py)/cgroup"
+
+
+@pytest.mark.parametrize("user", ["root", "runner"])
+def test_a_command_has_its_users_ids_a_session_and_a_cgroup_of_its_own(sandbox, user):
+    """uid, gid and every group the guest's own `id USER` names; a session it leads (what setsid gave the
+    timeout's kill); a cgroup of its own (what cgroup.kill ends), which the agent that started it has left."""
+    expected = sandbox.exec(["id", user]).stdout.decode().strip()
+    first = sandbox.exec(WHO, user=None if user == "root" else user).stdout.decode().splitlines()
+    second = sandbox.exec(WHO, user=None if user == "root" else user).stdout.decode().splitlines()
+    for ids, session, cgroup, agent in (first, second):
+        assert ids == expected
+        sid, pid = session.split()
+        assert sid == pid, "the command does not lead a session of its own"
+        assert cgroup.startswith("0::/mvc/") and agent == "0::/", (cgroup, agent)
+    assert first[2] != second[2], "two commands shared a cgroup"
+
+
 def test_host_environment_does_not_leak(sandbox, monkeypatch):
     monkeypatch.setenv("MICROVM_SECRET_TOKEN", "do-not-leak")
     r = sandbox.exec("env")

@@ -46,6 +46,7 @@ BLKFLSBUF = 0x1261
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 EXT4_MAGIC = 0xEF53
 MEDIUM_WAIT_S = 10.0
+MEDIUM_RETRY_S = 0.002  # the job waits on it; an open that finds no medium yet costs far less than 10 ms
 CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the medium's mount and the overlay's upper layer
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
@@ -145,16 +146,21 @@ class Exec:
 
     def kill_tree(self) -> None:
         self.killed = True
-        try:
-            with open(f"{self.cgroup}/cgroup.kill", "w") as f:
-                f.write("1")
-        except OSError:
-            pass
+        with SPAWN_LOCK:  # never while the agent itself is in the cgroup (see `spawn`)
+            try:
+                with open(f"{self.cgroup}/cgroup.kill", "w") as f:
+                    f.write("1")
+            except OSError:
+                pass
 
 
 EXECS: dict[int, Exec] = {}
 EXECS_LOCK = threading.Lock()
 QUIESCING = threading.Event()  # set under EXECS_LOCK while a quiesce runs: no exec may start meanwhile
+# Held while the agent stands in a command's cgroup to start it: one start at a time, and no kill of
+# that cgroup meanwhile (it would kill the agent).
+SPAWN_LOCK = threading.Lock()
+HOME_CGROUP: list[str] = []  # the agent's own cgroup, read once at start (main)
 
 
 def _user_ids(user: str | None) -> tuple[int, int, list[int]] | None:
@@ -168,17 +174,26 @@ def _user_ids(user: str | None) -> tuple[int, int, list[int]] | None:
     return entry.pw_uid, entry.pw_gid, groups
 
 
-def _preexec(cgroup: str, ids):
-    def run() -> None:
-        with open(f"{cgroup}/cgroup.procs", "w") as f:
-            f.write("0")
-        if ids:
-            uid, gid, groups = ids
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
+def _enter(cgroup: str) -> None:
+    with open(f"{cgroup}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
 
-    return run
+
+def spawn(argv: list[str], cgroup: str, ids, **popen) -> subprocess.Popen:
+    """Start `argv` in `cgroup`, in a session of its own, as the user `ids` names (root without).
+
+    The child is born in the cgroup: the agent moves itself there for the start and back after, so
+    the child inherits it. No preexec_fn: one would make subprocess fork and copy the agent (its
+    pages, then a fault for each one either side writes); without one it uses vfork for root, and
+    for a user it sets the ids itself (groups, then gid, then uid), still with no Python run in the child.
+    """
+    identity = {} if not ids else {"user": ids[0], "group": ids[1], "extra_groups": ids[2]}
+    with SPAWN_LOCK:
+        _enter(cgroup)
+        try:
+            return subprocess.Popen(argv, start_new_session=True, **identity, **popen)
+        finally:
+            _enter(HOME_CGROUP[0])
 
 
 def _pump(stream, kind: int, req: Request) -> None:
@@ -214,16 +229,8 @@ def op_exec(req: Request) -> dict:
         EXECS[req.rid] = job
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=m.get("cwd") or "/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_preexec(job.cgroup, ids),
-        )
+        proc = spawn(argv, job.cgroup, ids, cwd=m.get("cwd") or "/", env=env,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         _drop_exec(job)
         return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc.strerror}"}
@@ -358,7 +365,7 @@ def _open_medium(device: str) -> int:
         except OSError as exc:
             if exc.errno != errno.ENOMEDIUM or time.monotonic() > deadline:
                 raise
-            time.sleep(0.01)
+            time.sleep(MEDIUM_RETRY_S)
 
 
 def _check_medium(fd: int, want: str) -> None:
@@ -717,6 +724,13 @@ def serve(channel: Channel) -> None:
                 del requests[frame.request_id]
 
 
+def own_cgroup() -> str:
+    """This process's cgroup directory (cgroup v2: the one "0::" line of /proc/self/cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        path = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
+    return "/sys/fs/cgroup" + ("" if path == "/" else path)
+
+
 def find_port() -> str:
     for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
         with open(name_file) as f:
@@ -740,6 +754,7 @@ def main() -> None:
             reap_forever(child)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     os.makedirs(CGROUP_ROOT, exist_ok=True)
+    HOME_CGROUP.append(own_cgroup())
     fd = os.open(find_port(), os.O_RDWR)
     print("microvm-check agent ready", flush=True)
     serve(Channel(fd))
