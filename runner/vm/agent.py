@@ -10,9 +10,9 @@ bounded by the queue sizes, and a guest that stops reading cannot block a sender
 The guest also decides how many frames it sends, and every frame costs the host CPU outside the
 VM's budget. So the reader takes frames from the socket in large reads, merges consecutive output
 frames of one request into one item (flushed at 64 KiB, after 50 ms, or before any other frame, so
-order is kept and live output is late by at most 50 ms), lets a trickle of small reads gather
-for those 50 ms instead of waking for each, and reads at most `FrameBudget.rate` frames a second:
-past that it stops reading for a moment and the guest's writes back up.
+order is kept and live output is late by at most 50 ms), lets a trickle of small reads (from the
+second on) gather for those 50 ms instead of waking for each, and reads at most `FrameBudget.rate`
+frames a second: past that it stops reading for a moment and the guest's writes back up.
 """
 
 from __future__ import annotations
@@ -284,10 +284,14 @@ class AgentClient:
                 # Output is dribbling in and would wake us for every write (a wake-up costs far more
                 # than the bytes it brings): let it gather until the merged output is due anyway.
                 time.sleep(self._flush_due())
+            merging = self._run is not None
             received = wire.fill(self._flush_due())
             if received == 0:
                 return
-            trickling = received is not None and received < TRICKLE_BYTES
+            # A trickle is a second small read while output waits: after the first, a read wakes for
+            # what follows at once, so output that a command prints as it ends is not held back from
+            # the exit reply close behind it (a job whose last line came just before its end finished up to 50 ms late).
+            trickling = merging and received is not None and received < TRICKLE_BYTES
             if self._run is not None and (received is None or self._run_expired()):
                 self._flush_run()
 
