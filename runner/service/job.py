@@ -1,8 +1,9 @@
 """One job's life in a VM: checkout in, command, logs out, artifacts validated, VM destroyed.
 
 The VM is destroyed on every path out of `JobRun.execute` (success, failure, timeout, cancel, an
-engine error, service shutdown): `finally` owns it, and `cancel` from another thread destroys it
-at once so a blocked `exec` returns instead of running on. The one exception is a step of a
+engine error, service shutdown): `finally` owns it (the destroy follows the final record, so the
+answer does not wait for it), and `cancel` from another thread destroys it at once so a blocked
+`exec` returns instead of running on. The one exception is a step of a
 `keep: job` session (runner/service/sessions.py) that ended with a result: its VM goes back to the
 session for the job's next step, which attaches to it (no checkout) instead of starting one.
 """
@@ -121,13 +122,28 @@ class JobRun:
             _destroy(sandbox)
         return True
 
-    def finish(self, state: str, exit_code: int | None = None, error: str | None = None) -> None:
+    def finish(self, state: str, exit_code: int | None = None, error: str | None = None,
+               vm: SandboxLike | None = None) -> None:
         """The final record, signed first when the service signs records (so whoever sees it final finds
-        its signed record too); the job's log ends with it, so live followers see the end."""
+        its signed record too); the job's log ends with it, so live followers see the end.
+
+        `vm`, the job's VM when it is to go, is destroyed right after that, whatever happened to the
+        record, and before the check run hears of the end: the client's answer waits for no destroy,
+        and a slow post to GitHub keeps no VM alive."""
+        try:
+            ended = self._final(state, exit_code, error)
+        finally:
+            if vm is not None:
+                _destroy(vm)
+        if ended and self.checks is not None:
+            self.checks.job_ended(self)
+
+    def _final(self, state: str, exit_code: int | None, error: str | None) -> bool:
+        """Save the final record and end the log; False when it was final already."""
         facts = artifact_facts(self.dir, ARTIFACTS) if self.attestor is not None and not self.record.final else None
         with self.lock:
             if self.record.final:
-                return
+                return False
             self.record.state = JobState(state)
             self.record.exit_code = exit_code
             self.record.error = error
@@ -139,14 +155,13 @@ class JobRun:
         _remove(self.checkout_path)
         self.log.close()
         self.done.set()
-        if self.checks is not None:
-            self.checks.job_ended(self)
+        return True
 
     def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
         """Run the job to its final state; never raises.
 
-        The record turns final only after the VM is destroyed, so a client that sees the result
-        knows the VM is gone.
+        The VM is destroyed just after the record turns final (`finish`), on every path, by this
+        thread: the worker takes its next job only once its VM is gone.
         """
         sandbox = None
         outcome: tuple[str, int | None, str | None] = ("failed", None, "the job ended without a result")
@@ -163,9 +178,8 @@ class JobRun:
                 self.log.system(f"job failed: {exc}")
                 outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
-            if not self._kept(sandbox, outcome[0]) and sandbox is not None:
-                _destroy(sandbox)
-            self.finish(*outcome)
+            kept = self._kept(sandbox, outcome[0])
+            self.finish(*outcome, vm=None if kept else sandbox)
 
     def _attach(self) -> SandboxLike | None:
         """The session's VM for this step; it is this step's alone until `_kept` hands it back."""
