@@ -6,9 +6,3 @@ also needs for `run` and the jobs page: `pack` packs a checkout as the upload's 
 no workflow command can be forged from, `terminal` shows log entries on a terminal. None imports the service.
 """
 
-import sys
-
-# httpx's package imports its command-line tool (httpx._main) whenever click and rich are installed, as they
-# are in the test venv and on many developers' machines: 0.11 s of every client's start, for a tool this
-# package never runs. Marked absent before `client` imports httpx, httpx defines its stand-in `httpx.main`.
-sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """A client for the job API (docs/job-api.md), used by the action and by `microvm-check run`.
 
-Built on httpx: it speaks HTTP/1.1 over the service's Unix socket (`HTTPTransport(uds=...)`) or TCP,
+It speaks HTTP/1.1 over the service's Unix socket or TCP (http.client, pooled by runner.jobapi.http1),
 streams bodies both ways (a checkout is sent chunked from a generator, logs and artifacts are read
 as they arrive), and applies one explicit timeout to connecting, each read, each write and waiting
 for a pooled connection. Answers come back as the contract's types (runner.jobapi.contract), and
@@ -24,11 +24,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO, Protocol, TypeVar
-from urllib.parse import urlsplit
-
-import httpx
+from urllib.parse import SplitResult, urlsplit
 
 from runner.errors import ClientError
+from runner.jobapi import http1
 from runner.jobapi.contract import (
     DEFAULT_SOCKET,
     JOB_TOKEN_HEADER,
@@ -54,8 +53,7 @@ _MAX_ERROR = 64 * 1024  # an error answer: {"error": "..."}
 # connection is kept alive after its answer: a client that is never closed then leaves no socket open
 # (the service also drops idle ones after 5 s). A client that drives one job from submit to its
 # attestation (`run`, the action) keeps its one connection instead (`keep_alive`): no connect per request.
-_POOL = httpx.Limits(max_connections=16, max_keepalive_connections=0)
-_KEEP_ALIVE = httpx.Limits(max_connections=16, max_keepalive_connections=1, keepalive_expiry=4.0)
+_MAX_CONNECTIONS, _KEEP_ALIVE_SECONDS = 16, 4.0
 RETRY_STATUSES = frozenset({429, 503})
 REPLAY_BYTES = 8 * 1024 * 1024  # of a streamed body, kept so that a refused upload can be sent again
 MIN_RETRY_WAIT, MAX_RETRY_WAIT, DEFAULT_RETRY_WAIT = 0.5, 30.0, 5.0  # seconds
@@ -118,20 +116,17 @@ class JobClient:
         self._deadlines: dict[str, float] = {}  # job id -> monotonic time its retries end
         self._sleep: Callable[[float], None] = time.sleep
         self.session_token: str | None = None
-        limits = _KEEP_ALIVE if keep_alive else _POOL
+        self._headers = headers
+        where: str | SplitResult
         if url is None:
-            self.where = socket or DEFAULT_SOCKET
-            # plain HTTP on a Unix socket never does TLS: no CA bundle to load (0.1 s of every CLI start)
-            transport = httpx.HTTPTransport(uds=self.where, limits=limits, verify=False)
-            base = "http://localhost"
+            self.where = where = socket or DEFAULT_SOCKET
         else:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
+            where = urlsplit(url)
+            if where.scheme not in ("http", "https") or not where.hostname:
                 raise ValueError(f"url: expected http(s)://HOST:PORT, got {url!r}")
-            self.where, base = url, url
-            transport = httpx.HTTPTransport(limits=limits)
-        self._http = httpx.Client(transport=transport, base_url=base, headers=headers,
-                                  timeout=httpx.Timeout(timeout), follow_redirects=False)
+            self.where = url
+        self._http = http1.Pool(where, timeout, max_connections=_MAX_CONNECTIONS, keep=1 if keep_alive else 0,
+                                expiry=_KEEP_ALIVE_SECONDS)
 
     def close(self) -> None:
         self._http.close()
@@ -188,7 +183,7 @@ class JobClient:
             return self.logs(job_id, on_end=on_end)
         return self._follow_answer(job_id, resp, method, path, on_end)
 
-    def _follow_answer(self, job_id: str, resp: httpx.Response, method: str, path: str,
+    def _follow_answer(self, job_id: str, resp: http1.Response, method: str, path: str,
                        on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
         """The log entries of an upload's answer; past a break, the rest through `logs`."""
         after = 0
@@ -254,7 +249,7 @@ class JobClient:
             for chunk in resp.iter_bytes(_CHUNK):
                 out.write(chunk)
                 written += len(chunk)
-        except httpx.TransportError as exc:
+        except http1.TransportError as exc:
             raise _broken(method, path, exc) from exc
         finally:
             resp.close()
@@ -289,19 +284,20 @@ class JobClient:
             what = "does not have the job API's shape" if isinstance(exc, WireError) else "is not JSON"
             raise JobAPIError(f"{method} {path}: the answer {what}: {exc}") from exc
 
-    def _open(self, method: str, path: str, deadline: float | None = None, **kwargs: Any) -> httpx.Response:
+    def _open(self, method: str, path: str, deadline: float | None = None, content: http1.Body = None,
+              headers: Mapping[str, str] | None = None) -> http1.Response:
         """The streamed answer, its status checked: >= 400 and transport trouble become a JobAPIError;
         429 and 503 are sent again as the service asks, until `deadline` (default: the job's). The caller
         closes it."""
         waiting = False
+        sent = {**self._headers, **(headers or {})}
         while True:
-            request = self._http.build_request(method, path, **kwargs)
             try:
-                resp = self._http.send(request, stream=True)
-            except httpx.TransportError as exc:
+                resp = self._http.send(method, path, sent, content)
+            except http1.TransportError as exc:
                 raise JobAPIError(f"cannot reach the job service at {self.where}: {_reason(exc)}",
-                                  timed_out=isinstance(exc, httpx.TimeoutException),
-                                  unreachable=isinstance(exc, httpx.ConnectError)) from exc
+                                  timed_out=isinstance(exc, http1.Timeout),
+                                  unreachable=isinstance(exc, http1.ConnectError)) from exc
             if resp.status_code < 400:
                 return resp
             try:
@@ -311,7 +307,6 @@ class JobClient:
             if deadline is None:
                 deadline = self._deadline(path)
             delay = retry_delay(error.retry_after)
-            content = kwargs.get("content")
             if (error.status not in self.retry_statuses or error.retry_after is None  # not asked to come back
                     or time.monotonic() + delay > deadline
                     or (isinstance(content, _Replayable) and not content.rewind())):
@@ -348,7 +343,7 @@ class JobClient:
             resp.close()
 
     @staticmethod
-    def _entries(resp: httpx.Response, method: str, path: str,
+    def _entries(resp: http1.Response, method: str, path: str,
                  on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
         """The log entries of a streamed answer, until its end line (whose record goes to `on_end`)."""
         for line in _lines(resp, method, path):
@@ -406,29 +401,29 @@ class _Replayable:
         return not self._overflowed
 
 
-def _reason(exc: httpx.TransportError) -> str:
-    """httpx's message, or its class name when it has none (a read timeout can come without one)."""
+def _reason(exc: http1.TransportError) -> str:
+    """The transport's message, or its class name when it has none."""
     return str(exc) or type(exc).__name__
 
 
-def _broken(method: str, path: str, exc: httpx.TransportError) -> JobAPIError:
+def _broken(method: str, path: str, exc: http1.TransportError) -> JobAPIError:
     return JobAPIError(f"{method} {path}: the answer broke off: {_reason(exc)}",
-                       timed_out=isinstance(exc, httpx.TimeoutException))
+                       timed_out=isinstance(exc, http1.Timeout))
 
 
-def _read(resp: httpx.Response, limit: int, method: str, path: str) -> bytes:
+def _read(resp: http1.Response, limit: int, method: str, path: str) -> bytes:
     data = bytearray()
     try:
         for chunk in resp.iter_bytes():
             data += chunk
             if len(data) > limit:
                 raise JobAPIError(f"{method} {path}: the answer is larger than {limit} bytes")
-    except httpx.TransportError as exc:
+    except http1.TransportError as exc:
         raise _broken(method, path, exc) from exc
     return bytes(data)
 
 
-def _lines(resp: httpx.Response, method: str, path: str) -> Iterator[bytes]:
+def _lines(resp: http1.Response, method: str, path: str) -> Iterator[bytes]:
     """Whole NDJSON lines as they arrive (each at most _MAX_LINE); a cut or overlong line breaks the stream."""
     pending = bytearray()
     try:
@@ -439,12 +434,12 @@ def _lines(resp: httpx.Response, method: str, path: str) -> Iterator[bytes]:
                 del pending[:end + 1]
             if len(pending) > _MAX_LINE:
                 raise _StreamBroken(f"{method} {path}: a log line is longer than {_MAX_LINE} bytes", False)
-    except httpx.TransportError as exc:
-        raise _StreamBroken(f"{method} {path}: {_reason(exc)}", isinstance(exc, httpx.TimeoutException)) from exc
+    except http1.TransportError as exc:
+        raise _StreamBroken(f"{method} {path}: {_reason(exc)}", isinstance(exc, http1.Timeout)) from exc
     raise _StreamBroken(f"{method} {path}: the stream ended before the job did", False)
 
 
-def _api_error(method: str, path: str, resp: httpx.Response) -> JobAPIError:
+def _api_error(method: str, path: str, resp: http1.Response) -> JobAPIError:
     try:
         body = json.loads(_read(resp, _MAX_ERROR, method, path))
     except (ValueError, JobAPIError):

@@ -115,8 +115,22 @@ def test_a_checkout_from_a_generator_is_sent_chunked_as_it_is_produced(short_dir
             answer = client.upload_checkout("j1", iter(pieces))
     head, _, body = seen[0].partition(b"\r\n\r\n")
     assert head.startswith(b"PUT /v1/jobs/j1/checkout HTTP/1.1") and b"Transfer-Encoding: chunked" in head
-    assert body == b"b\r\nfirst-piece\r\nc\r\nsecond-piece\r\n0\r\n\r\n"
+    assert chunks_of(body) == pieces  # one chunk per piece, as produced
     assert answer == JobSummary("j1", JobState.QUEUED)
+
+
+def chunks_of(body: bytes) -> list[bytes]:
+    """The chunks of a chunked body (sizes in hex, either case), its terminating chunk checked."""
+    chunks = []
+    while True:
+        size, _, rest = body.partition(b"\r\n")
+        length = int(size, 16)
+        if length == 0:
+            assert rest == b"\r\n"
+            return chunks
+        assert rest[length:length + 2] == b"\r\n"
+        chunks.append(rest[:length])
+        body = rest[length + 2:]
 
 
 def test_an_answer_of_the_wrong_shape_is_an_error_naming_the_field(short_dir: Path) -> None:
@@ -183,3 +197,76 @@ def test_the_log_stream_opens_with_the_upload(api, engine: FakeEngine) -> None:
     assert out == b"hello\n" and ended and ended[0].exit_code == 3
     with pytest.raises(JobAPIError, match="409"):  # a refused upload raises as upload_checkout's does
         list(client.upload_and_follow(job, checkout_tar()))
+
+
+HEALTH = b'{"ok": true, "accel": "tcg", "running": 0, "queued": 0, "warm": 0}'
+
+
+@contextmanager
+def kept_service(path: Path, drop: bool) -> Iterator[tuple[list[int], threading.Semaphore]]:
+    """Answers each request of a connection with a health record, keeping the connection open; records one
+    entry per connection accepted. With `drop` it closes each after its first answer without saying so (a
+    kept connection gone stale), releasing the semaphore once closed."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    accepted: list[int] = []
+    closed = threading.Semaphore(0)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(HEALTH), HEALTH)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            with conn:
+                pending = b""
+                while chunk := conn.recv(65536):
+                    pending += chunk
+                    while b"\r\n\r\n" in pending:
+                        _, _, pending = pending.partition(b"\r\n\r\n")
+                        conn.sendall(answer)
+                        if drop:
+                            break
+                    if drop:
+                        break
+            if drop:
+                closed.release()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield accepted, closed
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize(("keep_alive", "drop", "connections"), [
+    (True, False, 1),  # `run`'s client: its requests share one connection
+    (True, True, 3),  # the service closed the kept one: the next request opens another, nothing fails
+    (False, False, 3),  # a plain client keeps nothing
+])
+def test_a_kept_connection_carries_the_next_request_unless_the_service_closed_it(
+        short_dir: Path, keep_alive: bool, drop: bool, connections: int) -> None:
+    with kept_service(short_dir / "k.sock", drop) as (accepted, closed):
+        with JobClient(socket=str(short_dir / "k.sock"), timeout=30, keep_alive=keep_alive) as client:
+            for _ in range(3):
+                assert client.health().ok is True
+                if drop:
+                    assert closed.acquire(timeout=10)
+    assert len(accepted) == connections
+
+
+def test_the_client_and_run_load_no_httpx() -> None:
+    """The client is http.client's (runner/jobapi/http1.py): httpx's import cost ~50 ms of every `run`."""
+    import subprocess
+    import sys
+
+    probe = "import sys, runner.jobapi.client, runner.commands.localrun; print('httpx' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60, check=True)
+    assert done.stdout.strip() == b"False"
