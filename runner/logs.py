@@ -7,11 +7,10 @@ every state change of a job is saved, so deriving the events there covers every 
 reaper, start-up clean-up) without each of them having to remember to log. They go to the
 `runner.jobs` logger at INFO, the service's default level, each with its job id as a field.
 
-A job's VM is destroyed right after its final record is saved, by the thread that saved it, on every
-path (`runner.service.job.JobRun.finish`), so the final record also stands for the "vm destroyed"
-event, logged as the destroy begins (a destroy that fails is logged on its own, at ERROR). Record
-fields may hold text a client or a guest chose (repository, error text): JSON escapes it, and the
-text format escapes control characters, so neither can forge a log line.
+A job's record turns final only after its VM is destroyed (`runner.service.job.JobRun.execute`), so
+its final record is also the "vm destroyed" event. Record fields may hold text a client or a guest
+chose (repository, error text): JSON escapes it, and the text format escapes control characters, so
+neither can forge a log line.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """One job's life in a VM: checkout in, command, logs out, artifacts validated, VM destroyed.
 
 The VM is destroyed on every path out of `JobRun.execute` (success, failure, timeout, cancel, an
-engine error, service shutdown): `finally` owns it (the destroy follows the final record, so the
-answer does not wait for it), and `cancel` from another thread destroys it at once so a blocked
-`exec` returns instead of running on. The one exception is a step of a
+engine error, service shutdown): `finally` owns it, and `cancel` from another thread destroys it
+at once so a blocked `exec` returns instead of running on. The one exception is a step of a
 `keep: job` session (runner/service/sessions.py) that ended with a result: its VM goes back to the
 session for the job's next step, which attaches to it (no checkout) instead of starting one.
 """
@@ -122,28 +121,13 @@ class JobRun:
             _destroy(sandbox)
         return True
 
-    def finish(self, state: str, exit_code: int | None = None, error: str | None = None,
-               vm: SandboxLike | None = None) -> None:
+    def finish(self, state: str, exit_code: int | None = None, error: str | None = None) -> None:
         """The final record, signed first when the service signs records (so whoever sees it final finds
-        its signed record too); the job's log ends with it, so live followers see the end.
-
-        `vm`, the job's VM when it is to go, is destroyed right after that, whatever happened to the
-        record, and before the check run hears of the end: the client's answer waits for no destroy,
-        and a slow post to GitHub keeps no VM alive."""
-        try:
-            ended = self._final(state, exit_code, error)
-        finally:
-            if vm is not None:
-                _destroy(vm)
-        if ended and self.checks is not None:
-            self.checks.job_ended(self)
-
-    def _final(self, state: str, exit_code: int | None, error: str | None) -> bool:
-        """Save the final record and end the log; False when it was final already."""
+        its signed record too); the job's log ends with it, so live followers see the end."""
         facts = artifact_facts(self.dir, ARTIFACTS) if self.attestor is not None and not self.record.final else None
         with self.lock:
             if self.record.final:
-                return False
+                return
             self.record.state = JobState(state)
             self.record.exit_code = exit_code
             self.record.error = error
@@ -155,13 +139,14 @@ class JobRun:
         _remove(self.checkout_path)
         self.log.close()
         self.done.set()
-        return True
+        if self.checks is not None:
+            self.checks.job_ended(self)
 
     def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
         """Run the job to its final state; never raises.
 
-        The VM is destroyed just after the record turns final (`finish`), on every path, by this
-        thread: the worker takes its next job only once its VM is gone.
+        The record turns final only after the VM is destroyed, so a client that sees the result
+        knows the VM is gone.
         """
         sandbox = None
         outcome: tuple[str, int | None, str | None] = ("failed", None, "the job ended without a result")
@@ -178,8 +163,9 @@ class JobRun:
                 self.log.system(f"job failed: {exc}")
                 outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
-            kept = self._kept(sandbox, outcome[0])
-            self.finish(*outcome, vm=None if kept else sandbox)
+            if not self._kept(sandbox, outcome[0]) and sandbox is not None:
+                _destroy(sandbox)
+            self.finish(*outcome)
 
     def _attach(self) -> SandboxLike | None:
         """The session's VM for this step; it is this step's alone until `_kept` hands it back."""

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import requests
 from service_fakes import FakeEngine, checkout_tar, prints, spec
-from test_service import wait_final
 
 from runner.github.signature import sign
 from runner.service.config import ConfigError
@@ -49,7 +48,8 @@ def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: Fake
     rec = service.submit(spec("ok", repository=payload["repository"]["full_name"], run_id=job["run_id"],
                               run_attempt=job.get("run_attempt") or 1))
     service.put_checkout(rec.id, [checkout_tar()])
-    wait_final(service, rec.id)
+    for _ in service.log_of(rec.id).follow():
+        pass
     assert service.get(rec.id).warm is True
     assert engine.alive() == []
 
