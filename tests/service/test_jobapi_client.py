@@ -70,12 +70,11 @@ def test_logs_arrive_while_the_job_still_runs(api, engine: FakeEngine) -> None:
 
 
 @contextmanager
-def raw_service(path: Path, answer: Callable[[bytes], bytes]) -> Iterator[list[bytes]]:
-    """A one-request-per-connection server on a Unix socket: records each request, sends `answer(request)`."""
+def unix_server(path: Path, handle: Callable[[socket.socket], None]) -> Iterator[None]:
+    """A server on a Unix socket that gives each connection it accepts to `handle`, one at a time."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(4)
-    seen: list[bytes] = []
 
     def serve() -> None:
         while True:
@@ -84,23 +83,35 @@ def raw_service(path: Path, answer: Callable[[bytes], bytes]) -> Iterator[list[b
             except OSError:
                 return
             with conn:
-                request = b""
-                while b"\r\n\r\n" not in request or (b"chunked" in request and not request.endswith(b"0\r\n\r\n")):
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    request += chunk
-                seen.append(request)
-                conn.sendall(answer(request))
+                handle(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield seen
+        yield
     finally:
         server.shutdown(socket.SHUT_RDWR)
         server.close()
         thread.join(10)
+
+
+@contextmanager
+def raw_service(path: Path, answer: Callable[[bytes], bytes]) -> Iterator[list[bytes]]:
+    """A one-request-per-connection server on a Unix socket: records each request, sends `answer(request)`."""
+    seen: list[bytes] = []
+
+    def handle(conn: socket.socket) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request or (b"chunked" in request and not request.endswith(b"0\r\n\r\n")):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            request += chunk
+        seen.append(request)
+        conn.sendall(answer(request))
+
+    with unix_server(path, handle):
+        yield seen
 
 
 def json_answer(body: bytes) -> Callable[[bytes], bytes]:
@@ -207,43 +218,26 @@ def kept_service(path: Path, drop: bool) -> Iterator[tuple[list[int], threading.
     """Answers each request of a connection with a health record, keeping the connection open; records one
     entry per connection accepted. With `drop` it closes each after its first answer without saying so (a
     kept connection gone stale), releasing the semaphore once closed."""
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen(4)
     accepted: list[int] = []
     closed = threading.Semaphore(0)
     answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
         len(HEALTH), HEALTH)
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(1)
-            with conn:
-                pending = b""
-                while chunk := conn.recv(65536):
-                    pending += chunk
-                    while b"\r\n\r\n" in pending:
-                        _, _, pending = pending.partition(b"\r\n\r\n")
-                        conn.sendall(answer)
-                        if drop:
-                            break
-                    if drop:
-                        break
-            if drop:
-                closed.release()
+    def handle(conn: socket.socket) -> None:
+        accepted.append(1)
+        pending = b""
+        while chunk := conn.recv(65536):
+            pending += chunk
+            while b"\r\n\r\n" in pending:
+                _, _, pending = pending.partition(b"\r\n\r\n")
+                conn.sendall(answer)
+                if drop:
+                    conn.close()  # without a word: the client's kept connection is now stale
+                    closed.release()
+                    return
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
+    with unix_server(path, handle):
         yield accepted, closed
-    finally:
-        server.shutdown(socket.SHUT_RDWR)
-        server.close()
-        thread.join(10)
 
 
 @pytest.mark.parametrize(("keep_alive", "drop", "connections"), [
