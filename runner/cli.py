@@ -150,8 +150,9 @@ def _command_word(argv: list[str]) -> str | None:
 
 
 def entry() -> int:
-    """The installed command (and `python -m runner.cli`): `main` as a program of its own, whose start-up
-    objects (the command's area, imported) the cyclic garbage collector leaves alone (runner/startup.py)."""
+    """The installed command (and `python -I -m runner.cli`, as the host starts it): `main` as a program of
+    its own, whose start-up objects (the command's area, imported) the cyclic garbage collector leaves alone
+    (runner/startup.py)."""
     startup.begin()
     return main()
 

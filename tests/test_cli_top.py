@@ -108,14 +108,14 @@ print(seen["enabled"], seen["frozen"] > 10000, status)
 
 
 def test_the_installed_command_runs_with_its_start_up_frozen_and_the_collector_on(tmp_path: Path) -> None:
-    """`entry` (the console script, `python -m runner.cli`): the imported area is frozen out of the collector's
+    """`entry` (the console script, `python -I -m runner.cli`): the imported area is frozen out of the collector's
     walks (start-up and exit time), and the command itself runs with collection on; `main` in a caller's
     process (this one) changes nothing of its collector."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["microvm-check"] == "runner.cli:entry"
     policy = tmp_path / "p.yml"
     policy.write_text("version: 1\nmode: block\n")
-    done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "policy", "check", str(policy)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-I", "-c", _ENTRY_PROBE, "policy", "check", str(policy)], cwd=ROOT,
                           capture_output=True, timeout=60, check=True)
     assert done.stdout.decode().split() == ["True", "True", "0"]
     before = gc.get_freeze_count()
