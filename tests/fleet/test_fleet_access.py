@@ -1,4 +1,5 @@
-"""Each fleet runner's jobs are bound to it on the job API; what a job leaves on the host goes with its runner.
+"""Each fleet runner's jobs are bound to it on the job API (what a job leaves on the host goes with its
+runner: tests/fleet/test_fleet_runner_end.py).
 
 With stand-in runners and the real service (no VM is needed here: nothing is uploaded, so no job
 starts; tests/fleet/test_fleet_binding_vm.py does the same with real VMs and the action):
@@ -7,7 +8,6 @@ starts; tests/fleet/test_fleet_binding_vm.py does the same with real VMs and the
   as another repository; a job is reached only with its own job token;
 - the fork guard runs in the service for the fleet's hooks: a fork pull request job whose `.github`
   changed is refused before any step;
-- a `setsid` child of a job is gone once its runner has ended;
 - without a `runners:` section a socket member without a runner credential runs local jobs only (as
   `local_jobs.repository`), may not list, and not reach a job without its token.
 """
@@ -23,7 +23,7 @@ from typing import Any
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
 from tests.fleet.conftest import PYTHON, Account
-from tests.fleet.test_fleet import _gone, wait_until
+from tests.fleet.test_fleet import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "github"))  # repo_fakes imports github_fakes by name
 from repo_fakes import FakeRepo
@@ -122,17 +122,6 @@ def test_fork_pull_request_whose_github_dir_changed_is_refused_by_the_service_gu
     assert "::error title=microvm-check guard::" in result["log"]
     assert "comes from the fork leodido/lstn, and" in result["log"]
     assert "was changed by pull request #217" in result["log"]
-
-
-def test_a_setsid_child_of_a_job_is_gone_after_its_runner_ends(make_rig) -> None:
-    survivor = 'setsid sleep 600 </dev/null >/dev/null 2>&1 & echo "survivor=$!"'
-    with make_rig(vms=False, min_idle=0, max_runners=1) as rig:
-        rig.enqueue(1, [{"run": survivor}])
-        result = wait_until(lambda: rig.github.results(), 120, "the job to end")[0]["result"]
-        wait_until(lambda: not rig.fleet.runners(), 60, "the runner to be removed")
-    assert result["conclusion"] == "success", result["log"]
-    pid = int(result["log"].split("survivor=", 1)[1].split()[0])
-    assert _gone(pid), f"the job's setsid child {pid} outlived its runner"
 
 
 def test_single_runner_setup_a_socket_member_runs_local_jobs_only(account: Account, rig_root: Path) -> None:

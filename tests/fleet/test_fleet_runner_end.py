@@ -9,28 +9,29 @@ from __future__ import annotations
 
 import time
 
-from tests.fleet.test_fleet import _gone, wait_until
+from tests.fleet.survivor import Survivor
+from tests.fleet.test_fleet import wait_until
 
-SURVIVOR = 'setsid sleep 600 </dev/null >/dev/null 2>&1 & echo "survivor=$!"'
 WITHIN_SECONDS = 5.0
 
 
 def test_a_runner_removed_while_the_fleet_runs_leaves_no_process_and_no_cgroup(make_rig) -> None:
-    with make_rig(vms=False, min_idle=0, max_runners=1) as rig:
-        rig.enqueue(1, [{"run": SURVIVOR}])
+    with make_rig(vms=False, min_idle=0, max_runners=1) as rig, Survivor() as survivor:
+        rig.enqueue(1, [{"run": survivor.step}])
         runner = wait_until(lambda: rig.fleet.runners(), 60, "a runner for the job")[0]
         group = runner.cgroup.path
         assert group.is_dir()
         try:
             result = wait_until(lambda: rig.github.results(), 120, "the job to end")[0]["result"]
             assert result["conclusion"] == "success", result["log"]
-            pid = int(result["log"].split("survivor=", 1)[1].split()[0])
+            assert survivor.seen, "the job's setsid child was never seen running on the host"
             wait_until(lambda: not rig.fleet.runners(), 60, "the runner to be removed")
+            assert survivor.gone_within(WITHIN_SECONDS), \
+                f"the job's setsid child (host pid {survivor.alive()}) outlived its runner by {WITHIN_SECONDS:g} s"
             removed = time.monotonic()
-            while time.monotonic() - removed < WITHIN_SECONDS and not (_gone(pid) and not group.exists()):
+            while time.monotonic() - removed < WITHIN_SECONDS and group.exists():
                 time.sleep(0.1)
             assert not rig.fleet.stopping  # still serving: nothing of the shutdown did this
-            assert _gone(pid), f"the job's setsid child {pid} outlived its runner by {WITHIN_SECONDS:g} s"
             assert not group.exists(), f"the ended runner's cgroup {group} is still there"
         finally:
             if group.exists():  # only on failure: leave no cgroup behind (before the fleet removes its scope)
