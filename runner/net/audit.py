@@ -155,7 +155,11 @@ class SlotAudit:
 
     netns: str
     counts: Counter[tuple[str, int | None, str, str]] = field(default_factory=Counter)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held from a datagram's recv until it is counted, by the loop thread and by readers alike: a
+    # reader that drained while the loop thread held a datagram it had read but not counted yet
+    # would miss it, and `clear` could run between the two and let the old job's packet be counted
+    # for the next one (the slot is reused). Re-entrant: a reader drains under it.
+    lock: threading.RLock = field(default_factory=threading.RLock)
     sock: socket.socket | None = None
 
     def start(self, loop: NetLoop) -> None:
@@ -170,39 +174,38 @@ class SlotAudit:
     def clear(self) -> None:
         """Forget the job's records, including those still queued in the socket (the slot's rules
         no longer log by now, so nothing of the old job arrives afterwards)."""
-        if self.sock is not None:
-            self._drain(self.sock)
         with self.lock:
+            self._drain()
             self.counts.clear()
 
     def records(self, names: dict[str, str]) -> list[AuditRecord]:
         """Everything logged so far, including what the loop thread has not read yet."""
-        if self.sock is not None:
-            self._drain(self.sock)
         with self.lock:
+            self._drain()
             items = sorted(self.counts.items(), key=lambda item: (item[0][0], item[0][1] or 0, item[0][2], item[0][3]))
         return [AuditRecord(dest, port, proto, names.get(dest), count, reason)
                 for (dest, port, proto, reason), count in items]
 
-    def _drain(self, sock: socket.socket) -> None:
-        """Read every pending datagram (the loop thread may read concurrently: each goes to one)."""
-        while self._on_readable(sock):
-            pass
+    def _drain(self) -> None:
+        """Read every pending datagram (the caller holds the lock, so the loop thread reads none meanwhile)."""
+        if self.sock is not None:
+            while self._on_readable(self.sock):
+                pass
 
     def _on_readable(self, sock: socket.socket) -> bool:
         """Count one datagram's packets; False when there was none to read."""
-        try:
-            datagram = sock.recv(65536, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError as exc:  # ENOBUFS after an overrun: records stay a lower bound, keep reading
-            return exc.errno == errno.ENOBUFS
-        for payload, reason in payloads(datagram):
-            parsed = parse_packet(payload)
-            if parsed is None:
-                continue
-            key = (*parsed, reason)
-            with self.lock:
+        with self.lock:
+            try:
+                datagram = sock.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError as exc:  # ENOBUFS after an overrun: records stay a lower bound, keep reading
+                return exc.errno == errno.ENOBUFS
+            for payload, reason in payloads(datagram):
+                parsed = parse_packet(payload)
+                if parsed is None:
+                    continue
+                key = (*parsed, reason)
                 if key in self.counts or len(self.counts) < MAX_RECORDS_PER_SLOT:
                     self.counts[key] += 1
         return True
