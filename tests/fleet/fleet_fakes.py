@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import os
 import re
 import threading
 import uuid
@@ -142,9 +143,12 @@ class FakeGitHub:
                "job": "check", "workflow_ref": "listendev/lstn/.github/workflows/ci.yml@refs/heads/main",
                "event": "pull_request_target", "event_payload": json.loads(FORK_PR.read_text()),
                "steps": steps, **fields}
-        path = self.queue / "jobs" / f"{job_id:06d}.json"
-        path.write_text(json.dumps(job))
-        path.chmod(0o666)  # the runner writes its result back into it
+        # Whole and writable before it appears under its name: idle runners poll `jobs/*.json` and take
+        # a job the moment it is there (a dot name is never matched; the file stays the test's own).
+        partial = self.queue / "jobs" / f".{job_id:06d}.json.partial"
+        partial.write_text(json.dumps(job))
+        partial.chmod(0o666)  # the runner writes its result back into it
+        os.replace(partial, self.queue / "jobs" / f"{job_id:06d}.json")
         self.deliver_queued(job, labels)
         return job
 

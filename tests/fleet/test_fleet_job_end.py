@@ -56,7 +56,7 @@ def test_a_job_that_kills_its_completed_hook_and_exits_0_is_cancelled_with_its_r
     assert job.repository == "listendev/lstn"  # the name GitHub gave the runner, not the submit's spelling
     assert final.state.value == "cancelled", final
     assert f"the runner {runner.name} running this job ended (exit code 0)" in final.error
-    assert ended_at - result["ended_at"] < 10, "the VM job outlived its runner"
+    assert ended_at - result["ended_at"] < 30, "the VM job outlived its runner"
     assert revoked.value.status == 401
 
 

@@ -344,7 +344,7 @@ def test_job_api_survives_hostile_requests(served: Served, capfd: pytest.Capture
         for job in served.jobs:  # what the fuzz left waiting for a checkout: each holds its log file open
             assert client.cancel(job).state in ("cancelled", "finished", "failed")
         host, port = served.servers.tcp_address
-        last = JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=1.0).submit(spec())
+        last = JobClient(url=f"http://{host}:{port}", token=TOKEN, timeout=10.0).submit(spec())
         assert last.state == "awaiting_checkout"
         tracebacks.check(b"(the batch)")
     assert served.jobs, "no submit of the fuzz was accepted: the inputs never reached a job"
