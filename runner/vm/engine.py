@@ -203,10 +203,14 @@ class Engine:
         assert vm.agent is not None, "snapshot() refuses a VM without an agent channel"
         try:
             done = vm.agent.quiesce(QUIESCE_TIMEOUT_S)
-        except AgentTooOld as exc:  # a template whose manifest claims an agent it does not have
+        except AgentTooOld as exc:
+            # Either a template whose manifest claims an agent it does not have (copied by hand, say), or
+            # a guest that ran a job's code and answers as it likes: the host cannot tell which, so the
+            # message names both rather than send the operator to rebuild a sound template.
             template = self.templates.owner(vm.snapshot)
-            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: "
-                               f"{stale_agent(template, frozenset({exc.op}))}") from None
+            raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: its guest answered that it does "
+                               f"not know {exc.op!r}. Either the code this VM ran (untrusted) made it answer so, "
+                               f"or {stale_agent(template, frozenset({exc.op}))}") from None
         except QuiesceFailed as exc:
             raise SandboxError(f"could not quiesce VM {vm.id} for its snapshot: {exc}") from None
         log.debug("VM %s quiesced: %d checkout mounts unmounted, page cache written in %.0f ms", vm.id,

@@ -131,8 +131,9 @@ def test_the_engine_never_restores_a_template_whose_agent_is_older(tmp_path: Pat
 
 
 def test_an_agent_answering_unknown_op_to_quiesce_fails_the_snapshot_naming_the_template(tmp_path: Path):
-    """A template whose manifest claims more than its agent serves (copied by hand, say): the snapshot fails
-    with the template and its fix, the VM runs on, nothing of the new template is left."""
+    """A template whose manifest claims more than its agent serves (copied by hand, say), or a guest that
+    says so after running a job's code: the snapshot fails naming both, the template and its fix among
+    them, the VM runs on, nothing of the new template is left."""
     import socket
     import threading
 
@@ -156,7 +157,9 @@ def test_an_agent_answering_unknown_op_to_quiesce_fails_the_snapshot_naming_the_
     vm = VM(id="vm1", dir=tmp_path / "vm", machine=FakeMachine(), snapshot=store.get("base").snapshot(False))
     vm.agent = AgentClient(host)
     try:
-        with pytest.raises(SandboxError, match="^could not quiesce VM vm1 for its snapshot: template 'base' .* it "
+        with pytest.raises(SandboxError, match="^could not quiesce VM vm1 for its snapshot: its guest answered that "
+                                               "it does not know 'quiesce'. Either the code this VM ran \\(untrusted\\) "
+                                               "made it answer so, or template 'base' .* it "
                                                "lacks 'quiesce', which this host sends: rebuild it with 'microvm-check "
                                                "template build base'$"):
             engine.snapshot(vm, "with-deps", quiet_s=0)
