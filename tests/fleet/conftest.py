@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.conftest import require
 from tests.fleet.fleet_fakes import FakeGitHub
+from tests.procs import runs
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "standin_runner.py"
@@ -69,7 +70,7 @@ def runner_account() -> Iterator[Account]:
         yield Account(user, group, uid)
     finally:
         left = [pid for pid in subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout.split()
-                if not _zombie(pid)]
+                if runs(int(pid))]
         subprocess.run(["pkill", "-KILL", "-u", str(uid)], check=False)
         subprocess.run(["userdel", user], check=False)
         subprocess.run(["groupdel", group], check=False)
@@ -90,13 +91,6 @@ def runner_uids_seen(root: Path) -> set[int]:
                 pass
     return {uid for uid in seen if uid in uidrange.RUNNER_UIDS}
 
-
-def _zombie(pid: str) -> bool:
-    """A killed process that PID 1 has not reaped yet (this machine's init reaps late): it runs nothing."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # gone meanwhile
 
 
 def standin_tarball(directory: Path) -> tuple[Path, str]:

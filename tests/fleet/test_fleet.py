@@ -23,6 +23,7 @@ from runner.fleet.install import InstallError, install
 from runner.fleet.workdir import RunnerUser
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
+from tests.procs import runs
 
 # Each job first looks for what an earlier job may have left (in its workspace, its runner's home and
 # temporary directory), then leaves such files itself, then runs its check in a VM through the action.
@@ -119,7 +120,7 @@ def test_restart_deregisters_and_replaces_a_dead_services_runners(make_rig) -> N
         assert {r.name for r in fresh}.isdisjoint({name for name, _, _ in old})
         assert sorted(rig.runner_dirs()) == sorted(r.name for r in fresh)
         for _, _, pid in old:
-            assert _gone(pid), f"process {pid} of a dead service's runner still runs"
+            assert not runs(pid), f"process {pid} of a dead service's runner still runs"
         assert {r.name for r in rig.github.listed()} == {r.name for r in fresh}
     assert rig.github.listed() == [], "idle runners were not deregistered at shutdown"
     assert not rig.runner_dirs()
@@ -156,14 +157,6 @@ def test_install_refuses_a_tarball_whose_digest_differs(tmp_path: Path) -> None:
 def test_the_runner_user_may_not_be_root() -> None:
     with pytest.raises(workdir.RunnerUserError, match="runners never run as root"):
         RunnerUser.lookup("root")
-
-
-def _gone(pid: int) -> bool:
-    """Gone or a zombie (the fleet thread may reap it between two looks: then /proc has no entry)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_status_shows_the_runners_busy_with_which_job(make_rig, capsys) -> None:

@@ -28,6 +28,7 @@ from runner.fleet.scope import CLAIM_FILE, sweep_stale
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from tests.conftest import require
+from tests.procs import runs
 
 CHILD = textwrap.dedent("""
     import subprocess, sys, time
@@ -62,19 +63,11 @@ class FakeService:
         self.proc.wait()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while runs(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not runs(pid)
 
 
 def _no_vms(request: object) -> object:
@@ -99,7 +92,7 @@ def test_start_up_sweeps_a_dead_services_runners_and_leaves_a_live_ones(root: Pa
     live = FakeService(root / "other-state", live_scope)
     try:
         dead.die()
-        assert _alive(dead.runner_pid), "the dead service's runner lives on (what the sweep is for)"
+        assert runs(dead.runner_pid), "the dead service's runner lives on (what the sweep is for)"
         assert (root / "state" / CLAIM_FILE).exists()
         # A third state directory whose claim names the live service's scope (it used that runners_dir before).
         (root / "third").mkdir()
@@ -114,7 +107,7 @@ def test_start_up_sweeps_a_dead_services_runners_and_leaves_a_live_ones(root: Pa
         assert _gone(dead.runner_pid), "the dead service's runner was not killed"
         assert not cgroup.scope_exists(dead_scope), "the dead service's runner cgroups were not removed"
         assert not (root / "state" / CLAIM_FILE).exists()
-        assert _alive(live.runner_pid), "a live service's runner was killed"
+        assert runs(live.runner_pid), "a live service's runner was killed"
         assert cgroup.scope_exists(live_scope)
         assert not (root / "third" / CLAIM_FILE).exists(), "a claim on a scope another service holds is forgotten"
     finally:
@@ -123,6 +116,6 @@ def test_start_up_sweeps_a_dead_services_runners_and_leaves_a_live_ones(root: Pa
         sweep_stale(live.state)  # the live one's leftovers, as its own successor would sweep them
         sweep_stale(dead.state)
         for pid in (dead.runner_pid, live.runner_pid):
-            if _alive(pid):
+            if runs(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not cgroup.scope_exists(live_scope)

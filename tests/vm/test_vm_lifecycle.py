@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from runner.vm import cgroup
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import processes_under
+from tests.procs import runs
 from tests.vm.conftest import assert_no_leftovers
 
 CRASHING_SERVICE = textwrap.dedent(
@@ -41,18 +41,10 @@ CRASHING_SERVICE = textwrap.dedent(
 GONE_TIMEOUT_S = 60.0  # generous: the machine is shared; what matters is that they go
 
 
-def _running(pid: int) -> bool:
-    """Not gone and not a zombie: the orphaned QEMUs of a killed service are init's to reap, late."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids: list[int]) -> list[int]:
     deadline = time.monotonic() + GONE_TIMEOUT_S
     while time.monotonic() < deadline:
-        alive = [pid for pid in pids if _running(pid)]
+        alive = [pid for pid in pids if runs(pid)]
         if not alive:
             return []
         time.sleep(0.05)
