@@ -17,7 +17,7 @@ line, one JSON object:
   spool, then made into a disk image on the host and mounted in the guest), in MB/s (10^6 bytes).
 - checkout_100mib_ms: the same checkout's time, upload to the command's start, in ms.
 
-Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--jobs 40] [--load 0.5]
+Needs root, QEMU and the built `base` template. Usage: python bench/job.py [--jobs 40] [--load 0.5 | --rate R]
 `--smoke` (the test suite's run, tests/test_bench_smoke.py): 3 jobs and an 8 MiB checkout, no goal judged.
 """
 
@@ -123,9 +123,10 @@ def steady_arrivals(socket: str, checkout: bytes, jobs: int, interval_s: float) 
 
 
 def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, load: float,
-                   probes: int) -> tuple[list[float], list[JobRecord], list[float], float, float, int]:
+                   probes: int, fixed_rate: float | None = None
+                   ) -> tuple[list[float], list[JobRecord], list[float], float, float, int]:
     """(round trips, records, bare subprocess times, arrivals per second, back-to-back mean ms, pool misses
-    among the steady arrivals)."""
+    among the steady arrivals). `fixed_rate` (arrivals per second) replaces `load`'s share of the capacity."""
     checkout = small_checkout()
     run_job(client, engine, checkout)  # warm the page cache and the engine's pool
     # The service runs one job at a time, so capacity is 1 / the round trip, but a sustained one: a
@@ -133,7 +134,7 @@ def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, lo
     # of a few probes is served from the pool's spares alone and overstates it (seen: 279 ms median, then
     # misses of 600-800 ms at half that "capacity"); the mean over enough probes to drain the pool does not.
     back_to_back = statistics.fmean(run_job(client, engine, checkout)[0] for _ in range(probes))
-    rate = load / (back_to_back / 1000)
+    rate = fixed_rate or load / (back_to_back / 1000)
     misses_before = engine.pool.misses
     results = steady_arrivals(socket, checkout, jobs, 1 / rate)
     misses = engine.pool.misses - misses_before
@@ -254,6 +255,9 @@ def main() -> int:
                         help="arrival rate as a share of capacity (1 / the mean back-to-back round trip), default 0.5")
     parser.add_argument("--probes", type=int, default=12,
                         help="back-to-back jobs that measure the capacity (enough to drain the 2-VM pool)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="arrivals per second, instead of --load's share of the capacity measured in this run "
+                             "(to compare two builds at one rate)")
     parser.add_argument("--queued", type=int, default=200, help="jobs queued at once for the threads/fds line")
     parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
@@ -273,7 +277,7 @@ def main() -> int:
         with ServiceHost(config, engine=EngineSettings(pool_size=2)) as host:
             assert host.engine is not None and host.service is not None
             jobs, records, bare, rate, back_to_back, misses = bench_overhead(client, host.engine, config.socket, args.jobs,
-                                                                     args.load, args.probes)
+                                                                     args.load, args.probes, args.rate)
             logs, exec_to_first = bench_log_latency(client)
             upload_mb_s, checkout_mb_s = bench_checkout(client, tmp, checkout_mib)
             queued_line = bench_queued(client, host, args.queued)
