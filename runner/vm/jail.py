@@ -69,7 +69,8 @@ _COPY_CHUNK = 1 << 20
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 24, 38
 # No transparent huge pages for the VMM (kept across exec): QEMU asks for them on its 128 MiB TCG buffer and
 # thread stacks, so every 2 MiB it touches becomes resident whole. Idle PSS per VM -5 MiB (8 VMs, alternated
-# in one run), a job mixing python, git and a venv no slower (docs/platform.md).
+# in one run), a job mixing python, git and a venv no slower; the price is a destroy 4-5 ms longer, waiting
+# for QEMU's exit (docs/platform.md).
 _PR_SET_THP_DISABLE = 41
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
