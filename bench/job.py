@@ -48,6 +48,9 @@ from runner.service.host import EngineSettings, ServiceHost
 from runner.vm.engine import Engine
 from runner.vm.statedir import StateDir
 
+# The smoke run's one capacity probe measures nothing worth a share of, so its 3 jobs come at a fixed rate
+# (which keeps --rate's path running too).
+SMOKE_ARGS = ["--smoke", "--rate", "0.5"]
 SHA = "0" * 40
 MIB = 1024 * 1024
 
@@ -134,7 +137,7 @@ def bench_overhead(client: JobClient, engine: Engine, socket: str, jobs: int, lo
     # of a few probes is served from the pool's spares alone and overstates it (seen: 279 ms median, then
     # misses of 600-800 ms at half that "capacity"); the mean over enough probes to drain the pool does not.
     back_to_back = statistics.fmean(run_job(client, engine, checkout)[0] for _ in range(probes))
-    rate = fixed_rate or load / (back_to_back / 1000)
+    rate = fixed_rate if fixed_rate is not None else load / (back_to_back / 1000)
     misses_before = engine.pool.misses
     results = steady_arrivals(socket, checkout, jobs, 1 / rate)
     misses = engine.pool.misses - misses_before
@@ -248,16 +251,25 @@ def bench_queued(client: JobClient, host: ServiceHost, count: int) -> str:
     return line
 
 
+def positive(text: str) -> float:
+    """An argparse type: a number above 0 (a rate or a share of capacity of 0 would never send a job)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=40, help="jobs arriving at a steady rate (default 40)")
-    parser.add_argument("--load", type=float, default=0.5,
-                        help="arrival rate as a share of capacity (1 / the mean back-to-back round trip), default 0.5")
+    pace = parser.add_mutually_exclusive_group()
+    pace.add_argument("--load", type=positive, default=0.5,
+                      help="arrival rate as a share of capacity (1 / the mean back-to-back round trip), default 0.5")
     parser.add_argument("--probes", type=int, default=12,
                         help="back-to-back jobs that measure the capacity (enough to drain the 2-VM pool)")
-    parser.add_argument("--rate", type=float, default=None,
-                        help="arrivals per second, instead of --load's share of the capacity measured in this run "
-                             "(to compare two builds at one rate)")
+    pace.add_argument("--rate", type=positive, default=None,
+                      help="arrivals per second, instead of --load's share of the capacity measured in this run "
+                           "(to compare two builds at one rate)")
     parser.add_argument("--queued", type=int, default=200, help="jobs queued at once for the threads/fds line")
     parser.add_argument("--smoke", action="store_true", help="a quick run that only proves the benchmark works")
     args = parser.parse_args()
