@@ -6,6 +6,7 @@ reap, which this machine's init does late. A process reaped between two looks ha
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -15,3 +16,11 @@ def runs(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to `timeout` seconds for every process in `pids` to stop running; those still running."""
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if runs(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive

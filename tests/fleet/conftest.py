@@ -92,7 +92,6 @@ def runner_uids_seen(root: Path) -> set[int]:
     return {uid for uid in seen if uid in uidrange.RUNNER_UIDS}
 
 
-
 def standin_tarball(directory: Path) -> tuple[Path, str]:
     """actions-runner-linux-x64-V.tar.gz's layout, with the stand-in as the runner: run.sh and bin/."""
     path = directory / f"actions-runner-linux-x64-{VERSION}.tar.gz"

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from runner.fleet.scope import CLAIM_FILE, sweep_stale
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from tests.conftest import require
-from tests.procs import runs
+from tests.procs import runs, wait_gone
 
 CHILD = textwrap.dedent("""
     import subprocess, sys, time
@@ -61,13 +60,6 @@ class FakeService:
     def die(self) -> None:
         self.proc.kill()
         self.proc.wait()
-
-
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while runs(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not runs(pid)
 
 
 def _no_vms(request: object) -> object:
@@ -104,7 +96,7 @@ def test_start_up_sweeps_a_dead_services_runners_and_leaves_a_live_ones(root: Pa
             with ServiceHost(config, sandboxes=_no_vms, serve_api=False):  # no runners: section: no fleet
                 pass
 
-        assert _gone(dead.runner_pid), "the dead service's runner was not killed"
+        assert not wait_gone([dead.runner_pid], 10.0), "the dead service's runner was not killed"
         assert not cgroup.scope_exists(dead_scope), "the dead service's runner cgroups were not removed"
         assert not (root / "state" / CLAIM_FILE).exists()
         assert runs(live.runner_pid), "a live service's runner was killed"

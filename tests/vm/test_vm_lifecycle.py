@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from runner.vm import cgroup
 from runner.vm.errors import VMError
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import processes_under
-from tests.procs import runs
+from tests.procs import wait_gone
 from tests.vm.conftest import assert_no_leftovers
 
 CRASHING_SERVICE = textwrap.dedent(
@@ -41,16 +40,6 @@ CRASHING_SERVICE = textwrap.dedent(
 GONE_TIMEOUT_S = 60.0  # generous: the machine is shared; what matters is that they go
 
 
-def _wait_gone(pids: list[int]) -> list[int]:
-    deadline = time.monotonic() + GONE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        alive = [pid for pid in pids if runs(pid)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return alive
-
-
 def test_vms_die_with_a_killed_service_and_its_leftovers_are_swept(template_store, tmp_path, make_engine):
     state = StateDir(tmp_path / "state")
     child = subprocess.Popen(
@@ -65,7 +54,7 @@ def test_vms_die_with_a_killed_service_and_its_leftovers_are_swept(template_stor
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    assert _wait_gone(vmms) == [], "QEMU processes outlived the service that supervised them"
+    assert wait_gone(vmms, GONE_TIMEOUT_S) == [], "QEMU processes outlived the service that supervised them"
     assert cgroup.groups(cgroup.scope_for(state.vms)), "the killed service leaves its VMs' (now empty) cgroups"
     engine = make_engine()  # same state directory: the new engine sweeps at start
     assert engine.state == state
