@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
@@ -29,10 +31,27 @@ SUPPORTED_VERSION = 1
 # then the HTTP methods and paths (rules that differ in them are not merged).
 SortKey = tuple[int, int, str, bytes, int, str, bool, tuple[str, ...], tuple[str, ...]]
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-# A request path that a server could read as another path than a glob sees: dot segments, empty
-# segments, backslashes, and percent-encoded dots, slashes and backslashes. Such a request is never
-# admitted by a `paths:` rule (`Rule.allows_request`).
-_AMBIGUOUS_PATH = re.compile(r"(^|/)\.\.?(/|$)|//|\\|%2[eEfF]|%5[cC]")
+# The methods whose body every server reads. Of any other request (GET, HEAD, OPTIONS, TRACE,
+# DELETE, an unknown method, a method in odd case) many servers (Python's http.server, most
+# frameworks) leave the body unread on a kept-alive connection, where it is read as the next
+# request, one the host never checked: under a `methods:`/`paths:` rule such a request is refused.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Request headers that frameworks read as the request's real method or path (Symfony, Laravel,
+# ASP.NET, IIS's URL rewrite, Zend): they would turn an admitted GET into something the rule
+# never saw, so a `methods:`/`paths:` rule refuses a request carrying one. Lower-case, `-` for
+# `_` (CGI and WSGI map both to one variable).
+OVERRIDE_HEADERS = frozenset({"x-http-method-override", "x-http-method", "x-method-override", "x-original-url",
+                              "x-rewrite-url"})
+# What may stand in a path judged by a `paths:` rule: RFC 3986's path characters but `;` (servers
+# such as Tomcat, Jetty and Spring drop `;` parameters before they resolve dot segments, so
+# `/simple/..;/upload` is `/upload` to them), and %-escapes, read by `_ESCAPE`.
+_NOT_PATH_CHAR = re.compile(r"[^A-Za-z0-9._~!$&'()*+,=:@/%-]")
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})?")
+# Escaped bytes a server could act on: `.` `/` `\` `;` `?` `#`, `%` (decoded twice, `%252e` is a
+# dot) and control characters.
+_ESCAPED_SPECIALS = frozenset(b"./\\;?#%") | frozenset(range(0x20)) | {0x7F}
+# What a decoded (or Unicode-normalised: `\uff0f` is `/` in NFKC) path must not hold.
+_SPECIAL = re.compile(r"[\\;?#%\x00-\x1f\x7f]")
 
 
 def is_mode(value: object) -> TypeGuard[Mode]:
@@ -77,6 +96,67 @@ def host_matches(pattern: str, name: str) -> bool:
     if pattern.startswith("*."):
         return name.endswith(pattern[1:])
     return name == pattern
+
+
+def path_ambiguity(path: str) -> str | None:
+    """Why a server could read `path` (a request's, without the query) as another path than a
+    `paths:` glob sees it, or None when none could: the path is judged as the strictest server
+    would read it (%-decoded, and Unicode-normalised as some frameworks do), and a path it could
+    read two ways is never admitted (`Rule.allows_request`)."""
+    if not path.startswith("/"):
+        return "it is not a path starting with /"
+    odd = _NOT_PATH_CHAR.search(path)
+    if odd:
+        return f"it has {odd.group()!r} (servers read ; as a parameter, \\ as /, # as a fragment)"
+    decoded = bytearray()
+    for piece, escape in _pieces(path):
+        if escape is None:
+            return "it has a % that starts no %-escape"
+        if escape and escape[0] in _ESCAPED_SPECIALS:
+            return f"it %-escapes {chr(escape[0])!r}, which a server could decode into a path of its own"
+        decoded += piece.encode() + escape
+    try:
+        text = decoded.decode("utf-8")
+    except UnicodeDecodeError:
+        return "its %-escapes are no valid UTF-8 (an overlong dot or slash among them)"
+    return _segments_ambiguity(text) or _segments_ambiguity(unicodedata.normalize("NFKC", text))
+
+
+def _segments_ambiguity(text: str) -> str | None:
+    """Why the decoded path `text` could name another path: a special character, an empty segment,
+    or a segment a server could read as . or .. (Windows drops trailing dots and spaces)."""
+    odd = _SPECIAL.search(text)
+    if odd:
+        return f"it decodes to {odd.group()!r}, which a server could read as part of the path's syntax"
+    segments = text[1:].split("/")
+    if any(not segment for segment in segments[:-1]):
+        return "it has an empty segment (//)"
+    if any(segment and (segment.startswith("..") or not segment.strip(". ")) for segment in segments):
+        return "it has a dot segment (., .., or dots and spaces a server could trim to them)"
+    return None
+
+
+def _pieces(path: str) -> list[tuple[str, bytes | None]]:
+    """`path` as (plain text, the byte escaped after it: b"" at the end, None for a bad escape)."""
+    found: list[tuple[str, bytes | None]] = []
+    at = 0
+    for match in _ESCAPE.finditer(path):
+        digits = match.group(1)
+        found.append((path[at:match.start()], bytes.fromhex(digits) if digits else None))
+        at = match.end()
+    return [*found, (path[at:], b"")]
+
+
+def request_doubt(method: str, *, body: bool, overrides: Collection[str]) -> str | None:
+    """Why a server could act on an HTTP request otherwise than its method and path say, or None:
+    what a `methods:`/`paths:` rule refuses whatever it lists (a `paths:` rule also refuses an
+    ambiguous path, `path_ambiguity`)."""
+    if body and method not in BODY_METHODS:
+        return (f"a {method} request with a body (a server that ignores the body would read it as one more "
+                "request, which the host never checked)")
+    if overrides:
+        return f"the header {sorted(overrides)[0]} (frameworks read it as another method or path)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -148,13 +228,19 @@ class Rule:
         host to terminate TLS for (`runner.net.jobca`); without them only the name is checked."""
         return bool(self.methods or self.paths)
 
-    def allows_request(self, method: str, path: str) -> bool:
-        """Whether one HTTP request's method and path (without the query) pass this rule."""
+    def allows_request(self, method: str, path: str, *, body: bool = False, overrides: Collection[str] = ()) -> bool:
+        """Whether one HTTP request passes this rule: its method (compared as sent: methods are
+        case-sensitive), its path (without the query), whether its head announces a body, and the
+        `OVERRIDE_HEADERS` it carries. A rule without methods or paths admits any request."""
+        if not self.intercepts:
+            return True
+        if request_doubt(method, body=body, overrides=overrides) is not None:
+            return False
         if self.methods and method not in self.methods and not (method == "HEAD" and "GET" in self.methods):
             return False
         if not self.paths:
             return True
-        return not _AMBIGUOUS_PATH.search(path) and any(fnmatchcase(path, glob) for glob in self.paths)
+        return path_ambiguity(path) is None and any(fnmatchcase(path, glob) for glob in self.paths)
 
     def in_family(self, version: int) -> bool:
         """Whether this is a network rule of IP version `version` (4 or 6); a host rule is in neither."""

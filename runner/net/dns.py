@@ -350,10 +350,13 @@ class SlotResolver:
     def _request_rules(self, name: str, port: int) -> list[Rule]:
         return [rule for rule in self.policy.rules if rule.name_checked and rule.allows(port, "tcp", name=name)]
 
-    def request_allowed(self, name: str, port: int, method: str, path: str) -> bool:
-        """Whether an HTTP request to `name`:`port` passes a rule's methods and paths (any rule for it)."""
+    def request_allowed(self, name: str, port: int, method: str, path: str, *, body: bool,
+                        overrides: tuple[str, ...]) -> bool:
+        """Whether an HTTP request to `name`:`port` passes a rule's methods and paths (any rule for it;
+        `Rule.allows_request` says what `body` and `overrides` are)."""
         with self.lock:
-            return any(rule.allows_request(method, path) for rule in self._request_rules(name, port))
+            return any(rule.allows_request(method, path, body=body, overrides=overrides)
+                       for rule in self._request_rules(name, port))
 
     def intercepts(self, name: str, port: int) -> bool:
         """Whether HTTPS to `name`:`port` must be read request by request: every rule for it has

@@ -14,7 +14,8 @@ What is refused whatever the policy says, and why:
 - duplicate TLS extensions, lengths that do not add up, a ClientHello past `MAX_HELLO_BYTES`;
 - HTTP that a front end could read differently from the check (request smuggling and host
   switching): bare LF or CR, header continuation lines, whitespace before a colon, no or several
-  `Host` headers, an absolute-form target naming another host than `Host`, both `Content-Length`
+  `Host` headers, an absolute-form target naming another host than `Host`, a target with a
+  fragment (`#`), both `Content-Length`
   and `Transfer-Encoding`, a transfer coding other than `chunked`, `CONNECT` and `Upgrade` (after
   them the bytes are no longer HTTP this parser can follow), heads past `MAX_HEAD_BYTES`.
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Literal
 from urllib.parse import urlsplit
+
+from policy.model import OVERRIDE_HEADERS
 
 MAX_HELLO_BYTES = 32 * 1024  # a post-quantum ClientHello is ~2 KiB; 16 KiB of padding still fits
 MAX_RECORD_BYTES = 16384 + 256  # TLS plaintext records are at most 2^14 (a little slack for old stacks)
@@ -68,7 +71,9 @@ class Claim:
 
     `name` is the claimed host, lower-case without a trailing dot, when it is a DNS name (else None);
     `refusal` is why the claim is refused whatever the policy, or None when only the policy decides.
-    `method`/`path` are the HTTP request's (None for TLS).
+    `method`/`path` are the HTTP request's (None for TLS); `body` whether its head announces a body
+    (a Content-Length above 0, or chunked), and `overrides` the `policy.model.OVERRIDE_HEADERS` it
+    carries: what a `methods:`/`paths:` rule refuses besides the method and path.
     """
 
     kind: Kind
@@ -76,6 +81,8 @@ class Claim:
     refusal: str | None = None
     method: str | None = None
     path: str | None = None
+    body: bool = False
+    overrides: tuple[str, ...] = ()
 
 
 def normalise_name(raw: str) -> str | None:
@@ -412,7 +419,8 @@ def parse_head(head: bytes) -> tuple[Claim, Framing]:
     framing = _framing(headers)
     if framing is None:
         return Claim("http", name, BAD_HTTP, method, path), 0
-    return Claim("http", name, None, method, path), framing
+    overrides = tuple(sorted({key.replace("_", "-") for key, _ in headers} & OVERRIDE_HEADERS))
+    return Claim("http", name, None, method, path, framing != 0, overrides), framing
 
 
 def _request_line(line: bytes) -> tuple[str, str] | None:
@@ -453,7 +461,10 @@ def _host_name(value: str) -> str | None:
 
 def _target(target: str) -> tuple[str | None, str | None]:
     """(path, host) of a request target: origin-form has no host, absolute-form names one,
-    `*` (OPTIONS) has the path `*`; anything else has no path."""
+    `*` (OPTIONS) has the path `*`; anything else has no path, and so has a target with a fragment
+    (`#`: no client sends one, and a server could read the path up to it or past it)."""
+    if "#" in target:
+        return None, None
     if target == "*":
         return "*", None
     if target.startswith("/"):

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from policy.model import path_ambiguity, request_doubt
 from policy.suggest import (
     BLOCK_LISTED,
     NAME_REFUSED,
@@ -86,7 +87,8 @@ class NameGate(Protocol):
 
     def name_blocked(self, name: str) -> bool: ...
 
-    def request_allowed(self, name: str, port: int, method: str, path: str) -> bool: ...
+    def request_allowed(self, name: str, port: int, method: str, path: str, *, body: bool,
+                        overrides: tuple[str, ...]) -> bool: ...
 
     def intercepts(self, name: str, port: int) -> bool: ...
 
@@ -330,7 +332,8 @@ class NameProxy:
             return UNNAMED
         if claim.name is None or not self.gate.name_allowed(claim.name, address, port):
             return NAME_REFUSED
-        if claim.method is not None and not self.gate.request_allowed(claim.name, port, claim.method, claim.path or ""):
+        if claim.method is not None and not self.gate.request_allowed(
+                claim.name, port, claim.method, claim.path or "", body=claim.body, overrides=claim.overrides):
             return REQUEST_REFUSED
         return None
 
@@ -560,8 +563,12 @@ def _peek(sock: socket.socket, deadline: float) -> bytes | None:
 
 
 def _refused_text(claim: Claim) -> str:
+    """The 403's body: the request, and what about it no `methods:`/`paths:` rule admits, if that was it."""
+    doubt = request_doubt(claim.method or "", body=claim.body, overrides=claim.overrides)
+    ambiguity = path_ambiguity(claim.path or "")
     return (f"microvm-check: {claim.method} {claim.path} on {claim.name} is not allowed by this job's egress "
-            "policy (its methods:/paths: for that host)\n")
+            "policy (its methods:/paths: for that host)" + (f"; no such rule admits {doubt}" if doubt else "")
+            + (f"; no paths: glob admits this path: {ambiguity}" if ambiguity else "") + "\n")
 
 
 def _answer(sock: socket.socket, status: int, text: str) -> None:

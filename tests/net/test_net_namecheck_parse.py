@@ -120,6 +120,17 @@ def test_http_request_claims_its_host_method_and_path() -> None:
     assert read_first(b"GET / HTTP/1.1\r\nHost: pypi.org\r\n") is None  # not complete yet
 
 
+def test_a_claim_says_whether_a_body_comes_and_which_override_headers_it_carries() -> None:
+    head = b"GET /simple/ HTTP/1.1\r\nHost: pypi.org\r\n"
+    assert read_first(head + b"Content-Length: 0\r\n\r\n") == Claim("http", "pypi.org", None, "GET", "/simple/")
+    assert read_first(head + b"Content-Length: 5\r\n\r\n") == Claim("http", "pypi.org", None, "GET", "/simple/", True)
+    assert read_first(head + b"Transfer-Encoding: chunked\r\n\r\n") == \
+        Claim("http", "pypi.org", None, "GET", "/simple/", True)
+    overridden = read_first(head + b"X-HTTP-Method-Override: POST\r\nx_original_url: /upload\r\n\r\n")
+    assert overridden == Claim("http", "pypi.org", None, "GET", "/simple/", False,
+                               ("x-http-method-override", "x-original-url"))  # CGI reads _ as -
+
+
 @pytest.mark.parametrize(("head", "why"), [
     (b"GET / HTTP/1.1\r\n\r\n", nc.NO_HOST),
     (b"GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n", nc.NO_HOST),
@@ -142,6 +153,8 @@ def test_http_request_claims_its_host_method_and_path() -> None:
     (b"POST / HTTP/1.1\r\nHost: pypi.org\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", nc.BAD_HTTP),
     (b"POST / HTTP/1.1\r\nHost: pypi.org\r\nContent-Length: -3\r\n\r\n", nc.BAD_HTTP),
     (b"GET / HTTP/1.1\r\nHost: pypi.org\r\nX: " + b"a" * nc.MAX_HEAD_BYTES + b"\r\n\r\n", nc.TOO_LARGE),
+    (b"GET /simple/x#/../../upload HTTP/1.1\r\nHost: pypi.org\r\n\r\n", nc.BAD_HTTP),  # a fragment
+    (b"GET http://pypi.org/simple/x#/../../upload HTTP/1.1\r\nHost: pypi.org\r\n\r\n", nc.BAD_HTTP),
 ])
 def test_smuggling_shaped_requests_are_refused(head: bytes, why: str) -> None:
     assert [claim.refusal for claim in claims(head) if claim is not None] == [why]
@@ -193,7 +206,7 @@ def test_a_refused_request_keeps_its_bytes_out_of_the_admitted_pieces() -> None:
 def test_chunk_framing_errors_end_the_stream() -> None:
     for body in (b"zz\r\n", b"5\r\nHost:XX", b"1" * (nc.MAX_CHUNK_LINE + 2)):
         found = claims(b"POST / HTTP/1.1\r\nHost: pypi.org\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
-        assert found[0] == Claim("http", "pypi.org", None, "POST", "/")
+        assert found[0] == Claim("http", "pypi.org", None, "POST", "/", True)
         assert len(found) == 2 and found[1] is not None and found[1].refusal == nc.BAD_HTTP, body
 
 

@@ -1,0 +1,94 @@
+"""What a `methods:`/`paths:` rule admits of one HTTP request (`Rule.allows_request`, issues 38 and
+40): methods as sent (case-sensitive), paths as whole-glob matches judged the way the strictest
+server would read them, no body where a server may leave it unread, no method or URL override
+header. The real requests through the name check are in tests/net and tests/vm."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy import load_policy
+from policy.model import OVERRIDE_HEADERS, Rule, path_ambiguity
+
+RULES = """\
+version: 1
+allow:
+  - host: pypi.test
+    ports: [443]
+    methods: [GET, HEAD]
+  - host: files.test
+    ports: [443]
+    paths: ["/upload", "/simple/*/json"]
+  - host: index.test
+    ports: [443]
+    methods: [GET, POST]
+    paths: ["/simple/*"]
+  - host: open.test
+    ports: [443]
+"""
+
+
+def rule(host: str) -> Rule:
+    (found,) = load_policy(RULES, "p.yml").rules_for_host(host)
+    return found
+
+
+def test_methods_are_compared_as_sent_so_odd_case_is_refused() -> None:
+    methods = rule("pypi.test")
+    assert methods.allows_request("GET", "/") and methods.allows_request("HEAD", "/")
+    for odd in ("GeT", "hEAD", "get", "Head"):
+        assert not methods.allows_request(odd, "/"), odd
+
+
+def test_paths_match_a_whole_glob_never_a_prefix() -> None:
+    paths = rule("files.test")
+    assert paths.allows_request("PUT", "/upload") and paths.allows_request("GET", "/simple/a/json")
+    for path in ("/upload2", "/upload/x", "/uploadx", "/simple/a/json-x", "/simple/a/json/", "/"):
+        assert not paths.allows_request("GET", path), path
+
+
+@pytest.mark.parametrize("path", [
+    "/simple/..;/upload/x",  # Tomcat, Jetty and Spring drop ";..." before resolving "..": /upload/x
+    "/simple/x/..;jsessionid=1/..;/upload/x",
+    "/simple/x;a=b",  # any ; parameter, even one that walks nowhere
+    "/simple/x%3b/",  # ... and its escape
+    "/simple/../upload", "/simple/./x", "/simple/x/..", "/simple/.../x", "/simple/..x/y",
+    "/simple/..%20/x", "/simple/%20/x",  # Windows trims trailing dots and spaces: ".. " is ".."
+    "/simple//x", "/simple/x\\..\\..\\upload", "/simple/x#/../../upload",
+    "/simple/%2e%2e/upload", "/simple/%2E/x", "/simple/x%2fy", "/simple/x%5cy", "/simple/%252e%252e/upload",
+    "/simple/x%00/json", "/simple/x%3f/y", "/simple/x%23/y", "/simple/%zz", "/simple/%",
+    "/simple/%c0%ae%c0%ae/upload",  # an overlong UTF-8 dot
+    "/simple/%ef%bc%8e%ef%bc%8e%ef%bc%8fupload",  # fullwidth "../": NFKC makes it ../
+    "*", "simple/x",
+])
+def test_a_path_a_server_could_read_another_way_is_refused(path: str) -> None:
+    index = rule("index.test")
+    assert path_ambiguity(path) is not None, path
+    assert not index.allows_request("GET", path), path
+
+
+@pytest.mark.parametrize("path", ["/simple/", "/simple/demo-pkg/", "/simple/a.b/c-1.0.tar.gz", "/simple/%C3%A9t%C3%A9/",
+                                  "/simple/.well-known/x", "/simple/a~b/x+y=z/@v:1/"])
+def test_plain_paths_still_pass(path: str) -> None:
+    assert path_ambiguity(path) is None, path
+    assert rule("index.test").allows_request("GET", path), path
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "TRACE", "DELETE", "GeT", "FOO"])
+def test_a_body_is_refused_on_a_method_a_server_may_leave_it_unread_on(method: str) -> None:
+    paths_only = rule("files.test")
+    assert paths_only.allows_request(method, "/upload")
+    assert not paths_only.allows_request(method, "/upload", body=True)
+
+
+def test_a_body_passes_where_every_server_reads_it_and_where_no_request_rule_applies() -> None:
+    assert rule("files.test").allows_request("POST", "/upload", body=True)
+    assert rule("index.test").allows_request("POST", "/simple/x", body=True)
+    assert rule("open.test").allows_request("GET", "/anything;x", body=True, overrides=("x-http-method",))
+
+
+@pytest.mark.parametrize("header", sorted(OVERRIDE_HEADERS))
+def test_override_headers_are_refused_under_methods_and_paths(header: str) -> None:
+    for host in ("pypi.test", "files.test", "index.test"):
+        assert not rule(host).allows_request("GET", "/simple/x/json", overrides=(header,)), (host, header)
+    assert rule("index.test").allows_request("GET", "/simple/x/json")
