@@ -304,6 +304,12 @@ class Policy:
     def network_rules(self) -> tuple[Rule, ...]:
         return tuple(rule for rule in self.rules if rule.network is not None)
 
+    @property
+    def intercepted_hosts(self) -> tuple[str, ...]:
+        """The host patterns of the rules with methods or paths: the names whose HTTPS the host may
+        terminate, and so all a job's CA may vouch for (`runner.net.jobca`); empty: no CA is needed."""
+        return tuple(sorted({rule.host for rule in self.rules if rule.intercepts and rule.host is not None}))
+
     def rules_for_host(self, name: str) -> tuple[Rule, ...]:
         """The host rules a DNS answer for `name` falls under: what the resolver asks before it
         adds the answer's addresses to the VM's allow chain (see `policy.render.dns_allow_rule`)."""

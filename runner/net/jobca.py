@@ -9,8 +9,10 @@ into the guest's trust store at job start (`runner.sandbox.Sandbox.install_job_c
 The CA's key lives only in this process's memory: it is made when a policy that needs it is
 loaded into the slot and dropped when the slot is reset, so no two jobs share a CA and nothing a
 job saw is valid for the next. The leaves' key is handed to OpenSSL through a memfd, never a file.
-Validity is short (a day) and the CA may sign nothing but server leaves (path length 0, name
-constraints are not relied upon: the CA exists for one job only).
+Validity is short (a day), the CA may sign nothing but server leaves (path length 0), and it is
+valid only for the names of the job's `methods:`/`paths:` rules (critical name constraints:
+permitted DNS subtrees of those names, every IP address excluded), so even a leaked key could
+mint nothing a verifier would accept for another name.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import secrets
 import ssl
 import threading
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -36,6 +39,7 @@ class JobCA:
     """One job's CA: `cert_pem` goes into the guest, the key never leaves this object."""
 
     label: str
+    hosts: tuple[str, ...]  # the host patterns of the rules whose HTTPS the host reads (`Policy.intercepted_hosts`)
     _key: ec.EllipticCurvePrivateKey = field(repr=False, default_factory=lambda: ec.generate_private_key(ec.SECP256R1()))
     _leaf_key: ec.EllipticCurvePrivateKey = field(repr=False, default_factory=lambda: ec.generate_private_key(ec.SECP256R1()))
     _contexts: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
@@ -55,6 +59,7 @@ class JobCA:
                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
+            .add_extension(name_constraints(self.hosts), critical=True)
             .sign(self._key, hashes.SHA256())
         )
 
@@ -99,3 +104,15 @@ class JobCA:
         finally:
             os.close(fd)
         return context
+
+
+def name_constraints(hosts: tuple[str, ...]) -> x509.NameConstraints:
+    """The job CA's name constraints: a permitted DNS subtree per host pattern (`*.example.org`
+    as `example.org`, the form every verifier reads; it also admits example.org itself, which no
+    leaf is minted for), and no IP address at all (the leaves name hosts only)."""
+    if not hosts:
+        raise ValueError("a job CA needs the names it may vouch for; a policy without methods:/paths: needs no CA")
+    subtrees = sorted({host.removeprefix("*.") for host in hosts})
+    return x509.NameConstraints(
+        permitted_subtrees=[x509.DNSName(subtree) for subtree in subtrees],
+        excluded_subtrees=[x509.IPAddress(ip_network("0.0.0.0/0")), x509.IPAddress(ip_network("::/0"))])

@@ -93,7 +93,8 @@ class Slot:
             self.resolver.configure(policy)
         self._address_rules = [*policy.network_rules, *self.allowances.rules]
         if self.proxy is not None:  # a CA of its own for a job whose HTTPS the host must read, else none
-            self.proxy.ca = JobCA(self.job or self.netns) if any(rule.intercepts for rule in policy.rules) else None
+            hosts = policy.intercepted_hosts
+            self.proxy.ca = JobCA(self.job or self.netns, hosts) if hosts else None
         # the nat table in the same commit: no opening is redirected yet, none of the last job's is
         self.firewall.load(self.netns, rendered.ipv4 + firewall.masquerade(self._namecheck([])))
         self._load_ipv6(rendered.ipv6)
