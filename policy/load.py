@@ -279,10 +279,26 @@ def _raw(node: yaml.Node | None, problems: Problems) -> bool:
 
 
 def raw_warnings(policy: Policy) -> list[str]:
-    """What `policy check` says about the rules that are enforced by address, not by name."""
-    return [f"warning: {rule.host} ports {','.join(map(str, sorted(rule.ports)))} is raw: enforced by address "
-            "only, so any name served at the addresses it resolves to is reachable on those ports"
-            for rule in policy.rules if rule.raw]
+    """What `policy check` says about the rules that are enforced by address, not by name, and
+    where such a rule gives way to a name-checked one (`runner.net.firewall.namecheck_lines`)."""
+    warnings = []
+    for rule in policy.rules:
+        if not rule.raw:
+            continue
+        warnings.append(f"warning: {rule.host} ports {_port_list(rule.ports)} is raw: enforced by address only, so any "
+                        "name served at the addresses it resolves to is reachable on those ports")
+        for checked in policy.rules:
+            shared = rule.ports & checked.ports if checked.name_checked else frozenset()
+            if shared:
+                warnings.append(
+                    f"warning: {rule.host} (raw) and {checked.host} (checked by name) share port(s) {_port_list(shared)}: "
+                    f"where both resolve to one address, the stricter wins and that address is checked on "
+                    f"them, so {rule.host} is reached there only by a name a checked rule allows")
+    return warnings
+
+
+def _port_list(ports: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(ports)))
 
 
 def _host(node: yaml.Node, problems: Problems) -> str | None:

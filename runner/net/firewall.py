@@ -217,12 +217,26 @@ def namecheck_lines(address_rules: list[Rule], raw: list[Rule], checked: list[Ru
     operator's allowance) or a `raw: true` opening admits keeps address semantics (RETURN, on to the
     filter table), then the name-checked openings are redirected to the name check, and last, in
     audit mode, every other TCP port of an address the resolver handed out (`audited`: observed,
-    not refused, see `runner.net.dns.Opening`)."""
+    not refused, see `runner.net.dns.Opening`).
+
+    A raw opening never covers a port a name-checked opening has at its address (one CDN address
+    serving a raw host and a `paths:`-checked one): there the stricter wins, and connections go
+    through the name check, which admits only names of checked rules (`policy check` warns)."""
     tcp = [rule for rule in address_rules if rule.protocol == "tcp" and rule.in_family(4)]
     redirect = f"REDIRECT --to-ports {addresses.NAMECHECK_PORT}"
-    return [*(line for rule in (*tcp, *raw) for line in rule_lines(NAMECHECK_CHAIN, rule, "RETURN")),
+    return [*(line for rule in (*tcp, *_unchecked(raw, checked)) for line in rule_lines(NAMECHECK_CHAIN, rule, "RETURN")),
             *(line for rule in checked for line in rule_lines(NAMECHECK_CHAIN, rule, redirect)),
             *(f"-A {NAMECHECK_CHAIN} -d {address}/32 -p tcp -j {redirect}" for address in audited)]
+
+
+def _unchecked(raw: list[Rule], checked: list[Rule]) -> list[Rule]:
+    """The raw openings without the ports a checked opening has at the same address."""
+    kept = []
+    for rule in raw:
+        ports = rule.ports.difference(*(other.ports for other in checked if other.network == rule.network))
+        if ports:
+            kept.append(Rule(ports, rule.protocol, network=rule.network))
+    return kept
 
 
 _BUILTIN_CHAINS = {

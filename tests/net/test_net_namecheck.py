@@ -16,7 +16,7 @@ import pytest
 from net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
 from policy import load_policy
-from policy.suggest import NAME_REFUSED, UNNAMED
+from policy.suggest import NAME_REFUSED, REQUEST_REFUSED, UNNAMED
 from runner.net import nameproxy
 
 WEB = "version: 1\nmode: {mode}\nallow:\n  - host: web.test\n    ports: [8000]\n"
@@ -141,6 +141,23 @@ def test_cidr_and_raw_rules_keep_address_semantics(slot, guest) -> None:
     assert reach(guest, DENIED_HOST, 8000)  # server speaks first: no name is needed or read
     assert reach(guest, ALLOWED_HOST, 8000)
     assert refusals(slot) == set()
+
+
+def test_a_raw_host_at_a_checked_hosts_address_and_port_does_not_cancel_the_check(slot, guest) -> None:
+    """web.test (raw) and a.cdn.test (paths:) share ALLOWED_HOST:8000, as two sites on one CDN address:
+    the stricter wins there, so a request outside a.cdn.test's paths is refused, whatever name it uses."""
+    slot.apply_policy(policy("version: 1\nallow:\n  - host: web.test\n    ports: [8000, 9000]\n    raw: true\n"
+                             '  - host: a.cdn.test\n    ports: [8000]\n    paths: ["/ok/*"]\n'))
+    lookup(guest, "web.test")
+    lookup(guest, "a.cdn.test")
+
+    assert send(guest, ALLOWED_HOST, 8000, b"GET /ok/x HTTP/1.1\r\nHost: a.cdn.test\r\n\r\n") == BANNER
+    refused = send(guest, ALLOWED_HOST, 8000, b"GET /upload HTTP/1.1\r\nHost: a.cdn.test\r\n\r\n")
+    assert refused is not None and refused.startswith(b"HTTP/1.1 403"), refused
+    assert send(guest, ALLOWED_HOST, 8000, http("web.test")) is None  # the raw name gives way on the shared port
+    assert reach(guest, ALLOWED_HOST, 9000)  # ... and keeps address semantics on its own
+    assert {(r.name, r.reason, r.method, r.path) for r in slot.audit_records() if r.port == 8000} == {
+        ("a.cdn.test", REQUEST_REFUSED, "GET", "/upload"), ("web.test", NAME_REFUSED, "GET", "/")}
 
 
 def test_audit_mode_lets_a_wrong_name_through_and_records_it(slot, guest) -> None:

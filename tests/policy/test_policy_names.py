@@ -67,6 +67,22 @@ def test_policy_check_warns_that_a_raw_rule_is_enforced_by_address(tmp_path: Pat
     assert raw_warnings(load_policy("version: 1\nallow: []\n", "p.yml")) == []
 
 
+def test_policy_check_says_a_raw_rule_gives_way_where_a_checked_rule_shares_its_port(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "job.yml"
+    path.write_text(BASE + "  - host: cdn.test\n    ports: [443, 8443]\n    raw: true\n"
+                           "  - host: files.test\n    ports: [8443]\n    paths: [\"/packages/*\"]\n")
+    assert cli_main(["policy", "check", "--as", "job", str(path)]) == 0
+    out = capsys.readouterr().out
+    shares = [line for line in out.splitlines() if " share port(s) " in line]
+    assert shares == [
+        f"{path}: warning: cdn.test (raw) and files.test (checked by name) share port(s) 8443: where both resolve "
+        "to one address, the stricter wins and that address is checked on them, so cdn.test is reached there only "
+        "by a name a checked rule allows",
+        f"{path}: warning: cdn.test (raw) and pypi.org (checked by name) share port(s) 443: where both resolve "
+        "to one address, the stricter wins and that address is checked on them, so cdn.test is reached there only "
+        "by a name a checked rule allows"], out  # github.com:22 shares no port: nothing said
+
+
 def test_the_documented_policy_examples_load_and_mean_what_they_say() -> None:
     root = Path(__file__).resolve().parents[2]
     for doc, after in (("policy/README.md", "## Format"), ("README.md", "## Write a policy")):
