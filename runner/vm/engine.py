@@ -71,7 +71,7 @@ class Engine:
         self._vms_lock = threading.Lock()
         self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
         self._preparing: dict[Snapshot, VM] = {}  # the spare each pool filler is preparing now (under _vms_lock)
-        self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap, hurry=self._hurry)
+        self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap, hurry=self._hurry, cancel=self._cancel)
         # VMMs spawned ahead (jail, cgroup, descriptors, QEMU's own start-up), waiting at `-incoming defer`:
         # a restore that finds one skips 50-60 ms of spawning. Refilled after a restore, not during one: a
         # QEMU starting on the same two cores made the restore slower than spawning its own (measured).
@@ -221,14 +221,16 @@ class Engine:
         time.sleep(quiet_s)
 
     def forget_template(self, name: str) -> None:
-        """End the spare VMs restored from `name` (before it is removed: none may outlive its files)."""
+        """End the spare VMs of `name`, those being prepared included, and prepare none again (before it is
+        removed: none may outlive its files, and no one would ever take them). The spare pool first: its
+        filler's restore starts a VMM ahead, which the standby pool's forget then ends."""
         try:
             template = self.templates.get(name)
         except (TemplateNotFound, OSError, ValueError):
             return
         for variant in template.variants:
             snapshot = template.snapshot(variant == "net")
-            for vm in (*self.pool.drain(snapshot), *self._standby.drain(snapshot)):
+            for vm in (*self.pool.forget(snapshot), *self._standby.forget(snapshot)):
                 vm.destroy()
 
     def _claim(self, vm: VM, policy: Policy | None, hostname: str) -> None:
@@ -290,6 +292,14 @@ class Engine:
                 vm.machine.set_spare(False)
             except VMError as exc:  # it only goes slower; the take's wait is bounded
                 log.warning("%s", exc)
+
+    def _cancel(self, snapshot: Snapshot) -> None:
+        """The spare being prepared for `snapshot` will never be taken (its template is going): end it now,
+        so its restore fails at once rather than run to the end for nothing."""
+        with self._vms_lock:
+            vm = self._preparing.get(snapshot)
+        if vm is not None:
+            vm.destroy()
 
     def _spawn(self, snapshot: Snapshot) -> VM:
         """A VMM for `snapshot`, not yet restored: one spawned ahead if there is one, else a new one."""

@@ -12,6 +12,10 @@ so a burst finds VMs waiting; never more than `cap(snapshot)` (the host's memory
 finds the pool empty while a VM for it is being prepared waits for that one only when it is
 expected sooner than a restore of the taker's own (both times measured): a miss costs at most
 one restore.
+
+A snapshot whose template is being removed is forgotten (`forget`): its ready VMs are handed back, the
+filler at work on it is cancelled and waited for, and nothing is prepared or kept for it again, since
+a VM of it would run on deleted files that no take ever asks for.
 """
 
 from __future__ import annotations
@@ -86,15 +90,18 @@ class SpareVMs:
 
     def __init__(self, prepare: Callable[[Snapshot], VM], size: int,
                  cap: Callable[[Snapshot], int] | None = None,
-                 hurry: Callable[[Snapshot], None] | None = None) -> None:
+                 hurry: Callable[[Snapshot], None] | None = None,
+                 cancel: Callable[[Snapshot], None] | None = None) -> None:
         self._prepare = prepare
         self._hurry = hurry or (lambda snapshot: None)  # a take now waits for the VM being prepared
+        self._cancel = cancel or (lambda snapshot: None)  # the VM being prepared is for a forgotten snapshot
         self.size = size
         self._cap = cap or (lambda snapshot: size)
         self._ready: dict[Snapshot, list[VM]] = defaultdict(list)
         self._filling: dict[Snapshot, threading.Thread] = {}
         self._demand: dict[Snapshot, Demand] = defaultdict(Demand)
         self._waiting: set[Snapshot] = set()  # snapshots with a take waiting for the VM being prepared
+        self._forgotten: set[Snapshot] = set()  # templates being removed: nothing is prepared or kept for them
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closed = False
@@ -112,10 +119,12 @@ class SpareVMs:
         """A ready VM, or None (then the caller restores one). When none is ready but one is being
         prepared, wait for it up to one prepare's time: it is further along than a new restore."""
         with self._lock:
+            if snapshot in self._forgotten:
+                return None
             self._demand[snapshot].arrived()
         while True:
             with self._lock:
-                entries = self._ready[snapshot]
+                entries = self._ready.get(snapshot, [])  # not made for a snapshot forgotten meanwhile
                 # One filler prepares one VM at a time: one take may wait for it (if it will be ready before
                 # a restore of its own would be), others restore their own.
                 wait = self._demand[snapshot].worth_waiting() if snapshot in self._filling else 0.0
@@ -123,11 +132,11 @@ class SpareVMs:
                     self._waiting.add(snapshot)
                     try:
                         self._hurry(snapshot)
-                        self._changed.wait_for(lambda: bool(self._ready[snapshot]) or snapshot not in self._filling
+                        self._changed.wait_for(lambda: bool(self._ready.get(snapshot)) or snapshot not in self._filling
                                                or self._closed, timeout=wait)
                     finally:
                         self._waiting.discard(snapshot)
-                    entries = self._ready[snapshot]  # close() or an eviction may have replaced the list
+                    entries = self._ready.get(snapshot, [])  # close(), an eviction or forget may have replaced it
                 if not entries:
                     return None
                 vm = entries.pop(0)
@@ -146,21 +155,49 @@ class SpareVMs:
         with self._lock:
             return self._ready.pop(snapshot, [])
 
+    def forget(self, snapshot: Snapshot) -> list[VM]:
+        """`snapshot`'s template is about to be removed: from now on nothing is prepared or kept for it. The
+        filler at work on it is cancelled and waited for (it discards what it made), so that when this
+        returns no VM of the pool's holds the snapshot's files but those returned, for the caller to end."""
+        self._prune_forgotten()
+        with self._lock:
+            self._forgotten.add(snapshot)
+            filler = self._filling.get(snapshot)
+        if filler is not None:
+            self._cancel(snapshot)
+            filler.join()
+        with self._lock:
+            self._demand.pop(snapshot, None)
+            return self._ready.pop(snapshot, [])
+
+    def _prune_forgotten(self) -> None:
+        """Drop the forgotten snapshots whose files are gone (their variant directory last): no VM can be
+        prepared from them any more, so the set holds only templates still being removed."""
+        with self._lock:
+            forgotten = list(self._forgotten)
+        gone = {snapshot for snapshot in forgotten if not snapshot.state_file.parent.exists()}
+        with self._lock:
+            self._forgotten -= gone
+
     def refill(self, snapshot: Snapshot) -> None:
         """Top up the pool for `snapshot` in the background (one filler per snapshot).
 
         VMs ready for an older build of the same template and variant are ended: after a rebuild
         (a new digest) no one asks for them again.
         """
+        with self._lock:
+            if snapshot in self._forgotten:
+                return
         self._evict_older_builds(snapshot)
         if self.size <= 0:
             return
         with self._lock:
-            if self._closed or snapshot in self._filling or len(self._ready[snapshot]) >= self._target(snapshot):
+            if (self._closed or snapshot in self._forgotten or snapshot in self._filling
+                    or len(self._ready[snapshot]) >= self._target(snapshot)):
                 return
             filler = threading.Thread(target=self._fill, args=(snapshot,), name="pool-fill", daemon=True)
             self._filling[snapshot] = filler
-        filler.start()
+            filler.start()  # under the lock: whoever finds it in _filling (close, forget) may join it
 
     def _evict_older_builds(self, snapshot: Snapshot) -> None:
         lineage = _lineage(snapshot)
@@ -179,7 +216,8 @@ class SpareVMs:
         try:
             while True:
                 with self._lock:
-                    if self._closed or len(self._ready[snapshot]) >= self._target(snapshot):
+                    if (self._closed or snapshot in self._forgotten
+                            or len(self._ready[snapshot]) >= self._target(snapshot)):
                         self._stop_filling(snapshot)
                         return
                     began = demand.preparing_since = demand._clock()
@@ -190,13 +228,16 @@ class SpareVMs:
                         demand.preparing_since = None
                 with self._lock:
                     demand.prepared(demand._clock() - began)
-                    if not self._closed:
+                    if not self._closed and snapshot not in self._forgotten:
                         self._ready[snapshot].append(vm)
                         self._changed.notify_all()
                         continue
-                vm.destroy()
+                vm.destroy()  # the loop's check ends the filler next
         except Exception as exc:  # a failed top-up only costs the next job the start-up time
-            log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
+            with self._lock:
+                cancelled = snapshot in self._forgotten
+            if not cancelled:
+                log.warning("could not pre-start a VM for %s: %s", snapshot.state_file, exc)
         finally:
             with self._lock:
                 if self._filling.get(snapshot) is threading.current_thread():  # not a successor's
