@@ -21,6 +21,10 @@ run` and the action's artifact copy (`extract`).
 - A member that breaks a rule (a link, a device, an oversize file, a refused name, a repeat) is
   skipped and listed with the reason; the others still come through. Only a stream that is broken as
   a whole (framing, headers, the count or total bounds) raises `UnsafeTar`.
+- The service's clean tar (`copy_validated`) is also read by clients that unpack it with plain
+  `tarfile` and no filter (a review bot's download): its notes on what was left out are named
+  NOTES_DIR/1, /2..., never by a name the guest or the caller chose, and no two of its members can
+  collide when unpacked (a repeat, a file under a file, a file named as an earlier file's directory).
 
 Python's tarfile extraction filters are not used: several of their bypasses were fixed only in later
 patch releases than the ones Debian ships.
@@ -55,6 +59,11 @@ MAX_PENDING_MEMBERS = 4096  # headers the scanner has passed on that tarfile has
 # A zero-size member carrying this pax key stands for a file its producer left out, with the reason:
 # the guest agent marks oversize files and specials this way, and the service passes on what it skipped.
 SKIPPED_KEY = "MICROVM_CHECK.skipped"
+# On the service's own markers: the name of what was left out (made printable), since the member is
+# named NOTES_DIR/<number>. A name a guest chose may be absolute or hold '..': as a member's name,
+# unpacking with plain tarfile would write it outside the destination.
+SKIPPED_NAME_KEY = "MICROVM_CHECK.skipped_name"
+NOTES_DIR = ".microvm-check-skipped"  # the clean tar's markers; a guest file there is refused
 MAX_REASON_CHARS = 300
 
 _DATA_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
@@ -178,9 +187,14 @@ def refused_name(name: str) -> str | None:
     (fullwidth letters): git runs hooks and `core.fsmonitor` from there.
     """
     for part in name.split("/"):
-        if unicodedata.normalize("NFKC", _IGNORABLE.sub("", part)).casefold().rstrip(". ") == ".git":
+        if _folded(part) == ".git":
             return "a .git path component (git would run or trust what is in it): never written on the host"
     return None
+
+
+def _folded(part: str) -> str:
+    """A path component as name-folding file systems see it (see `refused_name`)."""
+    return unicodedata.normalize("NFKC", _IGNORABLE.sub("", part)).casefold().rstrip(". ")
 
 
 def kind_error(member: tarfile.TarInfo) -> str | None:
@@ -206,15 +220,27 @@ def skip_marker(member: tarfile.TarInfo) -> str | None:
     return "".join(c if c.isprintable() else "?" for c in why[:MAX_REASON_CHARS]) or "left out, no reason given"
 
 
-def marker(name: str, why: str) -> tarfile.TarInfo:
-    """A zero-size member that says `name` was left out and why (see SKIPPED_KEY).
+def marker(name: str, why: str, given: str | None = None) -> tarfile.TarInfo:
+    """A zero-size member `name` that says a file was left out and why (see SKIPPED_KEY); `given` names
+    that file when `name` does not (SKIPPED_NAME_KEY).
 
-    Both are made inert for the scanner that reads the marker back (no digit run over 40, no
+    All are made inert for the scanner that reads the marker back (no digit run over 40, no
     `hdrcharset=`): a guest chose them, and one refused header would end the whole stream.
     """
     info = tarfile.TarInfo(_inert(name))
     info.pax_headers = {SKIPPED_KEY: _inert(why[:MAX_REASON_CHARS])}
+    if given is not None:
+        info.pax_headers[SKIPPED_NAME_KEY] = _inert(_shown(given))
     return info
+
+
+def noted_name(member: tarfile.TarInfo, name: str) -> str:
+    """The name of the file a marker stands for: its SKIPPED_NAME_KEY (shown printable) when it has one,
+    else `name`, the member's own. Only ever shown, never written."""
+    given = member.pax_headers.get(SKIPPED_NAME_KEY)
+    if given is None or SKIPPED_KEY not in member.pax_headers:
+        return name
+    return _shown(given)
 
 
 def _inert(text: str) -> str:
@@ -510,6 +536,7 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: Limits, stopped: str | 
     whoever reads it can name them. A stream broken as a whole (or, per `stopped`, cut short before
     it got here) stops the copy: `stopped` says why, `dst` is still a complete tar of what came
     before, and each of `stop_names` (the requested globs) gets a marker saying the transfer ended.
+    Markers are named NOTES_DIR/1, /2... with the name they stand for in SKIPPED_NAME_KEY.
     """
     done = Copied(stopped=stopped)
     state = _CopyState(limits)
@@ -521,17 +548,17 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: Limits, stopped: str | 
             done.stopped = done.stopped or str(exc)
         except tarfile.TarError as exc:
             done.stopped = done.stopped or f"corrupt tar stream: {exc}"
-        for name, why in done.skipped:
-            out.addfile(marker(name, why))
-        for name in stop_names if done.stopped else ():
-            out.addfile(marker(name, f"the artifact transfer ended early: {done.stopped}"))
+        ended = [(name, f"the artifact transfer ended early: {done.stopped}") for name in stop_names if done.stopped]
+        for number, (name, why) in enumerate([*done.skipped, *ended], start=1):
+            out.addfile(marker(f"{NOTES_DIR}/{number}", why, given=name))
     return done
 
 
 @dataclass
 class _CopyState:
     limits: Limits
-    seen: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)  # the files written
+    dirs: set[str] = field(default_factory=set)  # their parent directories
     total: int = 0
 
 
@@ -549,6 +576,7 @@ def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: tarfile.Ta
         done.skipped.append((name, why))
         return
     state.seen.add(name)
+    state.dirs.update(_parents(name))
     clean = tarfile.TarInfo(name)
     clean.mtime = 0 if math.isnan(info.mtime) else int(max(0, min(info.mtime, 2**33)))  # pax mtime is a float
     clean.size, clean.mode = info.size, 0o755 if info.mode & 0o111 else 0o644
@@ -563,10 +591,14 @@ def _member_problem(info: tarfile.TarInfo, name: str, state: _CopyState) -> str 
     why = skip_marker(info) or kind_error(info) or refused_name(name)
     if why is not None:
         return why
+    if _folded(name.split("/", 1)[0]) == NOTES_DIR:
+        return f"{NOTES_DIR} is where the clean tar keeps its notes on what was left out"
     if name in state.seen:
         return "appears twice in the guest's tar (the first copy is kept)"
-    if _parent_seen(name, state.seen):
+    if any(parent in state.seen for parent in _parents(name)):
         return "its parent is a file"
+    if name in state.dirs:
+        return "an earlier file's directory has this name"
     if info.size > state.limits.max_file_bytes:
         return f"larger than {state.limits.max_file_bytes} bytes"
     if state.total + info.size > state.limits.max_total_bytes:
@@ -574,13 +606,12 @@ def _member_problem(info: tarfile.TarInfo, name: str, state: _CopyState) -> str 
     return None
 
 
-def _parent_seen(name: str, file_names: set[str]) -> bool:
+def _parents(name: str) -> Iterator[str]:
+    """Each directory above `name`, nearest first ("a/b/c": "a/b", "a")."""
     parent = posixpath.dirname(name)
     while parent:
-        if parent in file_names:
-            return True
+        yield parent
         parent = posixpath.dirname(parent)
-    return False
 
 
 def _shown(raw: str) -> str:
@@ -638,7 +669,7 @@ def _extract_member(
     why = _extract_problem(member, name, limits, refuse, result, seen)
     if why is not None:
         if not member.isdir():  # a refused directory is only a parent of refused files
-            result.skipped.append((name, why))
+            result.skipped.append((noted_name(member, name), why))
         return
     try:
         if member.isdir():

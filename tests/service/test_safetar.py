@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import tarfile
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import member, tar_of
 
-from runner.tarsafe import SKIPPED_KEY, Limits, check_tar, copy_validated
+from runner.tarsafe import NOTES_DIR, SKIPPED_KEY, SKIPPED_NAME_KEY, Limits, check_tar, copy_validated, extract
 from runner.tarsafe import UnsafeTar as ArchiveError
 from runner.tarsafe import safe_name as clean_name
 
@@ -33,8 +34,11 @@ def copied(data: bytes, limits: Limits = LIMITS):
 
 
 def markers(clean: bytes) -> dict[str, str]:
+    """The clean tar's notes, by the name each stands for; the notes themselves are numbered, in order."""
     with tarfile.open(fileobj=io.BytesIO(clean)) as tar:
-        return {m.name: m.pax_headers[SKIPPED_KEY] for m in tar if SKIPPED_KEY in m.pax_headers}
+        notes = [m for m in tar if SKIPPED_KEY in m.pax_headers]
+    assert [m.name for m in notes] == [f"{NOTES_DIR}/{n}" for n in range(1, len(notes) + 1)]
+    return {m.pax_headers[SKIPPED_NAME_KEY]: m.pax_headers[SKIPPED_KEY] for m in notes}
 
 
 def test_clean_tar_is_rewritten_with_neutral_metadata() -> None:
@@ -96,13 +100,67 @@ def test_duplicate_names_keep_the_first() -> None:
     assert [(f.path, f.size) for f in result.files] == [("a", 1)]
     assert "appears twice" in result.skipped[0][1]
     with tarfile.open(fileobj=io.BytesIO(clean)) as tar:
-        first = tar.getmembers()[0]  # the marker for the repeat follows it, with the same name
+        first = tar.getmembers()[0]  # the note on the repeat follows it, under a name of its own
         assert (first.name, tar.extractfile(first).read()) == ("a", b"1")
 
 
 def test_member_below_a_file_is_skipped() -> None:
     result, _ = copied(tar_of([(member("a"), b"1"), (member("a/b"), b"2")]))
     assert result.skipped == [("a/b", "its parent is a file")]
+
+
+def unpack_trusting(clean: bytes, dest: Path) -> str | None:
+    """What a client that trusts the service's clean tar may do: the standard library, no extraction
+    filter (the only behaviour of tarfile before 3.12, and of 3.11.2 here). Why it stopped, or None."""
+    trusting = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(clean)) as tar:
+            tar.extractall(dest, **trusting)
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_trusting_unpack_of_the_clean_tar_writes_only_its_files_inside_its_destination(tmp_path: Path) -> None:
+    """Notes on what was left out were named by the guest (an absolute path, '..') or by the caller (its
+    glob): unpacked with tarfile, a note truncated a file outside the destination or made one there; a
+    note on a repeat truncated the copy kept, and a file named as a kept file's directory stopped the unpack."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    guest_note = member("../victim3.txt")
+    guest_note.pax_headers = {SKIPPED_KEY: "left out in the VM: a socket"}
+    hooks_note = member(".git/hooks/pre-commit")
+    hooks_note.pax_headers = {SKIPPED_KEY: "left out in the VM: a socket"}
+    guest = tar_of([
+        (member(str(victim)), b"evil"), (member("../victim2.txt"), b"evil"), (guest_note, b""), (hooks_note, b""),
+        (member("kept.txt"), b"fine"), (member("./kept.txt"), b"again"),
+        (member("d/x"), b"in d"), (member("d"), b"a file where the unpack made a directory"),
+        (member(f"{NOTES_DIR}/1"), b"a forged note"), (member("link", tarfile.SYMTYPE, str(victim)), None),
+    ])
+    out = io.BytesIO()
+    result = copy_validated(io.BytesIO(guest), out, LIMITS, stopped="the guest's agent broke off",
+                            stop_names=["../glob-escape.txt", str(tmp_path / "glob.txt")])
+    clean = out.getvalue()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+
+    stopped = unpack_trusting(clean, dest)
+    assert victim.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest", "victim.txt"], "written outside the destination"
+    assert stopped is None
+    kept = {f.path: (dest / f.path).read_bytes() for f in result.files}
+    assert kept == {"kept.txt": b"fine", "d/x": b"in d"}
+    notes = markers(clean)
+    assert set(notes) == {str(victim), "../victim2.txt", "../victim3.txt", ".git/hooks/pre-commit", "kept.txt", "d",
+                          f"{NOTES_DIR}/1", "link", "../glob-escape.txt", str(tmp_path / "glob.txt")}
+    assert "absolute path" in notes[str(victim)] and "'..'" in notes["../victim2.txt"]
+    assert notes["d"] == "an earlier file's directory has this name"
+    assert notes[f"{NOTES_DIR}/1"] == f"{NOTES_DIR} is where the clean tar keeps its notes on what was left out"
+    assert notes["../glob-escape.txt"] == "the artifact transfer ended early: the guest's agent broke off"
+    (tmp_path / "read-back").mkdir()
+    read_back = extract(io.BytesIO(clean), tmp_path / "read-back")
+    assert {name for name, _ in read_back.skipped} == set(notes), \
+        "the host's own reader (the action's) names each note by what it stands for"
 
 
 def test_a_guest_marker_is_passed_on() -> None:
