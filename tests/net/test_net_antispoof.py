@@ -3,7 +3,9 @@
 The slot's raw-table guard (`MVC-GUARD`, runner/net/firewall.py) and the policy's FORWARD rules
 (policy/templates/_macros.j2) both drop packets from the tap whose source is not the guest's
 address. With both in place, removing either one from the code fails no other test, so each test
-here deletes one layer's rule from the live namespace and checks that the other still drops a spoof.
+here takes one layer out of the live namespace and checks that the other still drops a spoof. A
+layer is taken out by inserting a rule ahead of it, never by deleting its rule: a test that deleted
+the rule it expects would fail in its own set-up, not at its assertion, when the code lost that rule.
 
 A spoof is told apart without a clock: the guest sends a forged datagram, then a genuine one on the
 same path. The genuine one arrives (masqueraded to the slot's uplink address); had the forged one got
@@ -24,8 +26,11 @@ from runner.net import addresses, netns
 SPOOFED = "10.9.9.9"
 PORT = 8000
 UDP_POLICY = f"version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [{PORT}]\n    protocol: udp\n"
-GUARD_RULE = ("-t", "raw", "MVC-GUARD", "!", "-s", f"{addresses.GUEST_IP}/32", "-j", "DROP")
-FORWARD_RULE = ("-t", "filter", "FORWARD", "!", "-s", f"{addresses.GUEST_IP}/32", "-j", "DROP")
+# What a bug in either layer would amount to: the raw guard skipped for everything from the tap
+# (an ACCEPT in raw PREROUTING ends the table before its jump to MVC-GUARD), the FORWARD rules
+# admitting the forged source ahead of their anti-spoof rule.
+SKIP_GUARD = ("-t", "raw", "-I", "PREROUTING", "1", "-i", addresses.TAP_NAME, "-j", "ACCEPT")
+ADMIT_IN_FORWARD = ("-t", "filter", "-I", "FORWARD", "1", "-s", f"{SPOOFED}/32", "-j", "ACCEPT")
 
 
 def iptables(slot, *args: str) -> None:
@@ -33,11 +38,6 @@ def iptables(slot, *args: str) -> None:
     binary = slot.firewall.restore4.replace("-restore", "")
     done = subprocess.run(["ip", "netns", "exec", slot.netns, binary, *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-
-
-def remove(slot, rule: tuple[str, ...]) -> None:
-    table, name, chain, *spec = rule
-    iptables(slot, table, name, "-D", chain, *spec)
 
 
 def sources_seen(net, slot, guest: str) -> list[str]:
@@ -73,16 +73,16 @@ def spoofing_guest(net, slot, guest) -> str:
 
 def test_a_spoof_does_get_out_without_either_layer(net, slot, spoofing_guest) -> None:
     """Guards the two tests below: the topology would carry a forged source if nothing dropped it."""
-    remove(slot, GUARD_RULE)
-    remove(slot, FORWARD_RULE)
+    iptables(slot, *SKIP_GUARD)
+    iptables(slot, *ADMIT_IN_FORWARD)
     assert sources_seen(net, slot, spoofing_guest) == [SPOOFED, addresses.veth_ip(slot.index)]
 
 
 def test_the_raw_guard_alone_drops_a_spoofed_source(net, slot, spoofing_guest) -> None:
-    remove(slot, FORWARD_RULE)
+    iptables(slot, *ADMIT_IN_FORWARD)
     assert sources_seen(net, slot, spoofing_guest) == [addresses.veth_ip(slot.index)]
 
 
 def test_the_forward_rules_alone_drop_a_spoofed_source(net, slot, spoofing_guest) -> None:
-    remove(slot, GUARD_RULE)
+    iptables(slot, *SKIP_GUARD)
     assert sources_seen(net, slot, spoofing_guest) == [addresses.veth_ip(slot.index)]
