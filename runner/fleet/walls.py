@@ -10,8 +10,11 @@ capabilities left in any set):
 - a private mount namespace with its own tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock: nothing
   it leaves there is seen by another runner, nor by the next runner that gets the same uid, and
   all of it is gone with the namespace;
-- an IPC namespace: System V shared memory, semaphores, message queues and POSIX message queues
-  of its own;
+- an IPC namespace: System V shared memory, semaphores and message queues of its own, and POSIX
+  message queues of its own, also by path: a fresh mqueue filesystem of that namespace covers the
+  host's /dev/mqueue (runner.fleet.lastwalls), which would otherwise show the host's queues;
+- no kernel keyring: add_key, request_key and keyctl fail (a seccomp filter, runner.fleet.lastwalls),
+  since no namespace separates a uid's keyring from the next runner of that uid;
 - with `runners.network: none`, a network namespace with nothing in it (not even loopback up): no host
   loopback service, no metadata address, no abstract Unix socket of the host or another runner. The
   job API is a Unix socket on the filesystem, which it still reaches. The default (`host`) shares
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,8 +48,10 @@ class WallsUnavailable(ConfigError):
 
 def launch_argv(program: Sequence[str], uid: int, gid: int, groups: Sequence[int], network: str) -> list[str]:
     """The runner's command line, started as root: wait for "go" on stdin (the fleet puts the process
-    into the runner's cgroup first), make the namespaces, mount the private tmpfs, drop to the
-    runner's uid and run `program` (relative to the working directory) with stdin from /dev/null."""
+    into the runner's cgroup first), make the namespaces, mount the private tmpfs, cover the message
+    queue mounts and refuse the keyring (runner.fleet.lastwalls, this installation's Python, isolated),
+    drop to the runner's uid and run `program` (relative to the working directory) with stdin from
+    /dev/null."""
     missing = [tool for tool in (UNSHARE, SETPRIV) if not Path(tool).exists()]
     if missing:
         raise WallsUnavailable(f"{', '.join(missing)} missing: install util-linux (runners are walled off with it)")
@@ -56,7 +62,8 @@ def launch_argv(program: Sequence[str], uid: int, gid: int, groups: Sequence[int
         unshare.append("--net")
     mounts = "".join(f"mount -t tmpfs -o mode=1777,nosuid,nodev,size={size} mvc-runner-tmp {shlex.quote(where)}\n"
                      for where, size in PRIVATE_TMPFS)
-    drop = [SETPRIV, f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(str(g) for g in groups) or str(gid)}",
+    last = [sys.executable, "-I", "-m", "runner.fleet.lastwalls"]
+    drop = [*last, SETPRIV, f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(str(g) for g in groups) or str(gid)}",
             "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--", *program]
     # PID 1 of the namespace stays this shell (it waits, and exits with the runner's status), so the
     # runner itself is an ordinary process: signals reach it as they would on the host.
@@ -69,12 +76,17 @@ def in_force(network: str) -> list[tuple[str, bool, str]]:
     tools = shutil.which("unshare") is not None and shutil.which("setpriv") is not None
     namespaces = {name: Path(f"/proc/self/ns/{name}").exists() for name in ("pid", "mnt", "ipc", "net")}
     limits = _has_limit_controllers()
+    seccomp = _has_seccomp_filters()
     return [
         ("own uid", True, "no runner reads, signals or traces another's files and processes"),
         ("PID namespace", tools and namespaces["pid"], "another runner's processes and command lines are invisible"),
         ("mount namespace", tools and namespaces["mnt"],
          "own tmpfs on " + ", ".join(where for where, _ in PRIVATE_TMPFS)),
-        ("IPC namespace", tools and namespaces["ipc"], "own System V IPC and POSIX message queues"),
+        ("IPC namespace", tools and namespaces["ipc"],
+         "own System V IPC and POSIX message queues, with an mqueue mount of its own over /dev/mqueue"),
+        ("no kernel keyring", tools and seccomp,
+         "add_key, request_key and keyctl fail: a uid's keyring would outlive its runner; uids owning keys are "
+         "never leased" if seccomp else "not in force: this kernel has no seccomp filters"),
         ("network namespace", tools and namespaces["net"] and network == "none",
          "no loopback, no metadata address, no abstract sockets of others" if network == "none"
          else "runners.network is host: the host's network, loopback and abstract sockets are shared"),
@@ -92,3 +104,11 @@ def _has_limit_controllers() -> bool:
     if unified.exists():
         return {"memory", "cpu"} <= set(unified.read_text().split())
     return all(vm_cgroup.v1_mount(controller) is not None for controller in ("memory", "cpu"))
+
+
+def _has_seccomp_filters() -> bool:
+    """The kernel runs seccomp filters (CONFIG_SECCOMP_FILTER), which the keyring wall is."""
+    try:
+        return "\nSeccomp_filters:" in Path("/proc/self/status").read_text()
+    except OSError:
+        return False

@@ -34,8 +34,10 @@ HOOKS = "_hooks"
 # The runner's variable naming each hook, and the hook's script (and `microvm-check runner` command).
 HOOK_SCRIPTS = {"ACTIONS_RUNNER_HOOK_JOB_STARTED": "job-started", "ACTIONS_RUNNER_HOOK_JOB_COMPLETED": "job-completed"}
 NAME_VARIABLE = "MICROVM_CHECK_RUNNER_NAME"
-# World-writable places a job may leave files in as its uid; a later runner may get the same uid.
-SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+# World-writable places a job may leave files in as its uid; a later runner may get the same uid. The walls
+# give each runner its own of each (runner.fleet.walls); this sweep is for what got past them.
+SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"), Path("/dev/mqueue"))
+KEY_USERS = Path("/proc/key-users")  # the uids that own kernel keys, and how many
 QUARANTINE_SECONDS = 600  # a released runner uid is not leased again before this (the next-lowest is)
 
 
@@ -89,9 +91,10 @@ class RunnerIdentity:
 
     def release(self) -> None:
         """Give the uid back once nothing of the runner is left: no process (its cgroup is emptied), no
-        file in its directory, none in the shared temporary directories (removed here). The uid is
-        quarantined for QUARANTINE_SECONDS: whatever a job left where nobody looked (a kernel keyring,
-        an object of a kind no sweep knows) must not meet the next runner at once."""
+        file in its directory, none in the shared temporary directories or the host's message queues
+        (removed here). No kernel key: the walls refuse the keyring, and a uid owning keys anyway is never
+        leased again. The uid is quarantined for QUARANTINE_SECONDS: whatever a job left where nobody
+        looked (an object of a kind no sweep knows) must not meet the next runner at once."""
         remove_owned(self.uid, SHARED_TEMP)
         _quarantine_file(self.uid).write_text(f"released {time.time():.0f}\n")
         self._lease.close()
@@ -99,7 +102,18 @@ class RunnerIdentity:
 
 def _unused_uid(uid: int) -> bool:
     return (not any(entry.pw_uid == uid for entry in pwd.getpwall()) and not processes_of(uid)
-            and not _quarantined(uid))
+            and not _quarantined(uid) and not owns_keys(uid))
+
+
+def owns_keys(uid: int) -> bool:
+    """Whether the kernel holds keys or keyrings owned by `uid` (/proc/key-users). A uid's user keyring
+    outlives every process of it, and a job could have locked keys in it that nobody may clear but that
+    uid may read (runner.fleet.lastwalls): such a uid is never given to another runner."""
+    try:
+        text = KEY_USERS.read_text()
+    except FileNotFoundError:  # a kernel without keys: none to own
+        return False
+    return any(line.split(":", 1)[0].strip() == str(uid) for line in text.splitlines())
 
 
 def _quarantine_file(uid: int) -> Path:

@@ -77,6 +77,27 @@ def runner_account() -> Iterator[Account]:
         assert left == [], f"processes of the runner user left running: {left}"
 
 
+@pytest.fixture
+def host_mqueue(need_root: None) -> Iterator[Path]:
+    """The host's /dev/mqueue, as systemd mounts it (a POSIX message queue filesystem, mode 1777):
+    mounted for the test when this host has none, unmounted after."""
+    from runner.fleet.lastwalls import mqueue_mounts
+
+    where = Path("/dev/mqueue")
+    if str(where) in mqueue_mounts(Path("/proc/self/mountinfo").read_text()):
+        yield where
+        return
+    made = not where.exists()
+    where.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "mqueue", "-o", "nosuid,nodev,noexec", "mqueue", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+        if made:
+            where.rmdir()
+
+
 def runner_uids_seen(root: Path) -> set[int]:
     """The runners' own uids (runner.uidrange.RUNNER_UIDS) of processes still running in the rig, or
     owning a file in it."""

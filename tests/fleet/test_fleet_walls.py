@@ -1,8 +1,10 @@
 """Runners walled off from each other (runner/fleet/walls.py): two jobs on two stand-in runners at once,
 `runners.network: none`. The first leaves what a job could leave for another: files in /tmp, /var/tmp,
-/dev/shm and /run/lock, a System V shared memory segment, a listening abstract Unix socket and a process
-whose command line holds a secret; the second, running meanwhile, looks for each. The first job's own
-look at the same things (all there) shows that the probes find what exists."""
+/dev/shm and /run/lock, a POSIX message queue in /dev/mqueue, a System V shared memory segment, a
+listening abstract Unix socket and a process whose command line holds a secret; the second, running
+meanwhile, looks for each. The first job's own look at the same things (all there) shows that the probes
+find what exists. Then one runner after another on the same uid: what a job leaves under its uid (a
+queue, a kernel key) is not there for the next."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
-from runner.fleet import walls
+from runner.fleet import walls, workdir
+from runner.fleet.workdir import RunnerUser
+from tests.fleet.conftest import Account
 from tests.fleet.test_fleet import wait_until
 
 SECRET = "mvc-wall-cmdline-secret"
@@ -21,6 +26,7 @@ LOOK = r'''
 import json, os, socket, sys
 exchange, places, secret = sys.argv[1], sys.argv[2].split(","), sys.argv[3] + "-secret"  # not in our own argv
 seen = {place: os.path.exists(f"{place}/mvc-wall-a") for place in places}
+seen["mqueue"] = os.path.exists("/dev/mqueue/mvc-wall-a")
 shmid = open(f"{exchange}/ipc-a").read().split()[-1]
 seen["sysv"] = any(line.split()[1] == shmid for line in open("/proc/sysvipc/shm").read().splitlines()[1:])
 probe = socket.socket(socket.AF_UNIX)
@@ -40,6 +46,7 @@ print("seen " + json.dumps(seen))
 '''
 LEAVE = '''set -e
 for place in {places}; do echo left > "$place/mvc-wall-a"; done
+touch /dev/mqueue/mvc-wall-a
 ipcmk -M 4096 -p 0644 > {x}/ipc-a.part && chmod 644 {x}/ipc-a.part && mv {x}/ipc-a.part {x}/ipc-a
 /usr/bin/python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind("\\0mvc-wall-a"); s.listen(); \
 open(sys.argv[1], "w").close(); time.sleep(600)' {x}/a-listens >/dev/null 2>&1 </dev/null &
@@ -56,7 +63,7 @@ touch {x}/b-done
 '''
 
 
-def test_a_runner_sees_nothing_another_runner_leaves(make_rig) -> None:
+def test_a_runner_sees_nothing_another_runner_leaves(host_mqueue, make_rig) -> None:
     with make_rig(vms=False, min_idle=2, max_runners=2, network="none", shutdown_grace_seconds=0) as rig:
         exchange = rig.root / "exchange"
         exchange.mkdir(mode=0o1777)
@@ -71,15 +78,94 @@ def test_a_runner_sees_nothing_another_runner_leaves(make_rig) -> None:
         shutil.rmtree(exchange)  # what the jobs left for each other here, as their uids
     seen = {job["run_id"]: json.loads(next(line for line in job["result"]["log"].splitlines()
                                            if line.startswith("seen ")).split(" ", 1)[1]) for job in results}
-    everything = {*PLACES, "sysv", "abstract", "cmdline"}
+    everything = {*PLACES, "mqueue", "sysv", "abstract", "cmdline"}
     assert seen[700001] == dict.fromkeys(everything, True), results[0]["result"]["log"]  # the probes work
     assert seen[700002] == dict.fromkeys(everything, False)
+
+
+# What one job leaves under its uid and the next job on that uid looks for: a queue in /dev/mqueue and a
+# key in its uid's user keyring (add_key(2) on x86-64 is call 248; KEY_SPEC_USER_KEYRING is -4).
+NEXT = r'''
+import ctypes, json, os, sys
+def add_key():
+    libc = ctypes.CDLL(None, use_errno=True)
+    made = libc.syscall(248, b"user", b"mvc-wall-key", b"left-by-the-last-job", 20, ctypes.c_long(-4))
+    return "added" if made >= 0 else os.strerror(ctypes.get_errno())
+left = {}
+if sys.argv[1] == "leave":
+    open("/dev/mqueue/mvc-wall-next", "w").close()
+    left["add_key"] = add_key()
+keys = open("/proc/keys").read()  # every key this uid may see
+left.update(uid=os.getuid(), queue=os.path.exists("/dev/mqueue/mvc-wall-next"), key="mvc-wall-key" in keys)
+print("next " + json.dumps(left))
+'''
+
+
+def test_the_next_runner_on_a_uid_finds_no_queue_and_no_key_of_the_last(host_mqueue, make_rig, monkeypatch) -> None:
+    monkeypatch.setattr(workdir, "QUARANTINE_SECONDS", 0)  # the next runner gets the same uid at once
+    with make_rig(vms=False, min_idle=0, max_runners=1) as rig:
+        rig.enqueue(1, [{"run": "/usr/bin/python3 -I next.py leave"}], files={"next.py": NEXT})
+        wait_until(lambda: rig.github.results(), 120, "the first job")
+        wait_until(lambda: not rig.fleet.runners(), 60, "its runner to end")
+        rig.enqueue(2, [{"run": "/usr/bin/python3 -I next.py look"}], files={"next.py": NEXT})
+        results = wait_until(lambda: len(rig.github.results()) == 2 and rig.github.results(), 120, "the next job")
+    first, then = (json.loads(next(line for line in job["result"]["log"].splitlines()
+                                   if line.startswith("next ")).split(" ", 1)[1]) for job in results)
+    assert first == {"uid": first["uid"], "add_key": "Operation not permitted", "queue": True, "key": False}
+    assert then["uid"] == first["uid"], "the second runner got another uid: nothing shows what a uid carries over"
+    assert then == {"uid": first["uid"], "queue": False, "key": False}
+
+
+def test_a_uid_that_owns_kernel_keys_is_never_leased(account: Account, monkeypatch) -> None:
+    monkeypatch.setattr(workdir, "QUARANTINE_SECONDS", 0)
+    user = RunnerUser.lookup(account.user)
+    first = user.lease()
+    first.release()
+    as_uid(first.uid, ADD_KEY)  # what a job could do past the walls: a key in its uid's user keyring
+    try:
+        second = user.lease()
+        second.release()
+    finally:
+        as_uid(first.uid, PURGE_KEYS)
+    assert second.uid != first.uid
+
+
+def test_a_queue_a_released_uid_left_in_the_hosts_dev_mqueue_goes_with_it(account: Account, host_mqueue) -> None:
+    identity = RunnerUser.lookup(account.user).lease()
+    queue = host_mqueue / f"mvc-left-{identity.uid}"
+    try:
+        as_uid(identity.uid, f"open({str(queue)!r}, 'w').close()")
+        assert queue.exists() and queue.stat().st_uid == identity.uid
+        identity.release()
+        assert not queue.exists(), "the released uid's queue is still in the host's /dev/mqueue"
+    finally:
+        queue.unlink(missing_ok=True)
+
+
+ADD_KEY = """import ctypes
+assert ctypes.CDLL(None).syscall(248, b"user", b"mvc-lease-key", b"x", 1, ctypes.c_long(-4)) >= 0"""
+# The uid's user session and user keyrings, found without making them, invalidated (keyctl 0 and 21):
+# the key in them goes too, and the kernel forgets the uid.
+PURGE_KEYS = """import ctypes
+libc = ctypes.CDLL(None)
+rings = [libc.syscall(250, 0, ctypes.c_long(ring), 0) for ring in (-5, -4)]
+for ring in rings:
+    if ring > 0:
+        libc.syscall(250, 21, ring)"""
+
+
+def as_uid(uid: int, code: str) -> None:
+    """Run Python `code` as `uid` on the host, outside any walls."""
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/usr/bin/python3", "-I", "-c",
+                    code], check=True, cwd="/")
 
 
 def test_doctor_lists_the_walls_in_force() -> None:
     lines = {name: (on, why) for name, on, why in walls.in_force("none")}
     assert lines["PID namespace"][0] and lines["IPC namespace"][0] and lines["network namespace"][0]
     assert "/dev/shm" in lines["mount namespace"][1]
+    assert "/dev/mqueue" in lines["IPC namespace"][1]
+    assert lines["no kernel keyring"][0] and "keyctl" in lines["no kernel keyring"][1]
     assert lines["memory and CPU limits"] == (True, "runners.memory_mib and runners.cpu_weight, on the runner's cgroup")
 
 
