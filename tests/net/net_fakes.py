@@ -282,7 +282,8 @@ def recording_server(net, address: str, port: int) -> list[bytes]:  # type: igno
 
 TLS_HOST = "203.0.113.40"  # serves tls.test with a certificate of the fake internet's own CA
 UNTRUSTED_HOST = "203.0.113.41"  # serves untrusted.test with a certificate of a CA nobody trusts
-ZONE.update({"tls.test": TLS_HOST, "untrusted.test": UNTRUSTED_HOST})
+RULES_HOST = "203.0.113.60"  # tests/vm/test_vm_http_rules.py's HTTP servers: two names at one (CDN) address
+ZONE.update({"tls.test": TLS_HOST, "untrusted.test": UNTRUSTED_HOST, "plain.test": RULES_HOST, "raw.test": RULES_HOST})
 
 
 def test_ca(label: str):  # type: ignore[no-untyped-def]
@@ -374,7 +375,7 @@ def http_server_in(namespace: str, address: str, port: int, handler: type, clean
     address added to its loopback), until `cleanup` (an ExitStack) closes: a package index in a fake internet."""
     import http.server
 
-    ip("-n", namespace, "addr", "add", f"{address}/32", "dev", "lo")
+    ip("-n", namespace, "addr", "replace", f"{address}/32", "dev", "lo")  # one address may serve several ports
     server = http.server.ThreadingHTTPServer((address, port), handler, bind_and_activate=False)
     server.socket.close()
     server.socket = netns.socket_in(namespace, socket.AF_INET, socket.SOCK_STREAM)
