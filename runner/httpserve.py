@@ -264,9 +264,14 @@ class ServedRequest:
         return False
 
     def body(self) -> Iterator[bytes]:
-        """The request body piece by piece; BadRequestBody when its framing is broken or it stops short."""
+        """The request body piece by piece; BadRequestBody when its framing is broken or it stops short.
+
+        A body already read to its end (the loop's buffered body, or an empty one, whose end was taken
+        with the head) is not read again: h11 would wait for the next request's bytes."""
         if self._buffered:
             yield from self._buffered  # the connection loop read it whole
+            return
+        if self._parser.their_state is not h11.SEND_BODY:
             return
         while isinstance(event := self._next(), h11.Data):
             yield event.data
