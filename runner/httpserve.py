@@ -267,11 +267,12 @@ class ServedRequest:
         """The request body piece by piece; BadRequestBody when its framing is broken or it stops short.
 
         A body already read to its end (the loop's buffered body, or an empty one, whose end was taken
-        with the head) is not read again: h11 would wait for the next request's bytes."""
+        with the head) is not read again: h11 would wait for the next request's bytes. A body whose
+        framing failed before still raises."""
         if self._buffered:
             yield from self._buffered  # the connection loop read it whole
             return
-        if self._parser.their_state is not h11.SEND_BODY:
+        if self._parser.their_state in (h11.DONE, h11.MUST_CLOSE):  # MUST_CLOSE: ended, with Connection: close
             return
         while isinstance(event := self._next(), h11.Data):
             yield event.data
