@@ -80,8 +80,7 @@ class WebRoutes:
         """The job page's cancel button: a same-origin form with the page's CSRF token, then back to the page."""
         h = self.h
         form = bytearray()
-        empty = h.head.length in (0, None) and "Transfer-Encoding" not in h.headers  # read whole already
-        for chunk in () if empty else h._body():
+        for chunk in h._body():
             form += chunk
             if len(form) > web.MAX_FORM:
                 h.close_connection = True
