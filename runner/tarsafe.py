@@ -536,22 +536,51 @@ def copy_validated(src: BinaryIO, dst: BinaryIO, limits: Limits, stopped: str | 
     whoever reads it can name them. A stream broken as a whole (or, per `stopped`, cut short before
     it got here) stops the copy: `stopped` says why, `dst` is still a complete tar of what came
     before, and each of `stop_names` (the requested globs) gets a marker saying the transfer ended.
-    Markers are named NOTES_DIR/1, /2... with the name they stand for in SKIPPED_NAME_KEY.
+    Markers are named NOTES_DIR/1, /2... with the name they stand for in SKIPPED_NAME_KEY. `dst` is a
+    seekable file: a member whose data the stream cut short is taken back out of it whole.
     """
     done = Copied(stopped=stopped)
     state = _CopyState(limits)
-    with tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as out:
-        try:
-            for source, info in checked_members(src, limits.max_files, f"more than {limits.max_files} members"):
-                _copy_member(source, info, out, state, done)
-        except UnsafeTar as exc:
-            done.stopped = done.stopped or str(exc)
-        except tarfile.TarError as exc:
-            done.stopped = done.stopped or f"corrupt tar stream: {exc}"
-        ended = [(name, f"the artifact transfer ended early: {done.stopped}") for name in stop_names if done.stopped]
-        for number, (name, why) in enumerate([*done.skipped, *ended], start=1):
-            out.addfile(marker(f"{NOTES_DIR}/{number}", why, given=name))
+    out = _CleanTar(dst)
+    try:
+        for source, info in checked_members(src, limits.max_files, f"more than {limits.max_files} members"):
+            _copy_member(source, info, out, state, done)
+    except UnsafeTar as exc:
+        done.stopped = done.stopped or str(exc)
+    except tarfile.TarError as exc:
+        done.stopped = done.stopped or f"corrupt tar stream: {exc}"
+    ended = [(name, f"the artifact transfer ended early: {done.stopped}") for name in stop_names if done.stopped]
+    for number, (name, why) in enumerate([*done.skipped, *ended], start=1):
+        out.add(marker(f"{NOTES_DIR}/{number}", why, given=name))
+    out.close()
     return done
+
+
+class _CleanTar:
+    """The clean tar, written member by member: each whole or not at all.
+
+    tarfile's `addfile` left the header and the first part of a member whose data ended early, so
+    the members written after it (the notes) sat inside its declared size: a reader saw a file made of
+    guest bytes and notes, and lost the notes. Here such a member is cut back off the file."""
+
+    def __init__(self, dst: BinaryIO) -> None:
+        self._dst = dst
+
+    def add(self, info: tarfile.TarInfo, data: IO[bytes] | None = None) -> None:
+        start = self._dst.tell()
+        self._dst.write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict"))
+        if data is None:
+            return
+        try:
+            copy_exact(data, self._dst, info.size)
+        except BaseException:
+            self._dst.seek(start)
+            self._dst.truncate()
+            raise
+        self._dst.write(bytes(-info.size % BLOCK))
+
+    def close(self) -> None:
+        self._dst.write(bytes(2 * BLOCK))  # the end of the archive
 
 
 @dataclass
@@ -562,8 +591,8 @@ class _CopyState:
     total: int = 0
 
 
-def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: tarfile.TarFile,
-                 state: _CopyState, done: Copied) -> None:
+def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: _CleanTar, state: _CopyState,
+                 done: Copied) -> None:
     try:
         name = safe_name(info.name, state.limits)
     except UnsafeTar as exc:
@@ -575,14 +604,14 @@ def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: tarfile.Ta
     if why is not None:
         done.skipped.append((name, why))
         return
-    state.seen.add(name)
-    state.dirs.update(_parents(name))
     clean = tarfile.TarInfo(name)
     clean.mtime = 0 if math.isnan(info.mtime) else int(max(0, min(info.mtime, 2**33)))  # pax mtime is a float
     clean.size, clean.mode = info.size, 0o755 if info.mode & 0o111 else 0o644
     data = source.extractfile(info)
     assert data is not None  # a regular file always has a reader
-    out.addfile(clean, data)  # a short member raises ReadError ("unexpected end of data")
+    out.add(clean, data)  # a short member ends the stream (UnsafeTar), and is not in `out`
+    state.seen.add(name)
+    state.dirs.update(_parents(name))
     state.total += info.size
     done.files.append(Member(name, info.size))
 

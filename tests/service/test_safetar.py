@@ -121,10 +121,18 @@ def unpack_trusting(clean: bytes, dest: Path) -> str | None:
     return None
 
 
+def cut_short(name: str, size: int, sent: bytes) -> bytes:
+    """A member whose header claims `size` bytes, of which the stream ends after `sent`."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(tarfile.PAX_FORMAT) + sent
+
+
 def test_a_trusting_unpack_of_the_clean_tar_writes_only_its_files_inside_its_destination(tmp_path: Path) -> None:
     """Notes on what was left out were named by the guest (an absolute path, '..') or by the caller (its
     glob): unpacked with tarfile, a note truncated a file outside the destination or made one there; a
-    note on a repeat truncated the copy kept, and a file named as a kept file's directory stopped the unpack."""
+    note on a repeat truncated the copy kept, and a file named as a kept file's directory stopped the unpack.
+    A member the stream cut short left its header and part of its data, with the notes inside its size."""
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious")
     guest_note = member("../victim3.txt")
@@ -135,10 +143,11 @@ def test_a_trusting_unpack_of_the_clean_tar_writes_only_its_files_inside_its_des
         (member(str(victim)), b"evil"), (member("../victim2.txt"), b"evil"), (guest_note, b""), (hooks_note, b""),
         (member("kept.txt"), b"fine"), (member("./kept.txt"), b"again"),
         (member("d/x"), b"in d"), (member("d"), b"a file where the unpack made a directory"),
-        (member(f"{NOTES_DIR}/1"), b"a forged note"), (member("link", tarfile.SYMTYPE, str(victim)), None),
+        (member("link", tarfile.SYMTYPE, str(victim)), None), (member(f"{NOTES_DIR}/1"), b"a forged note"),
     ])
+    guest = guest[:guest.rindex(b"a forged note") + 512] + cut_short("cut.bin", 900, b"x" * 100)  # no end blocks
     out = io.BytesIO()
-    result = copy_validated(io.BytesIO(guest), out, LIMITS, stopped="the guest's agent broke off",
+    result = copy_validated(io.BytesIO(guest), out, Limits(max_files=20, max_file_bytes=1000, max_total_bytes=1000),
                             stop_names=["../glob-escape.txt", str(tmp_path / "glob.txt")])
     clean = out.getvalue()
     dest = tmp_path / "dest"
@@ -148,6 +157,8 @@ def test_a_trusting_unpack_of_the_clean_tar_writes_only_its_files_inside_its_des
     assert victim.read_bytes() == b"precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest", "victim.txt"], "written outside the destination"
     assert stopped is None
+    unpacked = {str(path.relative_to(dest)) for path in dest.rglob("*") if path.is_file()}
+    assert unpacked == {"kept.txt", "d/x", *(f"{NOTES_DIR}/{n}" for n in range(1, 11))}
     kept = {f.path: (dest / f.path).read_bytes() for f in result.files}
     assert kept == {"kept.txt": b"fine", "d/x": b"in d"}
     notes = markers(clean)
@@ -156,7 +167,8 @@ def test_a_trusting_unpack_of_the_clean_tar_writes_only_its_files_inside_its_des
     assert "absolute path" in notes[str(victim)] and "'..'" in notes["../victim2.txt"]
     assert notes["d"] == "an earlier file's directory has this name"
     assert notes[f"{NOTES_DIR}/1"] == f"{NOTES_DIR} is where the clean tar keeps its notes on what was left out"
-    assert notes["../glob-escape.txt"] == "the artifact transfer ended early: the guest's agent broke off"
+    assert notes["../glob-escape.txt"] == ("the artifact transfer ended early: the stream ended inside the data "
+                                           "of a member (924 bytes missing)")
     (tmp_path / "read-back").mkdir()
     read_back = extract(io.BytesIO(clean), tmp_path / "read-back")
     assert {name for name, _ in read_back.skipped} == set(notes), \
