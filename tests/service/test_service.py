@@ -193,7 +193,9 @@ def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(ma
     assert "artifact evil skipped: links are not allowed" in log
     assert "artifact .git/hooks/post-checkout skipped: a .git path component" in log
     with tarfile.open(service.artifacts_path(job)) as tar:
-        assert [m.name for m in tar] == ["ok", "evil", ".git/hooks/post-checkout"]  # the last two as markers
+        names = [(m.name, m.pax_headers.get("MICROVM_CHECK.skipped_name")) for m in tar]  # the last two as notes
+        assert names == [("ok", None), (".microvm-check-skipped/1", "evil"),
+                         (".microvm-check-skipped/2", ".git/hooks/post-checkout")]
         assert tar.extractfile("ok").read() == b"1"
 
 
