@@ -51,7 +51,7 @@ from policy.yamldoc import (
 from runner.errors import ConfigError as ConfigError  # re-exported: the config area's base, every problem file:line
 from runner.github.config import DEFAULT_LABELS
 from runner.github.webhooks import DEFAULT_MAX_BODY
-from runner.jobapi.contract import DEFAULT_SOCKET  # the job API's contract: one default for service and clients
+from runner.jobapi.contract import DEFAULT_SOCKET, REPOSITORY  # the job API's contract: one default, one pattern
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -72,6 +72,11 @@ _UNITS = {"": 1, "B": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB}
 _INTEGER = re.compile(r"[-+]?[0-9]{1,19}")
 _NON_FINITE = re.compile(r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)")
 LISTEN_PATTERN = r"^.+:[0-9]{1,5}$"
+# The repository names jobs and sandboxes run as are the contract's (what a submit or a create is checked
+# against). JSON Schema's regexes (ECMA-262) have no \Z; there `$` ends the text, as \Z does in Python.
+REPOSITORY_SCHEMA_PATTERN = "^" + REPOSITORY.pattern.replace(r"\Z", "$") + "$"
+REPOSITORY_RULE = ("write owner/name: each part 1 to 100 letters, digits, '_', '.' or '-', and neither part "
+                   "'.' nor '..' (e.g. my-org/my-repo)")
 SLOT_PREFIX_PATTERN = r"^[a-z][a-z0-9]{0,8}$"
 
 
@@ -220,7 +225,7 @@ class LocalJobs:
 
     repository: str | None = setting(None, "owner/name such jobs run as (its policy store file gives their egress); "
                                            "unset: a socket member without a runner credential may not submit",
-                                     "string", pattern=r"^[\w.-]+/[\w.-]+$")
+                                     "repository")
 
 
 @dataclass(frozen=True)
@@ -233,8 +238,7 @@ class SandboxAccess:
     group: str | None = setting(None, "unix group whose members may create sandboxes on the socket (a bot's "
                                       "user in it); unset: only the operator may", "string")
     repository: str = setting("sandbox/sandbox", "owner/name the sandboxes run as: its policy store file is the "
-                                                 "egress they may get at most", "string",
-                              pattern=r"^[\w.-]+/[\w.-]+$")
+                                                 "egress they may get at most", "repository")
     max_live: int = setting(4, "sandboxes alive at once on this host", "int", minimum=0, maximum=1024)
     max_per_caller: int = setting(2, "sandboxes one caller (uid, or the operator) holds at once", "int",
                                   minimum=1, maximum=1024)
@@ -565,6 +569,15 @@ class _Walk:
             return None
         return value
 
+    def read_repository(self, node: yaml.Node, where: str, meta: SettingMeta) -> str | None:
+        """An owner/name by the contract's pattern: one the service's own calls would refuse (a submit or a
+        create answered 400, as if the caller had named it) is refused here, before the service starts."""
+        value = self.read_string(node, where, meta)
+        if value is None or REPOSITORY.fullmatch(value):
+            return value
+        self.problem(node, where, f"{quote(value)} is not a repository name; {REPOSITORY_RULE}")
+        return None
+
     def read_path(self, node: yaml.Node, where: str, meta: SettingMeta) -> Path | None:
         value = self.read_string(node, where, meta)
         if value is None:
@@ -876,6 +889,7 @@ _KIND_SCHEMAS: dict[str, Callable[[SettingMeta], JSONSchema]] = {  # JSON Schema
     "bool": lambda meta: {"type": "boolean"},
     "string": _string_schema,
     "path": _string_schema,
+    "repository": lambda meta: {"type": "string", "pattern": REPOSITORY_SCHEMA_PATTERN},
     "strings": lambda meta: {"type": "array", "minItems": 1, "maxItems": MAX_LIST,
                              "items": {"type": "string", "minLength": 1, "maxLength": MAX_STRING}},
     "listen": lambda meta: {"type": "string", "pattern": LISTEN_PATTERN},

@@ -38,6 +38,7 @@ SEEDS = [
     "prewarm: {max_vms: 1, expire_seconds: 60}\nretention: {days: 3, max_records: 100}\nlogs: {max_bytes: 1MiB}\n",
     "network:\n  enabled: true\n  allow:\n    - {cidr: 169.254.169.254/32, ports: [80]}\n",
     "webhook: {listen: '127.0.0.1:8471', secret_path: secret, labels: [microvm], redeliver_every: 300}\n",
+    "sandboxes: {group: users, repository: sandbox/sandbox}\nlocal_jobs: {repository: local/jobs}\n",
 ]
 # What issue 13 found, and what YAML offers a hostile file: spliced into valid configs at random places.
 SNIPPETS = [
@@ -45,7 +46,7 @@ SNIPPETS = [
     "&a [x, x]", "*a", "&a", "<<: *a", "!!python/object:os.system", "!!binary aGk=", "? [a]\n: b", "1: x",
     "\0", "\\0", '"\\0"', '"\\ud800"', "\x85", "\ufeff", "\t", "\r", "[" * 60, "{" * 60, "]", "}", "- ", ": ",
     "'", '"', "#", "%YAML 1.1\n---\n", "---\n", "...\n", "|\n  text", ">-\n  text", "{a: 1, a: 2}",
-    "\xff", "é", "127.0.0.1:99999", "[::1]:80", "512MiB", "1T", "-5G",
+    "\xff", "é", "127.0.0.1:99999", "[::1]:80", "512MiB", "1T", "-5G", "../", "/..", "/.", "//",
 ]
 
 
