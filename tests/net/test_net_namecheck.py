@@ -207,9 +207,12 @@ def test_methods_and_paths_on_plain_http_are_checked_request_by_request(slot, gu
     refused = send(guest, ALLOWED_HOST, 8000, b"POST /ok/x HTTP/1.1\r\nHost: web.test\r\nContent-Length: 0\r\n\r\n")
     assert refused is not None and refused.startswith(b"HTTP/1.1 403")
     assert send(guest, ALLOWED_HOST, 8000, b"GET /secret HTTP/1.1\r\nHost: web.test\r\n\r\n", ).startswith(b"HTTP/1.1 403")
+    for odd in (b"GeT", b"HeaD"):  # methods are case-sensitive: a server may read these as GET and HEAD, or not
+        answer = send(guest, ALLOWED_HOST, 8000, odd + b" /ok/x HTTP/1.1\r\nHost: web.test\r\n\r\n")
+        assert answer is not None and answer.startswith(b"HTTP/1.1 403"), (odd, answer)
     assert slot.proxy is not None and slot.proxy.ca is not None  # HTTPS to such a rule would need it
     found = {(r.method, r.path) for r in slot.audit_records() if r.reason == "request-refused"}
-    assert found == {("POST", "/ok/*"), ("GET", "/secret")}
+    assert found == {("POST", "/ok/*"), ("GET", "/secret"), ("GeT", "/ok/*"), ("HeaD", "/ok/*")}
 
 
 def test_the_checker_is_reachable_only_through_the_redirect_and_bounded_per_vm(slot, guest, monkeypatch) -> None:

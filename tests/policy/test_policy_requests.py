@@ -52,6 +52,7 @@ def test_paths_match_a_whole_glob_never_a_prefix() -> None:
     "/simple/x/..;jsessionid=1/..;/upload/x",
     "/simple/x;a=b",  # any ; parameter, even one that walks nowhere
     "/simple/x%3b/",  # ... and its escape
+    "/simple/x%ef%bc%9bjsessionid=1", "/simple/x%cd%be/y",  # fullwidth ; and the Greek question mark: ; in NFKC
     "/simple/../upload", "/simple/./x", "/simple/x/..", "/simple/.../x", "/simple/..x/y",
     "/simple/..%20/x", "/simple/%20/x",  # Windows trims trailing dots and spaces: ".. " is ".."
     "/simple//x", "/simple/x\\..\\..\\upload", "/simple/x#/../../upload",
