@@ -1,8 +1,9 @@
 """The step's results for people (`$GITHUB_STEP_SUMMARY`, annotations) and for later steps (outputs).
 
 The job record carries guest-derived text (blocked DNS names, artifact and test names, error text), and
-the summary is rendered as GitHub-flavoured Markdown with HTML, so every such value is escaped before it
-goes in: a guest must not be able to inject links, images or fake table rows into the summary.
+the summary is rendered as GitHub-flavoured Markdown with HTML, so every such value goes through
+`runner.markdown.cell` before it goes in: a guest must not be able to inject links, images, mentions,
+control characters or fake table rows into the summary.
 """
 
 # No `from __future__ import annotations`: it would bind the name `annotations`, which this module
@@ -30,7 +31,7 @@ from policy.suggest import (
 )
 from runner.jobapi.contract import BlockedEgress, step_exit_code
 from runner.jobapi.workflow import annotation
-from runner.markdown import cell, code
+from runner.markdown import cell, code, fence, inert
 
 MAX_SUGGESTED = 256
 
@@ -168,8 +169,8 @@ def _suggestion(blocked: list[BlockedEgress]) -> list[str]:
     records = [record for record in map(admitted, entries) if record is not None]
     if not records:
         return []
-    return ["", "A policy that would allow these attempts (review before adopting it):", "", "```yaml",
-            *suggest_policy(records).splitlines(), "```"]
+    return ["", "A policy that would allow these attempts (review before adopting it):", "",
+            *fence(suggest_policy(records).splitlines(), "yaml")]
 
 
 def _failures(failures: list[Failure]) -> list[str]:
@@ -218,13 +219,15 @@ def repository_path(file: str | None, prefix: str) -> str | None:
 
 
 def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
-    """`::error` lines for failed tests; `prefix` is the working directory, as `dir/`."""
+    """`::error` lines for failed tests; `prefix` is the working directory, as `dir/`. The test's name and
+    message are `inert`, as on the check run: no control or bidi character, no mention."""
     lines = []
     for f in failures[:MAX_ANNOTATIONS]:
         title = f"{f.classname}.{f.name}" if f.classname else f.name
         message = f.message or f.text or f.kind
         file = repository_path(f.file, prefix)
-        lines.append(annotation("error", message[:4000], file=file, line=f.line, title=title[:300]))
+        lines.append(annotation("error", inert(message, 4000, keep="\n\t"), file=file, line=f.line,
+                                title=inert(title, 300, keep="\t")))
     if len(failures) > MAX_ANNOTATIONS:
         lines.append(annotation("error", f"{len(failures) - MAX_ANNOTATIONS} more failed tests: see the job summary"))
     return lines

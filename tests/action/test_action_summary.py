@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -146,3 +147,26 @@ def test_digests_render_as_code_on_a_commonmark_renderer() -> None:
     hostile = {**record, "id": "x`|<b>y</b>", "policy_digest": "sha256:`evil`"}
     html = MarkdownIt("commonmark").enable("table").render(markdown(Result(hostile, 0, None, [], [])))
     assert "<b>" not in html and "<code>" not in html.split("<td>job</td>")[1].split("</tr>")[0]
+
+
+NASTY = "@someone \x00 \x1b[31mred \u202egnp.exe mail me@example.org www.evil.example https://evil.example #1"
+
+
+def test_guest_text_renders_no_link_mention_or_control_character() -> None:
+    """Every place the step summary shows guest text, rendered by cmark-gfm as GitHub renders it."""
+    from tests.gfm import acting, render
+
+    record = {**RECORD, "error": NASTY, "blocked_egress": [{"dest": "203.0.113.9", "port": 443, "proto": "tcp",
+                                                            "name": NASTY, "count": 1}]}
+    failure = Failure("s", NASTY, NASTY, "failure", NASTY, "", None, None)
+    text = markdown(Result(record, 1, Totals(tests=1, failed=1, failures=[failure]), [(NASTY, 3)], [(NASTY, NASTY)]))
+    assert text.count("someone") == 8  # it is there: error, egress name, class and test, message, 3 artifact cells
+    assert acting(render(text)) == []
+
+
+def test_annotations_carry_no_control_character_nor_mention() -> None:
+    from action.summary import annotations
+
+    lines = annotations([Failure("s", NASTY, NASTY, "failure", NASTY, "", "tests/test_x.py", 3)])
+    assert len(lines) == 1 and "someone" in lines[0]
+    assert not re.search(r"[\x00\x1b\u202e]|@[A-Za-z0-9]", lines[0]), lines[0]
