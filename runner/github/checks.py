@@ -4,38 +4,49 @@
     PATCH /repos/{owner}/{repo}/check-runs/{check_run_id}  annotations 50 at a time, then the conclusion
 
 The shapes are GitHub's (the check-runs OpenAPI fragments under shared/external/rest-api/, which the
-tests validate every request against). Everything of the guest's that goes in is made inert first: the
-summary's values through `runner.markdown.cell` (as the step summary does), the egress section from
-`policy.suggest.record_from_json` (only an address, a port, a protocol, a name the policy loader accepts,
-a known method and a path prefix survive) and annotation fields bounded to GitHub's sizes, with a path
-only when it is a plain relative path in the repository.
+tests validate every request against, formats included). Everything of the guest's that goes in is made
+inert first: the summary's values through `runner.markdown.cell` (as the step summary does), the egress
+section from `policy.suggest.record_from_json` (only an address, a port, a protocol, a name the policy
+loader accepts, a known method and a path prefix survive) and annotation fields through
+`runner.markdown.inert`, bounded to GitHub's sizes, with a path only when it is a plain relative path in
+the repository.
 
 The summary carries the job's signed-record digests (the policy, the egress audit, each artifact's
-sha256, the key's id) so a maintainer can match the check run with `microvm-check verify`'s output.
+sha256, the key's id) so a maintainer can match the check run with `microvm-check verify`'s output; it
+is built so that nothing the guest controls can push them out (`summary`). A final update GitHub
+refuses (422) is sent again with a short body of the service's own values, so the check run ends.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, record_from_json, suggest_policy
-from runner.github.errors import GitHubError
+from runner.github.errors import GitHubError, ValidationFailed
 from runner.junit import Failure
-from runner.markdown import cell, code
+from runner.markdown import cell, code, fence, inert
 
 if TYPE_CHECKING:
     from runner.github.client import GitHubClient
+
+log = logging.getLogger(__name__)
 
 MAX_ANNOTATIONS_PER_REQUEST = 50  # GitHub's limit (the fragment's maxItems)
 MAX_ANNOTATIONS = 500  # per check run: the guest decides how many failures and findings there are
 MAX_SUMMARY = 65535  # output.summary and output.text maxLength
 MAX_TITLE = 255
 MAX_MESSAGE = 4000  # GitHub allows 64 KB; a PR page does not need more of a guest's text
-MAX_EGRESS_ROWS = 50
+MAX_ROWS = 50  # of each table: artifacts, egress attempts, findings without a file
 MAX_FINDINGS = 200
+# The summary's sections after the conclusion, most important first, each at most this many bytes of
+# what the ones before it left (`summary`); the last one, findings without a file, takes the rest.
+MAX_RECORD_SECTION = 16_000
+MAX_EGRESS_SECTION = 16_000
+MAX_SNIPPET_SECTION = 16_000
 # `::error file=app.py,line=3,title=T::message` as a tool prints it (GitHub's workflow-command syntax)
 _FINDING = re.compile(r"^::(error|warning|notice)(?: ([^:]*))?::(.*)$")
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._/@+-]{1,500}")
@@ -57,9 +68,9 @@ class Finding:
         assert self.path is not None, "an annotation needs a file of the repository"
         line = self.line or 1
         found: dict[str, Any] = {"path": self.path, "start_line": line, "end_line": line, "annotation_level": self.level,
-                                 "message": _plain(self.message, MAX_MESSAGE) or "(no message)"}
+                                 "message": inert(self.message, MAX_MESSAGE, keep="\n\t") or "(no message)"}
         if self.title:
-            found["title"] = _plain(self.title, MAX_TITLE)
+            found["title"] = inert(self.title, MAX_TITLE, keep="\t")
         return found
 
 
@@ -125,8 +136,38 @@ def egress_tried(outcome: JobOutcome) -> tuple[list[AuditRecord], list[AuditReco
             [r for r in records if r.reason not in REFUSED_IN_EVERY_MODE])
 
 
-def summary(outcome: JobOutcome, details_url: str | None = None) -> str:
-    """The check run's output.summary (Markdown): every guest-derived value through `cell`."""
+def summary(outcome: JobOutcome) -> str:
+    """The check run's output.summary (Markdown), at most MAX_SUMMARY bytes whatever the guest did.
+
+    Sections, most important first, each within its budget and what the ones before it left: the
+    conclusion, the signed record's digests, the egress the policy refused, the policy snippet, the
+    findings that name no file. So a guest's text or traffic can shorten only what comes after the
+    digests, a cut section says how much it left out, and no cut falls inside a code block. Every
+    guest-derived value goes through `cell` (the snippet through `policy.suggest`'s admission)."""
+    parts = [_text(_conclusion(outcome))]
+    left = MAX_SUMMARY - _size(parts[0])
+    for section, cap in ((_signed_record, MAX_RECORD_SECTION), (_egress_table, MAX_EGRESS_SECTION),
+                         (_snippet, MAX_SNIPPET_SECTION), (_unplaced, MAX_SUMMARY)):
+        text = _text(section(outcome, min(cap, left)))
+        parts.append(text)
+        left -= _size(text)
+    return "".join(parts)
+
+
+def plain_summary(outcome: JobOutcome) -> str:
+    """The summary sent when GitHub refused the full one (422): the conclusion and the service's own
+    digests only, no text of the guest's, so nothing in it can be refused again."""
+    return _text([
+        f"**{outcome.conclusion}**, exit code {outcome.exit_code if outcome.exit_code is not None else '–'}", "",
+        "GitHub refused this check run's full summary; the job's page and its signed record have the rest.",
+        "", "| | sha256 |", "| --- | --- |", f"| job | {code(outcome.job_id)} |",
+        *(f"| {name} | {code(value)} |" for name, value in outcome.digests.items()),
+        f"| artifacts | {len(outcome.artifacts)}, `microvm-check verify` lists them |"])
+
+
+def _conclusion(outcome: JobOutcome) -> list[str]:
+    """The state, exit code, times and totals: bounded by construction (its one guest text, the error,
+    is at most 1000 characters of Markdown), far below the summary's limit."""
     ready = f"{outcome.vm_ready_ms:.0f} ms" if outcome.vm_ready_ms is not None else "–"
     took = f"{outcome.duration_s:.1f} s" if outcome.duration_s is not None else "–"
     lines = [f"**{cell(outcome.state)}**, exit code {cell(outcome.exit_code if outcome.exit_code is not None else '–')}",
@@ -137,37 +178,95 @@ def summary(outcome: JobOutcome, details_url: str | None = None) -> str:
         lines.append(f"| tests (JUnit) | {passed} passed, {failed} failed, {skipped} skipped |")
     if outcome.error:
         lines.append(f"| error | {cell(outcome.error, 1000)} |")
-    unplaced = [f for f in outcome.findings if not f.path]
+    unplaced = _unplaced_findings(outcome)
     if unplaced:
-        lines.append(f"| findings without a file | {len(unplaced)}, first: {cell(unplaced[0].title or unplaced[0].message)} |")
-    lines += _egress(outcome)
-    lines += ["", "#### Signed record", "", "Match these with `microvm-check verify` on the job's "
-              "`microvm-check.intoto.jsonl`:", "", "| | sha256 |", "| --- | --- |"]
-    lines += [f"| {cell(name)} | {code(value)} |" for name, value in outcome.digests.items()]
-    lines += [f"| artifact {cell(name)} | {code(sha)} |" for name, sha in outcome.artifacts[:MAX_EGRESS_ROWS]]
-    if len(outcome.artifacts) > MAX_EGRESS_ROWS:
-        lines.append(f"| … {len(outcome.artifacts) - MAX_EGRESS_ROWS} more artifacts | |")
-    text = "\n".join(lines) + "\n"
-    return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 40] + "\n\n… (summary cut at GitHub's limit)\n"
+        lines.append(f"| findings without a file | {len(unplaced)}, listed at the end |")
+    return lines
 
 
-def _egress(outcome: JobOutcome) -> list[str]:
+def _signed_record(outcome: JobOutcome, budget: int) -> list[str]:
+    head = ["", "#### Signed record", "", "Match these with `microvm-check verify` on the job's "
+            "`microvm-check.intoto.jsonl`:", "", "| | sha256 |", "| --- | --- |"]
+    head += [f"| {cell(name)} | {code(value)} |" for name, value in outcome.digests.items()]
+    rows = [f"| artifact {cell(name)} | {code(sha)} |" for name, sha in outcome.artifacts[:MAX_ROWS]]
+    return _fit(head, rows, len(outcome.artifacts),
+                lambda n: f"| … {n} more artifacts, `microvm-check verify` lists them all | |", budget)
+
+
+def _egress_table(outcome: JobOutcome, budget: int) -> list[str]:
     refused, audited = egress_tried(outcome)
+    head = ["", "#### Egress this pull request tried", ""]
     if not refused and not audited:
-        return ["", "#### Egress this pull request tried", "", "Nothing outside the repository's policy."]
-    rows = ["", "#### Egress this pull request tried", "",
-            "What the job's VM tried that the repository's policy (its default branch's, within the org default) "
-            "does not allow" + (" — audit mode: it was let through and recorded" if audited else "") + ":", "",
-            "| name | address | port | proto | method | path | count | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for record in (refused + audited)[:MAX_EGRESS_ROWS]:
-        rows.append(f"| {cell(record.name or '–')} | {cell(record.dest)} | {cell(record.port or '–')} | "
-                    f"{cell(record.proto)} | {cell(record.method or '–')} | {cell(record.path or '–')} | "
-                    f"{cell(record.count)} | {'refused' if record in refused else 'audit'} |")
-    if len(refused) + len(audited) > MAX_EGRESS_ROWS:
-        rows.append(f"| … {len(refused) + len(audited) - MAX_EGRESS_ROWS} more | | | | | | | |")
-    snippet = suggest_policy(refused + audited)
-    return rows + ["", "A policy that would allow these (`policy suggest`; review it, and add what you accept to the "
-                       "default branch's policy in a commit of your own):", "", "```yaml", *snippet.splitlines(), "```"]
+        return _fit(head + ["Nothing outside the repository's policy."], [], 0, str, budget)
+    head += ["What the job's VM tried that the repository's policy (its default branch's, within the org default) "
+             "does not allow" + (" — audit mode: it was let through and recorded" if audited else "") + ":", "",
+             "| name | address | port | proto | method | path | count | |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [f"| {cell(record.name or '–')} | {cell(record.dest)} | {cell(record.port or '–')} | "
+            f"{cell(record.proto)} | {cell(record.method or '–')} | {cell(record.path or '–')} | "
+            f"{cell(record.count)} | {'refused' if record in refused else 'audit'} |"
+            for record in (refused + audited)[:MAX_ROWS]]
+    return _fit(head, rows, len(refused) + len(audited), lambda n: f"| … {n} more | | | | | | | |", budget)
+
+
+def _snippet(outcome: JobOutcome, budget: int) -> list[str]:
+    """The policy that would allow the first attempts (as many as the table can list, fewer when their
+    YAML does not fit), in a code block that always closes, and how many attempts it leaves out."""
+    refused, audited = egress_tried(outcome)
+    tried = refused + audited
+    taken = min(len(tried), MAX_ROWS)
+    while taken:
+        lines = ["", "A policy that would allow these (`policy suggest`; review it, and add what you accept to the "
+                     "default branch's policy in a commit of your own):", "",
+                 *fence(suggest_policy(tried[:taken]).splitlines(), "yaml")]
+        if taken < len(tried):
+            lines += ["", f"It covers the first {taken} of {len(tried)} attempts; `microvm-check policy suggest "
+                          "--repository OWNER/NAME` on the service's host merges them all."]
+        if _size(_text(lines)) <= budget:
+            return lines
+        taken //= 2
+    return []
+
+
+def _unplaced(outcome: JobOutcome, budget: int) -> list[str]:
+    """Failures and findings that name no file of the repository: no annotation shows them."""
+    unplaced = _unplaced_findings(outcome)
+    if not unplaced:
+        return []
+    head = ["", "#### Findings without a file", "", "| level | title | message |", "| --- | --- | --- |"]
+    rows = [f"| {f.level} | {cell(f.title or '–')} | {cell(f.message)} |" for f in unplaced[:MAX_ROWS]]
+    return _fit(head, rows, len(unplaced), lambda n: f"| … {n} more | | |", budget)
+
+
+def _unplaced_findings(outcome: JobOutcome) -> list[Finding]:
+    return [f for f in outcome.findings if not f.path]
+
+
+def _fit(head: list[str], rows: list[str], total: int, more: Callable[[int], str], budget: int) -> list[str]:
+    """`head` and as many of `rows` (the first of `total`) as fit in `budget` bytes, with a `more` line
+    saying how many were left out; nothing when not even `head` and that line fit."""
+    used = _size(_text(head))
+    kept: list[str] = []
+    for index, row in enumerate(rows):
+        after = 0 if index + 1 == total else _size(_text([more(total - index - 1)]))  # the `more` line it needs
+        if used + _size(_text([row])) + after > budget:
+            break
+        kept.append(row)
+        used += _size(_text([row]))
+    if len(kept) < total:
+        kept.append(more(total - len(kept)))
+    lines = head + kept
+    return lines if _size(_text(lines)) <= budget else []
+
+
+def _text(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def _size(text: str) -> int:
+    """The length GitHub's limit is checked against, counted in UTF-8 bytes: never below its count of
+    characters, however it counts them."""
+    return len(text.encode())
 
 
 def annotation_payloads(outcome: JobOutcome) -> list[dict[str, Any]]:
@@ -181,12 +280,14 @@ class CheckRuns:
     def __init__(self, client: GitHubClient) -> None:
         self.client = client
 
-    def start(self, repository: str, head_sha: str, name: str, job_id: str, started_at: str,
+    def start(self, repository: str, head_sha: str, name: str, job_id: str, started_at: str | None,
               details_url: str | None = None) -> int:
+        """Create the check run in progress; `started_at` (RFC 3339) when the VM's start time is known."""
         body: dict[str, Any] = {"name": name, "head_sha": head_sha, "status": "in_progress", "external_id": job_id,
-                                "started_at": started_at,
                                 "output": {"title": "running in a fresh microVM",
-                                           "summary": f"Job `{cell(job_id)}` is running."}}
+                                           "summary": f"Job {code(job_id)} is running."}}
+        if started_at:
+            body["started_at"] = started_at
         if details_url:
             body["details_url"] = details_url
         answer = self.client.post(f"/repos/{repository}/check-runs", body)
@@ -195,23 +296,31 @@ class CheckRuns:
             raise GitHubError(f"creating the check run of {repository}@{head_sha[:12]}: the answer has no id")
         return check_id
 
-    def complete(self, repository: str, check_id: int, outcome: JobOutcome, completed_at: str,
-                 details_url: str | None = None) -> int:
+    def complete(self, repository: str, check_id: int, outcome: JobOutcome, completed_at: str | None) -> int:
         """Post the annotations in batches of 50 (GitHub appends each batch), the last batch with the
-        conclusion. Returns the number of PATCH requests sent."""
+        conclusion. When GitHub refuses one of them (422), what is left is sent as one final update with
+        `plain_summary` and no annotations, so the check run ends all the same. Returns the number of
+        PATCH requests sent."""
         title = f"{outcome.conclusion}: exit code {outcome.exit_code if outcome.exit_code is not None else '–'}"
-        text = summary(outcome, details_url)
+        text = summary(outcome)
         found = annotation_payloads(outcome)
         batches: list[Sequence[dict[str, Any]]] = [found[i:i + MAX_ANNOTATIONS_PER_REQUEST]
                                                     for i in range(0, len(found), MAX_ANNOTATIONS_PER_REQUEST)] or [[]]
         path = f"/repos/{repository}/check-runs/{check_id}"
-        for batch in batches[:-1]:
-            self.client.patch(path, {"output": {"title": title, "summary": text, "annotations": list(batch)}})
-        last: dict[str, Any] = {"output": {"title": title, "summary": text}, "status": "completed",
-                                "conclusion": outcome.conclusion, "completed_at": completed_at}
-        if batches[-1]:
-            last["output"]["annotations"] = list(batches[-1])
-        self.client.patch(path, last)
+        end: dict[str, Any] = {"status": "completed", "conclusion": outcome.conclusion}
+        if completed_at:
+            end["completed_at"] = completed_at
+        for sent, batch in enumerate(batches, 1):
+            output: dict[str, Any] = {"title": title, "summary": text}
+            if batch:
+                output["annotations"] = list(batch)
+            try:
+                self.client.patch(path, {"output": output, **(end if sent == len(batches) else {})})
+            except ValidationFailed as exc:
+                log.warning("check run %s of %s: GitHub refused update %d of %d (%s); ending it with a short "
+                            "summary", check_id, repository, sent, len(batches), exc)
+                self.client.patch(path, {"output": {"title": title, "summary": plain_summary(outcome)}, **end})
+                return sent + 1
         return len(batches)
 
 
@@ -240,9 +349,3 @@ def _unescape(text: str, escapes: tuple[tuple[str, str], ...]) -> str:
     for escaped, char in escapes:
         text = text.replace(escaped, char)
     return text
-
-
-def _plain(text: str, limit: int) -> str:
-    """Annotation text: no control characters but newlines and tabs, bounded."""
-    kept = "".join(c if c.isprintable() or c in "\n\t" else "?" for c in text[: limit + 1])
-    return kept if len(kept) <= limit else kept[: limit - 1] + "…"

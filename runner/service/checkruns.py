@@ -2,8 +2,10 @@
 
 One background thread posts them in order (the start before the end of the same job), so GitHub's
 latency or an outage never holds a job or its worker: a failed post is logged and the job's result is
-unchanged. Whether a repository gets check runs is its trusted store file's `checks:` (on, off, forks;
-off when unset), read when the VM starts. A job whose check run was never created gets none at its end.
+unchanged. A final update GitHub refuses as invalid (422) is sent again, short, by `CheckRuns.complete`,
+so a body GitHub will not take never leaves a check run in progress. Whether a repository gets check
+runs is its trusted store file's `checks:` (on, off, forks; off when unset), read when the VM starts.
+A job whose check run was never created gets none at its end.
 
 What the check run says is the service's own account, the same as the signed record's (the artifacts'
 sha256 and JUnit totals from `ArtifactFacts`, the policy and egress-audit digests, the key id), plus
@@ -105,16 +107,14 @@ class CheckRunReporter:
         record = run.record
         name = f"microvm-check / {run.spec.job_name}" if run.spec.job_name else "microvm-check"
         self._ids[record.id] = self._api().start(record.repository, record.sha, name, record.id,
-                                                 rfc3339(record.timings.vm_ready_at) or "",
-                                                 self.details_url(record.id))
+                                                 rfc3339(record.timings.vm_ready_at), self.details_url(record.id))
 
     def _end(self, run: JobRun) -> None:
         check_id = self._ids.pop(run.record.id, None)
         if check_id is None:
             return
         record = run.record
-        self._api().complete(record.repository, check_id, outcome(run, self.keyid),
-                             rfc3339(record.timings.finished_at) or "", self.details_url(record.id))
+        self._api().complete(record.repository, check_id, outcome(run, self.keyid), rfc3339(record.timings.finished_at))
 
 
 def outcome(run: JobRun, keyid: str | None = None) -> JobOutcome:

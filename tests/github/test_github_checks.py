@@ -126,3 +126,17 @@ def test_conclusions(state: str, code: int | None, conclusion: str) -> None:
 def test_fragment_examples_still_have_the_shape_we_read(operations) -> None:
     created = example(operations, "POST /repos/{owner}/{repo}/check-runs", "201")
     assert isinstance(created["id"], int) and json.dumps(created)
+
+
+@responses.activate
+def test_a_time_the_service_does_not_know_is_left_out_never_sent_empty(operations) -> None:
+    """GitHub refuses a check run whose started_at or completed_at is no date-time (the fragments' format)."""
+    created = example(operations, "POST /repos/{owner}/{repo}/check-runs", "201")
+    responses.post(f"{API}/repos/{REPO}/check-runs", json=created, status=201)
+    responses.patch(f"{API}/repos/{REPO}/check-runs/{created['id']}",
+                    json=example(operations, "PATCH /repos/{owner}/{repo}/check-runs/{check_run_id}", "200"))
+    checks = CheckRuns(_client())
+    checks.complete(REPO, checks.start(REPO, "a" * 40, "microvm-check", "j1", None), _outcome(findings=()), None)
+    start, end = (call.request.body for call in responses.calls)
+    assert "started_at" not in assert_valid_request(start, *CREATE)
+    assert "completed_at" not in assert_valid_request(end, *UPDATE)

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 import responses
 from service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, tar_of
@@ -19,7 +20,7 @@ from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
 from runner.service.checkruns import CheckRunReporter
 from runner.service.service import JobService
-from tests.github.github_fakes import API, assert_valid_request, example, load_operations
+from tests.github.github_fakes import API, REST, assert_valid_request, example, load_operations
 
 CREATE = ("POST_repos_owner_repo_check-runs.json", "/repos/{owner}/{repo}/check-runs", "post")
 UPDATE = ("PATCH_repos_owner_repo_check-runs_check_run_id.json", "/repos/{owner}/{repo}/check-runs/{check_run_id}",
@@ -126,3 +127,34 @@ def test_a_hostile_guests_text_arrives_inert(make_service, engine: FakeEngine, t
     annotations = end["output"]["annotations"]
     assert [a["path"] for a in annotations] == ["src/ok.py"]  # no file outside the repository is named
     assert annotations[0]["title"] == HOSTILE and annotations[0]["message"] == HOSTILE  # plain text on GitHub
+
+
+def _validation_failed() -> dict[str, object]:
+    """GitHub's 422 body (the `validation-error` schema its fragments share), checked against that schema."""
+    document = json.loads((REST / "openapi-fragments" / "POST_app_installations_installation_id_access_tokens.json").read_text())
+    body = {"message": "Invalid request.\n\nFor 'properties/summary', is not a valid string.",
+            "documentation_url": "https://docs.github.com/rest/checks/runs#update-a-check-run"}
+    jsonschema.validate(body, {**document["components"]["schemas"]["validation-error"],
+                               "components": document["components"]})
+    return body
+
+
+def test_an_update_github_refuses_is_sent_again_short_and_the_check_run_ends(make_service, engine: FakeEngine,
+                                                                             tmp_path) -> None:
+    """GitHub answers 422 to the first update (a body it will not take): the service sends a short one with
+    the conclusion and its own digests, and the check run ends completed instead of staying in progress."""
+    engine.programs["evil"] = prints(b"::error file=src/app.py,line=4::bad\n" * 60, 1)
+    operations = load_operations()
+    created = example(operations, "POST /repos/{owner}/{repo}/check-runs", "201")
+    path = f"{API}/repos/octo/hello/check-runs/{created['id']}"
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        mock.post(f"{API}/repos/octo/hello/check-runs", json=created, status=201)
+        mock.patch(path, json=_validation_failed(), status=422)
+        mock.patch(path, json=example(operations, "PATCH /repos/{owner}/{repo}/check-runs/{check_run_id}", "200"))
+        service = _service(make_service, tmp_path, "on")
+        _run(service, "evil")
+        updates = [assert_valid_request(call.request.body, *UPDATE) for call in mock.calls[1:]]
+    assert [u.get("status") for u in updates] == [None, "completed"]  # the first of two batches, refused; the end
+    end = updates[-1]
+    assert (end["conclusion"], "annotations" in end["output"]) == ("failure", False)
+    assert service.attestor.key.keyid in end["output"]["summary"]
