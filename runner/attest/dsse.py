@@ -5,6 +5,11 @@
 LEN is the ASCII decimal byte length. Binding the type into what is signed stops a signed payload of
 one type from being passed off as another; signing bytes (not parsed JSON) needs no canonical form.
 The envelope is the spec's JSON object: base64 payload, payloadType, signatures [{keyid, sig}].
+
+A `.intoto.jsonl` file is an in-toto bundle: any number of lines, each meant to be an envelope, which
+other tools may have appended or prepended. `bundle` reads it as the bundle spec says a consumer must:
+lines it does not recognise are skipped, and nothing depends on their order; which envelope is ours is
+for the verifier to decide (runner/attest/verify.py: by type and key).
 """
 
 from __future__ import annotations
@@ -63,15 +68,28 @@ def sign(payload_type: str, payload: bytes, key: Ed25519PrivateKey, keyid: str) 
     return Envelope(payload_type, payload, ((keyid, key.sign(pae(payload_type, payload))),))
 
 
-def parse(data: bytes) -> Envelope:
-    """The first envelope of a `.intoto.jsonl` file (or a bare JSON envelope); EnvelopeError if malformed."""
+def bundle(data: bytes) -> list[Envelope]:
+    """Every well-formed envelope among the lines of a `.intoto.jsonl` bundle, in file order; lines that
+    are not one (blank, not JSON, not a DSSE envelope) are skipped, as the bundle spec requires."""
     if len(data) > MAX_ENVELOPE_BYTES:
-        raise EnvelopeError(f"{len(data)} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit for an envelope")
-    line = next((raw for raw in data.splitlines() if raw.strip()), b"")
+        raise EnvelopeError(f"{len(data)} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit for a bundle")
+    found = []
+    for line in data.split(b"\n"):
+        try:
+            found.append(parse(line))
+        except EnvelopeError:
+            continue
+    return found
+
+
+def parse(line: bytes) -> Envelope:
+    """One envelope: a bundle's line, or a bare JSON envelope; EnvelopeError if it is not one."""
+    if len(line) > MAX_ENVELOPE_BYTES:
+        raise EnvelopeError(f"{len(line)} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit for an envelope")
     try:
         obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EnvelopeError(f"not a JSON envelope: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
+        raise EnvelopeError(f"not a JSON envelope: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise EnvelopeError("not a JSON envelope: expected an object")
     payload_type, payload, signatures = obj.get("payloadType"), obj.get("payload"), obj.get("signatures")

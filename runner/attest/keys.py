@@ -3,11 +3,13 @@
 The private key is written once, atomically (a temporary file opened 0600 and O_EXCL, then linked into
 place), so two services starting at once agree on one key and no reader ever sees half a key. The
 public key is derived from it, never stored apart: the API serves it and `attestation-key` prints it.
-The keyid is the sha256 of the raw public key: a hint for finding the key, never a reason to trust one.
+The keyid is the key's OpenSSH fingerprint (`SHA256:` and base64): a hint for finding the key, never a
+reason to trust one, and the id other verifiers derive themselves (`keyid`).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import stat
@@ -23,8 +25,12 @@ MAX_KEY_FILE_BYTES = 64 * 1024
 
 
 def keyid(public: Ed25519PublicKey) -> str:
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return "sha256:" + hashlib.sha256(raw).hexdigest()
+    """`SHA256:` and the unpadded base64 of the sha256 of the key in SSH's wire format: what `ssh-keygen -l`
+    prints for it, and the id go-securesystemslib's DSSE verifier (cosign's, sigstore-go's) derives for a
+    key given without one; a signature whose keyid differs from it is skipped there, never tried."""
+    wire = base64.b64decode(public.public_bytes(serialization.Encoding.OpenSSH,
+                                                serialization.PublicFormat.OpenSSH).split()[1])
+    return "SHA256:" + base64.b64encode(hashlib.sha256(wire).digest()).decode().rstrip("=")
 
 
 def public_pem(public: Ed25519PublicKey) -> str:

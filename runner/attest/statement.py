@@ -9,8 +9,14 @@
                    "finishedAt": "…Z", "vmReadyMs": …}}
 
 A job without artifacts has no subject to name; the statement then has one subject, the job itself,
-named `job:<id>` with the digest of its egress audit, so the spec's "at least one subject" holds and
-the record is still bound to something a verifier can recompute.
+named `job:<id>` with the digest of its own predicate (`job_subject`), so the spec's "at least one
+subject" holds, the record is bound to something a verifier recomputes from it, and no two jobs share
+the digest (the predicate holds the job's id and times): a consumer that matches records by digest, as
+in-toto intends, never takes one job's record for another's, nor for a file that merely holds `[]`.
+
+The predicate type is a URI of this project's own making, versioned in docs/attestation.md: a UUID URN
+(RFC 9562) needs no domain, and no one else mints the same one. A predicate that changes incompatibly
+gets a new one; verifiers match it exactly.
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from runner.errors import AttestationError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-PREDICATE_TYPE = "https://github.com/org/microvm-check/blob/main/docs/attestation.md#job-record-v1"
+PREDICATE_TYPE = "urn:uuid:d1a758d2-d38b-4456-b536-c60179823b59"  # microvm-check job record, version 1
 ENVELOPE_FILE = "microvm-check.intoto.jsonl"  # written next to the artifacts by the action and `run`
 JOB_SUBJECT_PREFIX = "job:"
 
 
 def canonical_digest(value: object) -> str:
-    """sha256 hex of `value` as compact, key-sorted JSON: how the egress audit is digested here and on
-    the check run, so either can be recomputed from the job's record (`jobs show --json`)."""
+    """sha256 hex of `value` as compact, key-sorted JSON with ASCII escapes: how the egress audit is
+    digested here and on the check run (recomputed from the job's record, `jobs show --json`), and how a
+    job without artifacts digests its predicate (`job_subject`)."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -103,7 +110,10 @@ class Statement:
 
     @property
     def artifacts(self) -> tuple[Subject, ...]:
-        return tuple(s for s in self.subjects if not s.name.startswith(JOB_SUBJECT_PREFIX))
+        """The subjects that name artifacts: all but the job's own (`job_subject`), recognised by its name
+        and digest both, so an artifact the guest named `job:...` is still checked as one."""
+        own = job_subject(self.predicate)
+        return tuple(s for s in self.subjects if s != own)
 
     @classmethod
     def parse(cls, payload: bytes) -> Statement:
@@ -129,5 +139,8 @@ class Statement:
         return cls(tuple(parsed), JobPredicate.from_json(data.get("predicate")))
 
 
-def job_subject(job_id: str, audit_sha256: str) -> Subject:
-    return Subject(JOB_SUBJECT_PREFIX + job_id, audit_sha256)
+def job_subject(predicate: JobPredicate) -> Subject:
+    """The subject of a job without artifacts: `job:<id>`, with the sha256 of its predicate as compact,
+    key-sorted JSON (`canonical_digest`, the bytes the signed payload holds for it)."""
+    job_id = predicate.job.get("id") if isinstance(predicate.job, dict) else None
+    return Subject(f"{JOB_SUBJECT_PREFIX}{job_id}", canonical_digest(predicate.to_json()))

@@ -1,9 +1,12 @@
 """`microvm-check verify`: a job record's signature first, then each artifact it names, by sha256.
 
-Nothing of the record is believed before its signature verifies with the key the caller trusts; then
-every artifact subject must be in the directory with the digest signed (a missing one fails too: the
-record speaks of it). Files in the directory that the record does not name are listed, not failed:
-the action writes the envelope itself there.
+The file is an in-toto bundle (`dsse.bundle`): other tools may have added envelopes of their own before
+or after ours. Ours is the one envelope of the in-toto payload type whose signature verifies with the
+key the caller trusts and whose statement has this project's predicate type; every other line is
+ignored, in any order. Nothing of the record is believed before its signature verifies; then every
+artifact subject must be in the directory with the digest signed (a missing one fails too: the record
+speaks of it). Files in the directory that the record does not name are listed, not failed: the action
+writes the envelope itself there.
 """
 
 from __future__ import annotations
@@ -29,16 +32,32 @@ class Verified:
 
 
 def verify_record(data: bytes, key: Ed25519PublicKey, artifacts: Path | None = None) -> Verified:
-    """The record in `data` (a `.intoto.jsonl` line), verified with `key`, its artifacts checked in
+    """The record in `data` (a `.intoto.jsonl` bundle), verified with `key`, its artifacts checked in
     `artifacts` when given. AttestationError says what failed."""
-    envelope = dsse.parse(data)
-    payload = envelope.verify(key)
-    if envelope.payload_type != PAYLOAD_TYPE:
-        raise AttestationError(f"the envelope's payloadType is {envelope.payload_type[:100]!r}, not {PAYLOAD_TYPE}")
-    verified = Verified(Statement.parse(payload))
+    verified = Verified(our_statement(dsse.bundle(data), key))
     if artifacts is not None:
         _check_artifacts(verified, artifacts)
     return verified
+
+
+def our_statement(envelopes: list[dsse.Envelope], key: Ed25519PublicKey) -> Statement:
+    """The one job record among `envelopes` signed with `key`; AttestationError when there is none (a
+    changed record is none: its signature no longer verifies) or more than one (which one the caller
+    means is not for this function to guess)."""
+    ours = []
+    for envelope in envelopes:
+        if envelope.payload_type != PAYLOAD_TYPE:
+            continue
+        try:
+            ours.append(Statement.parse(envelope.verify(key)))
+        except AttestationError:  # another key's, or another predicate type: not ours, ignored
+            continue
+    if len(ours) == 1:
+        return ours[0]
+    if ours:
+        raise AttestationError(f"{len(ours)} job records signed with this key in one file: keep the one you mean")
+    raise AttestationError(f"no job record signed with this key among the file's {len(envelopes)} envelope(s) of any "
+                           f"type: the record was changed after it was signed, or another key signed it")
 
 
 def _check_artifacts(verified: Verified, root: Path) -> None:

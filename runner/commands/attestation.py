@@ -122,6 +122,9 @@ def describe(verified: Verified, artifacts: Path | None) -> str:
                          + ", ".join(_t(n) for n in verified.unattested[:20]))
     for subject in subjects[:200]:
         lines.append(f"  {subject.sha256}  {_t(subject.name)}")
+    for subject in (s for s in statement.subjects if s not in subjects):
+        lines.append(f"record subject: {subject.sha256}  {_t(subject.name)} (the digest of its predicate: the job "
+                     "had no artifacts)")
     return "\n".join(lines)
 
 

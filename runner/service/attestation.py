@@ -139,8 +139,8 @@ class JobAttestor:
         return (job_dir / ENVELOPE).read_bytes()
 
     def statement(self, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> Statement:
-        subjects = artifacts.subjects or (job_subject(record.id, audit_digest(record)),)
-        return Statement(subjects, predicate(record, vm, artifacts.junit))
+        claims = predicate(record, vm, artifacts.junit)
+        return Statement(artifacts.subjects or (job_subject(claims),), claims)
 
     def sign(self, job_dir: Path, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> bool:
         """Write the job's envelope; False (logged) when it could not be made."""
