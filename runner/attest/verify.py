@@ -56,8 +56,9 @@ def our_statement(envelopes: list[dsse.Envelope], key: Ed25519PublicKey) -> Stat
         return ours[0]
     if ours:
         raise AttestationError(f"{len(ours)} job records signed with this key in one file: keep the one you mean")
-    raise AttestationError(f"no job record signed with this key among the file's {len(envelopes)} envelope(s) of any "
-                           f"type: the record was changed after it was signed, or another key signed it")
+    raise AttestationError(f"the signature does not verify with this key: no job record among the file's "
+                           f"{len(envelopes)} envelope(s) was signed with it (the record was changed after it was "
+                           "signed, or another key signed it)")
 
 
 def _check_artifacts(verified: Verified, root: Path) -> None:
