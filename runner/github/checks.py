@@ -159,8 +159,8 @@ def plain_summary(outcome: JobOutcome) -> str:
     digests only, no text of the guest's, so nothing in it can be refused again."""
     return _text([
         f"**{outcome.conclusion}**, exit code {outcome.exit_code if outcome.exit_code is not None else '–'}", "",
-        "GitHub refused this check run's full summary; the job's page and its signed record have the rest.",
-        "", "| | sha256 |", "| --- | --- |", f"| job | {code(outcome.job_id)} |",
+        "GitHub refused this check run's full summary; the job's record and its signed record have the rest.",
+        "", "| | |", "| --- | --- |", f"| job | {code(outcome.job_id)} |",
         *(f"| {name} | {code(value)} |" for name, value in outcome.digests.items()),
         f"| artifacts | {len(outcome.artifacts)}, `microvm-check verify` lists them |"])
 
@@ -197,7 +197,7 @@ def _egress_table(outcome: JobOutcome, budget: int) -> list[str]:
     refused, audited = egress_tried(outcome)
     head = ["", "#### Egress this pull request tried", ""]
     if not refused and not audited:
-        return _fit(head + ["Nothing outside the repository's policy."], [], 0, str, budget)
+        return head + ["Nothing outside the repository's policy."]
     head += ["What the job's VM tried that the repository's policy (its default branch's, within the org default) "
              "does not allow" + (" — audit mode: it was let through and recorded" if audited else "") + ":", "",
              "| name | address | port | proto | method | path | count | |",
