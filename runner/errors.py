@@ -74,7 +74,12 @@ class SandboxError(MicrovmCheckError):
     """The sandbox cannot go on (its VM died, expired, or its guest misbehaved); it has been destroyed."""
 
 
-class CommandNotStarted(SandboxError):
+class SandboxOpFailed(SandboxError):
+    """The sandbox could not do what was asked (a path that is missing or of the wrong kind, a tar it
+    cannot unpack): the guest or the host said why, nothing broke, and the sandbox lives on."""
+
+
+class CommandNotStarted(SandboxOpFailed):
     """The guest could not start the program at all (not found, not executable): nothing of it ran, so
     starting something else in its place runs the job's command once, not twice. The sandbox lives on."""
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeGuard, TypeVar
 from policy.model import Policy
 from policy.suggest import AuditRecord
 from runner import tarsafe
-from runner.errors import CommandNotStarted
+from runner.errors import CommandNotStarted, SandboxOpFailed
 from runner.sandbox.port import Resources, VMRequest
 from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient, GuestOpError, NotStarted
@@ -165,7 +165,8 @@ class Sandbox:
 
     # ---- running -----------------------------------------------------------------------------
     def _call(self, fn: Callable[[AgentClient], T]) -> T:
-        """Run an agent operation; a broken channel or dead VM becomes a SandboxError after cleanup."""
+        """Run an agent operation; a broken channel or dead VM becomes a SandboxError after cleanup, an
+        operation the guest refused (the channel fine) a SandboxOpFailed."""
         vm = self._vm
         if vm.destroyed or vm.agent is None:
             raise SandboxError(vm.describe_failure())
@@ -174,7 +175,7 @@ class Sandbox:
         except NotStarted as exc:
             raise CommandNotStarted(str(exc)) from None
         except GuestOpError as exc:
-            raise SandboxError(str(exc)) from None
+            raise SandboxOpFailed(str(exc)) from None
         except AgentError as exc:
             vm.channel_broken(str(exc))
             self._engine.destroy(vm)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import grp
 import json
+import logging
 import os
 import pwd
 import re
@@ -29,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from runner.errors import JobError
+from runner.errors import MicrovmCheckError
 from runner.jobapi.contract import JOB_ID, JobState
 from runner.service.api import MethodNotAllowed, NoRoute
 from runner.service.auth import Access, Caller, _in_group, peer_ids
@@ -48,6 +49,8 @@ from runner.uidrange import RUNNER_UIDS
 
 if TYPE_CHECKING:
     from runner.service.handler import Handler
+
+log = logging.getLogger(__name__)
 
 SANDBOX_TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
 PREFIX = "/v1/sandboxes"
@@ -160,26 +163,25 @@ class SandboxRoutes:
         assert isinstance(sandbox, LiveSandbox)
         settings = self.desk.settings
         command, timeout, cwd, env = _exec_request(self.h._json_body(), settings.exec_timeout_seconds)
-        with self.desk.call(sandbox) as live:
-            live.log.system(f"exec: {json.dumps(command)[:1000]}")
-            stream = _ExecStream(self.h.send_data, log_output(live.log), settings.exec_output_bytes, live.vm)
-            self.h.start_response(200, {"Content-Type": "application/x-ndjson"})
-            try:
+        stream: _ExecStream | None = None
+        try:
+            with self.desk.call(sandbox) as live:
+                live.log.system(f"exec: {json.dumps(command)[:1000]}")
+                stream = _ExecStream(self.h, log_output(live.log), settings.exec_output_bytes, live.vm)
                 result = live.vm.exec(command, timeout_seconds=timeout, env=env, cwd=cwd, on_output=stream,
                                       capture_bytes=0)
-            except (ConnectionError, TimeoutError):
-                raise  # the caller is gone: its sandbox stays until its TTL (or its destroy)
-            except JobError as exc:
-                self.h.send_data(_line({"error": str(exc)}))
-                self.h.end_response()
-                return
-            self.desk.note_blocked(live)
-            end = {"exit_code": result.exit_code, "timed_out": result.timed_out,
-                   "truncated": stream.over, "duration_ms": round(result.duration_ms, 3),
-                   "blocked_egress": live.record.blocked_egress[:100]}
-            live.log.system(f"exec ended: exit {result.exit_code}{' (timed out)' if result.timed_out else ''}")
-            self.h.send_data(_line(end))
-            self.h.end_response()
+                self.desk.note_blocked(live)
+                end = {"exit_code": result.exit_code, "timed_out": result.timed_out,
+                       "truncated": stream.over, "duration_ms": round(result.duration_ms, 3),
+                       "blocked_egress": live.record.blocked_egress[:100]}
+                live.log.system(f"exec ended: exit {result.exit_code}{' (timed out)' if result.timed_out else ''}")
+                stream.finish(end)
+        except (ConnectionError, TimeoutError):
+            raise  # the caller is gone: its sandbox stays until its TTL (or its destroy)
+        except Exception as exc:
+            if stream is None or not stream.started:
+                raise  # nothing was sent yet: the refusal gets its own status (a program that does not start: 400)
+            stream.fail(exc)
 
     def _write(self, sandbox: object, query: dict[str, list[str]]) -> None:
         """The call's slot is taken before the body is read (a refused PUT reads none of it), and the body
@@ -286,13 +288,17 @@ class SandboxRoutes:
 
 
 class _ExecStream:
-    """An exec's output to the caller and the sandbox's log, up to the output budget: past it the
-    sandbox's commands are killed (from another thread: this runs on the agent's reader)."""
+    """An exec's answer: its output to the caller and the sandbox's log, up to the output budget (past
+    it the sandbox's commands are killed, from a thread of their own), then its result or an error line.
 
-    def __init__(self, send: Callable[[bytes], None], log: Callable[[str, bytes], None], budget: int,
-                 vm: object) -> None:
-        self.send, self.log, self.left, self.vm = send, log, budget, vm
+    The answer's head goes out with the first line, not before: a command that does not start is still
+    refused with its own status. Once it is out, whatever goes wrong ends the stream with an error
+    line the client reads, never with a body cut short."""
+
+    def __init__(self, handler: Handler, log: Callable[[str, bytes], None], budget: int, vm: object) -> None:
+        self.h, self.log, self.left, self.vm = handler, log, budget, vm
         self.over = False
+        self.started = False
 
     def __call__(self, stream: str, data: bytes) -> None:
         if self.over:
@@ -303,7 +309,28 @@ class _ExecStream:
         self.left -= len(data)
         if data:
             self.log(stream, data)
-            self.send(_line({"stream": stream, "data": base64.b64encode(data).decode()}))
+            self._send({"stream": stream, "data": base64.b64encode(data).decode()})
+
+    def finish(self, end: dict[str, object]) -> None:
+        self._send(end)
+        self.h.end_response()
+
+    def fail(self, exc: Exception) -> None:
+        """End the stream with the reason: a project error's message is complete; anything else is a bug
+        of ours, logged with its traceback and not shown."""
+        if isinstance(exc, MicrovmCheckError):
+            message = str(exc)
+        else:
+            log.error("api: sandbox exec failed after its answer began", exc_info=exc)
+            message = "internal error in the job service; see its log"
+        self._send({"error": message})
+        self.h.end_response()
+
+    def _send(self, line: object) -> None:
+        if not self.started:
+            self.h.start_response(200, {"Content-Type": "application/x-ndjson"})
+            self.started = True
+        self.h.send_data(_line(line))
 
     def _stop(self) -> None:
         try:

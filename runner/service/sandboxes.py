@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from policy.model import Policy
-from runner.errors import JobError, SandboxError
+from runner.errors import JobError, SandboxError, SandboxOpFailed
 from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
 from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
 from runner.service.config import SandboxAccess, ServiceConfig
@@ -69,7 +69,9 @@ class SandboxRefused(JobError):
 
 
 class SandboxCallError(JobError):
-    """A sandbox call the service will not make as asked (a path, a size, a deadline); 400."""
+    """A sandbox call that cannot be made as asked; 400 with the reason. The service refused it (a path, a
+    size, a deadline) or the sandbox could not do it (a missing file, a program that does not start, a
+    tar it cannot unpack: SandboxOpFailed); either way the sandbox lives on."""
 
 
 class SandboxUnavailable(JobError):
@@ -430,7 +432,8 @@ class SandboxDesk:
 
 
 class _Call:
-    """One call on a sandbox: counted against its concurrency, refused once it has ended."""
+    """One call on a sandbox: counted against its concurrency, refused once it has ended, and its
+    sandbox's failures turned into the API's refusals (see `__exit__`)."""
 
     def __init__(self, desk: SandboxDesk, sandbox: LiveSandbox) -> None:
         self.desk, self.sandbox = desk, sandbox
@@ -447,6 +450,9 @@ class _Call:
         return sandbox
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """A failure the sandbox lives through (SandboxOpFailed) leaves as SandboxCallError, a 400 with the
+        guest's (or the host unpacker's) reason; one that ended the VM ends the sandbox and leaves as
+        SandboxNotFound saying why. Neither is a bug of the service's: no 500, no traceback in its log."""
         sandbox = self.sandbox
         with sandbox.lock:
             sandbox.calls -= 1
@@ -455,6 +461,10 @@ class _Call:
             gone = isinstance(exc, (ConnectionError, TimeoutError))
             self.desk.end(sandbox, JobState.CANCELLED if gone else JobState.FAILED,
                           "its caller went away in the middle of an exec" if gone else f"its VM failed: {exc}")
+            if isinstance(exc, SandboxError):
+                raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}") from exc
+        elif isinstance(exc, SandboxOpFailed):
+            raise SandboxCallError(str(exc)) from exc
 
 
 def guest_path(value: str | None, what: str = "path") -> str:

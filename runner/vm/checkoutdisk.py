@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from runner import tarsafe
+from runner.errors import SandboxOpFailed
 from runner.vm.errors import SandboxError
 from runner.vm.guestwire import CHECKOUT_DEVICE
 from runner.vm.vm import VM
@@ -286,7 +287,7 @@ def put_checkout(vm: VM, stream: BinaryIO, dest: str) -> None:
         try:
             unpacked = unpack(stream, staging / TREE)
         except (tarsafe.UnsafeTar, OSError) as exc:
-            raise SandboxError(f"cannot unpack the tar stream into {dest}: {_why(exc)}") from None
+            raise SandboxOpFailed(f"cannot unpack the tar stream into {dest}: {_why(exc)}") from None
         label = str(uuid.uuid4())
         make_image(staging, image, unpacked, label)
         shutil.rmtree(staging)
