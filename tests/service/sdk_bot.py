@@ -3,20 +3,32 @@ client SDK (microvm_check) and prints one JSON line per fact the test checks.
 
 argv: SOCKET MODE. Modes:
 - tour: create, a streamed exec, files write/read/list, upload, download, a snapshot and a fork of it,
-  one sandbox's token tried on the other, destroy;
+  each sandbox's token tried on the other, destroy;
 - create: only try to create (a user outside the sandbox group is refused);
-- hang: create with a short TTL, say so, then run a silent command until killed (kill -9 by the test).
+- hang: create with a short TTL, say so, then run a silent command until killed (kill -9 by the test);
+- refusals: calls a sandbox cannot make, with the blocking and the asyncio SDK; then its VM powered off
+  in the middle of an exec's output, and another's before any;
+- takeover BASE: a guest that takes its agent over answers two downloads with members named
+  BASE/victim.txt and ../victim2.txt, the second cut short; each tar is unpacked with plain tarfile
+  into BASE/dest1 and BASE/dest2, as a trusting bot would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import sys
 import tarfile
+import threading
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
-from microvm_check import Sandbox, SandboxError, Service
+from microvm_check import AsyncSandbox, Sandbox, SandboxError, Service
+
+TAKEOVER = Path(__file__).with_name("guest_takeover.py")
 
 
 def say(**fact: object) -> None:
@@ -51,14 +63,15 @@ def tour(service: Service) -> None:
         say(downloaded=sorted(tar.getnames()), out=tar.extractfile("out.txt").read().decode())
         with sbx.fork(ttl_seconds=300) as child:
             say(forked=child.id, fork_read=child.files.read("/workspace/notes.txt").decode())
-            stranger = Sandbox(service, {"id": child.id}, sbx.token)  # the parent's token on the child
-            try:
-                stranger.files.read("/workspace/notes.txt")
-                say(cross="reached")
-            except SandboxError as exc:
-                say(cross=exc.status, cross_message=str(exc))
-            finally:
-                stranger._sender.close()
+            for fact, sandbox_id, token in (("cross", child.id, sbx.token), ("cross_back", sbx.id, child.token)):
+                stranger = Sandbox(service, {"id": sandbox_id}, token)  # the parent's token on the child, and back
+                try:
+                    stranger.files.read("/workspace/notes.txt")
+                    say(**{fact: "reached"})
+                except SandboxError as exc:
+                    say(**{fact: exc.status, f"{fact}_message": str(exc)})
+                finally:
+                    stranger._sender.close()
             child.files.write("/workspace/notes.txt", b"changed in the fork\n")
         say(parent_read=sbx.files.read("/workspace/notes.txt").decode())
     say(destroyed=sbx.id)
@@ -72,6 +85,91 @@ def tour(service: Service) -> None:
         again._sender.close()
 
 
+def outcome(call: Callable[[], object]) -> dict[str, Any]:
+    try:
+        call()
+    except SandboxError as exc:
+        return {"status": exc.status, "message": str(exc)}
+    return {"status": "made"}
+
+
+async def outcome_async(call: Callable[[], Awaitable[object]]) -> dict[str, Any]:
+    try:
+        await call()
+    except SandboxError as exc:
+        return {"status": exc.status, "message": str(exc)}
+    return {"status": "made"}
+
+
+def fifo_tar() -> bytes:
+    """A tar the service's header check passes and the host's unpacker refuses (a checkout holds no fifos)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        fifo = tarfile.TarInfo("pipe")
+        fifo.type = tarfile.FIFOTYPE
+        tar.addfile(fifo)
+    return buffer.getvalue()
+
+
+REFUSED = {  # what the sandbox cannot do -> the call, for a Sandbox or an AsyncSandbox
+    "exec a missing program": lambda s: s.exec(["no-such-program"], timeout=60),
+    "write into a missing directory": lambda s: s.files.write("/no/such/dir/f.txt", b"x"),
+    "write onto a directory": lambda s: s.files.write("/workspace", b"x"),
+    "write a 4096-character path": lambda s: s.files.write("/tmp/" + "n" * 4091, b"x"),
+    "read a missing file": lambda s: s.files.read("/no/such/file"),
+    "read a directory": lambda s: s.files.read("/workspace"),
+    "upload a tar the host's unpacker refuses": lambda s: s.upload(fifo_tar()),
+}
+
+
+def refusals(service: Service) -> None:
+    with Sandbox.create(ttl_seconds=300, service=service) as sbx:
+        say(sync={what: outcome(lambda call=call: call(sbx)) for what, call in REFUSED.items()})
+        say(async_=asyncio.run(refusals_async(service, sbx)))
+        alive = sbx.exec("echo alive", timeout=60)
+        say(alive=[alive.exit_code, alive.stdout.decode()])
+        killer = Sandbox(service, {"id": sbx.id}, sbx.token)
+        powered_off: list[threading.Thread] = []
+
+        def power_off_once_output_came(stream: str, data: bytes) -> None:
+            if not powered_off:  # the answer's head and first line are here: now the VM goes
+                powered_off.append(threading.Thread(target=outcome, args=(
+                    lambda: killer.exec(["sh", "-c", "echo o > /proc/sysrq-trigger"], timeout=60),)))
+                powered_off[0].start()
+
+        say(mid_stream=outcome(lambda: sbx.exec("echo going; sleep 600", timeout=600,
+                                                on_output=power_off_once_output_came)))
+        powered_off[0].join()
+        killer._sender.close()
+    with Sandbox.create(ttl_seconds=300, service=service) as quiet:
+        say(before_output=outcome(lambda: quiet.exec("echo o > /proc/sysrq-trigger; sleep 600", timeout=600)))
+
+
+async def refusals_async(service: Service, sbx: Sandbox) -> dict[str, Any]:
+    same = AsyncSandbox(service, {"id": sbx.id}, sbx.token)
+    try:
+        return {what: await outcome_async(lambda call=call: call(same)) for what, call in REFUSED.items()}
+    finally:
+        await same._sender.close()
+
+
+def takeover(service: Service, base: Path) -> None:
+    with Sandbox.create(ttl_seconds=300, service=service) as sbx:
+        sbx.files.write("/tmp/takeover.py", TAKEOVER.read_bytes())
+        taken = sbx.exec(["python3", "/tmp/takeover.py", str(base / "victim.txt")], timeout=120, cwd="/")
+        say(takeover=[taken.exit_code, taken.stderr.decode()])
+        downloads = [sbx.download("*", "../glob-escape.txt") for _ in range(2)]
+    for n, data in enumerate(downloads, start=1):
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            say(**{f"members{n}": {m.name: dict(m.pax_headers) for m in tar}})
+            trusting = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+            try:
+                tar.extractall(base / f"dest{n}", **trusting)
+                say(**{f"unpacked{n}": True})
+            except OSError as exc:
+                say(**{f"unpacked{n}": str(exc)})
+
+
 def main() -> None:
     socket, mode = sys.argv[1], sys.argv[2]
     service = Service(socket=socket)
@@ -83,6 +181,10 @@ def main() -> None:
             say(create="allowed")
         except SandboxError as exc:
             say(create=exc.status, message=str(exc))
+    elif mode == "refusals":
+        refusals(service)
+    elif mode == "takeover":
+        takeover(service, Path(sys.argv[3]))
     elif mode == "hang":
         sbx = Sandbox.create(ttl_seconds=float(sys.argv[3]), service=service)
         say(created=sbx.id, vm_id=sbx.info["vm_id"])

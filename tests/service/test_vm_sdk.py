@@ -13,8 +13,10 @@ import json
 import os
 import pwd
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,7 +111,7 @@ def test_a_bot_drives_sandboxes_and_others_reach_none(serve, vm_root: Path, user
     assert seen["ran"] == 0 and seen["downloaded"] == ["README.txt", "notes.txt", "out.txt"], seen
     assert seen["out"] == "hi\n"
     assert seen["fork_read"] == "written by the bot\n", "the fork does not have its source's files"
-    assert seen["cross"] == 403, "one sandbox's token reached another sandbox"
+    assert seen["cross"] == 403 and seen["cross_back"] == 403, "one sandbox's token reached another sandbox"
     assert seen["parent_read"] == "written by the bot\n", "a write in the fork reached its source"
     assert seen["after_destroy"] == 404
 
@@ -123,6 +125,81 @@ def test_a_bot_drives_sandboxes_and_others_reach_none(serve, vm_root: Path, user
         assert record.vm_id and not (vm_root / "state" / "vms" / record.vm_id).exists(), "a destroyed sandbox's VM is left"
     snapshots = [p.name for p in (vm_root / "state" / "templates").iterdir() if p.name.startswith(f"sbx-{seen['created']}")]
     assert snapshots == [], f"the fork's snapshot outlived both sandboxes: {snapshots}"
+    assert service.stop() == 0, service.stderr()
+
+
+def test_calls_a_sandbox_cannot_make_are_refused_with_the_reason_and_a_begun_exec_ends_with_it(
+        serve, vm_root: Path, users: Users) -> None:
+    """A guest's (or the host unpacker's) refusal is the caller's 400 with the reason, for the blocking and
+    the asyncio SDK alike, and the sandbox lives on; a VM that dies in a call ends its sandbox (404 with
+    why), and an exec whose answer had begun ends with an error line the SDK reads. No 500, no broken
+    stream, no traceback in the service's log: they were 500 'internal error' and a chunked body cut short."""
+    os.chmod(vm_root, 0o755)
+    service = serve({"socket_group": users.socket_group, "sandboxes": {"group": users.sandbox_group}})
+    service.wait_answering(JobClient(socket=str(vm_root / "api.sock")))
+    seen = facts(_run_as(users.bot, vm_root / "api.sock", ("refusals",), 900))
+    because = {
+        "exec a missing program": "cannot start 'no-such-program': No such file or directory",
+        "write into a missing directory": "No such file or directory",
+        "write onto a directory": "Is a directory",
+        "write a 4096-character path": "File name too long",
+        "read a missing file": "No such file or directory",
+        "read a directory": "Is a directory",
+        "upload a tar the host's unpacker refuses": "cannot unpack the tar stream into /workspace: member 'pipe': a fifo",
+    }
+    for sdk in ("sync", "async_"):
+        assert set(seen[sdk]) == set(because), seen[sdk]
+        for what, reason in because.items():
+            answer = seen[sdk][what]
+            assert answer["status"] == 400 and reason in answer["message"], (sdk, what, answer)
+    assert seen["alive"] == [0, "alive\n"], "a refused call ended the sandbox"
+    assert seen["mid_stream"]["status"] is None, seen["mid_stream"]
+    assert seen["mid_stream"]["message"].startswith("exec: sandbox j") and "has ended: its VM failed" in \
+        seen["mid_stream"]["message"], seen["mid_stream"]
+    assert seen["before_output"]["status"] == 404 and "has ended: its VM failed" in seen["before_output"]["message"], \
+        seen["before_output"]
+    assert service.stop() == 0, service.stderr()
+    assert "Traceback" not in service.stderr(), service.stderr()
+
+
+@pytest.fixture
+def bot_dir(users: Users) -> Iterator[Path]:
+    """A directory of the bot's own, which it can reach (pytest's tmp_path is root's alone)."""
+    base = Path(tempfile.mkdtemp(prefix="mvc-sdk-bot-"))
+    os.chown(base, users.bot, -1)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_guest_that_takes_its_agent_over_cannot_make_a_download_write_outside_the_bots_directory(
+        serve, vm_root: Path, users: Users, bot_dir: Path) -> None:
+    """Root in the guest takes the agent's channel over and answers `download` with members named by an
+    absolute path and by '..', whole and then cut short: each tar the bot gets, unpacked with plain
+    tarfile into an empty directory, writes nothing outside it. Before, their notes carried those names:
+    the bot's victim.txt was truncated, ../victim2.txt and ../glob-escape.txt made beside it."""
+    os.chmod(vm_root, 0o755)
+    base = bot_dir
+    (base / "victim.txt").write_bytes(b"precious\n")
+    os.chown(base / "victim.txt", users.bot, -1)
+    service = serve({"socket_group": users.socket_group, "sandboxes": {"group": users.sandbox_group}})
+    service.wait_answering(JobClient(socket=str(vm_root / "api.sock")))
+    seen = facts(_run_as(users.bot, vm_root / "api.sock", ("takeover", str(base)), 900))
+    assert seen["takeover"] == [0, ""], "the guest did not take its agent over"
+    assert (base / "victim.txt").read_bytes() == b"precious\n", "a file outside the destination was truncated"
+    assert sorted(p.name for p in base.iterdir()) == ["dest1", "dest2", "victim.txt"], \
+        "a file was made outside the destination"
+    refused = {str(base / "victim.txt"): "absolute path", "../victim2.txt": "'..'"}
+    ended = "the artifact transfer ended early: the stream ended inside the data of a member"
+    for n, also in ((1, {}), (2, {"*": ended, "../glob-escape.txt": ended})):
+        assert seen[f"unpacked{n}"] is True, seen
+        members = seen[f"members{n}"]
+        assert set(members) == {"good.txt", *(f".microvm-check-skipped/{k}" for k in range(1, 3 + len(also)))}, members
+        notes = {m["MICROVM_CHECK.skipped_name"]: m["MICROVM_CHECK.skipped"] for m in members.values() if m}
+        assert set(notes) == {*refused, *also} and all(why in notes[name] for name, why in {**refused, **also}.items()), \
+            notes
+        assert (base / f"dest{n}" / "good.txt").read_bytes() == b"fine\n"
     assert service.stop() == 0, service.stderr()
 
 
