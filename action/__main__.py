@@ -26,7 +26,7 @@ from action.inputs import Inputs, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.queuewait import QueueWait
-from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, markdown, minutes, outputs
+from action.summary import MAX_ANNOTATIONS, Result, exit_code_of, guest_annotation, markdown, minutes, outputs
 from action.summary import annotations as failure_annotations  # `annotations` is the __future__ feature here
 from runner.errors import MicrovmCheckError, UserError
 from runner.jobapi.client import JobAPIError, JobClient
@@ -223,7 +223,7 @@ class JobDriver:
             try:
                 report = read_report(path)
             except JUnitError as exc:
-                self.out.write(annotation("warning", f"JUnit report {name}: {exc}") + "\n")
+                self.out.write(guest_annotation("warning", f"JUnit report {name}: {exc}") + "\n")
                 continue
             totals = totals or Totals()
             totals.add(report)
@@ -237,7 +237,7 @@ class JobDriver:
         if record.get("state") == JobState.TIMED_OUT:
             self.out.write(annotation("error", f"job timed out after {minutes(self.inputs.timeout_minutes)}") + "\n")
         elif record.get("error"):
-            self.out.write(annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
+            self.out.write(guest_annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
         elif result.exit_code:
             self.out.write(annotation("error", f"command exited with {result.exit_code}") + "\n")
         self._refused_warnings(result.refused_artifacts)
@@ -249,7 +249,7 @@ class JobDriver:
         """One warning per refused artifact up to GitHub's per-step limit, then a count: the guest
         decides how many there are (up to the service's max_count), so the lines must not scale with it."""
         for name, why in refused[:MAX_ANNOTATIONS]:
-            self.out.write(annotation("warning", f"artifact {name} not copied: {why}") + "\n")
+            self.out.write(guest_annotation("warning", f"artifact {name} not copied: {why}") + "\n")
         if len(refused) > MAX_ANNOTATIONS:
             self.out.write(annotation("warning", f"{len(refused) - MAX_ANNOTATIONS} more artifacts not copied "
                                                  "(the result-json output lists them all)") + "\n")

@@ -36,6 +36,7 @@ from runner.markdown import cell, code, fence, inert
 MAX_SUGGESTED = 256
 
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
+MAX_ANNOTATION_CHARS = 4000  # what one annotation message keeps of guest text
 MAX_ROWS = 50
 GUEST_WORKSPACE = "/workspace/"  # where the checkout is unpacked in the guest (docs/job-api.md)
 
@@ -218,6 +219,12 @@ def repository_path(file: str | None, prefix: str) -> str | None:
     return f"{prefix}{file}"
 
 
+def guest_annotation(level: str, text: str) -> str:
+    """An annotation whose message holds text the guest chose (an artifact's name, a report's error, the
+    job's error): `inert`, so no mention, link, control or bidi character reaches the annotation."""
+    return annotation(level, inert(text, MAX_ANNOTATION_CHARS, keep="\n\t"))
+
+
 def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
     """`::error` lines for failed tests; `prefix` is the working directory, as `dir/`. The test's name and
     message are `inert`, as on the check run: no control or bidi character, no mention."""
@@ -226,7 +233,7 @@ def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
         title = f"{f.classname}.{f.name}" if f.classname else f.name
         message = f.message or f.text or f.kind
         file = repository_path(f.file, prefix)
-        lines.append(annotation("error", inert(message, 4000, keep="\n\t"), file=file, line=f.line,
+        lines.append(annotation("error", inert(message, MAX_ANNOTATION_CHARS, keep="\n\t"), file=file, line=f.line,
                                 title=inert(title, 300, keep="\t")))
     if len(failures) > MAX_ANNOTATIONS:
         lines.append(annotation("error", f"{len(failures) - MAX_ANNOTATIONS} more failed tests: see the job summary"))

@@ -28,3 +28,22 @@ def test_refused_artifacts_are_annotated_at_most_ten_times_then_counted(tmp_path
     assert len(warnings) == 11
     assert warnings[0] == "::warning::artifact out/link0 not copied: links are not allowed (link to '/etc/passwd')"
     assert re.fullmatch(r"::warning::4990 more artifacts not copied \(the result-json output lists them all\)", warnings[-1])
+
+
+def test_guest_chosen_names_and_errors_reach_annotations_inert(tmp_path: Path) -> None:
+    """An artifact's name, its refusal reason and the job's error carry text the guest chose: no mention,
+    no control, NUL or bidi character reaches the annotation (GitHub renders annotations, and a mention
+    there would notify someone)."""
+    out = io.StringIO()
+    inputs = Inputs(run="true", working_directory=".", policy="", artifacts=["**"], timeout_minutes=10,
+                    template="base", env_names=[], socket="/nonexistent", include_git=False)
+    run = JobDriver(object(), inputs, tmp_path, out, {})
+    hostile = "@someone\x00\x1b[31m\u202efdp.exe"
+    run._report(Result(record={"state": "failed", "exit_code": 1, "error": f"guest said {hostile}"}, exit_code=1,
+                       junit=None, artifacts=[], refused_artifacts=[(f"out/{hostile}", f"refused {hostile}")]))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith(("::warning", "::error"))]
+    assert len(lines) == 2
+    for line in lines:
+        assert "@someone" not in line, line
+        assert not any(c in line for c in ("\x00", "\x1b", "\u202e")), repr(line)
+        assert "someone" in line  # the text is still shown, made inert
