@@ -83,13 +83,20 @@ class RunnerCgroup:
 
     @classmethod
     def create(cls, scope: str, name: str, limits: Limits | None = None) -> RunnerCgroup:
+        """The runner's groups, limited; on any failure none of them is left (a fleet retrying a start
+        that cannot succeed would otherwise leave a group per try)."""
+        made: list[Path] = []
         try:
             path = _base(scope) / name
             path.mkdir()
-            group = cls(path, _limited(scope, name) if limits is not None else ())
+            made.append(path)
+            limited = _limited(scope, name, made) if limits is not None else ()
+            group = cls(path, limited)
             if limits is not None:
                 group._limit(limits)
         except OSError as exc:
+            for directory in reversed(made):
+                directory.rmdir()
             raise CgroupError(f"cannot create the runner's cgroup for {name}: {exc}") from None
         return group
 
@@ -125,12 +132,13 @@ class RunnerCgroup:
                 raise CgroupError(f"cannot remove the runner cgroup {path}: {exc}") from None
 
 
-def _limited(scope: str, name: str) -> tuple[Path, ...]:
-    """cgroup v1: the runner's own groups in the memory and cpu hierarchies (made here); v2: none, the
-    pids group itself carries the limits (its ancestors delegate memory and cpu, see `_base`)."""
+def _limited(scope: str, name: str, made: list[Path]) -> tuple[Path, ...]:
+    """cgroup v1: the runner's own groups in the memory and cpu hierarchies (made here, each noted in
+    `made` as soon as it exists); v2: none, the pids group itself carries the limits (its ancestors
+    delegate memory and cpu, see `_base`)."""
     if (ROOT / "cgroup.controllers").exists():
         return ()
-    made = []
+    start = len(made)
     for controller in ("memory", "cpu"):
         mount = vm_cgroup.v1_mount(controller)
         if mount is None:
@@ -140,7 +148,7 @@ def _limited(scope: str, name: str) -> tuple[Path, ...]:
         vm_cgroup.make_dirs(path.parent)
         path.mkdir()
         made.append(path)
-    return tuple(made)
+    return tuple(made[start:])
 
 
 def _empty(path: Path) -> None:

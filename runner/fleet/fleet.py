@@ -18,7 +18,8 @@ when it ends everything its job started goes with it, `setsid` or not.
 What can be lost is made whole again: at start the fleet kills what a dead predecessor's runners
 left running, removes their directories and deregisters this host's runners that GitHub still lists;
 a runner that exits, with any exit code, has what its job still runs cancelled in the service (its
-VMs destroyed, its sessions ended, its tokens revoked) and is replaced; a busy runner past its
+VMs destroyed, its sessions ended, its tokens revoked) and is replaced; one that exits before taking a
+job is replaced after a back-off, and a crash loop is reported (runner.fleet.starts); a busy runner past its
 deadline (`job_timeout_seconds` + `deadline_grace_seconds`) is killed, its cgroup with it; a runner
 that got no job within `idle_recycle_seconds` is replaced by a fresh one.
 """
@@ -41,7 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.fleet import cgroup, walls, workdir
+from runner.fleet import cgroup, starts, walls, workdir
 from runner.fleet.cgroup import CgroupError, RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.scope import ScopeClaim
@@ -124,6 +125,7 @@ class FleetRunner:
     identity: RunnerIdentity | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
     state: RunnerState = RunnerState.IDLE
     job: JobStarted | None = None
+    output: int = field(default=-1, repr=False)  # the file its stdout and stderr go to, kept open by the fleet
 
     def view(self) -> dict[str, Any]:
         return {"name": self.name, "id": self.github_id, "state": self.state.value, "since": self.since,
@@ -140,6 +142,8 @@ class RunnerEnd:
     job: JobStarted | None
     exit_code: int | None  # None: retired by the fleet before it took a job
     died: bool  # it ended during its job, which was cancelled
+    started_at: float
+    ended_at: float
 
 
 class RunnerFleet:
@@ -156,6 +160,7 @@ class RunnerFleet:
         self._stale: set[int] = set()  # GitHub runner ids of ours to deregister
         self.ended: deque[RunnerEnd] = deque(maxlen=200)
         self._retry_at = 0.0
+        self.failed_starts = starts.StartFailures()
         self._swept = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -243,10 +248,14 @@ class RunnerFleet:
                                 "labels": list(self.settings.labels), "max_runners": self.settings.max_runners,
                                 "min_idle": self.settings.min_idle, "stopping": self.stopping,
                                 "runners": [r.view() for r in self.runners()], "pending_jobs": self.pending(),
-                                "to_deregister": sorted(self._stale)}
+                                "to_deregister": sorted(self._stale), "crash_loop": self.crash_loop()}
         if self._extra_status is not None:
             data.update(self._extra_status())
         return data
+
+    def crash_loop(self) -> dict[str, Any] | None:
+        """What `status` says while runners keep ending before they take a job (runner.fleet.starts)."""
+        return self.failed_starts.crash_loop(self._retry_at)
 
     # -- the fleet's thread ---------------------------------------------------------------------------
 
@@ -275,7 +284,11 @@ class RunnerFleet:
     def _inspect(self, runner: FleetRunner, now: float) -> None:
         exit_code = runner.process.poll()
         if exit_code is not None:
-            self._reap(runner, exit_code)
+            failure = None if runner.job is not None else starts.StartFailure(
+                runner.name, exit_code, runner.since, now, starts.last_output(runner.output))
+            self._reap(runner, exit_code, ended_at=now)
+            if failure is not None:
+                self._failed_start(failure)
         elif runner.state is RunnerState.IDLE and now - runner.since > self.settings.idle_recycle_seconds:
             self._retire(runner, f"no job in {self.settings.idle_recycle_seconds:g} s")
         elif runner.state is RunnerState.BUSY and now - runner.since > self.deadline_seconds:
@@ -296,6 +309,17 @@ class RunnerFleet:
         self._kill(runner)
         self._reap(runner, runner.process.wait(), why)
 
+    def _failed_start(self, failure: starts.StartFailure) -> None:
+        """The runner ended before taking a job: the next start waits, longer for each in a row, and from
+        starts.CRASH_LOOP_TRIES in a row on the log says it is a crash loop (so do `status` and the metrics)."""
+        delay = self.failed_starts.failed(failure)
+        self._retry_at = max(self._retry_at, failure.ended_at + delay)
+        report = self.crash_loop()
+        if report is not None:
+            log.error("runners cannot start (%s); the next try in %g s", report["reason"], delay)
+        else:
+            log.warning("%s; the next runner starts in %g s", failure.describe(), delay)
+
     def runner_bound(self, name: str, job: JobStarted) -> None:
         """The service bound runner `name` to the job its hook reported: it is busy from now on."""
         for runner in self.runners():
@@ -303,13 +327,14 @@ class RunnerFleet:
                 self._busy(runner, job, time.time())
 
     def _busy(self, runner: FleetRunner, job: JobStarted, now: float) -> None:
+        self.failed_starts.took_job()
         with self._lock:
             runner.state, runner.job, runner.since = RunnerState.BUSY, job, now
             if self._pending:  # one queued job fewer waits for a runner (which one GitHub knows)
                 self._pending.pop(min(self._pending, key=self._pending.__getitem__))
         log.info("runner %s took %s", runner.name, job.describe())
 
-    def _reap(self, runner: FleetRunner, exit_code: int, why: str | None = None) -> None:
+    def _reap(self, runner: FleetRunner, exit_code: int, why: str | None = None, ended_at: float | None = None) -> None:
         """The runner's process ended: stop what it left, and whatever its job still runs in the service
         is cancelled (VMs destroyed, sessions ended, tokens revoked) whatever the exit code: a job may
         have killed its own job-completed hook and exited 0. Deregister it if GitHub did not (a JIT
@@ -317,19 +342,20 @@ class RunnerFleet:
         self._kill(runner)
         died = runner.job is not None and exit_code != 0
         if runner.job is not None:
-            why = why or (f"the runner {runner.name} running this job ended ({_exit(exit_code)}) while this job "
+            why = why or (f"the runner {runner.name} running this job ended ({starts.exit_text(exit_code)}) while this job "
                           "still ran: the job ends with its runner and its VM was destroyed" +
                           ("; re-run the job" if died else ""))
             if died:
-                log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), _exit(exit_code))
+                log.warning("runner %s died during %s (%s)", runner.name, runner.job.describe(), starts.exit_text(exit_code))
             cancelled = self.service.runner_died(runner.name, why)
             if cancelled and not died:
                 log.warning("runner %s ended %s, but its job still ran %s: cancelled", runner.name,
-                            _exit(exit_code), ", ".join(cancelled))
+                            starts.exit_text(exit_code), ", ".join(cancelled))
         if runner.job is None or exit_code != 0:
             self._deregister(runner.github_id)
         self._forget(runner)
-        self.ended.append(RunnerEnd(runner.name, runner.job, exit_code, died))
+        self.ended.append(RunnerEnd(runner.name, runner.job, exit_code, died, runner.since,
+                                    time.time() if ended_at is None else ended_at))
 
     def _retire(self, runner: FleetRunner, why: str, force: bool = False) -> None:
         """Replace an idle runner. Deregistered first: GitHub refuses that for a runner it just gave a
@@ -352,7 +378,7 @@ class RunnerFleet:
         self._kill(runner)
         runner.process.wait()
         self._forget(runner)
-        self.ended.append(RunnerEnd(runner.name, runner.job, None, False))
+        self.ended.append(RunnerEnd(runner.name, runner.job, None, False, runner.since, time.time()))
 
     def _scale(self, now: float) -> None:
         with self._lock:
@@ -376,6 +402,8 @@ class RunnerFleet:
         workdir.remove(runner.dir.path)
         if runner.identity is not None:
             runner.identity.release()
+        if runner.output >= 0:
+            os.close(runner.output)
         with self._lock:
             self._runners.remove(runner)
 
@@ -398,7 +426,7 @@ class RunnerFleet:
             identity = self.user.lease()
             runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
             group = RunnerCgroup.create(self._scope, name, self.settings.limits)
-            process = self._launch(runner_dir, jit, group, identity)
+            process, output = self._launch(runner_dir, jit, group, identity)
         except (OSError, workdir.RunnerUidsExhausted, walls.WallsUnavailable) as exc:
             log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
             self.service.remove_runner(name)
@@ -411,29 +439,32 @@ class RunnerFleet:
             self._retry_at = now + SPAWN_BACKOFF_SECONDS
             return False
         with self._lock:
-            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token, identity))
+            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token, identity,
+                                             output=output))
         log.info("runner %s (id %d, uid %d) started in %s", name, jit.runner.id, identity.uid, path)
         return True
 
     def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
-                user: RunnerIdentity) -> subprocess.Popen[bytes]:
+                user: RunnerIdentity) -> tuple[subprocess.Popen[bytes], int]:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
         arguments, here kept out of `ps`), as the runner's own uid, in a session, a cgroup and
         namespaces of its own (runner.fleet.walls).
 
         The runner cannot move itself into a root-owned cgroup, so a shell waits on a pipe
         until this process has put it there, and only then makes the namespaces and execs `run.sh`:
-        nothing of the runner ever runs outside the group."""
-        log_fd = os.open(runner_dir.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.fchown(log_fd, user.uid, user.gid)
+        nothing of the runner ever runs outside the group. Also returns the descriptor of the runner's
+        output file, kept to read what it said if it ends before taking a job (runner.fleet.starts)."""
+        log_fd = os.open(runner_dir.log, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            os.fchown(log_fd, user.uid, user.gid)
             argv = walls.launch_argv(["./run.sh"], user.uid, user.gid, user.groups, self.settings.network)
             process = subprocess.Popen(
                 argv, cwd=runner_dir.path,
                 env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
                 umask=0o077, start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
-        finally:
+        except BaseException:
             os.close(log_fd)
+            raise
         assert process.stdin is not None
         try:
             group.add(process.pid)
@@ -441,10 +472,11 @@ class RunnerFleet:
         except OSError:
             process.kill()
             process.wait()
+            os.close(log_fd)
             raise
         finally:
             process.stdin.close()
-        return process
+        return process, log_fd
 
     def _kill(self, runner: FleetRunner, signum: int = signal.SIGKILL) -> None:
         """Signal the runner's whole session; SIGKILL also reaches what its job started in sessions of
@@ -550,7 +582,3 @@ def processes_in(directory: Path) -> list[int]:
                 found.append(int(entry))
                 break
     return found
-
-
-def _exit(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"

@@ -37,6 +37,8 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
         doing = (f"busy with {job['repository']} run {job['run_id']} (attempt {job['run_attempt']}) job {job['job']}"
                  if job else "idle")
         lines.append(f"  {runner['name']:<28} {doing}, {since}")
+    if status.get("crash_loop"):
+        lines += _crash_loop(status["crash_loop"], now)
     if status.get("to_deregister"):
         lines.append(f"  to deregister (GitHub still lists them): {', '.join(map(str, status['to_deregister']))}")
     lines.append(f"queued GitHub jobs waiting for a runner here: {status.get('pending_jobs', 0)}")
@@ -47,6 +49,15 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"jobs: {queue.get('running', 0)} running, {queue.get('queued', 0)} queued, "
                      f"{queue.get('warm', 0)} pre-warmed VMs")
     return "\n".join(lines)
+
+
+def _crash_loop(loop: dict[str, Any], now: float) -> list[str]:
+    """Runners that keep ending before they take a job (runner.fleet.starts): how, and what the last said."""
+    wait = max(0.0, float(loop.get("next_try_at", now)) - now)
+    return [f"  CRASH LOOP: {loop.get('tries')} runners in a row ended before taking a job; the last, "
+            f"{loop.get('runner')}, ended ({loop.get('exit')}) {loop.get('lived_seconds')} s after its start; "
+            f"next try in {wait:.0f} s; its last output:",
+            *(f"    {line}" for line in loop.get("output") or ["(nothing)"])]
 
 
 def _ago(seconds: float) -> str:

@@ -41,6 +41,8 @@ def job_metrics(config: ServiceConfig, service: JobService, engine: Engine | Non
         spare_vms=(lambda: sum(engine.pool.ready().values())) if engine is not None else None,
         spare_pool_size=pool_size if engine is not None else None,
         runners=lambda: running.runners() if (running := fleet()) is not None else [],
+        runner_failed_starts=lambda: ((failed := running.failed_starts).total, failed.in_a_row)
+        if (running := fleet()) is not None else (0, 0),
         protocol_errors=(lambda: engine.protocol_errors) if engine is not None else None,
         webhook_deliveries=deliveries))
     return metrics

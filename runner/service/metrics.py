@@ -94,6 +94,8 @@ class ServiceView:
     spare_pool_size: int | None = None
     spare_vms: Callable[[], int] | None = None  # the engine's spare pool, all variants
     runners: Callable[[], list[FleetRunner]] | None = None  # the fleet's runners, when runners: is configured
+    # the fleet's runners that ended before taking a job: (in all, in a row now; runner.fleet.starts)
+    runner_failed_starts: Callable[[], tuple[int, int]] | None = None
     protocol_errors: Callable[[], dict[str, int]] | None = None  # Engine.protocol_errors, by kind
     webhook_deliveries: Callable[[], dict[tuple[str, str], int]] | None = None  # by (event, result)
 
@@ -135,6 +137,8 @@ class ServiceCollector(Collector):
             for state, count in sorted(by_state.items()):
                 runners.add_metric([state], count)
             yield runners
+        if view.runner_failed_starts is not None:
+            yield from _failed_starts(*view.runner_failed_starts())
         if view.protocol_errors is not None:
             errors = CounterMetricFamily(f"{PREFIX}_guest_protocol_errors",
                                          "VMs destroyed because their guest broke the agent protocol, by kind",
@@ -148,6 +152,17 @@ class ServiceCollector(Collector):
             for (event, result), count in sorted(view.webhook_deliveries().items()):
                 deliveries.add_metric([event, result], count)
             yield deliveries
+
+
+def _failed_starts(total: int, in_a_row: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Runners that ended before taking a job, and whether the fleet reports a crash loop (so many in a row)."""
+    from runner.fleet.starts import CRASH_LOOP_TRIES
+
+    yield CounterMetricFamily(f"{PREFIX}_runner_failed_starts", "Fleet runners that ended on their own before "
+                              "taking a job (each is retried after a back-off)", value=total)
+    yield GaugeMetricFamily(f"{PREFIX}_runner_crash_loop", f"1 while the fleet reports a crash loop: "
+                            f"{CRASH_LOOP_TRIES} or more runners in a row ended before taking a job (`status` says why)",
+                            value=int(in_a_row >= CRASH_LOOP_TRIES))
 
 
 class JobMetrics:

@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.conftest import require
 from tests.fleet.fleet_fakes import FakeGitHub
+from tests.fleet.waiting import SERVING
 from tests.procs import runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,7 +263,11 @@ def serve(rig: Rig, vms: bool = True) -> Iterator[Rig]:
         rig.host = host
         assert host.webhook is not None
         rig.github.webhook_port = host.webhook.port
-        yield rig
+        SERVING.append(host)
+        try:
+            yield rig
+        finally:
+            SERVING.remove(host)
         if host.engine is not None:
             host.service.drain()
             # A VM destroyed on another thread (a pre-warmed one, at drain) leaves the engine's list just after.

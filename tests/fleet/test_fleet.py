@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +21,13 @@ from runner.fleet.install import InstallError, install
 from runner.fleet.workdir import RunnerUser
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
+from tests.fleet.waiting import wait_until
 from tests.procs import runs
 
 # Each job first looks for what an earlier job may have left (in its workspace, its runner's home and
 # temporary directory), then leaves such files itself, then runs its check in a VM through the action.
 LOOK = 'test ! -e planted.txt && test ! -e "$HOME/planted" && test ! -e "$TMPDIR/planted" && echo clean'
 PLANT = 'echo from-an-earlier-job > planted.txt && echo x > "$HOME/planted" && echo x > "$TMPDIR/planted"'
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def most_at_once(results: list[dict[str, Any]]) -> int:
