@@ -269,6 +269,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         verdict = accel.detect(qemu, template.path / "vmlinuz", template.path / "initrd.img")
     for line in runner_walls(config.runners.network if config is not None else "host"):
         print(line)
+    if config is not None:
+        from runner.service.jobparts import runner_binding
+
+        print("\n".join(runner_binding(config)))
     pss = memory.describe(state.vms)  # the VMs running now in this state directory, KVM and TCG apart
     if verdict is None:
         print("accelerator: KVM looks usable; 'doctor --selftest' test-boots the guest to be sure "

@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="with --runner-dir: give the runner a credential of this service and the service's hooks "
                           "(`runner credential`), so its jobs are bound to it as a fleet runner's are")
     cmd.add_argument("--hooks-dir", type=Path, default=DEFAULT_HOOKS_DIR, help="where the root-owned hooks go")
+    cmd.add_argument("--repository", metavar="OWNER/NAME", help=REPOSITORY_HELP)
     cmd.set_defaults(func=cmd_register)
 
     cmd = subparsers.add_parser("deregister", help="remove this host's runner from the org")
@@ -80,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     credential.add_argument("--hooks-dir", type=Path, default=DEFAULT_HOOKS_DIR, help="where the root-owned hooks go")
     credential.add_argument("--service-config", type=Path, default=Path("/etc/microvm-check/service.yml"),
                             help="the service whose credential it gets (its state_dir and socket)")
+    credential.add_argument("--repository", metavar="OWNER/NAME", help=REPOSITORY_HELP)
     credential.set_defaults(func=cmd_runner_credential)
     for name, func in (("job-started", cmd_runner_job_started), ("job-completed", cmd_runner_job_completed)):
         hook_cmd = actions.add_parser(name, help=f"{name} hook of the fleet's runners (not for people)")
@@ -133,6 +135,8 @@ def web_url(api_url: str) -> str:
 
 
 DEFAULT_HOOKS_DIR = Path("/opt/microvm-check/runner-hooks")
+REPOSITORY_HELP = ("with a credential: the one repository whose jobs the runner takes (required on a service without "
+                   "a webhook, where nothing else says which job GitHub gave the runner)")
 SINGLE_RUNNER = (
     "note: this is ONE runner: it takes one job at a time, and keeps its workspace between jobs; jobs it submits "
     "are bound to the job its hook reports when it has a credential of the service (--service-config), else they "
@@ -155,7 +159,7 @@ def cmd_register(args: argparse.Namespace) -> int:
         command = runners.config_command(org_url, token, args.name, labels, args.runner_group)
         print(f"registration token for org {org} expires at {token.expires_at}")
     if args.service_config is not None and args.runner_dir is not None:
-        _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir)
+        _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir, args.repository)
     else:
         _install_guard(args)
     print(SINGLE_RUNNER)
@@ -256,17 +260,21 @@ def cmd_runner_install(args: argparse.Namespace) -> int:
 
 
 def cmd_runner_credential(args: argparse.Namespace) -> int:
-    _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir)
+    _issue_credential(args.service_config, args.name, args.runner_dir, args.hooks_dir, args.repository)
     return 0
 
 
-def _issue_credential(service_config: Path, name: str, runner_dir: Path, hooks_dir: Path) -> None:
+def _issue_credential(service_config: Path, name: str, runner_dir: Path, hooks_dir: Path,
+                      repository: str | None) -> None:
     from runner.fleet import registered
 
     config = _service_config(service_config)
-    env_file = registered.issue(config.state_dir, name, runner_dir, hooks_dir, config.socket)
+    env_file = registered.issue(config.state_dir, name, runner_dir, hooks_dir, config.socket, repository)
     print(f"runner {name} has a credential of the service in {env_file} (0600) and reports its jobs with the hooks "
           f"in {hooks_dir}; restart the service to let it in")
+    if repository is None and config.webhook.listen is None:
+        print(f"warning: runner {name} takes no job: this service has no webhook to say which job GitHub gives it, "
+              "so its credential must name the repository it serves (--repository OWNER/NAME)")
 
 
 def cmd_runner_job_started(args: argparse.Namespace) -> int:

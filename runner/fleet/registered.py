@@ -9,12 +9,13 @@ fleet's runners use: the job-started hook reports the job, the service binds the
 runs the fork guard, and the runner may then submit only for that job (runner/service/auth.py).
 
 A registered runner takes one job after another, so its credential outlives a job and its binding
-does not: GitHub's `completed` webhook for the bound job ends it, or the job's deadline
-(`runners.job_timeout_seconds` + `deadline_grace_seconds`); the job-completed hook ends it only
-on a service without a webhook, since a step holds the credential too and could otherwise end its own
-binding and report another repository's job. A long-lived runner keeps its directory between jobs,
-so a job can still change what the runner's next job starts with: docs/fleet.md says why the fleet is
-the setup for forks.
+does not. A step holds the credential as well as the hooks do, so what the runner reports cannot be
+what decides its job's repository: with a webhook, the service binds it only to the run GitHub's
+signed `workflow_job in_progress` delivery puts on it (the credential's name is the runner's name on
+GitHub); without one, the operator holds it to one repository here (`repository`, given when the
+credential is issued, kept beside its digest in the root-owned store), and a credential without
+one takes no job. A long-lived runner keeps its directory between jobs, so a job can still change
+what the runner's next job starts with: docs/fleet.md says why the fleet is the setup for forks.
 """
 
 from __future__ import annotations
@@ -23,28 +24,44 @@ import hashlib
 import os
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.fleet import workdir
-from runner.jobapi.contract import RUNNER_TOKEN_VARIABLE
+from runner.jobapi.contract import REPOSITORY, RUNNER_TOKEN_VARIABLE, canonical_repository
 
 CREDENTIALS = "registered-runners"  # under the service's state_dir
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_REPOSITORY_LINE = "repository "
 
 
-def issue(state_dir: Path, name: str, runner_dir: Path, hooks_dir: Path, socket: str) -> Path:
-    """Give the runner in `runner_dir` a new credential (an older one of `name` stops working) and the
-    fleet's hooks; returns the `.env` written. The service reads the credential at its next start."""
+@dataclass(frozen=True)
+class Credential:
+    """A registered runner's credential as the service keeps it: its token's SHA-256, and the one
+    repository (canonical) the operator holds the runner to, None when it names none."""
+
+    digest: bytes
+    repository: str | None = None
+
+
+def issue(state_dir: Path, name: str, runner_dir: Path, hooks_dir: Path, socket: str,
+          repository: str | None = None) -> Path:
+    """Give the runner in `runner_dir` a new credential (an older one of `name` stops working), held to
+    `repository` when given, and the fleet's hooks; returns the `.env` written. The service reads the
+    credential at its next start."""
     if not NAME.fullmatch(name):
         raise ConfigError(f"runner name {name!r}: letters, digits, '_', '.', '-' only (at most 64)")
+    if repository is not None and not REPOSITORY.fullmatch(repository):
+        raise ConfigError(f"--repository {repository!r}: expected OWNER/NAME, the repository whose jobs the runner takes")
     if not runner_dir.is_dir():
         raise ConfigError(f"--runner-dir {runner_dir} is not a directory: unpack the actions/runner release there")
     token = secrets.token_urlsafe(32)
     store = state_dir / CREDENTIALS
     store.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write(store / name, hashlib.sha256(token.encode()).hexdigest() + "\n", 0o600, None)
+    held = f"{_REPOSITORY_LINE}{canonical_repository(repository)}\n" if repository is not None else ""
+    _write(store / name, hashlib.sha256(token.encode()).hexdigest() + "\n" + held, 0o600, None)
     hooks = workdir.install_hooks(hooks_dir, socket)
     env_file = runner_dir / ".env"
     owner = os.stat(runner_dir)
@@ -58,19 +75,33 @@ def issue(state_dir: Path, name: str, runner_dir: Path, hooks_dir: Path, socket:
     return env_file
 
 
-def load(state_dir: Path) -> dict[str, bytes]:
-    """The registered runners' names and token digests; a file that is not one is skipped."""
-    found: dict[str, bytes] = {}
+def load(state_dir: Path) -> dict[str, Credential]:
+    """The registered runners' names and credentials; a file that is not one is skipped."""
+    found: dict[str, Credential] = {}
     store = state_dir / CREDENTIALS
     if not store.is_dir():
         return found
     for entry in store.iterdir():
         if not NAME.fullmatch(entry.name) or not entry.is_file() or entry.is_symlink():
             continue
-        text = entry.read_text().strip()
-        if _DIGEST.fullmatch(text):
-            found[entry.name] = bytes.fromhex(text)
+        credential = _parse(entry.read_text())
+        if credential is not None:
+            found[entry.name] = credential
     return found
+
+
+def _parse(text: str) -> Credential | None:
+    """A credential file: the digest's hex on the first line, then optionally `repository OWNER/NAME`
+    (files written before that line existed hold the digest alone)."""
+    digest, *rest = text.strip().splitlines() or [""]
+    if not _DIGEST.fullmatch(digest) or len(rest) > 1:
+        return None
+    if not rest:
+        return Credential(bytes.fromhex(digest))
+    repository = rest[0].removeprefix(_REPOSITORY_LINE)
+    if repository == rest[0] or not REPOSITORY.fullmatch(repository):
+        return None
+    return Credential(bytes.fromhex(digest), canonical_repository(repository))
 
 
 def _write(path: Path, text: str, mode: int, owner: tuple[int, int] | None) -> None:

@@ -1,5 +1,5 @@
-"""What the webhook tells the job service: a job for our labels is queued, or a job has completed,
-or a repository's default branch moved (a `push`: its warm bases are stale).
+"""What the webhook tells the job service: a job for our labels is queued, runs on a runner (in
+progress), or has completed, or a repository's default branch moved (a `push`: its warm bases are stale).
 
 Payloads come from the network and vary with their age (old deliveries lack `run_attempt`, new ones
 carry fields we have never seen), so parsing reads only the fields we need, checks their types, and
@@ -47,6 +47,19 @@ class CompletedJob:
 
 
 @dataclass(frozen=True)
+class InProgressJob:
+    """A job a runner took: GitHub's word on which runner runs it (what binds a registered runner)."""
+
+    repository: str
+    run_id: int
+    run_attempt: int
+    job_id: int
+    job_name: str
+    labels: tuple[str, ...]
+    runner_name: str
+
+
+@dataclass(frozen=True)
 class Push:
     """A push to a repository's default branch: `after` is the commit the branch now points at."""
 
@@ -55,16 +68,18 @@ class Push:
 
 
 class JobHooks(Protocol):
-    """Implemented by the job service: warm a VM for a queued job; release whatever a completed
-    (or cancelled) job left, including a pre-warmed VM nobody claimed; rebuild a repository's warm
-    bases when its default branch moved.
+    """Implemented by the job service: warm a VM for a queued job; note the runner a job runs on;
+    release whatever a completed (or cancelled) job left, including a pre-warmed VM nobody claimed;
+    rebuild a repository's warm bases when its default branch moved.
 
-    Both are called on the webhook's request thread and must return quickly (GitHub gives up on a
+    All are called on the webhook's request thread and must return quickly (GitHub gives up on a
     delivery after 10 s): queue the work, do not do it. An exception makes the delivery fail with
     500 and leaves it to the redelivery sweep.
     """
 
     def prewarm(self, job: QueuedJob) -> None: ...
+
+    def job_in_progress(self, job: InProgressJob) -> None: ...
 
     def job_completed(self, job: CompletedJob) -> None: ...
 
@@ -95,6 +110,13 @@ def completed_job(payload: Mapping[str, Any]) -> CompletedJob | None:
         conclusion=_short_str(job.get("conclusion")),
         runner_name=_short_str(job.get("runner_name")),
     )
+
+
+def in_progress_job(payload: Mapping[str, Any]) -> InProgressJob | None:
+    """The job and the runner that runs it; None without a runner's name (nothing to bind)."""
+    fields = _job_fields(payload)
+    runner_name = _short_str(payload["workflow_job"].get("runner_name")) if fields else None
+    return InProgressJob(**fields, runner_name=runner_name) if fields and runner_name else None
 
 
 def default_branch_push(payload: Mapping[str, Any]) -> Push | None:

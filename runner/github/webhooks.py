@@ -29,7 +29,7 @@ from runner import jsonbody
 from runner.github import jobs, signature
 from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
 from runner.github.deliveries import DeliveryLog
-from runner.github.jobs import CompletedJob, JobHooks, QueuedJob
+from runner.github.jobs import CompletedJob, InProgressJob, JobHooks, QueuedJob
 
 log = logging.getLogger(__name__)
 IpNetwork = IPv4Network | IPv6Network
@@ -43,7 +43,7 @@ PEER_BODIES, PEER_BODY_FACTOR, PEER_CONNECTIONS = 8, 8, 64
 BODY_GRACE, BODY_MIN_RATE = 2.0, 64 * 1024
 GUID_RE = re.compile(r"^[A-Za-z0-9-]{1,100}\Z")  # GitHub sends UUIDs
 SIGNATURE_RE = re.compile(r"sha256=[0-9a-f]{64}\Z")
-IGNORED_JOB_ACTIONS = frozenset({"in_progress", "waiting", "started"})  # "started" is no longer sent
+IGNORED_JOB_ACTIONS = frozenset({"waiting", "started"})  # "started" is no longer sent
 # A delivery's result, as counted by `WebhookReceiver.counts`: acted on; signed but of no interest; already
 # processed (a redelivery or a replay); refused for its form (path, method, type, size) or unreadable when
 # signed; its signature missing, malformed or wrong; failed in our hooks (500).
@@ -83,7 +83,7 @@ class Headers(Protocol):
     def get(self, name: str, default: str, /) -> str: ...
 
 
-_Job = TypeVar("_Job", QueuedJob, CompletedJob)
+_Job = TypeVar("_Job", QueuedJob, InProgressJob, CompletedJob)
 
 
 class WebhookReceiver:
@@ -177,6 +177,9 @@ class WebhookReceiver:
             return Answer(400, f"workflow_job action: expected a string, got {type(action).__name__}", MALFORMED)
         if action == "queued":
             return self._job_event(payload, action, jobs.queued_job, self.hooks.prewarm, "prewarming for job")
+        if action == "in_progress":
+            return self._job_event(payload, action, jobs.in_progress_job, self.hooks.job_in_progress,
+                                   "in progress: job")
         if action == "completed":
             return self._job_event(payload, action, jobs.completed_job, self.hooks.job_completed, "completed: job")
         if action in IGNORED_JOB_ACTIONS:

@@ -9,7 +9,11 @@ Callers:
   for the job it reported, and end what that job still runs (the job-completed hook).
 - a registered runner: the single runner `microvm-check register --service-config` set up, with a
   credential of its own (runner/fleet/registered.py): bound to the job its hook reports, as a fleet
-  runner is, until that job ends (GitHub's `completed`, its deadline), then free for its next job.
+  runner is, until that job ends, then free for its next job. Its credential outlives its jobs and a
+  step holds it too, so the report alone binds nothing: the job must be one GitHub's signed
+  `workflow_job in_progress` delivery put on the runner (a service with a webhook), and of the
+  repository the operator held the credential to, if any; without a webhook a credential must name
+  one, or the runner takes no job.
 - a socket member: any other process that can connect (the socket group). With a fleet (`runners:`
   set) it may do nothing but ask for health; without one it may submit local jobs only: they run
   under the repository name the operator set in `local_jobs.repository` (and that name's policy),
@@ -37,16 +41,22 @@ from dataclasses import dataclass
 from enum import Enum
 
 from runner.errors import ConfigError, JobError
+from runner.fleet.registered import Credential
 from runner.jobapi.contract import (
     JOB_TOKEN_HEADER,
     MAX_TOKEN,
     RUNNER_TOKEN_HEADER,
     RUNNER_TOKEN_VARIABLE,
+    GitHubJob,
     JobStarted,
+    canonical_repository,
 )
 from runner.service.spec import Submission
 
 MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
+# How long a registered runner's report waits for GitHub's in_progress delivery naming the runner
+# (webhooks arrive within seconds, in either order with the runner's hook).
+PLACEMENT_SECONDS = 30.0
 
 
 class Unauthorized(JobError):
@@ -99,28 +109,46 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
+@dataclass
+class _Binding:
+    """The job a runner's hook reported, since when, and whether the fork guard let it run: a job the
+    guard refused submits nothing, whatever its steps still try."""
+
+    job: JobStarted
+    since: float
+    allowed: bool = False
+
+
 class RunnerRegistry:
     """The runners by token (the fleet's, and registered ones), and the job each one's hook reported
     (runner -> current job). A registered runner's credential outlives its jobs, its binding does
-    not: it ends with the job (`revoke`), or `binding_seconds` after the report."""
+    not: it ends with the job (`revoke`), or `binding_seconds` after the report. What a registered
+    runner may be bound to is not its report's to say: the operator's repository in its credential,
+    and with `placed_by_webhook` the run GitHub's `in_progress` delivery put on it (`place`)."""
 
-    def __init__(self, binding_seconds: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, binding_seconds: float = float("inf"), clock: Callable[[], float] = time.monotonic,
+                 placed_by_webhook: bool = False, placement_seconds: float = PLACEMENT_SECONDS) -> None:
+        self._lock = threading.Condition()
         self._names: dict[bytes, str] = {}
-        self._jobs: dict[str, tuple[JobStarted, float]] = {}
-        self._registered: set[str] = set()
+        self._jobs: dict[str, _Binding] = {}
+        self._registered: dict[str, str | None] = {}  # name -> the repository the operator held it to
+        self._placed: dict[str, tuple[GitHubJob, int]] = {}  # registered runner -> the job GitHub says it runs, its id
+        self._ended: OrderedDict[int, None] = OrderedDict()  # ids of jobs GitHub said completed (newest kept)
+        self._waiting: set[str] = set()  # registered runners whose report waits for GitHub's word
         self.binding_seconds = binding_seconds
+        self.placed_by_webhook = placed_by_webhook
+        self.placement_seconds = placement_seconds
         self._clock = clock
 
     def add(self, name: str, token: str) -> None:
         with self._lock:
             self._names[_digest(token)] = name
 
-    def add_registered(self, name: str, digest: bytes) -> None:
-        """A registered runner's credential (its digest, as `registered.load` read it)."""
+    def add_registered(self, name: str, credential: Credential) -> None:
+        """A registered runner's credential (as `registered.load` read it)."""
         with self._lock:
-            self._names[digest] = name
-            self._registered.add(name)
+            self._names[credential.digest] = name
+            self._registered[name] = credential.repository
 
     def registered(self, name: str) -> bool:
         with self._lock:
@@ -151,26 +179,110 @@ class RunnerRegistry:
         with self._lock:
             return self._names.get(_digest(token))
 
+    def place(self, name: str, job: GitHubJob, job_id: int) -> JobStarted | None:
+        """GitHub says registered runner `name` now runs `job` (a signed `in_progress` delivery of job
+        `job_id`): a report of that run may bind it. A runner runs one job at a time, so a binding of
+        another run has ended (its `completed` was missed or is late): it is dropped and returned, for
+        the caller to end as `completed` would. A job GitHub already said completed places nothing (a
+        failed delivery GitHub sends again later), and other runners' deliveries are no business of the
+        registry's."""
+        with self._lock:
+            if name not in self._registered or job_id in self._ended:
+                return None
+            self._placed[name] = (job, job_id)
+            self._lock.notify_all()
+            held = self._jobs.get(name)
+            if held is None or held.job.job.same_run(job):
+                return None
+            del self._jobs[name]
+        return held.job
+
+    def unplace(self, name: str, job_id: int) -> None:
+        """GitHub says job `job_id` completed (on runner `name`): no report binds a runner to it any more."""
+        with self._lock:
+            self._ended[job_id] = None
+            while len(self._ended) > MAX_JOB_TOKENS:
+                self._ended.popitem(last=False)
+            placed = self._placed.get(name)
+            if placed is not None and placed[1] == job_id:
+                del self._placed[name]
+
     def bind(self, name: str, job: JobStarted) -> None:
         """The runner's hook reported its job (its `job.runner` is `name`). A runner takes one job at a
         time, so the first report stands until the job ends (a registered runner's: or its binding is
-        `binding_seconds` old)."""
-        now = self._clock()
+        `binding_seconds` old). A registered runner's report must name a job it may be bound to
+        (`_may_bind`), which it may wait for GitHub to confirm."""
         with self._lock:
+            if name in self._registered:
+                self._may_bind(name, job)
+            now = self._clock()
             held = self._jobs.get(name)
-            if held is not None and name in self._registered and now - held[1] > self.binding_seconds:
+            if held is not None and name in self._registered and now - held.since > self.binding_seconds:
                 held = None
             if held is None:
-                self._jobs[name] = held = (job, now)
-        bound = held[0]
-        if bound != job:
-            raise Forbidden(f"runner {name} already reported {bound.describe()}; a runner takes one job at a time, "
-                            "and this one has not ended")
+                self._jobs[name] = held = _Binding(job, now)
+        if held.job != job:
+            raise Forbidden(f"runner {name} already reported {held.job.describe()}; a runner takes one job at a "
+                            "time, and this one has not ended")
+
+    def _may_bind(self, name: str, job: JobStarted) -> None:
+        """A registered runner's report binds only a job of the repository the operator held its credential
+        to, and on a service with a webhook only the run GitHub put on it; without a webhook, a credential
+        that names no repository binds nothing. Called with the lock held; may wait for GitHub's word."""
+        held_to = self._registered[name]
+        if held_to is not None and canonical_repository(job.job.repository) != held_to:
+            raise Forbidden(f"runner {name} is held to repository {held_to} by its credential (the operator's), "
+                            f"but reported {job.describe()}: its jobs run as {held_to} only")
+        if not self.placed_by_webhook:
+            if held_to is None:
+                raise Forbidden(f"runner {name} reported {job.describe()}, but this service has no webhook to say "
+                                "which job GitHub gave it, and its credential names no repository to hold it to: "
+                                "issue it one with `microvm-check runner credential --repository OWNER/NAME`, or "
+                                "configure the webhook (workflow_job events for the runner's labels)")
+            return
+        placed = self._placement(name)
+        if placed is None:
+            raise Forbidden(f"runner {name} reported {job.describe()}, but no signed workflow_job in_progress "
+                            f"delivery named runner {name} within {self.placement_seconds:g} s: the webhook must "
+                            "hear workflow_job events for the runner's labels (webhook.labels), and the runner's "
+                            "name on GitHub must be its credential's name")
+        if not placed.same_run(job.job):
+            raise Forbidden(f"runner {name} reported {job.describe()}, but GitHub says it runs "
+                            f"{placed.repository} run {placed.run_id}/{placed.run_attempt}: a registered runner "
+                            "is bound only to the job GitHub put on it")
+
+    def _placement(self, name: str) -> GitHubJob | None:
+        """The run GitHub says `name` runs, waiting up to `placement_seconds` for it (lock held). One
+        report per runner waits at a time, so reports cannot hold the API's workers."""
+        if name in self._placed:
+            return self._placed[name][0]
+        if name in self._waiting:
+            raise Forbidden(f"runner {name} already has a report waiting for GitHub's word on its job")
+        self._waiting.add(name)
+        try:
+            self._lock.wait_for(lambda: name in self._placed, timeout=self.placement_seconds)
+        finally:
+            self._waiting.discard(name)
+        placed = self._placed.get(name)
+        return placed[0] if placed is not None else None
+
+    def allow(self, name: str, job: JobStarted) -> None:
+        """The fork guard let `job` run: from now on its runner may submit for it."""
+        with self._lock:
+            held = self._jobs.get(name)
+            if held is not None and held.job == job:
+                held.allowed = True
 
     def job_of(self, name: str) -> JobStarted | None:
         with self._lock:
             held = self._jobs.get(name)
-        return held[0] if held is not None else None
+        return held.job if held is not None else None
+
+    def allowed_job_of(self, name: str) -> tuple[JobStarted | None, bool]:
+        """The runner's bound job, and whether the fork guard let it run."""
+        with self._lock:
+            held = self._jobs.get(name)
+        return (held.job, held.allowed) if held is not None else (None, False)
 
 
 class JobTokens:
@@ -214,17 +326,18 @@ class Access:
     """The rules, applied: who a request comes from, and whether it may do what it asks."""
 
     def __init__(self, admin_group: str | None, fleet: bool, local_repository: str | None = None,
-                 registered: dict[str, bytes] | None = None, binding_seconds: float = float("inf"),
-                 hook_ends_binding: bool = True) -> None:
+                 registered: dict[str, Credential] | None = None, binding_seconds: float = float("inf"),
+                 placed_by_webhook: bool = False) -> None:
         self.admin_gid = _group_id(admin_group)
         self.fleet = fleet  # with runners: a socket member is no one
         self.local_repository = local_repository  # without: what a socket member's jobs run as
-        self.runners = RunnerRegistry(binding_seconds)
-        for name, digest in (registered or {}).items():
-            self.runners.add_registered(name, digest)
-        # A registered runner's job-completed hook ends its binding only where nothing else will
-        # (no webhook): a step holds the credential as well as the hook does.
-        self.hook_ends_binding = hook_ends_binding
+        self.runners = RunnerRegistry(binding_seconds, placed_by_webhook=placed_by_webhook)
+        for name, credential in (registered or {}).items():
+            self.runners.add_registered(name, credential)
+        # A registered runner's job-completed hook ends its binding only where nothing else will (no
+        # webhook): a step holds the credential as well as the hook does, and can then report only
+        # jobs of the repository its credential holds it to.
+        self.hook_ends_binding = not placed_by_webhook
         self.jobs = JobTokens()
 
     # -- who is asking ----------------------------------------------------------------------------
@@ -278,10 +391,13 @@ class Access:
                                 "jobs only, and this service has none configured (local_jobs.repository); a runner "
                                 f"set up by `microvm-check register --service-config` sends its {RUNNER_HINT}")
             return spec.runner_name or None  # a local job: it runs as local_jobs.repository (repository_for)
-        bound = self.runners.job_of(caller.runner)
+        bound, allowed = self.runners.allowed_job_of(caller.runner)
         if bound is None:
             raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
                             "so it may not submit one")
+        if not allowed:
+            raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, which the fork guard did not let run "
+                            "(see the job's log): it may submit nothing")
         submitted = spec.github
         if submitted is None or not submitted.same_job(bound.job):
             raise Forbidden(f"runner {caller.runner} runs {bound.describe()}, but this submit is for "

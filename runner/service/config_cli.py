@@ -2,6 +2,8 @@
 
 An operator (or a configuration-management hook) can validate a config before `serve` reads it;
 the same loader runs, so a file that passes here starts, and one that fails lists every problem.
+A good file's lines after `ok FILE` say what binds its runners' jobs (runner/service/jobparts.py),
+which the config decides and nothing in it names outright.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 from runner.service.config import ConfigError, load_config, schema_text
+from runner.service.jobparts import runner_binding
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,12 +31,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         try:
-            load_config(path)
+            config = load_config(path)
         except ConfigError as exc:
             print(exc, file=sys.stderr)
             status = 1
         else:
             print(f"ok {path}")
+            for line in runner_binding(config):
+                print(f"  {line}")
     return status
 
 

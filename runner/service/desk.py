@@ -2,10 +2,12 @@
 the fork guard those jobs pass through.
 
 The fleet (runner.fleet) adds and removes its runners here; a runner's job-started hook binds it to
-its job (what it may submit) and gets the guard's verdict, run here with the GitHub App the runner's
-user must not reach; its job-completed hook, the runner's end and GitHub's `completed` end what the
-job still runs. The guard's rules and the App client are given by the host (runner/service/host.py),
-which reads them from disk and the environment once.
+its job (what it may submit, once the guard's verdict, run here with the GitHub App the runner's
+user must not reach, lets the job run); its job-completed hook, the runner's end and GitHub's
+`completed` end what the job still runs. GitHub's `in_progress` says which run a registered runner
+runs: only that run binds it on a service with a webhook (runner/service/auth.py). The guard's rules
+and the App client are given by the host (runner/service/host.py), which reads them from disk and
+the environment once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.fleet import report
-from runner.jobapi.contract import JobStarted, Verdict
+from runner.jobapi.contract import GitHubJob, JobStarted, Verdict
 from runner.service.admission import InvalidJob
 from runner.service.auth import Access
 from runner.service.service import JobService
@@ -63,8 +65,9 @@ class RunnerDesk:
         return self.access.runners.job_of(name)
 
     def runner_job_started(self, runner: str, started: JobStarted) -> Verdict:
-        """A runner's job-started hook: remember its job (what it may submit), then run the fork guard
-        here, with the App the runner user must not reach. Its verdict is what the hook prints."""
+        """A runner's job-started hook: bind the runner to its job (refused, 403, when it may not be:
+        runner/service/auth.py), then run the fork guard here, with the App the runner user must not
+        reach. Only a job the guard lets run may submit. Its verdict is what the hook prints."""
         reported = report.checked(started)
         if reported is None:
             raise InvalidJob("the reported job is not a job: repository, run_id, run_attempt and job are required")
@@ -73,6 +76,14 @@ class RunnerDesk:
         log.info("runner %s took %s", runner, job.describe())
         for listener in self._bound:
             listener(runner, job)
+        verdict = self._guard_verdict(started, job)
+        if verdict.allowed:
+            self.access.runners.allow(runner, job)
+        else:
+            log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
+        return verdict
+
+    def _guard_verdict(self, started: JobStarted, job: JobStarted) -> Verdict:
         if self.guard.problem is not None:
             return Verdict(False, (f"the guard's rules could not be read ({self.guard.problem}), so it refuses the job.",))
         from runner.github import guard
@@ -80,9 +91,35 @@ class RunnerDesk:
         repository = job.job.repository
         verdict = guard.service_verdict(started.guard, repository, self.guard.rules.for_repository(repository),
                                         self.guard.github)
-        if not verdict.allowed:
-            log.warning("runner %s: the fork guard refused %s: %s", runner, job.describe(), " ".join(verdict.reasons))
         return Verdict(verdict.allowed, verdict.reasons)
+
+    def runner_placed(self, job: GitHubJob, job_id: int) -> None:
+        """GitHub's `in_progress` of job `job_id`: `job` runs on its runner (`job.runner`). For a registered
+        runner that is what its hook's report must name; a binding it still held of another run has
+        ended, and ends here as GitHub's `completed` would end it."""
+        stale = self.access.runners.place(job.runner, job, job_id)
+        if stale is not None:
+            self.github_job_completed(stale.job, f"GitHub reports runner {job.runner} running another job "
+                                                 f"({job.describe()})")
+            self.access.jobs.forget_runner(job.runner)  # the binding is gone already: its jobs' tokens go too
+
+    def github_job_completed(self, completed: GitHubJob, why: str, job_id: int | None = None) -> None:
+        """GitHub says `completed` ended (its `completed` delivery of job `job_id`, or its runner's next
+        `in_progress`): whatever still runs for it is cancelled, its kept VMs end, and its runner's
+        binding with its token (a fleet runner's) and its jobs' tokens end; a registered runner waits for
+        its next job."""
+        service = self.service
+        for run in service.runs.all():
+            if run.spec.github is not None and run.spec.github.named_by(completed):
+                service.cancel(run.record.id, why)
+        service.sessions.end_where(lambda key: key.named_by(completed), why)
+        if not completed.runner:
+            return
+        if job_id is not None:
+            self.access.runners.unplace(completed.runner, job_id)
+        bound = self.access.runners.job_of(completed.runner)
+        if bound is not None and bound.job.same_run(completed):
+            self.access.end_runner_job(completed.runner)  # its token submits nothing after `completed`
 
     def runner_job_completed(self, runner: str) -> list[str]:
         """A runner's job-completed hook: whatever its job still runs is cancelled and its VM destroyed."""

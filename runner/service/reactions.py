@@ -1,6 +1,7 @@
 """What the service does when GitHub speaks (the webhook's `JobHooks`, runner.github.jobs): a queued
-job gets a VM restored ahead of its submit, a completed one loses whatever still runs or waits for
-it, and a push to a repository's default branch rebuilds its warm bases.
+job gets a VM restored ahead of its submit, one in progress binds a registered runner (the runner
+desk), a completed one loses whatever still runs or waits for it, and a push to a repository's
+default branch rebuilds its warm bases.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from runner.service.job import vm_request
 from runner.service.service import JobService
 
 if TYPE_CHECKING:
-    from runner.github.jobs import CompletedJob, Push, QueuedJob
+    from runner.github.jobs import CompletedJob, InProgressJob, Push, QueuedJob
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +49,16 @@ class GitHubReactions:
             config, template=chosen, ttl_seconds=int(config.prewarm.expire_seconds) + config.max_timeout_seconds,
             policy=policy, job_id=f"warm-{job.job_id}")))
 
+    def job_in_progress(self, job: InProgressJob) -> None:
+        """GitHub says the job runs on its runner: what a registered runner's report may bind it to."""
+        self.desk.runner_placed(_announced(job, job.runner_name), job.job_id)
+
     def job_completed(self, job: CompletedJob) -> None:
         """GitHub says the job ended: whatever still runs or waits for it is cancelled and its VM destroyed."""
-        service = self.service
         completed = _announced(job, job.runner_name)
-        service.prewarmed.discard_job(completed, job.job_id)
+        self.service.prewarmed.discard_job(completed, job.job_id)
         why = f"GitHub reports the job completed ({job.conclusion or 'no conclusion'})"
-        for run in service.runs.all():
-            if run.spec.github is not None and run.spec.github.named_by(completed):
-                service.cancel(run.record.id, why)
-        service.sessions.end_where(lambda key: key.named_by(completed), why)
-        bound = self.desk.runner_job(job.runner_name) if job.runner_name else None
-        if bound is not None and job.runner_name and bound.job.same_run(completed):
-            service.access.end_runner_job(job.runner_name)  # its token submits nothing after `completed`
+        self.desk.github_job_completed(completed, why, job.job_id)
 
     def default_branch_pushed(self, push: Push) -> None:
         """GitHub says the repository's default branch moved: its warm bases are stale, rebuild them
@@ -73,6 +71,6 @@ class GitHubReactions:
             log.info("push to %s's default branch (%s): rebuilding its warm bases", push.repository, push.after[:12])
 
 
-def _announced(job: QueuedJob | CompletedJob, runner: str | None = None) -> GitHubJob:
+def _announced(job: QueuedJob | CompletedJob | InProgressJob, runner: str | None = None) -> GitHubJob:
     """The job a `workflow_job` webhook speaks of: named by its display name, on its runner if it has one."""
     return GitHubJob(job.repository, job.run_id, job.run_attempt, job.job_name, runner or "")

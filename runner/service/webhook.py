@@ -17,7 +17,7 @@ from runner.service.config import ConfigError, WebhookSettings, webhook_from_map
 
 if TYPE_CHECKING:  # for annotations only: the endpoint's modules load when it is configured
     from runner.github.deliveries import RedeliverySweep
-    from runner.github.jobs import CompletedJob, JobHooks, Push, QueuedJob
+    from runner.github.jobs import CompletedJob, InProgressJob, JobHooks, Push, QueuedJob
     from runner.github.webhooks import WebhookServer
 
 
@@ -84,7 +84,8 @@ def _networks(cidrs: tuple[str, ...], where: str) -> tuple[IPv4Network | IPv6Net
 
 
 class JobListener(Protocol):
-    """What every listener hears; `default_branch_pushed` is optional (see `JobHookListeners`)."""
+    """What every listener hears; `job_in_progress` and `default_branch_pushed` are optional (see
+    `JobHookListeners`)."""
 
     def prewarm(self, job: QueuedJob) -> None: ...
 
@@ -102,6 +103,12 @@ class JobHookListeners:
     def prewarm(self, job: QueuedJob) -> None:
         for listener in self.listeners:
             listener.prewarm(job)
+
+    def job_in_progress(self, job: InProgressJob) -> None:
+        """Only the job service binds registered runners; the fleet's runners are bound by their own hooks."""
+        for listener in self.listeners:
+            if hasattr(listener, "job_in_progress"):
+                listener.job_in_progress(job)
 
     def job_completed(self, job: CompletedJob) -> None:
         for listener in self.listeners:

@@ -1,6 +1,7 @@
 """Without a fleet: the runner `register` sets up gets a credential of the service, and its jobs are
-bound to the job its hook reports, as a fleet runner's are; a socket member without a credential runs
-local jobs only, under the repository name the operator configured.
+bound to the job its hook reports, as a fleet runner's are (on a service without a webhook, of the
+repository its credential is held to: tests/fleet/test_fleet_registered_binding.py); a socket member
+without a credential runs local jobs only, under the repository name the operator configured.
 
 The real service (no VM needed: nothing is uploaded), the stand-in runner started as `run.sh` in a
 directory `microvm-check runner credential` prepared, as the runner user.
@@ -67,7 +68,7 @@ def test_a_registered_runner_submits_only_for_its_reported_job(account: Account,
 
     path = _config(rig_root, account, local_jobs={"repository": "local/jobs"})
     directory = _runner_dir(rig_root, account)
-    assert main(["runner", "credential", "--runner-dir", str(directory), "--name", NAME,
+    assert main(["runner", "credential", "--runner-dir", str(directory), "--name", NAME, "--repository", "listendev/lstn",
                  "--hooks-dir", str(rig_root / "hooks"), "--service-config", str(path)]) == 0
     env_file = directory / ".env"
     socket = str(rig_root / "api.sock")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 from github_fakes import event_name, load_payload, webhook_payloads
 
-from runner.github.jobs import CompletedJob, QueuedJob
+from runner.github.jobs import CompletedJob, InProgressJob, QueuedJob
 from runner.github.signature import sign
 from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer
 
@@ -25,12 +25,17 @@ MAX_BODY = 512 * 1024
 @dataclass
 class RecordingHooks:
     queued: list[QueuedJob] = field(default_factory=list)
+    in_progress: list[InProgressJob] = field(default_factory=list)
     completed: list[CompletedJob] = field(default_factory=list)
     fail_next: bool = False
 
     def prewarm(self, job: QueuedJob) -> None:
         self._maybe_fail()
         self.queued.append(job)
+
+    def job_in_progress(self, job: InProgressJob) -> None:
+        self._maybe_fail()
+        self.in_progress.append(job)
 
     def job_completed(self, job: CompletedJob) -> None:
         self._maybe_fail()
@@ -113,8 +118,9 @@ def deliver(
 
 
 # What each stored payload leads to when our labels cover some of the stored jobs: only these call
-# the hooks. Completed jobs are reported whatever their conclusion; queued.with-deployment asks for
-# "k8s", which is not ours, and in_progress/waiting/started are accepted but ignored.
+# the hooks. Completed jobs are reported whatever their conclusion; in_progress names the runner that took
+# the job (the tarantool one asks for labels that are not ours); queued.with-deployment asks for "k8s",
+# which is not ours, and waiting/started are accepted but ignored.
 OUR_LABELS = ("microvm", "macos-11", "ubuntu-latest")
 EXPECTED_QUEUED = {
     "queued.payload.json": QueuedJob(
@@ -124,6 +130,16 @@ EXPECTED_QUEUED = {
     "github-aws-runners.workflow_job.queued.self-hosted.json": QueuedJob(
         repository="github-aws-runners/terraform-aws-github-runner", run_id=1068820843, run_attempt=1,
         job_id=3169272040, job_name="build", labels=("self-hosted",),
+    ),
+}
+EXPECTED_IN_PROGRESS = {
+    "in_progress.payload.json": InProgressJob(
+        repository="Codertocat/Hello-World", run_id=2202229078, run_attempt=1, job_id=289782451,
+        job_name="Analyze (javascript)", labels=("ubuntu-latest",), runner_name="GitHub Actions 5",
+    ),
+    "in_progress.with-queued-steps.payload.json": InProgressJob(
+        repository="wolfy1339/github-events-schemas", run_id=5373506832, run_attempt=1, job_id=14541957942,
+        job_name="Do examples need to be regenerated?", labels=("ubuntu-latest",), runner_name="GitHub Actions 6",
     ),
 }
 EXPECTED_COMPLETED = {
@@ -148,6 +164,7 @@ def test_every_stored_payload_is_accepted_and_routed(make_server, hooks, path) -
     reply = deliver(server, path.read_bytes(), event_name(path))
     assert reply.status == 200, reply.message
     assert hooks.queued == ([EXPECTED_QUEUED[path.name]] if path.name in EXPECTED_QUEUED else [])
+    assert hooks.in_progress == ([EXPECTED_IN_PROGRESS[path.name]] if path.name in EXPECTED_IN_PROGRESS else [])
     assert hooks.completed == ([EXPECTED_COMPLETED[path.name]] if path.name in EXPECTED_COMPLETED else [])
 
 
@@ -184,14 +201,24 @@ def test_queued_for_self_hosted_plus_a_foreign_label_is_not_ours(make_server, ho
     assert [job.labels for job in hooks.queued] == [("self-hosted", "k8s")]
 
 
-@pytest.mark.parametrize("action", ["in_progress", "waiting", "started", "a_future_action", None])
+@pytest.mark.parametrize("action", ["waiting", "started", "a_future_action", None])
 def test_other_actions_are_accepted_and_ignored(make_server, hooks, action) -> None:
     server = make_server(labels=("ubuntu-latest",))
     payload = load_payload("queued.payload.json")
     payload["action"] = action
     reply = deliver(server, payload)
     assert reply.status == 200 and "ignored" in reply.message
-    assert hooks.queued == [] and hooks.completed == []
+    assert hooks.queued == [] and hooks.in_progress == [] and hooks.completed == []
+
+
+def test_in_progress_without_a_runner_name_is_ignored(make_server, hooks) -> None:
+    """Nothing can be bound to a job whose runner GitHub does not name."""
+    server = make_server(labels=("ubuntu-latest",))
+    payload = load_payload("in_progress.payload.json")
+    payload["workflow_job"]["runner_name"] = None
+    reply = deliver(server, payload)
+    assert reply.status == 200 and "ignored" in reply.message
+    assert hooks.in_progress == []
 
 
 @pytest.mark.parametrize(
