@@ -1,0 +1,97 @@
+"""A sandbox forked, then both destroyed at once, 20 times over, through a real `serve` and the SDK (issue 40):
+afterwards the only QEMU processes are the spare pools' (spares of `base` and the one VMM spawned ahead for
+it), and no process holds a file of the removed snapshots open. Before, each cycle left a VM running on its
+removed snapshot, counted in no limit: the refill in flight when the snapshot was forgotten still added its
+VM, and new refills started for it. Needs root, QEMU and the built `base` template: failing under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_vm_e2e_serve import serve  # noqa: F401 (fixture)
+from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
+
+from microvm_check import Sandbox, Service
+from runner.jobapi.client import JobClient
+from runner.vm.sweep import processes_under
+
+pytestmark = pytest.mark.vm
+CYCLES = 20
+SETTLE_S = 300.0  # a bound for the spare pools' refills on a loaded machine, not a timing
+DELETED = " (deleted)"
+
+
+def destroy_at_once(*sandboxes: Sandbox) -> None:
+    """Each sandbox's destroy from a thread of its own, started together."""
+    errors: list[BaseException] = []
+
+    def destroy(sandbox: Sandbox) -> None:
+        try:
+            sandbox.destroy()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=destroy, args=(s,)) for s in sandboxes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [], errors
+
+
+def spares_and_vmms(operator: JobClient, vms: Path) -> tuple[dict[str, int], int, int]:
+    """(spares ready by template/variant, as `status` counts them; the pools' size; QEMU processes running)."""
+    pools = operator.status()["spare_pools"]
+    return pools["ready"], pools["size"], len(processes_under(vms))
+
+
+def held_deleted(prefixes: tuple[str, ...]) -> list[str]:
+    """Files under `prefixes` that some process has open or mapped although they were deleted."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            with open(f"/proc/{pid}/maps") as maps:
+                links += [line.split(maxsplit=5)[5].rstrip("\n") for line in maps if len(line.split(maxsplit=5)) == 6]
+        except OSError:  # it ended meanwhile
+            continue
+        found += [f"{pid}: {link}" for link in links if link.endswith(DELETED) and link.startswith(prefixes)]
+    return found
+
+
+def test_fork_and_destroy_both_leaves_only_the_spare_pools(serve, vm_root: Path) -> None:
+    service = serve({})
+    socket = vm_root / "api.sock"
+    operator = JobClient(socket=str(socket))
+    service.wait_answering(operator)
+    sdk = Service(socket=str(socket))
+    parents = []
+    for _ in range(CYCLES):
+        parent = Sandbox.create(ttl_seconds=300, service=sdk)
+        parents.append(parent.id)
+        child = parent.fork(ttl_seconds=300)
+        destroy_at_once(parent, child)
+
+    vms = vm_root / "state" / "vms"
+    deadline = time.monotonic() + SETTLE_S
+    while True:  # until the refills of `base` after the last create are done
+        ready, size, qemus = spares_and_vmms(operator, vms)
+        if (qemus == sum(ready.values()) + 1 and sum(ready.values()) >= size) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [key for key in ready if not key.startswith("base/")] == [], f"spares kept for removed snapshots: {ready}"
+    assert sum(ready.values()) >= size, f"the spare pool of base is below its size {size}: {ready}"
+    assert qemus == sum(ready.values()) + 1, \
+        f"{qemus} QEMU processes run, but the pools hold {ready} and one VMM spawned ahead: the rest are leaked"
+    templates = (vm_root / "state" / "templates").resolve()
+    snapshots = tuple(f"sbx-{parent}-" for parent in parents)  # the templates this test's forks made
+    assert [p.name for p in templates.iterdir() if p.name.startswith(snapshots)] == [], \
+        "a snapshot's template outlived its sandboxes"
+    assert held_deleted((str(vm_root), *(f"{templates}/{name}" for name in snapshots))) == [], \
+        "a removed snapshot's files are still held open"
+    assert service.stop() == 0, service.stderr()
