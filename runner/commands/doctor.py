@@ -90,6 +90,20 @@ def runner_walls(network: str) -> list[str]:
     return [f"runner wall {'on ' if on else 'OFF'} {name}: {why}" for name, on, why in walls.in_force(network)]
 
 
+def runner_path_checks(config: ServiceConfig) -> list[Check]:
+    """With a fleet: whether its runners can see what they run (the release, their directories, the socket,
+    this installation), none of it under a place the walls give each runner an empty tmpfs of."""
+    from runner.fleet import walls
+
+    if config.runners.org is None:
+        return []
+    runners = config.runners
+    hidden = walls.hidden(walls.runner_paths(runners.install_dir, runners.runners_dir, config.socket))
+    return [Check(not hidden, "the runners see what they run: this installation, install_dir, runners_dir and the "
+                  "socket lie outside " + ", ".join(where for where, _ in walls.PRIVATE_TMPFS),
+                  "; ".join(hidden) + f": put them elsewhere ({walls.WHERE_INSTEAD})")]
+
+
 def _qemu_has_sandbox(qemu: str) -> bool:
     """QEMU lists -sandbox in its help only when it was built with seccomp."""
     try:
@@ -252,7 +266,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # a job may ask any offered template at any offered size: each is a template of its own
     names = (*names, *(sized(t, size) for t in names for size in (config.sizes or {} if config else {})))
     checks = [*host_checks(), *confinement_checks(), *network_checks(), *(template_check(state, n) for n in names),
-              *service, *(config_file_checks(config) if config is not None else [])]
+              *service, *(config_file_checks(config) if config is not None else []),
+              *(runner_path_checks(config) if config is not None else [])]
     for check in checks:
         line = f"{'ok ' if check.ok else 'NO '} {check.what}"
         print(line if check.ok else f"{line}: {check.fix}")

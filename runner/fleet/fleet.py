@@ -174,7 +174,10 @@ class RunnerFleet:
     # -- life cycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check the user and the installed release, clean up after a predecessor, start the thread."""
+        """Check that runners can see what they run, the user and the installed release, clean up after
+        a predecessor, start the thread."""
+        settings = self.settings
+        walls.check_visible(walls.runner_paths(settings.install_dir, settings.runners_dir, settings.socket))
         self.user = RunnerUser.lookup(self.settings.runner_user)
         self._release = current(self.settings.install_dir)
         runners_dir = self.settings.runners_dir

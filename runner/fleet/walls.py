@@ -26,10 +26,11 @@ it makes the namespaces, so nothing of the runner ever runs outside it.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runner.errors import ConfigError
@@ -38,6 +39,11 @@ NETWORKS = ("host", "none")
 # Each runner's own, private tmpfs mounts (mode 1777 as on the host), sized so that one job cannot
 # fill the host's memory through them.
 PRIVATE_TMPFS = (("/tmp", "1g"), ("/var/tmp", "1g"), ("/dev/shm", "256m"), ("/run/lock", "4m"))
+# The places above hide the host's files below them from every runner, so nothing a runner must run or
+# reach may lie there; where to put it instead:
+WHERE_INSTEAD = ("clone microvm-check to /opt/microvm-check and run scripts/setup there; install_dir "
+                 "/opt/microvm-check/actions-runner, runners_dir /var/lib/microvm-check-runners, the socket in "
+                 "/run/microvm-check/")
 UNSHARE = "/usr/bin/unshare"
 SETPRIV = "/usr/bin/setpriv"
 
@@ -69,6 +75,42 @@ def launch_argv(program: Sequence[str], uid: int, gid: int, groups: Sequence[int
     # runner itself is an ordinary process: signals reach it as they would on the host.
     inner = f"set -e\n{mounts}set +e\n{shlex.join(drop)} </dev/null\nstatus=$?\nexit $status\n"
     return ["/bin/sh", "-c", 'read -r go && [ "$go" = go ] && exec "$@"', "sh", *unshare, "/bin/sh", "-c", inner]
+
+
+def runner_paths(install_dir: Path, runners_dir: Path, socket: str) -> dict[str, Path]:
+    """What each runner must see of the host, by what it is: the release it is copied from, its own
+    directory, the job API socket its hooks talk to, and this installation (its Python runs the hooks and
+    the walls' last step, its code is what that Python imports)."""
+    return {"runners.install_dir": install_dir, "runners.runners_dir": runners_dir, "the job API socket": Path(socket),
+            "this installation's Python (the runners' hooks run it)": Path(sys.executable),
+            "this installation's code": Path(__file__).resolve().parents[1]}
+
+
+def hidden(paths: Mapping[str, Path]) -> list[str]:
+    """Which of `paths` a runner cannot see, each said with where it lies: under a place each runner gets
+    an empty tmpfs of its own on. The path as given counts, and so do where its directories' links lead
+    (a venv's `python` is itself a link to the system's, which says nothing of where the venv is) and
+    where the whole path leads."""
+    places = [Path(where) for where, _ in PRIVATE_TMPFS]
+    found = []
+    for what, path in paths.items():
+        absolute = Path(os.path.abspath(path))
+        for seen in dict.fromkeys((absolute, absolute.parent.resolve() / absolute.name, absolute.resolve())):
+            place = next((p for p in places if seen == p or p in seen.parents), None)
+            if place is not None:
+                via = "" if seen == path else f" ({seen})"
+                found.append(f"{what} {path}{via} lies under {place}, which every runner sees as an empty tmpfs of "
+                             "its own")
+                break
+    return found
+
+
+def check_visible(paths: Mapping[str, Path]) -> None:
+    """Refuse a fleet whose runners could not see what they run: each would exit at once, for ever."""
+    found = hidden(paths)
+    if found:
+        raise WallsUnavailable(f"{'; '.join(found)} (runner/fleet/walls.py): its runners could not start. Put them "
+                               f"where the host's own files are: {WHERE_INSTEAD}")
 
 
 def in_force(network: str) -> list[tuple[str, bool, str]]:
