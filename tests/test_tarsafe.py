@@ -61,6 +61,22 @@ def test_links_devices_and_bad_names_are_skipped_not_written(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["file.txt", "ok"]
 
 
+@pytest.mark.parametrize("kind, link, why", [
+    (tarfile.SYMTYPE, "/etc/shadow", "links are not allowed (link to '/etc/shadow')"),
+    (tarfile.LNKTYPE, "a", "links are not allowed (link to 'a')"),
+    (tarfile.CHRTYPE, "", "a device"), (tarfile.BLKTYPE, "", "a device"), (tarfile.FIFOTYPE, "", "a fifo"),
+])
+def test_a_link_device_or_fifo_is_refused_with_its_reason_and_the_rest_comes(
+        tmp_path: Path, kind: bytes, link: str, why: str) -> None:
+    """Letting symlinks through `kind_error` was caught only by tarfile's StreamError ending the whole
+    stream (a symlink has no data to read), not by a test of the refusal."""
+    special, _ = member("special", None, kind, link)
+    assert tarsafe.kind_error(special) == why
+    result = tarsafe.extract(tar_of(member("a", b"1"), (special, None), member("b", b"2")), tmp_path)
+    assert result.files == [("a", 1), ("b", 1)] and result.skipped == [("special", why)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
 def test_a_symlink_already_in_the_destination_is_not_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
