@@ -17,8 +17,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-EXTERNAL = SHARED / "external"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Every property test: no per-example deadline (hypothesis' default 200 ms fails on a shared, loaded
@@ -66,9 +64,3 @@ def need_netns(need_root) -> None:
     require(shutil.which("ip") is not None, "iproute2 is not installed")
     require(shutil.which("iptables-restore") is not None, "iptables is not installed")
     require(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing")
-
-
-@pytest.fixture
-def external() -> Path:
-    require(EXTERNAL.is_dir(), f"{EXTERNAL} is missing")
-    return EXTERNAL

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ACTION = ROOT / "action.yml"
 PYTHON = ROOT / ".venv" / "bin" / "python"
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
-FORK_PR = "webhooks/real-captured/listendev-lstn.pull_request.opened.from-fork.json"
+FORK_PR = "listendev-lstn.pull_request.opened.from-fork.json"
 # Secrets a real runner's environment holds; none of them may reach the guest.
 HOST_SECRETS = {
     "GITHUB_TOKEN": "ghs_hostSecretNeverInTheGuest0001",

@@ -16,6 +16,8 @@ import pytest
 from action_harness import FORK_PR, Simulation, run_action
 from test_action_vm_e2e import template  # noqa: F401  (the fixture: root, QEMU, the base template)
 
+from tests.reference import captured
+
 pytestmark = pytest.mark.vm
 
 RUNNER = "mvc-keep-runner"
@@ -45,13 +47,13 @@ def host(template: None) -> Iterator[object]:
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "README").write_text("from the checkout\n")
     temp = tmp_path / "runner-temp"
     temp.mkdir()
-    return Simulation(workspace, temp, json.loads((external / FORK_PR).read_text()),
+    return Simulation(workspace, temp, captured(FORK_PR),
                       extra_env={"RUNNER_NAME": RUNNER})
 
 

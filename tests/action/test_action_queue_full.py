@@ -8,7 +8,6 @@ action/queuewait.py with a fake clock.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from runner.jobapi.contract import JobSpec, JobState, JobSummary, QueueFullAnswe
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService
+from tests.reference import captured
 
 QUEUED_LINE = "[microvm-check] the service's queue is full; queued behind 1 job, retrying in "
 SPEC = JobSpec(repository="octo/hello", sha="a" * 40, command="true")
@@ -188,15 +188,15 @@ class Watched:
         return returncode, "".join(self.lines)
 
 
-def simulation(root: Path, external: Path) -> Simulation:
+def simulation(root: Path) -> Simulation:
     (root / "workspace").mkdir(parents=True)
     (root / "temp").mkdir()
     return Simulation(workspace=root / "workspace", temp=root / "temp",
-                      event_payload=json.loads((external / FORK_PR).read_text()))
+                      event_payload=captured(FORK_PR))
 
 
-def test_three_runs_into_a_queue_of_one_all_finish(service: JobService, tmp_path: Path, external: Path) -> None:
-    sims = [simulation(tmp_path / f"run{n}", external) for n in range(3)]
+def test_three_runs_into_a_queue_of_one_all_finish(service: JobService, tmp_path: Path) -> None:
+    sims = [simulation(tmp_path / f"run{n}") for n in range(3)]
     with JobClient(socket=service.config.socket) as client:
         blocker = client.submit(SPEC)  # holds the only slot until every run has been refused at least once
         runs = [Watched(sim, {"run": f"echo run-{n} done", "socket": service.config.socket})

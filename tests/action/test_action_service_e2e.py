@@ -33,6 +33,7 @@ from runner.jobapi.client import JobClient
 from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService
+from tests.reference import captured
 
 TESTS = '''
 import os
@@ -72,13 +73,13 @@ def service(short_dir: Path, engine: LocalEngine) -> Iterator[JobService]:
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     workspace = tmp_path / "workspace"
     (workspace / "sub" / "tests").mkdir(parents=True)
     (workspace / "sub" / "tests" / "test_sample.py").write_text(TESTS)
     temp = tmp_path / "runner-temp"
     temp.mkdir()
-    payload = json.loads((external / FORK_PR).read_text())
+    payload = captured(FORK_PR)
     return Simulation(workspace=workspace, temp=temp, event_payload=payload)
 
 

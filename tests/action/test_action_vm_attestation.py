@@ -19,7 +19,7 @@ from test_action_vm_e2e import RUN_TESTS, TESTS, _host, suite_inputs, template  
 from runner.attest.keys import SigningKey
 from runner.attest.statement import PREDICATE_TYPE, STATEMENT_TYPE
 from runner.cli import main
-from tests.conftest import EXTERNAL
+from tests.reference import captured
 
 pytestmark = pytest.mark.vm
 
@@ -41,7 +41,7 @@ def signed(service, tmp_path_factory: pytest.TempPathFactory) -> dict[str, objec
     (workspace / "run_tests.py").write_text(RUN_TESTS)
     (workspace / "pass-me").write_text("")
     (root / "runner-temp").mkdir()
-    simulation = Simulation(workspace, root / "runner-temp", json.loads((EXTERNAL / FORK_PR).read_text()))
+    simulation = Simulation(workspace, root / "runner-temp", captured(FORK_PR))
     result = run_action(simulation, suite_inputs(service))
     assert result.returncode == 0, result.log
     key = root / "service.pub"

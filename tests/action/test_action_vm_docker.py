@@ -18,6 +18,7 @@ from action_harness import FORK_PR, Simulation, run_action
 from test_action_vm_e2e import _host
 
 from tests.conftest import require
+from tests.reference import captured
 
 pytestmark = pytest.mark.vm
 
@@ -54,11 +55,11 @@ def docker_service(docker_template: None) -> Iterator[object]:
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     docker_context(tmp_path / "workspace")
     temp = tmp_path / "runner-temp"
     temp.mkdir()
-    return Simulation(tmp_path / "workspace", temp, json.loads((external / FORK_PR).read_text()))
+    return Simulation(tmp_path / "workspace", temp, captured(FORK_PR))
 
 
 def test_docker_build_and_run_through_local_run(docker_template: None, tmp_path: Path, monkeypatch,

@@ -30,6 +30,7 @@ from action_harness import (
 from action.logs import RelayLimits
 from runner.jobapi.workflow import ZWSP
 from tests.conftest import require
+from tests.reference import captured
 from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 
 if TYPE_CHECKING:
@@ -136,14 +137,14 @@ def net_service(template: None, need_netns: None, tmp_path: Path) -> Iterator[ob
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     workspace = tmp_path / "workspace"
     (workspace / "tests").mkdir(parents=True)
     (workspace / "tests" / "test_sample.py").write_text(TESTS)
     (workspace / "run_tests.py").write_text(RUN_TESTS)
     temp = tmp_path / "runner-temp"
     temp.mkdir()
-    return Simulation(workspace, temp, json.loads((external / FORK_PR).read_text()))
+    return Simulation(workspace, temp, captured(FORK_PR))
 
 
 def suite_inputs(service) -> dict[str, str]:

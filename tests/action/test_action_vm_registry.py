@@ -23,6 +23,7 @@ from test_action_vm_e2e import _host
 
 from tests.conftest import require
 from tests.net import net_fakes
+from tests.reference import captured
 from tests.service.fake_internet import ALLOWED_HOST, fake_internet
 
 pytestmark = pytest.mark.vm
@@ -107,10 +108,10 @@ def registry_service(docker_template: None, need_netns: None, tmp_path: Path) ->
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     (tmp_path / "workspace").mkdir()
     (tmp_path / "runner-temp").mkdir()
-    return Simulation(tmp_path / "workspace", tmp_path / "runner-temp", json.loads((external / FORK_PR).read_text()))
+    return Simulation(tmp_path / "workspace", tmp_path / "runner-temp", captured(FORK_PR))
 
 
 def test_a_pull_is_admitted_by_a_host_rule_and_refused_without_one(registry_service, sim) -> None:

@@ -6,7 +6,6 @@ before any VM is spent, with an error that says what to change.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -19,6 +18,7 @@ from action_harness import FORK_PR, Simulation, finish, run_action, start
 from test_action_vm_e2e import _host
 
 from tests.conftest import ROOT, require
+from tests.reference import captured
 
 pytestmark = pytest.mark.vm
 
@@ -52,10 +52,10 @@ def service(large_template: None, request: pytest.FixtureRequest, tmp_path: Path
 
 
 @pytest.fixture
-def sim(tmp_path: Path, external: Path) -> Simulation:
+def sim(tmp_path: Path) -> Simulation:
     (tmp_path / "workspace").mkdir()
     (tmp_path / "runner-temp").mkdir()
-    return Simulation(tmp_path / "workspace", tmp_path / "runner-temp", json.loads((external / FORK_PR).read_text()))
+    return Simulation(tmp_path / "workspace", tmp_path / "runner-temp", captured(FORK_PR))
 
 
 def vm_limits(state_dir: Path, seen: dict[str, str], stop: threading.Event) -> None:

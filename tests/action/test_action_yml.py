@@ -1,8 +1,8 @@
-"""action.yml against SchemaStore's github-action schema, and the wiring of its inputs."""
+"""action.yml against SchemaStore's github-action schema (as check-jsonschema vendors it), and the wiring of its
+inputs."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -10,14 +10,16 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.reference import action_schema
+
 ROOT = Path(__file__).resolve().parents[2]
 
 ACTION = ROOT / "action.yml"
 
 
 @pytest.fixture
-def schema(external: Path) -> dict:
-    return json.loads((external / "schemas/schemastore/github-action.json").read_text())
+def schema() -> dict:
+    return action_schema()
 
 
 @pytest.fixture

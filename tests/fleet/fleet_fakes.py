@@ -1,6 +1,6 @@
 """A fake GitHub for the runner fleet: the REST endpoints through `responses`, a job queue in a directory.
 
-Every REST answer is built from GitHub's own example bodies (examples-by-operation.json) and every
+Every REST answer is built from GitHub's own example bodies (tests/reference.py) and every
 generate-jitconfig request is validated against its OpenAPI request schema, so the fleet is held to
 GitHub's shapes. The JIT config it hands out is what the stand-in runner (standin_runner.py) reads:
 the queue directory it takes its one job from. Jobs are announced to the service as signed
@@ -30,17 +30,17 @@ from tests.github.github_fakes import (
     API,
     INSTALLATION_ID,
     TOKEN_OP,
-    WEBHOOKS,
     assert_valid_request,
     example,
     load_operations,
 )
+from tests.reference import Payload, stored
 
 JIT_OP = "POST /orgs/{org}/actions/runners/generate-jitconfig"
 LIST_OP = "GET /orgs/{org}/actions/runners"
-QUEUED = WEBHOOKS / "octokit-webhooks-payload-examples" / "workflow_job" / "queued.payload.json"
-FAILED = WEBHOOKS / "octokit-webhooks-payload-examples" / "workflow_job" / "completed.failure.with-organization.payload.json"
-FORK_PR = WEBHOOKS / "real-captured" / "listendev-lstn.pull_request.opened.from-fork.json"
+QUEUED = stored("queued.payload.json")
+FAILED = stored("completed.failure.with-organization.payload.json")
+FORK_PR = stored("listendev-lstn.pull_request.opened.from-fork.json")  # captured: optional
 
 
 @dataclass
@@ -159,7 +159,7 @@ class FakeGitHub:
         """What GitHub sends when it loses the runner of a job: the job completed, failed."""
         self._deliver(FAILED, job, labels, runner_name=runner_name, conclusion="failure")
 
-    def _deliver(self, example_path: Path, job: dict[str, Any], labels: list[str], **more: Any) -> None:
+    def _deliver(self, example_path: Payload, job: dict[str, Any], labels: list[str], **more: Any) -> None:
         payload = json.loads(example_path.read_text())
         payload["workflow_job"].update(id=job["job_id"], run_id=job["run_id"], run_attempt=job["run_attempt"],
                                        labels=labels, name=job["job"], **more)

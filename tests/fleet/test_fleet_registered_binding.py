@@ -32,15 +32,13 @@ from runner.jobapi.contract import JobSummary, Verdict
 from tests.fleet.conftest import LABELS
 from tests.fleet.test_fleet import wait_until
 from tests.fleet.test_fleet_access import RUN_ID, spec, started
-from tests.github.github_fakes import WEBHOOKS
+from tests.reference import stored
 
 NAME = "mvc-registered-1"
 OURS = "listendev/lstn"  # the runner's own repository (B in the issue)
 OTHER = "octo-org/other"  # another repository, whose egress policy a step of B's job is after (A)
-IN_PROGRESS = WEBHOOKS / "real-captured" / \
-    "tarantool-job-rerunner@head.workflow_job.in_progress.in_progress.runner-ghacts-shared-1-2-n1.json"
-COMPLETED = WEBHOOKS / "real-captured" / \
-    "tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
+IN_PROGRESS = stored("tarantool-job-rerunner@head.workflow_job.in_progress.in_progress.runner-ghacts-shared-1-2-n1.json")
+COMPLETED = stored("tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json")
 
 
 @contextmanager

@@ -1,12 +1,13 @@
 """Fuzz the GitHub webhook through its real listener (runner/github/webhooks.py over loopback TCP).
 
-A mutation fuzzer seeded from the real payloads in ../shared/external/webhooks/ (octokit's examples and
-the real captures): values swapped at the paths the parser reads (action, workflow_job ids, labels,
-names, repository.full_name) and at random paths, then the JSON text itself mutated (deep nesting, long
-digit runs, duplicate keys, stray bytes, invalid UTF-8). Most inputs are SIGNED with the test secret,
-so they pass the signature check and reach the parsing and the job service behind it (the real
-JobService on the fake engine, as the webhook's hooks); the rest are unsigned or badly signed, or
-garble the framing: method, path, content type, Content-Length, Transfer-Encoding, GUID, event.
+A mutation fuzzer seeded from the stored payloads (tests/reference.py: octokit's examples, and the real
+captures where shared/external/ is beside the checkout; under CI=true they must be): values swapped at the
+paths the parser reads (action, workflow_job ids, labels, names, repository.full_name) and at random paths,
+then the JSON text itself mutated (deep nesting, long digit runs, duplicate keys, stray bytes, invalid UTF-8).
+Most inputs are SIGNED with the test secret, so they pass the signature check and reach the parsing and the
+job service behind it (the real JobService on the fake engine, as the webhook's hooks); the rest are unsigned
+or badly signed, or garble the framing: method, path, content type, Content-Length, Transfer-Encoding, GUID,
+event.
 
 For every input: each answer is well-formed HTTP, no 5xx but a 503 with Retry-After, no traceback in
 the log and no thread dies; a signed input with a well-formed head is answered 200 or 400 (it reached
@@ -40,7 +41,7 @@ from runner.service.config import config_from_mapping
 from runner.service.host import ServiceHost
 from runner.service.service import JobService
 from runner.service.webhook import Webhook
-from tests.github.github_fakes import event_name, webhook_payloads
+from tests.reference import available_payloads
 from tests.service.service_fakes import FakeEngine, prints
 
 SECRET = b"webhook-fuzz-secret"
@@ -55,10 +56,10 @@ LABELS = ["microvm", "ubuntu-latest", "macos-11"]  # so mutated stored jobs reac
 
 @cache
 def seeds() -> list[tuple[str, dict[str, Any]]]:
-    """(event, payload) for every stored payload: octokit's examples, the deleted `started` one, the captures."""
-    found = [(event_name(path), json.loads(path.read_text())) for path in webhook_payloads()
-             if path.suffix == ".json" or path.name.endswith(".json.DELETED-historical")]
-    assert len(found) >= 15, f"the stored payloads are missing: {len(found)} found"
+    """(event, payload) for every stored payload there is: octokit's examples, and where present the deleted
+    `started` one and the captures."""
+    found = [(stored.event, stored.json()) for stored in available_payloads()]
+    assert len(found) >= 12, f"the stored payloads are missing: {len(found)} found"
     return found
 
 

@@ -8,16 +8,10 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from github_fakes import API, EXTERNAL, INSTALLATION_ID, TOKEN_OP, FakeClock, example, load_operations
+from github_fakes import API, INSTALLATION_ID, TOKEN_OP, FakeClock, example, load_operations
 
 from runner.github.app import AppCredentials, GitHubApp, parse_timestamp
 from runner.github.client import RetryPolicy
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _reference_material() -> None:
-    if not EXTERNAL.is_dir():
-        pytest.fail(f"{EXTERNAL} is missing: these tests are built on it", pytrace=False)
 
 
 @pytest.fixture(scope="session")

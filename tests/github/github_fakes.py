@@ -1,31 +1,30 @@
-"""Fakes of GitHub built from the reference material in /work/shared/external.
+"""Fakes of GitHub built from GitHub's own shapes (tests/reference.py says where each comes from).
 
-The example bodies come from GitHub's own OpenAPI description (via examples-by-operation.json) and the
-request bodies our code sends are validated against the request schemas of the same fragments, so
-these tests fail if our shapes drift from GitHub's.
+The example bodies come from GitHub's own OpenAPI description (@octokit/openapi) and the request bodies our
+code sends are validated against the request schemas of the same operations, so these tests fail if our
+shapes drift from GitHub's.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 
+from tests import reference
+from tests.reference import Payload
+
 API = "https://api.github.com"
-EXTERNAL = Path(__file__).resolve().parents[2].parent / "shared" / "external"
-REST = EXTERNAL / "rest-api"
-WEBHOOKS = EXTERNAL / "webhooks"
 INSTALLATION_ID = 3456996  # the installation in octokit's workflow_job examples
 TOKEN_OP = "POST /app/installations/{installation_id}/access_tokens"
 CONTENTS_OP = "GET /repos/{owner}/{repo}/contents/{path}"
 CONTENTS_FILE = "application/json:response-if-content-is-a-file"
 
 
-def load_operations() -> dict[str, Any]:
-    return json.loads((REST / "examples-by-operation.json").read_text())
+def load_operations() -> reference.Operations:
+    return reference.operations()
 
 
 def example(operations: dict[str, Any], operation: str, status: str, name: str | None = None) -> Any:
@@ -37,7 +36,8 @@ def example(operations: dict[str, Any], operation: str, status: str, name: str |
 
 def request_schema(fragment: str, path: str, method: str) -> dict[str, Any]:
     """The documented request body schema, with the fragment's components so `$ref`s resolve."""
-    document = json.loads((REST / "openapi-fragments" / fragment).read_text())
+    assert fragment == reference.fragment_name(method, path), f"{fragment} is not {method.upper()} {path}"
+    document = reference.fragment(method, path)
     body = document["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
     return {**body, "components": document["components"]}
 
@@ -69,27 +69,20 @@ class FakeClock:
         self.now += seconds
 
 
-def webhook_payloads() -> list[Path]:
-    """Every payload under webhooks/: octokit's examples (incl. the deleted `started`) and the real ones."""
-    examples = sorted((WEBHOOKS / "octokit-webhooks-payload-examples").glob("*/*"))
-    captured = sorted((WEBHOOKS / "real-captured").glob("*.json"))
-    return examples + captured
+def webhook_payloads() -> list[Payload]:
+    """Every stored payload: octokit's examples and the captured ones (incl. octokit's deleted `started`)."""
+    return reference.webhook_payloads()
 
 
-def event_name(path: Path) -> str:
-    """The `X-GitHub-Event` a payload file was delivered with (its folder, or its name for captures)."""
-    if path.parent.name != "real-captured":
-        return path.parent.name
-    for event in ("workflow_job", "pull_request", "check_run"):
-        if f".{event}." in path.name or path.name.endswith(f".{event}.json"):
-            return event
-    raise AssertionError(f"unknown event for {path.name}")
+def event_name(payload: Payload) -> str:
+    """The `X-GitHub-Event` a stored payload was delivered with."""
+    return payload.event
 
 
 def load_payload(name: str) -> dict[str, Any]:
-    matches = [path for path in webhook_payloads() if path.name.startswith(name)]
-    assert len(matches) == 1, f"{name} matches {matches}"
-    return json.loads(matches[0].read_text())
+    """The stored payload whose name starts with `name`; a captured one skips the test where it is missing
+    (see tests/reference.py)."""
+    return reference.payload(name)
 
 
 def run_cli(argv: list[str]) -> int:

@@ -20,7 +20,8 @@ from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
 from runner.service.checkruns import CheckRunReporter
 from runner.service.service import JobService
-from tests.github.github_fakes import API, REST, assert_valid_request, example, load_operations
+from tests import reference
+from tests.github.github_fakes import API, assert_valid_request, example, load_operations
 
 CREATE = ("POST_repos_owner_repo_check-runs.json", "/repos/{owner}/{repo}/check-runs", "post")
 UPDATE = ("PATCH_repos_owner_repo_check-runs_check_run_id.json", "/repos/{owner}/{repo}/check-runs/{check_run_id}",
@@ -131,7 +132,7 @@ def test_a_hostile_guests_text_arrives_inert(make_service, engine: FakeEngine, t
 
 def _validation_failed() -> dict[str, object]:
     """GitHub's 422 body (the `validation-error` schema its fragments share), checked against that schema."""
-    document = json.loads((REST / "openapi-fragments" / "POST_app_installations_installation_id_access_tokens.json").read_text())
+    document = reference.fragment("post", "/app/installations/{installation_id}/access_tokens")
     body = {"message": "Invalid request.\n\nFor 'properties/summary', is not a valid string.",
             "documentation_url": "https://docs.github.com/rest/checks/runs#update-a-check-run"}
     jsonschema.validate(body, {**document["components"]["schemas"]["validation-error"],

@@ -21,6 +21,7 @@ from vm_jobs import output, submit, templates, vm_host, vm_root, vm_service  # n
 
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.service.records import RecordStore
+from tests.reference import captured
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,11 +229,11 @@ def test_log_flood_is_truncated(vm_service) -> None:
     assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 256 * 1024 + 4096
 
 
-QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
-COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
+QUEUED = "github-aws-runners.workflow_job.queued.self-hosted.json"
+COMPLETED = "tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
 
 
-def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path: Path, external: Path) -> None:
+def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path: Path) -> None:
     """Real deliveries in, real VMs out: `queued` warms the VM the submit then gets, `completed` ends a job."""
     import json
     import uuid
@@ -251,7 +252,7 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path
     secret.write_bytes(b"s3cret")
     host = vm_host(webhook={"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["macos-11"]})
     service, hook, client = host.service, host.webhook, JobClient(socket=host.config.socket)
-    queued = json.loads((external / QUEUED).read_text())
+    queued = captured(QUEUED)
     assert deliver(hook.port, queued) == 200
     (warm,) = list(service.prewarmed._vms)
     assert warm.ready.wait(120) and warm.sandbox is not None
@@ -261,7 +262,7 @@ def test_webhooks_prewarm_for_the_submit_and_end_a_running_job(vm_host, tmp_path
     record = client.get(job)
     assert record.warm is True and record.vm_id == warm.sandbox.id
 
-    completed = json.loads((external / COMPLETED).read_text())
+    completed = captured(COMPLETED)
     gh_job = completed["workflow_job"]
     running = submit(client, "echo started; sleep 300", repository=completed["repository"]["full_name"],
                      run_id=gh_job["run_id"], run_attempt=gh_job["run_attempt"],

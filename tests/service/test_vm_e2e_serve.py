@@ -36,6 +36,7 @@ from runner.github.signature import sign
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.vm.engine import LOCK_NAME
 from runner.vm.sweep import processes_under
+from tests.reference import captured
 
 pytestmark = pytest.mark.vm
 SECRET = b"webhook-secret-for-this-test"
@@ -185,7 +186,7 @@ def github() -> Iterator[FakeGitHub]:
 
 
 def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Path, github: FakeGitHub,
-                                                               tmp_path: Path, external: Path) -> None:
+                                                               tmp_path: Path) -> None:
     """The `webhook:` section of serve's own config: a signed `workflow_job queued` delivery to its
     endpoint warms a VM that the run's submit then gets, and the redelivery sweep asks (the fake)
     GitHub, as the App, for its failed deliveries and to redeliver the failed one."""
@@ -205,7 +206,7 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
     process.wait_answering(client)
     assert client.health().warm == 0
 
-    queued = json.loads((external / QUEUED).read_text())
+    queued = captured(QUEUED)
     body = json.dumps(queued).encode()
     answer = requests.post(f"http://127.0.0.1:{port}/github/webhook", data=body, timeout=30, headers={
         "Content-Type": "application/json", "X-GitHub-Event": "workflow_job",

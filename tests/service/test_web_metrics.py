@@ -17,6 +17,7 @@ from runner.github.signature import sign
 from runner.jobapi.client import JobClient
 from runner.service.metrics import result_of
 from runner.service.web import COOKIE
+from tests.reference import captured_path
 
 TOKEN = "a-test-token-of-32-characters-xx"
 GUEST_HTML = b"<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\">\n::set-output name=x::y\n"
@@ -131,7 +132,7 @@ def test_insights_merge_the_repository_s_runs(hosts, engine: FakeEngine) -> None
     assert "2 jobs of" in page and "mode: block" in page and "seen in 2 of 2 jobs" in page
 
 
-QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
+QUEUED = "github-aws-runners.workflow_job.queued.self-hosted.json"
 WEBHOOK_SECRET = b"webhook-test-secret"
 
 
@@ -142,14 +143,14 @@ def _post(url: str, body: bytes, event: str, signature: str | None) -> int:
     return httpx.post(url, content=body, headers=headers, timeout=30).status_code
 
 
-def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeEngine, external: Path,
+def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeEngine,
                                                             tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(WEBHOOK_SECRET + b"\n")
     host, _, base = _start(hosts, webhook={"listen": "127.0.0.1:0", "secret_path": str(secret),
                                            "labels": ["microvm"]})
     url = f"http://127.0.0.1:{host.webhook.port}/github/webhook"
-    body = (external / QUEUED).read_bytes()
+    body = captured_path(QUEUED).read_bytes()
     assert _post(url, body, "workflow_job", sign(WEBHOOK_SECRET, body)) == 200  # a job on our labels: prewarmed
     assert _post(url, body, "workflow_job", sign(WEBHOOK_SECRET, body)) == 200  # the same delivery again
     assert _post(url, body, "workflow_job", sign(b"not the secret", body)) == 403

@@ -13,10 +13,11 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from runner.github.signature import sign
 from runner.service.config import ConfigError
 from runner.service.webhook import start_webhook
+from tests.reference import captured
 
 SECRET = b"webhook-test-secret"
-QUEUED = "webhooks/real-captured/github-aws-runners.workflow_job.queued.self-hosted.json"
-COMPLETED = "webhooks/real-captured/tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
+QUEUED = "github-aws-runners.workflow_job.queued.self-hosted.json"
+COMPLETED = "tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runner-tntmac06.json"
 
 
 @pytest.fixture
@@ -36,10 +37,10 @@ def deliver(url: str, payload: dict) -> requests.Response:
         "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(SECRET, body)})
 
 
-def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: FakeEngine, external: Path) -> None:
+def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: FakeEngine) -> None:
     service, url = webhook
     engine.programs["ok"] = prints(b"")
-    payload = json.loads((external / QUEUED).read_text())
+    payload = captured(QUEUED)
     assert deliver(url, payload).status_code == 200
     for vm in service.prewarmed._vms:
         vm.ready.wait(10)
@@ -54,13 +55,13 @@ def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: Fake
     assert engine.alive() == []
 
 
-def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngine, external: Path) -> None:
+def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngine) -> None:
     service, url = webhook
-    queued = json.loads((external / QUEUED).read_text())
+    queued = captured(QUEUED)
     assert deliver(url, queued).status_code == 200
     for vm in service.prewarmed._vms:
         vm.ready.wait(10)
-    completed = json.loads((external / COMPLETED).read_text())
+    completed = captured(COMPLETED)
     # The same real shape, pointed at the job that was queued above.
     for key in ("id", "run_id", "run_attempt", "labels"):
         completed["workflow_job"][key] = queued["workflow_job"].get(key) or (1 if key == "run_attempt" else None)
