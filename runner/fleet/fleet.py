@@ -142,7 +142,7 @@ class RunnerEnd:
     job: JobStarted | None
     exit_code: int | None  # None: retired by the fleet before it took a job
     died: bool  # it ended during its job, which was cancelled
-    started_at: float
+    since: float  # FleetRunner.since at its end: when it started, or when its job was reported
     ended_at: float
 
 

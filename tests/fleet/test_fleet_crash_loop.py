@@ -67,7 +67,7 @@ def test_runners_that_exit_at_once_are_retried_with_back_off_and_reported(make_r
     assert f"CRASH LOOP: {loop['tries']} runners in a row ended before taking a job" in shown, shown
     assert "ended (exit code 3)" in shown and f"    {SAID}" in shown, shown
     for number, (ended, started) in enumerate(zip(tries, tries[1:]), start=1):
-        assert started.started_at - ended.ended_at >= retry_delay(number), (number, ended, started)
+        assert started.since - ended.ended_at >= retry_delay(number), (number, ended, started)
     assert not groups & {end.name for end in tries}, f"tries left their cgroups: {groups}"
     assert "microvm_check_runner_crash_loop 1.0" in metrics
     assert f"microvm_check_runner_failed_starts_total {float(len(tries))}" in metrics

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from runner import uidrange
 from runner.fleet import walls, workdir
 from runner.fleet.workdir import RunnerUser
 from tests.fleet.conftest import Account
@@ -102,18 +103,24 @@ print("next " + json.dumps(left))
 
 
 def test_the_next_runner_on_a_uid_finds_no_queue_and_no_key_of_the_last(host_mqueue, make_rig, monkeypatch) -> None:
-    monkeypatch.setattr(workdir, "QUARANTINE_SECONDS", 0)  # the next runner gets the same uid at once
+    # One uid for every runner of this test (the top of the range, which the lowest-first lease of other
+    # fleets reaches last), given again at once: the next runner gets the uid the last one had.
+    top = uidrange.RUNNER_UIDS[-1]
+    monkeypatch.setattr(uidrange, "RUNNERS", uidrange.UidRange(range(top, top + 1), uidrange.RUNNERS.leases, "runner"))
+    monkeypatch.setattr(workdir, "QUARANTINE_SECONDS", 0)
     with make_rig(vms=False, min_idle=0, max_runners=1) as rig:
         rig.enqueue(1, [{"run": "/usr/bin/python3 -I next.py leave"}], files={"next.py": NEXT})
-        wait_until(lambda: rig.github.results(), 120, "the first job")
+        first = _next_report(wait_until(lambda: rig.github.results(), 120, "the first job")[0])
+        assert first == {"uid": top, "add_key": "Operation not permitted", "queue": True, "key": False}
         wait_until(lambda: not rig.fleet.runners(), 60, "its runner to end")
         rig.enqueue(2, [{"run": "/usr/bin/python3 -I next.py look"}], files={"next.py": NEXT})
-        results = wait_until(lambda: len(rig.github.results()) == 2 and rig.github.results(), 120, "the next job")
-    first, then = (json.loads(next(line for line in job["result"]["log"].splitlines()
-                                   if line.startswith("next ")).split(" ", 1)[1]) for job in results)
-    assert first == {"uid": first["uid"], "add_key": "Operation not permitted", "queue": True, "key": False}
-    assert then["uid"] == first["uid"], "the second runner got another uid: nothing shows what a uid carries over"
-    assert then == {"uid": first["uid"], "queue": False, "key": False}
+        then = _next_report(wait_until(lambda: len(rig.github.results()) == 2 and rig.github.results(), 120,
+                                       "the next job")[1])
+    assert then == {"uid": top, "queue": False, "key": False}
+
+
+def _next_report(job: dict) -> dict:
+    return json.loads(next(line for line in job["result"]["log"].splitlines() if line.startswith("next ")).split(" ", 1)[1])
 
 
 def test_a_uid_that_owns_kernel_keys_is_never_leased(account: Account, monkeypatch) -> None:
