@@ -125,7 +125,8 @@ class Sandbox:
         self._send(_wire.upload_call(self.id, source, dest))
 
     def download(self, *globs: str, cwd: str = "/workspace", max_bytes: int = _wire.DEFAULT_DOWNLOAD) -> bytes:
-        """A tar of the regular files matching `globs` (relative to `cwd`), checked and re-written by the service."""
+        """A tar of the regular files matching `globs` (relative to `cwd`), checked and re-written by the service:
+        each file it left out is an empty note `.microvm-check-skipped/N` saying which and why (docs/sdk.md)."""
         return self._send(_wire.download_call(self.id, list(globs), cwd), max_bytes)
 
     def snapshot(self) -> str:
