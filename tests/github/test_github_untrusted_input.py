@@ -78,9 +78,12 @@ class StorableHooks:
 
     def __init__(self) -> None:
         self.db = sqlite3.connect(":memory:")
-        self.jobs: list[jobs.QueuedJob | jobs.CompletedJob] = []
+        self.jobs: list[jobs.QueuedJob | jobs.InProgressJob | jobs.CompletedJob] = []
 
     def prewarm(self, job: jobs.QueuedJob) -> None:
+        self._store(job)
+
+    def job_in_progress(self, job: jobs.InProgressJob) -> None:
         self._store(job)
 
     def job_completed(self, job: jobs.CompletedJob) -> None:
