@@ -19,8 +19,14 @@ A request that passed its gate while every worker is busy waits for one as an fd
 fleet's hooks), so those are always served. Long answers (a job's log stream) are handed to one
 stream thread after their head: it copies what the stream has ready to every such connection,
 non-blocking, so a client following a queued job's log costs an fd and no worker. Unauthenticated
-work is bounded per peer (its IP, or its uid on a Unix socket): connections still in the loop, and
-the bodies it reads and their bytes; when a budget is full, the slowest senders are closed first.
+work is bounded per peer (its IP, or its uid on a Unix socket): connections still in the loop, the
+bodies it reads at once, and the bytes of its buffered bodies until their answers begin. The last
+covers what a handler does with a body before answering, such as parsing it: a JSON parse holds the
+interpreter lock, so one peer's many large bodies parsed at once would starve the loop itself, and
+with it every other client. A body past its peer's budget waits for room, unread, in the order it
+came (its peer's bodies that lag behind the minimum rate are closed first; a listener may let small
+bodies, cheap to handle, never wait); past the listener's budget, the slowest senders of any peer
+are closed first.
 
 The HTTP/1.1 itself (request line and headers, Content-Length and chunked bodies, keep-alive,
 answers framed by Content-Length or chunked, HEAD and HTTP/1.0 peers) is h11's: a sans-IO state
@@ -47,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.client import HTTPMessage
 from queue import Empty, SimpleQueue
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import h11
 
@@ -106,7 +112,10 @@ class Limits:
     reserved_workers: int = 0  # of max_workers, kept for the listener's `urgent` requests
     max_per_peer: int = 256  # connections of one peer still in the loop (idle, head, body)
     max_bodies_per_peer: int = 1024  # bodies of one peer the loop reads at once
-    max_body_bytes_per_peer: int = 64 * 1024 * 1024  # their declared bytes together
+    # the declared bytes of one peer's buffered bodies from their head until their answer begins: being
+    # read, waiting for a worker, and handled (a JSON body's parse) on one; past it a body waits its turn
+    max_body_bytes_per_peer: int = 64 * 1024 * 1024
+    small_body_max: int = 0  # a body up to this size counts in that budget but never waits for it (cheap to handle)
     allow_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()  # empty: every source
 
 
@@ -243,6 +252,7 @@ class ServedRequest:
         self.command, self.path, self.headers = conn.head.method, conn.head.target, conn.head.headers
         self.close_connection = False  # set by a handler that wants the connection closed after its answer
         self._parser, self._sock, self._buffered = conn.parser, conn.sock, conn.body
+        self._conn, self._holding = conn, conn.held > 0  # its buffered body still counts against its peer
         self._deadline = _Deadline(conn.sock, server.limits)
         self.handed_off: Stream | None = None
         if not self._buffered and self.head.length in (0, None) and "Transfer-Encoding" not in self.headers:
@@ -310,6 +320,9 @@ class ServedRequest:
         self.handed_off = stream
 
     def _head(self, status: int, headers: Mapping[str, str]) -> h11.Response:
+        if self._holding:  # the answer begins: the body, and whatever parsed it, is done with
+            self._holding = False
+            self.server._unhold(self._conn)
         items = list(headers.items())
         if self.close_connection or self._parser.their_state is not h11.DONE:
             items.append(("Connection", "close"))  # the unread rest of a body cannot be told from a request
@@ -335,7 +348,8 @@ class _Conn:
     deadline: float
     parser: h11.Connection  # this connection's HTTP/1.1 state, handed to the worker with it
     peer: str = ""  # Peer.key: what per-peer limits count
-    state: str = "head"  # head | body | linger | wait (for a worker, out of the selector)
+    state: str = "head"  # head | body | room | linger | wait: room (for its peer's body budget) and wait (for a
+    # worker) are out of the selector, their bodies unread
     body_start: float = 0.0
     received: int = 0  # body bytes read by the loop
     last_data: bytes = b""  # the latest bytes read: to tell a 20-digit Content-Length from a garbled one
@@ -343,6 +357,7 @@ class _Conn:
     head: Head | None = None
     body: list[bytes] = field(default_factory=list)  # read by the loop, for listeners with buffer_body_max
     reserved: int = 0  # body bytes counted against max_buffered_bytes
+    held: int = 0  # body bytes counted against its peer's max_body_bytes_per_peer (until its answer begins)
     drained: int = 0
 
 
@@ -365,6 +380,9 @@ class BoundedHTTPServer:
         self._loop_owned: OrderedDict[_Conn, None] = OrderedDict()
         self._per_peer: Counter[str] = Counter()  # loop-owned connections by peer
         self._bodies: dict[str, list[_Conn]] = {}  # buffered bodies being read, by peer
+        self._held: Counter[str] = Counter()  # buffered body bytes by peer, from head until answer (`_lock`)
+        self._room: dict[str, deque[_Conn]] = {}  # bodies waiting for room in their peer's budget, by peer (FIFO)
+        self._freed: set[str] = set()  # peers whose budget got room since the loop last looked (`_lock`)
         self._open = 0
         self._buffered = 0
         self._returns: SimpleQueue[tuple[_Conn, bool | None]] = SimpleQueue()
@@ -437,6 +455,7 @@ class BoundedHTTPServer:
                     elif key.data in self._loop_owned:  # not closed by an eviction earlier in this batch
                         self._readable(key.data)
                 self._start_waiting()
+                self._admit_room()
                 now = time.monotonic()
                 if now >= next_sweep:
                     self._expire(now)
@@ -564,16 +583,13 @@ class BoundedHTTPServer:
                 length = conn.head.length
                 if not length or length > self.limits.buffer_body_max or conn.head.method in ("GET", "HEAD"):
                     return self._dispatch(conn)  # a GET's body means nothing (RFC 9110 9.3.1): answered unread
-                refusal = self._make_room(conn, length)
-                if refusal:
-                    return self._refuse(conn, refusal)
-                now = time.monotonic()
-                conn.state, conn.reserved, conn.body_start = "body", length, now
-                self._buffered += length
-                self._bodies.setdefault(conn.peer, []).append(conn)
-                conn.deadline = now + self.limits.body_seconds + length / self.limits.body_min_rate
-                if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
-                    self._send_once(conn.sock, conn.parser.send(_CONTINUE))
+                queued = conn.peer in self._room and length > self.limits.small_body_max  # behind its peer's
+                room = "wait" if queued else self._make_room(conn, length)
+                if room == "wait":
+                    return self._wait_room(conn)
+                if room is not None:
+                    return self._refuse(conn, room)
+                self._read_body(conn, length)
             elif isinstance(event, h11.Data):
                 conn.body.append(event.data)
                 conn.received += len(event.data)
@@ -582,31 +598,107 @@ class BoundedHTTPServer:
             else:
                 return  # NEED_DATA
 
-    def _make_room(self, conn: _Conn, length: int) -> Refusal | None:
-        """Room for a body of `length` in its peer's and the listener's budgets: the slowest bodies being
-        read give way (they passed only the head's checks); None when it fits now."""
+    def _make_room(self, conn: _Conn, length: int) -> Refusal | Literal["wait"] | None:
+        """Room for a body of `length` in its peer's and the listener's budgets; None when it fits now.
+
+        Over its peer's budget, that peer's slowest body being read gives way if it lags behind
+        body_min_rate; else the body waits ("wait"): a peer's bodies that keep up never push each other
+        out. Over the listener's, the slowest body being read of any peer gives way (they passed only
+        the head's checks); with none being read, a 503."""
         limits = self.limits
         if length > limits.max_body_bytes_per_peer or length > limits.max_buffered_bytes:
             return self._busy("the request body is larger than this listener buffers")
         now = time.monotonic()
-
-        def full() -> tuple[bool, list[_Conn]]:
-            mine = self._bodies.get(conn.peer, [])
-            if len(mine) >= limits.max_bodies_per_peer or sum(c.reserved for c in mine) + length > limits.max_body_bytes_per_peer:
-                return True, mine
-            if self._buffered + length > limits.max_buffered_bytes:
-                return True, [c for bodies in self._bodies.values() for c in bodies]
-            return False, []
-
-        while True:
-            over, candidates = full()
-            if not over:
-                return None
+        while self._peer_full(conn.peer, length):
+            lagging = [c for c in self._bodies.get(conn.peer, []) if self._lagging(c, now)]
+            if not lagging:
+                return "wait"
+            self._give_way(min(lagging, key=lambda c: self._rate(c, now)))
+        while self._buffered + length > limits.max_buffered_bytes:
+            candidates = [c for bodies in self._bodies.values() for c in bodies]
             if not candidates:
                 return self._busy("too many request bodies arriving at once")
-            slowest = min(candidates, key=lambda c: c.received / max(now - c.body_start, _AGE_FLOOR_SECONDS))
-            log.debug("%s: closing the slowest body being read (%d bytes) to make room", self.name, slowest.received)
-            self._refuse(slowest, self._busy("the request body arrived too slowly while others waited"))
+            self._give_way(min(candidates, key=lambda c: self._rate(c, now)))
+        return None
+
+    def _peer_full(self, peer: str, length: int) -> bool:
+        limits = self.limits
+        return (len(self._bodies.get(peer, ())) >= limits.max_bodies_per_peer
+                or (length > limits.small_body_max and self._held[peer] + length > limits.max_body_bytes_per_peer))
+
+    def _rate(self, conn: _Conn, now: float) -> float:
+        return conn.received / max(now - conn.body_start, _AGE_FLOOR_SECONDS)
+
+    def _lagging(self, conn: _Conn, now: float) -> bool:
+        """Sending slower than body_min_rate since its start, judged once it is _AGE_FLOOR_SECONDS old."""
+        age = now - conn.body_start
+        return age >= _AGE_FLOOR_SECONDS and conn.received < age * self.limits.body_min_rate
+
+    def _give_way(self, conn: _Conn) -> None:
+        log.debug("%s: closing the slowest body being read (%d bytes) to make room", self.name, conn.received)
+        self._refuse(conn, self._busy("the request body arrived too slowly while others waited"))
+
+    def _read_body(self, conn: _Conn, length: int) -> None:
+        """The loop reads the body of a head that passed, counted against its peer's and the listener's budgets."""
+        now = time.monotonic()
+        conn.state, conn.reserved, conn.body_start = "body", length, now
+        self._buffered += length
+        with self._lock:
+            conn.held = length
+            self._held[conn.peer] += length
+        self._bodies.setdefault(conn.peer, []).append(conn)
+        conn.deadline = now + self.limits.body_seconds + length / self.limits.body_min_rate
+        if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
+            self._send_once(conn.sock, conn.parser.send(_CONTINUE))
+
+    def _wait_room(self, conn: _Conn) -> None:
+        """Its peer's budget is full of bodies that keep up, or others of its wait already: it waits its turn
+        (up to wait_seconds), its body left in the socket, so the client is held back rather than refused."""
+        self._selector.unregister(conn.sock)
+        conn.state, conn.deadline = "room", time.monotonic() + self.limits.wait_seconds
+        self._room.setdefault(conn.peer, deque()).append(conn)
+
+    def _admit_room(self) -> None:
+        """Start the waiting bodies of the peers whose budget got room, first come first."""
+        with self._lock:
+            freed, self._freed = self._freed, set()
+        for peer in freed:
+            while (queue := self._room.get(peer)) is not None:
+                conn = queue[0]
+                assert conn.head is not None and conn.head.length
+                room = self._make_room(conn, conn.head.length)
+                if room == "wait":
+                    break
+                self._resume(conn)
+                if room is not None:
+                    self._refuse(conn, room)
+                    continue
+                self._read_body(conn, conn.head.length)
+                self._progress(conn)  # what arrived with its head, which nothing has read yet
+
+    def _resume(self, conn: _Conn) -> None:
+        """Out of its peer's wait, back in the selector."""
+        self._leave_room(conn)
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _leave_room(self, conn: _Conn) -> None:
+        queue = self._room[conn.peer]
+        queue.remove(conn)
+        if not queue:
+            del self._room[conn.peer]
+        conn.state = "head"
+
+    def _unhold(self, conn: _Conn) -> None:
+        """Its body leaves its peer's budget: its answer began (from its worker), or it ended unanswered."""
+        with self._lock:
+            if not conn.held:
+                return
+            self._held[conn.peer] -= conn.held
+            if self._held[conn.peer] <= 0:
+                del self._held[conn.peer]
+            conn.held = 0
+            self._freed.add(conn.peer)
+        self._wake()
 
     def _vet(self, head: Head) -> Refusal | None:
         """Our rules on top of h11's: a bound on header lines, the listener's gate, unambiguous framing."""
@@ -675,6 +767,7 @@ class BoundedHTTPServer:
                 conn, keep = self._returns.get_nowait()
             except Empty:
                 return
+            self._unhold(conn)  # its request ended; normally its answer's start already let go of its body
             if keep is None:  # the stream thread closed it
                 self._open -= 1
                 continue
@@ -699,7 +792,15 @@ class BoundedHTTPServer:
             self._paused_until = 0.0
             self._selector.register(self.listener, selectors.EVENT_READ)
         limits = self.limits
+        lagging = {peer for peer in self._room if any(self._lagging(c, now) for c in self._bodies.get(peer, ()))}
+        if lagging:  # a body that lags by now gives way to its peer's waiting ones
+            with self._lock:
+                self._freed |= lagging
         for conn in [c for c in self._loop_owned if c.deadline <= now or self._too_slow(c, now)]:
+            if conn.state == "room":
+                self._refuse(conn, self._busy(f"the request body waited {limits.wait_seconds:g} s for its peer's "
+                                              "earlier bodies"))
+                continue
             if conn.state in ("head", "body") and conn.prefix:
                 self._send_once(conn.sock, self._render(Refusal(408, "the request did not arrive in time")))
             self._close(conn)
@@ -725,17 +826,28 @@ class BoundedHTTPServer:
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
     def _unwatch(self, conn: _Conn) -> None:
-        """Out of the selector and the per-peer counts; its body reservation, if any, stays."""
-        self._selector.unregister(conn.sock)
+        """Out of the selector (or its peer's wait) and the per-peer counts; its body reservation and its
+        peer's hold on it, if any, stay."""
+        if conn.state == "room":
+            self._leave_room(conn)
+        else:
+            self._selector.unregister(conn.sock)
         del self._loop_owned[conn]
         self._per_peer[conn.peer] -= 1
         if self._per_peer[conn.peer] <= 0:
             del self._per_peer[conn.peer]
+        self._stop_reading(conn)
+
+    def _stop_reading(self, conn: _Conn) -> None:
+        """No longer among the bodies its peer's loop reads at once: one of its waiting bodies may start."""
         bodies = self._bodies.get(conn.peer)
         if bodies is not None and conn in bodies:
             bodies.remove(conn)
             if not bodies:
                 del self._bodies[conn.peer]
+            if conn.peer in self._room:
+                with self._lock:
+                    self._freed.add(conn.peer)
 
     def _leave(self, conn: _Conn) -> None:
         self._unwatch(conn)
@@ -744,6 +856,7 @@ class BoundedHTTPServer:
 
     def _close(self, conn: _Conn) -> None:
         self._leave(conn)
+        self._unhold(conn)
         conn.sock.close()
         self._open -= 1
 
@@ -755,15 +868,14 @@ class BoundedHTTPServer:
 
     def _linger(self, conn: _Conn) -> None:
         """Close our side but read what the client still sends for a moment, so it gets our answer, not a reset."""
+        if conn.state == "room":
+            self._resume(conn)  # to read what it still sends
         try:
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             return self._close(conn)
-        bodies = self._bodies.get(conn.peer)
-        if bodies is not None and conn in bodies:
-            bodies.remove(conn)
-            if not bodies:
-                del self._bodies[conn.peer]
+        self._stop_reading(conn)
+        self._unhold(conn)
         self._buffered -= conn.reserved
         conn.state, conn.reserved, conn.body = "linger", 0, []
         conn.deadline = min(conn.deadline, time.monotonic() + _LINGER_SECONDS)
