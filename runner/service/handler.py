@@ -53,7 +53,7 @@ class Handler(ServedRequest):
                 self.close_connection = True
                 raise TooLarge(f"the request body is larger than {MAX_JSON_BODY} bytes")
         try:
-            return jsonbody.loads(bytes(data) or b"null")
+            return jsonbody.loads(bytes(data) or b"null", max_containers=jsonbody.MAX_CONTAINERS)
         except jsonbody.JsonBodyError as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from exc
 

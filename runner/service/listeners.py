@@ -33,8 +33,16 @@ if TYPE_CHECKING:
 # Checkouts are large: after 30 s of grace a body must keep up 64 KiB/s on average. JSON bodies are read
 # by the connection loop (a slow one holds no worker); 8 workers are kept for the fleet's hooks, so a job
 # can always be reported and refused or admitted. `limits_for` adds connections for a large queue.
+# One peer (a uid on the socket) has at most PEER_BODY_BYTES of JSON bodies in hand (read, or being parsed,
+# until their answers begin): a parse holds the interpreter lock, and 64 bodies of 1 MiB parsed at once held
+# health and every other caller for seconds (issue 40, item 9). Its further large bodies wait their turn,
+# unread; bodies up to PEER_SMALL_BODY (a spec, a hook, an exec) never wait behind them, so a uid's own large
+# or slow bodies do not hold back its small requests. How many bodies it sends at once is bounded by its
+# connections (max_per_peer): a slow one costs an fd, and gives way to a waiting body once it lags.
+PEER_BODY_BYTES, PEER_SMALL_BODY = 2 * MAX_JSON_BODY, 64 * 1024
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024,
-                buffer_body_max=MAX_JSON_BODY, reserved_workers=8, max_per_peer=256)
+                buffer_body_max=MAX_JSON_BODY, reserved_workers=8, max_per_peer=256,
+                max_body_bytes_per_peer=PEER_BODY_BYTES, small_body_max=PEER_SMALL_BODY)
 
 
 def limits_for(service: JobService, limits: Limits = LIMITS) -> Limits:
