@@ -211,20 +211,26 @@ class SandboxDesk:
     # -- creating -------------------------------------------------------------------------------------
 
     def create(self, owner: Owner, request: SandboxRequest) -> tuple[LiveSandbox, str]:
-        """A new sandbox and its token; the quota is held from the first check to the end."""
-        template = self._template(owner, request)
-        policy = self._policy(request)
-        self._reserve(owner)
+        """A new sandbox and its token; the quota is held from the first check to the end, and so is the
+        base: a snapshot whose last sandbox ends while a fork of it is being restored stays until then
+        (its files removed under the restore made it fail with a 500, or run on deleted files)."""
+        hold = "create-" + secrets.token_hex(8)  # a user of the base until the new sandbox is made or has failed
+        template = self._template(owner, request, hold)
         try:
-            sandbox, token = self._start(owner, request, template, policy)
+            policy = self._policy(request)
+            self._reserve(owner)
+            try:
+                sandbox, token = self._start(owner, request, template, policy)
+            finally:
+                with self._lock:
+                    self._starting[owner.key] -= 1
+                    if not self._starting[owner.key]:
+                        del self._starting[owner.key]
         finally:
-            with self._lock:
-                self._starting[owner.key] -= 1
-                if not self._starting[owner.key]:
-                    del self._starting[owner.key]
+            self._release_snapshots(hold)
         return sandbox, token
 
-    def _template(self, owner: Owner, request: SandboxRequest) -> str:
+    def _template(self, owner: Owner, request: SandboxRequest, hold: str) -> str:
         if request.base is None:
             return request.template
         with self._lock:
@@ -232,6 +238,7 @@ class SandboxDesk:
             if snapshot is None or snapshot.owner != owner:
                 raise SandboxNotFound(f"base {request.base[:80]!r}: no snapshot of yours by that name (a snapshot "
                                       "lives as long as its sandbox or a sandbox restored from it)")
+            snapshot.users.add(hold)
         return snapshot.name
 
     def _policy(self, request: SandboxRequest) -> Policy:
@@ -359,7 +366,7 @@ class SandboxDesk:
         sandbox.log.system(f"sandbox ends: {why}")
         sandbox.log.close()
         self._save(record)
-        self._release_snapshots(sandbox)
+        self._release_snapshots(sandbox.id)
         return True
 
     def note_blocked(self, sandbox: LiveSandbox) -> None:
@@ -412,11 +419,12 @@ class SandboxDesk:
         sandbox.log.system(f"snapshot {name} made")
         return name
 
-    def _release_snapshots(self, sandbox: LiveSandbox) -> None:
+    def _release_snapshots(self, user: str) -> None:
+        """`user` (a sandbox, or a create under way) no longer needs its snapshots: remove those left unused."""
         with self._lock:
             unused = []
             for snap in list(self._snapshots.values()):
-                snap.users.discard(sandbox.id)
+                snap.users.discard(user)
                 if not snap.users:
                     unused.append(self._snapshots.pop(snap.name).name)
         for name in unused:

@@ -95,3 +95,38 @@ def test_fork_and_destroy_both_leaves_only_the_spare_pools(serve, vm_root: Path)
     assert held_deleted((str(vm_root), *(f"{templates}/{name}" for name in snapshots))) == [], \
         "a removed snapshot's files are still held open"
     assert service.stop() == 0, service.stderr()
+
+
+def test_a_fork_being_created_keeps_its_base_when_its_source_is_destroyed(serve, vm_root: Path) -> None:
+    service = serve({})
+    socket = vm_root / "api.sock"
+    operator = JobClient(socket=str(socket))
+    service.wait_answering(operator)
+    sdk = Service(socket=str(socket))
+    parent = Sandbox.create(ttl_seconds=300, service=sdk)
+    parent.files.write("/workspace/note.txt", b"from the parent\n")
+    base = parent.snapshot()
+    forked: list[Sandbox] = []
+    errors: list[BaseException] = []
+
+    def fork() -> None:
+        try:
+            forked.append(Sandbox.create(base=base, ttl_seconds=300, service=sdk))
+        except BaseException as exc:
+            errors.append(exc)
+
+    creating = threading.Thread(target=fork)
+    creating.start()
+    deadline = time.monotonic() + SETTLE_S
+    while not any(r.state.value == "starting" and r.command.endswith(f"from {base}") for r in operator.list(10)):
+        assert time.monotonic() < deadline and creating.is_alive(), f"the fork's create never started: {errors}"
+        time.sleep(0.01)
+    parent.destroy()
+    assert (vm_root / "state" / "templates" / base).exists(), "the fork's base was removed under its create"
+    creating.join()
+    assert errors == [], errors
+    (child,) = forked
+    assert child.files.read("/workspace/note.txt") == b"from the parent\n"
+    child.destroy()
+    assert not (vm_root / "state" / "templates" / base).exists(), "the snapshot outlived the fork"
+    assert service.stop() == 0, service.stderr()
