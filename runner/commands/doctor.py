@@ -285,7 +285,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for line in runner_walls(config.runners.network if config is not None else "host"):
         print(line)
     if config is not None:
-        from runner.service.jobparts import runner_binding
+        from runner.service.binding import runner_binding
 
         print("\n".join(runner_binding(config)))
     pss = memory.describe(state.vms)  # the VMs running now in this state directory, KVM and TCG apart

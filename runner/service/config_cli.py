@@ -2,7 +2,7 @@
 
 An operator (or a configuration-management hook) can validate a config before `serve` reads it;
 the same loader runs, so a file that passes here starts, and one that fails lists every problem.
-A good file's lines after `ok FILE` say what binds its runners' jobs (runner/service/jobparts.py),
+A good file's lines after `ok FILE` say what binds its runners' jobs (runner/service/binding.py),
 which the config decides and nothing in it names outright.
 """
 
@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from runner.service.binding import runner_binding
 from runner.service.config import ConfigError, load_config, schema_text
-from runner.service.jobparts import runner_binding
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

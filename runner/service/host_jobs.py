@@ -13,10 +13,11 @@ from runner.attest.keys import SigningKey
 from runner.errors import ConfigError
 from runner.fleet import registered
 from runner.service.attestation import JobAttestor
+from runner.service.binding import access_for
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies
 from runner.service.github_app import branch_files, check_run_reporter
-from runner.service.jobparts import access_for, job_parts
+from runner.service.jobparts import job_parts
 from runner.service.retention import Retention
 from runner.service.service import JobService
 

@@ -17,6 +17,7 @@ from runner.attest.keys import SigningKey
 from runner.service.admission import InvalidJob, TooLarge
 from runner.service.api import status_of
 from runner.service.attestation import JobAttestor
+from runner.service.binding import access_for
 from runner.service.host import ServiceHost
 from runner.service.jobparts import job_parts
 from runner.service.jobqueue import QueueFull
@@ -252,7 +253,7 @@ def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engi
 
 def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEngine) -> None:
     config = make_config()
-    crashed = JobService(config, job_parts(config, JobVMs(engine.create, None),
+    crashed = JobService(config, job_parts(config, JobVMs(engine.create, None), access=access_for(config),
                                            attestor=JobAttestor(SigningKey.load_or_create(config.attestation_key_path))))
     job = crashed.submit(spec()).id
     crashed.put_checkout(job, [checkout_tar()])  # queued, never run: no workers were started
