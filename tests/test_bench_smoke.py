@@ -52,7 +52,7 @@ BENCHMARKS = sorted(p for p in BENCH.glob("*.py") if smoke_args(p) is not None)
 
 def test_every_benchmark_is_discovered() -> None:
     names = {p.name for p in BENCHMARKS}
-    assert {"restore.py", "job.py", "net.py", "warm.py", "fleet.py", "docker.py"} <= names, names
+    assert {"restore.py", "job.py", "net.py", "warm.py", "fleet.py", "docker.py", "api_load.py"} <= names, names
     assert "stats.py" not in names  # a helper
 
 
