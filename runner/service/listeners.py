@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # unread; bodies up to PEER_SMALL_BODY (a spec, a hook, an exec) never wait behind them, so a uid's own large
 # or slow bodies do not hold back its small requests. How many bodies it sends at once is bounded by its
 # connections (max_per_peer): a slow one costs an fd, and gives way to a waiting body once it lags.
-PEER_BODY_BYTES, PEER_SMALL_BODY = 2 * MAX_JSON_BODY, 64 * 1024
+PEER_BODY_BYTES, PEER_SMALL_BODY = 2 * MAX_JSON_BODY, 16 * 1024
 LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024,
                 buffer_body_max=MAX_JSON_BODY, reserved_workers=8, max_per_peer=256,
                 max_body_bytes_per_peer=PEER_BODY_BYTES, small_body_max=PEER_SMALL_BODY)
