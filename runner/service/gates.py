@@ -39,6 +39,10 @@ def caller_gate(service: JobService, tcp: bool, sandboxes: Callable[[], SandboxD
     def gate(head: Head) -> Refusal | None:
         if head.method not in ("POST", "PUT"):
             return None  # no body to protect: the route checks as before
+        if head.method == "POST" and "Transfer-Encoding" in head.headers and head.length is None:
+            # a POST's body is JSON, parsed whole: by its length the connection loop reads it within its
+            # caller's budget (issue 40); a chunked one would be read and parsed by a worker outside it
+            return Refusal(411, "a POST body needs its Content-Length (chunked bodies are for the PUT uploads)")
         path = urlsplit(head.target).path
         runner_token = head.headers.get(RUNNER_TOKEN_HEADER)
         try:

@@ -185,3 +185,16 @@ def test_64_large_submits_from_one_peer_leave_health_answered() -> None:
         print(f"{len(latencies)} health answers during the flood: median {statistics.median(latencies) * 1000:.0f} ms,"
               f" slowest {max(latencies) * 1000:.0f} ms")
         assert statuses == ["400"] * FLOOD  # every submit answered (refused: it is no JobSpec), none lost
+
+
+def test_a_chunked_post_body_is_411_before_it_is_read(api) -> None:
+    """A POST's JSON must say its length: read by the loop, it counts against its caller's budget; a chunked
+    one would have been read and parsed by a worker, outside it (64 of 1 MiB held health 2 s)."""
+    service, _ = api()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(service.config.socket)
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n")  # the rest never comes: it is not read
+        answer = raw_answer(sock, 10.0)
+        answer += raw_answer(sock, 10.0)
+    assert answer.startswith(b"HTTP/1.1 411") and b"needs its Content-Length" in answer, answer[:300]
