@@ -493,6 +493,6 @@ def _framing(headers: list[tuple[str, str]]) -> Framing | None:
     if len(lengths) != 1:
         return None
     (length,) = lengths
-    if not length.isdigit() or len(length) > 18:
+    if not (length.isascii() and length.isdigit()) or len(length) > 18:  # '²' is a digit to isdigit()
         return None
     return int(length)
