@@ -100,7 +100,8 @@ def runner_path_checks(config: ServiceConfig) -> list[Check]:
     runners = config.runners
     hidden = walls.hidden(walls.runner_paths(runners.install_dir, runners.runners_dir, config.socket))
     return [Check(not hidden, "the runners see what they run: this installation, install_dir, runners_dir and the "
-                  "socket lie outside " + ", ".join(where for where, _ in walls.PRIVATE_TMPFS),
+                  "socket lie outside " + ", ".join(where for where, _ in walls.PRIVATE_TMPFS)
+                  + " and below directories every user may enter",
                   "; ".join(hidden) + f": put them elsewhere ({walls.WHERE_INSTEAD})")]
 
 

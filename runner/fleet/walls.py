@@ -95,14 +95,37 @@ def hidden(paths: Mapping[str, Path]) -> list[str]:
     found = []
     for what, path in paths.items():
         absolute = Path(os.path.abspath(path))
-        for seen in dict.fromkeys((absolute, absolute.parent.resolve() / absolute.name, absolute.resolve())):
-            place = next((p for p in places if seen == p or p in seen.parents), None)
-            if place is not None:
-                via = "" if seen == path else f" ({seen})"
-                found.append(f"{what} {path}{via} lies under {place}, which every runner sees as an empty tmpfs of "
-                             "its own")
-                break
+        ways = dict.fromkeys((absolute, absolute.parent.resolve() / absolute.name, absolute.resolve()))
+        why = next((_why(path, seen, place) for seen in ways for place in places
+                    if seen == place or place in seen.parents), None)
+        why = why or next((_why(path, seen, closed, closed=True) for seen in ways
+                           if (closed := _closed_to_others(seen)) is not None), None)
+        if why is not None:
+            found.append(f"{what} {why}")
     return found
+
+
+def _why(path: Path, seen: Path, place: Path, closed: bool = False) -> str:
+    """`path` (and where it leads, `seen`) said with the place that hides it from the runners."""
+    via = "" if seen == path else f" ({seen})"
+    if closed:
+        return (f"{path}{via} lies under {place}, which other users may not enter (mode "
+                f"{place.stat().st_mode & 0o777:o}; every runner has a uid of its own)")
+    return f"{path}{via} lies under {place}, which every runner sees as an empty tmpfs of its own"
+
+
+def _closed_to_others(path: Path) -> Path | None:
+    """The first existing directory above `path` that a user other than its owner and group may not enter
+    (no search bit for others: `/root` is 0700 on Debian), or None. The runners' uids are in no group of
+    the host's, so only that bit lets them reach what lies below."""
+    for directory in reversed(path.parents):
+        try:
+            mode = directory.stat().st_mode
+        except OSError:
+            return None  # what is not there yet is made by the service (runners_dir) or reported elsewhere
+        if not mode & 0o001:
+            return directory
+    return None
 
 
 def check_visible(paths: Mapping[str, Path]) -> None:

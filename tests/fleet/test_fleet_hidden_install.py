@@ -69,7 +69,7 @@ def test_doctor_says_which_runner_paths_the_walls_hide(account: Account, rig_roo
     main(["doctor", "--config", str(write_config(rig_root, account, {}))])
     seen = capsys.readouterr().out
     assert "NO  the runners see what they run: this installation, install_dir, runners_dir and the socket lie " \
-           "outside /tmp, /var/tmp, /dev/shm, /run/lock: runners.install_dir /dev/shm/release lies under /dev/shm" \
+           "outside /tmp, /var/tmp, /dev/shm, /run/lock and below directories every user may enter: runners.install_dir /dev/shm/release lies under /dev/shm" \
            in hidden, hidden
     assert "install_dir /opt/microvm-check/actions-runner" in hidden
     assert "ok  the runners see what they run" in seen, seen
@@ -88,6 +88,30 @@ def test_scripts_test_stops_at_once_in_a_checkout_the_runners_cannot_see(place: 
     assert done.returncode == 1, done
     assert f"this checkout ({checkout}) lies under {place}, which every fleet runner sees" in done.stderr, done.stderr
     assert "Clone it elsewhere" in done.stderr
+
+
+def test_serve_refuses_a_fleet_whose_runners_dir_lies_under_a_directory_others_may_not_enter(
+        account: Account, rig_root: Path) -> None:
+    closed = rig_root / "closed"
+    closed.mkdir(mode=0o700)  # as Debian's /root
+    path = write_config(rig_root, account, {"runners_dir": str(closed / "runners")})
+    with pytest.raises(ConfigError, match=rf"runners\.runners_dir {closed}/runners lies under {closed}, which other "
+                                          r"users may not enter \(mode 700; every runner has a uid of its own\)"):
+        _serve(path)
+    assert not (closed / "runners").exists(), "the fleet started before it refused"
+
+
+def test_scripts_test_stops_at_once_in_a_checkout_under_a_directory_others_may_not_enter(rig_root: Path) -> None:
+    closed = rig_root / "home"
+    closed.mkdir(mode=0o700)  # as Debian's /root, where root's `git clone` lands by default
+    checkout = closed / "microvm-check"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy2(ROOT / "scripts" / "test", checkout / "scripts" / "test")
+    done = subprocess.run(["bash", str(checkout / "scripts" / "test")], capture_output=True, text=True, cwd="/",
+                          timeout=60)
+    assert done.returncode == 1, done
+    assert f"this checkout ({checkout}) lies under {closed}, which other users may not enter (mode 700)" \
+        in done.stderr, done.stderr
 
 
 def _no_vms(request: Any) -> Any:
