@@ -51,8 +51,13 @@ REQUEST_REFUSED = "request-refused"
 # The host terminated TLS for a `methods:`/`paths:` rule and the upstream's certificate failed
 # verification against the host's trust store: the guest got a 502 saying so.
 UPSTREAM_UNTRUSTED = "upstream-untrusted"
+# A secret's placeholder (`runner.net.secretswap`) where its binding does not let it go: another host,
+# port, method or path, a body, a query, another header, a TLS server name or a DNS name. The record
+# names the binding (`binding`), never a value; refused in every mode, never suggested.
+SECRET_REFUSED = "secret-refused"
 REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED, BLOCK_LISTED,
-           REQUEST_REFUSED, UPSTREAM_UNTRUSTED)
+           REQUEST_REFUSED, UPSTREAM_UNTRUSTED, SECRET_REFUSED)
+_BINDING = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # runner.net.secretswap.NAME
 _PREFIX_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 
 
@@ -86,6 +91,7 @@ class AuditRecord:
     # reason POLICY and `name` the name the resolver handed the address out for (what a suggested
     # raw entry needs); under a name-checked rule the reason is UNNAMED and `name` what it claimed.
     unnamed: bool = False
+    binding: str | None = None  # SECRET_REFUSED: the binding whose placeholder it was
 
     def as_json(self) -> dict[str, object]:
         found: dict[str, object] = {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name,
@@ -94,11 +100,13 @@ class AuditRecord:
             found["method"], found["path"] = self.method, self.path
         if self.unnamed:
             found["unnamed"] = True
+        if self.binding is not None:
+            found["binding"] = self.binding
         return found
 
 
 # What audit mode refuses too (the rest it lets through and only records).
-REFUSED_IN_EVERY_MODE = (ALWAYS_DENIED, INTERNAL_ADDRESS, BLOCK_LISTED)
+REFUSED_IN_EVERY_MODE = (ALWAYS_DENIED, INTERNAL_ADDRESS, BLOCK_LISTED, SECRET_REFUSED)
 MAX_LISTED = 10  # refused entries named in an on_block: fail message; the rest are counted
 
 
@@ -186,6 +194,11 @@ def _admit(get: Callable[[str], object]) -> AuditRecord | None:
     name = given_name if _policy_host(given_name) else None
     count = get("count")
     count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
+    given_binding = get("binding")
+    binding = given_binding if isinstance(given_binding, str) and _BINDING.fullmatch(given_binding) else None
+    if reason == SECRET_REFUSED and get("proto") == "dns":  # a placeholder in a DNS name: the name is not shown
+        return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=None, count=count, reason=reason,
+                           binding=binding)
     if get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
         if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME, BLOCK_LISTED):
             return None
@@ -208,7 +221,7 @@ def _admit(get: Callable[[str], object]) -> AuditRecord | None:
     path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
     unnamed = get("unnamed") is True and proto == "tcp"
     return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason,
-                       method=method, path=path, unnamed=unnamed)
+                       method=method, path=path, unnamed=unnamed, binding=binding if reason == SECRET_REFUSED else None)
 
 
 def _policy_host(name: object) -> TypeGuard[str]:
@@ -245,6 +258,9 @@ def _classify(record: AuditRecord) -> tuple[_Target, int] | str:
     if record.reason == REQUEST_REFUSED:
         return (f"{record.method} {record.path} on {record.name} (tcp port {record.port}) was refused by the rule's "
                 f"methods/paths; add {record.method} or a path glob covering {record.path} to it, if it is meant")
+    if record.reason == SECRET_REFUSED:
+        return (f"the placeholder of secret {record.binding or '?'} was sent where its binding does not let it go "
+                f"({_attempt(record)}{f', {record.name}' if record.name else ''}); refused in every mode")
     if record.reason == UPSTREAM_UNTRUSTED:
         return f"{record.name} (tcp port {record.port}) presented a certificate the runner host does not trust"
     if record.unnamed and record.name and record.port is not None and record.reason == POLICY:

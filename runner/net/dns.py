@@ -39,6 +39,7 @@ from runner.errors import NetworkError
 from runner.net import addresses, netns
 from runner.net.firewall import FirewallError
 from runner.net.loop import NetLoop
+from runner.net.secretswap import SecretSwap
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,10 @@ class SlotResolver:
     refused: Counter[str] = field(default_factory=Counter)
     refused_answers: Counter[tuple[str, str]] = field(default_factory=Counter)  # (address, name)
     blocked: Counter[str] = field(default_factory=Counter)  # block-listed names asked, or answered into a blocked network
+    # The job's bound secrets (runner.net.secretswap): a name spelling a placeholder is refused in
+    # every mode and counted by binding name (the name itself is never recorded).
+    bound_secrets: SecretSwap | None = None
+    secret_refused: Counter[str] = field(default_factory=Counter)
     openings: dict[Opening, float] = field(default_factory=dict)
     sockets: list[socket.socket] = field(default_factory=list)
     in_flight: int = 0
@@ -255,6 +260,8 @@ class SlotResolver:
             self.refused.clear()
             self.refused_answers.clear()
             self.blocked.clear()
+            self.bound_secrets = None
+            self.secret_refused.clear()
             self.openings.clear()
             self.throttled = 0
             self.write_budget = WriteBudget.full(self.clock())
@@ -368,6 +375,14 @@ class SlotResolver:
     def name_blocked(self, name: str) -> bool:
         """Whether `name` is on the operator's block list (refused in every mode)."""
         return self.block_list.blocks_name(name)
+
+    def secret_in(self, name: str) -> str | None:
+        """The binding whose placeholder `name` spells (counted), or None."""
+        with self.lock:
+            misuse = self.bound_secrets.in_name(name) if self.bound_secrets is not None else None
+            if misuse is not None:
+                self._count(self.secret_refused, misuse.binding)
+            return misuse.binding if misuse is not None else None
 
     def note_blocked(self, name: str) -> None:
         with self.lock:
@@ -607,6 +622,8 @@ class DnsService:
             return _error(query, RCODE.REFUSED)
         name = _name(question.qname)
         qtype = QTYPE.get(question.qtype, str(question.qtype))
+        if resolver.secret_in(name) is not None:  # a placeholder as labels: never asked upstream, in any mode
+            return _error(query, RCODE.NXDOMAIN)
         if resolver.name_blocked(name):  # in every mode: the operator's list wins over any rule
             resolver.note_blocked(name)
             return _error(query, RCODE.NXDOMAIN)

@@ -267,10 +267,12 @@ class Piece:
     """Bytes of the guest's request stream the parser has framed: a request head (with its
     `claim`, to be checked before `data` is passed on) or body bytes of an admitted request.
     A refused claim's `data` is everything the parser held from that point on (audit mode
-    passes it on unframed; block mode never does)."""
+    passes it on unframed; block mode never does). `body` marks a body's own bytes (chunked
+    framing lines excluded): what a scan of the body reads as one stream."""
 
     data: bytes
     claim: Claim | None = None
+    body: bool = False
 
 
 @dataclass
@@ -305,7 +307,7 @@ class HttpRequests:
             take = self.buffer[:self.body_left]
             self.buffer = self.buffer[len(take):]
             self.body_left -= len(take)
-            self.pieces.append(Piece(take))
+            self.pieces.append(Piece(take, body=True))
             if self.body_left == 0:
                 self.state = "head" if self.state == "length" else "chunk-crlf"
             return True

@@ -43,6 +43,7 @@ from policy.suggest import (
     NAME_REFUSED,
     POLICY,
     REQUEST_REFUSED,
+    SECRET_REFUSED,
     UNNAMED,
     UPSTREAM_UNTRUSTED,
     AuditRecord,
@@ -61,6 +62,7 @@ from runner.net.namecheck import (
     client_hello,
     first_kind,
 )
+from runner.net.secretswap import Misuse, ResponseMask, ResponseRefused, SecretSwap, StreamScan
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ _SO_ORIGINAL_DST = 80
 _SO_MARK = 36
 _F_SETPIPE_SZ = 1031
 Move = Callable[[socket.socket, socket.socket], None]  # one direction of a relay: src to dst until src ends
+# A refused request, and the 403's text when the guest is told why (None: the connection is reset).
+Refusal = tuple[Claim, str | None]
+RecordKey = tuple[str, int, str | None, str, str | None, str | None, bool, str | None]
 
 
 class NameGate(Protocol):
@@ -134,6 +139,21 @@ class _Connection:
 
 
 @dataclass(eq=False)
+class _Exchange:
+    """One intercepted connection's destination and what the job's bound secrets need of it."""
+
+    name: str
+    address: str
+    port: int
+    secrets: SecretSwap | None
+    mask: ResponseMask | None  # a bound host's responses: masked for reflected values
+    scan: StreamScan = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scan = StreamScan(self.secrets or SecretSwap(()))
+
+
+@dataclass(eq=False)
 class NameProxy:
     """One slot's name check: its listener, its live connections and what it refused."""
 
@@ -143,7 +163,11 @@ class NameProxy:
     # the operator's `network.upstream_ca`); the job's CA (`JobCA`) while its policy needs one.
     upstream_tls: ssl.SSLContext = field(default_factory=ssl.create_default_context)
     ca: JobCA | None = None
-    refused: Counter[tuple[str, int, str | None, str, str | None, str | None, bool]] = field(default_factory=Counter)
+    # The job's bound secrets (runner.net.secretswap), while it has any: swapped into the requests
+    # their bindings admit, refused everywhere else, masked in what bound hosts send back.
+    secrets: SecretSwap | None = None
+    refused: Counter[RecordKey] = field(default_factory=Counter)
+    used: Counter[str] = field(default_factory=Counter)  # requests each binding's secret was swapped into
     listener: socket.socket | None = None
     connections: set[_Connection] = field(default_factory=set)
     threads: set[threading.Thread] = field(default_factory=set)
@@ -179,12 +203,13 @@ class NameProxy:
             thread.join(max(deadline - time.monotonic(), 0.0))
         with self.lock:
             self.refused.clear()
+            self.used.clear()
 
     def records(self) -> list[AuditRecord]:
         with self.lock:
             items = sorted(self.refused.items(), key=lambda item: tuple(str(part) for part in item[0]))
-        return [AuditRecord(address, port, "tcp", name, count, reason, method, path, unnamed)
-                for (address, port, name, reason, method, path, unnamed), count in items]
+        return [AuditRecord(address, port, "tcp", name, count, reason, method, path, unnamed, binding)
+                for (address, port, name, reason, method, path, unnamed, binding), count in items]
 
     def _on_accept(self, listener: socket.socket) -> None:
         try:
@@ -237,6 +262,8 @@ class NameProxy:
         claim = pieces[0].claim if pieces else client_hello(data) if first_kind(data) == "tls" else None
         if claim is None:
             claim = Claim(first_kind(data) or "tcp", None, NOT_TLS_OR_HTTP if data and not first_kind(data) else TIMED_OUT)
+        if http is None and self._secret_in_hello(data, claim, address, port):
+            return
         if not self._admit(claim, address, port):
             if http is not None and self._why(claim, address, port) == REQUEST_REFUSED:
                 _answer(guest, 403, _refused_text(claim))  # the name was fine: say what was not
@@ -252,12 +279,13 @@ class NameProxy:
                 upstream.sendall(data)
             self._relay(connection, _splice, guest, upstream)
             return
-        if not self._send_pieces(pieces, upstream, address, port, guest):
+        scan = StreamScan(self.secrets) if self.secrets is not None else None
+        if not self._send_pieces(pieces, upstream, address, port, guest, scan):
             upstream.shutdown(socket.SHUT_WR)
             _splice(upstream, guest)
             connection.closed = True
             return
-        self._relay(connection, lambda src, dst: self._follow_http(http, src, dst, address, port), guest, upstream)
+        self._relay(connection, lambda src, dst: self._follow_http(http, src, dst, address, port, scan), guest, upstream)
 
     def _server_first(self, connection: _Connection, address: str, port: int) -> bool:
         """Audit mode: a guest silent for `AUDIT_GRACE_SECONDS` may be waiting for a server-first
@@ -338,7 +366,27 @@ class NameProxy:
         return None
 
     def _intercepts(self, name: str, port: int) -> bool:
-        return self.gate.intercepts(name, port)
+        """Whether the host terminates HTTPS to `name`:`port`: a `methods:`/`paths:` rule, or a
+        secret bound there (the swap and the response mask need the plaintext)."""
+        return self.gate.intercepts(name, port) or (self.secrets is not None and self.secrets.bound(name, port))
+
+    def _secret_in_hello(self, data: bytes, claim: Claim, address: str, port: int) -> bool:
+        """A placeholder in a TLS first flight (the server name, or anything else of the hello):
+        refused in every mode, before a byte goes on."""
+        misuse = self.secrets.misused(data) if self.secrets is not None else None
+        if misuse is None and self.secrets is not None and claim.name is not None:
+            misuse = self.secrets.in_name(claim.name)
+        if misuse is None:
+            return False
+        self._note_secret(address, port, Claim(claim.kind, None, "a placeholder in the TLS ClientHello"), misuse)
+        return True
+
+    def _note_secret(self, address: str, port: int, claim: Claim, misuse: Misuse) -> str:
+        """Record a placeholder where its binding does not let it go; the 403's text."""
+        self._note(address, port, claim, SECRET_REFUSED, binding=misuse.binding)
+        where = f" ({misuse.why})" if misuse.why else ""
+        return (f"microvm-check: this request carries the placeholder of secret {misuse.binding} where its binding "
+                f"does not let it go{where}; the job's egress record lists it\n")
 
     def _intercept(self, connection: _Connection, name: str, address: str, port: int) -> None:
         """HTTPS under a `methods:`/`paths:` rule: the host's TLS server for the guest (a leaf of the
@@ -373,14 +421,17 @@ class NameProxy:
         connection.upstream = tls_up
         tls_guest.settimeout(None)
         tls_up.settimeout(None)
-        self._relay_tls(connection, tls_guest, tls_up, name, address, port)
+        secrets = self.secrets
+        mask = ResponseMask.of(secrets) if secrets is not None and secrets.bound_host(name) else None
+        self._relay_tls(connection, tls_guest, tls_up, _Exchange(name, address, port, secrets, mask))
 
     def _relay_tls(self, connection: _Connection, guest: ssl.SSLSocket, upstream: ssl.SSLSocket,
-                   name: str, address: str, port: int) -> None:
+                   exchange: _Exchange) -> None:
         """Both directions of an intercepted connection in this one thread (an SSL object must not be
-        read and written from two threads at once): requests framed and checked, responses copied."""
+        read and written from two threads at once): requests framed and checked (a bound secret
+        swapped in), responses copied (a bound host's masked, `runner.net.secretswap`)."""
         http = HttpRequests()
-        refused: Claim | None = None  # a later request refused: its earlier ones' responses still go out
+        refused: Refusal | None = None  # a later request refused: its earlier ones' responses still go out
         drain_until, forwarded = 0.0, 0
         for sock in (guest, upstream):
             sock.setblocking(False)  # OpenSSL may hold a record already read: every recv is tried, select only then
@@ -392,48 +443,99 @@ class NameProxy:
                 except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
                     continue
                 progressed = True
+                if src is upstream and not self._pass_response(connection, guest, exchange, data):
+                    return None
                 if not data:  # either end done: so is the connection (what came before is all sent)
-                    return self._end_refused(connection, guest, refused, address, port)
+                    return self._end_refused(connection, guest, refused)
                 if src is upstream:
-                    _send_all(guest, data)
                     continue
-                refused, sent = self._forward_requests(http, data, upstream, name, address, port)
+                refused, sent = self._forward_requests(http, data, upstream, exchange)
                 forwarded += sent
                 if refused is not None and not forwarded:
-                    return self._end_refused(connection, guest, refused, address, port)  # nothing to wait for
+                    return self._end_refused(connection, guest, refused)  # nothing to wait for
                 if refused is not None:
                     drain_until = time.monotonic() + REFUSED_DRAIN_SECONDS
             if progressed:
                 continue
             wait = None if refused is None else drain_until - time.monotonic()
             if wait is not None and (wait <= 0 or not select.select([upstream], [], [], min(wait, 1.0))[0]):
-                return self._end_refused(connection, guest, refused, address, port)  # upstream idle: all answered
+                return self._end_refused(connection, guest, refused)  # upstream idle: all answered
             if wait is None:
                 select.select([guest, upstream], [], [])
+        return None
 
-    def _forward_requests(self, http: HttpRequests, data: bytes, upstream: ssl.SSLSocket, name: str,
-                          address: str, port: int) -> tuple[Claim | None, int]:
-        """Frame the guest's decrypted bytes and pass on what is admitted: the first refused claim
-        and how many request heads went upstream."""
-        sent = 0
-        for piece in http.feed(data) if http.state != "closed" else [Piece(data)]:
+    def _pass_response(self, connection: _Connection, guest: ssl.SSLSocket, exchange: _Exchange, data: bytes) -> bool:
+        """Upstream's bytes to the guest (masked from a bound host; b"": its end); False when a bound
+        host's response cannot be read for reflected secrets (the guest gets a 502 saying why)."""
+        if exchange.mask is None:
+            _send_all(guest, data)
+            return True
+        try:
+            out = exchange.mask.feed(data) if data else exchange.mask.end()
+        except ResponseRefused as exc:
+            connection.closed = True
+            guest.setblocking(True)
+            _answer(guest, 502, f"microvm-check: {exchange.name} sent {exc}; a secret is bound there, so the "
+                                "host passes on only responses it can read\n")
+            return False
+        if out:
+            _send_all(guest, out)
+        return True
+
+    def _forward_requests(self, http: HttpRequests, data: bytes, upstream: ssl.SSLSocket,
+                          exchange: _Exchange) -> tuple[Refusal | None, int]:
+        """Frame the guest's decrypted bytes and pass on what is admitted (with a bound secret
+        swapped in): the first refusal and how many request heads went upstream."""
+        sent, name, address, port = 0, exchange.name, exchange.address, exchange.port
+        for piece in http.feed(data) if http.state != "closed" else [Piece(data, body=True)]:
             claim = piece.claim
             if claim is not None and claim.name != name and claim.refusal is None:
                 claim = Claim("http", claim.name, HOST_MISMATCH, claim.method, claim.path)
             if claim is not None and not self._admit(claim, address, port):
-                return claim, sent
-            if piece.data:
-                _send_all(upstream, piece.data)
+                return (claim, _refused_text(claim) if self._why(claim, address, port) == REQUEST_REFUSED else None), sent
+            outgoing = self._swapped(exchange, piece, claim)
+            if isinstance(outgoing, tuple):
+                return outgoing, sent
+            if outgoing:
+                _send_all(upstream, outgoing)
             sent += claim is not None
         return None, sent
 
-    def _end_refused(self, connection: _Connection, guest: ssl.SSLSocket, refused: Claim | None,
-                     address: str, port: int) -> None:
+    def _swapped(self, exchange: _Exchange, piece: Piece, claim: Claim | None) -> bytes | Refusal:
+        """A piece as it goes upstream under the job's bound secrets: a head with the bound header's
+        real value where a binding admits it (and asking for identity encoding from a bound host),
+        a body unchanged; or the refusal when a placeholder is where its binding does not let it go."""
+        secrets = exchange.secrets
+        if secrets is None:
+            return piece.data
+        if claim is None or claim.method is None:  # body bytes as one stream; chunk framing on its own
+            misuse = exchange.scan.feed(piece.data) if piece.body else secrets.misused(piece.data)
+            return piece.data if misuse is None else self._secret_refusal(exchange, Claim("http", exchange.name), misuse)
+        exchange.scan.reset()
+        swapped = secrets.swap_head(exchange.name, exchange.port, claim.method, claim.path or "", piece.data,
+                                    body=claim.body, overrides=claim.overrides)
+        if isinstance(swapped, Misuse):
+            return self._secret_refusal(exchange, claim, swapped)
+        head, used = swapped
+        if used is not None:
+            self._count_use(used)
+        if exchange.mask is not None:
+            exchange.mask.expect(claim.method)
+        return head
+
+    def _secret_refusal(self, exchange: _Exchange, claim: Claim, misuse: Misuse) -> Refusal:
+        return claim, self._note_secret(exchange.address, exchange.port, claim, misuse)
+
+    def _count_use(self, binding: str) -> None:
+        with self.lock:
+            self.used[binding] += 1
+
+    def _end_refused(self, connection: _Connection, guest: ssl.SSLSocket, refused: Refusal | None) -> None:
         """The end of an intercepted connection: a refused request is answered (403, why) last."""
         connection.closed = True
-        if refused is not None and self._why(refused, address, port) == REQUEST_REFUSED:
+        if refused is not None and refused[1] is not None:
             guest.setblocking(True)
-            _answer(guest, 403, _refused_text(refused))
+            _answer(guest, 403, refused[1])
 
     def _connect(self, connection: _Connection, address: str, port: int) -> socket.socket | None:
         if connection.upstream is not None:  # audit mode connected before the first flight
@@ -452,20 +554,34 @@ class NameProxy:
         return upstream
 
     def _send_pieces(self, pieces: list[Piece], upstream: socket.socket, address: str, port: int,
-                     guest: socket.socket) -> bool:
+                     guest: socket.socket, scan: StreamScan | None) -> bool:
         """Pass on framed HTTP pieces up to the first refused request; False when one was refused
-        (a request refused for its method or path is answered 403 with the reason)."""
+        (a request refused for its method or path, or for a secret's placeholder, is answered 403
+        with the reason). Plain HTTP never carries a bound secret: a placeholder in it is refused."""
         for index, piece in enumerate(pieces):
             if piece.claim is not None and index and not self._admit(piece.claim, address, port):
                 if self._why(piece.claim, address, port) == REQUEST_REFUSED:
                     _answer(guest, 403, _refused_text(piece.claim))
                 return False
+            misuse = self._plain_misuse(piece, scan)
+            if misuse is not None:
+                _answer(guest, 403, self._note_secret(address, port, piece.claim or Claim("http", None), misuse))
+                return False
             if piece.data:
                 upstream.sendall(piece.data)
         return True
 
+    @staticmethod
+    def _plain_misuse(piece: Piece, scan: StreamScan | None) -> Misuse | None:
+        if scan is None or not piece.data:
+            return None
+        if piece.claim is not None:
+            scan.reset()
+            return scan.swap.misused(piece.data)
+        return scan.feed(piece.data) if piece.body else scan.swap.misused(piece.data)
+
     def _follow_http(self, http: HttpRequests, guest: socket.socket, upstream: socket.socket,
-                     address: str, port: int) -> None:
+                     address: str, port: int, scan: StreamScan | None) -> None:
         """Guest to upstream of an HTTP connection: every later request is checked like the first."""
         while True:
             chunk = guest.recv(READ_BYTES)
@@ -475,7 +591,7 @@ class NameProxy:
                 upstream.sendall(chunk)
                 continue
             pieces = http.feed(chunk)
-            if not self._send_pieces([Piece(b"")] + pieces, upstream, address, port, guest):
+            if not self._send_pieces([Piece(b"")] + pieces, upstream, address, port, guest, scan):
                 break
         upstream.shutdown(socket.SHUT_WR)
 
@@ -494,12 +610,13 @@ class NameProxy:
                 self.threads.discard(inbound)
         connection.closed = True
 
-    def _note(self, address: str, port: int, claim: Claim, reason: str) -> None:
+    def _note(self, address: str, port: int, claim: Claim, reason: str, binding: str | None = None) -> None:
         unnamed = claim.refusal is not None and reason in (UNNAMED, POLICY)
         # audit mode, no rule: the name the guest dialled, which a suggested raw: true entry needs
         # (an ECH hello's outer name is not it); else the name claimed, if any
         name = self.gate.dialled_name(address) if unnamed and reason == POLICY else claim.name
-        key = (address, port, name, reason, claim.method, path_prefix(claim.path) if claim.path else None, unnamed)
+        key: RecordKey = (address, port, name, reason, claim.method, path_prefix(claim.path) if claim.path else None,
+                          unnamed, binding)
         with self.lock:
             first = key not in self.refused
             if first and len(self.refused) >= MAX_RECORDS:

@@ -23,7 +23,14 @@ from pyroute2 import IPRoute, NFCTSocket
 from policy.blocklist import EMPTY, BlockList
 from policy.model import DENY_ALL, Policy, Rule, as_protocol
 from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
-from policy.suggest import BLOCK_LISTED, BLOCK_LISTED_DEST, AuditRecord, refused_name_record
+from policy.suggest import (
+    BLOCK_LISTED,
+    BLOCK_LISTED_DEST,
+    REFUSED_NAME_DEST,
+    SECRET_REFUSED,
+    AuditRecord,
+    refused_name_record,
+)
 from runner.errors import NetworkError
 from runner.net import addresses, firewall, netns
 from runner.net.audit import SlotAudit, refused_answer_record
@@ -32,6 +39,7 @@ from runner.net.firewall import Firewall
 from runner.net.jobca import JobCA
 from runner.net.loop import NetLoop
 from runner.net.nameproxy import NameProxy
+from runner.net.secretswap import SecretSwap
 from runner.net.uplink import Uplink
 
 log = logging.getLogger(__name__)
@@ -95,11 +103,31 @@ class Slot:
         if self.proxy is not None:  # a CA of its own for a job whose HTTPS the host must read, else none
             hosts = policy.intercepted_hosts
             self.proxy.ca = JobCA(self.job or self.netns, hosts) if hosts else None
+            self.proxy.secrets = None  # the job binds its own, if any, after this (`bind_secrets`)
         # the nat table in the same commit: no opening is redirected yet, none of the last job's is
         self.firewall.load(self.netns, rendered.ipv4 + firewall.masquerade(self._namecheck([])))
         self._load_ipv6(rendered.ipv6)
         if self.audit is not None:
             self.audit.clear()
+
+    def bind_secrets(self, swap: SecretSwap) -> None:
+        """Give the job's bound secrets to the name check and the resolver (after `apply_policy`,
+        before the guest trusts the job's CA): their hosts are terminated with the job's CA, which
+        is made again to vouch for them too (its name constraints list every name it may mint for)."""
+        if self.proxy is None or self.resolver is None:
+            raise SlotError(f"slot {self.netns} has no name check: secrets cannot be bound in it")
+        hosts = set(swap.hosts) | set(self.proxy.ca.hosts if self.proxy.ca is not None else ())
+        self.proxy.ca = JobCA(self.job or self.netns, tuple(sorted(hosts))) if hosts else None
+        self.proxy.secrets = swap if swap.secrets else None
+        with self.resolver.lock:
+            self.resolver.bound_secrets = swap if swap.secrets else None
+
+    def secret_uses(self) -> dict[str, int]:
+        """How many requests each binding's value was swapped into, by binding name."""
+        if self.proxy is None:
+            return {}
+        with self.proxy.lock:
+            return dict(self.proxy.used)
 
     def audit_records(self) -> list[AuditRecord]:
         """What the guest tried that the policy does not allow (logged in both modes), and the
@@ -113,6 +141,10 @@ class Slot:
         with self.resolver.lock:
             blocked = sorted(self.resolver.blocked.items())
         records += [AuditRecord(BLOCK_LISTED_DEST, None, "dns", name, count, BLOCK_LISTED) for name, count in blocked]
+        with self.resolver.lock:
+            misused = sorted(self.resolver.secret_refused.items())
+        records += [AuditRecord(REFUSED_NAME_DEST, None, "dns", None, count, SECRET_REFUSED, binding=binding)
+                    for binding, count in misused]
         if self.proxy is not None:
             records += self.proxy.records()
         return records + _refused_names(self.resolver, {record.name for record in records})
@@ -144,6 +176,7 @@ class Slot:
         self.firewall.load(self.netns, firewall.deny_all() + firewall.masquerade())
         if self.proxy is not None:
             self.proxy.ca = None  # the job's CA key goes with the job
+            self.proxy.secrets = None  # and its secrets' values
             self.proxy.clear()
         self._ipv6_loaded = ""
         self._load_ipv6(render(DENY_ALL, self.render_context(), self.allowances).ipv6)

@@ -17,6 +17,7 @@ from policy.model import Policy
 from policy.suggest import AuditRecord
 
 if TYPE_CHECKING:
+    from runner.net.secretswap import SecretSwap
     from runner.sandbox.sandbox import ExecResult
     from runner.vm.templates import Template
 
@@ -92,6 +93,8 @@ class SandboxLike(Protocol):
     def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int: ...
     def blocked_egress(self) -> Sequence[AuditRecord]: ...  # what its policy refused (audit: would refuse)
     def install_job_ca(self) -> dict[str, str]: ...  # the job CA's variables for its commands ({}: none)
+    def bind_secrets(self, swap: SecretSwap) -> dict[str, str]: ...  # the placeholders' variables (before the CA)
+    def secret_uses(self) -> dict[str, int]: ...  # requests each binding's value went into, by name
     def snapshot(self, name: str, *, digest: str | None = None, extra: dict[str, object] | None = None) -> str: ...
     def destroy(self) -> None: ...
 

@@ -17,6 +17,7 @@ from policy.model import Policy
 from policy.suggest import AuditRecord
 from runner import tarsafe
 from runner.errors import CommandNotStarted, SandboxOpFailed
+from runner.net.secretswap import SecretSwap
 from runner.sandbox.port import Resources, VMRequest
 from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient, GuestOpError, NotStarted
@@ -303,6 +304,22 @@ class Sandbox:
         bundle = {name: GUEST_CA_BUNDLE for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT",
                                                      "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "NPM_CONFIG_CAFILE")}
         return {**bundle, "NODE_EXTRA_CA_CERTS": JOB_CA_FILE}
+
+    def bind_secrets(self, swap: SecretSwap) -> dict[str, str]:
+        """Bind the job's secrets in its VM's network (runner.net.secretswap): the host swaps each value
+        into the requests its binding admits and refuses its placeholder everywhere else. Call before
+        `install_job_ca` (the job's CA is made again to vouch for the bound hosts) and before any job
+        code runs. Returns the variables that hold the placeholders; no value ever enters the guest."""
+        slot = self._vm.slot
+        if slot is None:
+            raise SandboxError("secrets are bound only in a VM with a network card; the job's policy allows nothing "
+                               f"(bindings: {', '.join(bound.binding.name for bound in swap.secrets)})")
+        slot.bind_secrets(swap)
+        return {bound.binding.env: bound.placeholder for bound in swap.secrets}
+
+    def secret_uses(self) -> dict[str, int]:
+        slot = self._vm.slot
+        return {} if slot is None else slot.secret_uses()
 
     def blocked_egress(self) -> list[AuditRecord]:
         """What the guest tried that its policy does not allow (in audit mode: would not allow)."""

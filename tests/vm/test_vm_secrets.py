@@ -1,0 +1,314 @@
+"""Secrets a job can use and never read (issue 35), from a real VM in a fake internet with real TLS servers.
+
+A private package index (idx.test) demands HTTP basic auth with the real value; the guest has only its
+placeholder. The host terminates TLS to the bound host with the job's CA, puts the real credentials into
+the requests the binding admits and refuses the placeholder everywhere else: another method or path,
+a query (as sent, upper-cased, %-encoded), a body (split across chunks), another header, another TLS
+host that the host reads, plain HTTP, a TLS server name, a DNS name. The index also echoes every request
+header back (in a response header and in a chunked body cut into 3-byte chunks) and, on one path,
+gzip-compresses that echo whatever it is asked: the guest must see the placeholder there, never the value,
+and the compressed echo is refused. The upstreams record what reached them: the value only in the
+requests the binding admits, the placeholder never.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import secrets
+import textwrap
+from contextlib import ExitStack
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from test_vm_network import IndexHandler
+
+from policy import load_policy
+from policy.suggest import SECRET_REFUSED
+from runner.net import NamespaceUplink, SlotPool, Upstream, netns
+from runner.net.secretswap import BoundSecret, SecretBinding, SecretSwap
+from runner.sandbox import Sandbox
+from tests.net import net_fakes
+
+VALUE = "Tr0ub4dor-" + secrets.token_hex(12)  # what only the host and the upstream may see
+INDEX_HOST, OTHER_HOST = "203.0.113.70", "203.0.113.71"
+net_fakes.ZONE.update({"idx.test": INDEX_HOST, "other.test": OTHER_HOST})
+POLICY = """\
+version: 1
+allow:
+  - host: idx.test
+    ports: [8443]
+    methods: [GET, POST]
+  - host: other.test
+    ports: [8443]
+    methods: [GET]
+  - host: plain.test
+    ports: [8080]
+"""
+BINDING = SecretBinding("index", "INDEX_PASSWORD", "idx.test", scheme="basic", user="ci", ports=frozenset({8443}),
+                        paths=("/simple/*", "/files/*", "/echo/*"))
+REAL_AUTH = "Basic " + base64.b64encode(f"ci:{VALUE}".encode()).decode()
+
+# Sends each case's pieces on one connection (TLS for tls cases, with a server name of its own if
+# given), pausing between them, and prints what came back; "dns" cases resolve a name.
+CLIENT = textwrap.dedent(
+    """
+    import json, socket, ssl, sys, time
+    def run(case):
+        if case.get("resolve"):
+            try:
+                return "resolved " + socket.gethostbyname(case["resolve"])
+            except OSError as exc:
+                return "unresolved " + type(exc).__name__
+        got = b""
+        try:
+            sock = socket.create_connection((case["dial"], case["port"]), timeout=30)
+            if case["tls"]:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=case.get("sni") or case["dial"])
+            for at, piece in enumerate(case["pieces"]):
+                if at:
+                    time.sleep(0.3)
+                try:
+                    sock.sendall(piece.encode())
+                except OSError:
+                    break
+            while chunk := sock.recv(65536):
+                got += chunk
+            return got.decode("latin-1")
+        except (OSError, ssl.SSLError) as exc:
+            return got.decode("latin-1") + " | " + type(exc).__name__
+    for name, case in json.load(open(sys.argv[1])).items():
+        print(json.dumps([name, run(case)]), flush=True)
+    """
+)
+
+# Prints every file under the guest's writable trees, and every process's environment and command line,
+# that holds the value (given in two halves), then "searched".
+FIND = textwrap.dedent(
+    """
+    import os, sys
+    needle = (sys.argv[1] + sys.argv[2]).encode()
+    for root in ("/etc", "/usr/local", "/tmp", "/root", "/workspace", "/var", "/home", "/run"):
+        for top, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(top, name)
+                try:
+                    if os.path.isfile(path) and not os.path.islink(path) and needle in open(path, "rb").read():
+                        print("file", path)
+                except OSError:
+                    pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for part in ("environ", "cmdline"):
+            try:
+                if needle in open(f"/proc/{pid}/{part}", "rb").read():
+                    print("proc", pid, part)
+            except OSError:
+                pass
+    print("searched")
+    """
+)
+
+
+class PrivateIndex(IndexHandler):
+    """The fake index behind basic auth; /echo/ answers with every request header it got."""
+
+    received: list[str] = []  # every request's head as it arrived
+
+    def do_GET(self) -> None:
+        self.received.append(f"{self.command} {self.path}\n{self.headers}")
+        if self.headers.get("Authorization") != REAL_AUTH:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="private"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/echo/"):
+            self.echo(gzipped=self.path.startswith("/echo/gzip"))
+            return
+        super().do_GET()
+
+    def echo(self, *, gzipped: bool) -> None:
+        text = str(self.headers).encode()
+        self.send_response(200)
+        self.send_header("X-Echo", self.headers.get("Authorization", ""))
+        if gzipped:
+            body = gzip.compress(text)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for at in range(0, len(text), 3):  # every value split across chunk boundaries
+            piece = text[at:at + 3]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def do_POST(self) -> None:
+        """Reads the whole body (chunked too) before answering, as a real server does."""
+        if self.headers.get("Transfer-Encoding") == "chunked":
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                self.rfile.read(size + 2)
+            self.rfile.readline()
+        else:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.received.append(f"{self.command} {self.path}\n{self.headers}")
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+class Other(PrivateIndex):
+    received: list[str] = []
+
+
+class Plain(PrivateIndex):
+    received: list[str] = []
+
+
+@pytest.fixture
+def secret_engine(need_netns, make_engine, tmp_path):
+    prefix = "v" + secrets.token_hex(3)
+    for handler in (PrivateIndex, Other, Plain):
+        handler.received = []
+    with ExitStack() as cleanup:
+        internet, servers = net_fakes.build_internet(prefix)
+        cleanup.callback(netns.remove, internet)
+        cleanup.callback(servers.close)
+        trusted = net_fakes.test_ca("fake internet CA")
+        net_fakes.tls_server(internet, INDEX_HOST, 8443, "idx.test", trusted, tmp_path, servers, handler=PrivateIndex)
+        net_fakes.tls_server(internet, OTHER_HOST, 8443, "other.test", trusted, tmp_path, servers, handler=Other)
+        net_fakes.http_server_in(internet, net_fakes.RULES_HOST, 8080, Plain, cleanup)
+        ca_file = tmp_path / "upstream-ca.pem"
+        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
+        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
+                        upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        cleanup.callback(pool.close)
+        pool.start()
+        engine = make_engine(net=pool)
+        cleanup.callback(engine.close)
+        yield engine
+    assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
+
+
+def get(host: str, path: str, *headers: str, port: int = 8443, method: str = "GET", body: str = "") -> str:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", *headers, "Connection: close"]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return "\r\n".join(lines) + "\r\n\r\n" + body
+
+
+def case(host: str, *pieces: str, port: int = 8443, tls: bool = True, sni: str | None = None) -> dict[str, object]:
+    return {"dial": host, "port": port, "tls": tls, "pieces": list(pieces), **({"sni": sni} if sni else {})}
+
+
+def cases(placeholder: str) -> dict[str, dict[str, object]]:
+    auth = "Authorization: Basic " + base64.b64encode(f"ci:{placeholder}".encode()).decode()
+    escaped = "".join(f"%{byte:02X}" for byte in placeholder.encode())
+    chunked = "POST /upload HTTP/1.1\r\nHost: idx.test:8443\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    half = len(placeholder) // 2
+    return {
+        "echo": case("idx.test", get("idx.test", "/echo/headers", auth)),
+        "echo gzip": case("idx.test", get("idx.test", "/echo/gzip", auth)),
+        "no auth": case("idx.test", get("idx.test", "/simple/demo-pkg/")),
+        "another method": case("idx.test", get("idx.test", "/simple/x", auth, method="POST", body="x")),
+        "another path": case("idx.test", get("idx.test", "/admin/", auth)),
+        "in the query": case("idx.test", get("idx.test", f"/simple/demo-pkg/?t={placeholder}", auth)),
+        "in the query, upper-cased": case("idx.test", get("idx.test", f"/simple/?t={placeholder.upper()}")),
+        "in the query, %-encoded": case("idx.test", get("idx.test", f"/simple/?t={escaped}")),
+        "in another header": case("idx.test", get("idx.test", "/simple/demo-pkg/", f"X-Token: {placeholder}")),
+        "as a bearer": case("idx.test", get("idx.test", "/simple/demo-pkg/", f"Authorization: Bearer {placeholder}")),
+        "in a body, split across chunks": case(
+            "idx.test", chunked + f"{half:x}\r\n{placeholder[:half]}\r\n",
+            f"{len(placeholder) - half:x}\r\n{placeholder[half:]}\r\n0\r\n\r\n"),
+        "pipelined behind an allowed request": case(
+            "idx.test", get("idx.test", "/simple/demo-pkg/", auth).replace("Connection: close\r\n", "")
+            + get("idx.test", f"/simple/?t={placeholder}")),
+        "to another host the host reads": case("other.test", get("other.test", "/simple/", auth)),
+        "to plain HTTP": case("plain.test", get("plain.test", "/simple/", auth, port=8080), port=8080, tls=False),
+        "as the TLS server name": case("idx.test", get("idx.test", "/simple/"), sni=f"{placeholder}.idx.test"),
+        "as a DNS name": {"resolve": f"{placeholder}.idx.test"},
+        "as DNS labels": {"resolve": f"{placeholder[:20]}.{placeholder[20:]}.idx.test"},
+    }
+
+
+def test_a_bound_secret_goes_only_where_its_binding_says_and_never_comes_back(secret_engine):
+    policy = load_policy(POLICY, "test policy")
+    bound = BoundSecret.make(BINDING, VALUE)
+    with Sandbox.create(engine=secret_engine, policy=policy) as sbx:
+        env = sbx.bind_secrets(SecretSwap((bound,)))
+        env |= sbx.install_job_ca()
+        placeholder = env["INDEX_PASSWORD"]
+        sbx.files.write("/tmp/client.py", CLIENT.encode())
+        sbx.files.write("/tmp/cases.json", json.dumps(cases(placeholder)).encode())
+        r = sbx.exec(["python3", "/tmp/client.py", "/tmp/cases.json"], env=env, timeout_seconds=600)
+        assert r.exit_code == 0, r.stderr
+        got = dict(json.loads(line) for line in r.stdout.decode().splitlines())
+        pip = sbx.exec("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 "
+                       "--progress-bar off --break-system-packages --target /tmp/site "
+                       '--index-url "https://ci:$INDEX_PASSWORD@idx.test:8443/simple" demo-pkg && '
+                       "PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'",
+                       env=env, timeout_seconds=300)
+        sbx.files.write("/tmp/find.py", FIND.encode())
+        half = len(VALUE) // 2  # the value is put together in the finder's memory only, never in a file or argv
+        found = sbx.exec(["python3", "/tmp/find.py", VALUE[:half], VALUE[half:]], env=env, timeout_seconds=300)
+        records = [rec for rec in sbx.blocked_egress() if rec.reason == SECRET_REFUSED]
+        uses = sbx.secret_uses()
+    without = _pip_without_binding(secret_engine, policy)
+
+    assert placeholder != VALUE and VALUE not in json.dumps(env)
+    assert pip.exit_code == 0 and b"installed from the fake index" in pip.stdout, pip.stdout + pip.stderr
+    assert without.exit_code != 0 and b"installed from the fake index" not in without.stdout
+    everything = r.stdout.decode() + pip.stdout.decode("latin-1") + pip.stderr.decode("latin-1")
+    assert VALUE not in everything and VALUE.upper() not in everything.upper()
+    assert REAL_AUTH.split()[1] not in everything
+    head, _, body = got["echo"].partition("\r\n\r\n")
+    masked = bound.header_value(bound.mask)  # Basic base64("ci:" + the placeholder), where the value was
+    assert head.startswith("HTTP/1.1 200") and f"X-Echo: {masked}" in head, head
+    assert f"Authorization: {masked}" in dechunked(body) and "Accept-Encoding: identity" in dechunked(body), body
+    assert got["echo gzip"].startswith("HTTP/1.1 502") and "compressed" in got["echo gzip"], got["echo gzip"]
+    assert got["no auth"].startswith("HTTP/1.1 401"), got["no auth"]
+    refused = ["another method", "another path", "in the query", "in the query, upper-cased", "in the query, %-encoded",
+               "in another header", "as a bearer", "in a body, split across chunks", "to another host the host reads",
+               "to plain HTTP"]
+    for name in refused:
+        assert got[name].startswith("HTTP/1.1 403") and "placeholder of secret index" in got[name], (name, got[name])
+    pipelined = got["pipelined behind an allowed request"]
+    assert pipelined.startswith("HTTP/1.1 200") and "placeholder of secret index" in pipelined, pipelined
+    assert "HTTP/1.1" not in got["as the TLS server name"] and "|" in got["as the TLS server name"]
+    assert got["as a DNS name"].startswith("unresolved") and got["as DNS labels"].startswith("unresolved"), got
+    assert found.exit_code == 0 and found.stdout.decode().split() == ["searched"], found.stdout + found.stderr
+
+    arrived = "\n".join(PrivateIndex.received + Other.received + Plain.received)
+    assert placeholder not in arrived and placeholder.upper() not in arrived.upper()
+    assert "/admin/" not in arrived and "/upload" not in arrived and "t=" not in arrived
+    assert not Other.received and not Plain.received
+    assert all(("Authorization: " + REAL_AUTH) in head for head in PrivateIndex.received if "/echo/" in head)
+    assert {rec.binding for rec in records} == {"index"}
+    assert {rec.proto for rec in records} == {"tcp", "dns"}, records
+    assert {rec.name for rec in records if rec.proto == "tcp"} >= {"idx.test", "other.test", "plain.test"}
+    assert uses["index"] >= 4  # echo, echo gzip, the pipelined request, pip's page and wheel
+
+
+def dechunked(body: str) -> str:
+    """A chunked body's data."""
+    data, rest = "", body
+    while rest:
+        size_line, _, rest = rest.partition("\r\n")
+        size = int(size_line.split(";")[0], 16)
+        if size == 0:
+            return data
+        data, rest = data + rest[:size], rest[size + 2:]
+    return data
+
+
+def _pip_without_binding(engine, policy):  # type: ignore[no-untyped-def]
+    """The same install in a job without the binding: the index refuses it (401), so pip fails."""
+    with Sandbox.create(engine=engine, policy=policy) as sbx:
+        env = sbx.install_job_ca()
+        return sbx.exec("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 "
+                        "--progress-bar off --break-system-packages --target /tmp/site "
+                        "--index-url https://ci:guess@idx.test:8443/simple demo-pkg", env=env, timeout_seconds=300)
+
