@@ -356,6 +356,9 @@ class ServiceConfig:
     bases: Bases = setting(None, "repositories' warm bases: their disk budget and setup timeout", "section",
                            section=Bases)
     network: Network = setting(None, "per-VM networking", "section", section=Network)
+    secrets: Path | None = setting(None, "the operator's secret bindings (docs/secrets.md): which repositories' jobs "
+                                         "get a placeholder the host swaps for a value from a root-only file, and "
+                                         "where it may be sent", "path")
     shutdown_grace_seconds: float = setting(30.0, "at shutdown, running jobs get this long before they are "
                                                   "cancelled", "number", minimum=0, maximum=DAY)
     env_allowlist: tuple[str, ...] = setting(("CI", "GITHUB_*", "RUNNER_*"), "environment names (globs) a job "
