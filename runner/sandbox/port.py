@@ -129,7 +129,8 @@ class SandboxProvider(Protocol):
         ...
 
     def sandbox_snapshots(self) -> list[str]:
-        """The templates that are sandboxes' snapshots (at start-up: a dead service's leftovers)."""
+        """The sandboxes' snapshots a service that ended left (removed at start-up); not those of another
+        engine, on a state directory of its own, that shares the template store and may be using them."""
         ...
 
     def refill(self, template: Template, network: bool) -> None:

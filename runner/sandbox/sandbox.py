@@ -389,7 +389,7 @@ class EngineSandboxes:
         self.engine.templates.remove(name)
 
     def sandbox_snapshots(self) -> list[str]:
-        return [t.name for t in self.engine.templates.list() if t.sandbox]
+        return [t.name for t in self.engine.templates.list() if t.sandbox and self.engine.is_leftover(t)]
 
     def refill(self, template: Template, network: bool) -> None:
         self.engine.pool.refill(template.snapshot(network))

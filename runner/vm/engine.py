@@ -186,7 +186,7 @@ class Engine:
             work.mkdir(mode=0o700)
             self.hv.fold(stream, target, work)
             stream.unlink()
-            self.templates.write_derived(path, parent, variant, extra or {})
+            self.templates.write_derived(path, parent, variant, {**(extra or {}), "made_in": str(self.state.root.resolve())})
             for entry in (target.mem_file, target.state_file):
                 entry.chmod(0o444)  # every clone maps these; nothing may ever write them again
             self.templates.publish(name, digest)
@@ -232,6 +232,14 @@ class Engine:
             snapshot = template.snapshot(variant == "net")
             for vm in (*self.pool.forget(snapshot), *self._standby.forget(snapshot)):
                 vm.destroy()
+
+    def is_leftover(self, template: Template) -> bool:
+        """Whether `template`, a sandbox's snapshot, is left over from a service that ended (no sandbox outlives
+        its service, so it goes at start-up): made on this state directory (by a predecessor: one engine per
+        directory), on one that is gone, or before makers were recorded. Another engine's, on a state
+        directory of its own that shares this template store (`localrun` beside `serve`, tests), may be in use."""
+        made_in = template.made_in
+        return made_in is None or made_in == self.state.root.resolve() or not made_in.exists()
 
     def _claim(self, vm: VM, policy: Policy | None, hostname: str) -> None:
         """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""

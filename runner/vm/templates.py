@@ -87,6 +87,13 @@ class Template:
         sandboxes (runner/service/sandboxes.py), never in the warm bases' budget, never past a restart."""
         return "sandbox" in self.manifest
 
+    @property
+    def made_in(self) -> Path | None:
+        """The state directory of the engine that made it from a running VM (Engine.snapshot); None for a
+        baked template, or one made before this was recorded."""
+        made_in = self.manifest.get("made_in")
+        return Path(made_in) if isinstance(made_in, str) else None
+
     def snapshot(self, network: bool) -> Snapshot:
         variant = "net" if network else "nonet"
         if variant not in self.variants:

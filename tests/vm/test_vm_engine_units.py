@@ -122,3 +122,24 @@ def test_the_vmm_spawned_ahead_is_one_per_snapshot_whatever_the_demand(tmp_path)
         assert engine._standby.target(snapshot) == 1
     finally:
         engine.close()
+
+
+def test_a_sandbox_snapshot_is_a_leftover_unless_another_live_state_directory_made_it(tmp_path):
+    """At start-up a service removes the sandbox snapshots its ended predecessor left; a template store shared
+    with another engine on a state directory of its own (`localrun` beside `serve`) holds that one's too."""
+    from runner.vm.templates import Template
+
+    engine = Engine(StateDir(tmp_path / "state"), hypervisor=object(), pool_size=0)
+    other = tmp_path / "other-state"
+    other.mkdir()
+    try:
+        def made_in(where: object) -> Template:
+            manifest = {"sandbox": "j0123456789abcdef"} | ({} if where is None else {"made_in": str(where)})
+            return Template(name="sbx-j0123456789abcdef-1", digest="d" * 20, path=tmp_path, manifest=manifest)
+
+        assert engine.is_leftover(made_in(engine.state.root.resolve())), "its own predecessor's"
+        assert engine.is_leftover(made_in(tmp_path / "gone")), "a state directory that is gone comes back to no one"
+        assert engine.is_leftover(made_in(None)), "made before the maker was recorded"
+        assert not engine.is_leftover(made_in(other)), "another engine's, which may be using it"
+    finally:
+        engine.close()
