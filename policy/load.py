@@ -112,7 +112,7 @@ def _policy(node: yaml.Node, problems: Problems, sections: dict[str, Section]) -
         problems.at(node, f"the policy must be a mapping with keys version, mode and allow, "
                           f"not {kind(node)}; write {EXAMPLE}")
         return None
-    values, duplicates = mapping(node, TOP_KEYS + tuple(sections), "the policy", problems)
+    values, duplicates = mapping(_without_secrets(node, problems), TOP_KEYS + tuple(sections), "the policy", problems)
     checks: dict[str, Callable[[yaml.Node], object]] = {
         "version": lambda value: _version(value, node, problems),
         "mode": lambda value: _mode(value, problems),
@@ -181,6 +181,20 @@ def _rules(node: yaml.Node | None, problems: Problems) -> list[Rule] | None:
                           "use wildcards or wider networks")
         return None
     return all_or_none([_rule(item, problems) for item in node.value])
+
+
+def _without_secrets(node: yaml.MappingNode, problems: Problems) -> yaml.MappingNode:
+    """The policy's mapping without a `secrets` key, which is refused with why: a secret binding
+    (runner.net.secretswap) comes from the operator's config or the base branch's workflow only, and
+    a policy (which a pull request may bring) can neither add one nor widen one."""
+    kept = []
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.value == "secrets":
+            problems.at(key, "secrets: a policy cannot bind secrets or widen a binding; bindings come from the "
+                             "operator's service config or the workflow's secrets: input (docs/secrets.md)")
+        else:
+            kept.append((key, value))
+    return yaml.MappingNode(node.tag, kept, node.start_mark, node.end_mark)
 
 
 def _rule(node: yaml.Node, problems: Problems) -> Rule | None:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 from policy.model import Policy
 from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
-from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest
+from runner.net.secretswap import Masker, SecretSwap
+from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest, needs_network
 from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.command import direct_argv, shell_argv
@@ -77,6 +78,8 @@ class JobRun:
     sandbox: SandboxLike | None = None
     cancel_reason: str | None = None
     trust_env: dict[str, str] = field(default_factory=dict)  # from Sandbox.install_job_ca
+    # Its secret bindings with their values and placeholders (runner/service/secretbindings.py), in memory only.
+    secrets: SecretSwap = field(default_factory=lambda: SecretSwap(()), repr=False)
     uploading: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None  # the GitHub job's kept VM this step opens or attaches to
@@ -213,8 +216,10 @@ class JobRun:
     def _run_in(self, sandbox: SandboxLike, config: ServiceConfig) -> tuple[str, int | None, str | None]:
         if not self.attached:
             self._put_checkout(sandbox)
-        self.trust_env = sandbox.install_job_ca()  # before any job code runs
+        placeholders = self._bind_secrets(sandbox)  # before the CA: it is made again to vouch for bound hosts
+        self.trust_env = {**sandbox.install_job_ca(), **placeholders}  # before any job code runs
         result = self._run_command(sandbox)
+        self._note_secret_uses(sandbox)
         if self.cancel_reason:
             return self._cancelled()
         self._collect_artifacts(sandbox, config)
@@ -226,6 +231,37 @@ class JobRun:
             return "timed_out", EXIT_TIMEOUT, timeout
         exit_code = _exit_code(result.exit_code)
         return self._on_block(blocked, exit_code) or ("finished", exit_code, None)
+
+    def _bind_secrets(self, sandbox: SandboxLike) -> dict[str, str]:
+        """The job's secret bindings, bound in its VM's network: the variables holding their placeholders.
+        A binding whose host the job's policy does not let it reach is bound anyway (its placeholder is
+        refused everywhere) and the log says why it cannot be used."""
+        bound = self.secrets.secrets
+        if not bound:
+            return {}
+        if not needs_network(self.policy):
+            self.log.system(f"secret bindings {', '.join(b.binding.name for b in bound)} unused: the job's egress "
+                            "policy allows nothing, so its VM has no network")
+            return {}
+        for entry in bound:
+            binding = entry.binding
+            if not any(rule.name_checked and rule.allows(port, "tcp", name=binding.host)
+                       for rule in (self.policy.rules if self.policy else ()) for port in binding.ports):
+                self.log.system(f"secret binding {binding.name}: the job's policy has no host: rule (name-checked, "
+                                f"not raw) for {binding.host} on port(s) {','.join(map(str, sorted(binding.ports)))}, "
+                                "so no request can use it")
+        placeholders = sandbox.bind_secrets(self.secrets)
+        self.log.system("secret bindings: " + "; ".join(f"{b.binding.name} in ${b.binding.env} (only {b.binding.where()})"
+                                                        for b in bound))
+        return placeholders
+
+    def _note_secret_uses(self, sandbox: SandboxLike) -> None:
+        """The job log says how often each binding's value went out (names and hosts, never a value)."""
+        if not self.secrets.secrets or not needs_network(self.policy):
+            return
+        uses = sandbox.secret_uses()
+        self.log.system("secrets used: " + ", ".join(f"{b.binding.name} {uses.get(b.binding.name, 0)} request(s) to "
+                                                     f"{b.binding.host}" for b in self.secrets.secrets))
 
     def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
@@ -277,10 +313,15 @@ class JobRun:
         begun = time.monotonic()
         limit: float | None = self.spec.timeout_seconds
 
+        masked = _MaskedLog(self.log, self.secrets)
+
         def run(argv: list[str], timeout: float | None) -> ExecResult:
-            return sandbox.exec(argv, timeout_seconds=timeout, env=env, cwd=self.spec.workdir,
-                                on_output=self.log.append,
-                                capture_bytes=0)  # the job log has it all; another copy in memory helps no one
+            try:
+                return sandbox.exec(argv, timeout_seconds=timeout, env=env, cwd=self.spec.workdir,
+                                    on_output=masked.append,
+                                    capture_bytes=0)  # the job log has it all; another copy in memory helps no one
+            finally:
+                masked.flush()
 
         direct = direct_argv(command)  # no shell when it would only split words (runner/service/command.py)
         if direct is not None:
@@ -304,6 +345,33 @@ class JobRun:
         with self.lock:
             self.record.artifacts = entries
         self.log.system(f"collected {len(entries)} artifact file(s)")
+
+
+@dataclass
+class _MaskedLog:
+    """The guest's output on its way to the job log with every form of the job's secret values masked
+    (`runner.net.secretswap.Masker`, per stream, across writes): the guest never has a value, so this is
+    only the last fence before the log, the summary and the check run, which read the log."""
+
+    log: JobLog
+    secrets: SecretSwap
+    maskers: dict[str, Masker] = field(default_factory=dict)
+
+    def append(self, stream: str, data: bytes) -> None:
+        if not self.secrets.secrets:
+            self.log.append(stream, data)
+            return
+        masker = self.maskers.setdefault(stream, Masker([needle for bound in self.secrets.secrets
+                                                         for needle in bound.reflections()]))
+        out = masker.feed(data)
+        if out:
+            self.log.append(stream, out)
+
+    def flush(self) -> None:
+        for stream, masker in self.maskers.items():
+            out = masker.flush()
+            if out:
+                self.log.append(stream, out)
 
 
 class SessionGone(JobError):

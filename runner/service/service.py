@@ -24,6 +24,7 @@ from pathlib import Path
 from policy.model import Policy
 from runner.errors import JobError
 from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState, canonical_repository
+from runner.net.secretswap import SecretSwap
 from runner.service.admission import spool_checkout
 from runner.service.auth import OPERATOR, Caller
 from runner.service.config import ServiceConfig
@@ -32,6 +33,7 @@ from runner.service.joblog import JobLog
 from runner.service.jobparts import JobParts
 from runner.service.jobqueue import QueueClosed
 from runner.service.runs import finish, logged
+from runner.service.secretbindings import load_secrets
 from runner.service.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class JobService:
         self.check_runs, self.queue, self.prewarmed = parts.check_runs, parts.queue, parts.prewarmed
         self.sessions, self.access, self.admission = parts.sessions, parts.access, parts.admission
         self.runs, self.vms, self.workers = parts.runs, parts.vms, parts.workers
+        self.secret_bindings = load_secrets(config.secrets)  # the values, in this process's memory only
         self._stopping = threading.Event()
         self._drained = False
 
@@ -165,7 +168,8 @@ class JobService:
         job_dir.mkdir(mode=0o700)
         run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
                      session=session, sessions=self.sessions if session else None, attached=attached,
-                     attestor=self.attestor, checks=self.check_runs)
+                     attestor=self.attestor, checks=self.check_runs,
+                     secrets=SecretSwap(self.secret_bindings.for_repository(spec.repository)))
         try:
             self.records.put(record)
         except BaseException:

@@ -14,26 +14,21 @@ requests the binding admits, the placeholder never.
 from __future__ import annotations
 
 import base64
-import gzip
 import json
 import secrets
 import textwrap
 from contextlib import ExitStack
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from test_vm_network import IndexHandler
 
 from policy import load_policy
 from policy.suggest import SECRET_REFUSED
-from runner.net import NamespaceUplink, SlotPool, Upstream, netns
+from runner.net import NamespaceUplink, SlotPool, Upstream
 from runner.net.secretswap import BoundSecret, SecretBinding, SecretSwap
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
+from tests.net.secret_fakes import REAL_AUTH, VALUE, Other, Plain, PrivateIndex, secret_internet
 
-VALUE = "Tr0ub4dor-" + secrets.token_hex(12)  # what only the host and the upstream may see
-INDEX_HOST, OTHER_HOST = "203.0.113.70", "203.0.113.71"
-net_fakes.ZONE.update({"idx.test": INDEX_HOST, "other.test": OTHER_HOST})
 POLICY = """\
 version: 1
 allow:
@@ -48,7 +43,6 @@ allow:
 """
 BINDING = SecretBinding("index", "INDEX_PASSWORD", "idx.test", scheme="basic", user="ci", ports=frozenset({8443}),
                         paths=("/simple/*", "/files/*", "/echo/*"))
-REAL_AUTH = "Basic " + base64.b64encode(f"ci:{VALUE}".encode()).decode()
 
 # Sends each case's pieces on one connection (TLS for tls cases, with a server name of its own if
 # given), pausing between them, and prints what came back; "dns" cases resolve a name.
@@ -110,79 +104,11 @@ FIND = textwrap.dedent(
 )
 
 
-class PrivateIndex(IndexHandler):
-    """The fake index behind basic auth; /echo/ answers with every request header it got."""
-
-    received: list[str] = []  # every request's head as it arrived
-
-    def do_GET(self) -> None:
-        self.received.append(f"{self.command} {self.path}\n{self.headers}")
-        if self.headers.get("Authorization") != REAL_AUTH:
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", 'Basic realm="private"')
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        if self.path.startswith("/echo/"):
-            self.echo(gzipped=self.path.startswith("/echo/gzip"))
-            return
-        super().do_GET()
-
-    def echo(self, *, gzipped: bool) -> None:
-        text = str(self.headers).encode()
-        self.send_response(200)
-        self.send_header("X-Echo", self.headers.get("Authorization", ""))
-        if gzipped:
-            body = gzip.compress(text)
-            self.send_header("Content-Encoding", "gzip")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for at in range(0, len(text), 3):  # every value split across chunk boundaries
-            piece = text[at:at + 3]
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-        self.wfile.write(b"0\r\n\r\n")
-
-    def do_POST(self) -> None:
-        """Reads the whole body (chunked too) before answering, as a real server does."""
-        if self.headers.get("Transfer-Encoding") == "chunked":
-            while size := int(self.rfile.readline().split(b";")[0], 16):
-                self.rfile.read(size + 2)
-            self.rfile.readline()
-        else:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.received.append(f"{self.command} {self.path}\n{self.headers}")
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-
-class Other(PrivateIndex):
-    received: list[str] = []
-
-
-class Plain(PrivateIndex):
-    received: list[str] = []
-
-
 @pytest.fixture
 def secret_engine(need_netns, make_engine, tmp_path):
     prefix = "v" + secrets.token_hex(3)
-    for handler in (PrivateIndex, Other, Plain):
-        handler.received = []
     with ExitStack() as cleanup:
-        internet, servers = net_fakes.build_internet(prefix)
-        cleanup.callback(netns.remove, internet)
-        cleanup.callback(servers.close)
-        trusted = net_fakes.test_ca("fake internet CA")
-        net_fakes.tls_server(internet, INDEX_HOST, 8443, "idx.test", trusted, tmp_path, servers, handler=PrivateIndex)
-        net_fakes.tls_server(internet, OTHER_HOST, 8443, "other.test", trusted, tmp_path, servers, handler=Other)
-        net_fakes.http_server_in(internet, net_fakes.RULES_HOST, 8080, Plain, cleanup)
-        ca_file = tmp_path / "upstream-ca.pem"
-        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
+        internet, ca_file = secret_internet(prefix, tmp_path, cleanup)
         pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
                         upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
         cleanup.callback(pool.close)
