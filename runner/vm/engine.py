@@ -232,6 +232,7 @@ class Engine:
             snapshot = template.snapshot(variant == "net")
             for vm in (*self.pool.forget(snapshot), *self._standby.forget(snapshot)):
                 vm.destroy()
+            self.hv.forget(snapshot)
 
     def is_leftover(self, template: Template) -> bool:
         """Whether `template`, a sandbox's snapshot, is left over from a service that ended (no sandbox outlives

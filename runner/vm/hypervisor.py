@@ -141,5 +141,10 @@ class Hypervisor(ABC):
         template variant whose disk already exists; `work_dir` is private to this run."""
 
     @abstractmethod
+    def forget(self, snapshot: Snapshot) -> None:
+        """Drop whatever is kept to restore `snapshot` faster (QEMU: its RAM's sealed copy, its empty
+        overlay): its template is about to be removed and no restore will ask for it again."""
+
+    @abstractmethod
     def version(self) -> str:
         """The VMM's version: a template is only restorable by the version that baked it."""

@@ -143,14 +143,15 @@ def bake_backends(config: MachineConfig, mem_file: Path, launch: Launch) -> Back
 
 def restore_backends(snapshot: Snapshot, launch: Launch, ram_fd: int, user: jail.VMUser) -> Backends:
     """A restore's files as descriptors: the template's read-only, the RAM a sealed memfd (mapped
-    private), the VM's own overlay handed to the VM user, the tap opened in the VM's namespace."""
+    private; `ram_fd` is handed over, closed with the others), the VM's own overlay handed to the VM
+    user, the tap opened in the VM's namespace."""
     backends = Backends(mem="", share=False, kernel="", initrd="", drive="", netdev="")
     try:
         def hand(fd: int) -> str:
             backends.fds.append(fd)
             return jail.proc_fd(fd)
 
-        backends.mem = hand(os.dup(ram_fd))
+        backends.mem = hand(ram_fd)
         backends.kernel = hand(os.open(snapshot.config.kernel, os.O_RDONLY | os.O_CLOEXEC))
         backends.initrd = hand(os.open(snapshot.config.initrd, os.O_RDONLY | os.O_CLOEXEC))
         base = hand(os.open(snapshot.disk, os.O_RDONLY | os.O_CLOEXEC))
@@ -538,13 +539,24 @@ class QemuHypervisor(Hypervisor):
         os.chown(target.mem_file, 0, 0)
 
     def _sealed_ram(self, mem_file: Path) -> int:
-        """The template's RAM as a sealed memfd, made once per file and kept for every later restore."""
+        """The template's RAM as a sealed memfd, made once per file and kept for every later restore; the
+        caller gets a descriptor of its own (a dup made under the lock), so dropping the copy meanwhile
+        (`forget`, `_drop_unpublished`) never closes, or lets another file reuse, the one it hands QEMU."""
         with self._ram_lock:
             fd = self._ram.get(mem_file)
             if fd is None:
                 self._drop_unpublished()
                 fd = self._ram[mem_file] = jail.sealed_copy(mem_file)
-            return fd
+            return os.dup(fd)
+
+    def forget(self, snapshot: Snapshot) -> None:
+        """The RAM copy of a template being removed goes now, not at the next new template's first restore
+        (until then it held the template's used RAM, per template removed meanwhile)."""
+        with self._ram_lock:
+            fd = self._ram.pop(snapshot.mem_file, None)
+        if fd is not None:
+            os.close(fd)
+        self._overlays.forget(snapshot.disk)
 
     def _drop_unpublished(self) -> None:
         """Free the copies of templates that a rebuild removed (VMs already running keep their mapping)."""
@@ -575,6 +587,10 @@ class EmptyOverlays:
             return
         with os.fdopen(os.open(overlay, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as out:
             out.write(image)
+
+    def forget(self, base: Path) -> None:
+        with self._lock:
+            self._images.pop(base, None)
 
 
 def make_overlay(base: Path, overlay: Path) -> None:

@@ -53,6 +53,12 @@ def spares_and_vmms(operator: JobClient, vms: Path) -> tuple[dict[str, int], int
     return pools["ready"], pools["size"], len(processes_under(vms))
 
 
+def sealed_copies(pid: int) -> int:
+    """The templates' RAM copies (sealed memfds, runner/vm/qemu.py) process `pid` holds open."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(os.readlink(fds / fd).startswith("/memfd:template:") for fd in os.listdir(fds))
+
+
 def held_deleted(prefixes: tuple[str, ...]) -> list[str]:
     """Files under `prefixes` that some process has open or mapped although they were deleted."""
     found = []
@@ -97,6 +103,7 @@ def test_fork_and_destroy_both_leaves_only_the_spare_pools(serve, vm_root: Path)
         "a snapshot's template outlived its sandboxes"
     assert held_deleted((str(vm_root), *(f"{templates}/{name}" for name in snapshots))) == [], \
         "a removed snapshot's files are still held open"
+    assert sealed_copies(service.proc.pid) == len(ready), "the service keeps a removed snapshot's RAM copy"
     assert service.stop() == 0, service.stderr()
 
 

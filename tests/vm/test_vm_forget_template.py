@@ -43,7 +43,8 @@ def test_the_vm_a_filler_prepares_for_a_forgotten_snapshot_is_discarded(tmp_path
 
 def test_forgetting_a_template_ends_the_spare_being_restored_and_refills_none(make_engine) -> None:
     """The whole path on real VMs: the engine's filler is restoring a spare of `base` when `base` is
-    forgotten. That VM is ended, so are the VMMs spawned ahead, and no refill starts again."""
+    forgotten. That VM is ended, so are the VMMs spawned ahead, the RAM copy kept for its restores is
+    dropped, and no refill starts again."""
     engine = make_engine(pool_size=1)
     snapshot = engine.template("base").snapshot(False)
     engine.pool.refill(snapshot)
@@ -54,6 +55,7 @@ def test_forgetting_a_template_ends_the_spare_being_restored_and_refills_none(ma
     engine.forget_template("base")
     assert restoring.destroyed and not restoring.machine.alive(), "the spare being restored still runs"
     assert engine.pool.ready() == {} and engine.standby_vmms() == 0
+    assert snapshot.mem_file not in engine.hv._ram, "the template's RAM copy is kept for restores no one asks for"
     for pool in (engine.pool, engine._standby):
         pool.refill(snapshot)
         assert pool.idle(snapshot), "a refill started for a forgotten template"
