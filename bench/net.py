@@ -12,8 +12,11 @@ reads the ClientHello, checks the SNI and then splices): `name_check_connect_*` 
 ClientHello and get the first reply byte; `sni_throughput_ratio` one large download through the
 checked connection over the same through the address-only one; `intercept_throughput_ratio` one
 large HTTPS download through a `methods:` rule (the host terminates TLS with the job's CA and
-verifies the server's) over the same HTTPS download through an address-only rule. Goals (issue
-18): added connect p50 <= 3 ms, SNI ratio >= 0.9, intercept ratio >= 0.5.
+verifies the server's) over the same HTTPS download through an address-only rule;
+`secret_scan_throughput_ratio` the same intercepted download with a secret bound to the host (issue
+35: the host swaps the value into the request and scans the whole response for it) over the
+intercepted one without, downloads interleaved. Goals (issue 18): added connect p50 <= 3 ms, SNI
+ratio >= 0.9, intercept ratio >= 0.5; (issue 35) secret scan ratio >= 0.8.
 
     .venv/bin/python bench/net.py [--runs 40]
 
@@ -45,6 +48,7 @@ from dnslib import QTYPE, RR, A, DNSRecord
 from bench.stats import percentile
 from policy import load_policy
 from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
+from runner.net.secretswap import BoundSecret, SecretBinding, SecretSwap
 
 POLICY = """\
 version: 1
@@ -250,11 +254,11 @@ def _download_mb_s(port: int, hello: bytes, size: int) -> float:
     return size / (1 << 20) / (time.perf_counter() - start)
 
 
-def _https_mb_s(port: int, context: ssl.SSLContext, size: int) -> float:
+def _https_mb_s(port: int, context: ssl.SSLContext, size: int, header: str = "") -> float:
     start = time.perf_counter()
     got = b""
     with socket.create_connection((SERVER, port), timeout=60) as raw, context.wrap_socket(raw, server_hostname=NAME) as tls:
-        tls.sendall(f"GET /big/{size} HTTP/1.1\r\nHost: {NAME}\r\n\r\n".encode())
+        tls.sendall(f"GET /big/{size} HTTP/1.1\r\nHost: {NAME}\r\n{header}\r\n".encode())
         while b"\r\n\r\n" not in got:
             got += tls.recv(65536)
         body = len(got) - got.index(b"\r\n\r\n") - 4
@@ -321,6 +325,8 @@ def name_check(runs: int, size: int) -> dict[str, float]:
         (scratch / "job-ca.pem").write_bytes(slot.proxy.ca.cert_pem)
         client_tls = ssl.create_default_context(cafile=str(ca_file))  # the guest: the server's CA and the job's
         client_tls.load_verify_locations(cafile=str(scratch / "job-ca.pem"))
+        binding = SecretBinding("bench", "BENCH_TOKEN", NAME, ports=frozenset({TLS_INTERCEPT_PORT}), paths=("/big/*",))
+        swap = SecretSwap((BoundSecret.make(binding, "bench-" + secrets.token_hex(20)),))
 
         def measure() -> dict[str, float]:
             query = DNSRecord.question(NAME, "A")
@@ -329,12 +335,16 @@ def name_check(runs: int, size: int) -> dict[str, float]:
             for _ in range(runs):  # interleaved, so drift hits both alike
                 direct.append(_connect_ms(ADDRESS_PORT, hello))
                 checked.append(_connect_ms(CHECKED_PORT, hello))
-            https_direct, https_intercepted = [], []
+            https_direct, https_intercepted, https_scanned = [], [], []
             for _ in range(3):
                 direct_rate.append(_download_mb_s(ADDRESS_PORT, hello, size))
                 checked_rate.append(_download_mb_s(CHECKED_PORT, hello, size))
                 https_direct.append(_https_mb_s(TLS_DIRECT_PORT, client_tls, size))
                 https_intercepted.append(_https_mb_s(TLS_INTERCEPT_PORT, client_tls, size))
+                slot.bind_secrets(swap)
+                https_scanned.append(_https_mb_s(TLS_INTERCEPT_PORT, client_tls, size,
+                                                 f"Authorization: Bearer {swap.secrets[0].placeholder}\r\n"))
+                slot.bind_secrets(SecretSwap(()))
             address_p50, _ = report("connect, address-only rule", direct)
             name_p50, name_p99 = report("connect, name-checked rule", checked)
             ratio = statistics.median(checked_rate) / statistics.median(direct_rate)
@@ -342,12 +352,15 @@ def name_check(runs: int, size: int) -> dict[str, float]:
             print(f"{'download, SNI-checked':<28} {statistics.median(checked_rate):8.1f} MiB/s")
             print(f"{'HTTPS, address-only':<28} {statistics.median(https_direct):8.1f} MiB/s")
             print(f"{'HTTPS, intercepted':<28} {statistics.median(https_intercepted):8.1f} MiB/s")
+            print(f"{'HTTPS, secret bound':<28} {statistics.median(https_scanned):8.1f} MiB/s")
             return {"address_connect_p50_ms": round(address_p50, 2), "name_check_connect_p50_ms": round(name_p50, 2),
                     "name_check_connect_p99_ms": round(name_p99, 2),
                     "name_check_added_connect_p50_ms": round(name_p50 - address_p50, 2),
                     "sni_throughput_ratio": round(ratio, 2),
                     "intercept_throughput_ratio": round(statistics.median(https_intercepted)
-                                                        / statistics.median(https_direct), 2)}
+                                                        / statistics.median(https_direct), 2),
+                    "secret_scan_throughput_ratio": round(statistics.median(https_scanned)
+                                                          / statistics.median(https_intercepted), 2)}
 
         return netns.run_in(guest, measure)
     finally:

@@ -113,11 +113,13 @@ class Slot:
     def bind_secrets(self, swap: SecretSwap) -> None:
         """Give the job's bound secrets to the name check and the resolver (after `apply_policy`,
         before the guest trusts the job's CA): their hosts are terminated with the job's CA, which
-        is made again to vouch for them too (its name constraints list every name it may mint for)."""
+        is made again when it does not vouch for them yet (its name constraints list every name it
+        may mint for). Binding an empty swap unbinds."""
         if self.proxy is None or self.resolver is None:
             raise SlotError(f"slot {self.netns} has no name check: secrets cannot be bound in it")
-        hosts = set(swap.hosts) | set(self.proxy.ca.hosts if self.proxy.ca is not None else ())
-        self.proxy.ca = JobCA(self.job or self.netns, tuple(sorted(hosts))) if hosts else None
+        current = set(self.proxy.ca.hosts if self.proxy.ca is not None else ())
+        if not set(swap.hosts) <= current:  # a CA that vouches for them already stays (the guest may trust it)
+            self.proxy.ca = JobCA(self.job or self.netns, tuple(sorted(current | set(swap.hosts))))
         self.proxy.secrets = swap if swap.secrets else None
         with self.resolver.lock:
             self.resolver.bound_secrets = swap if swap.secrets else None
