@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -30,7 +30,9 @@ from runner.jobapi.contract import (
     TEMPLATE_NAME,
     JobSpec,
     ServiceContainer,
+    WorkflowSecret,
     parse_services,
+    parse_workflow_secrets,
 )
 
 MAX_TIMEOUT_MINUTES = 24 * 60
@@ -54,6 +56,8 @@ class Inputs:
     keep: str = "none"  # "job": the VM stays for this job's next step (docs/job-api.md, "One VM across steps")
     size: str | None = None  # a size class of the service (docs/docker.md, "Sizes"); None: the template's own
     services: tuple[ServiceContainer, ...] = ()  # containers started in the VM before `run` (docs/docker.md)
+    # Secret bindings of the workflow (docs/secrets.md), values read from the step's environment; never in a repr.
+    secrets: tuple[WorkflowSecret, ...] = field(default=(), repr=False)
 
 
 def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
@@ -79,7 +83,59 @@ def read_inputs(environ: Mapping[str, str]) -> Inputs:
         keep=_keep(_get(environ, "keep", "none") or "none"),
         size=_size(_get(environ, "size")),
         services=_services(environ.get("INPUT_SERVICES", "")),
+        secrets=_secrets(environ.get("INPUT_SECRETS", ""), environ, _env_names(_get(environ, "env"))),
     )
+
+
+MAX_SECRETS_TEXT = 16 * 1024
+
+
+def _secrets(text: str, environ: Mapping[str, str], env_names: list[str]) -> tuple[WorkflowSecret, ...]:
+    """The `secrets:` input: inline YAML, a mapping of binding name -> {env, host, ports, methods, paths,
+    scheme, user, header, value-from}; `value-from` names a variable of this step's environment that holds
+    the value (the workflow sets it from `${{ secrets.X }}`): a value pasted into the YAML text would be
+    YAML, and one quote or `#` in it would change what the binding says. Never a file of the checkout,
+    which is the pull request's. Errors name the binding and never show a value."""
+    if not text.strip():
+        return ()
+    if len(text.encode()) > MAX_SECRETS_TEXT:
+        raise UserError(f"input 'secrets' is larger than {MAX_SECRETS_TEXT} bytes")
+    try:
+        items = yaml.load(text, Loader=_NoAliases)
+    except yaml.YAMLError as exc:
+        raise UserError(f"input 'secrets' is not valid YAML ({type(exc).__name__}); write a mapping of binding "
+                        "name to {env, host, paths, scheme, value-from}, as in docs/secrets.md") from None
+    except RecursionError:
+        raise UserError("input 'secrets' is nested too deeply: a mapping of binding name to its fields") from None
+    if not isinstance(items, dict):
+        raise UserError("input 'secrets' must be inline YAML: a mapping of binding name to {env, host, paths, scheme, "
+                        "value-from} (never a file of the checkout, which the pull request may change)")
+    bindings = []
+    for name, fields in items.items():
+        shown = str(name)[:40]
+        if not isinstance(fields, dict):
+            raise UserError(f"input 'secrets': binding {shown!r} must be a mapping of env, host, paths, scheme, "
+                            "value-from")
+        given = {str(k).replace("-", "_"): v for k, v in fields.items()}
+        if "value" in given:
+            raise UserError(f"input 'secrets': binding {shown!r}: give value-from (a variable of this step's env: "
+                            "that holds ${{ secrets.X }}), not the value itself in the YAML")
+        source = given.pop("value_from", None)
+        if not isinstance(source, str) or not ENV_NAME.fullmatch(source):
+            raise UserError(f"input 'secrets': binding {shown!r} needs value-from: the name of a variable of this "
+                            "step's env: that holds the value (e.g. NPM_TOKEN_VALUE: ${{ secrets.NPM_TOKEN }})")
+        if source in env_names:
+            raise UserError(f"input 'secrets': binding {shown!r}: {source} is also named in input 'env', which would "
+                            "put the value itself into the VM; leave it out of 'env'")
+        value = environ.get(source, "")
+        if not value:
+            raise UserError(f"input 'secrets': binding {shown!r}: {source} is empty or not set in this step's env "
+                            "(a secret GitHub does not give this workflow, such as a fork's pull_request, is empty)")
+        bindings.append({**given, "name": name, "value": value})
+    try:
+        return parse_workflow_secrets(bindings)
+    except ValueError as exc:
+        raise UserError(f"input 'secrets': {exc}") from None
 
 
 MAX_SERVICES_TEXT = 64 * 1024
@@ -299,4 +355,5 @@ def job_spec(inputs: Inputs, environ: Mapping[str, str], workspace: Path) -> Job
         services=inputs.services,
         policy=policy_text(inputs.policy, workspace),
         keep=inputs.keep,
+        secrets=inputs.secrets,
     )

@@ -77,6 +77,8 @@ class JobPredicate:
     finishedAt: str | None
     vmReadyMs: float | None = None
     error: str | None = None
+    # The job's secret bindings: name, host, source (operator or workflow), requests; never a value.
+    secretsUsed: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # members a later version adds, kept when read
 
     def to_json(self) -> dict[str, Any]:
@@ -89,10 +91,11 @@ class JobPredicate:
         if not isinstance(data, dict):
             raise AttestationError("the statement's predicate is not an object")
         names = [f for f in cls.__dataclass_fields__ if f != "extra"]
-        missing = [n for n in names if n not in data and n not in ("vmReadyMs", "error")]
+        missing = [n for n in names if n not in data and n not in ("vmReadyMs", "error", "secretsUsed")]
         if missing:
             raise AttestationError(f"the predicate lacks {', '.join(missing)}")
         known: dict[str, Any] = {n: data.get(n) for n in names}
+        known["secretsUsed"] = known["secretsUsed"] or []  # absent in records signed before it was kept
         return cls(**known, extra={k: v for k, v in data.items() if k not in names})
 
 

@@ -45,6 +45,7 @@ MAX_FINDINGS = 200
 # The summary's sections after the conclusion, most important first, each at most this many bytes of
 # what the ones before it left (`summary`); the last one, findings without a file, takes the rest.
 MAX_RECORD_SECTION = 16_000
+MAX_SECRETS_SECTION = 8_000
 MAX_EGRESS_SECTION = 16_000
 MAX_SNIPPET_SECTION = 16_000
 # `::error file=app.py,line=3,title=T::message` as a tool prints it (GitHub's workflow-command syntax)
@@ -90,6 +91,8 @@ class JobOutcome:
     digests: dict[str, str] = field(default_factory=dict)  # policy, egress audit, key id
     artifacts: tuple[tuple[str, str], ...] = ()  # (name, sha256)
     error: str | None = None
+    # The job's secret bindings (docs/secrets.md): name, host, source, requests; never a value.
+    secrets_used: tuple[dict[str, Any], ...] = ()
 
     @property
     def conclusion(self) -> str:
@@ -140,13 +143,15 @@ def summary(outcome: JobOutcome) -> str:
     """The check run's output.summary (Markdown), at most MAX_SUMMARY bytes whatever the guest did.
 
     Sections, most important first, each within its budget and what the ones before it left: the
-    conclusion, the signed record's digests, the egress the policy refused, the policy snippet, the
-    findings that name no file. So a guest's text or traffic can shorten only what comes after the
-    digests, a cut section says how much it left out, and no cut falls inside a code block. Every
-    guest-derived value goes through `cell` (the snippet through `policy.suggest`'s admission)."""
+    conclusion, the signed record's digests, the secret bindings the job had, the egress the policy
+    refused, the policy snippet, the findings that name no file. So a guest's text or traffic can
+    shorten only what comes after the digests, a cut section says how much it left out, and no cut
+    falls inside a code block. Every guest-derived value goes through `cell` (the snippet through
+    `policy.suggest`'s admission)."""
     parts = [_text(_conclusion(outcome))]
     left = MAX_SUMMARY - _size(parts[0])
-    for section, cap in ((_signed_record, MAX_RECORD_SECTION), (_egress_table, MAX_EGRESS_SECTION),
+    for section, cap in ((_signed_record, MAX_RECORD_SECTION), (_secrets_table, MAX_SECRETS_SECTION),
+                         (_egress_table, MAX_EGRESS_SECTION),
                          (_snippet, MAX_SNIPPET_SECTION), (_unplaced, MAX_SUMMARY)):
         text = _text(section(outcome, min(cap, left)))
         parts.append(text)
@@ -191,6 +196,18 @@ def _signed_record(outcome: JobOutcome, budget: int) -> list[str]:
     rows = [f"| artifact {cell(name)} | {code(sha)} |" for name, sha in outcome.artifacts[:MAX_ROWS]]
     return _fit(head, rows, len(outcome.artifacts),
                 lambda n: f"| … {n} more artifacts, `microvm-check verify` lists them all | |", budget)
+
+
+def _secrets_table(outcome: JobOutcome, budget: int) -> list[str]:
+    """The job's secret bindings and how many requests each value went into (the service's own values)."""
+    if not outcome.secrets_used:
+        return []
+    head = ["", "#### Secret bindings", "", "The job's guest had placeholders for these; the host sent each value "
+            "only in the requests its binding admits:", "", "| binding | host | from | requests |",
+            "| --- | --- | --- | --- |"]
+    rows = [f"| {cell(used.get('name'))} | {cell(used.get('host'))} | {cell(used.get('source'))} | "
+            f"{cell(used.get('requests'))} |" for used in outcome.secrets_used[:MAX_ROWS]]
+    return _fit(head, rows, len(outcome.secrets_used), lambda n: f"| … {n} more | | | |", budget)
 
 
 def _egress_table(outcome: JobOutcome, budget: int) -> list[str]:

@@ -128,6 +128,90 @@ IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._-]*(?::[0-9]{1,5})?(?:/[a-z0-9][a-z0-9
 PORT_MAPPING = re.compile(r"(?:([0-9]{1,5}):)?([0-9]{1,5})")
 SERVICE_KEYS = frozenset({"name", "image", "build", "env", "ports", "ready", "ready_timeout_seconds"})
 
+# -- secret bindings from the workflow (the action's `secrets:` input; docs/secrets.md) -----------------
+
+MAX_WORKFLOW_SECRETS = 16
+MAX_SECRET_VALUE = 4096  # characters of a value (the service's own rules: runner.net.secretswap.value_problem)
+SECRET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+SECRET_KEYS = frozenset({"name", "env", "host", "ports", "methods", "paths", "scheme", "user", "header", "value"})
+
+
+@dataclass(frozen=True)
+class WorkflowSecret:
+    """A secret binding the workflow asks for (the action's `secrets:` input): where the service may send
+    `value`, which the guest never gets (its variable `env` holds a placeholder). The service honours it
+    only for a trusted workflow (docs/secrets.md) and keeps the value in memory only: it is on the wire
+    of POST /v1/jobs and nowhere else, never in a repr, the job's spec as the service keeps it, or its record."""
+
+    name: str
+    env: str
+    host: str
+    paths: tuple[str, ...]
+    ports: tuple[int, ...] = (443,)
+    methods: tuple[str, ...] = ("GET",)
+    scheme: str = "bearer"
+    user: str | None = None
+    header: str = "authorization"
+    value: str = field(default="", repr=False, compare=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire.update(ports=list(self.ports), methods=list(self.methods), paths=list(self.paths))
+        return {k: v for k, v in wire.items() if v is not None}
+
+
+def parse_workflow_secrets(value: object) -> tuple[WorkflowSecret, ...]:
+    """Secret bindings from their JSON/YAML shape (a list of mappings); ValueError says what is wrong and
+    where (`secrets[0].host: ...`), never quoting a value. The action (its input) and the service (the
+    spec) use it; the service then checks each binding as the operator's are (runner.net.secretswap)."""
+    if not isinstance(value, list) or len(value) > MAX_WORKFLOW_SECRETS:
+        raise ValueError(f"secrets: expected a list of at most {MAX_WORKFLOW_SECRETS} bindings, "
+                         f"got {type(value).__name__}{f' of {len(value)}' if isinstance(value, list) else ''}")
+    found = [_workflow_secret(item, f"secrets[{index}]") for index, item in enumerate(value)]
+    for key in ("name", "env"):
+        seen = [getattr(secret, key) for secret in found]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"secrets: two bindings have the same {key}")
+    return tuple(found)
+
+
+def _workflow_secret(item: object, where: str) -> WorkflowSecret:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a mapping of {', '.join(sorted(SECRET_KEYS))}, got {type(item).__name__}")
+    unknown = sorted(str(k)[:40] for k in item if k not in SECRET_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(SECRET_KEYS))}")
+    name = item.get("name")
+    if not isinstance(name, str) or not SECRET_NAME.fullmatch(name):
+        raise ValueError(f"{where}.name: expected 1-64 lower-case letters, digits, '_' or '-', got {str(name)[:40]!r}")
+    where = f"secrets.{name}"
+    for key in ("env", "host", "paths", "value"):
+        if item.get(key) is None:
+            raise ValueError(f"{where}: {key} is required")
+    texts = {key: item.get(key) for key in ("env", "host", "scheme", "user", "header")}
+    for key, text in texts.items():
+        if text is not None and (not isinstance(text, str) or not text or len(text) > MAX_SHORT_TEXT):
+            raise ValueError(f"{where}.{key}: expected a string of up to {MAX_SHORT_TEXT} characters")
+    if not ENV_NAME.fullmatch(str(texts["env"])):
+        raise ValueError(f"{where}.env: {str(texts['env'])[:40]!r} is not a variable name")
+    secret = item["value"]
+    if not isinstance(secret, str) or not secret or len(secret) > MAX_SECRET_VALUE:
+        raise ValueError(f"{where}.value: expected a string of 1 to {MAX_SECRET_VALUE} characters (not shown); "
+                         "is the secret that feeds it set for this workflow?")
+    lists = {key: item.get(key) for key in ("paths", "methods")}
+    for key, items in lists.items():
+        if items is not None and (not isinstance(items, list) or not items or len(items) > 32 or not all(
+                isinstance(text, str) and 0 < len(text) <= MAX_SHORT_TEXT for text in items)):
+            raise ValueError(f"{where}.{key}: expected a list of up to 32 strings")
+    ports = item.get("ports", [443])
+    if not isinstance(ports, list) or not ports or len(ports) > 16 or not all(
+            type(port) is int and 1 <= port <= 65535 for port in ports):
+        raise ValueError(f"{where}.ports: expected a list of port numbers (1-65535), like [443]")
+    return WorkflowSecret(name, str(texts["env"]), str(texts["host"]), tuple(lists["paths"] or ()), tuple(ports),
+                          tuple(lists["methods"] or ("GET",)), str(texts["scheme"] or "bearer"),
+                          None if texts["user"] is None else str(texts["user"]),
+                          str(texts["header"] or "authorization"), secret)
+
 
 @dataclass(frozen=True)
 class ServiceContainer:
@@ -304,6 +388,9 @@ class JobSpec:
     # The pull request comes from a fork (the event's head repository is another one): the action's
     # reading of the runner's event file, used for the `checks: forks` setting only, never to allow anything.
     fork: bool = False
+    # Secret bindings of the workflow (the action's `secrets:` input), values included: sent by a client,
+    # never kept in the service's spec (admission takes them out: runner/service/admission.py).
+    secrets: tuple[WorkflowSecret, ...] = ()
 
     @property
     def github(self) -> GitHubJob | None:
@@ -329,6 +416,10 @@ class JobSpec:
             wire["services"] = [service.to_wire() for service in self.services]
         else:
             del wire["services"]  # likewise
+        if self.secrets:
+            wire["secrets"] = [secret.to_wire() for secret in self.secrets]
+        else:
+            del wire["secrets"]  # likewise
         return wire
 
 
@@ -528,6 +619,9 @@ class JobRecord:
     command: str = ""  # the spec's command, for operators (`jobs`, the page); "" in records from before it was kept
     # The entries of the job's own policy that the repository's allowed nothing of (`policy.compose.narrowed_away`).
     narrowed_egress: list[str] = field(default_factory=list)
+    # The job's secret bindings and how often each value went out (docs/secrets.md): name, host, source
+    # ("operator" or "workflow") and requests; never a value. [] when it had none, or in older records.
+    secrets_used: list[dict[str, Any]] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -573,6 +667,7 @@ class JobRecord:
             timings=Timings.from_wire(data.get("timings")),
             command=_field(data, "command", (str,), optional=True) or "",
             narrowed_egress=_strings(data.get("narrowed_egress"), "narrowed_egress"),
+            secrets_used=_secrets_used(data.get("secrets_used")),
             **listed,
         )
 
@@ -598,6 +693,15 @@ def _strings(value: object, key: str) -> list[str]:
         return []
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise WireError(f"{key}: expected a list of strings")
+    return value
+
+
+def _secrets_used(value: object) -> list[dict[str, Any]]:
+    """A record's `secrets_used` (absent in records from before it): [] when missing."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise WireError("secrets_used: expected a list of JSON objects")
     return value
 
 

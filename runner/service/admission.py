@@ -15,11 +15,13 @@ from collections.abc import Iterable
 from policy.model import Policy
 from runner.errors import ArchiveError, JobError
 from runner.jobapi.contract import JobSpec
+from runner.net.secretswap import BoundSecret, SecretBindingError
 from runner.sandbox.port import needs_network
 from runner.service.auth import Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
 from runner.service.job import CHECKOUT, JobRun
+from runner.service.secretbindings import JobSecrets, job_secrets, load_secrets, workflow_bindings
 from runner.service.sessions import Session, Sessions, session_key
 from runner.service.spec import SpecError, Submission, parse_submission
 from runner.tarsafe import check_tar
@@ -37,11 +39,14 @@ class TooLarge(JobError):
 class Admission:
     def __init__(self, config: ServiceConfig, access: Access, policies: EgressPolicies, sessions: Sessions) -> None:
         self.config, self.access, self.policies, self.sessions = config, access, policies, sessions
+        # The operator's secret bindings (docs/secrets.md): the values, in this process's memory only.
+        self.operator_secrets = load_secrets(config.secrets)
 
-    def admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy]:
-        """The job's spec, built once from what was sent and what the service decides of it, and its
-        effective policy; or a JobError; reserves nothing. The caller is checked before the policy is
-        looked up: the policy comes from the repository it may submit for."""
+    def admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy, JobSecrets]:
+        """The job's spec, built once from what was sent and what the service decides of it, its
+        effective policy and its secret bindings (the operator's for its repository, and the workflow's
+        when `Access` trusts the workflow); or a JobError; reserves nothing. The caller is checked before
+        the policy is looked up: the policy comes from the repository it may submit for."""
         try:
             submitted = parse_submission(data, self.config)
             runner = self.access.admit_submit(caller, submitted)
@@ -49,15 +54,28 @@ class Admission:
             repository = self.access.repository_for(caller, submitted)
             policy = self.policies.effective(repository, submitted.policy)
             spec = submitted.spec(repository, runner or "", self._template(submitted, repository))
+            operator = self.operator_secrets.for_repository(repository)
+            workflow = self._workflow_secrets(caller, submitted, spec, policy, operator)
         except PolicySourceUnavailable:
             raise  # GitHub is down: 503, try again (not an invalid job)
-        except (SpecError, EgressPolicyError) as exc:
+        except (SpecError, EgressPolicyError, SecretBindingError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
         if needs_network(policy) and not self.config.network.enabled:
             raise InvalidJob(f"the egress policy for {spec.repository} allows network access, but this service "
                              f"runs VMs without networking (network.enabled is false in its config): narrow the "
                              f"policy to deny all, or ask the operator to enable networking")
-        return spec, policy
+        return spec, policy, job_secrets(operator, workflow)
+
+    def _workflow_secrets(self, caller: Caller, submitted: Submission, spec: JobSpec, policy: Policy,
+                          operator: tuple[BoundSecret, ...]) -> tuple[BoundSecret, ...]:
+        """The workflow's own bindings (the action's `secrets:` input), if its workflow is trusted (else
+        Forbidden) and each binding passes `workflow_bindings` (else SecretBindingError)."""
+        if not submitted.secrets:
+            return ()
+        self.access.refuse_workflow_secrets(caller, submitted, spec.event)
+        # the repository's trusted policy, not narrowed by the job's own; `run` trusts the job's as given
+        trusted = policy if self.policies.trust_job_policy else self.policies.effective(spec.repository, None)
+        return workflow_bindings(submitted.secrets, trusted, operator, spec.env)
 
     def _template(self, submitted: Submission, repository: str) -> str:
         """A spec asking for a size class restores from its template baked at that size, if the

@@ -9,7 +9,8 @@ What is signed is the service's own knowledge, never the guest's word: the artif
 service validated them (the clean tar), JUnit totals counted by the service from those artifacts
 (runner/junit.py, as the action counts), the template and warm base the VM restored from (read at
 restore), the effective policy's digest, the digest of the egress audit in the job's record, the exit
-code, the accelerator and the times. A record that cannot be signed (a full disk) is logged; the job
+code, the accelerator, the times and the secret bindings the job had (names, hosts, where each came
+from and how many requests its value went into; never a value). A record that cannot be signed (a full disk) is logged; the job
 keeps its result.
 """
 
@@ -125,7 +126,9 @@ def predicate(record: JobRecord, vm: VmFacts | None, junit: Totals | None) -> Jo
         junit=None if junit is None else {"tests": junit.tests, "passed": junit.passed, "failed": junit.failed,
                                           "skipped": junit.skipped},
         accelerator=vm.accelerator, startedAt=rfc3339(record.timings.started_at),
-        finishedAt=rfc3339(record.timings.finished_at), vmReadyMs=record.timings.vm_ready_ms, error=record.error)
+        finishedAt=rfc3339(record.timings.finished_at), vmReadyMs=record.timings.vm_ready_ms, error=record.error,
+        secretsUsed=[{"name": used.get("name"), "host": used.get("host"), "source": used.get("source"),
+                      "requests": used.get("requests")} for used in record.secrets_used])
 
 
 class JobAttestor:

@@ -53,6 +53,12 @@ from runner.jobapi.contract import (
 )
 from runner.service.spec import Submission
 
+# Events whose workflow file, and so the action's inputs, come from a ref only the repository's writers
+# control (the base or default branch, a pushed branch): a workflow's own secret bindings (the action's
+# `secrets:` input) are honoured only under these. `pull_request` and its review events run the pull
+# request's own workflow file, and unknown events are refused too (docs/secrets.md).
+TRUSTED_WORKFLOW_EVENTS = frozenset({"pull_request_target", "push", "workflow_dispatch", "schedule", "merge_group",
+                                     "workflow_run", "repository_dispatch", "release"})
 MAX_JOB_TOKENS = 20_000  # jobs whose token is remembered (newest kept): a restart forgets them all
 # How long a registered runner's report waits for GitHub's in_progress delivery naming the runner
 # (webhooks arrive within seconds, in either order with the runner's hook).
@@ -415,6 +421,31 @@ class Access:
         if not caller.operator and self.local_repository is not None:
             return self.local_repository
         return spec.repository
+
+    def refuse_workflow_secrets(self, caller: Caller, spec: Submission, event: str) -> None:
+        """A workflow's own secret bindings (the action's `secrets:` input) are honoured only when the
+        workflow is the repository's trusted one: its event must run the base or default branch's
+        workflow file (TRUSTED_WORKFLOW_EVENTS). A runner's event is the one its job-started hook
+        reported, and the fork guard checked, before any step ran; the operator's (`microvm-check run`,
+        or the action on a runner that runs as root) is the spec's own; a socket member's local jobs
+        come from no workflow the service knows. Raises Forbidden saying why and what to do."""
+        what = (f"the action's secrets: input ({', '.join(secret.name for secret in spec.secrets)}) is not "
+                "honoured")
+        if caller.runner is not None:
+            bound = self.runners.job_of(caller.runner)  # its event is the one the guard checked (desk.py)
+            event = bound.event if bound is not None else "(unknown)"
+        elif not caller.operator:
+            raise Forbidden(f"{what}: {caller.who} submits local jobs, and the service cannot tell which workflow "
+                            f"sent them; a runner set up by `microvm-check register --service-config` sends its "
+                            f"{RUNNER_HINT}, or ask the operator for a binding in the service's secrets file")
+        elif not event:
+            return  # the operator's own job (`microvm-check run`): no workflow, the operator's word
+        if event not in TRUSTED_WORKFLOW_EVENTS:
+            raise Forbidden(f"{what}: the job's event is {event[:60]!r}, whose workflow file (and so this input) "
+                            "the pull request may have written. Bindings come only from the base branch's workflow: "
+                            "trigger it with `on: pull_request_target` (or push, workflow_dispatch, schedule, "
+                            "merge_group), or ask the operator for a binding in the service's secrets file "
+                            "(docs/secrets.md)")
 
     def end_runner_job(self, runner: str, by_hook: bool = False) -> None:
         """The runner's job has ended: its token (a registered runner's binding) and its jobs' tokens

@@ -3,7 +3,8 @@
 An operator (or a configuration-management hook) can validate a config before `serve` reads it;
 the same loader runs, so a file that passes here starts, and one that fails lists every problem.
 A good file's lines after `ok FILE` say what binds its runners' jobs (runner/service/binding.py),
-which the config decides and nothing in it names outright.
+which the config decides and nothing in it names outright, and then the secret bindings file the config
+names, read as `serve` reads it (its problems at file:line, its value files root's only; no value shown).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from runner.service.binding import runner_binding
 from runner.service.config import ConfigError, load_config, schema_text
+from runner.service.secretbindings import load_secrets
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +34,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             config = load_config(path)
+            secrets = load_secrets(config.secrets)  # as `serve` reads it: file:line problems, root-only values
         except ConfigError as exc:
             print(exc, file=sys.stderr)
             status = 1
@@ -39,6 +42,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"ok {path}")
             for line in runner_binding(config):
                 print(f"  {line}")
+            if config.secrets is not None:
+                print(f"  secret bindings: {len(secrets.bindings)} in {config.secrets} "
+                      f"({', '.join(sorted(secrets.names)) or 'none'})")
     return status
 
 

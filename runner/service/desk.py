@@ -89,6 +89,10 @@ class RunnerDesk:
         from runner.github import guard
 
         repository = job.job.repository
+        guarded = started.guard.get("event_name") if isinstance(started.guard, dict) else None
+        if guarded != started.event:  # what the service keeps (and trusts secrets: by) is what the guard checked
+            return Verdict(False, ("the report's event and the event the guard is to check differ, so it refuses "
+                                   "the job.",))
         verdict = guard.service_verdict(started.guard, repository, self.guard.rules.for_repository(repository),
                                         self.guard.github)
         return Verdict(verdict.allowed, verdict.reasons)

@@ -80,6 +80,7 @@ class JobRun:
     trust_env: dict[str, str] = field(default_factory=dict)  # from Sandbox.install_job_ca
     # Its secret bindings with their values and placeholders (runner/service/secretbindings.py), in memory only.
     secrets: SecretSwap = field(default_factory=lambda: SecretSwap(()), repr=False)
+    secret_sources: dict[str, str] = field(default_factory=dict)  # binding name -> "operator" or "workflow"
     uploading: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None  # the GitHub job's kept VM this step opens or attaches to
@@ -257,11 +258,15 @@ class JobRun:
 
     def _note_secret_uses(self, sandbox: SandboxLike) -> None:
         """The job log says how often each binding's value went out (names and hosts, never a value)."""
-        if not self.secrets.secrets or not needs_network(self.policy):
+        if not self.secrets.secrets:
             return
-        uses = sandbox.secret_uses()
+        uses = sandbox.secret_uses() if needs_network(self.policy) else {}
         self.log.system("secrets used: " + ", ".join(f"{b.binding.name} {uses.get(b.binding.name, 0)} request(s) to "
                                                      f"{b.binding.host}" for b in self.secrets.secrets))
+        # the record, the signed record and the check run list them: names, hosts, counts, never a value
+        self.record.secrets_used = [{"name": b.binding.name, "host": b.binding.host,
+                                     "source": self.secret_sources.get(b.binding.name, "operator"),
+                                     "requests": uses.get(b.binding.name, 0)} for b in self.secrets.secrets]
 
     def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""

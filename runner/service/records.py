@@ -44,9 +44,11 @@ _COLUMNS = (
     "artifacts TEXT NOT NULL",
     "command TEXT NOT NULL DEFAULT ''",
     "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
+    "secrets_used TEXT NOT NULL DEFAULT '[]'",
 )
 # Columns added since the first schema: a store made before gets them (ALTER TABLE) when opened.
-_ADDED_COLUMNS = ("command TEXT NOT NULL DEFAULT ''", "narrowed_egress TEXT NOT NULL DEFAULT '[]'")
+_ADDED_COLUMNS = ("command TEXT NOT NULL DEFAULT ''", "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
+                  "secrets_used TEXT NOT NULL DEFAULT '[]'")
 _NAMES = tuple(c.split()[0] for c in _COLUMNS)
 _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
@@ -62,6 +64,7 @@ def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
     values["blocked_egress"] = json.dumps(rec.blocked_egress)
     values["artifacts"] = json.dumps(rec.artifacts)
     values["narrowed_egress"] = json.dumps(rec.narrowed_egress)
+    values["secrets_used"] = json.dumps(rec.secrets_used)
     return tuple(values[name] for name in _NAMES)
 
 
@@ -73,6 +76,7 @@ def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
     values["blocked_egress"] = json.loads(values["blocked_egress"])
     values["artifacts"] = json.loads(values["artifacts"])
     values["narrowed_egress"] = json.loads(values["narrowed_egress"])
+    values["secrets_used"] = json.loads(values["secrets_used"])
     return JobRecord(timings=timings, **values)
 
 

@@ -32,7 +32,7 @@ from typing import cast
 
 import yaml
 
-from policy.model import HTTP_METHODS
+from policy.model import HTTP_METHODS, Policy
 from policy.yamldoc import (
     Limits,
     Problems,
@@ -46,8 +46,8 @@ from policy.yamldoc import (
     string,
 )
 from runner.errors import ConfigError
-from runner.jobapi.contract import REPOSITORY
-from runner.net.secretswap import SCHEMES, BoundSecret, SecretBinding, SecretBindingError, value_problem
+from runner.jobapi.contract import REPOSITORY, WorkflowSecret
+from runner.net.secretswap import SCHEMES, BoundSecret, Scheme, SecretBinding, SecretBindingError, value_problem
 
 LIMITS = Limits("secret bindings", 64 * 1024, 6, "a list of bindings under bindings:", max_problems=20)
 KEYS = ("name", "repositories", "env", "host", "ports", "methods", "paths", "scheme", "user", "header", "value_file")
@@ -82,6 +82,64 @@ class OperatorSecrets:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(entry.binding.name for entry in self.bindings)
+
+
+OPERATOR, WORKFLOW = "operator", "workflow"  # where a job's binding came from (its record says)
+
+
+@dataclass(frozen=True)
+class JobSecrets:
+    """One job's bindings with their values and fresh placeholders, and where each came from."""
+
+    bound: tuple[BoundSecret, ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()  # (binding name, OPERATOR or WORKFLOW)
+
+    def __repr__(self) -> str:
+        return f"JobSecrets({[name for name, _ in self.sources]!r})"
+
+
+def job_secrets(operator: tuple[BoundSecret, ...], workflow: tuple[BoundSecret, ...] = ()) -> JobSecrets:
+    return JobSecrets(operator + workflow, tuple((bound.binding.name, OPERATOR) for bound in operator)
+                      + tuple((bound.binding.name, WORKFLOW) for bound in workflow))
+
+
+def workflow_bindings(asked: tuple[WorkflowSecret, ...], trusted: Policy, operator: tuple[BoundSecret, ...],
+                      env: dict[str, str]) -> tuple[BoundSecret, ...]:
+    """The workflow's bindings (the action's `secrets:` input, from a workflow `Access` trusts), checked as
+    the operator's are, each for a host the repository's trusted policy (the store's, or its default
+    branch's, within the org default: never the job's own) allows by a name-checked `host:` rule on every
+    port it names; none may take an operator binding's name or variable (it could replace or widen it),
+    nor a variable of the job's `env`. Raises SecretBindingError naming the binding, never its value."""
+    taken = {bound.binding.name: bound for bound in operator}
+    variables = {bound.binding.env: bound.binding.name for bound in operator}
+    found = []
+    for secret in asked:
+        try:
+            binding = SecretBinding(secret.name, secret.env, secret.host, header=secret.header,
+                                    scheme=cast(Scheme, secret.scheme),  # binding_problem checks it
+                                    user=secret.user, ports=frozenset(secret.ports), methods=frozenset(secret.methods),
+                                    paths=secret.paths)
+        except SecretBindingError as exc:
+            raise SecretBindingError(f"secrets: {exc}") from None
+        where = f"secrets: binding {secret.name!r}"
+        if secret.name in taken or secret.env in variables:
+            other = secret.name if secret.name in taken else variables[secret.env]
+            raise SecretBindingError(f"{where}: the operator's binding {other!r} has this name or variable, and a "
+                                     "workflow cannot replace or widen an operator's binding; choose another name and env")
+        if secret.env in env:
+            raise SecretBindingError(f"{where}: env {secret.env} is also a variable of the job's env; choose another")
+        problem = value_problem(secret.value)
+        if problem is not None:
+            raise SecretBindingError(f"{where}: its value cannot be bound: {problem}")
+        ports = sorted(binding.ports)
+        if not all(any(rule.name_checked and rule.allows(port, "tcp", name=binding.host) for rule in trusted.rules)
+                   for port in ports):
+            raise SecretBindingError(f"{where}: {binding.host} on port(s) {','.join(map(str, ports))} is not allowed by "
+                                     "a host: rule (name-checked, not raw) of the repository's trusted policy (the "
+                                     "operator's store file, or the default branch's .github/microvm-check.yml); a "
+                                     "workflow binds secrets only for hosts that policy names")
+        found.append(BoundSecret.make(binding, secret.value))
+    return tuple(found)
 
 
 def load_secrets(path: Path | None) -> OperatorSecrets:

@@ -33,7 +33,7 @@ from runner.service.joblog import JobLog
 from runner.service.jobparts import JobParts
 from runner.service.jobqueue import QueueClosed
 from runner.service.runs import finish, logged
-from runner.service.secretbindings import load_secrets
+from runner.service.secretbindings import JobSecrets
 from runner.service.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class JobService:
         self.check_runs, self.queue, self.prewarmed = parts.check_runs, parts.queue, parts.prewarmed
         self.sessions, self.access, self.admission = parts.sessions, parts.access, parts.admission
         self.runs, self.vms, self.workers = parts.runs, parts.vms, parts.workers
-        self.secret_bindings = load_secrets(config.secrets)  # the values, in this process's memory only
+        self.secret_bindings = self.admission.operator_secrets  # the values, in this process's memory only
         self._stopping = threading.Event()
         self._drained = False
 
@@ -129,7 +129,7 @@ class JobService:
         """
         if self.stopping:
             raise QueueClosed("the service is shutting down; submit the job again later")
-        spec, policy = self.admission.admit(data, caller)
+        spec, policy, bound = self.admission.admit(data, caller)
         session, opened = self.admission.session_for(spec, policy, session_token)
         job_id = "j" + secrets.token_hex(8)
         try:
@@ -142,7 +142,7 @@ class JobService:
                 self.sessions.release(session)
             raise
         try:
-            record = self._open_job(job_id, spec, policy, session)
+            record = self._open_job(job_id, spec, policy, session, bound)
         except BaseException:
             self._release(job_id)
             if session is not None:
@@ -150,7 +150,8 @@ class JobService:
             raise
         return record, self.access.jobs.issue(job_id, caller.runner), opened
 
-    def _open_job(self, job_id: str, spec: JobSpec, policy: Policy, session: Session | None = None) -> JobRecord:
+    def _open_job(self, job_id: str, spec: JobSpec, policy: Policy, session: Session | None = None,
+                  bound: JobSecrets | None = None) -> JobRecord:
         """The job's directory, log and first record; the job becomes visible only once all exist.
 
         A step that attaches to its job's kept VM sends no checkout (it is in the VM): it is queued at once.
@@ -169,7 +170,8 @@ class JobService:
         run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
                      session=session, sessions=self.sessions if session else None, attached=attached,
                      attestor=self.attestor, checks=self.check_runs,
-                     secrets=SecretSwap(self.secret_bindings.for_repository(spec.repository)))
+                     secrets=SecretSwap(bound.bound if bound is not None else ()),
+                     secret_sources=dict(bound.sources) if bound is not None else {})
         try:
             self.records.put(record)
         except BaseException:

@@ -31,7 +31,9 @@ from runner.jobapi.contract import (
     GitHubJob,
     JobSpec,
     ServiceContainer,
+    WorkflowSecret,
     parse_services,
+    parse_workflow_secrets,
 )
 from runner.service.config import ServiceConfig
 
@@ -156,6 +158,9 @@ class Submission:
     policy: str | None  # the job's own policy text
     # JobSpec with every other field as checked, waiting for the service's three
     complete: Callable[..., JobSpec] = field(repr=False, compare=False)
+    # The workflow's secret bindings, values included: admission decides whether they are honoured and
+    # hands them to the job's run, never to its JobSpec (which is kept, shown and recorded).
+    secrets: tuple[WorkflowSecret, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def github(self) -> GitHubJob | None:
@@ -224,7 +229,17 @@ def parse_submission(data: object, config: ServiceConfig) -> Submission:
         keep=_keep(data),
         fork=_fork(data),
     )
-    return Submission(repository, runner_name, job_name, run_id, run_attempt, template, size, policy, complete)
+    return Submission(repository, runner_name, job_name, run_id, run_attempt, template, size, policy, complete,
+                      _secrets(data))
+
+
+def _secrets(data: Mapping[str, object]) -> tuple[WorkflowSecret, ...]:
+    if data.get("secrets") is None:
+        return ()
+    try:
+        return parse_workflow_secrets(data["secrets"])
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _services(data: Mapping[str, object]) -> tuple[ServiceContainer, ...]:
