@@ -42,6 +42,21 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # `_` (CGI and WSGI map both to one variable).
 OVERRIDE_HEADERS = frozenset({"x-http-method-override", "x-http-method", "x-method-override", "x-original-url",
                               "x-rewrite-url"})
+# Query parameters frameworks read as the request's real method: `_method` (Rails' Rack::MethodOverride,
+# on by default; Symfony and Laravel; Spring's HiddenHttpMethodFilter; Express' method-override) and
+# the override headers' names (ASP.NET MVC reads X-HTTP-Method-Override from the query and the form
+# too). A key is compared by its letters and digits, lower-cased, after %-decoding (up to three times,
+# `+` as a space), so `_METHOD`, `%5Fmethod`, PHP's `.method`, ` method` and `[method` (all `_method`
+# in `$_GET`) and `_method[]` are one key; a plain `method` is not (APIs such as Flickr's use it for
+# their own purpose). In `Claim.overrides` such a key is spelt `?<key>`.
+_OVERRIDE_KEYS = frozenset({"method"} | {name.replace("-", "") for name in OVERRIDE_HEADERS})
+_QUERY_SEPARATOR = re.compile(r"[&;]")  # Rack 2 and older Python split a query at `;` too
+_ESCAPE_BYTES = re.compile(r"%([0-9A-Fa-f]{2})")
+# What a body's Content-Type (lower-cased) contains when some framework could read its fields, and so a
+# `_method` among them: forms (`application/x-www-form-urlencoded`, `multipart/form-data`), any
+# multipart (Rack parses multipart/mixed and multipart/related) and JSON (Laravel's `isJson` is a
+# substring test on `/json` and `+json`, and Laravel reads `_method` from a JSON body).
+FORM_TYPE_WORDS = ("form", "multipart", "json")
 # What may stand in a path judged by a `paths:` rule: RFC 3986's path characters but `;` (servers
 # such as Tomcat, Jetty and Spring drop `;` parameters before they resolve dot segments, so
 # `/simple/..;/upload` is `/upload` to them), and %-escapes, read by `_ESCAPE`.
@@ -147,16 +162,66 @@ def _pieces(path: str) -> list[tuple[str, bytes | None]]:
     return [*found, (path[at:], b"")]
 
 
+def query_overrides(query: str) -> tuple[str, ...]:
+    """The keys of a request's query (without the `?`) that frameworks read as the request's method,
+    each as `?<key>` as sent (sorted, at most a few): what `Claim.overrides` carries besides headers."""
+    found: set[str] = set()
+    for field_ in _QUERY_SEPARATOR.split(query):
+        key = field_.split("=", 1)[0]
+        if not key:
+            continue
+        decoded = key
+        for _ in range(3):
+            step = _ESCAPE_BYTES.sub(lambda match: chr(int(match.group(1), 16)), decoded.replace("+", " "))
+            if step == decoded:
+                break
+            decoded = step
+        decoded = decoded.lower()
+        for spelling in (decoded, decoded.split("[", 1)[0]):  # `[method` is `_method` to PHP; `_method[x]` too
+            letters = re.sub(r"[^a-z0-9]", "", spelling)
+            if letters in _OVERRIDE_KEYS and spelling.strip() != "method":
+                found.add("?" + key[:64])
+        if len(found) >= 4:
+            break
+    return tuple(sorted(found))
+
+
+def form_type(content_types: Collection[str]) -> bool:
+    """Whether a body with these Content-Type header values (every one the request carries) could be
+    read as form fields by some framework, and so carry a `_method` field: none (Rack reads a POST
+    without one as a form), an empty one, several, or one naming a form, multipart or JSON."""
+    if len(content_types) != 1:
+        return True
+    (value,) = content_types
+    value = value.strip().lower()
+    return not value or any(word in value for word in FORM_TYPE_WORDS)
+
+
 def request_doubt(method: str, *, body: bool, overrides: Collection[str]) -> str | None:
     """Why a server could act on an HTTP request otherwise than its method and path say, or None:
     what a `methods:`/`paths:` rule refuses whatever it lists (a `paths:` rule also refuses an
-    ambiguous path, `path_ambiguity`)."""
+    ambiguous path, `path_ambiguity`; a `methods:` rule a form body, `form_doubt`)."""
     if body and method not in BODY_METHODS:
         return (f"a {method} request with a body (a server that ignores the body would read it as one more "
                 "request, which the host never checked)")
     if overrides:
-        return f"the header {sorted(overrides)[0]} (frameworks read it as another method or path)"
+        first = sorted(overrides)[0]
+        if first.startswith("?"):
+            return f"the query parameter {first[1:]} (frameworks read it as another method)"
+        return f"the header {first} (frameworks read it as another method or path)"
     return None
+
+
+def form_doubt(methods: Collection[str], *, body: bool, form: bool) -> str | None:
+    """Why a rule with these `methods` refuses a request whose body could be read as form fields
+    (`form_type`), or None: a `_method` field in it is read as the method by Rails, Symfony, Laravel
+    and Spring, and it could name any method; the host does not read bodies for it (a body's
+    charset, multipart's and JSON's encodings of a field name are too many spellings to judge
+    soundly), so only a rule that admits every method (no `methods:`, or all of them) admits one."""
+    if not (body and form and methods) or set(HTTP_METHODS) - {"HEAD"} <= set(methods):
+        return None
+    return ("a form, multipart or JSON body (or one without a Content-Type) under a methods: rule that does not "
+            "allow every method: frameworks read a _method field in it as the request's method")
 
 
 @dataclass(frozen=True)
@@ -228,13 +293,17 @@ class Rule:
         host to terminate TLS for (`runner.net.jobca`); without them only the name is checked."""
         return bool(self.methods or self.paths)
 
-    def allows_request(self, method: str, path: str, *, body: bool = False, overrides: Collection[str] = ()) -> bool:
+    def allows_request(self, method: str, path: str, *, body: bool = False, overrides: Collection[str] = (),
+                       form: bool = False) -> bool:
         """Whether one HTTP request passes this rule: its method (compared as sent: methods are
-        case-sensitive), its path (without the query), whether its head announces a body, and the
-        `OVERRIDE_HEADERS` it carries. A rule without methods or paths admits any request."""
+        case-sensitive), its path (without the query), whether its head announces a body and whether
+        that body could be read as form fields (`form_type`), and the `OVERRIDE_HEADERS` and
+        `query_overrides` it carries. A rule without methods or paths admits any request."""
         if not self.intercepts:
             return True
         if request_doubt(method, body=body, overrides=overrides) is not None:
+            return False
+        if form_doubt(self.methods, body=body, form=form) is not None:
             return False
         if self.methods and method not in self.methods and not (method == "HEAD" and "GET" in self.methods):
             return False

@@ -358,11 +358,11 @@ class SlotResolver:
         return [rule for rule in self.policy.rules if rule.name_checked and rule.allows(port, "tcp", name=name)]
 
     def request_allowed(self, name: str, port: int, method: str, path: str, *, body: bool,
-                        overrides: tuple[str, ...]) -> bool:
+                        overrides: tuple[str, ...], form: bool = False) -> bool:
         """Whether an HTTP request to `name`:`port` passes a rule's methods and paths (any rule for it;
-        `Rule.allows_request` says what `body` and `overrides` are)."""
+        `Rule.allows_request` says what `body`, `overrides` and `form` are)."""
         with self.lock:
-            return any(rule.allows_request(method, path, body=body, overrides=overrides)
+            return any(rule.allows_request(method, path, body=body, overrides=overrides, form=form)
                        for rule in self._request_rules(name, port))
 
     def intercepts(self, name: str, port: int) -> bool:

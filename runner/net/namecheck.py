@@ -20,7 +20,9 @@ What is refused whatever the policy says, and why:
   them the bytes are no longer HTTP this parser can follow), heads past `MAX_HEAD_BYTES`.
 
 A kept-alive connection is followed request by request (`HttpRequests`), so every request's Host
-is checked before its bytes are passed on, however the guest splits or pipelines them.
+is checked before its bytes are passed on, however the guest splits or pipelines them; a request
+with a body is the last one passed on (`Connection: close`), since a server may leave its body
+unread and read it as a request.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ipaddress import ip_address
 from typing import Literal
 from urllib.parse import urlsplit
 
-from policy.model import OVERRIDE_HEADERS
+from policy.model import OVERRIDE_HEADERS, form_type, query_overrides
 
 MAX_HELLO_BYTES = 32 * 1024  # a post-quantum ClientHello is ~2 KiB; 16 KiB of padding still fits
 MAX_RECORD_BYTES = 16384 + 256  # TLS plaintext records are at most 2^14 (a little slack for old stacks)
@@ -72,8 +74,10 @@ class Claim:
     `name` is the claimed host, lower-case without a trailing dot, when it is a DNS name (else None);
     `refusal` is why the claim is refused whatever the policy, or None when only the policy decides.
     `method`/`path` are the HTTP request's (None for TLS); `body` whether its head announces a body
-    (a Content-Length above 0, or chunked), and `overrides` the `policy.model.OVERRIDE_HEADERS` it
-    carries: what a `methods:`/`paths:` rule refuses besides the method and path.
+    (a Content-Length above 0, or chunked), `overrides` the `policy.model.OVERRIDE_HEADERS` and the
+    `policy.model.query_overrides` (`?_method`) it carries, and `form` whether its body could be read
+    as form fields (`policy.model.form_type`): what a `methods:`/`paths:` rule refuses besides the
+    method and path.
     """
 
     kind: Kind
@@ -83,6 +87,7 @@ class Claim:
     path: str | None = None
     body: bool = False
     overrides: tuple[str, ...] = ()
+    form: bool = False
 
 
 def normalise_name(raw: str) -> str | None:
@@ -268,11 +273,14 @@ class Piece:
     `claim`, to be checked before `data` is passed on) or body bytes of an admitted request.
     A refused claim's `data` is everything the parser held from that point on (audit mode
     passes it on unframed; block mode never does). `body` marks a body's own bytes (chunked
-    framing lines excluded): what a scan of the body reads as one stream."""
+    framing lines excluded): what a scan of the body reads as one stream. `after_close` marks what
+    the guest sent after a request with a body had ended (`HttpRequests`): it must not go upstream
+    on this connection."""
 
     data: bytes
     claim: Claim | None = None
     body: bool = False
+    after_close: bool = False
 
 
 @dataclass
@@ -283,12 +291,23 @@ class HttpRequests:
     byte of a request leaves before its Host is known. A refused claim ends the stream: feeding
     more after it is an error. Bodies are followed by Content-Length or chunked framing, which is
     what lets the next request on a kept-alive or pipelined connection be found and checked.
+
+    A request with a body is the last one a connection carries upstream: a server may answer it
+    without reading its body (an auth check answering 401) and keep the connection, and then read
+    that body as a request the host never checked. So its head goes out with `Connection: close`
+    (the guest's `Connection`, `Keep-Alive` and `Proxy-Connection` headers replaced: an HTTP/1.1
+    server closes after answering it), and once its body is framed `closed_after` is set: what the
+    guest sends later is still framed (a refused request is still recorded) but marked
+    `after_close`, never to be passed on; the guest's client sees the connection end after the
+    response and opens a new one.
     """
 
     buffer: bytes = b""
     body_left: int = 0  # bytes of a Content-Length body (or of the current chunk's data) still due
     state: Literal["head", "length", "chunk-size", "chunk-data", "chunk-crlf", "trailers", "closed"] = "head"
     pieces: list[Piece] = field(default_factory=list)
+    closed_after: bool = False  # a request with a body has ended: nothing more goes upstream
+    closing: bool = False  # the request being framed has a body: `closed_after` once it ends
 
     def feed(self, data: bytes) -> list[Piece]:
         if self.state == "closed":
@@ -307,9 +326,12 @@ class HttpRequests:
             take = self.buffer[:self.body_left]
             self.buffer = self.buffer[len(take):]
             self.body_left -= len(take)
-            self.pieces.append(Piece(take, body=True))
+            self.pieces.append(Piece(take, body=True, after_close=self.closed_after))
             if self.body_left == 0:
-                self.state = "head" if self.state == "length" else "chunk-crlf"
+                if self.state == "length":
+                    self._request_done()
+                else:
+                    self.state = "chunk-crlf"
             return True
         if self.state == "chunk-crlf":
             if len(self.buffer) < 2:
@@ -339,17 +361,26 @@ class HttpRequests:
         head = self.buffer[:end + 4]
         claim, framing = parse_head(head[:end])
         if claim.refusal is not None:
-            self.pieces.append(Piece(self.buffer, claim))
+            self.pieces.append(Piece(self.buffer, claim, after_close=self.closed_after))
             self.state = "closed"
             self.buffer = b""
             return False
-        self.pieces.append(Piece(head, claim))
         self.buffer = self.buffer[end + 4:]
+        if framing != 0:
+            head = closing_head(head)
+            self.closing = True
+        self.pieces.append(Piece(head, claim, after_close=self.closed_after))
         if framing == "chunked":
             self.state = "chunk-size"
         elif framing > 0:
             self.state, self.body_left = "length", framing
         return True
+
+    def _request_done(self) -> None:
+        """A request's body has ended: the next bytes are a new request's head."""
+        self.state = "head"
+        if self.closing:
+            self.closed_after = True
 
     def _chunk_size(self) -> bool:
         end = self.buffer.find(b"\r\n")
@@ -370,7 +401,7 @@ class HttpRequests:
     def _trailers(self) -> bool:
         if self.buffer.startswith(b"\r\n"):
             self._emit(2)
-            self.state = "head"
+            self._request_done()
             return True
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
@@ -378,21 +409,30 @@ class HttpRequests:
         if _header_lines(self.buffer[:end]) is None:
             return self._refuse(BAD_HTTP)
         self._emit(end + 4)
-        self.state = "head"
+        self._request_done()
         return True
 
     def _emit(self, size: int) -> None:
-        self.pieces.append(Piece(self.buffer[:size]))
+        self.pieces.append(Piece(self.buffer[:size], after_close=self.closed_after))
         self.buffer = self.buffer[size:]
 
     def _refuse(self, why: str) -> bool:
-        self.pieces.append(Piece(self.buffer, Claim("http", None, why)))
+        self.pieces.append(Piece(self.buffer, Claim("http", None, why), after_close=self.closed_after))
         self.state = "closed"
         self.buffer = b""
         return False
 
 
 Framing = int | Literal["chunked"]  # a Content-Length (0: no body) or chunked
+_HOP_BY_HOP = (b"connection", b"keep-alive", b"proxy-connection")
+
+
+def closing_head(head: bytes) -> bytes:
+    """A request head (with its final blank line) as it goes upstream when the request has a body:
+    its `Connection`, `Keep-Alive` and `Proxy-Connection` headers replaced by `Connection: close`."""
+    lines = head[:-4].split(b"\r\n")
+    kept = [lines[0]] + [line for line in lines[1:] if line.partition(b":")[0].lower() not in _HOP_BY_HOP]
+    return b"\r\n".join([*kept, b"Connection: close"]) + b"\r\n\r\n"
 
 
 def parse_head(head: bytes) -> tuple[Claim, Framing]:
@@ -409,7 +449,7 @@ def parse_head(head: bytes) -> tuple[Claim, Framing]:
     if len(hosts) != 1:
         return Claim("http", None, NO_HOST, method), 0
     name = _host_name(hosts[0])
-    path, target_host = _target(target)
+    path, target_host, query = _target(target)
     if method == "CONNECT" or any(key == "upgrade" for key, _ in headers):
         return Claim("http", name, UNSUPPORTED_HTTP, method, path), 0
     if path is None:
@@ -421,8 +461,10 @@ def parse_head(head: bytes) -> tuple[Claim, Framing]:
     framing = _framing(headers)
     if framing is None:
         return Claim("http", name, BAD_HTTP, method, path), 0
-    overrides = tuple(sorted({key.replace("_", "-") for key, _ in headers} & OVERRIDE_HEADERS))
-    return Claim("http", name, None, method, path, framing != 0, overrides), framing
+    overrides = tuple(sorted({key.replace("_", "-") for key, _ in headers} & OVERRIDE_HEADERS)) \
+        + query_overrides(query)
+    form = framing != 0 and form_type([value for key, value in headers if key.replace("_", "-") == "content-type"])
+    return Claim("http", name, None, method, path, framing != 0, overrides, form), framing
 
 
 def _request_line(line: bytes) -> tuple[str, str] | None:
@@ -461,25 +503,26 @@ def _host_name(value: str) -> str | None:
     return normalise_name(name)
 
 
-def _target(target: str) -> tuple[str | None, str | None]:
-    """(path, host) of a request target: origin-form has no host, absolute-form names one,
+def _target(target: str) -> tuple[str | None, str | None, str]:
+    """(path, host, query) of a request target: origin-form has no host, absolute-form names one,
     `*` (OPTIONS) has the path `*`; anything else has no path, and so has a target with a fragment
     (`#`: no client sends one, and a server could read the path up to it or past it)."""
     if "#" in target:
-        return None, None
+        return None, None, ""
     if target == "*":
-        return "*", None
+        return "*", None, ""
     if target.startswith("/"):
-        return target.split("?", 1)[0], None
+        path, _, query = target.partition("?")
+        return path, None, query
     if target[:7].lower() == "http://" or target[:8].lower() == "https://":
         try:
             parts = urlsplit(target)
         except ValueError:
-            return None, None
+            return None, None, ""
         if parts.username is not None or parts.password is not None or not parts.netloc:
-            return None, None
-        return parts.path or "/", parts.netloc
-    return None, None
+            return None, None, ""
+        return parts.path or "/", parts.netloc, target.partition("?")[2]
+    return None, None, ""
 
 
 def _framing(headers: list[tuple[str, str]]) -> Framing | None:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policy.model import path_ambiguity, request_doubt
+from policy.model import form_doubt, path_ambiguity, request_doubt
 from policy.suggest import (
     BLOCK_LISTED,
     NAME_REFUSED,
@@ -53,6 +53,7 @@ from runner.net import addresses, netns
 from runner.net.jobca import JobCA
 from runner.net.loop import NetLoop
 from runner.net.namecheck import (
+    BAD_HTTP,
     HOST_MISMATCH,
     MAX_HELLO_BYTES,
     NOT_TLS_OR_HTTP,
@@ -93,7 +94,7 @@ class NameGate(Protocol):
     def name_blocked(self, name: str) -> bool: ...
 
     def request_allowed(self, name: str, port: int, method: str, path: str, *, body: bool,
-                        overrides: tuple[str, ...]) -> bool: ...
+                        overrides: tuple[str, ...], form: bool) -> bool: ...
 
     def intercepts(self, name: str, port: int) -> bool: ...
 
@@ -239,6 +240,8 @@ class NameProxy:
             self._check(connection)
         except OSError as exc:
             log.debug("name-checked connection in %s ended: %s", self.netns, exc)
+        except Exception:  # a bug following the guest's bytes: refuse the connection, and record it
+            self._failed(connection)
         finally:
             if connection.upstream is not None:
                 connection.upstream.close()
@@ -249,6 +252,23 @@ class NameProxy:
             with self.lock:
                 self.connections.discard(connection)
                 self.threads.discard(threading.current_thread())
+
+    def _failed(self, connection: _Connection) -> None:
+        """What `_serve` does when following a connection raised something else than OSError: the
+        guest's bytes took the check somewhere it does not go, so the connection is refused (reset)
+        and recorded as malformed HTTP; the log gets the traceback."""
+        log.exception("name check in %s failed on a connection; refused as malformed", self.netns)
+        try:
+            address, port = original_destination(connection.guest)
+        except OSError:
+            address, port = addresses.GATEWAY_IP, addresses.NAMECHECK_PORT
+        self._note(address, port, Claim("http", None, f"{BAD_HTTP} (the check failed to follow it)"), UNNAMED)
+        upstream = connection.upstream
+        if upstream is not None:  # wakes a relay thread still reading it
+            try:
+                upstream.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _check(self, connection: _Connection) -> None:
         guest = connection.guest
@@ -361,7 +381,8 @@ class NameProxy:
         if claim.name is None or not self.gate.name_allowed(claim.name, address, port):
             return NAME_REFUSED
         if claim.method is not None and not self.gate.request_allowed(
-                claim.name, port, claim.method, claim.path or "", body=claim.body, overrides=claim.overrides):
+                claim.name, port, claim.method, claim.path or "", body=claim.body, overrides=claim.overrides,
+                form=claim.form):
             return REQUEST_REFUSED
         return None
 
@@ -487,10 +508,18 @@ class NameProxy:
         """Frame the guest's decrypted bytes and pass on what is admitted (with a bound secret
         swapped in): the first refusal and how many request heads went upstream."""
         sent, name, address, port = 0, exchange.name, exchange.address, exchange.port
-        for piece in http.feed(data) if http.state != "closed" else [Piece(data, body=True)]:
+        if http.state == "closed":  # audit mode let a refused request through: no framing to follow
+            pieces = [] if http.closed_after else [Piece(data, body=True)]
+        else:
+            pieces = http.feed(data)
+        for piece in pieces:
             claim = piece.claim
             if claim is not None and claim.name != name and claim.refusal is None:
                 claim = Claim("http", claim.name, HOST_MISMATCH, claim.method, claim.path)
+            if piece.after_close:  # after a request with a body: recorded if refused, never passed on
+                if claim is not None:
+                    self._admit(claim, address, port)
+                continue
             if claim is not None and not self._admit(claim, address, port):
                 return (claim, _refused_text(claim) if self._why(claim, address, port) == REQUEST_REFUSED else None), sent
             outgoing = self._swapped(exchange, piece, claim)
@@ -513,7 +542,7 @@ class NameProxy:
             return piece.data if misuse is None else self._secret_refusal(exchange, Claim("http", exchange.name), misuse)
         exchange.scan.reset()
         swapped = secrets.swap_head(exchange.name, exchange.port, claim.method, claim.path or "", piece.data,
-                                    body=claim.body, overrides=claim.overrides)
+                                    body=claim.body, overrides=claim.overrides, form=claim.form)
         if isinstance(swapped, Misuse):
             return self._secret_refusal(exchange, claim, swapped)
         head, used = swapped
@@ -559,6 +588,10 @@ class NameProxy:
         (a request refused for its method or path, or for a secret's placeholder, is answered 403
         with the reason). Plain HTTP never carries a bound secret: a placeholder in it is refused."""
         for index, piece in enumerate(pieces):
+            if piece.after_close:  # after a request with a body: recorded if refused, never passed on
+                if piece.claim is not None:
+                    self._admit(piece.claim, address, port)
+                continue
             if piece.claim is not None and index and not self._admit(piece.claim, address, port):
                 if self._why(piece.claim, address, port) == REQUEST_REFUSED:
                     _answer(guest, 403, _refused_text(piece.claim))
@@ -588,7 +621,8 @@ class NameProxy:
             if not chunk:
                 break
             if http.state == "closed":  # audit mode let a refused request through: no framing to follow
-                upstream.sendall(chunk)
+                if not http.closed_after:  # (after a request with a body nothing more goes upstream)
+                    upstream.sendall(chunk)
                 continue
             pieces = http.feed(chunk)
             if not self._send_pieces([Piece(b"")] + pieces, upstream, address, port, guest, scan):
@@ -683,9 +717,11 @@ def _refused_text(claim: Claim) -> str:
     """The 403's body: the request, and what about it no `methods:`/`paths:` rule admits, if that was it."""
     doubt = request_doubt(claim.method or "", body=claim.body, overrides=claim.overrides)
     ambiguity = path_ambiguity(claim.path or "")
+    form = form_doubt(("POST",), body=claim.body, form=claim.form)  # what a rule short of any method refuses
     return (f"microvm-check: {claim.method} {claim.path} on {claim.name} is not allowed by this job's egress "
             "policy (its methods:/paths: for that host)" + (f"; no such rule admits {doubt}" if doubt else "")
-            + (f"; no paths: glob admits this path: {ambiguity}" if ambiguity else "") + "\n")
+            + (f"; no paths: glob admits this path: {ambiguity}" if ambiguity else "")
+            + (f"; no such rule admits {form}" if form else "") + "\n")
 
 
 def _answer(sock: socket.socket, status: int, text: str) -> None:

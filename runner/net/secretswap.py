@@ -83,9 +83,10 @@ class SecretBinding:
         override headers refused the same way)."""
         return Rule(self.ports, "tcp", host=self.host, methods=self.methods, paths=self.paths)
 
-    def admits(self, name: str, port: int, method: str, path: str, *, body: bool, overrides: tuple[str, ...]) -> bool:
+    def admits(self, name: str, port: int, method: str, path: str, *, body: bool, overrides: tuple[str, ...],
+               form: bool = False) -> bool:
         return self.rule.allows(port, "tcp", name=name) and self.rule.allows_request(
-            method, path, body=body, overrides=overrides)
+            method, path, body=body, overrides=overrides, form=form)
 
     def where(self) -> str:
         """Where it may go, in words for a refusal (no value in it)."""
@@ -259,7 +260,7 @@ class SecretSwap:
         return 3 * 3 * CORE + 8
 
     def swap_head(self, name: str, port: int, method: str, path: str, head: bytes, *, body: bool,
-                  overrides: tuple[str, ...]) -> tuple[bytes, str | None] | Misuse:
+                  overrides: tuple[str, ...], form: bool = False) -> tuple[bytes, str | None] | Misuse:
         """A request head for `name`:`port` as it goes upstream: the bound header's value replaced
         where a binding admits the request (and the binding's name), `Accept-Encoding: identity`
         on a bound host; or the Misuse when a placeholder is anywhere else in it."""
@@ -277,7 +278,7 @@ class SecretSwap:
                 continue
             if used is not None:
                 return Misuse(bound.binding.name, f"a second placeholder header ({lower}) in one request")
-            if not bound.binding.admits(name, port, method, path, body=body, overrides=overrides):
+            if not bound.binding.admits(name, port, method, path, body=body, overrides=overrides, form=form):
                 return Misuse(bound.binding.name, f"{method} {path} on {name} port {port} is not where it may go "
                                                   f"(only {bound.binding.where()})")
             used = bound

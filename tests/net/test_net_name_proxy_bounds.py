@@ -2,7 +2,8 @@
 on real namespaces: a guest that says nothing is cut off when FIRST_FLIGHT_SECONDS are up, not held;
 past MAX_CONNECTIONS a new connection is reset at once; a request sent after the first one's answer
 on the same connection is checked like the first; releasing the slot ends a connection that the
-server keeps open.
+server keeps open; a bug the guest's bytes run into (anything raised but OSError) refuses and records
+the connection instead of killing its thread unrecorded.
 
 The keep-alive server here answers every request on a connection and keeps it open until the client
 closes it, unlike the fake internet's banner servers (which close after their banner).
@@ -150,3 +151,41 @@ def test_releasing_the_slot_ends_a_checked_connection_the_server_keeps_open(net,
         net.pool.release(slot)
         assert slot.proxy.connections == set()
         assert ended(sock, 3.0)
+
+
+class BrokenFramer(nameproxy.HttpRequests):
+    """A framer with a bug the guest can reach: a request for /boom raises something else than OSError."""
+
+    def feed(self, data: bytes) -> list[nameproxy.Piece]:
+        if b"/boom" in data:
+            raise RuntimeError("a bug in the framer")
+        return super().feed(data)
+
+
+def test_an_unexpected_error_following_a_connection_refuses_and_records_it(net, slot, guest, monkeypatch) -> None:
+    heads = keepalive_server(net)
+    monkeypatch.setattr(nameproxy, "HttpRequests", BrokenFramer)
+    slot.apply_policy(policy(WEB))
+    lookup(guest, "web.test")
+    proxy = slot.proxy
+    assert proxy is not None
+
+    def run() -> tuple[bytes, bool, bool]:
+        with socket.create_connection((ALLOWED_HOST, PORT), timeout=3) as sock:  # in the first flight
+            sock.sendall(b"GET /boom HTTP/1.1\r\nHost: web.test\r\n\r\n")
+            at_once = ended(sock, 3.0)
+        with socket.create_connection((ALLOWED_HOST, PORT), timeout=3) as sock:  # a later request, relay running
+            sock.sendall(b"GET /a HTTP/1.1\r\nHost: web.test\r\n\r\n")
+            first = sock.recv(100)
+            sock.sendall(b"GET /boom HTTP/1.1\r\nHost: web.test\r\n\r\n")
+            return first, at_once, ended(sock, 3.0)
+
+    first, at_once, later = in_ns(guest, run)
+    assert first == OK and at_once and later
+    assert heads == [b"GET /a HTTP/1.1\r\nHost: web.test"]
+    records = [r for r in slot.audit_records() if (r.dest, r.port, r.name, r.reason) == (ALLOWED_HOST, PORT, None, UNNAMED)]
+    assert records and records[0].count == 2, slot.audit_records()
+    deadline = time.monotonic() + 5
+    while proxy.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not proxy.connections  # both ended, their threads gone

@@ -123,12 +123,56 @@ def test_http_request_claims_its_host_method_and_path() -> None:
 def test_a_claim_says_whether_a_body_comes_and_which_override_headers_it_carries() -> None:
     head = b"GET /simple/ HTTP/1.1\r\nHost: pypi.org\r\n"
     assert read_first(head + b"Content-Length: 0\r\n\r\n") == Claim("http", "pypi.org", None, "GET", "/simple/")
-    assert read_first(head + b"Content-Length: 5\r\n\r\n") == Claim("http", "pypi.org", None, "GET", "/simple/", True)
-    assert read_first(head + b"Transfer-Encoding: chunked\r\n\r\n") == \
+    # no Content-Type: Rack reads such a body as a form (`form`, policy.model.form_type)
+    assert read_first(head + b"Content-Length: 5\r\n\r\n") == \
+        Claim("http", "pypi.org", None, "GET", "/simple/", True, form=True)
+    assert read_first(head + b"Transfer-Encoding: chunked\r\nContent-Type: application/octet-stream\r\n\r\n") == \
         Claim("http", "pypi.org", None, "GET", "/simple/", True)
+    assert read_first(head + b"Content-Length: 5\r\nContent-Type: Multipart/Form-Data; boundary=x\r\n\r\n") == \
+        Claim("http", "pypi.org", None, "GET", "/simple/", True, form=True)
+    assert read_first(head + b"Content-Type: application/json\r\n\r\n") == \
+        Claim("http", "pypi.org", None, "GET", "/simple/")  # no body: nothing a form could say
     overridden = read_first(head + b"X-HTTP-Method-Override: POST\r\nx_original_url: /upload\r\n\r\n")
     assert overridden == Claim("http", "pypi.org", None, "GET", "/simple/", False,
                                ("x-http-method-override", "x-original-url"))  # CGI reads _ as -
+
+
+@pytest.mark.parametrize(("target", "overrides"), [
+    (b"/simple/form?_method=DELETE", ("?_method",)),
+    (b"/simple/form?a=1&%5FMETHOD=DELETE", ("?%5FMETHOD",)),
+    (b"/simple/form?a=1;.method=DELETE", ("?.method",)),  # PHP reads .method as _method; Rack 2 splits at ;
+    (b"http://pypi.org/simple/form?_method=PUT", ("?_method",)),
+    (b"/simple/form?X-HTTP-Method-Override=PUT", ("?X-HTTP-Method-Override",)),  # ASP.NET MVC reads the query
+    (b"/simple/form?method=flickr.photos.search&_methodx=1", ()),
+])
+def test_a_claim_carries_the_query_parameters_frameworks_read_as_the_method(target: bytes,
+                                                                          overrides: tuple[str, ...]) -> None:
+    claim = read_first(b"POST " + target + b" HTTP/1.1\r\nHost: pypi.org\r\nContent-Length: 0\r\n\r\n")
+    assert claim == Claim("http", "pypi.org", None, "POST", "/simple/form", False, overrides)
+
+
+def test_a_request_with_a_body_is_the_last_its_connection_carries_upstream() -> None:
+    hidden = b"DELETE /upload/x HTTP/1.1\r\nHost: pypi.org\r\nContent-Length: 0\r\n\r\n"
+    stream = (b"GET /a HTTP/1.1\r\nHost: pypi.org\r\nConnection: keep-alive\r\n\r\n"
+              + b"POST /b HTTP/1.1\r\nHost: pypi.org\r\nconnection: keep-alive, x-a\r\nKeep-Alive: 60\r\n"
+              + b"Proxy-Connection: keep-alive\r\nContent-Length: %d\r\n\r\n" % len(hidden) + hidden
+              + b"GET /c HTTP/1.1\r\nHost: evil.test\r\n\r\n")
+    for size in (1, 5, len(stream)):
+        parser = HttpRequests()
+        pieces = [piece for at in range(0, len(stream), size) for piece in parser.feed(stream[at:at + size])]
+        sent = b"".join(piece.data for piece in pieces if not piece.after_close)
+        assert sent == (b"GET /a HTTP/1.1\r\nHost: pypi.org\r\nConnection: keep-alive\r\n\r\n"
+                        b"POST /b HTTP/1.1\r\nHost: pypi.org\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                        % len(hidden) + hidden), size
+        later = [piece for piece in pieces if piece.after_close]
+        assert b"".join(piece.data for piece in later) == b"GET /c HTTP/1.1\r\nHost: evil.test\r\n\r\n"
+        assert [piece.claim.name for piece in later if piece.claim is not None] == ["evil.test"]  # still claimed
+        assert parser.closed_after
+    chunked = HttpRequests()
+    pieces = chunked.feed(b"PUT /d HTTP/1.1\r\nHost: pypi.org\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+                          b"0\r\nX-Trailer: 1\r\n\r\nGET /e HTTP/1.1\r\nHost: pypi.org\r\n\r\n")
+    assert pieces[0].data.endswith(b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    assert [piece.after_close for piece in pieces] == [False] * (len(pieces) - 1) + [True]
 
 
 @pytest.mark.parametrize(("head", "why"), [
@@ -182,7 +226,12 @@ def test_pipelined_and_kept_alive_requests_are_each_claimed_wherever_the_bytes_s
         parser = HttpRequests()
         pieces = [piece for at in range(0, len(stream), size) for piece in parser.feed(stream[at:at + size])]
         assert [piece.claim.name for piece in pieces if piece.claim is not None] == expected, size
-        assert b"".join(piece.data for piece in pieces) == stream  # every byte framed exactly once
+        # every byte framed exactly once (a head with a body asks the server to close after it)
+        assert b"".join(piece.data for piece in pieces) == stream.replace(
+            b"\r\n\r\n" + body, b"\r\nConnection: close\r\n\r\n" + body).replace(
+            b"chunked\r\n\r\n", b"chunked\r\nConnection: close\r\n\r\n")
+        assert all(piece.after_close for piece in pieces[pieces.index(next(
+            piece for piece in pieces if piece.claim is not None and piece.claim.path == "/c")):])
         for piece in pieces:  # a head's bytes come only with its claim
             if piece.claim is not None:
                 assert piece.data.startswith(piece.claim.method.encode())  # type: ignore[union-attr]
@@ -206,7 +255,7 @@ def test_a_refused_request_keeps_its_bytes_out_of_the_admitted_pieces() -> None:
 def test_chunk_framing_errors_end_the_stream() -> None:
     for body in (b"zz\r\n", b"5\r\nHost:XX", b"1" * (nc.MAX_CHUNK_LINE + 2)):
         found = claims(b"POST / HTTP/1.1\r\nHost: pypi.org\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
-        assert found[0] == Claim("http", "pypi.org", None, "POST", "/", True)
+        assert found[0] == Claim("http", "pypi.org", None, "POST", "/", True, form=True)
         assert len(found) == 2 and found[1] is not None and found[1].refusal == nc.BAD_HTTP, body
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from policy import load_policy
-from policy.model import OVERRIDE_HEADERS, Rule, path_ambiguity
+from policy.model import HTTP_METHODS, OVERRIDE_HEADERS, Rule, form_type, path_ambiguity, query_overrides
 
 RULES = """\
 version: 1
@@ -93,3 +93,44 @@ def test_override_headers_are_refused_under_methods_and_paths(header: str) -> No
     for host in ("pypi.test", "files.test", "index.test"):
         assert not rule(host).allows_request("GET", "/simple/x/json", overrides=(header,)), (host, header)
     assert rule("index.test").allows_request("GET", "/simple/x/json")
+
+
+@pytest.mark.parametrize("query", ["_method=DELETE", "_METHOD=put", "%5Fmethod=DELETE", "%255Fmethod=DELETE",
+                                   ".method=DELETE", "[method=DELETE", "_method[]=DELETE", "_method[x]=1",
+                                   "a=1;_method=DELETE", "a=1&_method", "_method%00=DELETE",
+                                   "x_http_method_override=DELETE", "X-Original-URL=/upload"])
+def test_query_parameters_frameworks_read_as_the_method_are_found_in_any_spelling(query: str) -> None:
+    found = query_overrides(query)
+    assert found and all(key.startswith("?") for key in found), query
+    for host in ("pypi.test", "files.test", "index.test"):  # refused like the override headers
+        assert not rule(host).allows_request("POST", "/simple/x/json", overrides=found), (host, query)
+    assert rule("open.test").allows_request("POST", "/", overrides=found)
+
+
+@pytest.mark.parametrize("query", ["", "a=1&b=2", "method=flickr.photos.search", "+method=x", "q=_method",
+                                   "methods=1", "_methodical=1"])
+def test_other_query_parameters_are_no_override(query: str) -> None:
+    assert query_overrides(query) == ()
+
+
+@pytest.mark.parametrize(("types", "form"), [
+    ((), True), (("",), True), (("text/plain", "text/plain"), True),
+    (("application/x-www-form-urlencoded",), True), (("Application/X-WWW-Form-Urlencoded; charset=ibm037",), True),
+    (("multipart/form-data; boundary=x",), True), (("multipart/mixed; boundary=x",), True),
+    (("application/json",), True), (("application/vnd.api+json",), True), (("text/plain; x=/json",), True),
+    (("application/octet-stream",), False), (("text/plain",), False), (("application/gzip",), False),
+])
+def test_which_bodies_a_framework_could_read_as_form_fields(types: tuple[str, ...], form: bool) -> None:
+    assert form_type(types) is form
+
+
+def test_a_form_body_passes_only_a_rule_that_admits_every_method_a_method_field_could_name() -> None:
+    # index.test: methods [GET, POST]: a `_method` field could make the POST a DELETE
+    assert not rule("index.test").allows_request("POST", "/simple/x", body=True, form=True)
+    assert rule("index.test").allows_request("POST", "/simple/x", body=True)  # an octet-stream, say
+    assert rule("index.test").allows_request("POST", "/simple/x", form=True)  # no body, no field
+    assert rule("files.test").allows_request("POST", "/upload", body=True, form=True)  # paths only: any method
+    every = Rule(frozenset({443}), host="all.test", methods=frozenset(HTTP_METHODS) - {"HEAD"})
+    assert every.allows_request("POST", "/", body=True, form=True)
+    short = Rule(frozenset({443}), host="all.test", methods=frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"}))
+    assert not short.allows_request("POST", "/", body=True, form=True)  # Symfony would take _method=OPTIONS

@@ -85,34 +85,46 @@ def run_cases(engine, cases: dict[str, dict[str, object]]) -> dict[str, str]:
         return dict(json.loads(line) for line in r.stdout.decode().splitlines())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40 finding: a _method parameter (query or form body) turns an "
-                   "allowed POST into a DELETE that methods: refuses (namecheck.py _target drops the query; "
-                   "policy/model.py OVERRIDE_HEADERS knows only headers)")
 def test_method_parameter_does_not_turn_an_allowed_post_into_another_method(framework_engine):
     cases = {}
     for host in HOSTS:
         cases[f"{host[0]} ok"] = case(host, request("POST /simple/form", host, "Content-Length: 0"))
+        cases[f"{host[0]} bytes"] = case(host, request(
+            "POST /simple/form", host, "Content-Type: application/octet-stream", "Content-Length: 5") + "hello")
         cases[f"{host[0]} query"] = case(host, request("POST /simple/form?_method=DELETE", host, "Content-Length: 0"))
+        cases[f"{host[0]} query escaped"] = case(host, request("POST /simple/form?a=1&%5FMethod=DELETE", host,
+                                                               "Content-Length: 0"))
         cases[f"{host[0]} form"] = case(host, request(
             "POST /simple/form", host, "Content-Type: application/x-www-form-urlencoded", "Content-Length: 14")
             + "_method=DELETE")
+        cases[f"{host[0]} form untyped"] = case(host, request("POST /simple/form", host, "Content-Length: 14")
+                                                + "_method=DELETE")  # Rack reads a POST without a type as a form
     got = run_cases(framework_engine, cases)
-    assert got["plain.test ok"].endswith("POST /simple/form") and got["tls.test ok"].endswith("POST /simple/form"), got
+    for name, _, _ in HOSTS:
+        assert got[f"{name} ok"].endswith("POST /simple/form") and got[f"{name} bytes"].endswith(
+            "POST /simple/form"), got
+        for attack in ("query", "query escaped", "form", "form untyped"):
+            assert got[f"{name} {attack}"].startswith("HTTP/1.1 403"), (name, attack, got)
+        assert "_method" in got[f"{name} query"] and "form, multipart or JSON body" in got[f"{name} form"], got
     served = Framework.served + FrameworkTLS.served
     assert "DELETE /simple/form" not in served, served
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40 finding: the body of an allowed POST that the server answers "
-                   "without reading is served as a request the host never checked (nameproxy.py forwards the "
-                   "guest's stream on one kept-alive upstream connection; BODY_METHODS assumes every server "
-                   "reads a POST body)")
 def test_a_post_body_the_server_leaves_unread_is_not_served_as_a_request(framework_engine):
     cases = {}
     for host in HOSTS:
         hidden = request("DELETE /upload/x", host, "Content-Length: 0", close=False)
-        cases[host[0]] = case(host, request("POST /simple/auth", host, f"Content-Length: {len(hidden)}", close=False)
-                              + hidden + request("GET /simple/end/", host))
+        post = request("POST /simple/auth", host, "Content-Type: application/octet-stream",
+                       f"Content-Length: {len(hidden)}", "Connection: keep-alive", close=False)
+        cases[host[0]] = case(host, post + hidden + request("GET /simple/end/", host))
+        cases[f"{host[0]} late"] = case(host, post + hidden, request("GET /simple/end/", host), pause=0.5)
+        # the request with a body is the last on its connection; the client's next one goes on a new one
+        cases[f"{host[0]} next"] = case(host, request("GET /simple/end/", host))
     got = run_cases(framework_engine, cases)
-    assert all(answer.startswith("HTTP/1.1 401") or "401 /simple/auth" in answer for answer in got.values()), got
+    assert all(answer.startswith("HTTP/1.1 401") or "401 /simple/auth" in answer for answer in got.values()
+               if not answer.endswith("GET /simple/end/")), got
     served = Framework.served + FrameworkTLS.served
     assert "DELETE /upload/x" not in served, served
+    for name, _, _ in HOSTS:
+        assert "GET /simple/end/" not in got[name] and "GET /simple/end/" not in got[f"{name} late"], got
+        assert got[f"{name} next"].endswith("GET /simple/end/"), got

@@ -154,7 +154,8 @@ def cases() -> dict[str, dict[str, object]]:
     for label, host in (("http", LENIENT), ("strict", STRICT), ("https", TLS)):
         found.update({
             f"{label} allowed GET": case(host, request("GET /simple/ok/", host)),
-            f"{label} allowed POST": case(host, request("POST /simple/form", host, "Content-Length: 5") + "hello"),
+            f"{label} allowed POST": case(host, request("POST /simple/form", host, "Content-Type: text/plain",
+                                                         "Content-Length: 5") + "hello"),
             f"{label} ;": case(host, request("GET /simple/..;/upload/x", host)),
             f"{label} ;jsessionid": case(host, request("GET /simple/x/..;jsessionid=1/..;/upload/x", host)),
             f"{label} GET body": smuggling(host),
