@@ -18,10 +18,12 @@ from runner.service.jobqueue import JobQueue, QueueFull
 
 
 def runner(service, name: str, repository: str) -> Caller:
-    """A fleet runner whose job-started hook reported a job of `repository` (run 7, job "test")."""
+    """A fleet runner whose job-started hook reported a job of `repository` (run 7, job "test"), which the
+    fork guard let run (what runner/service/desk.py does with a verdict that allows it)."""
     service.access.runners.add(name, f"token-of-{name}-0123456789")
-    job = GitHubJob(repository, 7, 1, "test", name)
-    service.access.runners.bind(name, JobStarted(job, f"{repository}/.github/w.yml@main", "push"))
+    started = JobStarted(GitHubJob(repository, 7, 1, "test", name), f"{repository}/.github/w.yml@main", "push")
+    service.access.runners.bind(name, started)
+    service.access.runners.allow(name, started)
     return Caller(Kind.RUNNER, f"runner {name}", runner=name)
 
 
