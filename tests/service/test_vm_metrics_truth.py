@@ -64,9 +64,10 @@ def assert_gauges_tell_the_truth(host, base: str) -> dict[tuple[str, tuple], flo
     assert seen[("microvm_check_prewarmed_vms", ())] == service.prewarmed.count()
     assert seen[("microvm_check_prewarmed_vms_max", ())] == host.config.prewarm.max_vms
     assert seen[("microvm_check_build_info", next(k for n, k in seen if n == "microvm_check_build_info"))] == 1
+    assert host.fleet is None and seen[("microvm_check_runner_crash_loop", ())] == 0  # no fleet: no runner started
     known = {"microvm_check_vms_running", "microvm_check_spare_vms", "microvm_check_spare_pool_size",
              "microvm_check_jobs_active", "microvm_check_queue_depth", "microvm_check_prewarmed_vms",
-             "microvm_check_prewarmed_vms_max", "microvm_check_build_info"}
+             "microvm_check_prewarmed_vms_max", "microvm_check_build_info", "microvm_check_runner_crash_loop"}
     assert {name for name, _ in seen} == known, "a gauge this test does not compare with what it counts"
     return seen
 
