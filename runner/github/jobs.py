@@ -25,7 +25,11 @@ MAX_REF = 255  # git refuses longer ref components; a branch ref longer than thi
 
 
 @dataclass(frozen=True)
-class QueuedJob:
+class WorkflowJob:
+    """What every `workflow_job` delivery says of its job, whatever its action (`_job_fields` reads it):
+    declared once so the queued, in-progress and completed jobs cannot drift apart. The webhook hands on
+    only the subclasses; each is still equal only to its own kind (dataclass equality compares classes)."""
+
     repository: str
     run_id: int
     run_attempt: int
@@ -35,27 +39,20 @@ class QueuedJob:
 
 
 @dataclass(frozen=True)
-class CompletedJob:
-    repository: str
-    run_id: int
-    run_attempt: int
-    job_id: int
-    job_name: str
-    labels: tuple[str, ...]
+class QueuedJob(WorkflowJob):
+    """A job waiting for a runner with our labels: what a VM is warmed for."""
+
+
+@dataclass(frozen=True)
+class CompletedJob(WorkflowJob):
     conclusion: str | None
     runner_name: str | None
 
 
 @dataclass(frozen=True)
-class InProgressJob:
+class InProgressJob(WorkflowJob):
     """A job a runner took: GitHub's word on which runner runs it (what binds a registered runner)."""
 
-    repository: str
-    run_id: int
-    run_attempt: int
-    job_id: int
-    job_name: str
-    labels: tuple[str, ...]
     runner_name: str
 
 

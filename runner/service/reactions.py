@@ -17,7 +17,7 @@ from runner.service.job import vm_request
 from runner.service.service import JobService
 
 if TYPE_CHECKING:
-    from runner.github.jobs import CompletedJob, InProgressJob, Push, QueuedJob
+    from runner.github.jobs import CompletedJob, InProgressJob, Push, QueuedJob, WorkflowJob
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,6 @@ class GitHubReactions:
             log.info("push to %s's default branch (%s): rebuilding its warm bases", push.repository, push.after[:12])
 
 
-def _announced(job: QueuedJob | CompletedJob | InProgressJob, runner: str | None = None) -> GitHubJob:
+def _announced(job: WorkflowJob, runner: str | None = None) -> GitHubJob:
     """The job a `workflow_job` webhook speaks of: named by its display name, on its runner if it has one."""
     return GitHubJob(job.repository, job.run_id, job.run_attempt, job.job_name, runner or "")
