@@ -6,13 +6,9 @@ namespaces; nothing leaves the namespaces the test made.
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import io
 import json
 import shutil
 import subprocess
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,53 +38,12 @@ TRUST_REGISTRY = (
 )
 
 
-def _blob(root: Path, data: bytes) -> str:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    path = root / "blobs" / "sha256" / digest[7:9] / digest[7:] / "data"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return digest
-
-
-def _link(path: Path, digest: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "link").write_text(digest)
-
-
-def seed_registry(storage: Path, name: str, tag: str) -> None:
-    """An image of a static busybox in the registry's own filesystem layout (distribution's storage
-    driver paths), as a push would leave it: no Docker on the host needed."""
-    layer_tar = io.BytesIO()
-    with tarfile.open(fileobj=layer_tar, mode="w") as tar:
-        tar.add("/bin/busybox", arcname="bin/busybox")
-    layer = gzip.compress(layer_tar.getvalue(), mtime=0)
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Entrypoint": ["/bin/busybox"]},
-                         "rootfs": {"type": "layers",
-                                    "diff_ids": ["sha256:" + hashlib.sha256(layer_tar.getvalue()).hexdigest()]}}
-                        ).encode()
-    root = storage / "docker" / "registry" / "v2"
-    layer_digest, config_digest = _blob(root, layer), _blob(root, config)
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config),
-                   "digest": config_digest},
-        "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip", "size": len(layer),
-                    "digest": layer_digest}]}).encode()
-    manifest_digest = _blob(root, manifest)
-    repo = root / "repositories" / name
-    for digest in (layer_digest, config_digest):
-        _link(repo / "_layers" / "sha256" / digest[7:], digest)
-    _link(repo / "_manifests" / "revisions" / "sha256" / manifest_digest[7:], manifest_digest)
-    _link(repo / "_manifests" / "tags" / tag / "current", manifest_digest)
-    _link(repo / "_manifests" / "tags" / tag / "index" / "sha256" / manifest_digest[7:], manifest_digest)
-
-
 @pytest.fixture
 def registry_service(docker_template: None, need_netns: None, tmp_path: Path) -> Iterator[object]:
     binary = shutil.which("docker-registry")
     require(binary is not None, "docker-registry is not installed (scripts/setup --test installs it)")
     assert binary is not None
-    seed_registry(tmp_path / "registry", "db", "1")
+    net_fakes.seed_registry(tmp_path / "registry", "db", "1")
     (tmp_path / "registry.yml").write_text(json.dumps({
         "version": 0.1, "log": {"level": "warn"}, "http": {"addr": f"{REGISTRY_HOST}:5000"},
         "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}}}))

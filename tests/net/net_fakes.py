@@ -15,12 +15,18 @@ tap is attachable by its owner is tested separately (test_tap.py).
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import io
+import json
 import socket
 import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dnslib import CNAME, QTYPE, RCODE, RR, A, DNSRecord
@@ -306,14 +312,10 @@ def test_ca(label: str):  # type: ignore[no-untyped-def]
     return key, cert
 
 
-def tls_server(ns: str, address: str, port: int, name: str, ca, directory, servers: Servers,  # type: ignore[no-untyped-def]
-               handler=None) -> None:
-    """A real TLS web server (http.server over ssl) at address:port in `ns`, presenting a certificate
-    for `name` signed by `ca`; it answers every request with `<METHOD> <path> <Host>` and keeps the
-    connection alive (or with `handler`, an http.server handler class). Runs until `servers` close."""
+def server_pem(ca, name: str, path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A server certificate for `name` signed by `ca` (a `test_ca`), with its key, in one PEM file at
+    `path`: what a TLS server of the fake internet presents, whether tls_server or a real daemon serves it."""
     import datetime
-    import http.server
-    import ssl
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -328,9 +330,20 @@ def tls_server(ns: str, address: str, port: int, name: str, ca, directory, serve
             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    pem = directory / f"{name}.pem"
-    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+def tls_server(ns: str, address: str, port: int, name: str, ca, directory, servers: Servers,  # type: ignore[no-untyped-def]
+               handler=None) -> None:
+    """A real TLS web server (http.server over ssl) at address:port in `ns`, presenting a certificate
+    for `name` signed by `ca`; it answers every request with `<METHOD> <path> <Host>` and keeps the
+    connection alive (or with `handler`, an http.server handler class). Runs until `servers` close."""
+    import http.server
+    import ssl
+
+    pem = directory / f"{name}.pem"
+    server_pem(ca, name, pem)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pem)
 
@@ -411,3 +424,45 @@ def tls_internet(prefix: str, directory, cleanup, handler=None):  # type: ignore
     cleanup.callback(pool.close)
     pool.start()
     return internet, pool
+
+
+def _blob(root: Path, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    path = root / "blobs" / "sha256" / digest[7:9] / digest[7:] / "data"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return digest
+
+
+def _link(path: Path, digest: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "link").write_text(digest)
+
+
+def seed_registry(storage: Path, name: str, tag: str) -> None:
+    """An image of a static busybox in the registry's own filesystem layout (distribution's storage
+    driver paths), as a push would leave it: no Docker on the host needed. The docker-registry tests
+    serve it from the fake internet, however their registry authenticates."""
+    layer_tar = io.BytesIO()
+    with tarfile.open(fileobj=layer_tar, mode="w") as tar:
+        tar.add("/bin/busybox", arcname="bin/busybox")
+    layer = gzip.compress(layer_tar.getvalue(), mtime=0)
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Entrypoint": ["/bin/busybox"]},
+                         "rootfs": {"type": "layers",
+                                    "diff_ids": ["sha256:" + hashlib.sha256(layer_tar.getvalue()).hexdigest()]}}
+                        ).encode()
+    root = storage / "docker" / "registry" / "v2"
+    layer_digest, config_digest = _blob(root, layer), _blob(root, config)
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config),
+                   "digest": config_digest},
+        "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip", "size": len(layer),
+                    "digest": layer_digest}]}).encode()
+    manifest_digest = _blob(root, manifest)
+    repo = root / "repositories" / name
+    for digest in (layer_digest, config_digest):
+        _link(repo / "_layers" / "sha256" / digest[7:], digest)
+    _link(repo / "_manifests" / "revisions" / "sha256" / manifest_digest[7:], manifest_digest)
+    _link(repo / "_manifests" / "tags" / tag / "current", manifest_digest)
+    _link(repo / "_manifests" / "tags" / tag / "index" / "sha256" / manifest_digest[7:], manifest_digest)

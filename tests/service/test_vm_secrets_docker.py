@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import base64
 import datetime
-import gzip
-import hashlib
 import http.server
-import io
 import json
 import logging
 import secrets
 import shutil
 import subprocess
-import tarfile
 import textwrap
 import time
 import urllib.parse
@@ -37,10 +33,7 @@ from typing import Any
 
 import jwt
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from policy.suggest import SECRET_REFUSED
@@ -116,32 +109,7 @@ FIND = textwrap.dedent(
 ) % (VALUE[:len(VALUE) // 2], VALUE[len(VALUE) // 2:])
 
 
-def _ca(label: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, label)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
-
-
-def _leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], name: str, path: Path) -> None:
-    """A server certificate for `name` from `ca`, with its key, in one PEM file."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca[1].subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .sign(ca[0], hashes.SHA256()))
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-
-
-SIGNER = _ca("token signer")  # the registry trusts tokens signed by this key (its rootcertbundle)
+SIGNER = net_fakes.test_ca("token signer")  # the registry trusts tokens signed by this key (its rootcertbundle)
 
 
 class TokenServer(http.server.BaseHTTPRequestHandler):
@@ -182,54 +150,13 @@ class TokenServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _blob(root: Path, data: bytes) -> str:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    path = root / "blobs" / "sha256" / digest[7:9] / digest[7:] / "data"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return digest
-
-
-def _link(path: Path, digest: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "link").write_text(digest)
-
-
-def seed_registry(storage: Path, name: str, tag: str) -> None:
-    """An image of a static busybox in the registry's own filesystem layout (distribution's storage
-    driver paths), as a push would leave it: no Docker on the host needed."""
-    layer_tar = io.BytesIO()
-    with tarfile.open(fileobj=layer_tar, mode="w") as tar:
-        tar.add("/bin/busybox", arcname="bin/busybox")
-    layer = gzip.compress(layer_tar.getvalue(), mtime=0)
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Entrypoint": ["/bin/busybox"]},
-                         "rootfs": {"type": "layers",
-                                    "diff_ids": ["sha256:" + hashlib.sha256(layer_tar.getvalue()).hexdigest()]}}
-                        ).encode()
-    root = storage / "docker" / "registry" / "v2"
-    layer_digest, config_digest = _blob(root, layer), _blob(root, config)
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config),
-                   "digest": config_digest},
-        "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip", "size": len(layer),
-                    "digest": layer_digest}]}).encode()
-    manifest_digest = _blob(root, manifest)
-    repo = root / "repositories" / name
-    for digest in (layer_digest, config_digest):
-        _link(repo / "_layers" / "sha256" / digest[7:], digest)
-    _link(repo / "_manifests" / "revisions" / "sha256" / manifest_digest[7:], manifest_digest)
-    _link(repo / "_manifests" / "tags" / tag / "current", manifest_digest)
-    _link(repo / "_manifests" / "tags" / tag / "index" / "sha256" / manifest_digest[7:], manifest_digest)
-
-
 def _registry(internet: str, directory: Path, trusted: tuple[Any, Any], stack: ExitStack) -> None:
     """Debian's docker-registry at registry.test:443 in the fake internet: TLS, token auth, one image."""
     binary = shutil.which("docker-registry")
     require(binary is not None, "docker-registry is not installed (scripts/setup --test installs it)")
     assert binary is not None
-    seed_registry(directory / "registry", "db", "1")
-    _leaf(trusted, "registry.test", directory / "registry.pem")
+    net_fakes.seed_registry(directory / "registry", "db", "1")
+    net_fakes.server_pem(trusted, "registry.test", directory / "registry.pem")
     (directory / "signer.pem").write_bytes(SIGNER[1].public_bytes(serialization.Encoding.PEM))
     (directory / "registry.yml").write_text(json.dumps({
         "version": 0.1, "log": {"level": "warn"},
@@ -266,7 +193,7 @@ def docker_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Cal
         internet, servers = net_fakes.build_internet(prefix)
         stack.callback(netns.remove, internet)
         stack.callback(servers.close)
-        trusted = _ca("fake internet CA")
+        trusted = net_fakes.test_ca("fake internet CA")
         net_fakes.tls_server(internet, AUTH_HOST, 443, "auth.test", trusted, tmp_path, servers, handler=TokenServer)
         _registry(internet, tmp_path, trusted, stack)
         (tmp_path / "upstream-ca.pem").write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
