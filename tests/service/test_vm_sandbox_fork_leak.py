@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,21 @@ def test_a_fork_being_created_keeps_its_base_when_its_source_is_destroyed(serve,
     assert service.stop() == 0, service.stderr()
 
 
-def test_a_service_starting_beside_another_leaves_its_sandboxes_snapshots(serve, vm_root: Path) -> None:
+@pytest.fixture
+def second_root(vm_root: Path) -> Iterator[Path]:
+    """A root for a second service beside `vm_root`'s: a state directory of its own, the same template store."""
+    root = Path(tempfile.mkdtemp(prefix="mvc-svc-vm-", dir="/tmp"))
+    (root / "state").mkdir()
+    os.symlink((vm_root / "state" / "templates").resolve(), root / "state" / "templates")
+    try:
+        yield root
+        assert_no_leftovers(root / "state")
+    finally:
+        shutil.rmtree(root)  # the link only, not the store it names
+
+
+def test_a_service_starting_beside_another_leaves_its_sandboxes_snapshots(serve, vm_root: Path,
+                                                                          second_root: Path) -> None:
     """Two services on state directories of their own share one template store (`localrun` beside `serve`, and
     these tests, whose roots link the built templates): the one starting removes its own predecessor's
     snapshots only. It removed the other's too, and a fork from one was answered 500 (issue 38: the README's
@@ -151,25 +166,20 @@ def test_a_service_starting_beside_another_leaves_its_sandboxes_snapshots(serve,
     socket = vm_root / "api.sock"
     service.wait_answering(JobClient(socket=str(socket)))
     sdk = Service(socket=str(socket))
-    other_root = Path(tempfile.mkdtemp(prefix="mvc-svc-vm-", dir="/tmp"))
-    (other_root / "state").mkdir()
-    os.symlink((vm_root / "state" / "templates").resolve(), other_root / "state" / "templates")
-    config = other_root / "service.yml"
-    config.write_text(json.dumps({"socket": str(other_root / "api.sock"), "state_dir": str(other_root / "state"),
+    config = second_root / "service.yml"
+    config.write_text(json.dumps({"socket": str(second_root / "api.sock"), "state_dir": str(second_root / "state"),
                                   "shutdown_grace_seconds": 0}))
     with Sandbox.create(ttl_seconds=300, service=sdk) as parent:
         parent.files.write("/workspace/note.txt", b"from the parent\n")
         base = parent.snapshot()
-        other = Serve(config, other_root / "serve.stderr")
+        other = Serve(config, second_root / "serve.stderr")
         try:
-            other.wait_answering(JobClient(socket=str(other_root / "api.sock")))
+            other.wait_answering(JobClient(socket=str(second_root / "api.sock")))
             assert (vm_root / "state" / "templates" / base).exists(), "the service starting removed a live snapshot"
             with Sandbox.create(base=base, ttl_seconds=300, service=sdk) as child:
                 assert child.files.read("/workspace/note.txt") == b"from the parent\n"
             assert other.stop() == 0, other.stderr()
         finally:
             other.kill()
-    assert_no_leftovers(other_root / "state")
-    shutil.rmtree(other_root)
     assert not (vm_root / "state" / "templates" / base).exists(), "the snapshot outlived its sandboxes"
     assert service.stop() == 0, service.stderr()
