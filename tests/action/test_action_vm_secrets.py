@@ -32,7 +32,7 @@ from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
 from tests.conftest import require
 from tests.net import net_fakes
-from tests.net.secret_fakes import REAL_AUTH, VALUE, PrivateIndex, secret_internet
+from tests.net.secret_fakes import INSTALL, REAL_AUTH, VALUE, PrivateIndex, secret_internet
 
 pytestmark = pytest.mark.vm
 
@@ -49,10 +49,6 @@ index:
   user: ci
   value-from: INDEX_VALUE
 """
-INSTALL = ('python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 '
-           '--progress-bar off --break-system-packages --target /tmp/site '
-           '--index-url "https://ci:$INDEX_PASSWORD@idx.test:8443/simple" demo-pkg && '
-           "PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'")
 # What the guest holds: its environment and every process's, into an artifact (artifacts are not masked).
 DUMP = "mkdir -p out && env > out/env.txt && cat /proc/*/environ > out/environ.bin 2>/dev/null; true"
 

@@ -1,12 +1,14 @@
 """The fake internet of the secret-binding tests (issue 35): a private package index behind basic auth
 (idx.test, a real TLS server) that also echoes every request header back, another TLS host the host
-reads (other.test) and a plain HTTP one (plain.test), each recording what reached it."""
+reads (other.test) and a plain HTTP one (plain.test), each recording what reached it; and what those
+tests run in the guest: the install from that index, and the search for a value in the guest."""
 
 from __future__ import annotations
 
 import base64
 import gzip
 import secrets
+import textwrap
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,6 +22,43 @@ VALUE = "Tr0ub4dor-" + secrets.token_hex(12)  # what only the host and the upstr
 INDEX_HOST, OTHER_HOST = "203.0.113.70", "203.0.113.71"
 net_fakes.ZONE.update({"idx.test": INDEX_HOST, "other.test": OTHER_HOST})
 REAL_AUTH = "Basic " + base64.b64encode(f"ci:{VALUE}".encode()).decode()
+# A guest's pip install from the private index with only the placeholder of $INDEX_PASSWORD, and the
+# installed module's greeting ("installed from the fake index") when it worked.
+INSTALL = ('python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 '
+           '--progress-bar off --break-system-packages --target /tmp/site '
+           '--index-url "https://ci:$INDEX_PASSWORD@idx.test:8443/simple" demo-pkg && '
+           "PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'")
+# A guest script: prints every file under the guest's writable trees, and every process's environment and
+# command line, that holds the value given as its two arguments (two halves, so that the value is put
+# together in the finder's memory only, never in a file or a command line), then "searched".
+FIND = textwrap.dedent(
+    """
+    import os, sys
+    needle = (sys.argv[1] + sys.argv[2]).encode()
+    for root in ("/etc", "/usr/local", "/tmp", "/root", "/workspace", "/var", "/home", "/run"):
+        for top, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(top, name)
+                try:
+                    if os.path.isfile(path) and not os.path.islink(path) and needle in open(path, "rb").read():
+                        print("file", path)
+                except OSError:
+                    pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for part in ("environ", "cmdline"):
+            try:
+                if needle in open(f"/proc/{pid}/{part}", "rb").read():
+                    print("proc", pid, part)
+            except OSError:
+                pass
+    print("searched")
+    """
+)
+
+
+def halves(value: str) -> tuple[str, str]:
+    """`value` cut in two, as FIND takes it."""
+    return value[:len(value) // 2], value[len(value) // 2:]
 
 
 class PrivateIndex(IndexHandler):

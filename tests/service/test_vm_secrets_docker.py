@@ -23,7 +23,6 @@ import logging
 import secrets
 import shutil
 import subprocess
-import textwrap
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from runner.net import NamespaceUplink, Upstream, netns
 from runner.service.config import config_from_mapping
 from tests.conftest import require
 from tests.net import net_fakes
+from tests.net.secret_fakes import FIND, halves
 
 pytestmark = pytest.mark.vm
 
@@ -81,34 +81,6 @@ ELSEWHERE = ("python3 -c \"import base64, os, urllib.error, urllib.request as u\
              "'puller:' + os.environ['REGISTRY_PASSWORD']).encode()).decode()})\n"
              "try: u.urlopen(r, timeout=30)\n"
              "except urllib.error.HTTPError as e: print('elsewhere:', e.code, e.read().decode())\"")
-# Prints every file under the guest's writable trees (docker's config, state and log among them), and every
-# process's environment and command line, that holds the value (written in two halves, put together only in
-# the finder's memory), then "searched".
-FIND = textwrap.dedent(
-    """
-    import os
-    needle = (%r + %r).encode()
-    for root in ("/etc", "/usr/local", "/tmp", "/root", "/workspace", "/var", "/home", "/run"):
-        for top, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(top, name)
-                try:
-                    if os.path.isfile(path) and not os.path.islink(path) and needle in open(path, "rb").read():
-                        print("file", path)
-                except OSError:
-                    pass
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        for part in ("environ", "cmdline"):
-            try:
-                if needle in open(f"/proc/{pid}/{part}", "rb").read():
-                    print("proc", pid, part)
-            except OSError:
-                pass
-    print("searched")
-    """
-) % (VALUE[:len(VALUE) // 2], VALUE[len(VALUE) // 2:])
-
-
 SIGNER = net_fakes.test_ca("token signer")  # the registry trusts tokens signed by this key (its rootcertbundle)
 
 
@@ -224,7 +196,7 @@ def test_docker_pulls_from_a_token_registry_through_a_basic_auth_binding_and_the
     caplog.set_level(logging.DEBUG)
     host = docker_host()
     client = JobClient(socket=host.config.socket)
-    find = "python3 /workspace/find.py"
+    find = "python3 /workspace/find.py {} {}".format(*halves(VALUE))  # docker's config, state and log too
 
     bound = submit(client, f"{PULL} && {CONFIG} && {ELSEWHERE}; {find}", files={"find.py": FIND.encode()},
                    repository="octo/hello", template="docker", timeout_seconds=900)

@@ -25,7 +25,7 @@ from runner.jobapi.client import JobAPIError, JobClient
 from runner.net import NamespaceUplink, Upstream
 from runner.service.config import config_from_mapping
 from tests.net import net_fakes
-from tests.net.secret_fakes import VALUE, secret_internet
+from tests.net.secret_fakes import INSTALL, VALUE, secret_internet
 
 pytestmark = pytest.mark.vm
 
@@ -42,10 +42,6 @@ bindings:
     user: ci
     value_file: index.secret
 """
-INSTALL = ('python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 '
-           '--progress-bar off --break-system-packages --target /tmp/site '
-           '--index-url "https://ci:$INDEX_PASSWORD@idx.test:8443/simple" demo-pkg && '
-           "PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'")
 ECHO = ("python3 -c 'import os, urllib.request as u; r = u.Request(\"https://idx.test:8443/echo/h\"); "
         "r.add_header(\"Authorization\", \"Basic \" + __import__(\"base64\").b64encode(b\"ci:\" + "
         "os.environ[\"INDEX_PASSWORD\"].encode()).decode()); x = u.urlopen(r, timeout=20); "

@@ -27,7 +27,17 @@ from runner.net import NamespaceUplink, SlotPool, Upstream
 from runner.net.secretswap import BoundSecret, SecretBinding, SecretSwap
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
-from tests.net.secret_fakes import REAL_AUTH, VALUE, Other, Plain, PrivateIndex, secret_internet
+from tests.net.secret_fakes import (
+    FIND,
+    INSTALL,
+    REAL_AUTH,
+    VALUE,
+    Other,
+    Plain,
+    PrivateIndex,
+    halves,
+    secret_internet,
+)
 
 POLICY = """\
 version: 1
@@ -76,33 +86,6 @@ CLIENT = textwrap.dedent(
         print(json.dumps([name, run(case)]), flush=True)
     """
 )
-
-# Prints every file under the guest's writable trees, and every process's environment and command line,
-# that holds the value (given in two halves), then "searched".
-FIND = textwrap.dedent(
-    """
-    import os, sys
-    needle = (sys.argv[1] + sys.argv[2]).encode()
-    for root in ("/etc", "/usr/local", "/tmp", "/root", "/workspace", "/var", "/home", "/run"):
-        for top, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(top, name)
-                try:
-                    if os.path.isfile(path) and not os.path.islink(path) and needle in open(path, "rb").read():
-                        print("file", path)
-                except OSError:
-                    pass
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        for part in ("environ", "cmdline"):
-            try:
-                if needle in open(f"/proc/{pid}/{part}", "rb").read():
-                    print("proc", pid, part)
-            except OSError:
-                pass
-    print("searched")
-    """
-)
-
 
 @pytest.fixture
 def secret_engine(need_netns, make_engine, tmp_path):
@@ -176,14 +159,9 @@ def test_a_bound_secret_goes_only_where_its_binding_says_and_never_comes_back(se
         r = sbx.exec(["python3", "/tmp/client.py", "/tmp/cases.json"], env=env, timeout_seconds=600)
         assert r.exit_code == 0, r.stderr
         got = dict(json.loads(line) for line in r.stdout.decode().splitlines())
-        pip = sbx.exec("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 --timeout 20 "
-                       "--progress-bar off --break-system-packages --target /tmp/site "
-                       '--index-url "https://ci:$INDEX_PASSWORD@idx.test:8443/simple" demo-pkg && '
-                       "PYTHONPATH=/tmp/site python3 -c 'import demo_pkg; print(demo_pkg.GREETING)'",
-                       env=env, timeout_seconds=300)
+        pip = sbx.exec(INSTALL, env=env, timeout_seconds=300)
         sbx.files.write("/tmp/find.py", FIND.encode())
-        half = len(VALUE) // 2  # the value is put together in the finder's memory only, never in a file or argv
-        found = sbx.exec(["python3", "/tmp/find.py", VALUE[:half], VALUE[half:]], env=env, timeout_seconds=300)
+        found = sbx.exec(["python3", "/tmp/find.py", *halves(VALUE)], env=env, timeout_seconds=300)
         records = [rec for rec in sbx.blocked_egress() if rec.reason == SECRET_REFUSED]
         uses = sbx.secret_uses()
     without = _pip_without_binding(secret_engine, policy)
