@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runner.sandbox.port import (
+        ExecResult,
         Resources,
         SandboxFactory,
         SandboxLike,
@@ -27,15 +28,15 @@ if TYPE_CHECKING:
         VMRequest,
         needs_network,
     )
-    from runner.sandbox.sandbox import EngineSandboxes, ExecResult, Sandbox, SandboxError
+    from runner.sandbox.sandbox import EngineSandboxes, Sandbox, SandboxError
 
 __all__ = ["EngineSandboxes", "ExecResult", "Resources", "Sandbox", "SandboxError", "SandboxFactory", "SandboxLike",
            "SandboxProvider", "VMRequest", "needs_network"]
 
 _HOME = {
     "Resources": "port", "SandboxFactory": "port", "SandboxLike": "port", "SandboxProvider": "port",
-    "VMRequest": "port", "needs_network": "port",
-    "EngineSandboxes": "sandbox", "ExecResult": "sandbox", "Sandbox": "sandbox", "SandboxError": "sandbox",
+    "VMRequest": "port", "needs_network": "port", "ExecResult": "port",
+    "EngineSandboxes": "sandbox", "Sandbox": "sandbox", "SandboxError": "sandbox",
 }
 
 

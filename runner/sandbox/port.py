@@ -18,11 +18,10 @@ from policy.suggest import AuditRecord
 
 if TYPE_CHECKING:
     from runner.net.secretswap import SecretSwap
-    from runner.sandbox.sandbox import ExecResult
     from runner.vm.templates import Template
 
-__all__ = ["AuditRecord", "GuestFiles", "Resources", "SandboxFactory", "SandboxLike", "SandboxProvider", "VMRequest",
-           "needs_network"]
+__all__ = ["AuditRecord", "ExecResult", "GuestFiles", "Resources", "SandboxFactory", "SandboxLike", "SandboxProvider",
+           "VMRequest", "needs_network"]
 
 
 def needs_network(policy: Policy | None) -> bool:
@@ -30,6 +29,19 @@ def needs_network(policy: Policy | None) -> bool:
     audits, which needs the traffic to record it). A VM whose policy allows nothing gets no card at
     all: nothing to filter, nothing to get wrong. The one place this is decided."""
     return policy is not None and (bool(policy.rules) or policy.mode == "audit")
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command in the VM ended with: the port's own type, so the service and its stand-ins name it
+    without the VM layer."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+    timed_out: bool
+    truncated: bool = False  # output beyond runner.sandbox.sandbox.CAPTURE_LIMIT was streamed but not kept
 
 
 @dataclass(frozen=True)

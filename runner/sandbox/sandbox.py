@@ -18,7 +18,7 @@ from policy.suggest import AuditRecord
 from runner import tarsafe
 from runner.errors import CommandNotStarted, SandboxOpFailed
 from runner.net.secretswap import SecretSwap
-from runner.sandbox.port import Resources, VMRequest
+from runner.sandbox.port import ExecResult, Resources, VMRequest
 from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient, GuestOpError, NotStarted
 from runner.vm.engine import Engine
@@ -40,16 +40,6 @@ T = TypeVar("T")
 # directory, and the bundle every OpenSSL-based client there reads).
 JOB_CA_FILE = "/usr/local/share/ca-certificates/microvm-check-job.crt"
 GUEST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    duration_ms: float
-    timed_out: bool
-    truncated: bool = False  # output beyond CAPTURE_LIMIT was streamed but not kept
 
 
 class _Capture:

@@ -15,17 +15,15 @@ from collections.abc import Iterable
 from policy.model import Policy
 from runner.errors import ArchiveError, JobError
 from runner.jobapi.contract import JobSpec
-from runner.net.secretswap import BoundSecret, SecretBindingError
 from runner.sandbox.port import needs_network
 from runner.service.auth import Access, Caller
 from runner.service.config import ServiceConfig
 from runner.service.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
-from runner.service.job import CHECKOUT, JobRun
-from runner.service.secretbindings import JobSecrets, job_secrets, load_secrets, workflow_bindings
+from runner.service.job import CHECKOUT, Admitted, JobRun
+from runner.service.secretbindings import SecretAdmission
 from runner.service.sessions import Session, Sessions, session_key
-from runner.service.spec import SpecError, Submission, parse_submission
+from runner.service.spec import SpecError, parse_submission
 from runner.tarsafe import check_tar
-from runner.vm.templates import sized
 
 
 class InvalidJob(JobError):
@@ -39,10 +37,9 @@ class TooLarge(JobError):
 class Admission:
     def __init__(self, config: ServiceConfig, access: Access, policies: EgressPolicies, sessions: Sessions) -> None:
         self.config, self.access, self.policies, self.sessions = config, access, policies, sessions
-        # The operator's secret bindings (docs/secrets.md): the values, in this process's memory only.
-        self.operator_secrets = load_secrets(config.secrets)
+        self.secrets = SecretAdmission(config.secrets)  # the operator's bindings: values in memory only
 
-    def admit(self, data: object, caller: Caller) -> tuple[JobSpec, Policy, JobSecrets]:
+    def admit(self, data: object, caller: Caller) -> Admitted:
         """The job's spec, built once from what was sent and what the service decides of it, its
         effective policy and its secret bindings (the operator's for its repository, and the workflow's
         when `Access` trusts the workflow); or a JobError; reserves nothing. The caller is checked before
@@ -53,42 +50,25 @@ class Admission:
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
             repository = self.access.repository_for(caller, submitted)
             policy = self.policies.effective(repository, submitted.policy)
-            spec = submitted.spec(repository, runner or "", self._template(submitted, repository))
-            operator = self.operator_secrets.for_repository(repository)
-            workflow = self._workflow_secrets(caller, submitted, spec, policy, operator)
+            template = submitted.template_for(repository, self.policies.sizes_for(repository))
+            spec = submitted.spec(repository, runner or "", template)
+            if submitted.secrets:
+                self.access.refuse_workflow_secrets(caller, submitted, spec.event)
+            bound = self.secrets.for_job(spec, submitted.secrets, lambda: self._trusted_policy(spec, policy))
         except PolicySourceUnavailable:
             raise  # GitHub is down: 503, try again (not an invalid job)
-        except (SpecError, EgressPolicyError, SecretBindingError) as exc:
+        except (SpecError, EgressPolicyError) as exc:
             raise InvalidJob(f"invalid job: {exc}") from exc
         if needs_network(policy) and not self.config.network.enabled:
             raise InvalidJob(f"the egress policy for {spec.repository} allows network access, but this service "
                              f"runs VMs without networking (network.enabled is false in its config): narrow the "
                              f"policy to deny all, or ask the operator to enable networking")
-        return spec, policy, job_secrets(operator, workflow)
+        return Admitted(spec, policy, bound)
 
-    def _workflow_secrets(self, caller: Caller, submitted: Submission, spec: JobSpec, policy: Policy,
-                          operator: tuple[BoundSecret, ...]) -> tuple[BoundSecret, ...]:
-        """The workflow's own bindings (the action's `secrets:` input), if its workflow is trusted (else
-        Forbidden) and each binding passes `workflow_bindings` (else SecretBindingError)."""
-        if not submitted.secrets:
-            return ()
-        self.access.refuse_workflow_secrets(caller, submitted, spec.event)
-        # the repository's trusted policy, not narrowed by the job's own; `run` trusts the job's as given
-        trusted = policy if self.policies.trust_job_policy else self.policies.effective(spec.repository, None)
-        return workflow_bindings(submitted.secrets, trusted, operator, spec.env)
-
-    def _template(self, submitted: Submission, repository: str) -> str:
-        """A spec asking for a size class restores from its template baked at that size, if the
-        repository's store file allows the size (a pull request's spec cannot widen that)."""
-        size = submitted.size
-        if size is None:
-            return submitted.template
-        allowed = self.policies.sizes_for(repository)
-        if size not in allowed:
-            raise InvalidJob(f"size: {repository} may not use the size {size!r} (its store file allows "
-                             f"{', '.join(allowed) or 'no sizes'}): the operator lists a repository's sizes in its "
-                             f"store file (<owner>/<repo>.yml, sizes: [{size}]), or leave size out")
-        return sized(submitted.template, size)
+    def _trusted_policy(self, spec: JobSpec, policy: Policy) -> Policy:
+        """The repository's trusted policy, not narrowed by the job's own (what a workflow's secret binding
+        is held to); `run` trusts the job's as given."""
+        return policy if self.policies.trust_job_policy else self.policies.effective(spec.repository, None)
 
     def session_for(self, spec: JobSpec, policy: Policy,
                       token: str | None) -> tuple[Session | None, str | None]:

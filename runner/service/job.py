@@ -15,23 +15,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from policy.model import Policy
 from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
-from runner.net.secretswap import Masker, SecretSwap
-from runner.sandbox.port import Resources, SandboxFactory, SandboxLike, VMRequest, needs_network
+from runner.sandbox.port import ExecResult, Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service import containers
 from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.command import direct_argv, shell_argv
 from runner.service.config import ServiceConfig
 from runner.service.joblog import JobLog, LogFull
+from runner.service.jobsecrets import JobSecrets, MaskedLog
 from runner.service.outputs import bounded_blocked, collect_artifacts, refused_egress
 from runner.service.sessions import KEEP_MAX_SECONDS, Session, Sessions
-
-if TYPE_CHECKING:
-    from runner.sandbox import ExecResult
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +60,16 @@ class JobWatcher(Protocol):
     def job_ended(self, run: JobRun) -> None: ...
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A job as admission decided it (runner/service/admission.py): its spec, built once; its effective
+    egress policy; its secret bindings with their values. What a `JobRun` is opened from."""
+
+    spec: JobSpec
+    policy: Policy
+    secrets: JobSecrets = field(default_factory=JobSecrets, repr=False)
+
+
 @dataclass
 class JobRun:
     """A job between submit and its final record; shared between its worker and the API threads."""
@@ -78,9 +85,8 @@ class JobRun:
     sandbox: SandboxLike | None = None
     cancel_reason: str | None = None
     trust_env: dict[str, str] = field(default_factory=dict)  # from Sandbox.install_job_ca
-    # Its secret bindings with their values and placeholders (runner/service/secretbindings.py), in memory only.
-    secrets: SecretSwap = field(default_factory=lambda: SecretSwap(()), repr=False)
-    secret_sources: dict[str, str] = field(default_factory=dict)  # binding name -> "operator" or "workflow"
+    # Its secret bindings with their values and placeholders (runner/service/jobsecrets.py), in memory only.
+    secrets: JobSecrets = field(default_factory=JobSecrets, repr=False)
     uploading: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None  # the GitHub job's kept VM this step opens or attaches to
@@ -217,10 +223,10 @@ class JobRun:
     def _run_in(self, sandbox: SandboxLike, config: ServiceConfig) -> tuple[str, int | None, str | None]:
         if not self.attached:
             self._put_checkout(sandbox)
-        placeholders = self._bind_secrets(sandbox)  # before the CA: it is made again to vouch for bound hosts
-        self.trust_env = {**sandbox.install_job_ca(), **placeholders}  # before any job code runs
+        placeholders = self.secrets.bind(sandbox, self.policy, self.log)  # before the CA: it is made again to
+        self.trust_env = {**sandbox.install_job_ca(), **placeholders}  # vouch for bound hosts; before any job code
         result = self._run_command(sandbox)
-        self._note_secret_uses(sandbox)
+        self.secrets.note_uses(sandbox, self.policy, self.log, self.record)
         if self.cancel_reason:
             return self._cancelled()
         self._collect_artifacts(sandbox, config)
@@ -232,41 +238,6 @@ class JobRun:
             return "timed_out", EXIT_TIMEOUT, timeout
         exit_code = _exit_code(result.exit_code)
         return self._on_block(blocked, exit_code) or ("finished", exit_code, None)
-
-    def _bind_secrets(self, sandbox: SandboxLike) -> dict[str, str]:
-        """The job's secret bindings, bound in its VM's network: the variables holding their placeholders.
-        A binding whose host the job's policy does not let it reach is bound anyway (its placeholder is
-        refused everywhere) and the log says why it cannot be used."""
-        bound = self.secrets.secrets
-        if not bound:
-            return {}
-        if not needs_network(self.policy):
-            self.log.system(f"secret bindings {', '.join(b.binding.name for b in bound)} unused: the job's egress "
-                            "policy allows nothing, so its VM has no network")
-            return {}
-        for entry in bound:
-            binding = entry.binding
-            if not any(rule.name_checked and rule.allows(port, "tcp", name=binding.host)
-                       for rule in (self.policy.rules if self.policy else ()) for port in binding.ports):
-                self.log.system(f"secret binding {binding.name}: the job's policy has no host: rule (name-checked, "
-                                f"not raw) for {binding.host} on port(s) {','.join(map(str, sorted(binding.ports)))}, "
-                                "so no request can use it")
-        placeholders = sandbox.bind_secrets(self.secrets)
-        self.log.system("secret bindings: " + "; ".join(f"{b.binding.name} in ${b.binding.env} (only {b.binding.where()})"
-                                                        for b in bound))
-        return placeholders
-
-    def _note_secret_uses(self, sandbox: SandboxLike) -> None:
-        """The job log says how often each binding's value went out (names and hosts, never a value)."""
-        if not self.secrets.secrets:
-            return
-        uses = sandbox.secret_uses() if needs_network(self.policy) else {}
-        self.log.system("secrets used: " + ", ".join(f"{b.binding.name} {uses.get(b.binding.name, 0)} request(s) to "
-                                                     f"{b.binding.host}" for b in self.secrets.secrets))
-        # the record, the signed record and the check run list them: names, hosts, counts, never a value
-        self.record.secrets_used = [{"name": b.binding.name, "host": b.binding.host,
-                                     "source": self.secret_sources.get(b.binding.name, "operator"),
-                                     "requests": uses.get(b.binding.name, 0)} for b in self.secrets.secrets]
 
     def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
@@ -318,7 +289,7 @@ class JobRun:
         begun = time.monotonic()
         limit: float | None = self.spec.timeout_seconds
 
-        masked = _MaskedLog(self.log, self.secrets)
+        masked = MaskedLog(self.log, self.secrets)
 
         def run(argv: list[str], timeout: float | None) -> ExecResult:
             try:
@@ -350,33 +321,6 @@ class JobRun:
         with self.lock:
             self.record.artifacts = entries
         self.log.system(f"collected {len(entries)} artifact file(s)")
-
-
-@dataclass
-class _MaskedLog:
-    """The guest's output on its way to the job log with every form of the job's secret values masked
-    (`runner.net.secretswap.Masker`, per stream, across writes): the guest never has a value, so this is
-    only the last fence before the log, the summary and the check run, which read the log."""
-
-    log: JobLog
-    secrets: SecretSwap
-    maskers: dict[str, Masker] = field(default_factory=dict)
-
-    def append(self, stream: str, data: bytes) -> None:
-        if not self.secrets.secrets:
-            self.log.append(stream, data)
-            return
-        masker = self.maskers.setdefault(stream, Masker([needle for bound in self.secrets.secrets
-                                                         for needle in bound.reflections()]))
-        out = masker.feed(data)
-        if out:
-            self.log.append(stream, out)
-
-    def flush(self) -> None:
-        for stream, masker in self.maskers.items():
-            out = masker.flush()
-            if out:
-                self.log.append(stream, out)
 
 
 class SessionGone(JobError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -46,8 +47,10 @@ from policy.yamldoc import (
     string,
 )
 from runner.errors import ConfigError
-from runner.jobapi.contract import REPOSITORY, WorkflowSecret
+from runner.jobapi.contract import REPOSITORY, JobSpec, WorkflowSecret
 from runner.net.secretswap import SCHEMES, BoundSecret, Scheme, SecretBinding, SecretBindingError, value_problem
+from runner.service.jobsecrets import JobSecrets, job_secrets
+from runner.service.spec import SpecError
 
 LIMITS = Limits("secret bindings", 64 * 1024, 6, "a list of bindings under bindings:", max_problems=20)
 KEYS = ("name", "repositories", "env", "host", "ports", "methods", "paths", "scheme", "user", "header", "value_file")
@@ -82,25 +85,6 @@ class OperatorSecrets:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(entry.binding.name for entry in self.bindings)
-
-
-OPERATOR, WORKFLOW = "operator", "workflow"  # where a job's binding came from (its record says)
-
-
-@dataclass(frozen=True)
-class JobSecrets:
-    """One job's bindings with their values and fresh placeholders, and where each came from."""
-
-    bound: tuple[BoundSecret, ...] = ()
-    sources: tuple[tuple[str, str], ...] = ()  # (binding name, OPERATOR or WORKFLOW)
-
-    def __repr__(self) -> str:
-        return f"JobSecrets({[name for name, _ in self.sources]!r})"
-
-
-def job_secrets(operator: tuple[BoundSecret, ...], workflow: tuple[BoundSecret, ...] = ()) -> JobSecrets:
-    return JobSecrets(operator + workflow, tuple((bound.binding.name, OPERATOR) for bound in operator)
-                      + tuple((bound.binding.name, WORKFLOW) for bound in workflow))
 
 
 def workflow_bindings(asked: tuple[WorkflowSecret, ...], trusted: Policy, operator: tuple[BoundSecret, ...],
@@ -140,6 +124,25 @@ def workflow_bindings(asked: tuple[WorkflowSecret, ...], trusted: Policy, operat
                                      "workflow binds secrets only for hosts that policy names")
         found.append(BoundSecret.make(binding, secret.value))
     return tuple(found)
+
+
+class SecretAdmission:
+    """Which secret bindings an admitted job gets: the operator's for its repository (read once from the
+    file `secrets:` names), and the workflow's own (the action's `secrets:` input, from a workflow `Access`
+    already trusted), each checked by `workflow_bindings` against the repository's trusted policy."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.operator = load_secrets(path)  # the values, in this process's memory only
+
+    def for_job(self, spec: JobSpec, asked: tuple[WorkflowSecret, ...], trusted: Callable[[], Policy]) -> JobSecrets:
+        """The job's bindings with fresh placeholders; a workflow binding that cannot be used is the
+        submission's error (SpecError naming the binding, never its value)."""
+        operator = self.operator.for_repository(spec.repository)
+        try:
+            workflow = workflow_bindings(asked, trusted(), operator, spec.env) if asked else ()
+        except SecretBindingError as exc:
+            raise SpecError(str(exc)) from None
+        return job_secrets(operator, workflow)
 
 
 def load_secrets(path: Path | None) -> OperatorSecrets:

@@ -21,19 +21,16 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from policy.model import Policy
 from runner.errors import JobError
-from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobSpec, JobState, canonical_repository
-from runner.net.secretswap import SecretSwap
+from runner.jobapi.contract import JOB_ID, Health, JobRecord, JobState, canonical_repository
 from runner.service.admission import spool_checkout
 from runner.service.auth import OPERATOR, Caller
 from runner.service.config import ServiceConfig
-from runner.service.job import ARTIFACTS, LOG, JobRun
+from runner.service.job import ARTIFACTS, LOG, Admitted, JobRun
 from runner.service.joblog import JobLog
 from runner.service.jobparts import JobParts
 from runner.service.jobqueue import QueueClosed
 from runner.service.runs import finish, logged
-from runner.service.secretbindings import JobSecrets
 from runner.service.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -59,7 +56,6 @@ class JobService:
         self.check_runs, self.queue, self.prewarmed = parts.check_runs, parts.queue, parts.prewarmed
         self.sessions, self.access, self.admission = parts.sessions, parts.access, parts.admission
         self.runs, self.vms, self.workers = parts.runs, parts.vms, parts.workers
-        self.secret_bindings = self.admission.operator_secrets  # the values, in this process's memory only
         self._stopping = threading.Event()
         self._drained = False
 
@@ -129,8 +125,9 @@ class JobService:
         """
         if self.stopping:
             raise QueueClosed("the service is shutting down; submit the job again later")
-        spec, policy, bound = self.admission.admit(data, caller)
-        session, opened = self.admission.session_for(spec, policy, session_token)
+        admitted = self.admission.admit(data, caller)
+        spec = admitted.spec
+        session, opened = self.admission.session_for(spec, admitted.policy, session_token)
         job_id = "j" + secrets.token_hex(8)
         try:
             # QueueFull / QueueClosed go to the caller (429 / 503); a runner's or a socket member's job has its
@@ -142,7 +139,7 @@ class JobService:
                 self.sessions.release(session)
             raise
         try:
-            record = self._open_job(job_id, spec, policy, session, bound)
+            record = self._open_job(job_id, admitted, session)
         except BaseException:
             self._release(job_id)
             if session is not None:
@@ -150,13 +147,13 @@ class JobService:
             raise
         return record, self.access.jobs.issue(job_id, caller.runner), opened
 
-    def _open_job(self, job_id: str, spec: JobSpec, policy: Policy, session: Session | None = None,
-                  bound: JobSecrets | None = None) -> JobRecord:
+    def _open_job(self, job_id: str, admitted: Admitted, session: Session | None = None) -> JobRecord:
         """The job's directory, log and first record; the job becomes visible only once all exist.
 
         A step that attaches to its job's kept VM sends no checkout (it is in the VM): it is queued at once.
         """
         attached = session is not None and session.sandbox is not None
+        spec, policy = admitted.spec, admitted.policy
         job_dir = self.config.jobs_dir / job_id
         record = JobRecord(
             id=job_id, state=JobState.QUEUED if attached else JobState.AWAITING_CHECKOUT, repository=spec.repository,
@@ -170,8 +167,7 @@ class JobService:
         run = JobRun(record, spec, job_dir, JobLog(job_dir / LOG, self.config.logs), self.records.put, policy,
                      session=session, sessions=self.sessions if session else None, attached=attached,
                      attestor=self.attestor, checks=self.check_runs,
-                     secrets=SecretSwap(bound.bound if bound is not None else ()),
-                     secret_sources=dict(bound.sources) if bound is not None else {})
+                     secrets=admitted.secrets)
         try:
             self.records.put(record)
         except BaseException:

@@ -36,6 +36,7 @@ from runner.jobapi.contract import (
     parse_workflow_secrets,
 )
 from runner.service.config import ServiceConfig
+from runner.vm.templates import sized
 
 _SHOWN = 80  # how much of a refused value an error message repeats: errors never echo unbounded input
 # Never forwarded whatever the allowlist says: these name credentials, and the guest is hostile.
@@ -170,6 +171,18 @@ class Submission:
     def claim(self) -> str:
         """The job this submit says it is, for a refusal's message."""
         return f"{self.repository} run {self.run_id}/{self.run_attempt or 1} job {self.job_name}"
+
+    def template_for(self, repository: str, allowed_sizes: tuple[str, ...]) -> str:
+        """The template the job restores from: the one it names, baked at its size class when it asks for
+        one the repository's store file allows (`allowed_sizes`; a pull request's spec cannot widen that)."""
+        size = self.size
+        if size is None:
+            return self.template
+        if size not in allowed_sizes:
+            raise SpecError(f"size: {repository} may not use the size {size!r} (its store file allows "
+                            f"{', '.join(allowed_sizes) or 'no sizes'}): the operator lists a repository's sizes in "
+                            f"its store file (<owner>/<repo>.yml, sizes: [{size}]), or leave size out")
+        return sized(self.template, size)
 
     def spec(self, repository: str, runner_name: str, template: str) -> JobSpec:
         """The job's spec: as submitted, with the repository, runner and template the service decided."""

@@ -69,7 +69,8 @@ def test_doctor_says_which_runner_paths_the_walls_hide(account: Account, rig_roo
     main(["doctor", "--config", str(write_config(rig_root, account, {}))])
     seen = capsys.readouterr().out
     assert "NO  the runners see what they run: this installation, install_dir, runners_dir and the socket lie " \
-           "outside /tmp, /var/tmp, /dev/shm, /run/lock and below directories every user may enter: runners.install_dir /dev/shm/release lies under /dev/shm" \
+           "outside /tmp, /var/tmp, /dev/shm, /run/lock and below directories every user may enter: " \
+           "runners.install_dir /dev/shm/release lies under /dev/shm" \
            in hidden, hidden
     assert "install_dir /opt/microvm-check/actions-runner" in hidden
     assert "ok  the runners see what they run" in seen, seen

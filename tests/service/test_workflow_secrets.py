@@ -106,8 +106,8 @@ def test_a_trusted_workflows_binding_is_honoured_and_its_value_is_kept_nowhere(r
         (record,) = host.service.list(limit=5)
         run = host.service.runs.get(record.id)
         kept = (repr(run), repr(run.spec), str(run.spec.to_wire()), str(record.to_wire()))
-        names = [(bound.binding.name, bound.binding.env, bound.value == VALUE) for bound in run.secrets.secrets]
-        sources = dict(run.secret_sources)
+        names = [(bound.binding.name, bound.binding.env, bound.value == VALUE) for bound in run.secrets.bound]
+        sources = dict(run.secrets.sources)
         host.service.drain()
     assert status == 201, error
     assert names == [("index", "INDEX_PASSWORD", False), ("npm", "NPM_TOKEN", True)]
