@@ -409,8 +409,6 @@ def tls_internet(prefix: str, directory, cleanup, handler=None):  # type: ignore
     Returns (the internet's namespace, the pool)."""
     from cryptography.hazmat.primitives import serialization
 
-    from runner.net import NamespaceUplink, SlotPool, Upstream
-
     internet, servers = build_internet(prefix)
     cleanup.callback(netns.remove, internet)
     cleanup.callback(servers.close)
@@ -419,11 +417,21 @@ def tls_internet(prefix: str, directory, cleanup, handler=None):  # type: ignore
     tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", stranger, directory, servers)
     ca_file = directory / "upstream-ca.pem"
     ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
-    pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
+    return internet, started_pool(prefix, internet, cleanup, upstream_ca=ca_file)
+
+
+def started_pool(prefix: str, internet: str, cleanup, upstream_ca: Path | None = None):  # type: ignore[no-untyped-def]
+    """A started one-slot pool (slots `prefix`) on the fake internet `internet`, resolving through its DNS
+    server and trusting `upstream_ca` (a PEM file) for the TLS hosts it reads; closed through `cleanup`,
+    an ExitStack. What the VM engines of the egress tests are given as their network."""
+    from runner.net import NamespaceUplink, SlotPool, Upstream
+
+    pool = SlotPool(prefix, NamespaceUplink(internet), size=1,
+                    upstream_ca=None if upstream_ca is None else str(upstream_ca),
                     upstream=Upstream(UPSTREAM_DNS, netns=internet))
     cleanup.callback(pool.close)
     pool.start()
-    return internet, pool
+    return pool
 
 
 def _blob(root: Path, data: bytes) -> str:

@@ -19,7 +19,8 @@ import pytest
 from policy import load_policy
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
-from tests.vm.test_vm_http_rules import CLIENT, Lenient, case, request
+from tests.vm.guest_client import CLIENT
+from tests.vm.test_vm_http_rules import Lenient, case, request
 
 POLICY = """\
 version: 1

@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.server
 import json
 import secrets
-import textwrap
 from contextlib import ExitStack
 
 import pytest
@@ -26,6 +25,7 @@ from policy import load_policy
 from policy.suggest import NAME_REFUSED, REQUEST_REFUSED
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
+from tests.vm.guest_client import CLIENT
 
 POLICY = """\
 version: 1
@@ -43,35 +43,6 @@ allow:
     raw: true
 """
 LENIENT, STRICT, TLS = ("plain.test", 8080, False), ("plain.test", 8081, False), ("tls.test", 8443, True)
-
-# Sends each case's pieces on one connection (TLS through the job's CA for tls.test), pausing
-# between pieces as the case says, and prints everything that came back before the end.
-CLIENT = textwrap.dedent(
-    """
-    import json, socket, ssl, sys, time
-    def run(case):
-        got = b""
-        try:
-            sock = socket.create_connection((case["dial"], case["port"]), timeout=30)
-            if case["tls"]:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=case["dial"])
-            for at, piece in enumerate(case["pieces"]):
-                if at:
-                    time.sleep(case["pause"])
-                try:
-                    sock.sendall(piece.encode())
-                except OSError:
-                    break  # answered and closed already: read what came back
-            while chunk := sock.recv(65536):
-                got += chunk
-            return got.decode("latin-1")
-        except (OSError, ssl.SSLError) as exc:
-            return got.decode("latin-1") + " | " + type(exc).__name__
-    for name, case in json.load(open(sys.argv[1])).items():
-        print(json.dumps([name, run(case)]), flush=True)
-    """
-)
-
 
 def tomcat_path(target: str) -> str:
     """The path a server that drops `;` parameters before resolving dot segments serves."""

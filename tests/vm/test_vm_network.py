@@ -20,7 +20,7 @@ import pytest
 
 from policy import load_policy, suggest_policy
 from policy.model import DENY_ALL
-from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
+from runner.net import addresses, netns
 from runner.net.audit import REFUSED_ANSWER
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
@@ -120,10 +120,7 @@ def net_engine(need_netns, make_engine):
         cleanup.callback(netns.remove, internet)
         cleanup.callback(servers.close)
         serve_index(internet, cleanup)
-        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-        cleanup.callback(pool.close)
-        pool.start()
-        engine = make_engine(net=pool)
+        engine = make_engine(net=net_fakes.started_pool(prefix, internet, cleanup))
         cleanup.callback(engine.close)
         yield engine
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"

@@ -16,14 +16,12 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import textwrap
 from contextlib import ExitStack
 
 import pytest
 
 from policy import load_policy
 from policy.suggest import SECRET_REFUSED
-from runner.net import NamespaceUplink, SlotPool, Upstream
 from runner.net.secretswap import BoundSecret, SecretBinding, SecretSwap
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
@@ -38,6 +36,7 @@ from tests.net.secret_fakes import (
     halves,
     secret_internet,
 )
+from tests.vm.guest_client import CLIENT
 
 POLICY = """\
 version: 1
@@ -54,49 +53,13 @@ allow:
 BINDING = SecretBinding("index", "INDEX_PASSWORD", "idx.test", scheme="basic", user="ci", ports=frozenset({8443}),
                         paths=("/simple/*", "/files/*", "/echo/*"))
 
-# Sends each case's pieces on one connection (TLS for tls cases, with a server name of its own if
-# given), pausing between them, and prints what came back; "dns" cases resolve a name.
-CLIENT = textwrap.dedent(
-    """
-    import json, socket, ssl, sys, time
-    def run(case):
-        if case.get("resolve"):
-            try:
-                return "resolved " + socket.gethostbyname(case["resolve"])
-            except OSError as exc:
-                return "unresolved " + type(exc).__name__
-        got = b""
-        try:
-            sock = socket.create_connection((case["dial"], case["port"]), timeout=30)
-            if case["tls"]:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=case.get("sni") or case["dial"])
-            for at, piece in enumerate(case["pieces"]):
-                if at:
-                    time.sleep(0.3)
-                try:
-                    sock.sendall(piece.encode())
-                except OSError:
-                    break
-            while chunk := sock.recv(65536):
-                got += chunk
-            return got.decode("latin-1")
-        except (OSError, ssl.SSLError) as exc:
-            return got.decode("latin-1") + " | " + type(exc).__name__
-    for name, case in json.load(open(sys.argv[1])).items():
-        print(json.dumps([name, run(case)]), flush=True)
-    """
-)
 
 @pytest.fixture
 def secret_engine(need_netns, make_engine, tmp_path):
     prefix = "v" + secrets.token_hex(3)
     with ExitStack() as cleanup:
         internet, ca_file = secret_internet(prefix, tmp_path, cleanup)
-        pool = SlotPool(prefix, NamespaceUplink(internet), size=1, upstream_ca=str(ca_file),
-                        upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-        cleanup.callback(pool.close)
-        pool.start()
-        engine = make_engine(net=pool)
+        engine = make_engine(net=net_fakes.started_pool(prefix, internet, cleanup, upstream_ca=ca_file))
         cleanup.callback(engine.close)
         yield engine
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
@@ -110,7 +73,9 @@ def get(host: str, path: str, *headers: str, port: int = 8443, method: str = "GE
 
 
 def case(host: str, *pieces: str, port: int = 8443, tls: bool = True, sni: str | None = None) -> dict[str, object]:
-    return {"dial": host, "port": port, "tls": tls, "pieces": list(pieces), **({"sni": sni} if sni else {})}
+    """A CLIENT case: its pieces 0.3 s apart."""
+    return {"dial": host, "port": port, "tls": tls, "pieces": list(pieces), "pause": 0.3,
+            **({"sni": sni} if sni else {})}
 
 
 def cases(placeholder: str) -> dict[str, dict[str, object]]:
