@@ -33,12 +33,11 @@ from typing import Any
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
-from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
+from vm_jobs import bound_service, output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from policy.suggest import SECRET_REFUSED
 from runner.jobapi.client import JobClient
-from runner.net import NamespaceUplink, Upstream, netns
-from runner.service.config import config_from_mapping
+from runner.net import netns
 from tests.conftest import require
 from tests.net import net_fakes
 from tests.net.secret_fakes import FIND, halves
@@ -152,7 +151,6 @@ def _registry(internet: str, directory: Path, trusted: tuple[Any, Any], stack: E
 
 @pytest.fixture
 def docker_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    from runner.service.host import EngineSettings, ServiceHost
     from runner.vm.templates import TemplateNotFound, TemplateStore
 
     try:
@@ -168,26 +166,10 @@ def docker_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Cal
         trusted = net_fakes.test_ca("fake internet CA")
         net_fakes.tls_server(internet, AUTH_HOST, 443, "auth.test", trusted, tmp_path, servers, handler=TokenServer)
         _registry(internet, tmp_path, trusted, stack)
-        (tmp_path / "upstream-ca.pem").write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
-        store = tmp_path / "policies"
-        (store / "octo").mkdir(parents=True)
-        for repository in ("hello", "other"):
-            (store / "octo" / f"{repository}.yml").write_text(STORE_POLICY)
-        (tmp_path / "registry.secret").write_text(VALUE + "\n")
-        (tmp_path / "registry.secret").chmod(0o600)
-        (tmp_path / "bindings.yml").write_text(BINDINGS)
-
-        def make() -> ServiceHost:
-            config = config_from_mapping({
-                "socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"), "shutdown_grace_seconds": 0,
-                "policy_dir": str(store), "secrets": str(tmp_path / "bindings.yml"), "templates": ["docker"],
-                "network": {"enabled": True, "slot_prefix": prefix, "upstream_ca": str(tmp_path / "upstream-ca.pem")}},
-                base=tmp_path)
-            engine = EngineSettings(uplink=NamespaceUplink(internet), pool_size=0,
-                                    upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-            return stack.enter_context(ServiceHost(config, engine=engine))
-
-        yield make
+        ca_file = tmp_path / "upstream-ca.pem"
+        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
+        yield bound_service(stack, vm_root, tmp_path, internet, prefix, ca_file, policy=STORE_POLICY, bindings=BINDINGS,
+                            value_file="registry.secret", value=VALUE, templates=["docker"])
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
 
 

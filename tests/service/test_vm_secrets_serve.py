@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
+from vm_jobs import bound_service, output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.net import NamespaceUplink, Upstream
-from runner.service.config import config_from_mapping
 from tests.net import net_fakes
 from tests.net.secret_fakes import INSTALL, VALUE, secret_internet
 
@@ -50,29 +48,11 @@ ECHO = ("python3 -c 'import os, urllib.request as u; r = u.Request(\"https://idx
 
 @pytest.fixture
 def secret_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    from runner.service.host import EngineSettings, ServiceHost
-
     with ExitStack() as stack:
         prefix = "s" + __import__("secrets").token_hex(3)
         internet, ca_file = secret_internet(prefix, tmp_path, stack)
-        store = tmp_path / "policies"
-        (store / "octo").mkdir(parents=True)
-        for repository in ("hello", "other"):
-            (store / "octo" / f"{repository}.yml").write_text(STORE_POLICY)
-        (tmp_path / "index.secret").write_text(VALUE + "\n")
-        (tmp_path / "index.secret").chmod(0o600)
-        (tmp_path / "bindings.yml").write_text(BINDINGS)
-
-        def make() -> ServiceHost:
-            config = config_from_mapping({
-                "socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"), "shutdown_grace_seconds": 0,
-                "policy_dir": str(store), "secrets": str(tmp_path / "bindings.yml"),
-                "network": {"enabled": True, "slot_prefix": prefix, "upstream_ca": str(ca_file)}}, base=tmp_path)
-            engine = EngineSettings(uplink=NamespaceUplink(internet), pool_size=0,
-                                    upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
-            return stack.enter_context(ServiceHost(config, engine=engine))
-
-        yield make
+        yield bound_service(stack, vm_root, tmp_path, internet, prefix, ca_file, policy=STORE_POLICY, bindings=BINDINGS,
+                            value_file="index.secret", value=VALUE)
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
 
 

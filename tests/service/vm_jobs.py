@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import pytest
 from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobClient
+from runner.net import NamespaceUplink, Upstream
 from runner.service.config import config_from_mapping
 from runner.service.service import JobService
 from tests.conftest import require
+from tests.net import net_fakes
 
 
 def submit(client: JobClient, command: str, files: dict[str, bytes] | None = None, **fields: Any) -> str:
@@ -103,4 +106,33 @@ def vm_service(vm_host: Callable[..., Any]) -> Callable[..., tuple[JobService, J
     def make(**settings: Any) -> tuple[JobService, JobClient]:
         host = vm_host(**settings)
         return host.service, JobClient(socket=host.config.socket)
+    return make
+
+
+def bound_service(stack: ExitStack, vm_root: Path, directory: Path, internet: str, prefix: str, ca_file: Path, *,
+                  policy: str, bindings: str, value_file: str, value: str, **settings: Any) -> Callable[[], Any]:
+    """The secret-binding tests' service, as an operator sets it up: `policy` in the store for octo/hello and
+    octo/other, the `bindings` file (bindings.yml in `directory`) and the root-only `value_file` it names
+    holding `value`; jobs get slots `prefix` on the fake internet `internet`, trusting its TLS servers' CA
+    (`ca_file`). Returns a maker of started `ServiceHost`s (other config `settings` added), closed with `stack`."""
+    from runner.service.host import EngineSettings, ServiceHost
+
+    store = directory / "policies"
+    (store / "octo").mkdir(parents=True)
+    for repository in ("hello", "other"):
+        (store / "octo" / f"{repository}.yml").write_text(policy)
+    (directory / value_file).write_text(value + "\n")
+    (directory / value_file).chmod(0o600)
+    (directory / "bindings.yml").write_text(bindings)
+
+    def make() -> ServiceHost:
+        config = config_from_mapping({
+            "socket": str(vm_root / "api.sock"), "state_dir": str(vm_root / "state"), "shutdown_grace_seconds": 0,
+            "policy_dir": str(store), "secrets": str(directory / "bindings.yml"),
+            "network": {"enabled": True, "slot_prefix": prefix, "upstream_ca": str(ca_file)}, **settings},
+            base=directory)
+        engine = EngineSettings(uplink=NamespaceUplink(internet), pool_size=0,
+                                upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=internet))
+        return stack.enter_context(ServiceHost(config, engine=engine))
+
     return make
