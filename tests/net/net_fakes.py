@@ -407,17 +407,25 @@ def tls_internet(prefix: str, directory, cleanup, handler=None):  # type: ignore
     as `upstream_ca`, untrusted.test by one nobody trusts; tls.test answers with `handler` if given)
     and a started one-slot pool on it; everything is closed and removed through `cleanup`, an ExitStack.
     Returns (the internet's namespace, the pool)."""
+    internet, servers, trusted, ca_file = trusted_internet(prefix, directory, cleanup)
+    tls_server(internet, TLS_HOST, 8443, "tls.test", trusted, directory, servers, handler=handler)
+    tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", test_ca("nobody's CA"), directory, servers)
+    return internet, started_pool(prefix, internet, cleanup, upstream_ca=ca_file)
+
+
+def trusted_internet(prefix: str, directory: Path, cleanup):  # type: ignore[no-untyped-def]
+    """A fake internet (removed, its servers stopped, through `cleanup`, an ExitStack) and the CA its TLS
+    servers' certificates come from, which the host is told to trust: (namespace, servers, the CA, its
+    certificate's PEM file in `directory`, upstream-ca.pem). The TLS tests add their servers to it."""
     from cryptography.hazmat.primitives import serialization
 
     internet, servers = build_internet(prefix)
     cleanup.callback(netns.remove, internet)
     cleanup.callback(servers.close)
-    trusted, stranger = test_ca("fake internet CA"), test_ca("nobody's CA")
-    tls_server(internet, TLS_HOST, 8443, "tls.test", trusted, directory, servers, handler=handler)
-    tls_server(internet, UNTRUSTED_HOST, 8443, "untrusted.test", stranger, directory, servers)
+    trusted = test_ca("fake internet CA")
     ca_file = directory / "upstream-ca.pem"
     ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
-    return internet, started_pool(prefix, internet, cleanup, upstream_ca=ca_file)
+    return internet, servers, trusted, ca_file
 
 
 def started_pool(prefix: str, internet: str, cleanup, upstream_ca: Path | None = None):  # type: ignore[no-untyped-def]

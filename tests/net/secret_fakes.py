@@ -12,9 +12,6 @@ import textwrap
 from contextlib import ExitStack
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-
-from runner.net import netns
 from tests.net import net_fakes
 from tests.vm.test_vm_network import IndexHandler
 
@@ -124,13 +121,8 @@ def secret_internet(prefix: str, directory: Path, cleanup: ExitStack) -> tuple[s
     file of the CA its TLS servers' certificates come from, which the host is told to trust)."""
     for handler in (PrivateIndex, Other, Plain):
         handler.received = []
-    internet, servers = net_fakes.build_internet(prefix)
-    cleanup.callback(netns.remove, internet)
-    cleanup.callback(servers.close)
-    trusted = net_fakes.test_ca("fake internet CA")
+    internet, servers, trusted, ca_file = net_fakes.trusted_internet(prefix, directory, cleanup)
     net_fakes.tls_server(internet, INDEX_HOST, 8443, "idx.test", trusted, directory, servers, handler=PrivateIndex)
     net_fakes.tls_server(internet, OTHER_HOST, 8443, "other.test", trusted, directory, servers, handler=Other)
     net_fakes.http_server_in(internet, net_fakes.RULES_HOST, 8080, Plain, cleanup)
-    ca_file = directory / "upstream-ca.pem"
-    ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
     return internet, ca_file

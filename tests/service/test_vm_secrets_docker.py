@@ -37,7 +37,6 @@ from vm_jobs import bound_service, output, submit, templates, vm_root  # noqa: F
 
 from policy.suggest import SECRET_REFUSED
 from runner.jobapi.client import JobClient
-from runner.net import netns
 from tests.conftest import require
 from tests.net import net_fakes
 from tests.net.secret_fakes import FIND, halves
@@ -160,14 +159,9 @@ def docker_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Cal
     with ExitStack() as stack:
         prefix = "d" + secrets.token_hex(3)
         TokenServer.received = []
-        internet, servers = net_fakes.build_internet(prefix)
-        stack.callback(netns.remove, internet)
-        stack.callback(servers.close)
-        trusted = net_fakes.test_ca("fake internet CA")
+        internet, servers, trusted, ca_file = net_fakes.trusted_internet(prefix, tmp_path, stack)
         net_fakes.tls_server(internet, AUTH_HOST, 443, "auth.test", trusted, tmp_path, servers, handler=TokenServer)
         _registry(internet, tmp_path, trusted, stack)
-        ca_file = tmp_path / "upstream-ca.pem"
-        ca_file.write_bytes(trusted[1].public_bytes(serialization.Encoding.PEM))
         yield bound_service(stack, vm_root, tmp_path, internet, prefix, ca_file, policy=STORE_POLICY, bindings=BINDINGS,
                             value_file="registry.secret", value=VALUE, templates=["docker"])
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
