@@ -18,15 +18,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from vm_jobs import bound_service, output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.service.web import COOKIE
 from tests.net import net_fakes
 from tests.net.secret_fakes import INSTALL, VALUE, secret_internet
 
 pytestmark = pytest.mark.vm
 
+TOKEN = "a-test-token-of-32-characters-xx"  # the page's and /metrics' bearer (listen: on loopback)
 STORE_POLICY = "version: 1\nallow:\n  - host: idx.test\n    ports: [8443]\n"
 BINDINGS = """\
 bindings:
@@ -52,7 +55,7 @@ def secret_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Cal
         prefix = "s" + __import__("secrets").token_hex(3)
         internet, ca_file = secret_internet(prefix, tmp_path, stack)
         yield bound_service(stack, vm_root, tmp_path, internet, prefix, ca_file, policy=STORE_POLICY, bindings=BINDINGS,
-                            value_file="index.secret", value=VALUE)
+                            value_file="index.secret", value=VALUE, listen="127.0.0.1:0", token=TOKEN)
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
 
 
@@ -61,6 +64,8 @@ def test_an_operator_binding_lets_a_job_install_from_a_private_index_and_the_val
     caplog.set_level(logging.DEBUG)
     host = secret_host()
     client = JobClient(socket=host.config.socket)
+    address = host.api.tcp_address
+    base = f"http://{address[0]}:{address[1]}"
 
     bound = submit(client, f"{INSTALL} && {ECHO}", repository="octo/hello", timeout_seconds=600)
     bound_log = output(client, bound).decode("latin-1")
@@ -73,6 +78,10 @@ def test_an_operator_binding_lets_a_job_install_from_a_private_index_and_the_val
     system = b"".join(e.data for e in client.logs(bound) if e.stream == "system").decode()
     attestation = client.attestation(bound)
     metrics = host.service.health()
+    pages = {where: httpx.get(base + path, cookies={COOKIE: TOKEN}, headers={"Authorization": f"Bearer {TOKEN}"},
+                              timeout=30)
+             for where, path in (("the jobs page", "/ui"), ("the job's page", f"/ui/jobs/{bound}"),
+                                 ("the metrics", "/metrics"))}
     host.service.drain()
 
     assert (record.state, record.exit_code) == ("finished", 0), (record, bound_log)
@@ -81,9 +90,12 @@ def test_an_operator_binding_lets_a_job_install_from_a_private_index_and_the_val
     assert "secret bindings: index in $INDEX_PASSWORD" in system and "index 3 request(s) to idx.test" in system, system
     assert widened.value.status == 400 and "a policy cannot bind secrets" in str(widened.value), widened.value
     auth = base64.b64encode(f"ci:{VALUE}".encode()).decode()
+    assert {where: page.status_code for where, page in pages.items()} == dict.fromkeys(pages, 200)
+    assert "installed from the fake index" in pages["the job's page"].text  # the page shows the job's log
     for where, text in {"the job's log": bound_log + system, "its record": str(record.to_wire()),
                         "the signed record": attestation.decode("latin-1"), "the service log": caplog.text,
-                        "the health answer": str(metrics)}.items():
+                        "the health answer": str(metrics),
+                        **{where: page.text for where, page in pages.items()}}.items():
         assert VALUE not in text and auth not in text, where
     for path in (vm_root / "state").rglob("*"):
         if path.is_file() and not path.is_symlink() and "templates" not in path.parts:
