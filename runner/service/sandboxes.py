@@ -411,10 +411,16 @@ class SandboxDesk:
             sandbox.snapshots.append(name)
         try:
             sandbox.vm.snapshot(name, extra={"sandbox": sandbox.id})
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._snapshots.pop(name, None)
+                sandbox.snapshots.remove(name)  # a snapshot that was not made counts against no limit
             self._forget(name)
+            if isinstance(exc, (SandboxError, OSError)) and sandbox.vm.alive:
+                # the host could not make it (a migration timed out on a busy host, a full disk): no bug
+                # of ours and no fault of the caller's; its sandbox runs on (a VM that died: _Call's 404)
+                raise SandboxUnavailable(f"the snapshot of sandbox {sandbox.id} failed on the host ({exc}); the "
+                                         f"sandbox runs on: try again in {SandboxUnavailable.retry_after} s") from exc
             raise
         sandbox.log.system(f"snapshot {name} made")
         return name
