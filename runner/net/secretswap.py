@@ -36,6 +36,7 @@ from typing import Literal
 from urllib.parse import quote, unquote_to_bytes
 
 from policy.model import HTTP_METHODS, Rule
+from runner.errors import NetworkError, UserError
 
 Scheme = Literal["bearer", "basic", "header"]
 SCHEMES: tuple[Scheme, ...] = ("bearer", "basic", "header")
@@ -52,7 +53,7 @@ MAX_CHUNK_LINE = 1024
 _BAD_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "cookie"})
 
 
-class SecretBindingError(ValueError):
+class SecretBindingError(UserError):
     """A binding that cannot be used as given; the message says what to change."""
 
 
@@ -332,7 +333,7 @@ class StreamScan:
 # -- responses --------------------------------------------------------------------------------------
 
 
-class ResponseRefused(Exception):
+class ResponseRefused(NetworkError):
     """A response from a bound host the host will not pass on (it cannot mask what it cannot read)."""
 
 
