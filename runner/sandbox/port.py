@@ -18,6 +18,7 @@ from policy.suggest import AuditRecord
 
 if TYPE_CHECKING:
     from runner.net.secretswap import SecretSwap
+    from runner.sandbox.terminal import Terminal
     from runner.vm.templates import Template
 
 __all__ = ["AuditRecord", "ExecResult", "GuestFiles", "Resources", "SandboxFactory", "SandboxLike", "SandboxProvider",
@@ -103,6 +104,9 @@ class SandboxLike(Protocol):
              cwd: str = "/workspace", user: str | None = None, on_output: Callable[[str, bytes], None] | None = None,
              capture_bytes: int = ...) -> ExecResult: ...
     def get_tar(self, paths: list[str], out: BinaryIO, max_bytes: int, cwd: str = "/") -> int: ...
+    def terminal(self, argv: list[str], cwd: str = "/workspace", env: dict[str, str] | None = None,
+                 size: tuple[int, int] = (24, 80), timeout_seconds: float = 3600.0,
+                 user: str | None = None) -> Terminal: ...  # a pty session in its VM (runner.sandbox.terminal)
     def blocked_egress(self) -> Sequence[AuditRecord]: ...  # what its policy refused (audit: would refuse)
     def install_job_ca(self) -> dict[str, str]: ...  # the job CA's variables for its commands ({}: none)
     def bind_secrets(self, swap: SecretSwap) -> dict[str, str]: ...  # the placeholders' variables (before the CA)

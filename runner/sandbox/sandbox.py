@@ -19,6 +19,7 @@ from runner import tarsafe
 from runner.errors import CommandNotStarted, SandboxOpFailed
 from runner.net.secretswap import SecretSwap
 from runner.sandbox.port import ExecResult, Resources, VMRequest
+from runner.sandbox.terminal import Terminal
 from runner.vm import checkoutdisk
 from runner.vm.agent import AgentClient, GuestOpError, NotStarted
 from runner.vm.engine import Engine
@@ -79,7 +80,7 @@ class Files:
     def write(self, path: str, data: bytes | BinaryIO, mode: int = 0o644) -> None:
         """`data`: the bytes, or a file streamed from where it stands to its end (the API's spool)."""
         if isinstance(data, bytes):
-            chunks: Iterable[bytes] = (data[i : i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
+            chunks: Iterable[bytes] = _slices(data)
         else:
             source = data
             chunks = iter(lambda: source.read(STREAM_CHUNK), b"")
@@ -181,6 +182,7 @@ class Sandbox:
         user: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         capture_bytes: int = CAPTURE_LIMIT,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         """Run `command` (a shell string, or an argv list run without a shell) and wait for it.
 
@@ -188,7 +190,8 @@ class Sandbox:
         takes care of the output); `on_output` sees all of it, as it comes, small writes merged
         (up to 64 KiB, at most 50 ms late). An exception from `on_output` (a log that is full)
         ends the call with that exception and destroys the sandbox: the command would otherwise
-        run on with nobody reading its output.
+        run on with nobody reading its output. `stdin` is the command's whole input (else it reads
+        an empty one), in the guest before it starts.
         """
         message: dict[str, object] = {"cwd": cwd, "env": dict(env or {}), "user": user}
         if isinstance(command, str):
@@ -198,7 +201,8 @@ class Sandbox:
         capture = _Capture(on_output, capture_bytes)
         started = _now_ms()
         try:
-            outcome = self._call(lambda a: a.exec(message, capture, timeout_seconds))
+            input_chunks = None if stdin is None else _slices(stdin)
+            outcome = self._call(lambda a: a.exec(message, capture, timeout_seconds, input_chunks))
         except BaseException:
             if capture.raised:
                 self.destroy()
@@ -211,6 +215,14 @@ class Sandbox:
             timed_out=outcome.timed_out,
             truncated=capture.truncated,
         )
+
+    def terminal(self, argv: list[str], cwd: str = "/workspace", env: dict[str, str] | None = None,
+                 size: tuple[int, int] = (24, 80), timeout_seconds: float = 3600.0, user: str | None = None) -> Terminal:
+        """Start `argv` on a terminal of its own in the guest (`size`: rows, columns), killed with whatever
+        it started when it exits, when the Terminal is closed, or past `timeout_seconds`; the caller
+        streams it (runner.sandbox.terminal) and closes it. The sandbox runs on after it."""
+        pty = self._call(lambda a: a.pty(argv, cwd, dict(env or {}), size, timeout_seconds, user))
+        return Terminal(self, pty)
 
     def cancel(self) -> None:
         """Kill every command running in the sandbox (their exec calls return killed results)."""
@@ -399,6 +411,10 @@ class _Unpacked:
 def _is_file(stream: BinaryIO | Iterable[bytes]) -> TypeGuard[BinaryIO]:
     """put_tar takes a readable file or an iterable of chunks; a file is whatever has `read`."""
     return hasattr(stream, "read")
+
+
+def _slices(data: bytes) -> Iterator[bytes]:
+    return (data[i : i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
 
 
 def _now_ms() -> float:

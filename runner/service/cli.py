@@ -44,13 +44,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     logs = actions.add_parser("logs", help="one job's log (stdout, stderr and the service's notes)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep following until the job ends")
     cancel = actions.add_parser("cancel", help="cancel a job: its VM is destroyed, its record says cancelled")
-    for action, func in ((show, cmd_jobs_show), (logs, cmd_jobs_logs), (cancel, cmd_jobs_cancel)):
+    attach = actions.add_parser("attach", help="a shell on a terminal in a running job's VM (the operator, or "
+                                               "attach_group); Ctrl-] detaches, the job runs on")
+    run = actions.add_parser("exec", help="one command on a terminal in a running job's VM: jobs exec ID -- CMD")
+    for action, func in ((show, cmd_jobs_show), (logs, cmd_jobs_logs), (cancel, cmd_jobs_cancel),
+                         (attach, cmd_jobs_attach), (run, cmd_jobs_attach)):
         action.add_argument("id", help="the job's id (as `jobs` lists it)")
         action.add_argument("--socket", default=argparse.SUPPRESS,
                             help=f"the running service's socket (default: the config's, or {DEFAULT_SOCKET})")
         action.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="the service config: its socket")
         action.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON, not text")
         action.set_defaults(func=func)
+    run.add_argument("argv", nargs="+", metavar="CMD", help="the command and its arguments (after --)")
 
 
 # -- serve ----------------------------------------------------------------------------------------
@@ -123,13 +128,18 @@ def _job_client(args: argparse.Namespace) -> JobClient:
     check (root or the admin_group; a runner only its own jobs) decides who reaches which job."""
     from runner.jobapi.client import JobClient
 
-    socket = args.socket
+    return JobClient(socket=_socket_of(args))
+
+
+def _socket_of(args: argparse.Namespace) -> str:
+    """The running service's socket: --socket, else the config's, which must be there."""
+    socket: str = args.socket
     if args.config is not None and socket == DEFAULT_SOCKET:
         from runner.service.config import load_config
 
         socket = load_config(args.config).socket
     _require_socket(socket, "pass its --socket")
-    return JobClient(socket=socket)
+    return socket
 
 
 def _api_call(args: argparse.Namespace, call: Callable[[JobClient], T]) -> T:
@@ -190,6 +200,27 @@ def cmd_jobs_logs(args: argparse.Namespace) -> int:
                 show(entry.stream, entry.data)
     _api_call(args, relay)
     return 0
+
+
+def cmd_jobs_attach(args: argparse.Namespace) -> int:
+    """`jobs attach` (the shell) and `jobs exec` (argv): the session's exit code, 1 when it ended without one."""
+    from runner.jobapi.termclient import TerminalRefused, run_session
+
+    socket = _socket_of(args)
+    try:
+        ended = run_session(socket, args.id, list(getattr(args, "argv", None) or []))
+    except TerminalRefused as exc:
+        raise UserError(f"cannot attach to job {args.id}: {exc}") from exc
+    except OSError as exc:
+        raise UserError(f"cannot attach to job {args.id}: {exc} (is the service running? pass its --socket)") from exc
+    if ended.get("detached"):
+        print(f"\r\ndetached from job {args.id}; it runs on", file=sys.stderr)
+        return 0
+    if "error" in ended:
+        print(f"\r\nthe terminal session ended: {ended['error']}", file=sys.stderr)
+        return 1
+    code = ended.get("exit_code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else 1
 
 
 def cmd_jobs_cancel(args: argparse.Namespace) -> int:

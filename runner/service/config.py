@@ -310,6 +310,8 @@ class ServiceConfig:
     socket_group: str | None = setting(None, "the group allowed to use the socket (mode 0660)", "string")
     admin_group: str | None = setting(None, "members (and root) are the operator on the socket: they list all jobs "
                                             "and reach any job (runner/service/auth.py)", "string")
+    attach_group: str | None = setting(None, "members (besides the operator) may attach a terminal to a running "
+                                             "job's VM (jobs attach, jobs exec); never a runner's user", "string")
     listen: tuple[str, int] | None = setting(None, "optional TCP HOST:PORT for the job API, the jobs page "
                                                    "(/ui) and /metrics (docs/operating.md); needs token or "
                                                    "token_file", "listen")

@@ -99,6 +99,7 @@ class JobRun:
     # The repository's warm base its worker chose (runner/service/workers.py), restored instead of the
     # spec's template; the spec stays as admitted.
     warm_base: str | None = None
+    terminals: int = 0  # terminal sessions attached to its VM now (runner/service/attach.py)
 
     @property
     def checkout_path(self) -> Path:
@@ -280,9 +281,13 @@ class JobRun:
         with open(self.checkout_path, "rb") as checkout:
             sandbox.put_tar(checkout, "/workspace")
 
+    def command_env(self) -> dict[str, str]:
+        """The environment of the job's command (and of a terminal attached to its VM)."""
+        return {"CI": "true", **self.spec.env, **self.trust_env, "MICROVM_CHECK_JOB_ID": self.record.id}
+
     def _run_command(self, sandbox: SandboxLike) -> ExecResult:
         self.update(state="running", started_at=time.time())
-        env = {"CI": "true", **self.spec.env, **self.trust_env, "MICROVM_CHECK_JOB_ID": self.record.id}
+        env = self.command_env()
         # with service containers, the command runs inside the script that starts and removes them
         command = containers.script(self.spec.services, self.spec.command) if self.spec.services else self.spec.command
 

@@ -21,6 +21,7 @@ from runner.jobapi.contract import (
     JobSummary,
 )
 from runner.service.api import BadRequest, MethodNotAllowed
+from runner.service.attach import attach
 from runner.service.auth import Caller
 from runner.service.joblog import LogCursor
 
@@ -31,7 +32,7 @@ _CHUNK = 1024 * 1024
 HEARTBEAT_SECONDS = 15.0  # an empty line on a silent log stream (docs/job-api.md)
 # Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
 # (and the id may hold no whitespace, so the newline cannot become part of it either).
-_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/attestation|/cancel)?")
+_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/attestation|/cancel|/terminal)?")
 
 
 def job_route(path: str) -> tuple[str, str] | None:
@@ -71,6 +72,8 @@ class JobRoutes:
     def answer(self, method: str, path: str, job_id: str, rest: str, query: dict[str, list[str]],
                caller: Caller) -> None:
         h = self.h
+        if (method, rest) == ("GET", "/terminal"):  # never with the job's token: the operator's, or attach_group's
+            return attach(h, lambda: h.service.run_of(job_id), query, caller, h.service.config.attach_group)
         handler = {
             ("GET", ""): lambda: h._send_json(200, h.service.get(job_id).to_wire()),
             ("PUT", "/checkout"): lambda: self.checkout(job_id, follow=int_param(query, "follow", 0, 0, 1) == 1),

@@ -234,6 +234,14 @@ class JobService:
             raise JobNotFound(f"no job {job_id!r} (records are kept {self.config.retention.days:g} days)")
         return record
 
+    def run_of(self, job_id: str) -> JobRun:
+        """A job that has not ended (its VM, its log); an ended or unknown one is JobStateConflict or JobNotFound."""
+        run = self.runs.get(job_id)
+        if run is None:
+            raise JobStateConflict(f"job {job_id} is {self.get(job_id).state.value}: only a running job has a VM "
+                                   "to attach to")
+        return run
+
     def list(self, limit: int = 50) -> list[JobRecord]:
         return self.records.list(limit)
 

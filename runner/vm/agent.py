@@ -39,6 +39,7 @@ QUEUE_FRAMES = 64  # per request: at most 64 x 256 KiB buffered before the reade
 POLL_S = 0.25
 MAX_STRAY_FRAMES = 10_000  # late frames for finished requests tolerated before we call it abuse
 KILL_GRACE_S = 10.0  # how long past its timeout a command may take before the host steps in
+CTL_TIMEOUT_S = 10.0  # a terminal session's resize, signal, kill and input writes
 RECV_SIZE = 256 * 1024  # one read takes many small frames at once
 COALESCE_BYTES = 64 * 1024  # output frames of one request are merged up to this size ...
 COALESCE_S = 0.05  # ... or this age, so a live follower still sees a lone byte at once
@@ -476,15 +477,19 @@ class AgentClient:
         message: HostMessage,
         on_output: Callable[[str, bytes], None],
         timeout: float | None,
+        stdin: Iterable[bytes] | None = None,
     ) -> ExecOutcome:
-        """Run a command; output goes to `on_output` as it arrives. The host enforces the timeout too."""
+        """Run a command; output goes to `on_output` as it arrives. The host enforces the timeout too.
+        `stdin` (bounded by the caller) is the command's whole input: the guest has it before the command starts."""
         limit = timeout + KILL_GRACE_S if timeout is not None else 7 * 24 * 3600.0
         deadline = time.monotonic() + limit
-        message = {**message, "op": "exec", "timeout": timeout}
+        message = {**message, "op": "exec", "timeout": timeout, **({"stdin": True} if stdin is not None else {})}
         req = self._open(message, deadline)
         self._execs.add(req.rid)
         started = False  # the guest's {"ev": "started"}: past it, a failure is not "could not start"
         try:
+            if stdin is not None:
+                self._send_data(req, stdin, deadline)
             for frame in self._frames(req, deadline):
                 if frame.kind in (P.STDOUT, P.STDERR):
                     started = True  # output comes from a started program, whatever the guest says
@@ -502,6 +507,23 @@ class AgentClient:
             self._execs.discard(req.rid)
             self._finish(req)
         raise AgentError("exec ended without a reply")
+
+    def pty(self, argv: list[str], cwd: str, env: Mapping[str, str], size: tuple[int, int], timeout: float,
+            user: str | None = None) -> GuestPty:
+        """Start `argv` on a terminal of its own in the guest (rows x cols `size`), ended by the guest past
+        `timeout`; the caller streams it through the GuestPty and must close it. A program that cannot
+        start is a NotStarted here."""
+        deadline = time.monotonic() + timeout + KILL_GRACE_S
+        message = {"op": "pty", "argv": list(argv), "cwd": cwd, "env": dict(env), "rows": size[0], "cols": size[1],
+                   "timeout": timeout, "user": user}
+        req = self._open(message, deadline)
+        session = GuestPty(self, req, deadline)
+        try:
+            session.wait_started(message)
+        except BaseException:
+            session.close()
+            raise
+        return session
 
     def quiesce(self, timeout: float) -> Quiesced:
         """Make the guest fit to be snapshotted (guestwire's QUIESCE: the checkout unmounted, the page
@@ -554,6 +576,97 @@ class AgentClient:
     def get_tar(self, paths: list[str], cwd: str, out: BinaryIO, max_bytes: int, timeout: float) -> int:
         message = {"op": "get_tar", "paths": paths, "cwd": cwd, "max_bytes": max_bytes}
         return self._receive(message, timeout, out.write, max_bytes, "a tar stream")
+
+
+class GuestPty:
+    """One terminal session in the guest (`AgentClient.pty`): typed input in, the terminal's output out,
+    resized and signalled by name (guestwire's PTY_SIGNALS), its exit status once it has ended.
+
+    `output()` and `close()` belong to one thread; `write`, `resize`, `signal` and `end` may come from
+    others. `close` ends the session in the guest (its process tree killed) unless it has ended already,
+    and ends the host's input stream, which the guest reads to its end whatever happened."""
+
+    def __init__(self, client: AgentClient, req: _Request, deadline: float) -> None:
+        self._client = client
+        self._req = req
+        self._deadline = deadline
+        self._lock = threading.Lock()
+        self._input_ended = False
+        self.outcome: ExecOutcome | None = None
+        self.input_dropped = 0
+        client._execs.add(req.rid)
+
+    @property
+    def rid(self) -> int:
+        return self._req.rid
+
+    def wait_started(self, message: HostMessage) -> None:
+        """Until the guest says the program started, or why it did not (NotStarted)."""
+        for frame in self._client._frames(self._req, self._deadline):
+            if frame.kind == P.MSG and frame.json().get("ev") == "started":
+                return
+            if frame.kind == P.MSG and "ok" in frame.json():
+                reply = frame.json()
+                raise NotStarted(AgentClient._failure(message, reply), reply)
+        raise AgentError("pty ended without a reply")
+
+    def output(self) -> Iterator[bytes]:
+        """The terminal's output as it comes, until the program has ended (then `outcome` is set)."""
+        try:
+            for frame in self._client._frames(self._req, self._deadline):
+                if frame.kind == P.STDOUT:
+                    yield frame.payload
+                elif frame.kind == P.MSG and "ok" in frame.json():
+                    reply = AgentClient._check({"op": "pty"}, frame.json())
+                    dropped = reply.get("input_dropped", 0)
+                    self.input_dropped = dropped if isinstance(dropped, int) and not isinstance(dropped, bool) else 0
+                    self.outcome = _exec_outcome(reply)
+                    return
+        except TimeoutError:
+            self._client._fail(f"the guest did not end a terminal session {KILL_GRACE_S:.0f} s after its timeout")
+            raise AgentError(self._client.broken) from None
+
+    def write(self, data: bytes) -> None:
+        """Typed input (the guest holds at most guestwire.PTY_INPUT_MAX of it unread; more is dropped there)."""
+        with self._lock:
+            if self._input_ended:
+                return
+            for start in range(0, len(data), P.MAX_CHUNK):
+                self._client._send(P.encode(P.DATA, self.rid, data[start : start + P.MAX_CHUNK]), self._send_deadline())
+
+    def resize(self, rows: int, cols: int) -> bool:
+        """The terminal's new size (the program gets SIGWINCH); False once the session has ended."""
+        reply = self._client.call({"op": "pty_ctl", "target": self.rid, "rows": rows, "cols": cols}, CTL_TIMEOUT_S)
+        return reply.get("found") is True
+
+    def signal(self, name: str) -> bool:
+        """A signal (a name of guestwire's PTY_SIGNALS) to the terminal's foreground process group."""
+        if name not in P.PTY_SIGNALS:
+            raise ValueError(f"no signal {name!r}: one of {', '.join(sorted(P.PTY_SIGNALS))}")
+        reply = self._client.call({"op": "pty_ctl", "target": self.rid, "signal": name}, CTL_TIMEOUT_S)
+        return reply.get("found") is True
+
+    def end(self) -> None:
+        """Kill the session's process tree in the guest (from any thread): `output()` then ends."""
+        if self.outcome is None and not self._client.broken:
+            self._client.call({"op": "kill", "target": self.rid}, CTL_TIMEOUT_S)
+
+    def close(self) -> None:
+        """By the thread that read `output()`, once done with it: the session ended (`end`) and the input
+        stream with it; idempotent."""
+        client = self._client
+        try:
+            self.end()
+            with self._lock:
+                if not self._input_ended and not client.broken:
+                    client._send(P.encode(P.END, self.rid), self._send_deadline())
+                self._input_ended = True
+        finally:
+            client._execs.discard(self.rid)
+            client._finish(self._req)
+
+    def _send_deadline(self) -> float:
+        return time.monotonic() + CTL_TIMEOUT_S
 
 
 class GuestOpError(AgentError):

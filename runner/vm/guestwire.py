@@ -19,6 +19,7 @@ MSG with an "ok" member; MSGs with an "ev" member before it are progress events.
 from __future__ import annotations
 
 import json
+import signal
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,12 +49,21 @@ CHECKOUT_DEVICE = "/dev/sr0"  # the template's only CD-ROM (runner/vm/qemu.py), 
 # (runner.vm.templates.stale_agent): a new operation is added here, and every template is rebuilt.
 QUIESCE = "quiesce"
 OPS = frozenset({"exec", "kill", "ping", "identity", "write_file", "read_file", "put_tar", "checkout", "get_tar",
-                 QUIESCE})
+                 "pty", "pty_ctl", QUIESCE})
 # Why the guest refused to quiesce (its reply's "refused"): the VM runs on, not fit for a snapshot.
 EXEC_RUNNING = "exec-running"  # a command is still running: it may be using the checkout
 CHECKOUT_BUSY = "checkout-busy"  # a process left behind (a daemon) holds the checkout: it cannot be unmounted
 SYNC_TIMED_OUT = "sync-timed-out"  # writing the page cache took longer than the request allowed
 QUIESCE_REFUSALS = frozenset({EXEC_RUNNING, CHECKOUT_BUSY, SYNC_TIMED_OUT})
+
+
+# A pty session (op "pty"): typed input the guest holds for a program that has not read it yet (more is
+# dropped and counted), the largest side of a terminal, and the signals `pty_ctl` sends by name to the
+# terminal's foreground process group.
+PTY_INPUT_MAX = 1024 * 1024
+PTY_MAX_SIDE = 1000
+PTY_SIGNALS = {"INT": signal.SIGINT, "QUIT": signal.SIGQUIT, "TERM": signal.SIGTERM, "HUP": signal.SIGHUP,
+               "KILL": signal.SIGKILL, "TSTP": signal.SIGTSTP, "CONT": signal.SIGCONT}
 
 
 def unknown_op(op: object) -> str:

@@ -114,6 +114,8 @@ def fifo_tar() -> bytes:
 REFUSED = {  # what the sandbox cannot do -> the call, for a Sandbox or an AsyncSandbox
     "exec a missing program": lambda s: s.exec(["no-such-program"], timeout=60),
     "write into a missing directory": lambda s: s.files.write("/no/such/dir/f.txt", b"x"),
+    # more than the guest agent's inbox holds: its reader must read the rest (issue 37)
+    "write 32 MiB into a missing directory": lambda s: s.files.write("/no/such/dir/big", b"x" * (32 * 1024 * 1024)),
     "write onto a directory": lambda s: s.files.write("/workspace", b"x"),
     "write a 4096-character path": lambda s: s.files.write("/tmp/" + "n" * 4091, b"x"),
     "read a missing file": lambda s: s.files.read("/no/such/file"),

@@ -141,6 +141,7 @@ def test_calls_a_sandbox_cannot_make_are_refused_with_the_reason_and_a_begun_exe
     because = {
         "exec a missing program": "cannot start 'no-such-program': No such file or directory",
         "write into a missing directory": "No such file or directory",
+        "write 32 MiB into a missing directory": "No such file or directory",
         "write onto a directory": "Is a directory",
         "write a 4096-character path": "File name too long",
         "read a missing file": "No such file or directory",

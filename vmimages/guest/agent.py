@@ -18,8 +18,10 @@ import fcntl
 import glob
 import io
 import os
+import pty
 import queue
 import re
+import select
 import shutil
 import signal
 import socket
@@ -28,6 +30,8 @@ import struct
 import subprocess
 import sys
 import tarfile
+import tempfile
+import termios
 import threading
 import time
 import uuid
@@ -51,6 +55,8 @@ CHECKOUT_ROOT = "/var/lib/microvm-check-checkout"  # the medium's mount and the 
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 READ_SIZE = 64 * 1024
+STDIN_SPOOL_DIR = "/var/tmp"  # on the VM's disk, not in its RAM
+PTY_TAIL_READS = 16  # reads of what a program wrote to its terminal just before it exited
 INBOX_FRAMES = 64
 
 
@@ -208,6 +214,14 @@ def _pump(stream, kind: int, req: Request) -> None:
 
 
 def op_exec(req: Request) -> dict:
+    """Run a command, its output streamed; with "stdin" the host's DATA frames are its input."""
+    if not req.message.get("stdin"):
+        return _exec(req, subprocess.DEVNULL)
+    with _spool_stdin(req) as stdin:
+        return _exec(req, stdin)
+
+
+def _exec(req: Request, stdin) -> dict:
     m = req.message
     argv = m.get("argv")
     if argv is None:
@@ -220,17 +234,13 @@ def op_exec(req: Request) -> dict:
         env["HOME"] = pwd.getpwuid(ids[0]).pw_dir
     env.update({str(k): str(v) for k, v in (m.get("env") or {}).items()})
     timeout = m.get("timeout")
-    job = Exec(req)
-    os.makedirs(job.cgroup, exist_ok=True)
-    with EXECS_LOCK:
-        if QUIESCING.is_set():
-            os.rmdir(job.cgroup)
-            return {"ok": False, "error": "the guest is being quiesced for a snapshot: no command may start now"}
-        EXECS[req.rid] = job
+    job = _register(req)
+    if job is None:
+        return {"ok": False, "error": QUIESCING_REFUSAL}
     start = time.monotonic()
     try:
         proc = spawn(argv, job.cgroup, ids, cwd=m.get("cwd") or "/", env=env,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                     stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         _drop_exec(job)
         return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc.strerror}"}
@@ -264,6 +274,37 @@ def op_exec(req: Request) -> dict:
     }
 
 
+QUIESCING_REFUSAL = "the guest is being quiesced for a snapshot: no command may start now"
+
+
+def _register(req: Request, kind: type[Exec] = Exec) -> Exec | None:
+    """A command's cgroup, and its entry in EXECS (so `kill` finds it and `quiesce` waits for it);
+    None while a quiesce runs."""
+    job = kind(req)
+    os.makedirs(job.cgroup, exist_ok=True)
+    with EXECS_LOCK:
+        if QUIESCING.is_set():
+            os.rmdir(job.cgroup)
+            return None
+        EXECS[req.rid] = job
+    return job
+
+
+def _spool_stdin(req: Request):
+    """The host's DATA frames for a command's stdin, in an unlinked file read from its start.
+
+    Spooled whole before the command starts (the host bounds the size): a pipe fed as the command reads
+    would stop the agent's frame reader whenever the command stops reading its input."""
+    spool = tempfile.TemporaryFile(dir=STDIN_SPOOL_DIR)
+    try:
+        for chunk in req.data():
+            spool.write(chunk)
+    finally:
+        req.drain()
+    spool.seek(0)
+    return spool
+
+
 def _drop_exec(job: Exec) -> None:
     with EXECS_LOCK:
         EXECS.pop(job.req.rid, None)
@@ -280,6 +321,246 @@ def op_kill(req: Request) -> dict:
         return {"ok": True, "found": False}
     job.kill_tree()
     return {"ok": True, "found": True}
+
+
+class PtyInput:
+    """Typed input on its way into a pty.
+
+    Taken off the request's inbox from the start to the host's END by one thread (also when the
+    program could not start, or has ended), written by another once the terminal exists: the agent's
+    frame reader never waits for a program that does not read its terminal. At most PTY_INPUT_MAX
+    bytes wait; what comes past that, or after the end, is dropped and counted ("input_dropped")."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.pending = bytearray()
+        self.dropped = 0
+        self.closed = False
+        self.cond = threading.Condition()
+        threading.Thread(target=self._take, daemon=True).start()
+
+    def attach(self, master: int) -> None:
+        """Start writing to the terminal, through a descriptor of the writer's own: the session may close
+        its own (and the number be reused) while a write is under way."""
+        threading.Thread(target=self._write, args=(os.dup(master),), daemon=True).start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def _take(self) -> None:
+        for chunk in self.req.data():
+            with self.cond:
+                if self.closed or len(self.pending) + len(chunk) > P.PTY_INPUT_MAX:
+                    self.dropped += len(chunk)
+                    continue
+                self.pending += chunk
+                self.cond.notify_all()
+
+    def _write(self, fd: int) -> None:
+        try:
+            while self._write_some(fd):
+                pass
+        finally:
+            os.close(fd)
+
+    def _write_some(self, fd: int) -> bool:
+        """Write some of what waits (once the terminal takes it); False once closed or the terminal is gone."""
+        with self.cond:
+            while not self.pending and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                return False
+            chunk = bytes(self.pending[:READ_SIZE])
+        try:
+            n = os.write(fd, chunk) if select.select([], [fd], [], 0.1)[1] else 0
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            return False
+        with self.cond:
+            del self.pending[:n]
+        return True
+
+
+class Pty(Exec):
+    """A program on a pseudo-terminal of its own (the session's controlling terminal), in its own cgroup.
+    Registered before it starts (so a `kill` meanwhile finds it); `master` and `pid` are set once it has."""
+
+    def __init__(self, req: Request) -> None:
+        super().__init__(req)
+        self.master = -1
+        self.pid = 0
+        self.lock = threading.Lock()  # a resize or signal never meets a descriptor closed (and reused) under it
+
+    def resize(self, rows: int, cols: int) -> bool:
+        """TIOCSWINSZ on the terminal: the kernel sends the foreground process group SIGWINCH.
+        False when the session has ended."""
+        with self.lock:
+            if self.master < 0:
+                return False
+            fcntl.ioctl(self.master, termios.TIOCSWINSZ, _winsize(rows, cols))
+            return True
+
+    def signal(self, name: str) -> bool:
+        """The signal to the terminal's foreground process group, as its keys (Ctrl-C, Ctrl-\\) would.
+        False when the session has ended."""
+        with self.lock:
+            if self.master < 0:
+                return False
+            os.killpg(os.tcgetpgrp(self.master), P.PTY_SIGNALS[name])
+            return True
+
+    def close(self) -> None:
+        with self.lock:
+            master, self.master = self.master, -1
+        if master >= 0:
+            os.close(master)
+
+
+def _winsize(rows: int, cols: int) -> bytes:
+    if not (0 < rows <= P.PTY_MAX_SIDE and 0 < cols <= P.PTY_MAX_SIDE):
+        raise ValueError(f"a terminal of {rows}x{cols} is out of range (1..{P.PTY_MAX_SIDE} each)")
+    return struct.pack("HHHH", rows, cols, 0, 0)
+
+
+def _pty_child(argv: list[str], cwd: str, env: dict, slave: int, master: int, ids) -> None:
+    """In the forked child: the terminal as controlling terminal and stdio, the user, then exec. Never returns."""
+    try:
+        os.close(master)
+        os.login_tty(slave)
+        if ids:
+            os.setgroups(ids[2])
+            os.setgid(ids[1])
+            os.setuid(ids[0])
+        os.chdir(cwd)
+        os.execvpe(argv[0], argv, env)
+    except BaseException as exc:
+        os.write(2, f"microvm-check: cannot start {argv[0]!r}: {exc}\r\n".encode(errors="replace"))
+    os._exit(127)
+
+
+def _pty_spawn(argv: list[str], cgroup: str, cwd: str, env: dict, winsize: bytes, ids) -> tuple[int, int]:
+    """Fork the program on a new terminal, born in `cgroup` (as `spawn` does); its (master fd, pid)."""
+    master, slave = pty.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, winsize)
+        with SPAWN_LOCK:
+            _enter(cgroup)
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    _pty_child(argv, cwd, env, slave, master, ids)
+            finally:
+                _enter(HOME_CGROUP[0])
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    os.set_blocking(master, False)
+    return master, pid
+
+
+def _pty_pump(job: Pty, timeout: float | None) -> tuple[int, bool]:
+    """Forward the terminal's output until the program exits (or its timeout kills the session);
+    its wait status and whether it timed out."""
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    timed_out = eof = False
+    while True:
+        if deadline is not None and not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            job.kill_tree()
+        if not eof and select.select([job.master], [], [], 0.1)[0]:
+            chunk = _read_pty(job.master)
+            if chunk:
+                job.req.send_unless_done(P.STDOUT, chunk)
+                continue
+            eof = chunk == b""
+        elif eof:
+            time.sleep(0.1)  # every terminal descriptor closed (a daemon?): wait for the program itself
+        done, status = os.waitpid(job.pid, os.WNOHANG)
+        if done:
+            break
+    for _ in range(PTY_TAIL_READS):  # what it wrote just before it exited
+        chunk = _read_pty(job.master)
+        if not chunk:
+            break
+        job.req.send_unless_done(P.STDOUT, chunk)
+    return status, timed_out
+
+
+def _read_pty(master: int) -> bytes | None:
+    """Output, or b"" when no program holds the terminal open (EIO), or None when there is none yet."""
+    try:
+        return os.read(master, READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
+def op_pty(req: Request) -> dict:
+    """Run "argv" on a terminal of its own in "cwd" with "env": its output as STDOUT frames, the host's
+    DATA frames as typed input (to the host's END), resized and signalled through `pty_ctl`, its
+    whole cgroup killed when it exits, by `kill`, or past "timeout"."""
+    feed = PtyInput(req)
+    try:
+        return _pty_session(req, feed)
+    finally:
+        feed.close()
+
+
+def _pty_session(req: Request, feed: PtyInput) -> dict:
+    m = req.message
+    argv, cwd = [str(a) for a in m["argv"]], str(m.get("cwd") or "/")
+    env = {**BASE_ENV, **{str(k): str(v) for k, v in (m.get("env") or {}).items()}}
+    ids = _user_ids(m.get("user"))
+    winsize = _winsize(int(m["rows"]), int(m["cols"]))
+    if not os.path.isdir(cwd):
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: the directory {cwd} does not exist"}
+    if shutil.which(argv[0], path=env.get("PATH")) is None:
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: no such program"}
+    job = _register(req, Pty)
+    if job is None:
+        return {"ok": False, "error": QUIESCING_REFUSAL}
+    assert isinstance(job, Pty)
+    try:
+        job.master, job.pid = _pty_spawn(argv, job.cgroup, cwd, env, winsize, ids)
+    except BaseException:
+        _drop_exec(job)
+        raise
+    feed.attach(job.master)
+    req.channel.reply(req.rid, {"ev": "started", "pid": job.pid})
+    try:
+        status, timed_out = _pty_pump(job, m.get("timeout"))
+        killed = job.killed and not timed_out  # before the session's leftovers are killed below
+    finally:
+        job.kill_tree()  # what the session left running (background jobs) ends with it
+        feed.close()
+        job.close()
+        _drop_exec(job)
+    code = os.waitstatus_to_exitcode(status)
+    return {"ok": True, "exit_code": code if code >= 0 else 128 - code, "timed_out": timed_out,
+            "killed": killed, "input_dropped": feed.dropped}
+
+
+def op_pty_ctl(req: Request) -> dict:
+    """Resize ("rows", "cols") or signal ("signal", a name of guestwire's PTY_SIGNALS) the terminal of
+    the pty request "target"; "found" is False once that session has ended."""
+    m = req.message
+    with EXECS_LOCK:
+        job = EXECS.get(int(m["target"]))
+    if not isinstance(job, Pty):
+        return {"ok": True, "found": False}
+    try:
+        found = job.resize(int(m["rows"]), int(m["cols"])) if "rows" in m else True
+        if found and "signal" in m:
+            found = job.signal(str(m["signal"]))
+    except ProcessLookupError:
+        found = False  # its foreground group ended meanwhile
+    return {"ok": True, "found": found}
 
 
 def op_ping(req: Request) -> dict:
@@ -307,15 +588,20 @@ def op_identity(req: Request) -> dict:
 
 
 def op_write_file(req: Request) -> dict:
+    """Write the host's DATA frames to `path`. Whatever fails (a missing directory), the rest of the
+    stream is read to its END: frames left unread would fill the request's inbox and stop the reader."""
     path = req.message["path"]
     tmp = f"{path}.mvc-tmp"
     size = 0
-    with open(tmp, "wb") as f:
-        for chunk in req.data():
-            f.write(chunk)
-            size += len(chunk)
-    os.chmod(tmp, int(req.message.get("mode", 0o644)))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in req.data():
+                f.write(chunk)
+                size += len(chunk)
+        os.chmod(tmp, int(req.message.get("mode", 0o644)))
+        os.replace(tmp, path)
+    finally:
+        req.drain()
     return {"ok": True, "size": size}
 
 
@@ -678,6 +964,8 @@ OPS = {
     "put_tar": op_put_tar,
     "checkout": op_checkout,
     "get_tar": op_get_tar,
+    "pty": op_pty,
+    "pty_ctl": op_pty_ctl,
     P.QUIESCE: op_quiesce,
 }
 
@@ -695,10 +983,10 @@ def handle(req: Request) -> None:
     req.channel.reply(req.rid, reply)
 
 
-DATA_OPS = frozenset({"write_file", "put_tar"})  # requests followed by DATA frames and END
+DATA_OPS = frozenset({"write_file", "put_tar", "pty"})  # requests followed by DATA frames and END (and an exec with "stdin")
 # Answered on the reader thread itself: right after a restore every new code path costs
 # translation time under TCG, and these are what the host waits on before a VM counts as ready.
-INLINE_OPS = frozenset({"ping", "identity", "kill"})
+INLINE_OPS = frozenset({"ping", "identity", "kill", "pty_ctl"})
 
 
 def serve(channel: Channel) -> None:
@@ -714,7 +1002,7 @@ def serve(channel: Channel) -> None:
             if op in INLINE_OPS:
                 handle(req)
                 continue
-            if op in DATA_OPS:
+            if op in DATA_OPS or (op == "exec" and req.message.get("stdin")):
                 requests[frame.request_id] = req
             threading.Thread(target=handle, args=(req,), daemon=True).start()
         elif frame.request_id in requests:
