@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runner.errors import JobError
+from runner.errors import ClientError
 
 UPGRADE = "microvm-check-terminal"
 INPUT, RESIZE, SIGNAL, OUTPUT, EXIT = b"i", b"r", b"s", b"o", b"x"
@@ -25,8 +25,9 @@ MAX_FRAME = 64 * 1024
 _HEADER = struct.Struct(">cI")
 
 
-class FrameError(JobError):
-    """The peer sent something that is not a frame of this stream (the service refuses the session)."""
+class FrameError(ClientError):
+    """The peer sent something that is not a frame of this terminal stream: the session ends (the service
+    reads it from `jobs attach`, the client from the service; no HTTP status is left to answer with)."""
 
 
 @dataclass(frozen=True)
