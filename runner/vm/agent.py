@@ -636,6 +636,8 @@ class GuestPty:
 
     def resize(self, rows: int, cols: int) -> bool:
         """The terminal's new size (the program gets SIGWINCH); False once the session has ended."""
+        if self._closed():
+            return False
         reply = self._client.call({"op": "pty_ctl", "target": self.rid, "rows": rows, "cols": cols}, CTL_TIMEOUT_S)
         return reply.get("found") is True
 
@@ -643,6 +645,8 @@ class GuestPty:
         """A signal (a name of guestwire's PTY_SIGNALS) to the terminal's foreground process group."""
         if name not in P.PTY_SIGNALS:
             raise ValueError(f"no signal {name!r}: one of {', '.join(sorted(P.PTY_SIGNALS))}")
+        if self._closed():
+            return False
         reply = self._client.call({"op": "pty_ctl", "target": self.rid, "signal": name}, CTL_TIMEOUT_S)
         return reply.get("found") is True
 
@@ -664,6 +668,12 @@ class GuestPty:
         finally:
             client._execs.discard(self.rid)
             client._finish(self._req)
+
+    def _closed(self) -> bool:
+        """Ended as far as this side knows: closed here (the guest drops a killed session only once it has
+        reaped it, a moment later, and a resize meanwhile would still find it) or its exit has come."""
+        with self._lock:
+            return self._input_ended or self.outcome is not None
 
     def _send_deadline(self) -> float:
         return time.monotonic() + CTL_TIMEOUT_S
