@@ -54,7 +54,7 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 class JobDriver:
     """Drives one job through a JobClient (runner/jobapi/client.py): the action's side of a job; the
-    service's side is runner.service.job.JobRun."""
+    service's side is runner.service.jobs.job.JobRun."""
 
     api_errors = (JobAPIError, OSError)
 

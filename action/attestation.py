@@ -1,6 +1,6 @@
 """The job's signed record, written by the action next to the artifacts: `<artifacts-path>/microvm-check.intoto.jsonl`.
 
-The service signs every job's record as it ends (runner/service/attestation.py); the action fetches the
+The service signs every job's record as it ends (runner/service/jobs/attestation.py); the action fetches the
 envelope and writes it as is (it checks nothing: `microvm-check verify` does, with a key the verifier
 trusts). The workspace holds the fork's checkout, so the directory is opened without following a link
 at any step (a checkout's `artifacts -> ~/.ssh` link stops the write), and the file is written under a

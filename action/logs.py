@@ -22,7 +22,7 @@ from runner.jobapi.workflow import neutralise_line, split_lines, stop_token
 @dataclass(frozen=True)
 class RelayLimits:
     """How much of the guest's log the relay shows in the Actions job log (the service bounds its own
-    copy separately: runner.service.config.LogLimits)."""
+    copy separately: runner.service.config.settings.LogLimits)."""
 
     max_bytes: int = 16 * 1024 * 1024  # guest bytes shown in the job log
     max_lines: int = 200_000

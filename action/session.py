@@ -1,7 +1,7 @@
 """The job's `keep: job` session token on the runner host, where only the job's later steps find it.
 
 The service answers the step that opens a session (`keep: job`) with the session's token; a later
-step of the same GitHub job attaches to the kept VM only by sending it back (runner/service/sessions.py).
+step of the same GitHub job attaches to the kept VM only by sending it back (runner/service/jobs/sessions.py).
 It is kept in a 0600 file in RUNNER_TEMP: the runner gives each job a fresh one and empties it after
 the job, so the token lives exactly as long as the job, and no other job (another run, another
 runner, a run with the same ids) has it. It never enters the guest: only the checkout (the workspace)

@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.stats import percentile
-from runner.service.listeners import PEER_SMALL_BODY
+from runner.service.api.listeners import PEER_SMALL_BODY
 
 GOAL_P99_MS = 500.0
 MIB = 1024 * 1024
@@ -119,8 +119,8 @@ def during(path: str, shape: str, count: int) -> tuple[list[float], float, list[
 
 def serve(tmp: Path) -> None:
     """A job service on tmp/api.sock until stdin ends."""
-    from runner.service.config import config_from_mapping
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.config.settings import config_from_mapping
+    from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
 

@@ -6,7 +6,7 @@ The checkout holds the wheels of pytest, pluggy, packaging, iniconfig, jinja2 an
 (`pip download`ed here into a cache directory, from PyPI), a requirements.txt and a small pytest
 suite. Cold: a VM restored from the bare template creates a venv, installs the wheels and runs the
 suite. Warm: the same setup ran once in a VM that was then snapshotted as a template (what the
-service's warm bases are, `runner/service/bases.py`, built there from the default branch's tarball),
+service's warm bases are, `runner/service/jobs/bases.py`, built there from the default branch's tarball),
 and each job restores from it and only runs the suite. Both are timed from the restore's start: to
 the first test's output line and to the job's end. The last line is one JSON object with
 cold_first_test_s, warm_first_test_s and warm_speedup (cold / warm time to the first test), all

@@ -26,9 +26,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vmimages.cli",  # template build | list | rm
     "runner.commands.doctor",  # doctor
     "runner.commands.policy",  # policy check | render | suggest
-    "runner.service.cli",  # serve | jobs
+    "runner.service.host.cli",  # serve | jobs
     "runner.commands.localrun",  # run
-    "runner.service.config_cli",  # config check | schema
+    "runner.service.host.config_cli",  # config check | schema
     "runner.commands.github",  # register | deregister | runners | guard | redeliver
     "runner.commands.attestation",  # attestation | attestation-key | verify
 )
@@ -38,10 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "template": ("vmimages.cli", "build, list and remove VM templates"),
     "doctor": ("runner.commands.doctor", "check this host and say which accelerator VMs use"),
     "policy": ("runner.commands.policy", "check, render and suggest egress policies"),
-    "serve": ("runner.service.cli", "run the job service (API on a Unix socket)"),
+    "serve": ("runner.service.host.cli", "run the job service (API on a Unix socket)"),
     "run": ("runner.commands.localrun", "run a command on a local checkout in a fresh VM"),
-    "jobs": ("runner.service.cli", "list job records"),
-    "config": ("runner.service.config_cli", "check service configs, print their JSON Schema"),
+    "jobs": ("runner.service.host.cli", "list job records"),
+    "config": ("runner.service.host.config_cli", "check service configs, print their JSON Schema"),
     "register": ("runner.commands.github", "register this host's runner with the org"),
     "deregister": ("runner.commands.github", "remove this host's runner from the org"),
     "runners": ("runner.commands.github", "list the org's runners, ours marked by label"),

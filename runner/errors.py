@@ -24,7 +24,7 @@ taken for a user's mistake.
     └── PolicyError      an egress policy that does not load (defined in policy.load, with its problems)
 
 Domain errors carry no HTTP status: the job API maps them to statuses in one table at its edge
-(runner.service.api.STATUS). These exceptions stay outside the tree on purpose:
+(runner.service.api.refusals.STATUS). These exceptions stay outside the tree on purpose:
 `runner.jobapi.contract.StateTransitionError` (a bug in the service: it must show a traceback),
 `runner.vm.guestwire.ProtocolError` (that file is also installed alone in the guest, which has no
 `runner` package; the host's agent turns it into an AgentError), `action.__main__.Interrupted` and

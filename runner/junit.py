@@ -1,7 +1,7 @@
 """Reads JUnit XML reports the guest produced, which are hostile input.
 
 Shared by the action (its annotations and outputs, action/junit.py) and the service, which reads the
-same reports from a job's artifacts to sign their totals (runner/service/attestation.py) and to post
+same reports from a job's artifacts to sign their totals (runner/service/jobs/attestation.py) and to post
 them on the pull request's check run: both count the same way.
 
 defusedxml is not available, so the tree is built by `xml.etree.ElementTree.TreeBuilder` fed from a

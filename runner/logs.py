@@ -2,12 +2,12 @@
 
 Operators read the service log next to their other services', often through a collector that wants
 JSON (`serve --log-format json`, or `log_format: json` in the config). Job events come from the job
-records as they are saved (`JobEvents.saw`, called by `runner.service.records.RecordStore.put`):
+records as they are saved (`JobEvents.saw`, called by `runner.service.jobs.records.RecordStore.put`):
 every state change of a job is saved, so deriving the events there covers every path (API, worker,
 reaper, start-up clean-up) without each of them having to remember to log. They go to the
 `runner.jobs` logger at INFO, the service's default level, each with its job id as a field.
 
-A job's record turns final only after its VM is destroyed (`runner.service.job.JobRun.execute`), so
+A job's record turns final only after its VM is destroyed (`runner.service.jobs.job.JobRun.execute`), so
 its final record is also the "vm destroyed" event. Record fields may hold text a client or a guest
 chose (repository, error text): JSON escapes it, and the text format escapes control characters, so
 neither can forge a log line.

@@ -70,8 +70,8 @@ except SystemExit:
 open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules)))
 """
 # What no start-up of these commands may import: the service, the VM and network layers, GitHub.
-HEAVY = ("runner.service.host", "runner.service.service", "runner.service.config", "runner.vm", "runner.net",
-         "runner.github", "runner.fleet", "vmimages")
+HEAVY = ("runner.service.host.assembly", "runner.service.jobs.service", "runner.service.config.settings",
+         "runner.vm", "runner.net", "runner.github", "runner.fleet", "vmimages")
 
 
 @pytest.mark.parametrize(("argv", "also_not"), [

@@ -41,12 +41,12 @@ def test_a_planted_cycle_between_vm_and_service_fails_the_check(tmp_path: Path) 
     tree = copy_tree(tmp_path)
     planted = tree / "runner" / "vm" / "planted.py"
     planted.write_text('"""A VM module that reaches up into the service."""\n'
-                       "from runner.service.config import ServiceConfig\n")
+                       "from runner.service.config.settings import ServiceConfig\n")
     done = lint_imports(tree)
     assert done.returncode != 0
     assert "Layers: commands -> service" in done.stdout
     assert "runner.vm is not allowed to import runner.service" in done.stdout
-    assert "runner.vm.planted -> runner.service.config" in done.stdout
+    assert "runner.vm.planted -> runner.service.config.settings" in done.stdout
 
 
 def test_the_action_may_not_import_the_service(tmp_path: Path) -> None:

@@ -285,7 +285,7 @@ def test_serve_and_run_refuse_a_vulnerable_python(monkeypatch) -> None:
         tarsafe.require_patched_python({})
     tarsafe.require_patched_python({"MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON": "1"})
     from runner.commands import localrun
-    from runner.service import cli
+    from runner.service.host import cli
 
     monkeypatch.delenv("MICROVM_CHECK_ALLOW_UNPATCHED_PYTHON", raising=False)
     with pytest.raises(UserError, match="CVE-2024-6232"):

@@ -96,9 +96,9 @@ def test_debug_shows_the_traceback_for_a_bug_report(checkout: Path) -> None:
 
 def test_the_service_log_keeps_a_jobs_traceback_at_debug_unless_it_is_a_bug(caplog: pytest.LogCaptureFixture) -> None:
     from runner.errors import TemplateError
-    from runner.service.job import _log_failure
+    from runner.service.jobs.job import _log_failure
 
-    caplog.set_level("DEBUG", logger="runner.service.job")
+    caplog.set_level("DEBUG", logger="runner.service.jobs.job")
     _log_failure("j1", TemplateError("no template named 'nosuch': build it with ..."))
     _log_failure("j2", KeyError("a bug"))
     by_level = {(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records}

@@ -16,7 +16,7 @@ from vmimages.recipe import RecipeError, Size
 from vmimages.run import BuildError
 
 if TYPE_CHECKING:
-    from runner.service.config import ServiceConfig
+    from runner.service.config.settings import ServiceConfig
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,7 +50,7 @@ def config_of(args: argparse.Namespace) -> ServiceConfig | None:
     path = getattr(args, "config", None)
     if path is None:
         return None
-    from runner.service.config import ConfigError, load_config
+    from runner.service.config.settings import ConfigError, load_config
 
     try:
         return load_config(path)

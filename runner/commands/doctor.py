@@ -19,7 +19,7 @@ from runner.vm.statedir import StateDir
 from runner.vm.templates import TemplateNotFound, TemplateStore, sized, stale_agent
 
 if TYPE_CHECKING:
-    from runner.service.config import ServiceConfig
+    from runner.service.config.settings import ServiceConfig
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def service_checks(path: Path) -> list[Check]:
 
 def load_service_config(path: Path) -> tuple[ServiceConfig | None, list[Check]]:
     """The config at `path` (None when it is missing or invalid) and what doctor says about it and its socket."""
-    from runner.service.config import ConfigError, load_config
+    from runner.service.config.settings import ConfigError, load_config
 
     if not path.exists():
         return None, [Check(False, f"service config {path} exists",
@@ -286,7 +286,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for line in runner_walls(config.runners.network if config is not None else "host"):
         print(line)
     if config is not None:
-        from runner.service.binding import runner_binding
+        from runner.service.host.binding import runner_binding
 
         print("\n".join(runner_binding(config)))
     pss = memory.describe(state.vms)  # the VMs running now in this state directory, KVM and TCG apart

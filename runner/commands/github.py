@@ -23,7 +23,7 @@ from runner.github.errors import GitHubError
 from runner.github.guard import GUARD_RULES_ENV
 
 if TYPE_CHECKING:
-    from runner.service.config import ServiceConfig
+    from runner.service.config.settings import ServiceConfig
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -233,7 +233,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
 
 
 def _service_config(path: Path) -> ServiceConfig:
-    from runner.service.config import ConfigError, load_config
+    from runner.service.config.settings import ConfigError, load_config
 
     try:
         return load_config(path)

@@ -33,7 +33,7 @@ from runner.jobapi.terminal import show
 from runner.tarsafe import require_patched_python
 
 if TYPE_CHECKING:
-    from runner.service.host import ServiceHost
+    from runner.service.host.assembly import ServiceHost
 
 EXIT_CANCELLED = 130
 ARTIFACTS_DIR = "artifacts"
@@ -217,9 +217,9 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
 
 def _start_service(tmp: Path, template: str | None, timeout_seconds: int) -> ServiceHost:
     """The private service of `in_process_service`, started, its socket at tmp/api.sock."""
-    from runner.service.config import config_from_mapping
-    from runner.service.egress import EgressPolicies
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.config.settings import config_from_mapping
+    from runner.service.host.assembly import EngineSettings, ServiceHost
+    from runner.service.jobs.egress import EgressPolicies
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
 

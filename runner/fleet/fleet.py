@@ -12,7 +12,7 @@ what it heard and returns at once, and no two steps race over a runner.
 
 Each runner has its own token, which the service knows (`add_runner`) while the runner lives: its
 job hooks and the action in its job use it to report, guard and submit that one job (see
-runner/service/auth.py). Each runner also runs in a cgroup of its own (runner.fleet.cgroup), so
+runner/service/jobs/auth.py). Each runner also runs in a cgroup of its own (runner.fleet.cgroup), so
 when it ends everything its job started goes with it, `setsid` or not.
 
 What can be lost is made whole again: at start the fleet kills what a dead predecessor's runners
@@ -102,7 +102,7 @@ class FleetSettings:
 
 
 class FleetService(Protocol):
-    """The job service's side (runner.service.desk.RunnerDesk): which runners' tokens it takes, and
+    """The job service's side (runner.service.github.desk.RunnerDesk): which runners' tokens it takes, and
     cancelling (destroying the VMs of) a dead runner's jobs. It tells the fleet of each runner's job
     as the runner's hook reports it (`RunnerFleet.runner_bound`)."""
 

@@ -6,7 +6,7 @@ the runner's `.env` (0600 from the start, the runner directory owner's; the runn
 steps and hooks), only its SHA-256 into the service's state directory (`registered-runners/<name>`,
 root's), which the service reads at start. The `.env` also names the same root-owned hooks the
 fleet's runners use: the job-started hook reports the job, the service binds the runner to it and
-runs the fork guard, and the runner may then submit only for that job (runner/service/auth.py).
+runs the fork guard, and the runner may then submit only for that job (runner/service/jobs/auth.py).
 
 A registered runner takes one job after another, so its credential outlives a job and its binding
 does not. A step holds the credential as well as the hooks do, so what the runner reports cannot be

@@ -1,7 +1,7 @@
 """The job a runner reports it got: its job-started hook sends it to the service with the runner's token.
 
 The hook runs before any step of the job, as the trusted runner starts it, and the service binds the
-runner to the first job it reports (runner/service/auth.py): the runner may then submit only for
+runner to the first job it reports (runner/service/jobs/auth.py): the runner may then submit only for
 that job. The report is the job API's `JobStarted` (runner/jobapi/contract.py), checked here before
 the service keeps it.
 """

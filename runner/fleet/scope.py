@@ -7,7 +7,7 @@ fleet again: the old runners and whatever their jobs daemonized would live on, i
 
 So a fleet claims its scope while it runs: an flock on `LOCKS/<scope>.lock` (host-wide, root's; the kernel
 drops it when the service dies) and a claim file in the service's state directory naming the scope. At
-start-up the service (runner.service.host) sweeps the scope its state directory's claim names, unless the
+start-up the service (runner.service.host.assembly) sweeps the scope its state directory's claim names, unless the
 scope's lock is held: then a live service (another state directory with the same runners_dir) runs
 runners there, and those are not ours to kill. The state directory itself is this service's alone (the
 engine's lock on its VM directory), so a claim found there was written by a predecessor of this service.

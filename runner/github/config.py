@@ -4,7 +4,7 @@ Secrets are never in the file itself, only the path to the App's private key, so
 world-readable and kept in configuration management. It is read like the service config and the
 policies (`policy.yamldoc`): no aliases, bounded size, unknown keys refused (a typo must not silently
 drop a setting), and every problem reported at once with its line. The webhook endpoint is configured in the
-service's own config (`runner.service.webhook`), which hands it to `runner.github.webhooks`.
+service's own config (`runner.service.github.webhook`), which hands it to `runner.github.webhooks`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from runner.errors import ClientError
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 
-# -- credentials (docs/job-api.md, "Who may do what"; the rules are runner/service/auth.py) -------------
+# -- credentials (docs/job-api.md, "Who may do what"; the rules are runner/service/jobs/auth.py) -------------
 
 # A fleet runner's own credential: the service writes it into the runner's `.env` (0600, the runner
 # user's), so the runner hands it to every step; the action and the job hooks send it in this header.
@@ -32,7 +32,7 @@ RUNNER_TOKEN_HEADER = "X-Microvm-Check-Runner-Token"
 RUNNER_TOKEN_VARIABLE = "MICROVM_CHECK_RUNNER_TOKEN"
 # One job's own credential, answered at submit: reading, streaming, cancelling and uploading need it.
 JOB_TOKEN_HEADER = "X-Microvm-Check-Job-Token"
-# A `keep: job` session's own credential (runner/service/sessions.py), answered to the step that opened
+# A `keep: job` session's own credential (runner/service/jobs/sessions.py), answered to the step that opened
 # it; the job's later steps send it back in this header to attach to the kept VM.
 SESSION_TOKEN_HEADER = "X-Microvm-Check-Session-Token"
 MAX_TOKEN = 128  # characters of a runner, job or session token
@@ -52,7 +52,7 @@ LIST_DEFAULT, LIST_MAX = 50, 1000  # GET /v1/jobs?limit=N
 MAX_LOG_SEQ = 2**62  # GET /v1/jobs/{id}/logs?after=SEQ
 
 GUEST_WORKSPACE = "/workspace"  # where the checkout is unpacked in the guest
-# JobSpec.keep: "job" keeps the VM for the GitHub job's next step (runner/service/sessions.py).
+# JobSpec.keep: "job" keeps the VM for the GitHub job's next step (runner/service/jobs/sessions.py).
 KEEP_VALUES = ("none", "job")
 
 # -- patterns (use with fullmatch: `$` also matches before a trailing newline) ------------------------
@@ -358,7 +358,7 @@ class GitHubJob:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run. The service validates a received spec (runner.service.spec) and builds this type once,
+    """What to run. The service validates a received spec (runner.service.jobs.spec) and builds this type once,
     at admission, with its own defaults for `template` and `timeout_seconds` (a client leaves them None for
     those) and what only it decides: the repository the job runs as, its runner and its sized template."""
 
@@ -389,7 +389,7 @@ class JobSpec:
     # reading of the runner's event file, used for the `checks: forks` setting only, never to allow anything.
     fork: bool = False
     # Secret bindings of the workflow (the action's `secrets:` input), values included: sent by a client,
-    # never kept in the service's spec (admission takes them out: runner/service/admission.py).
+    # never kept in the service's spec (admission takes them out: runner/service/jobs/admission.py).
     secrets: tuple[WorkflowSecret, ...] = ()
 
     @property

@@ -4,7 +4,7 @@ termwire.py): the Upgrade request spoken with h11, then the operator's terminal 
 While attached the local terminal is in raw mode (tty.setraw: every key, Ctrl-C included, goes to the
 program in the VM) and put back on every way out; a window resize is sent on (SIGWINCH); Ctrl-]
 detaches, which ends the session's program and never the job. The service has already filtered the
-guest's output for a terminal (runner/service/termfilter.py)."""
+guest's output for a terminal (runner/service/api/termfilter.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 
 A non-zero exit is a result, not an exception. `SandboxError` means the sandbox itself is gone
 (its VM died, expired or misbehaved) and has already been destroyed. The engine is its owner's
-(`runner.service.host.ServiceHost`, a test, a benchmark), passed in: there is no global one.
+(`runner.service.host.assembly.ServiceHost`, a test, a benchmark), passed in: there is no global one.
 
 Two modules: `port` names what crosses between the service and the VM layer (`VMRequest`,
 `SandboxLike`, `SandboxProvider`) and loads nothing of the VM layer; `sandbox` is the Sandbox

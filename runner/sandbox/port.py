@@ -62,7 +62,7 @@ class VMRequest:
     Whether it has a network card follows from the policy (`needs_network`); `network_card` overrides
     that only where the VM's variant is what matters, not its traffic: a warm base of the `net` variant
     is set up under whatever its section allows, deny-all included, and must have a card to be
-    restorable with one (runner/service/bases.py)."""
+    restorable with one (runner/service/jobs/bases.py)."""
 
     template: str = "base"
     ttl_seconds: float = 600.0

@@ -39,7 +39,7 @@ QUIESCE_TIMEOUT_S = 120.0
 
 
 class Engine:
-    """Built by its owner (`runner.service.host.ServiceHost`, a test, a benchmark) and handed to whatever
+    """Built by its owner (`runner.service.host.assembly.ServiceHost`, a test, a benchmark) and handed to whatever
     needs VMs; there is no process-wide registry. `close()` ends every VM, also at interpreter exit."""
 
     def __init__(

@@ -84,7 +84,7 @@ class Template:
     @property
     def sandbox(self) -> bool:
         """A sandbox's snapshot (Engine.snapshot's extra member "sandbox"): it lives only as long as its
-        sandboxes (runner/service/sandboxes.py), never in the warm bases' budget, never past a restart."""
+        sandboxes (runner/service/jobs/sandboxes.py), never in the warm bases' budget, never past a restart."""
         return "sandbox" in self.manifest
 
     @property

@@ -9,7 +9,7 @@ import pytest
 
 from action.inputs import job_spec, read_inputs
 from runner.errors import UserError
-from runner.service.config import ServiceConfig
+from runner.service.config.settings import ServiceConfig
 from tests.reference import CAPTURED, captured_path, payload
 from tests.service.service_fakes import spec_as_sent
 

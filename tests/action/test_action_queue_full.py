@@ -22,9 +22,9 @@ from local_sandbox import LocalEngine
 from action.queuewait import MAX_WAIT, MIN_WAIT, QueueTimeout, QueueWait
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobSpec, JobState, JobSummary, QueueFullAnswer, WireError
-from runner.service.config import config_from_mapping
-from runner.service.host import ServiceHost
-from runner.service.service import JobService
+from runner.service.config.settings import config_from_mapping
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.service import JobService
 from tests.reference import captured
 
 QUEUED_LINE = "[microvm-check] the service's queue is full; queued behind 1 job, retrying in "

@@ -34,7 +34,7 @@ from tests.reference import captured
 from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 
 if TYPE_CHECKING:
-    from runner.service.host import ServiceHost
+    from runner.service.host.assembly import ServiceHost
 
 pytestmark = pytest.mark.vm
 
@@ -86,8 +86,8 @@ def template() -> None:
 
 def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> Iterator[ServiceHost]:
     """The real job service (ServiceHost) on this test's own engine and socket; networked on `internet`."""
-    from runner.service.config import config_from_mapping
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.config.settings import config_from_mapping
+    from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
 

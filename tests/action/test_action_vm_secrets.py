@@ -86,8 +86,8 @@ def rig(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[tuple[Any, 
 
     from runner.cli import main
     from runner.net import NamespaceUplink, Upstream
-    from runner.service.config import load_config
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.config.settings import load_config
+    from runner.service.host.assembly import EngineSettings, ServiceHost
 
     with ExitStack() as stack:
         prefix = "a" + secrets.token_hex(3)

@@ -22,7 +22,7 @@ from runner.attest.statement import PAYLOAD_TYPE, PREDICATE_TYPE, Statement, Sub
 from runner.attest.verify import verify_record
 from runner.errors import AttestationError
 from runner.jobapi.contract import JobRecord, JobState
-from runner.service.attestation import ArtifactFacts, JobAttestor
+from runner.service.jobs.attestation import ArtifactFacts, JobAttestor
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "attestation.md"
 

@@ -18,8 +18,8 @@ from runner.attest.statement import PAYLOAD_TYPE, Statement
 from runner.attest.verify import verify_record
 from runner.errors import AttestationError
 from runner.jobapi.contract import JobRecord, JobState
-from runner.service.attestation import ArtifactFacts, JobAttestor, VmFacts
-from runner.service.job import ARTIFACTS
+from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts
+from runner.service.jobs.job import ARTIFACTS
 
 
 def test_pae_is_the_specs_test_vector() -> None:

@@ -16,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from runner.jobapi.contract import JobRecord, JobState, Timings
-from runner.service.metrics import JobMetrics, ServiceView
+from runner.service.api.metrics import JobMetrics, ServiceView
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]

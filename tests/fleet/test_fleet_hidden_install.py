@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from runner.fleet import walls
-from runner.service.config import ConfigError, load_config
+from runner.service.config.settings import ConfigError, load_config
 from tests.fleet.conftest import ROOT, Account, write_config
 
 
 def _serve(path: Path) -> None:
-    from runner.service.host import ServiceHost
+    from runner.service.host.assembly import ServiceHost
 
     with ServiceHost(load_config(path), sandboxes=_no_vms, origin=str(path)):
         pass

@@ -3,7 +3,7 @@
 - a busy runner's deadline is its job's timeout *plus* the grace (runner/fleet/fleet.py,
   `deadline_seconds`): with a 1 s timeout and a 4 s grace a frozen runner still lives at 2 s;
 - GitHub's `completed` revokes the tokens of the jobs the runner's job submitted, not only the
-  runner's own (runner/service/auth.py, `Access.end_runner_job`): a job token kept by a detached
+  runner's own (runner/service/jobs/auth.py, `Access.end_runner_job`): a job token kept by a detached
   process of the job reads nothing of its job afterwards.
 """
 

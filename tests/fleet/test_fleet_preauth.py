@@ -1,4 +1,4 @@
-"""The job API decides who is asking on the head, before a body is read (runner/service/gates.py,
+"""The job API decides who is asking on the head, before a body is read (runner/service/api/gates.py,
 `caller_gate`), and the fleet's hooks are urgent (they take the reserved workers).
 
 A process of the runner user on a fleet host, without a runner token or with a forged one, declares a

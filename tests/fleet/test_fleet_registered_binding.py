@@ -46,8 +46,8 @@ def registered_service(root: Path, *, webhook: bool, repository: str | None) -> 
     """The service (a webhook on loopback when `webhook`) and the credential of runner NAME, held to
     `repository` when given: (host, the runner's token)."""
     from runner.cli import main
-    from runner.service.config import load_config
-    from runner.service.host import ServiceHost
+    from runner.service.config.settings import load_config
+    from runner.service.host.assembly import ServiceHost
 
     secret = root / "webhook-secret"
     secret.write_text(secrets.token_hex(16))

@@ -24,8 +24,8 @@ import pytest
 
 from runner.fleet import cgroup
 from runner.fleet.scope import CLAIM_FILE, sweep_stale
-from runner.service.config import config_from_mapping
-from runner.service.host import ServiceHost
+from runner.service.config.settings import config_from_mapping
+from runner.service.host.assembly import ServiceHost
 from tests.conftest import require
 from tests.procs import runs, wait_gone
 

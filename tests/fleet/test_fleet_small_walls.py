@@ -55,8 +55,8 @@ def test_health_counts_are_the_operators_only(account: Account, rig_root: Path) 
     import yaml
 
     from runner.jobapi.client import JobClient
-    from runner.service.config import load_config
-    from runner.service.host import ServiceHost
+    from runner.service.config.settings import load_config
+    from runner.service.host.assembly import ServiceHost
 
     path = rig_root / "service.yml"
     socket = rig_root / "api.sock"

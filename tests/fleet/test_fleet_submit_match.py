@@ -1,4 +1,4 @@
-"""Every field of the submit-vs-reported comparison (runner/service/auth.py, Access.admit_submit) counts.
+"""Every field of the submit-vs-reported comparison (runner/service/jobs/auth.py, Access.admit_submit) counts.
 
 A runner's hook reported repository, run, attempt and job; a submit that differs in any one of them is
 refused (403), however the others match, so a job cannot borrow the binding of a sibling job of the

@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.jobapi.client import JobClient
-from runner.service.config import config_from_mapping
-from runner.service.host import ServiceHost
-from runner.service.listeners import ApiServers
-from runner.service.service import JobService
+from runner.service.api.listeners import ApiServers
+from runner.service.config.settings import config_from_mapping
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.service import JobService
 from tests.service.service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, tar_of
 
 TOKEN = "fuzz-token-0123456789abcdef"

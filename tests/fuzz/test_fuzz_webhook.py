@@ -37,10 +37,10 @@ from hypothesis import strategies as st
 from wire import Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.github.signature import sign
-from runner.service.config import config_from_mapping
-from runner.service.host import ServiceHost
-from runner.service.service import JobService
-from runner.service.webhook import Webhook
+from runner.service.config.settings import config_from_mapping
+from runner.service.github.webhook import Webhook
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.service import JobService
 from tests.reference import available_payloads
 from tests.service.service_fakes import FakeEngine, prints
 

@@ -18,7 +18,7 @@ from runner.jobapi.contract import (
     Timings,
     WireError,
 )
-from runner.service.config import ServiceConfig
+from runner.service.config.settings import ServiceConfig
 from tests.service.service_fakes import spec_as_sent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,8 @@ def test_the_contract_is_the_one_place_that_spells_it(literal: str):
 
 def test_the_limits_a_client_checks_are_the_services():
     from action import inputs
-    from runner.service import config, spec
+    from runner.service.config import settings as config
+    from runner.service.jobs import spec
 
     assert inputs.MAX_POLICY_BYTES is spec.MAX_POLICY_BYTES is contract.MAX_POLICY_BYTES
     assert inputs.DEFAULT_SOCKET is config.DEFAULT_SOCKET is contract.DEFAULT_SOCKET

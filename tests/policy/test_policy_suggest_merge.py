@@ -21,7 +21,7 @@ from policy.suggest import (
 )
 from runner.cli import main
 from runner.jobapi.contract import JobRecord, JobState
-from runner.service.records import RecordStore
+from runner.service.jobs.records import RecordStore
 
 T0 = calendar.timegm((2024, 5, 1, 12, 0, 0))  # 2024-05-01 12:00 UTC
 DAY = 86400

@@ -13,9 +13,9 @@ import pytest
 from service_fakes import FakeEngine
 
 from runner.jobapi.client import JobClient
-from runner.service.config import ServiceConfig, config_from_mapping
-from runner.service.host import ServiceHost
-from runner.service.service import JobService
+from runner.service.config.settings import ServiceConfig, config_from_mapping
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.service import JobService
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ class FakeInternet:
 
     def engine(self, **settings: Any) -> Any:
         """`EngineSettings` whose slots hang off this internet and whose resolver asks its DNS server."""
-        from runner.service.host import EngineSettings
+        from runner.service.host.assembly import EngineSettings
 
         return EngineSettings(uplink=NamespaceUplink(self.namespace),
                               upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=self.namespace), **settings)

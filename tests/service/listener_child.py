@@ -47,9 +47,9 @@ def start_webhook(max_body: int | None = None) -> tuple[dict, object]:
 def start_api(state: Path) -> tuple[dict, object]:
     from service_fakes import FakeEngine
 
-    from runner.service.config import config_from_mapping
-    from runner.service.host import ServiceHost
-    from runner.service.listeners import TcpApiServer
+    from runner.service.api.listeners import TcpApiServer
+    from runner.service.config.settings import config_from_mapping
+    from runner.service.host.assembly import ServiceHost
 
     config = config_from_mapping({"socket": str(state / "api.sock"), "state_dir": str(state / "state"),
                                   "listen": "127.0.0.1:0", "token": TOKEN, "shutdown_grace_seconds": 0})

@@ -21,8 +21,8 @@ from policy.suggest import AuditRecord
 from runner.errors import CommandNotStarted
 from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import VMRequest
-from runner.service.config import ServiceConfig
-from runner.service.spec import parse_submission
+from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.spec import parse_submission
 from runner.vm import guestwire
 from runner.vm.errors import SandboxError
 

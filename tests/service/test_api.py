@@ -18,7 +18,7 @@ from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec
 
 from runner.errors import ConfigError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.listeners import UnixApiServer
+from runner.service.api.listeners import UnixApiServer
 from tests.conftest import require
 
 TOKEN = "a-long-enough-test-token-1234"

@@ -1,4 +1,4 @@
-"""The job API's one table from domain errors to HTTP statuses (runner.service.api.STATUS)."""
+"""The job API's one table from domain errors to HTTP statuses (runner.service.api.refusals.STATUS)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 from runner.errors import JobError, SandboxError
 from runner.jobapi.client import JobAPIError
-from runner.service.api import STATUS, status_of
-from runner.service.egress import PolicySourceUnavailable
-from runner.service.jobqueue import QueueFull
-from runner.service.sandboxes import SandboxLimit, SandboxUnavailable
+from runner.service.api.refusals import STATUS, status_of
+from runner.service.jobs.egress import PolicySourceUnavailable
+from runner.service.jobs.jobqueue import QueueFull
+from runner.service.jobs.sandboxes import SandboxLimit, SandboxUnavailable
 from tests.error_tree import exception_classes, qualified
 
 

@@ -8,7 +8,7 @@ import pytest
 from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobAPIError
-from runner.service import jobroutes
+from runner.service.api import jobroutes
 
 
 def raw(path: str, request: bytes) -> bytes:

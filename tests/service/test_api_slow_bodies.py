@@ -23,7 +23,7 @@ from test_listener_load import child, drip
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import MAX_COMMAND_BYTES
-from runner.service.listeners import PEER_BODY_BYTES, PEER_SMALL_BODY
+from runner.service.api.listeners import PEER_BODY_BYTES, PEER_SMALL_BODY
 
 SLOW = 100
 

@@ -6,7 +6,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from runner.service.bases import BaseSettings, RepositoryBases
+from runner.service.jobs.bases import BaseSettings, RepositoryBases
 from tests.service.service_fakes import FakeProvider
 
 SETTINGS = BaseSettings(parent="base", budget_bytes=1 << 30, setup_timeout_s=60, max_checkout_bytes=1 << 20)

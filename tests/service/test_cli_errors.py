@@ -15,7 +15,7 @@ from policy.yamldoc import Problem
 from runner import errors
 from runner.cli import BUG, main, run_command
 from runner.errors import MicrovmCheckError
-from runner.service.host import ServiceHost
+from runner.service.host.assembly import ServiceHost
 from tests.error_tree import exception_classes, qualified
 
 # Outside the tree on purpose (runner/errors.py says why): a bug, a file the guest imports alone (and the

@@ -1,4 +1,4 @@
-"""Which job commands start without a shell (runner/service/command.py): only those the shell would just
+"""Which job commands start without a shell (runner/service/jobs/command.py): only those the shell would just
 split into words; the service falls back to `sh -c` for a program the guest cannot start (tests/service/
 test_vm_e2e.py::test_passing_and_failing_commands shows that on a real guest)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.service.command import DIRECT_MAX_CHARS, direct_argv
+from runner.service.jobs.command import DIRECT_MAX_CHARS, direct_argv
 
 
 @pytest.mark.parametrize(("command", "argv"), [

@@ -1,4 +1,4 @@
-"""A job's command started as an argv (runner/service/command.py) falls back to `sh -c` only when nothing of
+"""A job's command started as an argv (runner/service/jobs/command.py) falls back to `sh -c` only when nothing of
 it ran, and then within the step's one deadline (ATTACK2 finding 1: a guest's failure after the program
 started must not run the command a second time, nor give the step a second full timeout)."""
 
@@ -11,7 +11,7 @@ from test_service import run, wait_final
 
 from runner.errors import SandboxError
 from runner.sandbox.sandbox import ExecResult
-from runner.service.service import JobService
+from runner.service.jobs.service import JobService
 
 
 def test_a_program_the_guest_cannot_start_is_started_through_the_shell_within_the_same_deadline(

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from runner.cli import main
-from runner.service.config import (
+from runner.service.config.settings import (
     ConfigError,
     ServiceConfig,
     WebhookSettings,

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from runner.errors import ConfigError
-from runner.service.bases import BaseSettings
-from runner.service.config import GIB, MIB, Bases, ServiceConfig, load_config, schema_text
+from runner.service.config.settings import GIB, MIB, Bases, ServiceConfig, load_config, schema_text
+from runner.service.jobs.bases import BaseSettings
 
 
 def test_the_bases_section_reaches_the_bases_settings(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from policy import DENY_ALL, load_policy
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
-from runner.service.admission import InvalidJob
-from runner.service.api import status_of
-from runner.service.egress import EgressPolicies, EgressPolicyError
+from runner.service.api.refusals import status_of
+from runner.service.jobs.admission import InvalidJob
+from runner.service.jobs.egress import EgressPolicies, EgressPolicyError
 from tests.github.github_fakes import (
     API,
     CONTENTS_FILE,
@@ -193,7 +193,7 @@ def test_a_job_policy_narrowed_to_nothing_says_so_in_the_record_summary_and_page
     its record, step summary and job page say in words what it asked for and did not get."""
     from action.summary import Result, markdown
     from runner.jobapi.contract import JobRecord
-    from runner.service import web
+    from runner.service.api import page as web
 
     engine.programs["ok"] = prints(b"")
     service = make_service(policy_dir=str(store), network={"enabled": True})

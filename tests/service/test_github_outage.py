@@ -15,7 +15,7 @@ from test_egress import BRANCH_FILE, BRANCH_POLICY, BRANCH_REPO, branch_file
 
 from runner.github.client import RetryPolicy
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.egress import PolicySourceUnavailable
+from runner.service.jobs.egress import PolicySourceUnavailable
 from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_operations, load_payload
 
 

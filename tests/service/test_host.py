@@ -20,11 +20,11 @@ from service_fakes import FakeEngine, baked_template, checkout_tar, spec, waits
 
 from runner.errors import ConfigError, SandboxError
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.config import ServiceConfig
-from runner.service.host import EngineSettings, ServiceHost
-from runner.service.listeners import ApiServers
-from runner.service.service import JobService
-from runner.service.webhook import Webhook
+from runner.service.api.listeners import ApiServers
+from runner.service.config.settings import ServiceConfig
+from runner.service.github.webhook import Webhook
+from runner.service.host.assembly import EngineSettings, ServiceHost
+from runner.service.jobs.service import JobService
 from tests.conftest import require
 
 TOKEN = "t" * 32

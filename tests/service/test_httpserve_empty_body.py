@@ -23,7 +23,7 @@ from service_fakes import FakeEngine, spec
 from test_httpserve_limits import answer, connect, post_head, serving
 
 from runner.httpserve import Limits
-from runner.service.host import ServiceHost
+from runner.service.host.assembly import ServiceHost
 
 TIMEOUT = 10.0  # the API's old wait was 30 s; the webhook's, 2 s then no answer at all
 TOKEN = "empty-body-token-0123456789"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.service.config import LogLimits
-from runner.service.joblog import JobLog, LogFull
+from runner.service.config.settings import LogLimits
+from runner.service.jobs.joblog import JobLog, LogFull
 
 
 def entries(lines: list[bytes]) -> list[tuple[int, str, bytes]]:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from runner.service.jobqueue import JobQueue, QueueClosed, QueueFull
+from runner.service.jobs.jobqueue import JobQueue, QueueClosed, QueueFull
 
 
 def test_reservations_count_against_capacity() -> None:

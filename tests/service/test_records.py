@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.service.records import JobRecord, RecordStore
+from runner.service.jobs.records import JobRecord, RecordStore
 
 
 def record(job_id: str, state: str = "finished", created_at: float = 1000.0) -> JobRecord:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from runner.jobapi.contract import MAX_JSON_BODY
-from runner.service.host import ServiceHost
-from runner.service.sandboxes import MAX_CALLS_PER_OWNER, MAX_CALLS_PER_SANDBOX
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.sandboxes import MAX_CALLS_PER_OWNER, MAX_CALLS_PER_SANDBOX
 
 BIG = 8 * MAX_JSON_BODY  # past what the connection loop buffers: a worker reads it, after the head's checks
 

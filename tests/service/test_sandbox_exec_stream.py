@@ -15,7 +15,7 @@ import pytest
 from service_fakes import ExecResult, FakeEngine, FakeSandbox, prints
 
 from microvm_check import Sandbox, SandboxError
-from runner.service.host import ServiceHost
+from runner.service.host.assembly import ServiceHost
 
 
 def breaks_after_output(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -> ExecResult:

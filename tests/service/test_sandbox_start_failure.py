@@ -11,7 +11,7 @@ from pathlib import Path
 
 from service_fakes import FakeEngine
 
-from runner.service.host import ServiceHost
+from runner.service.host.assembly import ServiceHost
 
 
 def _create(path: Path) -> tuple[int, dict[str, str], dict]:

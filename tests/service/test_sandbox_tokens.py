@@ -1,4 +1,4 @@
-"""A sandbox's token opens that sandbox and no other, forks included (runner/service/sandboxes.py `find`).
+"""A sandbox's token opens that sandbox and no other, forks included (runner/service/jobs/sandboxes.py `find`).
 
 A fork is restored from its parent's snapshot by the same owner: the kin a lookup by lineage could
 confuse. The real VM test (test_vm_sdk.py's tour) tries the parent's and the fork's tokens on each
@@ -13,8 +13,8 @@ from typing import Any
 from service_fakes import FakeEngine
 
 from runner.sandbox.port import VMRequest
-from runner.service.host import ServiceHost
-from runner.service.sandboxes import Owner, SandboxDesk, SandboxRefused, SandboxRequest
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.sandboxes import Owner, SandboxDesk, SandboxRefused, SandboxRequest
 
 
 def forkable(engine: FakeEngine) -> Callable[[VMRequest], Any]:

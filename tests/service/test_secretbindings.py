@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
-from runner.service.secretbindings import load_secrets
+from runner.service.jobs.secretbindings import load_secrets
 
 VALUE = "s3cret-Value-1234"
 

@@ -14,16 +14,16 @@ import pytest
 from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
 
 from runner.attest.keys import SigningKey
-from runner.service.admission import InvalidJob, TooLarge
-from runner.service.api import status_of
-from runner.service.attestation import JobAttestor
-from runner.service.binding import access_for
-from runner.service.host import ServiceHost
-from runner.service.jobparts import job_parts
-from runner.service.jobqueue import QueueFull
-from runner.service.records import RecordStore
-from runner.service.service import JobNotFound, JobService, JobStateConflict
-from runner.service.workers import JobVMs
+from runner.service.api.refusals import status_of
+from runner.service.host.assembly import ServiceHost
+from runner.service.host.binding import access_for
+from runner.service.jobs.admission import InvalidJob, TooLarge
+from runner.service.jobs.attestation import JobAttestor
+from runner.service.jobs.jobqueue import QueueFull
+from runner.service.jobs.parts import job_parts
+from runner.service.jobs.records import RecordStore
+from runner.service.jobs.service import JobNotFound, JobService, JobStateConflict
+from runner.service.jobs.workers import JobVMs
 
 
 def run(service: JobService, command: str, **fields) -> str:
@@ -141,7 +141,7 @@ def test_a_submit_that_fails_after_reserving_gives_its_place_back(make_service, 
     def broken_log(*args, **kwargs):
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr("runner.service.service.JobLog", broken_log)
+    monkeypatch.setattr("runner.service.jobs.service.JobLog", broken_log)
     for _ in range(2):  # the second would be QueueFull if the first had kept its reservation
         with pytest.raises(OSError, match="Too many open files"):
             service.submit(spec("ok"))

@@ -11,7 +11,7 @@ import tarfile
 from service_fakes import FakeEngine, member, prints, tar_of
 from test_service import run, wait_final
 
-from runner.service import outputs as job_module
+from runner.service.jobs import outputs as job_module
 
 
 def system_lines(service, job: str) -> list[str]:

@@ -18,8 +18,8 @@ from service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, t
 from policy import PolicyStore
 from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
-from runner.service.checkruns import CheckRunReporter
-from runner.service.service import JobService
+from runner.service.github.checkruns import CheckRunReporter
+from runner.service.jobs.service import JobService
 from tests import reference
 from tests.github.github_fakes import API, assert_valid_request, example, load_operations
 

@@ -1,4 +1,4 @@
-"""`keep: job`: one VM across a GitHub job's steps, against the stand-in engine (runner/service/sessions.py).
+"""`keep: job`: one VM across a GitHub job's steps, against the stand-in engine (runner/service/jobs/sessions.py).
 
 The real-VM proof (files and a background process across steps, driven through action.yml) is
 tests/action/test_action_keep_vm.py.
@@ -11,11 +11,11 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 from test_service import GitHubJob, wait_final
 
 from runner.jobapi.contract import JobState
-from runner.service.admission import InvalidJob
-from runner.service.api import status_of
-from runner.service.auth import OPERATOR
-from runner.service.service import JobService, JobStateConflict
-from runner.service.sessions import SessionConflict
+from runner.service.api.refusals import status_of
+from runner.service.jobs.admission import InvalidJob
+from runner.service.jobs.auth import OPERATOR
+from runner.service.jobs.service import JobService, JobStateConflict
+from runner.service.jobs.sessions import SessionConflict
 
 JOB = {"run_id": 500, "run_attempt": 1, "job_name": "check", "runner_name": "host-a"}
 
@@ -57,7 +57,7 @@ def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(mak
     assert [(r.state, r.exit_code) for r in records] == [("finished", 0), ("finished", 3), ("finished", 0)]
     assert {r.vm_id for r in records} == {engine.created[0].id}
     vm = engine.created[0]
-    # plain words start without a shell, but `test` is a builtin of the shell (runner/service/command.py)
+    # plain words start without a shell, but `test` is a builtin of the shell (runner/service/jobs/command.py)
     assert [call["command"] for call in vm.exec_calls] == [["install"], ["lint"], ["sh", "-c", "test"]]
     assert vm.files == {"/workspace/README": b"hello\n"}  # the checkout went in once
     assert engine.alive() == [] and service.sessions.count() == 0

@@ -1,4 +1,4 @@
-"""Two decisions of a kept VM's session (runner/service/sessions.py, `_check_joinable`) that the other
+"""Two decisions of a kept VM's session (runner/service/jobs/sessions.py, `_check_joinable`) that the other
 session tests leave free: a later step runs under the policy the kept VM started with, and steps of
 a job run one at a time in it."""
 
@@ -12,8 +12,8 @@ from test_service import wait_final
 from test_sessions import Job
 
 from runner.jobapi.contract import JobState
-from runner.service.api import status_of
-from runner.service.sessions import SessionConflict
+from runner.service.api.refusals import status_of
+from runner.service.jobs.sessions import SessionConflict
 
 BLOCK = "version: 1\nallow: []\n"
 FAIL_ON_BLOCK = "version: 1\non_block: fail\nallow: []\n"

@@ -1,4 +1,4 @@
-"""A repository's running quota is given back when its job ends (runner/service/service.py tells the
+"""A repository's running quota is given back when its job ends (runner/service/jobs/service.py tells the
 queue `finished`): with max_running_per_repository 1, a fleet runner's jobs of one repository run one
 after the other, every one of them, instead of the first one's end leaving the repository's only
 running place taken for good."""

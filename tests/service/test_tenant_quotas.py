@@ -13,13 +13,13 @@ import pytest
 from service_fakes import FakeEngine, checkout_tar, spec, waits
 
 from runner.jobapi.contract import GitHubJob, JobStarted
-from runner.service.auth import Caller, Kind
-from runner.service.jobqueue import JobQueue, QueueFull
+from runner.service.jobs.auth import Caller, Kind
+from runner.service.jobs.jobqueue import JobQueue, QueueFull
 
 
 def runner(service, name: str, repository: str) -> Caller:
     """A fleet runner whose job-started hook reported a job of `repository` (run 7, job "test"), which the
-    fork guard let run (what runner/service/desk.py does with a verdict that allows it)."""
+    fork guard let run (what runner/service/github/desk.py does with a verdict that allows it)."""
     service.access.runners.add(name, f"token-of-{name}-0123456789")
     started = JobStarted(GitHubJob(repository, 7, 1, "test", name), f"{repository}/.github/w.yml@main", "push")
     service.access.runners.bind(name, started)

@@ -1,11 +1,11 @@
-"""The terminal filter (runner/service/termfilter.py): a guest's output may draw on the operator's
+"""The terminal filter (runner/service/api/termfilter.py): a guest's output may draw on the operator's
 terminal and do nothing else, however it splits its sequences across chunks (issue 37)."""
 
 from __future__ import annotations
 
 import pytest
 
-from runner.service.termfilter import MAX_STRING, TerminalFilter
+from runner.service.api.termfilter import MAX_STRING, TerminalFilter
 
 ACTING = {
     "OSC 52 clipboard write (BEL)": b"\x1b]52;c;ZWNobyBwd25lZA==\x07",

@@ -1,5 +1,5 @@
 """A token that is almost a good one opens nothing, for each of the service's four secrets: a job's token,
-a runner's token, a `keep: job` session's token and a sandbox's token (runner/service/auth.py,
+a runner's token, a `keep: job` session's token and a sandbox's token (runner/service/jobs/auth.py,
 sessions.py, sandboxes.py keep their SHA-256 digests and look tokens up by them).
 
 A forged token unlike any real one (`"x" * 43`) cannot tell a digest of the whole token from a digest
@@ -17,8 +17,8 @@ from service_fakes import FakeEngine, prints, spec
 from test_sessions import Job
 
 from runner.jobapi.contract import JobState
-from runner.service.auth import OPERATOR, Caller, Forbidden, Kind, Unauthorized
-from runner.service.sandboxes import Owner, SandboxRefused, SandboxRequest
+from runner.service.jobs.auth import OPERATOR, Caller, Forbidden, Kind, Unauthorized
+from runner.service.jobs.sandboxes import Owner, SandboxRefused, SandboxRequest
 
 PREFIX = 8  # a digest of only this many leading characters is what the near misses catch
 

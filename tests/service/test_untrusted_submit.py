@@ -14,9 +14,9 @@ import pytest
 from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits
 
 from runner.jobapi.client import JobAPIError
-from runner.service.admission import InvalidJob
-from runner.service.api import status_of
-from runner.service.service import JobService
+from runner.service.api.refusals import status_of
+from runner.service.jobs.admission import InvalidJob
+from runner.service.jobs.service import JobService
 
 LONE_SURROGATE = "\ud800"  # a lone surrogate: what json.loads makes of "\\ud800"
 
@@ -113,7 +113,7 @@ def test_a_checkout_whose_record_fails_leaves_no_spool_and_can_expire(make_host,
 
 @pytest.fixture
 def fast_reaper(monkeypatch) -> None:
-    monkeypatch.setattr("runner.service.retention._REAP_SECONDS", 0.01)
+    monkeypatch.setattr("runner.service.host.retention._REAP_SECONDS", 0.01)
 
 
 def _expired(service: JobService, job_id: str) -> None:
@@ -127,7 +127,7 @@ def _expired(service: JobService, job_id: str) -> None:
 ])
 def test_the_reaper_survives_a_record_that_cannot_be_saved(make_host, fast_reaper, corrupt, caplog) -> None:
     """Validation now keeps these out; should one get in by another way, the reaper logs it and goes on."""
-    caplog.set_level(logging.ERROR, "runner.service.runs")
+    caplog.set_level(logging.ERROR, "runner.service.jobs.runs")
     host = make_host()
     service = host.service
     bad, good = service.submit(spec("ok")).id, service.submit(spec("ok")).id

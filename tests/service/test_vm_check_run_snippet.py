@@ -21,7 +21,7 @@ from policy import PolicyStore, load_policy
 from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
 from runner.jobapi.client import JobClient
-from runner.service.checkruns import CheckRunReporter
+from runner.service.github.checkruns import CheckRunReporter
 from tests.github.github_fakes import API, assert_valid_request, example, load_operations
 
 pytestmark = pytest.mark.vm

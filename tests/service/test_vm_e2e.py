@@ -20,7 +20,7 @@ import pytest
 from vm_jobs import output, submit, templates, vm_host, vm_root, vm_service  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.records import RecordStore
+from runner.service.jobs.records import RecordStore
 from tests.reference import captured
 
 pytestmark = pytest.mark.vm
@@ -31,7 +31,7 @@ def test_passing_and_failing_commands(vm_service) -> None:
     service, client = vm_service()
     ok = submit(client, "cat README && echo from-$MICROVM_CHECK_JOB_ID && pwd", env={"GITHUB_SHA": "abc"})
     bad = submit(client, "echo boom >&2; exit 3")
-    # plain words start without a shell (runner/service/command.py); one the guest cannot start is then
+    # plain words start without a shell (runner/service/jobs/command.py); one the guest cannot start is then
     # run by the shell, which says so as it always did
     plain, missing = submit(client, "cat README"), submit(client, "no-such-program --version")
     assert output(client, ok) == f"hello\nfrom-{ok}\n/workspace\n".encode()

@@ -26,7 +26,7 @@ from policy import load_policy
 from runner.github.jobs import QueuedJob
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord
-from runner.service.config import config_from_mapping
+from runner.service.config.settings import config_from_mapping
 from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_operations
 
 pytestmark = pytest.mark.vm
@@ -40,7 +40,7 @@ THE_METADATA = f"{METADATA}:80"
 def net_host(need_netns: None, vm_root: Path) -> Iterator[Callable[..., Any]]:
     """Started networked `ServiceHost`s on a fake internet; at teardown a VM that outlived its service,
     or a namespace or link of the test left behind, fails the test."""
-    from runner.service.host import ServiceHost
+    from runner.service.host.assembly import ServiceHost
 
     with ExitStack() as stack:
         internet = stack.enter_context(fake_internet())

@@ -18,7 +18,7 @@ from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord
-from runner.service.config import config_from_mapping
+from runner.service.config.settings import config_from_mapping
 
 pytestmark = pytest.mark.vm
 
@@ -29,7 +29,7 @@ DENIED = f"{DENIED_HOST}:8000"
 @pytest.fixture
 def store_host(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """make(policy_text, **settings): a started networked ServiceHost whose store gives octo/hello that policy."""
-    from runner.service.host import ServiceHost
+    from runner.service.host.assembly import ServiceHost
 
     with ExitStack() as stack:
         internet = stack.enter_context(fake_internet())

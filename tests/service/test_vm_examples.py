@@ -22,7 +22,7 @@ from test_vm_sdk import PYTHON, ROOT, Users, run_as, users  # noqa: F401 (fixtur
 from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
-from runner.service.config import config_from_mapping
+from runner.service.config.settings import config_from_mapping
 from tests.net import net_fakes
 
 pytestmark = pytest.mark.vm
@@ -154,8 +154,8 @@ class IndexHandler(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_dependency_audit_refuses_and_reports_a_hostile_install(need_netns, vm_root: Path, users: Users) -> None:
-    from runner.service import web
-    from runner.service.host import ServiceHost
+    from runner.service.api import page as web
+    from runner.service.host.assembly import ServiceHost
 
     os.chmod(vm_root, 0o755)
     store = vm_root / "policies"

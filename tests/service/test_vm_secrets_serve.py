@@ -23,7 +23,7 @@ import pytest
 from vm_jobs import bound_service, output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobAPIError, JobClient
-from runner.service.web import COOKIE
+from runner.service.api.page import COOKIE
 from tests.net import net_fakes
 from tests.net.secret_fakes import INSTALL, VALUE, secret_internet
 

@@ -1,4 +1,4 @@
-"""Warm bases per repository (runner.service.bases) on real VMs, against a fake default branch.
+"""Warm bases per repository (runner.service.jobs.bases) on real VMs, against a fake default branch.
 
 GitHub is `responses` (tests/service/warm_fakes.py): the repository from a real delivery, the contents
 API for the policy file and the input listings, and the tarball endpoint's redirect to a download.
@@ -21,8 +21,8 @@ from policy import PolicyStore
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
 from runner.sandbox import EngineSandboxes, Sandbox
-from runner.service.bases import BaseSettings, RepositoryBases, base_name, branch_warm
-from runner.service.config import ServiceConfig
+from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.bases import BaseSettings, RepositoryBases, base_name, branch_warm
 from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch
 from tests.vm.conftest import template_store  # noqa: F401 - the built template fixture, as in tests/vm
 

@@ -26,9 +26,9 @@ from runner.github.client import GitHubClient
 from runner.github.jobs import QueuedJob
 from runner.github.policy_source import PolicySource
 from runner.jobapi.client import JobClient
-from runner.service.bases import base_name
-from runner.service.config import config_from_mapping
-from runner.service.egress import EgressPolicies
+from runner.service.config.settings import config_from_mapping
+from runner.service.jobs.bases import base_name
+from runner.service.jobs.egress import EgressPolicies
 from tests.service.service_fakes import checkout_tar
 from tests.service.warm_fakes import FIRST_COMMIT, POLICY, REPO, DefaultBranch
 from tests.vm.conftest import template_store  # noqa: F401 - the built template fixture, as in tests/vm
@@ -46,7 +46,7 @@ JOB = ("PYTHONPATH=/opt/warm python3 -c 'import tinypkg; print(tinypkg.VERSION)'
 @pytest.fixture
 def host(template_store, tmp_path: Path) -> Iterator[Any]:
     """A ServiceHost on a private engine whose templates are the built `base` (linked) plus what it builds."""
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore
     from tests.vm.conftest import assert_no_leftovers

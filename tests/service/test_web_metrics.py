@@ -15,8 +15,8 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
 
 from runner.github.signature import sign
 from runner.jobapi.client import JobClient
-from runner.service.metrics import result_of
-from runner.service.web import COOKIE
+from runner.service.api.metrics import result_of
+from runner.service.api.page import COOKIE
 from tests.reference import captured_path
 
 TOKEN = "a-test-token-of-32-characters-xx"
@@ -191,7 +191,7 @@ def test_no_created_series_a_build_info_and_requests_by_route_and_status(hosts, 
 
 
 def test_runner_starts_and_ends_are_counted_by_whether_they_had_a_job(hosts) -> None:
-    from runner.service.metrics import CountedRunners
+    from runner.service.api.metrics import CountedRunners
 
     host, _, base = _start(hosts)
     counted = CountedRunners(host.desk, host.metrics)
@@ -209,8 +209,8 @@ def test_the_name_checks_refusals_by_name_method_and_path_on_the_metrics_and_the
     import service_fakes
 
     from policy.suggest import AuditRecord
-    from runner.service import metrics
-    from runner.service.web import COOKIE
+    from runner.service.api import metrics
+    from runner.service.api.page import COOKIE
 
     refused = [AuditRecord("203.0.113.40", 443, "tcp", "collector.evil.test", 3, "name-refused"),
                AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 2, "request-refused", "POST", "/legacy/*"),

@@ -12,8 +12,8 @@ import httpx
 from service_fakes import FakeEngine, checkout_tar, member, prints, spec, tar_of, waits
 
 from runner.jobapi.client import JobClient
-from runner.service import web
-from runner.service.web import COOKIE
+from runner.service.api import page as web
+from runner.service.api.page import COOKIE
 
 TOKEN = "a-test-token-of-32-characters-xx"
 COOKIES = {COOKIE: TOKEN}

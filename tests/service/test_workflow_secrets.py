@@ -62,8 +62,8 @@ def root() -> Iterator[Path]:
 @contextmanager
 def service(root: Path) -> Iterator[tuple[Any, str]]:
     from runner.cli import main
-    from runner.service.config import load_config
-    from runner.service.host import ServiceHost
+    from runner.service.config.settings import load_config
+    from runner.service.host.assembly import ServiceHost
 
     (root / "policies" / "octo").mkdir(parents=True)
     (root / "policies" / "octo" / "hello.yml").write_text(STORE)

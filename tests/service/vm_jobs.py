@@ -19,8 +19,8 @@ from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobClient
 from runner.net import NamespaceUplink, Upstream
-from runner.service.config import config_from_mapping
-from runner.service.service import JobService
+from runner.service.config.settings import config_from_mapping
+from runner.service.jobs.service import JobService
 from tests.conftest import require
 from tests.net import net_fakes
 
@@ -80,7 +80,7 @@ def assert_no_leftovers(state: Path) -> None:
 @pytest.fixture
 def vm_host(vm_root: Path) -> Iterator[Callable[..., Any]]:
     """Started `ServiceHost`s on real VMs; at teardown a job's VM that outlived the service fails the test."""
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.host.assembly import EngineSettings, ServiceHost
 
     made: list[ServiceHost] = []
 
@@ -115,7 +115,7 @@ def bound_service(stack: ExitStack, vm_root: Path, directory: Path, internet: st
     octo/other, the `bindings` file (bindings.yml in `directory`) and the root-only `value_file` it names
     holding `value`; jobs get slots `prefix` on the fake internet `internet`, trusting its TLS servers' CA
     (`ca_file`). Returns a maker of started `ServiceHost`s (other config `settings` added), closed with `stack`."""
-    from runner.service.host import EngineSettings, ServiceHost
+    from runner.service.host.assembly import EngineSettings, ServiceHost
 
     store = directory / "policies"
     (store / "octo").mkdir(parents=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.service.config import LogLimits
-from runner.service.joblog import JobLog, LogFull
+from runner.service.config.settings import LogLimits
+from runner.service.jobs.joblog import JobLog, LogFull
 from runner.vm import guestwire as P
 from runner.vm.agent import COALESCE_BYTES, AgentClient, FrameBudget
 

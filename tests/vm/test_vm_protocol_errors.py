@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runner.service.config import config_from_mapping
-from runner.service.host import EngineSettings, ServiceHost
+from runner.service.config.settings import config_from_mapping
+from runner.service.host.assembly import EngineSettings, ServiceHost
 from runner.vm import guestwire as P
 from runner.vm.agent import MAX_STRAY_FRAMES, AgentClient
 from runner.vm.engine import Engine

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from runner.sandbox import Sandbox
-from runner.service.config import LogLimits
-from runner.service.joblog import JobLog, LogFull
+from runner.service.config.settings import LogLimits
+from runner.service.jobs.joblog import JobLog, LogFull
 
 FIXED_OVERHEAD = 64 * 1024
 MAX_CPU_PER_BYTE_S = 50e-6  # measured here: ~23 us with a byte every ms (wake-ups dominate), ~150 us before

@@ -1,0 +1,108 @@
+"""What the job API decides on a request's head, before a body is read or a worker is taken: the TCP
+listener's token, and who is asking and whether they may send that body (peer credentials, runner and
+job tokens are all in the head). The fleet's hooks are urgent: they take the reserved workers."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from runner.errors import JobError
+from runner.httpserve import Head, Refusal
+from runner.jobapi.contract import JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER
+from runner.service.api import page, sandboxroutes
+from runner.service.api.jobroutes import job_route
+from runner.service.api.refusals import status_of
+from runner.service.api.webroutes import is_web_path
+from runner.service.jobs.auth import Access, Caller, Forbidden
+
+if TYPE_CHECKING:
+    from runner.service.jobs.sandboxes import SandboxDesk
+    from runner.service.jobs.service import JobService
+
+HOOK_PATHS = frozenset({"/v1/runner/job-started", "/v1/runner/job-completed"})
+
+
+def urgent(head: Head) -> bool:
+    """The fleet's hooks take the reserved workers and go first: a job must always be reported."""
+    return urlsplit(head.target).path in HOOK_PATHS
+
+
+def caller_gate(service: JobService, tcp: bool, sandboxes: Callable[[], SandboxDesk | None] = lambda: None
+                ) -> Callable[[Head], Refusal | None]:
+    """Who is asking, and may they send this body, decided on the head (peer credentials, runner and job
+    tokens are all in it): a body is never read for a caller that would be refused after it."""
+    access = service.access
+
+    def gate(head: Head) -> Refusal | None:
+        if head.method not in ("POST", "PUT"):
+            return None  # no body to protect: the route checks as before
+        if head.method == "POST" and "Transfer-Encoding" in head.headers and head.length is None:
+            # a POST's body is JSON, parsed whole: by its length the connection loop reads it within its
+            # caller's budget (issue 40); a chunked one would be read and parsed by a worker outside it
+            return Refusal(411, "a POST body needs its Content-Length (chunked bodies are for the PUT uploads)")
+        path = urlsplit(head.target).path
+        runner_token = head.headers.get(RUNNER_TOKEN_HEADER)
+        try:
+            if tcp:
+                caller = access.tcp_caller(runner_token)
+            else:
+                assert head.peer is not None
+                caller = access.unix_caller(head.peer.sock, runner_token)
+            if path in HOOK_PATHS:
+                access.require_runner(caller)
+            elif path == "/v1/jobs":
+                _may_submit(access, caller)
+            elif (route := job_route(path)) is not None and route[1] in ("/checkout", "/cancel"):
+                access.require_job(caller, route[0], head.headers.get(JOB_TOKEN_HEADER))
+            elif (desk := sandboxes()) is not None and sandboxroutes.route(path) is not None:
+                sandboxroutes.vet(desk, access, caller, None if tcp else head.peer.sock, path,  # type: ignore[union-attr]
+                               head.headers.get(sandboxroutes.SANDBOX_TOKEN_HEADER))
+        except JobError as exc:
+            return Refusal(status_of(exc), str(exc))
+        return None
+    return gate
+
+
+def _may_submit(access: Access, caller: Caller) -> None:
+    """What `Access.admit_submit` decides without the spec: a fleet host's plain socket member, and a
+    runner whose hook reported no job, may never submit."""
+    if caller.operator:
+        return
+    if caller.runner is None and access.fleet:
+        raise Forbidden(f"{caller.who} sent no runner token: on a host with a runner fleet, jobs are "
+                        "submitted by the action in a fleet runner's job, which sends its runner token")
+    if caller.runner is not None and access.runners.job_of(caller.runner) is None:
+        raise Forbidden(f"runner {caller.runner} has not reported a job (its job-started hook did not run), "
+                        "so it may not submit one")
+
+
+def token_gate(token: str, then: Callable[[Head], Refusal | None] = lambda head: None
+               ) -> Callable[[Head], Refusal | None]:
+    """Checked on the head alone: a client without the token never sends its body or takes a worker;
+    one with it is then asked `then` (the caller gate)."""
+    expected = token.encode()
+
+    def gate(head: Head) -> Refusal | None:
+        scheme, _, value = head.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected):
+            return then(head)
+        if _web_token_ok(head, expected):
+            return None
+        return Refusal(401, "missing or wrong bearer token (Authorization: Bearer <token from the service config>)",
+                       (("WWW-Authenticate", "Bearer"),))
+    return gate
+
+
+def _web_token_ok(head: Head, expected: bytes) -> bool:
+    """The page's other ways to show the token (page.py): its cookie or `?token=`, on GET/HEAD of /ui only,
+    so a cookie a browser sends along can never reach a route that changes anything."""
+    path = urlsplit(head.target).path
+    ui = page.ui_job_route(path)
+    cancel = head.method == "POST" and ui is not None and ui[1] == "/cancel"  # its form's CSRF token is checked too
+    if not (head.method in ("GET", "HEAD") or cancel) or path == "/metrics" or not is_web_path(path):
+        return False
+    offered = page.cookie_token(head.headers.get("Cookie", "")) or page.query_token(head.target)
+    return offered is not None and hmac.compare_digest(offered.encode(), expected)

@@ -1,0 +1,376 @@
+"""The interactive sandboxes' routes on the job API (runner/service/jobs/sandboxes.py; docs/sdk.md).
+
+    POST /v1/sandboxes                      {template, base, policy, ttl_seconds} -> 201 {id, token, ...}
+    GET  /v1/sandboxes/<id>                 -> its facts
+    POST /v1/sandboxes/<id>/exec            {command, timeout_seconds, cwd, env} -> NDJSON: output lines
+                                            {"stream", "data": base64}, then {"exit_code", "timed_out", ...}
+    PUT  /v1/sandboxes/<id>/files?path=P&mode=644   body: the file's bytes -> 204
+    GET  /v1/sandboxes/<id>/files?path=P            -> the file's bytes
+    GET  /v1/sandboxes/<id>/files/list?path=D       -> {"entries": [{name, type, size}]}
+    PUT  /v1/sandboxes/<id>/upload?dest=D           body: a tar -> 204
+    GET  /v1/sandboxes/<id>/download?glob=G&cwd=D   -> a tar (regular files only, re-written on the host)
+    POST /v1/sandboxes/<id>/snapshot                -> {"base": name} for a create's `base`
+    POST /v1/sandboxes/<id>/destroy                 -> 200 {"destroyed": true}
+
+Creating needs the operator or a member of `sandboxes.group` on the Unix socket (its peer uid, as the
+kernel reports it); everything else needs the sandbox's own token (SANDBOX_TOKEN_HEADER), checked on
+the request's head, before its body is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import grp
+import json
+import logging
+import os
+import pwd
+import re
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from runner.errors import MicrovmCheckError
+from runner.jobapi.contract import JOB_ID, JobState
+from runner.service.api.refusals import MethodNotAllowed, NoRoute
+from runner.service.jobs.auth import Access, Caller, _in_group, peer_ids
+from runner.service.jobs.sandboxes import (
+    SandboxCallError,
+    SandboxDesk,
+    SandboxRefused,
+    SandboxRequest,
+    clean_download,
+    guest_path,
+    log_output,
+    parse_listing,
+    spool_tar,
+)
+from runner.uidrange import RUNNER_UIDS
+
+if TYPE_CHECKING:
+    from runner.service.api.handler import Handler
+
+log = logging.getLogger(__name__)
+
+SANDBOX_TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
+PREFIX = "/v1/sandboxes"
+_ROUTE = re.compile(r"/v1/sandboxes(?:/(?P<id>" + JOB_ID.pattern + r")(?P<rest>/exec|/files|/files/list|/upload|/download"
+                    r"|/snapshot|/destroy)?)?")
+_CHUNK = 1024 * 1024
+MAX_ENV = 64
+MAX_GLOBS = 64
+
+
+def route(path: str) -> tuple[str | None, str] | None:
+    """(sandbox id or None for the collection, sub-route) for a sandbox path, else None."""
+    match = _ROUTE.fullmatch(path)
+    return (match.group("id"), match.group("rest") or "") if match else None
+
+
+def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: object | None,
+             runner_user: str | None = None) -> str:
+    """The owner key of a caller that may create sandboxes, or SandboxRefused saying who may.
+
+    A runner's processes run a fork's own workflow steps on the host: they never create sandboxes, not
+    by leaving out their runner token, nor through the group (a fleet runner's own uid, or the
+    configured `runners.runner_user`, whatever groups it is in)."""
+    if caller.operator:
+        return "operator"
+    if caller.runner is None and sock is not None and settings_group:
+        uid, gid = peer_ids(sock)  # type: ignore[arg-type]
+        if uid in RUNNER_UIDS or (runner_user is not None and _user_name(uid) == runner_user):
+            raise SandboxRefused(f"{caller.who} is a runner's user, whose processes run workflow steps of "
+                                 "pull requests: it may not create sandboxes, whatever its groups")
+        try:
+            group_id = grp.getgrnam(settings_group).gr_gid
+        except KeyError:
+            group_id = None
+        if group_id is not None and _in_group(uid, gid, group_id):
+            return f"uid {uid}"
+    allowed = f"members of group {settings_group!r} (sandboxes.group)" if settings_group else "nobody else"
+    raise SandboxRefused(f"{caller.who} may not create sandboxes: the operator may, and {allowed}")
+
+
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
+def vet(desk: SandboxDesk, access: Access, caller: Caller, sock: object | None, path: str,
+        token: str | None) -> None:
+    """The head's check for a POST or PUT under /v1/sandboxes (raises the refusal)."""
+    found = route(path)
+    if found is None:
+        return
+    sandbox_id, _rest = found
+    if sandbox_id is None:
+        owner_of(access, desk.settings.group, caller, sock, desk.config.runners.runner_user)
+    else:
+        desk.find(sandbox_id, token, caller.operator)
+
+
+class SandboxRoutes:
+    """Answers one request on a sandbox route, for the API's Handler."""
+
+    def __init__(self, handler: Handler, desk: SandboxDesk) -> None:
+        self.h, self.desk = handler, desk
+
+    def answer(self, method: str, path: str, query: dict[str, list[str]], caller: Caller, sock: object | None) -> None:
+        found = route(path)
+        if found is None:
+            raise NoRoute(f"no route {method} {path}; see docs/sdk.md")
+        sandbox_id, rest = found
+        if sandbox_id is None:
+            if method != "POST":
+                return self._not_allowed(method, path)
+            owner = owner_of(self.h.service.access, self.desk.settings.group, caller, sock,
+                             self.desk.config.runners.runner_user)
+            return self._create(owner)
+        sandbox = self.desk.find(sandbox_id, self.h.headers.get(SANDBOX_TOKEN_HEADER), caller.operator)
+        handler: Callable[[], None] | None = {
+            ("GET", ""): lambda: self.h._send_json(200, sandbox.info()),
+            ("POST", "/exec"): lambda: self._exec(sandbox),
+            ("PUT", "/files"): lambda: self._write(sandbox, query),
+            ("GET", "/files"): lambda: self._read(sandbox, query),
+            ("GET", "/files/list"): lambda: self._list(sandbox, query),
+            ("PUT", "/upload"): lambda: self._upload(sandbox, query),
+            ("GET", "/download"): lambda: self._download(sandbox, query),
+            ("POST", "/snapshot"): lambda: self._snapshot(sandbox),
+            ("POST", "/destroy"): lambda: self._destroy(sandbox),
+        }.get((method, rest))
+        if handler is None:
+            return self._not_allowed(method, path)
+        handler()
+
+    @staticmethod
+    def _not_allowed(method: str, path: str) -> None:
+        raise MethodNotAllowed(f"{method} is not allowed on {path}; see docs/sdk.md")
+
+    # -- the routes ------------------------------------------------------------------------------------
+
+    def _create(self, owner_key: str) -> None:
+        from runner.service.jobs.sandboxes import Owner
+
+        request = SandboxRequest.parse(self.h._json_body(), self.desk.config)
+        sandbox, token = self.desk.create(Owner(owner_key, owner_key == "operator"), request)
+        self.h._send_json(201, {**sandbox.info(), "token": token})
+
+    def _exec(self, sandbox: object) -> None:
+        from runner.service.jobs.sandboxes import LiveSandbox
+
+        assert isinstance(sandbox, LiveSandbox)
+        settings = self.desk.settings
+        command, timeout, cwd, env = _exec_request(self.h._json_body(), settings.exec_timeout_seconds)
+        stream: _ExecStream | None = None
+        try:
+            with self.desk.call(sandbox) as live:
+                live.log.system(f"exec: {json.dumps(command)[:1000]}")
+                stream = _ExecStream(self.h, log_output(live.log), settings.exec_output_bytes, live.vm)
+                result = live.vm.exec(command, timeout_seconds=timeout, env=env, cwd=cwd, on_output=stream,
+                                      capture_bytes=0)
+                self.desk.note_blocked(live)
+                end = {"exit_code": result.exit_code, "timed_out": result.timed_out,
+                       "truncated": stream.over, "duration_ms": round(result.duration_ms, 3),
+                       "blocked_egress": live.record.blocked_egress[:100]}
+                live.log.system(f"exec ended: exit {result.exit_code}{' (timed out)' if result.timed_out else ''}")
+                stream.finish(end)
+        except (ConnectionError, TimeoutError):
+            raise  # the caller is gone: its sandbox stays until its TTL (or its destroy)
+        except Exception as exc:
+            if stream is None or not stream.started:
+                raise  # nothing was sent yet: the refusal gets its own status (a program that does not start: 400)
+            stream.fail(exc)
+
+    def _write(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        """The call's slot is taken before the body is read (a refused PUT reads none of it), and the body
+        goes to a spool file in the sandbox's own directory, not into the service's memory."""
+        path = guest_path(_one(query, "path"))
+        mode = _mode(_one(query, "mode") or "644")
+        limit = self.desk.settings.file_max_bytes
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            spool = self.desk.config.jobs_dir / live.id / f"write-{threading.get_ident()}.spool"
+            try:
+                with open(spool, "w+b") as out:
+                    written = 0
+                    for chunk in self.h._body():
+                        written += len(chunk)
+                        if written > limit:
+                            self.h.close_connection = True
+                            raise SandboxCallError(f"the file is larger than {limit} bytes (sandboxes.file_max_bytes)")
+                        out.write(chunk)
+                    out.seek(0)
+                    live.vm.files.write(path, out, mode)
+            finally:
+                spool.unlink(missing_ok=True)
+        self.h.respond(204, b"", {})
+
+    def _read(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        path = guest_path(_one(query, "path"))
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            data = live.vm.files.read(path, max_bytes=self.desk.settings.file_max_bytes)
+        self.h.respond(200, data, {"Content-Type": "application/octet-stream"})
+
+    def _list(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        path = guest_path(_one(query, "path") or "/workspace")
+        argv = ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", "%y %s %P\\0"]
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            result = live.vm.exec(argv, timeout_seconds=60, env={}, cwd="/", capture_bytes=4 * 1024 * 1024)
+        if result.exit_code != 0 and not result.stdout:
+            raise SandboxCallError(f"cannot list {path}: {result.stderr[-300:].decode('utf-8', 'replace')}")
+        self.h._send_json(200, {"path": path, "entries": parse_listing(result.stdout),
+                                "truncated": result.truncated})
+
+    def _upload(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        from runner.errors import ArchiveError
+
+        dest = guest_path(_one(query, "dest") or "/workspace", "dest")
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            spool = self.desk.config.jobs_dir / live.id / "upload.tar"
+            try:
+                spool_tar(self.h._body(), spool, self.desk.settings.file_max_bytes)
+            except ArchiveError as exc:
+                self.h.close_connection = True
+                raise SandboxCallError(f"upload: {exc}") from exc
+            try:
+                with open(spool, "rb") as tar:
+                    live.vm.put_tar(tar, dest)
+            finally:
+                spool.unlink(missing_ok=True)
+            live.log.system(f"upload into {dest}")
+        self.h.respond(204, b"", {})
+
+    def _download(self, sandbox: object, query: dict[str, list[str]]) -> None:
+        globs = query.get("glob") or []
+        if not globs or len(globs) > MAX_GLOBS or any(not g or "\0" in g or len(g) > 1024 for g in globs):
+            raise SandboxCallError(f"glob: give 1 to {MAX_GLOBS} patterns, relative to cwd")
+        cwd = guest_path(_one(query, "cwd") or "/workspace", "cwd")
+        limit = self.desk.settings.file_max_bytes
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            directory = self.desk.config.jobs_dir / live.id
+            raw, clean = directory / "download.raw", directory / "download.tar"
+            try:
+                with open(raw, "wb") as out:
+                    live.vm.get_tar(globs, out, limit + 1536 * 10_002, cwd=cwd)
+                with open(raw, "rb") as src, open(clean, "wb") as dst:
+                    skipped = clean_download(src, dst, limit, globs)
+                raw.unlink()
+                with open(clean, "rb") as f:
+                    self._send_file(f, os.fstat(f.fileno()).st_size, len(skipped))
+            finally:
+                raw.unlink(missing_ok=True)
+                clean.unlink(missing_ok=True)
+
+    def _send_file(self, f: object, size: int, skipped: int) -> None:
+        self.h.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size),
+                                    "X-Microvm-Check-Skipped": str(skipped)})
+        left = size
+        while left:
+            data = f.read(min(left, _CHUNK))  # type: ignore[attr-defined]
+            if not data:
+                raise OSError("the download shrank while being sent")
+            self.h.send_data(data)
+            left -= len(data)
+        self.h.end_response()
+
+    def _snapshot(self, sandbox: object) -> None:
+        with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
+            name = self.desk.snapshot(live)
+        self.h._send_json(201, {"base": name})
+
+    def _destroy(self, sandbox: object) -> None:
+        from runner.service.jobs.sandboxes import LiveSandbox
+
+        assert isinstance(sandbox, LiveSandbox)
+        self.desk.end(sandbox, JobState.FINISHED, "destroyed by its caller")
+        self.h._send_json(200, {"destroyed": True, "id": sandbox.id})
+
+
+class _ExecStream:
+    """An exec's answer: its output to the caller and the sandbox's log, up to the output budget (past
+    it the sandbox's commands are killed, from a thread of their own), then its result or an error line.
+
+    The answer's head goes out with the first line, not before: a command that does not start is still
+    refused with its own status. Once it is out, whatever goes wrong ends the stream with an error
+    line the client reads, never with a body cut short."""
+
+    def __init__(self, handler: Handler, log: Callable[[str, bytes], None], budget: int, vm: object) -> None:
+        self.h, self.log, self.left, self.vm = handler, log, budget, vm
+        self.over = False
+        self.started = False
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        if self.over:
+            return
+        if len(data) > self.left:
+            data, self.over = data[: self.left], True
+            threading.Thread(target=self._stop, daemon=True).start()
+        self.left -= len(data)
+        if data:
+            self.log(stream, data)
+            self._send({"stream": stream, "data": base64.b64encode(data).decode()})
+
+    def finish(self, end: dict[str, object]) -> None:
+        self._send(end)
+        self.h.end_response()
+
+    def fail(self, exc: Exception) -> None:
+        """End the stream with the reason: a project error's message is complete; anything else is a bug
+        of ours, logged with its traceback and not shown."""
+        if isinstance(exc, MicrovmCheckError):
+            message = str(exc)
+        else:
+            log.error("api: sandbox exec failed after its answer began", exc_info=exc)
+            message = "internal error in the job service; see its log"
+        self._send({"error": message})
+        self.h.end_response()
+
+    def _send(self, line: object) -> None:
+        if not self.started:
+            self.h.start_response(200, {"Content-Type": "application/x-ndjson"})
+            self.started = True
+        self.h.send_data(_line(line))
+
+    def _stop(self) -> None:
+        try:
+            self.vm.cancel()  # type: ignore[attr-defined]
+        except Exception:
+            pass  # the VM is gone already: nothing runs on
+
+
+def _exec_request(data: object, max_timeout: float) -> tuple[str | list[str], float, str, dict[str, str]]:
+    if not isinstance(data, dict):
+        raise SandboxCallError("the body must be a JSON object: {command, timeout_seconds, cwd, env}")
+    command = data.get("command")
+    if isinstance(command, list) and command and len(command) <= 4096 and all(isinstance(a, str) for a in command):
+        pass
+    elif not isinstance(command, str) or not command:
+        raise SandboxCallError("command: expected a shell string or a non-empty list of strings")
+    if sum(len(a) for a in ([command] if isinstance(command, str) else command)) > 256 * 1024:
+        raise SandboxCallError("command: at most 256 KiB")
+    timeout = data.get("timeout_seconds", max_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= max_timeout:
+        raise SandboxCallError(f"timeout_seconds: expected a number above 0 and at most {max_timeout:g} "
+                               "(sandboxes.exec_timeout_seconds)")
+    cwd = guest_path(data.get("cwd", "/workspace") if isinstance(data.get("cwd", "/workspace"), str) else None, "cwd")
+    env = data.get("env") or {}
+    if (not isinstance(env, dict) or len(env) > MAX_ENV
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 32 * 1024 for k, v in env.items())):
+        raise SandboxCallError(f"env: expected at most {MAX_ENV} string names and values")
+    return command, float(timeout), cwd, dict(env)
+
+
+def _one(query: dict[str, list[str]], name: str) -> str | None:
+    values = query.get(name)
+    return values[-1] if values else None
+
+
+def _mode(text: str) -> int:
+    if not re.fullmatch(r"[0-7]{3,4}", text):
+        raise SandboxCallError(f"mode: expected octal permissions such as 644, got {text[:10]!r}")
+    return int(text, 8) & 0o7777
+
+
+def _line(obj: object) -> bytes:
+    return json.dumps(obj).encode() + b"\n"

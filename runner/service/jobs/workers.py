@@ -1,0 +1,138 @@
+"""The worker pool: each worker takes a queued job, picks the VM it restores from and runs it.
+
+`JobVMs` is how a job's VM is made (the host's sandbox factory, and which template a repository's
+job restores from when it has warm bases); the workers and the pre-warming reactions both use it,
+so a pre-warmed VM and the submit that claims it choose the same template.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from policy.model import Policy
+from runner.jobapi.contract import JobSpec, JobState, canonical_repository
+from runner.sandbox.port import SandboxFactory, SandboxLike, VMRequest, needs_network
+from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.job import JobRun
+from runner.service.jobs.jobqueue import JobQueue
+from runner.service.jobs.prewarm import PrewarmedVMs
+from runner.service.jobs.runs import ActiveRuns, finish
+from runner.service.jobs.sessions import Sessions
+
+if TYPE_CHECKING:
+    from runner.service.jobs.bases import RepositoryBases
+
+log = logging.getLogger(__name__)
+
+
+class JobVMs:
+    """The host's sandbox factory, the repositories' warm bases (None: every job restores from the
+    template it names), and the accelerator the last VM reported (for health)."""
+
+    def __init__(self, create: SandboxFactory, bases: RepositoryBases | None) -> None:
+        self._create = create
+        self.bases = bases
+        self.accel: str | None = None
+
+    def create(self, request: VMRequest) -> SandboxLike:
+        sandbox = self._create(request)
+        self.accel = sandbox.accel
+        return sandbox
+
+    def template_for(self, repository: str, template: str, policy: Policy | None) -> str:
+        """The template a job of `repository` that names `template` restores from: the repository's warm
+        base of the job's network variant when `template` is that base's parent (the default)."""
+        if self.bases is None or template != self.bases.settings.parent:
+            return template
+        return self.bases.template_for(canonical_repository(repository), needs_network(policy))
+
+
+class Workers:
+    """`config.max_concurrent_jobs` threads, one job at a time each, until the queue closes."""
+
+    def __init__(self, config: ServiceConfig, queue: JobQueue, runs: ActiveRuns, vms: JobVMs,
+                 prewarmed: PrewarmedVMs, sessions: Sessions) -> None:
+        self.config, self.queue, self.runs, self.vms = config, queue, runs, vms
+        self.prewarmed, self.sessions = prewarmed, sessions
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for n in range(self.config.max_concurrent_jobs):
+            worker = threading.Thread(target=self._work, name=f"job-worker-{n}", daemon=True)
+            worker.start()
+            self._threads.append(worker)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for every worker to end (the queue is closed), all of them within `timeout` seconds."""
+        if timeout is None:
+            for worker in self._threads:
+                worker.join()
+            return
+        deadline = time.monotonic() + timeout
+        for worker in self._threads:
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+    def _work(self) -> None:
+        """A worker: one job at a time until the queue closes; no job can end the worker."""
+        while True:
+            job_id = self.queue.get()
+            if job_id is None:
+                return
+            try:
+                self._work_on(job_id)
+            finally:
+                self.queue.finished(job_id)  # its repository may run another
+
+    def _work_on(self, job_id: str) -> None:
+        run = self.runs.get(job_id)
+        if run is None:
+            return
+        try:
+            if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
+                self._choose_template(run)
+                self._claim_warm(run)
+            elif not run.attached:
+                self._choose_template(run)
+            run.execute(self.vms.create, self.config)
+        except Exception:  # execute never raises by design; a record that cannot be saved still might
+            log.exception("job %s: the worker failed outside the job's own handling", job_id)
+            self._abandon(run)
+        finally:
+            self.runs.pop(job_id)
+
+    def _choose_template(self, run: JobRun) -> None:
+        """The repository's warm base for its job, when it has one of the job's network variant."""
+        template = self.vms.template_for(run.spec.repository, template_of(run.spec), run.policy)
+        if template != run.spec.template:
+            run.warm_base = template
+            run.log.system(f"restoring from the repository's warm base {template}")
+
+    def _claim_warm(self, run: JobRun) -> None:
+        spec = run.spec
+        if spec.github is not None:
+            run.prewarmed = self.prewarmed.claim(spec.github, run.template, run.record.policy_digest or "")
+            if run.prewarmed is not None:
+                run.update(warm=True)
+
+    def _abandon(self, run: JobRun) -> None:
+        """Destroy whatever VM a job that failed outside `execute` holds, and end it, best effort."""
+        for sandbox in {id(s): s for s in (run.prewarmed, run.sandbox) if s is not None}.values():
+            try:
+                sandbox.destroy()
+            except Exception:
+                log.exception("job %s: destroying VM %s failed", run.record.id, sandbox.id)
+        if run.session is not None:
+            self.sessions.end(run.session, "the service failed to run a step of the job")
+        try:
+            finish(run, JobState.FAILED, "the service failed to run this job; see the service log")
+        except Exception:
+            log.exception("job %s: its final record could not be saved", run.record.id)
+
+
+def template_of(spec: JobSpec) -> str:
+    """The template an admitted spec names: admission always sets it (the service's default, or sized)."""
+    assert spec.template is not None, f"job spec for {spec.repository} was not validated (no template)"
+    return spec.template
