@@ -119,7 +119,7 @@ def during(path: str, shape: str, count: int) -> tuple[list[float], float, list[
 
 def serve(tmp: Path) -> None:
     """A job service on tmp/api.sock until stdin ends."""
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.stats import percentile
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord, JobSpec
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import EngineSettings, ServiceHost
 from runner.vm.engine import Engine
 from runner.vm.statedir import StateDir

@@ -34,7 +34,7 @@ from bench.stats import percentile
 from microvm_check import Sandbox as ApiSandbox
 from microvm_check import Service
 from runner.sandbox import Sandbox as LocalSandbox
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import EngineSettings, ServiceHost
 from runner.vm.engine import Engine
 from runner.vm.statedir import StateDir

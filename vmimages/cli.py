@@ -50,7 +50,7 @@ def config_of(args: argparse.Namespace) -> ServiceConfig | None:
     path = getattr(args, "config", None)
     if path is None:
         return None
-    from runner.service.config.settings import ConfigError, load_config
+    from runner.service.config.reading import ConfigError, load_config
 
     try:
         return load_config(path)

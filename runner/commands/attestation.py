@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def cmd_attestation(args: argparse.Namespace) -> int:
     if args.config:
-        from runner.service.config.settings import load_config
+        from runner.service.config.reading import load_config
         from runner.service.jobs.attestation import ENVELOPE
 
         path = load_config(args.config).jobs_dir / Path(args.id).name / ENVELOPE
@@ -64,7 +64,7 @@ def cmd_attestation(args: argparse.Namespace) -> int:
 
 def cmd_attestation_key(args: argparse.Namespace) -> int:
     if args.config:
-        from runner.service.config.settings import load_config
+        from runner.service.config.reading import load_config
 
         print(SigningKey.read(load_config(args.config).attestation_key_path).public_pem, end="")
     else:

@@ -149,7 +149,7 @@ def service_checks(path: Path) -> list[Check]:
 
 def load_service_config(path: Path) -> tuple[ServiceConfig | None, list[Check]]:
     """The config at `path` (None when it is missing or invalid) and what doctor says about it and its socket."""
-    from runner.service.config.settings import ConfigError, load_config
+    from runner.service.config.reading import ConfigError, load_config
 
     if not path.exists():
         return None, [Check(False, f"service config {path} exists",

@@ -233,7 +233,7 @@ def cmd_guard(args: argparse.Namespace) -> int:
 
 
 def _service_config(path: Path) -> ServiceConfig:
-    from runner.service.config.settings import ConfigError, load_config
+    from runner.service.config.reading import ConfigError, load_config
 
     try:
         return load_config(path)

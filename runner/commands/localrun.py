@@ -217,7 +217,7 @@ def in_process_service(template: str | None, timeout_seconds: int) -> Iterator[J
 
 def _start_service(tmp: Path, template: str | None, timeout_seconds: int) -> ServiceHost:
     """The private service of `in_process_service`, started, its socket at tmp/api.sock."""
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.service.jobs.egress import EgressPolicies
     from runner.vm.statedir import StateDir

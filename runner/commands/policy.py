@@ -145,7 +145,8 @@ def suggest_command(args: argparse.Namespace) -> int:
 
 def _job_records(args: argparse.Namespace, since: float) -> list[JobRecord]:
     """The repository's records since `since`, read from the service's SQLite file (never created here)."""
-    from runner.service.config.settings import DEFAULT_STATE_DIR, ConfigError, ServiceConfig, load_config
+    from runner.service.config.reading import ConfigError, load_config
+    from runner.service.config.settings import DEFAULT_STATE_DIR, ServiceConfig
     from runner.service.jobs.records import RecordStore
 
     if args.config:

@@ -30,7 +30,7 @@ TEST = 'test "$PWD" = /workspace && cat build/marker && cat README'
 @pytest.fixture
 def host(template: None) -> Iterator[object]:
     """The real job service on this test's own engine (pool of one) and socket."""
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore

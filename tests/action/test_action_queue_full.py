@@ -22,7 +22,7 @@ from local_sandbox import LocalEngine
 from action.queuewait import MAX_WAIT, MIN_WAIT, QueueTimeout, QueueWait
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobSpec, JobState, JobSummary, QueueFullAnswer, WireError
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
 from tests.reference import captured

@@ -30,7 +30,7 @@ from action_harness import (
 from local_sandbox import LocalEngine
 
 from runner.jobapi.client import JobClient
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
 from tests.reference import captured

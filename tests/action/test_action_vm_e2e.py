@@ -86,7 +86,7 @@ def template() -> None:
 
 def _host(settings: dict[str, object], internet: FakeInternet | None = None) -> Iterator[ServiceHost]:
     """The real job service (ServiceHost) on this test's own engine and socket; networked on `internet`."""
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import EngineSettings, ServiceHost
     from runner.vm.statedir import StateDir
     from runner.vm.templates import TemplateStore

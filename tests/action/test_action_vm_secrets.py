@@ -86,7 +86,7 @@ def rig(need_netns: None, vm_root: Path, tmp_path: Path) -> Iterator[tuple[Any, 
 
     from runner.cli import main
     from runner.net import NamespaceUplink, Upstream
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import EngineSettings, ServiceHost
 
     with ExitStack() as stack:

@@ -242,7 +242,7 @@ def make_rig(account: Account, rig_root: Path) -> Iterator[Any]:
 @contextmanager
 def serve(rig: Rig, vms: bool = True) -> Iterator[Rig]:
     """The real service from the rig's config file, as `serve` builds it (real VMs unless `vms` is False)."""
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import EngineSettings, ServiceHost
 
     config = load_config(rig.config_path)

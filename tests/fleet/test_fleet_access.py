@@ -130,7 +130,7 @@ def test_single_runner_setup_a_socket_member_runs_local_jobs_only(account: Accou
     that setting a socket member may not submit at all."""
     import yaml
 
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import ServiceHost
 
     path = rig_root / "service.yml"

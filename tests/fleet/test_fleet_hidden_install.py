@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from runner.fleet import walls
-from runner.service.config.settings import ConfigError, load_config
+from runner.service.config.reading import ConfigError, load_config
 from tests.fleet.conftest import ROOT, Account, write_config
 
 

@@ -63,7 +63,7 @@ def _job(queue: Path, steps: list[dict[str, Any]], files: dict[str, str]) -> Pat
 
 def test_a_registered_runner_submits_only_for_its_reported_job(account: Account, rig_root: Path) -> None:
     from runner.cli import main
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import ServiceHost
 
     path = _config(rig_root, account, local_jobs={"repository": "local/jobs"})
@@ -110,7 +110,7 @@ def _no_vms(request: Any) -> Any:
 
 def test_the_fleet_registers_its_runners_with_the_labels_of_the_size_classes_offered() -> None:
     from runner.fleet.fleet import FleetSettings
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
 
     config = config_from_mapping({"runners": {"org": "octo-org", "labels": ["self-hosted", "microvm"],
                                               "github_config": "/nonexistent/github.yml"},

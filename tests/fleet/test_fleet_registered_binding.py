@@ -46,7 +46,7 @@ def registered_service(root: Path, *, webhook: bool, repository: str | None) -> 
     """The service (a webhook on loopback when `webhook`) and the credential of runner NAME, held to
     `repository` when given: (host, the runner's token)."""
     from runner.cli import main
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import ServiceHost
 
     secret = root / "webhook-secret"

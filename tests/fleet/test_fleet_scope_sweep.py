@@ -24,7 +24,7 @@ import pytest
 
 from runner.fleet import cgroup
 from runner.fleet.scope import CLAIM_FILE, sweep_stale
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from tests.conftest import require
 from tests.procs import runs, wait_gone

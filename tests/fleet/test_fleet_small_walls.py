@@ -55,7 +55,7 @@ def test_health_counts_are_the_operators_only(account: Account, rig_root: Path) 
     import yaml
 
     from runner.jobapi.client import JobClient
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import ServiceHost
 
     path = rig_root / "service.yml"

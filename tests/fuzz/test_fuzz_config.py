@@ -16,7 +16,8 @@ from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runner.service.config.settings import ConfigError, ServiceConfig, config_from_mapping, load_config
+from runner.service.config.reading import ConfigError, config_from_mapping, load_config
+from runner.service.config.settings import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path(tempfile.mkdtemp(prefix="mvc-fuzz-config-"))  # one file rewritten per input

@@ -36,7 +36,7 @@ from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, excha
 
 from runner.jobapi.client import JobClient
 from runner.service.api.listeners import ApiServers
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
 from tests.service.service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, tar_of

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from wire import Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.github.signature import sign
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.github.webhook import Webhook
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService

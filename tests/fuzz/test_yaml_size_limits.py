@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from policy import PolicyError, load_policy
-from runner.service.config.settings import ConfigError, load_config
+from runner.service.config.reading import ConfigError, load_config
 
 GOOD = "version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n"
 

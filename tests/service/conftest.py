@@ -13,7 +13,8 @@ import pytest
 from service_fakes import FakeEngine
 
 from runner.jobapi.client import JobClient
-from runner.service.config.settings import ServiceConfig, config_from_mapping
+from runner.service.config.reading import config_from_mapping
+from runner.service.config.settings import ServiceConfig
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
 

@@ -48,7 +48,7 @@ def start_api(state: Path) -> tuple[dict, object]:
     from service_fakes import FakeEngine
 
     from runner.service.api.listeners import TcpApiServer
-    from runner.service.config.settings import config_from_mapping
+    from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import ServiceHost
 
     config = config_from_mapping({"socket": str(state / "api.sock"), "state_dir": str(state / "state"),

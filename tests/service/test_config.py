@@ -12,15 +12,9 @@ import pytest
 import yaml
 
 from runner.cli import main
-from runner.service.config.settings import (
-    ConfigError,
-    ServiceConfig,
-    WebhookSettings,
-    config_from_mapping,
-    load_config,
-    parse_size,
-    schema_text,
-)
+from runner.service.config.reading import ConfigError, config_from_mapping, load_config, parse_size
+from runner.service.config.schema import schema_text
+from runner.service.config.settings import ServiceConfig, WebhookSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "docs" / "service-config.schema.json"

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from runner.errors import ConfigError
-from runner.service.config.settings import GIB, MIB, Bases, ServiceConfig, load_config, schema_text
+from runner.service.config.reading import load_config
+from runner.service.config.schema import schema_text
+from runner.service.config.settings import GIB, MIB, Bases, ServiceConfig
 from runner.service.jobs.bases import BaseSettings
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from runner.errors import ConfigError
-from runner.service.config.settings import HOST_RESERVE_MIB, config_from_mapping
+from runner.service.config.checks import HOST_RESERVE_MIB
+from runner.service.config.reading import config_from_mapping
 
 # `daemon` (uid 1, primary group `daemon`) is on every Debian host: it plays the runners' user here
 FLEET = {"runners": {"org": "example", "runner_user": "daemon", "github_config": "/etc/microvm-check/app.yml"}}

@@ -16,7 +16,8 @@ import pytest
 
 from runner.cli import main
 from runner.jobapi.contract import REPOSITORY
-from runner.service.config.settings import ConfigError, load_config, schema_text
+from runner.service.config.reading import ConfigError, load_config
+from runner.service.config.schema import schema_text
 
 BAD = ["../..", "../x", "x/..", "./x", "x/.", "a b/c", "a/b/c", "a/b\n", "a\\b/c", "é/x", "x/" + "a" * 101, "/x", "x/"]
 GOOD = ["my-org/my-repo", "sandbox/sandbox", "A.b/c_d-1", "..a/b", "a/...", "x/" + "a" * 100]

@@ -12,7 +12,7 @@ import pytest
 from policy import load_policy
 from policy.model import DENY_ALL
 from runner.sandbox.port import Resources, VMRequest, needs_network
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.jobs.job import vm_request
 
 ALLOWS = load_policy("version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n", "test policy")

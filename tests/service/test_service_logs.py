@@ -12,7 +12,7 @@ from service_fakes import FakeEngine, checkout_tar, prints, spec
 
 from runner.cli import build_parser
 from runner.logs import TextFormatter, setup
-from runner.service.config.settings import ConfigError, load_config
+from runner.service.config.reading import ConfigError, load_config
 from runner.service.jobs.service import JobService
 
 

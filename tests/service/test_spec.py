@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_fakes import spec, spec_as_sent
 
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.jobs.spec import SpecError, env_allowed
 
 CONFIG = config_from_mapping({"templates": ["base", "big"], "max_timeout_seconds": 600, "default_timeout_seconds": 60})

@@ -26,7 +26,7 @@ from policy import load_policy
 from runner.github.jobs import QueuedJob
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_operations
 
 pytestmark = pytest.mark.vm

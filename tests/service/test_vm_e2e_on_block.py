@@ -18,7 +18,7 @@ from vm_jobs import output, submit, templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import JobRecord
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 
 pytestmark = pytest.mark.vm
 

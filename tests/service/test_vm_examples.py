@@ -22,7 +22,7 @@ from test_vm_sdk import PYTHON, ROOT, Users, run_as, users  # noqa: F401 (fixtur
 from vm_jobs import templates, vm_root  # noqa: F401 (fixtures)
 
 from runner.jobapi.client import JobClient
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from tests.net import net_fakes
 
 pytestmark = pytest.mark.vm

@@ -26,7 +26,7 @@ from runner.github.client import GitHubClient
 from runner.github.jobs import QueuedJob
 from runner.github.policy_source import PolicySource
 from runner.jobapi.client import JobClient
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.jobs.bases import base_name
 from runner.service.jobs.egress import EgressPolicies
 from tests.service.service_fakes import checkout_tar

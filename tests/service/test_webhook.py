@@ -11,7 +11,7 @@ import requests
 from service_fakes import FakeEngine, checkout_tar, prints, spec
 
 from runner.github.signature import sign
-from runner.service.config.settings import ConfigError
+from runner.service.config.reading import ConfigError
 from runner.service.github.webhook import start_webhook
 from tests.reference import captured
 

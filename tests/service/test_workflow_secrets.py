@@ -62,7 +62,7 @@ def root() -> Iterator[Path]:
 @contextmanager
 def service(root: Path) -> Iterator[tuple[Any, str]]:
     from runner.cli import main
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.service.host.assembly import ServiceHost
 
     (root / "policies" / "octo").mkdir(parents=True)

@@ -19,7 +19,7 @@ from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobClient
 from runner.net import NamespaceUplink, Upstream
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.jobs.service import JobService
 from tests.conftest import require
 from tests.net import net_fakes

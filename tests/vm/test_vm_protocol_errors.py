@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runner.service.config.settings import config_from_mapping
+from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import EngineSettings, ServiceHost
 from runner.vm import guestwire as P
 from runner.vm.agent import MAX_STRAY_FRAMES, AgentClient

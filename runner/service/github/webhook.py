@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import TYPE_CHECKING, Protocol
 
-from runner.service.config.settings import ConfigError, WebhookSettings, webhook_from_mapping
+from runner.service.config.reading import ConfigError, webhook_from_mapping
+from runner.service.config.settings import WebhookSettings
 
 if TYPE_CHECKING:  # for annotations only: the endpoint's modules load when it is configured
     from runner.github.deliveries import RedeliverySweep

@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runner.service.config.settings import load_config
+    from runner.service.config.reading import load_config
     from runner.tarsafe import require_patched_python
 
     require_patched_python()
@@ -93,7 +93,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise UserError("--limit must be at least 1")
     if args.config:
-        from runner.service.config.settings import load_config
+        from runner.service.config.reading import load_config
         from runner.service.jobs.records import RecordStore
 
         store = RecordStore(load_config(args.config).records_path)
@@ -135,7 +135,7 @@ def _socket_of(args: argparse.Namespace) -> str:
     """The running service's socket: --socket, else the config's, which must be there."""
     socket: str = args.socket
     if args.config is not None and socket == DEFAULT_SOCKET:
-        from runner.service.config.settings import load_config
+        from runner.service.config.reading import load_config
 
         socket = load_config(args.config).socket
     _require_socket(socket, "pass its --socket")

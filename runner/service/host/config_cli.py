@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.service.config.settings import ConfigError, load_config, schema_text
+from runner.service.config.reading import ConfigError, load_config
+from runner.service.config.schema import schema_text
 from runner.service.host.binding import runner_binding
 from runner.service.jobs.secretbindings import load_secrets
 
