@@ -294,7 +294,7 @@ def _raw(node: yaml.Node | None, problems: Problems) -> bool:
 
 def raw_warnings(policy: Policy) -> list[str]:
     """What `policy check` says about the rules that are enforced by address, not by name, and
-    where such a rule gives way to a name-checked one (`runner.net.firewall.namecheck_lines`)."""
+    where such a rule gives way to a name-checked one (`policy.render.namecheck_lines`)."""
     warnings = []
     for rule in policy.rules:
         if not rule.raw:

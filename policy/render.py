@@ -33,22 +33,33 @@ table redirected there (TCP under a name-checked `host:` rule, which therefore n
 their openings are REDIRECTs in the nat table, not ACCEPTs in `MVC-DNS-ALLOW`), and from the uplink
 only replies to the name check's own upstream connections. IPv6 is dropped outright unless the guest has an IPv6
 address and an IPv6 network rule (the policy's or the operator's) exists; then the same order applies.
+
+This module is the one writer of iptables text. Besides the policy's filter documents it writes the
+slot's own tables, which no policy touches (`guard4`/`guard6`: raw and mangle; `masquerade`: nat, with
+the name check's redirects `namecheck_lines`; `deny_all`: an idle slot's filter table), the chains the
+resolver rewrites at run time (`chain_document`, `dns_allow_rule`) and the host's chains for a slot
+pool (`uplink_rules`). `runner.net.firewall` only loads what is written here: one place decides every
+rule's shape, so the guard, the policy and the host cannot drift apart (they share `rule_lines` and
+`denied_chain_lines`). Everything here is pure: the slot's addresses come in a `RenderContext`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address, ip_network
 from pathlib import Path
 
 import jinja2
 
+from policy.blocklist import EMPTY, BlockList
 from policy.model import Address, Policy, Rule, as_protocol
 from policy.reserved import always_denied, internal_ranges, opted_in
 
 DNS_ALLOW_CHAIN = "MVC-DNS-ALLOW"
+GUARD_CHAIN = "MVC-GUARD"
+NAMECHECK_CHAIN = "MVC-NAMECHECK"
 DENIED_CHAIN = "MVC-DENIED"
 # NFLOG prefix of always-denied hits; "!" is outside `RenderContext.log_prefix`'s alphabet, so no job's
 # prefix can pass for it and the audit reader can tell "no policy may allow this" from "not allowed".
@@ -193,6 +204,204 @@ def denied_chain_lines(nflog_group: int) -> list[str]:
         f'-A {DENIED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {nflog_group} --nflog-prefix "{DENIED_LOG_PREFIX}"',
         f"-A {DENIED_CHAIN} -j DROP",
     ]
+
+
+def deny_all() -> str:
+    """The IPv4 filter table of an idle slot: nothing in, nothing through (IPv6: `render(DENY_ALL, ...)`)."""
+    return "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
+
+
+def guard4(context: RenderContext, uplink_pool: IPv4Network,
+           allowances: OperatorAllowances = OperatorAllowances(), block_list: BlockList = EMPTY) -> str:
+    """Raw-table guard that holds whatever policy is loaded: defence in depth under the policy.
+
+    Frames from the guest must carry its MAC and IP; they may reach the namespace's own addresses
+    only at the DNS service, and never the uplink range (`uplink_pool`), link-local, loopback or
+    multicast (the first three and the namespace's own addresses logged as always-denied, see
+    `_guard_denied`). The namespace itself originates nothing towards the uplink but the name check's
+    upstream TCP connections, whose sockets carry `namecheck_mark` (setting it needs CAP_NET_ADMIN,
+    which no guest-facing process has; QEMU runs in a namespace of its own anyway): the resolver asks
+    upstream from outside. And nothing from the uplink side reaches the namespace's own sockets
+    (mangle INPUT, after NAT has turned replies for the guest back into forwarded traffic) but
+    replies on those marked connections (the mark is saved to conntrack on the way out).
+    """
+    dns, uplink, mark = context.dns_ip, context.uplink_iface, hex(context.namecheck_mark)
+    raw = [
+        f"-A {GUARD_CHAIN} ! -s {context.guest_ip}/32 -j DROP",
+        f"-A {GUARD_CHAIN} -d {dns}/32 -p udp -m udp --dport {context.dns_port} -j RETURN",
+        f"-A {GUARD_CHAIN} -d {dns}/32 -p tcp -m tcp --dport {context.dns_port} -j RETURN",
+        *_blocked(context, block_list, 4),
+        *_allowed(allowances, 4),
+        f"-A {GUARD_CHAIN} -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
+        f"-A {GUARD_CHAIN} -m addrtype --dst-type BROADCAST -j DROP",
+        f"-A {GUARD_CHAIN} -d {uplink_pool} -j {DENIED_CHAIN}",
+        f"-A {GUARD_CHAIN} -d 169.254.0.0/16 -j {DENIED_CHAIN}",
+        f"-A {GUARD_CHAIN} -d 127.0.0.0/8 -j {DENIED_CHAIN}",
+        f"-A {GUARD_CHAIN} -d 224.0.0.0/3 -j DROP",
+        *_guard_denied(context),
+        f"-A OUTPUT -o {uplink} -p tcp -m mark --mark {mark} -j ACCEPT",
+        f"-A OUTPUT -o {uplink} -j DROP",
+    ]
+    mangle = [
+        f"-A OUTPUT -o {uplink} -m mark --mark {mark} -j CONNMARK --save-mark",
+        f"-A INPUT -i {uplink} -m connmark --mark {mark} -j ACCEPT",
+        f"-A INPUT -i {uplink} -j DROP",
+    ]
+    return _document(_guard_table(context, raw), _table("mangle", mangle))
+
+
+def guard6(context: RenderContext, allowances: OperatorAllowances = OperatorAllowances(),
+           block_list: BlockList = EMPTY) -> str:
+    """IPv6 guard: the guest's MAC only, the namespace's own addresses only for neighbour discovery,
+    and nothing but neighbour discovery originated by the namespace towards the uplink."""
+    uplink, nd = context.uplink_iface, ("neighbour-solicitation", "neighbour-advertisement")
+    raw = [
+        *(f"-A {GUARD_CHAIN} -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j RETURN" for kind in nd),
+        *_blocked(context, block_list, 6),
+        *_allowed(allowances, 6),
+        f"-A {GUARD_CHAIN} -m addrtype --dst-type LOCAL -j {DENIED_CHAIN}",
+        *_guard_denied(context),
+        *(f"-A OUTPUT -o {uplink} -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j ACCEPT" for kind in nd),
+        f"-A OUTPUT -o {uplink} -j DROP",
+    ]
+    mangle = [
+        *(f"-A INPUT -i {uplink} -p ipv6-icmp -m icmp6 --icmpv6-type {kind} -j ACCEPT" for kind in nd),
+        f"-A INPUT -i {uplink} -j DROP",
+    ]
+    return _document(_guard_table(context, raw), _table("mangle", mangle))
+
+
+def _blocked(context: RenderContext, block_list: BlockList, version: int) -> list[str]:
+    """The operator's block list, before the operator's own allowances and any policy: logged as
+    block-listed, then dropped (the raw table cannot reject), in every mode."""
+    networks = [network for network in block_list.networks if network.version == version]
+    if not networks:
+        return []
+    return [*(f"-A {GUARD_CHAIN} -d {network} -j {BLOCKED_CHAIN}" for network in networks),
+            f'-A {BLOCKED_CHAIN} {LOG_LIMIT} -j NFLOG --nflog-group {context.nflog_group} '
+            f'--nflog-prefix "{BLOCKED_LOG_PREFIX}"',
+            f"-A {BLOCKED_CHAIN} -j DROP"]
+
+
+def _guard_table(context: RenderContext, rules: list[str]) -> list[str]:
+    """The raw table of both families: everything from the tap goes through `GUARD_CHAIN`, which
+    first drops any frame not carrying the guest's MAC, then applies the family's `rules`."""
+    entry = [f"-A PREROUTING -i {context.guest_iface} -j {GUARD_CHAIN}",
+             f"-A {GUARD_CHAIN} -m mac ! --mac-source {context.guest_mac} -j DROP"]
+    return _table("raw", [*entry, *rules], chains=(GUARD_CHAIN, DENIED_CHAIN, BLOCKED_CHAIN))
+
+
+def _allowed(allowances: OperatorAllowances, version: int) -> list[str]:
+    """The operator's allowances pass the guard (to the policy, which admits them first): the
+    operator's config is the one place that may open what the guard otherwise closes (networks only,
+    which `OperatorAllowances` checks)."""
+    return [line for rule in allowances.rules if rule.in_family(version)
+            for line in rule_lines(GUARD_CHAIN, rule, "RETURN")]
+
+
+def _guard_denied(context: RenderContext) -> list[str]:
+    """Log, then drop, as the policy's own MVC-DENIED chain does: a job's summary shows that it
+    tried the host or the metadata service.
+
+    Broadcast, multicast and spoofed frames are dropped unlogged: they are not connection attempts,
+    and a guest kernel sends some on its own.
+    """
+    return denied_chain_lines(context.nflog_group)
+
+
+def masquerade(context: RenderContext, namecheck: Sequence[str] = ()) -> str:
+    """The slot's nat table. Every guest has the same IP, so its traffic leaves as the slot's
+    unique veth address; new TCP connections from the guest pass `NAMECHECK_CHAIN`, which
+    redirects those under a name-checked rule to the name check (`namecheck_lines`)."""
+    return _document(_table("nat", [
+        f"-A PREROUTING -i {context.guest_iface} -p tcp -j {NAMECHECK_CHAIN}",
+        *namecheck,
+        f"-A POSTROUTING -s {context.guest_ip}/32 -o {context.uplink_iface} -j MASQUERADE",
+    ], chains=(NAMECHECK_CHAIN,)))
+
+
+def namecheck_lines(context: RenderContext, address_rules: Sequence[Rule], raw: Sequence[Rule],
+                    checked: Sequence[Rule], audited: Sequence[str] = ()) -> list[str]:
+    """`NAMECHECK_CHAIN`'s rules, first match wins: what a network rule (the policy's `cidr:` or the
+    operator's allowance) or a `raw: true` opening admits keeps address semantics (RETURN, on to the
+    filter table), then the name-checked openings are redirected to the name check, and last, in
+    audit mode, every other TCP port of an address the resolver handed out (`audited`: observed,
+    not refused, see `runner.net.dns.Opening`).
+
+    A raw opening never covers a port a name-checked opening has at its address (one CDN address
+    serving a raw host and a `paths:`-checked one): there the stricter wins, and connections go
+    through the name check, which admits only names of checked rules (`policy check` warns)."""
+    tcp = [rule for rule in address_rules if rule.protocol == "tcp" and rule.in_family(4)]
+    redirect = f"REDIRECT --to-ports {context.namecheck_port}"
+    return [*(line for rule in (*tcp, *_unchecked(raw, checked))
+              for line in rule_lines(NAMECHECK_CHAIN, rule, "RETURN")),
+            *(line for rule in checked for line in rule_lines(NAMECHECK_CHAIN, rule, redirect)),
+            *(f"-A {NAMECHECK_CHAIN} -d {address}/32 -p tcp -j {redirect}" for address in audited)]
+
+
+def _unchecked(raw: Sequence[Rule], checked: Sequence[Rule]) -> list[Rule]:
+    """The raw openings without the ports a checked opening has at the same address."""
+    kept = []
+    for rule in raw:
+        ports = rule.ports.difference(*(other.ports for other in checked if other.network == rule.network))
+        if ports:
+            kept.append(Rule(ports, rule.protocol, network=rule.network))
+    return kept
+
+
+def chain_document(chain: str, rules: Sequence[str], table: str = "filter") -> str:
+    """A `--noflush` document that replaces user chain `chain` of `table` with `rules`
+    (`-A chain ...` lines) in one commit, and leaves every other chain alone: declaring a chain
+    empties it, with the legacy and the nf_tables backend alike."""
+    return f"*{table}\n:{chain} - [0:0]\n" + "".join(rule + "\n" for rule in rules) + "COMMIT\n"
+
+
+@dataclass(frozen=True)
+class HostChains:
+    """The host's chains of one slot pool (`runner.net.uplink.HostUplink`): into the host (filter
+    INPUT), through it (filter FORWARD) and its NAT (nat POSTROUTING)."""
+
+    into_host: str
+    through: str
+    nat: str
+
+
+def uplink_rules(chains: HostChains, slots: str, out_iface: str, pool: IPv4Network,
+                 allowances: OperatorAllowances = OperatorAllowances()) -> list[tuple[str, str]]:
+    """(table, `-A ...` line) of the host's chains for the slots whose outer veth ends match `slots`
+    (an iptables interface pattern): the host is closed to them but for the operator's IPv4
+    allowances (a caching proxy the operator runs on the host, say), they leave only by `out_iface`
+    from `pool`, only replies come back, and they are masqueraded on the way out. Each line is
+    also valid split on whitespace as the arguments of `iptables -t <table>`."""
+    into = [line for rule in allowances.rules if rule.in_family(4)  # OperatorAllowances holds networks only
+            for line in rule_lines(chains.into_host, rule, "ACCEPT", match=f"-i {slots} ")]
+    filter_lines = [
+        *into,
+        f"-A {chains.into_host} -i {slots} -j DROP",
+        f"-A {chains.through} -i {slots} -o {out_iface} -s {pool} -j ACCEPT",
+        f"-A {chains.through} -i {slots} -j DROP",
+        f"-A {chains.through} -o {slots} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
+        f"-A {chains.through} -o {slots} -j DROP",
+    ]
+    return [*(("filter", line) for line in filter_lines),
+            ("nat", f"-A {chains.nat} -s {pool} -o {out_iface} -j MASQUERADE")]
+
+
+_BUILTIN_CHAINS = {
+    "raw": ("PREROUTING", "OUTPUT"),
+    "mangle": ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+}
+
+
+def _table(name: str, rules: list[str], chains: tuple[str, ...] = ()) -> list[str]:
+    """One table of an iptables-restore document: built-in chains accepting, our `chains` declared."""
+    return [f"*{name}", *(f":{chain} ACCEPT [0:0]" for chain in _BUILTIN_CHAINS[name]),
+            *(f":{chain} - [0:0]" for chain in chains), *rules, "COMMIT"]
+
+
+def _document(*tables: list[str]) -> str:
+    return "\n".join([line for table in tables for line in table] + [""])
 
 
 def _family_view(version: int, policy: Policy, context: RenderContext,

@@ -22,7 +22,20 @@ from pyroute2 import IPRoute, NFCTSocket
 
 from policy.blocklist import EMPTY, BlockList
 from policy.model import DENY_ALL, Policy, Rule, as_protocol
-from policy.render import DNS_ALLOW_CHAIN, OperatorAllowances, RenderContext, dns_allow_rule, render
+from policy.render import (
+    DNS_ALLOW_CHAIN,
+    NAMECHECK_CHAIN,
+    OperatorAllowances,
+    RenderContext,
+    chain_document,
+    deny_all,
+    dns_allow_rule,
+    guard4,
+    guard6,
+    masquerade,
+    namecheck_lines,
+    render,
+)
 from policy.suggest import (
     BLOCK_LISTED,
     BLOCK_LISTED_DEST,
@@ -32,10 +45,10 @@ from policy.suggest import (
     refused_name_record,
 )
 from runner.errors import NetworkError
-from runner.net import addresses, firewall, netns
+from runner.net import addresses, netns
 from runner.net.audit import SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
-from runner.net.firewall import Firewall
+from runner.net.firewall import Firewall, check_policy_document, rules_of
 from runner.net.jobca import JobCA
 from runner.net.loop import NetLoop
 from runner.net.nameproxy import NameProxy
@@ -96,7 +109,7 @@ class Slot:
         """
         rendered = render(policy, self.render_context(), self.allowances)
         for document, family in ((rendered.ipv4, "IPv4"), (rendered.ipv6, "IPv6")):
-            firewall.check_policy_document(document, family)
+            check_policy_document(document, family)
         if self.resolver is not None:
             self.resolver.configure(policy)
         self._address_rules = [*policy.network_rules, *self.allowances.rules]
@@ -105,7 +118,7 @@ class Slot:
             self.proxy.ca = JobCA(self.job or self.netns, hosts) if hosts else None
             self.proxy.secrets = None  # the job binds its own, if any, after this (`bind_secrets`)
         # the nat table in the same commit: no opening is redirected yet, none of the last job's is
-        self.firewall.load(self.netns, rendered.ipv4 + firewall.masquerade(self._namecheck([])))
+        self.firewall.load(self.netns, rendered.ipv4 + masquerade(self.render_context(), self._namecheck([])))
         self._load_ipv6(rendered.ipv6)
         if self.audit is not None:
             self.audit.clear()
@@ -158,8 +171,8 @@ class Slot:
         for opening in openings:
             if not opening.checked:
                 lines.extend(dns_allow_rule(opening.address, opening.ports, opening.protocol).splitlines())
-        document = firewall.chain_document(DNS_ALLOW_CHAIN, lines)
-        document += firewall.chain_document(firewall.NAMECHECK_CHAIN, self._namecheck(openings), table="nat")
+        document = chain_document(DNS_ALLOW_CHAIN, lines)
+        document += chain_document(NAMECHECK_CHAIN, self._namecheck(openings), table="nat")
         self.firewall.load(self.netns, document, noflush=True)
 
     def _namecheck(self, openings: list[Opening]) -> list[str]:
@@ -169,13 +182,13 @@ class Slot:
         raw = [rule(opening) for opening in openings if not opening.checked and opening.protocol == "tcp"]
         checked = [rule(opening) for opening in openings if opening.checked and not opening.audited]
         audited = sorted({opening.address for opening in openings if opening.audited})
-        return firewall.namecheck_lines(self._address_rules, raw, checked, audited)
+        return namecheck_lines(self.render_context(), self._address_rules, raw, checked, audited)
 
     def reset(self) -> None:
         """Back to the pooled state: deny-all, no connections, no resolver or audit memory."""
         self.job = ""
         self._address_rules = []
-        self.firewall.load(self.netns, firewall.deny_all() + firewall.masquerade())
+        self.firewall.load(self.netns, deny_all() + masquerade(self.render_context()))
         if self.proxy is not None:
             self.proxy.ca = None  # the job's CA key goes with the job
             self.proxy.secrets = None  # and its secrets' values
@@ -189,10 +202,10 @@ class Slot:
             self.audit.clear()
 
     def _load_ipv6(self, document: str) -> None:
-        rules = firewall.rules_of(document)
-        if rules != self._ipv6_loaded:
+        loaded = rules_of(document)
+        if loaded != self._ipv6_loaded:
             self.firewall.load(self.netns, document, ipv6=True)
-            self._ipv6_loaded = rules
+            self._ipv6_loaded = loaded
 
 
 def _refused_names(resolver: SlotResolver, named: set[str | None]) -> list[AuditRecord]:
@@ -382,9 +395,10 @@ class SlotPool:
             self.uplink.run(lambda: _add_veth(name))
             self.uplink.configure_end(name, index)
             netns.run_in(name, lambda: _configure_inside(index))
-            self.firewall.load(name, firewall.guard4(self.allowances, self.block_list) + firewall.masquerade()
-                               + firewall.deny_all())
-            self.firewall.load(name, firewall.guard6(self.allowances, self.block_list), ipv6=True)
+            context = slot.render_context()
+            self.firewall.load(name, guard4(context, addresses.UPLINK_POOL, self.allowances, self.block_list)
+                               + masquerade(context) + deny_all())
+            self.firewall.load(name, guard6(context, self.allowances, self.block_list), ipv6=True)
             slot.resolver = self._dns.attach(name, slot.write_dns_chain, self.allowances.rules, self.block_list)
             slot.audit = SlotAudit(name)
             slot.audit.start(self._loop)

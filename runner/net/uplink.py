@@ -22,7 +22,7 @@ from typing import TypeVar
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from policy.render import OperatorAllowances, rule_lines
+from policy.render import HostChains, OperatorAllowances, uplink_rules
 from runner.errors import NetworkError
 from runner.net import addresses, netns
 
@@ -148,21 +148,13 @@ class HostUplink(Uplink):
             forward.write("1\n")
         if "-P FORWARD ACCEPT" in self._ipt("-S", "FORWARD"):
             log.warning("the host's FORWARD policy is ACCEPT: with forwarding on it routes between its interfaces")
-        pool, slots = str(addresses.UPLINK_POOL), f"{prefix}-+"
         for table, hook, chain in _hooks(prefix):
             self._ipt("-t", table, "-N", chain)
             self._ipt("-t", table, "-I", hook, "-j", chain)
         (_, _, into_host), (_, _, through), (_, _, nat) = _hooks(prefix)
-        for rule in allowances.rules:  # e.g. a caching proxy the operator runs on the host
-            if rule.in_family(4):  # OperatorAllowances holds networks only
-                for line in rule_lines(into_host, rule, "ACCEPT", match=f"-i {slots} "):
-                    self._ipt(*line.split())
-        self._ipt("-A", into_host, "-i", slots, "-j", "DROP")
-        self._ipt("-A", through, "-i", slots, "-o", out, "-s", pool, "-j", "ACCEPT")
-        self._ipt("-A", through, "-i", slots, "-j", "DROP")
-        self._ipt("-A", through, "-o", slots, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-        self._ipt("-A", through, "-o", slots, "-j", "DROP")
-        self._ipt("-t", "nat", "-A", nat, "-s", pool, "-o", out, "-j", "MASQUERADE")
+        chains = HostChains(into_host=into_host, through=through, nat=nat)
+        for table, line in uplink_rules(chains, f"{prefix}-+", out, addresses.UPLINK_POOL, allowances):
+            self._ipt("-t", table, *line.split())
 
     def _remove_chains(self, prefix: str) -> None:
         for table, hook, chain in _hooks(prefix):

@@ -1,6 +1,6 @@
 """Anti-spoofing is two layers, and each one alone must stop a guest forging its source address.
 
-The slot's raw-table guard (`MVC-GUARD`, runner/net/firewall.py) and the policy's FORWARD rules
+The slot's raw-table guard (`MVC-GUARD`, policy/render.py `guard4`) and the policy's FORWARD rules
 (policy/templates/_macros.j2) both drop packets from the tap whose source is not the guest's
 address. With both in place, removing either one from the code fails no other test, so each test
 here takes one layer out of the live namespace and checks that the other still drops a spoof. A

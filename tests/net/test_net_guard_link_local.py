@@ -1,4 +1,4 @@
-"""The slot's raw guard alone keeps the guest from the metadata address (runner/net/firewall.py,
+"""The slot's raw guard alone keeps the guest from the metadata address (policy/render.py,
 guard4's `-d 169.254.0.0/16 -j MVC-DENIED`).
 
 The policy's FORWARD rules deny link-local too, so with both in place removing the guard's rule
