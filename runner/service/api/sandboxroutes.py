@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from runner.errors import MicrovmCheckError
 from runner.jobapi.contract import JOB_ID, JobState
 from runner.service.api.refusals import MethodNotAllowed, NoRoute
-from runner.service.jobs.auth import Access, Caller, _in_group, peer_ids
+from runner.service.jobs.auth import Access, Caller, in_group, peer_ids
 from runner.service.jobs.sandboxes import (
     SandboxCallError,
     SandboxDesk,
@@ -85,7 +85,7 @@ def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: o
             group_id = grp.getgrnam(settings_group).gr_gid
         except KeyError:
             group_id = None
-        if group_id is not None and _in_group(uid, gid, group_id):
+        if group_id is not None and in_group(uid, gid, group_id):
             return f"uid {uid}"
     allowed = f"members of group {settings_group!r} (sandboxes.group)" if settings_group else "nobody else"
     raise SandboxRefused(f"{caller.who} may not create sandboxes: the operator may, and {allowed}")

@@ -100,8 +100,9 @@ def peer_ids(sock: socket.socket) -> tuple[int, int]:
     return uid, gid
 
 
-def _in_group(uid: int, gid: int, group_id: int) -> bool:
-    """Whether the account `uid` belongs to `group_id` (as primary group or in /etc/group)."""
+def in_group(uid: int, gid: int, group_id: int) -> bool:
+    """Whether the account `uid` belongs to `group_id` (as primary group or in /etc/group): the operator's
+    `admin_group` here, and the groups the API's routes admit (the sandboxes' `sandboxes.group`)."""
     if gid == group_id:
         return True
     try:
@@ -353,7 +354,7 @@ class Access:
         if runner_token is not None:
             return self._runner(runner_token)
         uid, gid = peer_ids(sock)
-        if uid == 0 or (self.admin_gid is not None and _in_group(uid, gid, self.admin_gid)):
+        if uid == 0 or (self.admin_gid is not None and in_group(uid, gid, self.admin_gid)):
             return Caller(Kind.OPERATOR, f"uid {uid} (operator)")
         return Caller(Kind.MEMBER, f"uid {uid}")
 
