@@ -13,8 +13,9 @@ asyncio. To run a VM inside your own root process instead (tests, benchmarks), u
 `runner.sandbox.Sandbox` with an engine of your own.
 """
 
-from microvm_check._wire import ExecResult, FileEntry, SandboxError, Service
+from microvm_check._wire import ExecResult, SandboxError, Service
 from microvm_check.aio import AsyncSandbox
 from microvm_check.client import Sandbox
+from microvm_check.contract import FileEntry, SandboxInfo
 
-__all__ = ["AsyncSandbox", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "Service"]
+__all__ = ["AsyncSandbox", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "SandboxInfo", "Service"]

@@ -1,23 +1,36 @@
 """What the sync and async clients share: where the service is, how each call is asked and how each
-answer is read. Only the sending differs (httpx.Client or httpx.AsyncClient, over the same kind of
-transport), as in httpx's own client/transport split."""
+answer is read (both in the shapes of microvm_check/contract.py, which the service builds them from).
+Only the sending differs (httpx.Client or httpx.AsyncClient, over the same kind of transport), as in
+httpx's own client/transport split."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-DEFAULT_SOCKET = "/run/microvm-check/api.sock"
-TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
-PREFIX = "/v1/sandboxes"
+from microvm_check.contract import (
+    DEFAULT_SOCKET,
+    SANDBOXES,
+    CreateRequest,
+    ErrorAnswer,
+    ExecEnd,
+    ExecOutput,
+    ExecRequest,
+    Route,
+    WireError,
+    exec_line,
+    sandbox_path,
+)
+
+Answer = TypeVar("Answer")
 MAX_ANSWER = 16 * 1024 * 1024  # a JSON answer
 MAX_LINE = 4 * 1024 * 1024  # one exec output line (base64)
 DEFAULT_DOWNLOAD = 256 * 1024 * 1024
@@ -43,13 +56,6 @@ class ExecResult:
     timed_out: bool
     truncated: bool  # the service's output budget for one exec was reached: the command was killed
     blocked_egress: list[dict[str, Any]] = field(default_factory=list)  # what the policy refused so far
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    name: str
-    type: str  # file, dir, link, other
-    size: int
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class Call:
 
     method: str
     path: str
-    params: list[tuple[str, str]] = field(default_factory=list)
+    params: tuple[tuple[str, str], ...] = ()
     json: Any = None
     content: bytes | None = None
     read_seconds: float = 120.0
@@ -95,48 +101,55 @@ class Call:
 
 def create_call(template: str | None, base: str | None, policy: str | None, ttl_seconds: float,
                 size: str | None = None) -> Call:
-    body = {"template": template, "base": base, "policy": policy, "ttl_seconds": ttl_seconds, "size": size}
     # a VM restore under software emulation, behind others, takes a while
-    return Call("POST", PREFIX, json={k: v for k, v in body.items() if v is not None}, read_seconds=600.0)
+    return Call("POST", SANDBOXES, json=CreateRequest(template, base, policy, ttl_seconds, size).to_wire(),
+                read_seconds=600.0)
+
+
+def info_call(sandbox_id: str) -> Call:
+    """The one call whose id the caller gives (Sandbox.connect): any other's came in a checked answer."""
+    try:
+        return Call("GET", sandbox_path(sandbox_id))
+    except WireError as exc:
+        raise SandboxError(str(exc)) from exc
 
 
 def exec_call(sandbox_id: str, command: str | list[str], timeout: float | None, cwd: str,
               env: dict[str, str] | None) -> Call:
-    body: dict[str, Any] = {"command": command, "cwd": cwd, "env": dict(env or {})}
-    if timeout is not None:
-        body["timeout_seconds"] = timeout
+    request = ExecRequest(command if isinstance(command, str) else tuple(command), timeout, cwd, dict(env or {}))
     # the service ends the call at its deadline; only the service's own silence beyond it is an error
-    return Call("POST", f"{PREFIX}/{sandbox_id}/exec", json=body,
-                read_seconds=(timeout or 3600.0) + MARGIN_SECONDS)
+    return Call("POST", sandbox_path(sandbox_id, Route.EXEC), json=request.to_wire(),
+                read_seconds=(request.timeout_seconds or 3600.0) + MARGIN_SECONDS)
 
 
 def write_call(sandbox_id: str, path: str, data: bytes, mode: int) -> Call:
-    return Call("PUT", f"{PREFIX}/{sandbox_id}/files", [("path", path), ("mode", f"{mode:o}")], content=data)
+    return Call("PUT", sandbox_path(sandbox_id, Route.FILES), (("path", path), ("mode", f"{mode:o}")), content=data)
 
 
 def read_call(sandbox_id: str, path: str) -> Call:
-    return Call("GET", f"{PREFIX}/{sandbox_id}/files", [("path", path)])
+    return Call("GET", sandbox_path(sandbox_id, Route.FILES), (("path", path),))
 
 
 def list_call(sandbox_id: str, path: str) -> Call:
-    return Call("GET", f"{PREFIX}/{sandbox_id}/files/list", [("path", path)])
+    return Call("GET", sandbox_path(sandbox_id, Route.FILES_LIST), (("path", path),))
 
 
 def upload_call(sandbox_id: str, source: str | os.PathLike[str] | bytes, dest: str) -> Call:
-    return Call("PUT", f"{PREFIX}/{sandbox_id}/upload", [("dest", dest)], content=tar_of(source), read_seconds=600.0)
+    return Call("PUT", sandbox_path(sandbox_id, Route.UPLOAD), (("dest", dest),), content=tar_of(source),
+                read_seconds=600.0)
 
 
 def download_call(sandbox_id: str, globs: list[str], cwd: str) -> Call:
-    return Call("GET", f"{PREFIX}/{sandbox_id}/download", [("glob", g) for g in globs] + [("cwd", cwd)],
+    return Call("GET", sandbox_path(sandbox_id, Route.DOWNLOAD), (*(("glob", g) for g in globs), ("cwd", cwd)),
                 read_seconds=600.0)
 
 
 def snapshot_call(sandbox_id: str) -> Call:
-    return Call("POST", f"{PREFIX}/{sandbox_id}/snapshot", json={}, read_seconds=900.0)
+    return Call("POST", sandbox_path(sandbox_id, Route.SNAPSHOT), json={}, read_seconds=900.0)
 
 
 def destroy_call(sandbox_id: str) -> Call:
-    return Call("POST", f"{PREFIX}/{sandbox_id}/destroy", json={})
+    return Call("POST", sandbox_path(sandbox_id, Route.DESTROY), json={})
 
 
 def timeout_of(call: Call) -> httpx.Timeout:
@@ -144,59 +157,63 @@ def timeout_of(call: Call) -> httpx.Timeout:
 
 
 def error_of(call: Call, status: int, body: bytes) -> SandboxError:
+    """A refusal as SandboxError: its ErrorAnswer's reason, or the start of a body that is none (a proxy's)."""
     try:
-        message = str(json.loads(body)["error"])[:2000]
-    except (ValueError, KeyError, TypeError):
+        message = ErrorAnswer.from_wire(json.loads(body)).error[:2000]
+    except ValueError:  # not JSON, or not an ErrorAnswer (WireError)
         message = body[:500].decode("utf-8", "replace")
     return SandboxError(f"{call.method} {call.path}: {status}: {message}", status)
 
 
-def answer_json(call: Call, body: bytes) -> Any:
+def answer_of(call: Call, body: bytes, parse: Callable[[object], Answer]) -> Answer:
+    """A JSON answer read as the contract's record by `parse` (its from_wire); one that is not is a SandboxError."""
     if len(body) > MAX_ANSWER:
         raise SandboxError(f"{call.method} {call.path}: the answer is larger than {MAX_ANSWER} bytes")
-    return json.loads(body)
+    try:
+        return parse(json.loads(body))
+    except ValueError as exc:  # not JSON, or not the record (WireError)
+        raise SandboxError(f"{call.method} {call.path}: the service's answer is not the sandbox API's: {exc}") from exc
 
 
 class ExecReader:
-    """An exec's NDJSON answer, line by line, into output callbacks and the final result."""
+    """An exec's NDJSON answer, line by line (the contract's exec_line), into output callbacks and the
+    final result."""
 
     def __init__(self, on_output: Any, capture_bytes: int) -> None:
         self.on_output, self.capture = on_output, capture_bytes
         self.parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         self.sizes = {"stdout": 0, "stderr": 0}
-        self.end: dict[str, Any] | None = None
+        self.end: ExecEnd | None = None
 
     def line(self, raw: bytes) -> None:
         if not raw.strip():
             return
         if len(raw) > MAX_LINE:
             raise SandboxError("the service sent an exec line larger than the client's limit")
-        entry = json.loads(raw)
-        if "stream" in entry:
-            stream, data = entry["stream"], base64.b64decode(entry["data"])
-            if stream not in self.parts:
-                return
-            if self.on_output is not None:
-                self.on_output(stream, data)
-            keep = data[: max(0, self.capture - self.sizes[stream])]
-            self.parts[stream].append(keep)
-            self.sizes[stream] += len(keep)
-        elif "error" in entry:
-            raise SandboxError(f"exec: {entry['error']}")
+        try:
+            entry = exec_line(json.loads(raw))
+        except ValueError as exc:  # not JSON, or not a line of the contract (WireError)
+            raise SandboxError(f"exec: the service sent a line that is not the sandbox API's: {exc}") from exc
+        if isinstance(entry, ExecOutput):
+            self._output(entry)
+        elif isinstance(entry, ErrorAnswer):
+            raise SandboxError(f"exec: {entry.error}")
         else:
             self.end = entry
+
+    def _output(self, output: ExecOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(output.stream, output.data)
+        keep = output.data[: max(0, self.capture - self.sizes[output.stream])]
+        self.parts[output.stream].append(keep)
+        self.sizes[output.stream] += len(keep)
 
     def result(self) -> ExecResult:
         if self.end is None:
             raise SandboxError("exec: the service's answer ended before the command's result")
         end = self.end
-        return ExecResult(int(end["exit_code"]), b"".join(self.parts["stdout"]), b"".join(self.parts["stderr"]),
-                          float(end.get("duration_ms", 0.0)), bool(end.get("timed_out")), bool(end.get("truncated")),
-                          list(end.get("blocked_egress") or []))
-
-
-def entries_of(answer: Any) -> list[FileEntry]:
-    return [FileEntry(str(e["name"]), str(e["type"]), int(e["size"])) for e in answer.get("entries", [])]
+        return ExecResult(end.exit_code, b"".join(self.parts["stdout"]), b"".join(self.parts["stderr"]),
+                          end.duration_ms, end.timed_out, end.truncated, [dict(b) for b in end.blocked_egress])
 
 
 def tar_of(source: str | os.PathLike[str] | bytes) -> bytes:

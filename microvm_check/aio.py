@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import httpx
 
 from microvm_check import _wire
-from microvm_check._wire import TOKEN_HEADER, Call, ExecResult, FileEntry, SandboxError, Service
+from microvm_check._wire import Call, ExecResult, SandboxError, Service
+from microvm_check.contract import (
+    SANDBOX_TOKEN_HEADER,
+    CreateAnswer,
+    DestroyAnswer,
+    FileEntry,
+    Listing,
+    SandboxInfo,
+    SnapshotAnswer,
+)
 
 OnOutput = Callable[[str, bytes], None | Awaitable[None]]
 
@@ -17,7 +25,7 @@ OnOutput = Callable[[str, bytes], None | Awaitable[None]]
 class _AsyncSender:
     def __init__(self, service: Service, token: str | None = None) -> None:
         self.service = service
-        headers = service.headers() | ({TOKEN_HEADER: token} if token else {})
+        headers = service.headers() | ({SANDBOX_TOKEN_HEADER: token} if token else {})
         self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(**service.transport_args()),
                                        base_url=service.base_url(), headers=headers, follow_redirects=False)
 
@@ -64,15 +72,15 @@ class AsyncFiles:
 
     async def list(self, path: str = "/workspace") -> list[FileEntry]:
         call = _wire.list_call(self._sbx.id, path)
-        return _wire.entries_of(_wire.answer_json(call, await self._sbx._send(call)))
+        return list(_wire.answer_of(call, await self._sbx._send(call), Listing.from_wire).entries)
 
 
 class AsyncSandbox:
     """`Sandbox` for asyncio: `async with await AsyncSandbox.create(...) as sbx: await sbx.exec(...)`;
     `on_output` may be a plain function or a coroutine function."""
 
-    def __init__(self, service: Service, info: dict[str, Any], token: str) -> None:
-        self.service, self.id, self.info, self.token = service, info["id"], info, token
+    def __init__(self, service: Service, info: SandboxInfo, token: str) -> None:
+        self.service, self.id, self.info, self.token = service, info.id, info, token
         self._sender = _AsyncSender(service, token)
         self._destroyed = False
         self.files = AsyncFiles(self)
@@ -85,10 +93,21 @@ class AsyncSandbox:
         call = _wire.create_call(template, base, policy, ttl_seconds, size)
         sender = _AsyncSender(where)
         try:
-            info = _wire.answer_json(call, await sender.send(call))
+            answer = _wire.answer_of(call, await sender.send(call), CreateAnswer.from_wire)
         finally:
             await sender.close()
-        return cls(where, info, info.pop("token"))
+        return cls(where, answer.info, answer.token)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, sandbox_token: str, service: Service | None = None) -> AsyncSandbox:
+        where = service or Service.from_env()
+        call = _wire.info_call(sandbox_id)
+        sender = _AsyncSender(where, sandbox_token)
+        try:
+            info = _wire.answer_of(call, await sender.send(call), SandboxInfo.from_wire)
+        finally:
+            await sender.close()
+        return cls(where, info, sandbox_token)
 
     async def _send(self, call: Call, max_bytes: int = _wire.MAX_ANSWER) -> bytes:
         if self._destroyed:
@@ -126,7 +145,7 @@ class AsyncSandbox:
 
     async def snapshot(self) -> str:
         call = _wire.snapshot_call(self.id)
-        return str(_wire.answer_json(call, await self._send(call))["base"])
+        return _wire.answer_of(call, await self._send(call), SnapshotAnswer.from_wire).base
 
     async def fork(self, ttl_seconds: float = 600.0, policy: str | None = None) -> AsyncSandbox:
         return await AsyncSandbox.create(base=await self.snapshot(), policy=policy, ttl_seconds=ttl_seconds,
@@ -134,7 +153,8 @@ class AsyncSandbox:
 
     async def destroy(self) -> None:
         try:
-            await self._send(_wire.destroy_call(self.id))
+            call = _wire.destroy_call(self.id)
+            _wire.answer_of(call, await self._send(call), DestroyAnswer.from_wire)
         except SandboxError as exc:
             if exc.status != 404:
                 raise

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 
 from microvm_check import _wire
-from microvm_check._wire import TOKEN_HEADER, Call, ExecResult, FileEntry, SandboxError, Service
+from microvm_check._wire import Call, ExecResult, SandboxError, Service
+from microvm_check.contract import (
+    SANDBOX_TOKEN_HEADER,
+    CreateAnswer,
+    DestroyAnswer,
+    FileEntry,
+    Listing,
+    SandboxInfo,
+    SnapshotAnswer,
+)
 
 OnOutput = Callable[[str, bytes], None]
 
@@ -19,7 +27,7 @@ class _Sender:
 
     def __init__(self, service: Service, token: str | None = None) -> None:
         self.service = service
-        headers = service.headers() | ({TOKEN_HEADER: token} if token else {})
+        headers = service.headers() | ({SANDBOX_TOKEN_HEADER: token} if token else {})
         self._http = httpx.Client(transport=httpx.HTTPTransport(**service.transport_args()),
                                   base_url=service.base_url(), headers=headers, follow_redirects=False)
 
@@ -68,7 +76,7 @@ class Files:
 
     def list(self, path: str = "/workspace") -> list[FileEntry]:
         call = _wire.list_call(self._sbx.id, path)
-        return _wire.entries_of(_wire.answer_json(call, self._sbx._send(call)))
+        return list(_wire.answer_of(call, self._sbx._send(call), Listing.from_wire).entries)
 
 
 class Sandbox:
@@ -81,9 +89,9 @@ class Sandbox:
     the operator's policy for the configured repository, narrowed by `policy`. For embedding a VM in
     your own root process instead, see runner.sandbox (the in-process Sandbox)."""
 
-    def __init__(self, service: Service, info: dict[str, Any], token: str) -> None:
+    def __init__(self, service: Service, info: SandboxInfo, token: str) -> None:
         self.service = service
-        self.id: str = info["id"]
+        self.id = info.id
         self.info = info
         self.token = token
         self._sender = _Sender(service, token)
@@ -99,10 +107,23 @@ class Sandbox:
         call = _wire.create_call(template, base, policy, ttl_seconds, size)
         sender = _Sender(where)
         try:
-            info = _wire.answer_json(call, sender.send(call))
+            answer = _wire.answer_of(call, sender.send(call), CreateAnswer.from_wire)
         finally:
             sender.close()
-        return cls(where, info, info.pop("token"))
+        return cls(where, answer.info, answer.token)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, sandbox_token: str, service: Service | None = None) -> Sandbox:
+        """A sandbox created elsewhere (another process of yours), by the id and token its create answered;
+        its info is asked anew, so a wrong token or an ended sandbox is refused here (403, 404)."""
+        where = service or Service.from_env()
+        call = _wire.info_call(sandbox_id)
+        sender = _Sender(where, sandbox_token)
+        try:
+            info = _wire.answer_of(call, sender.send(call), SandboxInfo.from_wire)
+        finally:
+            sender.close()
+        return cls(where, info, sandbox_token)
 
     def _send(self, call: Call, max_bytes: int = _wire.MAX_ANSWER) -> bytes:
         if self._destroyed:
@@ -132,7 +153,7 @@ class Sandbox:
     def snapshot(self) -> str:
         """A snapshot of this sandbox as it is now: a base for `Sandbox.create(base=...)` (yours only)."""
         call = _wire.snapshot_call(self.id)
-        return str(_wire.answer_json(call, self._send(call))["base"])
+        return _wire.answer_of(call, self._send(call), SnapshotAnswer.from_wire).base
 
     def fork(self, ttl_seconds: float = 600.0, policy: str | None = None) -> Sandbox:
         """A new sandbox restored from a snapshot of this one (its files and processes as they are now)."""
@@ -141,7 +162,8 @@ class Sandbox:
     def destroy(self) -> None:
         """End the sandbox now (once gone, later calls are answered 404)."""
         try:
-            self._send(_wire.destroy_call(self.id))
+            call = _wire.destroy_call(self.id)
+            _wire.answer_of(call, self._send(call), DestroyAnswer.from_wire)
         except SandboxError as exc:
             if exc.status != 404:
                 raise

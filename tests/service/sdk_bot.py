@@ -47,7 +47,7 @@ def tar_of(files: dict[str, bytes]) -> bytes:
 
 def tour(service: Service) -> None:
     with Sandbox.create(ttl_seconds=300, service=service) as sbx:
-        say(created=sbx.id, accel=sbx.info.get("accel"))
+        say(created=sbx.id, accel=sbx.info.accel, template=sbx.info.template, ttl_seconds=sbx.info.ttl_seconds)
         chunks: list[tuple[float, str, str]] = []
         result = sbx.exec("echo one; sleep 2; echo two >&2; exit 3", timeout=60, cwd="/",
                           on_output=lambda stream, data: chunks.append((time.monotonic(), stream, data.decode())))
@@ -62,27 +62,22 @@ def tour(service: Service) -> None:
         tar = tarfile.open(fileobj=io.BytesIO(sbx.download("*.txt")))
         say(downloaded=sorted(tar.getnames()), out=tar.extractfile("out.txt").read().decode())
         with sbx.fork(ttl_seconds=300) as child:
-            say(forked=child.id, fork_read=child.files.read("/workspace/notes.txt").decode())
+            say(forked=child.id, fork_read=child.files.read("/workspace/notes.txt").decode(),
+                fork_template=child.info.template, fork_base=child.info.base)
             for fact, sandbox_id, token in (("cross", child.id, sbx.token), ("cross_back", sbx.id, child.token)):
-                stranger = Sandbox(service, {"id": sandbox_id}, token)  # the parent's token on the child, and back
-                try:
-                    stranger.files.read("/workspace/notes.txt")
+                try:  # the parent's token on the child, and back
+                    Sandbox.connect(sandbox_id, token, service)
                     say(**{fact: "reached"})
                 except SandboxError as exc:
                     say(**{fact: exc.status, f"{fact}_message": str(exc)})
-                finally:
-                    stranger._sender.close()
             child.files.write("/workspace/notes.txt", b"changed in the fork\n")
         say(parent_read=sbx.files.read("/workspace/notes.txt").decode())
     say(destroyed=sbx.id)
-    again = Sandbox(service, {"id": sbx.id}, sbx.token)  # its own token, once the sandbox is gone
-    try:
-        again.files.read("/workspace/notes.txt")
+    try:  # its own token, once the sandbox is gone
+        Sandbox.connect(sbx.id, sbx.token, service)
         say(after_destroy="reached")
     except SandboxError as exc:
         say(after_destroy=exc.status)
-    finally:
-        again._sender.close()
 
 
 def outcome(call: Callable[[], object]) -> dict[str, Any]:
@@ -130,7 +125,7 @@ def refusals(service: Service) -> None:
         say(async_=asyncio.run(refusals_async(service, sbx)))
         alive = sbx.exec("echo alive", timeout=60)
         say(alive=[alive.exit_code, alive.stdout.decode()])
-        killer = Sandbox(service, {"id": sbx.id}, sbx.token)
+        killer = Sandbox.connect(sbx.id, sbx.token, service)
         powered_off: list[threading.Thread] = []
 
         def power_off_once_output_came(stream: str, data: bytes) -> None:
@@ -148,7 +143,7 @@ def refusals(service: Service) -> None:
 
 
 async def refusals_async(service: Service, sbx: Sandbox) -> dict[str, Any]:
-    same = AsyncSandbox(service, {"id": sbx.id}, sbx.token)
+    same = await AsyncSandbox.connect(sbx.id, sbx.token, service)
     try:
         return {what: await outcome_async(lambda call=call: call(same)) for what, call in REFUSED.items()}
     finally:
@@ -189,7 +184,7 @@ def main() -> None:
         takeover(service, Path(sys.argv[3]))
     elif mode == "hang":
         sbx = Sandbox.create(ttl_seconds=float(sys.argv[3]), service=service)
-        say(created=sbx.id, vm_id=sbx.info["vm_id"])
+        say(created=sbx.id, vm_id=sbx.info.vm_id)
         sbx.exec("echo started; sleep 600", timeout=600, on_output=lambda stream, data: say(output=data.decode()))
 
 

@@ -111,6 +111,9 @@ def test_a_bot_drives_sandboxes_and_others_reach_none(serve, vm_root: Path, user
     assert seen["ran"] == 0 and seen["downloaded"] == ["README.txt", "notes.txt", "out.txt"], seen
     assert seen["out"] == "hi\n"
     assert seen["fork_read"] == "written by the bot\n", "the fork does not have its source's files"
+    # the template is the template, a fork's its source's (it was the record's command text)
+    assert seen["template"] == seen["fork_template"] == "base" and seen["ttl_seconds"] == 300, seen
+    assert seen["fork_base"] == f"sbx-{seen['created']}-1", seen
     assert seen["cross"] == 403 and seen["cross_back"] == 403, "one sandbox's token reached another sandbox"
     assert seen["parent_read"] == "written by the bot\n", "a write in the fork reached its source"
     assert seen["after_destroy"] == 404

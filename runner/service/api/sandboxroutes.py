@@ -1,16 +1,17 @@
-"""The interactive sandboxes' routes on the job API (runner/service/jobs/sandboxes.py; docs/sdk.md).
+"""The interactive sandboxes' routes on the job API (runner/service/jobs/sandboxes.py; docs/sdk.md). Their
+paths, headers and bodies are the SDK's contract (microvm_check/contract.py, its records in brackets):
 
-    POST /v1/sandboxes                      {template, base, policy, ttl_seconds} -> 201 {id, token, ...}
-    GET  /v1/sandboxes/<id>                 -> its facts
-    POST /v1/sandboxes/<id>/exec            {command, timeout_seconds, cwd, env} -> NDJSON: output lines
-                                            {"stream", "data": base64}, then {"exit_code", "timed_out", ...}
+    POST /v1/sandboxes                      [CreateRequest] -> 201 [CreateAnswer]: SandboxInfo and token
+    GET  /v1/sandboxes/<id>                 -> [SandboxInfo]
+    POST /v1/sandboxes/<id>/exec            [ExecRequest] -> NDJSON: [ExecOutput] lines, then [ExecEnd]
+                                            (or [ErrorAnswer] once the answer had begun)
     PUT  /v1/sandboxes/<id>/files?path=P&mode=644   body: the file's bytes -> 204
     GET  /v1/sandboxes/<id>/files?path=P            -> the file's bytes
-    GET  /v1/sandboxes/<id>/files/list?path=D       -> {"entries": [{name, type, size}]}
+    GET  /v1/sandboxes/<id>/files/list?path=D       -> [Listing] of [FileEntry]
     PUT  /v1/sandboxes/<id>/upload?dest=D           body: a tar -> 204
     GET  /v1/sandboxes/<id>/download?glob=G&cwd=D   -> a tar (regular files only, re-written on the host)
-    POST /v1/sandboxes/<id>/snapshot                -> {"base": name} for a create's `base`
-    POST /v1/sandboxes/<id>/destroy                 -> 200 {"destroyed": true}
+    POST /v1/sandboxes/<id>/snapshot                -> 201 [SnapshotAnswer] for a create's `base`
+    POST /v1/sandboxes/<id>/destroy                 -> 200 [DestroyAnswer]
 
 Creating needs the operator or a member of `sandboxes.group` on the Unix socket (its peer uid, as the
 kernel reports it); everything else needs the sandbox's own token (SANDBOX_TOKEN_HEADER), checked on
@@ -19,7 +20,6 @@ the request's head, before its body is read.
 
 from __future__ import annotations
 
-import base64
 import grp
 import json
 import logging
@@ -30,8 +30,25 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from microvm_check.contract import (
+    MAX_BLOCKED,
+    SANDBOX_ID,
+    SANDBOXES,
+    SKIPPED_HEADER,
+    WORKSPACE,
+    CreateAnswer,
+    DestroyAnswer,
+    ErrorAnswer,
+    ExecEnd,
+    ExecOutput,
+    ExecRequest,
+    Listing,
+    Route,
+    SnapshotAnswer,
+)
+from microvm_check.contract import SANDBOX_TOKEN_HEADER as SANDBOX_TOKEN_HEADER  # gates.py reads it here
 from runner.errors import MicrovmCheckError
-from runner.jobapi.contract import JOB_ID, JobState
+from runner.jobapi.contract import JobState
 from runner.service.api.refusals import MethodNotAllowed, NoRoute
 from runner.service.jobs.auth import Access, Caller, in_group, peer_ids
 from runner.service.jobs.sandboxes import (
@@ -40,6 +57,7 @@ from runner.service.jobs.sandboxes import (
     SandboxRefused,
     SandboxRequest,
     clean_download,
+    from_wire,
     guest_path,
     log_output,
     parse_listing,
@@ -52,19 +70,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SANDBOX_TOKEN_HEADER = "X-Microvm-Check-Sandbox-Token"
-PREFIX = "/v1/sandboxes"
-_ROUTE = re.compile(r"/v1/sandboxes(?:/(?P<id>" + JOB_ID.pattern + r")(?P<rest>/exec|/files|/files/list|/upload|/download"
-                    r"|/snapshot|/destroy)?)?")
+_ROUTE = re.compile(re.escape(SANDBOXES) + r"(?:/(?P<id>" + SANDBOX_ID.pattern + r")(?P<rest>"
+                    + "|".join(re.escape(r.value) for r in Route if r.value) + r")?)?")
 _CHUNK = 1024 * 1024
-MAX_ENV = 64
 MAX_GLOBS = 64
 
 
-def route(path: str) -> tuple[str | None, str] | None:
-    """(sandbox id or None for the collection, sub-route) for a sandbox path, else None."""
+def route(path: str) -> tuple[str | None, Route] | None:
+    """(sandbox id or None for the collection, its call) for a sandbox path, else None."""
     match = _ROUTE.fullmatch(path)
-    return (match.group("id"), match.group("rest") or "") if match else None
+    return (match.group("id"), Route(match.group("rest") or "")) if match else None
 
 
 def owner_of(access: Access, settings_group: str | None, caller: Caller, sock: object | None,
@@ -130,15 +145,15 @@ class SandboxRoutes:
             return self._create(owner)
         sandbox = self.desk.find(sandbox_id, self.h.headers.get(SANDBOX_TOKEN_HEADER), caller.operator)
         handler: Callable[[], None] | None = {
-            ("GET", ""): lambda: self.h._send_json(200, sandbox.info()),
-            ("POST", "/exec"): lambda: self._exec(sandbox),
-            ("PUT", "/files"): lambda: self._write(sandbox, query),
-            ("GET", "/files"): lambda: self._read(sandbox, query),
-            ("GET", "/files/list"): lambda: self._list(sandbox, query),
-            ("PUT", "/upload"): lambda: self._upload(sandbox, query),
-            ("GET", "/download"): lambda: self._download(sandbox, query),
-            ("POST", "/snapshot"): lambda: self._snapshot(sandbox),
-            ("POST", "/destroy"): lambda: self._destroy(sandbox),
+            ("GET", Route.INFO): lambda: self.h._send_json(200, self.desk.info(sandbox).to_wire()),
+            ("POST", Route.EXEC): lambda: self._exec(sandbox),
+            ("PUT", Route.FILES): lambda: self._write(sandbox, query),
+            ("GET", Route.FILES): lambda: self._read(sandbox, query),
+            ("GET", Route.FILES_LIST): lambda: self._list(sandbox, query),
+            ("PUT", Route.UPLOAD): lambda: self._upload(sandbox, query),
+            ("GET", Route.DOWNLOAD): lambda: self._download(sandbox, query),
+            ("POST", Route.SNAPSHOT): lambda: self._snapshot(sandbox),
+            ("POST", Route.DESTROY): lambda: self._destroy(sandbox),
         }.get((method, rest))
         if handler is None:
             return self._not_allowed(method, path)
@@ -155,7 +170,7 @@ class SandboxRoutes:
 
         request = SandboxRequest.parse(self.h._json_body(), self.desk.config)
         sandbox, token = self.desk.create(Owner(owner_key, owner_key == "operator"), request)
-        self.h._send_json(201, {**sandbox.info(), "token": token})
+        self.h._send_json(201, CreateAnswer(self.desk.info(sandbox), token).to_wire())
 
     def _exec(self, sandbox: object) -> None:
         from runner.service.jobs.sandboxes import LiveSandbox
@@ -171,9 +186,8 @@ class SandboxRoutes:
                 result = live.vm.exec(command, timeout_seconds=timeout, env=env, cwd=cwd, on_output=stream,
                                       capture_bytes=0)
                 self.desk.note_blocked(live)
-                end = {"exit_code": result.exit_code, "timed_out": result.timed_out,
-                       "truncated": stream.over, "duration_ms": round(result.duration_ms, 3),
-                       "blocked_egress": live.record.blocked_egress[:100]}
+                end = ExecEnd(result.exit_code, result.timed_out, stream.over, round(result.duration_ms, 3),
+                              tuple(live.record.blocked_egress[:MAX_BLOCKED]))
                 live.log.system(f"exec ended: exit {result.exit_code}{' (timed out)' if result.timed_out else ''}")
                 stream.finish(end)
         except (ConnectionError, TimeoutError):
@@ -213,19 +227,18 @@ class SandboxRoutes:
         self.h.respond(200, data, {"Content-Type": "application/octet-stream"})
 
     def _list(self, sandbox: object, query: dict[str, list[str]]) -> None:
-        path = guest_path(_one(query, "path") or "/workspace")
+        path = guest_path(_one(query, "path") or WORKSPACE)
         argv = ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", "%y %s %P\\0"]
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             result = live.vm.exec(argv, timeout_seconds=60, env={}, cwd="/", capture_bytes=4 * 1024 * 1024)
         if result.exit_code != 0 and not result.stdout:
             raise SandboxCallError(f"cannot list {path}: {result.stderr[-300:].decode('utf-8', 'replace')}")
-        self.h._send_json(200, {"path": path, "entries": parse_listing(result.stdout),
-                                "truncated": result.truncated})
+        self.h._send_json(200, Listing(path, tuple(parse_listing(result.stdout)), result.truncated).to_wire())
 
     def _upload(self, sandbox: object, query: dict[str, list[str]]) -> None:
         from runner.errors import ArchiveError
 
-        dest = guest_path(_one(query, "dest") or "/workspace", "dest")
+        dest = guest_path(_one(query, "dest") or WORKSPACE, "dest")
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             spool = self.desk.config.jobs_dir / live.id / "upload.tar"
             try:
@@ -245,7 +258,7 @@ class SandboxRoutes:
         globs = query.get("glob") or []
         if not globs or len(globs) > MAX_GLOBS or any(not g or "\0" in g or len(g) > 1024 for g in globs):
             raise SandboxCallError(f"glob: give 1 to {MAX_GLOBS} patterns, relative to cwd")
-        cwd = guest_path(_one(query, "cwd") or "/workspace", "cwd")
+        cwd = guest_path(_one(query, "cwd") or WORKSPACE, "cwd")
         limit = self.desk.settings.file_max_bytes
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             directory = self.desk.config.jobs_dir / live.id
@@ -264,7 +277,7 @@ class SandboxRoutes:
 
     def _send_file(self, f: object, size: int, skipped: int) -> None:
         self.h.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size),
-                                    "X-Microvm-Check-Skipped": str(skipped)})
+                                    SKIPPED_HEADER: str(skipped)})
         left = size
         while left:
             data = f.read(min(left, _CHUNK))  # type: ignore[attr-defined]
@@ -277,14 +290,14 @@ class SandboxRoutes:
     def _snapshot(self, sandbox: object) -> None:
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             name = self.desk.snapshot(live)
-        self.h._send_json(201, {"base": name})
+        self.h._send_json(201, SnapshotAnswer(name).to_wire())
 
     def _destroy(self, sandbox: object) -> None:
         from runner.service.jobs.sandboxes import LiveSandbox
 
         assert isinstance(sandbox, LiveSandbox)
         self.desk.end(sandbox, JobState.FINISHED, "destroyed by its caller")
-        self.h._send_json(200, {"destroyed": True, "id": sandbox.id})
+        self.h._send_json(200, DestroyAnswer(sandbox.id).to_wire())
 
 
 class _ExecStream:
@@ -309,10 +322,10 @@ class _ExecStream:
         self.left -= len(data)
         if data:
             self.log(stream, data)
-            self._send({"stream": stream, "data": base64.b64encode(data).decode()})
+            self._send(ExecOutput(stream, data).to_wire())
 
-    def finish(self, end: dict[str, object]) -> None:
-        self._send(end)
+    def finish(self, end: ExecEnd) -> None:
+        self._send(end.to_wire())
         self.h.end_response()
 
     def fail(self, exc: Exception) -> None:
@@ -323,7 +336,7 @@ class _ExecStream:
         else:
             log.error("api: sandbox exec failed after its answer began", exc_info=exc)
             message = "internal error in the job service; see its log"
-        self._send({"error": message})
+        self._send(ErrorAnswer(message).to_wire())
         self.h.end_response()
 
     def _send(self, line: object) -> None:
@@ -340,25 +353,14 @@ class _ExecStream:
 
 
 def _exec_request(data: object, max_timeout: float) -> tuple[str | list[str], float, str, dict[str, str]]:
-    if not isinstance(data, dict):
-        raise SandboxCallError("the body must be a JSON object: {command, timeout_seconds, cwd, env}")
-    command = data.get("command")
-    if isinstance(command, list) and command and len(command) <= 4096 and all(isinstance(a, str) for a in command):
-        pass
-    elif not isinstance(command, str) or not command:
-        raise SandboxCallError("command: expected a shell string or a non-empty list of strings")
-    if sum(len(a) for a in ([command] if isinstance(command, str) else command)) > 256 * 1024:
-        raise SandboxCallError("command: at most 256 KiB")
-    timeout = data.get("timeout_seconds", max_timeout)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= max_timeout:
+    """An exec's body (the contract's ExecRequest), held to this service's deadline: what VM.exec takes."""
+    request = from_wire(ExecRequest.from_wire, data)
+    timeout = max_timeout if request.timeout_seconds is None else request.timeout_seconds
+    if timeout > max_timeout:
         raise SandboxCallError(f"timeout_seconds: expected a number above 0 and at most {max_timeout:g} "
                                "(sandboxes.exec_timeout_seconds)")
-    cwd = guest_path(data.get("cwd", "/workspace") if isinstance(data.get("cwd", "/workspace"), str) else None, "cwd")
-    env = data.get("env") or {}
-    if (not isinstance(env, dict) or len(env) > MAX_ENV
-            or not all(isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 32 * 1024 for k, v in env.items())):
-        raise SandboxCallError(f"env: expected at most {MAX_ENV} string names and values")
-    return command, float(timeout), cwd, dict(env)
+    command = request.command if isinstance(request.command, str) else list(request.command)
+    return command, timeout, guest_path(request.cwd, "cwd"), dict(request.env)
 
 
 def _one(query: dict[str, list[str]], name: str) -> str | None:

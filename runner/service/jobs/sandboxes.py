@@ -12,7 +12,10 @@ the caller's:
   leaks nothing; a service that died leaves it to the engine's own TTL and start-up sweep;
 - it is a job record (state running while alive, its exec lines and output in its log), so the
   page, `microvm-check jobs`, the metrics and a restart's fail_unfinished see it like any job;
-- every call is bounded: one exec's output and deadline, file and tar sizes, concurrent calls.
+- every call is bounded: one exec's output and deadline, file and tar sizes, concurrent calls;
+- what a call carries in and out has the shapes of the SDK's contract (microvm_check/contract.py):
+  requests are read with its `from_wire` (a body it refuses is a 400 saying why), answers built as
+  its records.
 
 A snapshot of a sandbox is a template (its disk and memory as they are), a base that sandboxes of
 the same caller may be created from (`base=`): a fork. It is removed once its source and every
@@ -31,8 +34,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
+from microvm_check.contract import MAX_LISTED, MAX_PATH, CreateRequest, FileEntry, SandboxInfo, WireError
 from policy.model import Policy
 from runner.errors import JobError, SandboxError, SandboxOpFailed
 from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
@@ -45,11 +49,10 @@ from runner.service.jobs.outputs import bounded_blocked
 from runner.tarsafe import Limits, check_tar, copy_validated
 
 log = logging.getLogger(__name__)
+Wire = TypeVar("Wire")
 
 MAX_CALLS_PER_SANDBOX = 4  # calls at once on one sandbox: each holds an API worker while it runs
 MAX_CALLS_PER_OWNER = 16  # calls at once on all of one owner's sandboxes: its share of the API's 56 workers
-MAX_PATH = 4096
-MAX_LISTED = 10_000  # entries `files.list` answers
 _REAP_SECONDS = 1.0
 _TTL_MARGIN_SECONDS = 60  # the engine's own hard limit past the service's TTL, in case the service dies
 
@@ -91,7 +94,8 @@ class Owner:
 
 @dataclass(frozen=True)
 class SandboxRequest:
-    """A create call's body, checked: what to restore from and for how long."""
+    """A create call's body (the contract's CreateRequest), checked against this service's offer: what to
+    restore from and for how long."""
 
     template: str
     base: str | None
@@ -100,29 +104,35 @@ class SandboxRequest:
 
     @classmethod
     def parse(cls, data: object, config: ServiceConfig) -> SandboxRequest:
-        if not isinstance(data, dict):
-            raise SandboxCallError("the body must be a JSON object: {template, base, policy, ttl_seconds}")
-        unknown = set(data) - {"template", "base", "policy", "ttl_seconds", "size"}
-        if unknown:
-            raise SandboxCallError(f"unknown field(s) {', '.join(sorted(map(str, unknown)))[:200]}")
-        if data.get("size") is not None:
+        wire = from_wire(CreateRequest.from_wire, data)
+        if wire.size is not None:
             raise SandboxCallError("size: sandboxes run at the service's default size (size classes are for jobs); "
                                    "leave it out")
-        template = data.get("template") or config.default_template
+        template = wire.template or config.default_template
         if template not in config.templates:
-            raise SandboxCallError(f"template: {str(template)[:80]!r} is not offered here "
+            raise SandboxCallError(f"template: {template[:80]!r} is not offered here "
                                    f"(offered: {', '.join(config.templates)})")
-        base = data.get("base")
-        if base is not None and (not isinstance(base, str) or len(base) > 200):
-            raise SandboxCallError("base: expected the name a snapshot() answered")
-        policy = data.get("policy")
-        if policy is not None and (not isinstance(policy, str) or len(policy) > 64 * 1024):
-            raise SandboxCallError("policy: expected the policy's YAML text (at most 64 KiB)")
         limit = config.sandboxes.max_ttl_seconds
-        ttl = data.get("ttl_seconds", 600)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl <= limit:
+        if not 1 <= wire.ttl_seconds <= limit:
             raise SandboxCallError(f"ttl_seconds: expected a number from 1 to {limit:g} (sandboxes.max_ttl_seconds)")
-        return cls(str(template), base, policy, float(ttl))
+        return cls(template, wire.base, wire.policy, wire.ttl_seconds)
+
+
+def from_wire(parse: Callable[[object], Wire], data: object) -> Wire:
+    """A request body read as the contract's record by `parse` (its from_wire); one that is not is a 400."""
+    try:
+        return parse(data)
+    except WireError as exc:
+        raise SandboxCallError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a new sandbox's VM is restored from (`restore`: a template, or a snapshot's), and the offered
+    template it comes from (a fork's is its source's): the record says the one, the sandbox's info the other."""
+
+    restore: str
+    template: str
 
 
 @dataclass
@@ -131,6 +141,7 @@ class Snapshot:
 
     name: str
     owner: Owner
+    template: str  # the template its source came from (a fork's is its source's)
     users: set[str] = field(default_factory=set)
 
 
@@ -145,18 +156,14 @@ class LiveSandbox:
     record: JobRecord
     log: JobLog
     policy: Policy
+    template: str  # the offered template it comes from, through `base` when it is a fork
+    ttl_seconds: float
     expires: float  # monotonic
     base: str | None = None  # the snapshot it was restored from
     snapshots: list[str] = field(default_factory=list)
     calls: int = 0
     ended: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def info(self) -> dict[str, object]:
-        return {"id": self.id, "vm_id": self.record.vm_id, "repository": self.record.repository,
-                "template": self.record.command, "base": self.base,
-                "expires_in": max(0.0, round(self.expires - time.monotonic(), 1)),
-                "accel": self.vm.accel, "ready_ms": self.record.timings.vm_ready_ms}
 
 
 class SandboxDesk:
@@ -215,12 +222,12 @@ class SandboxDesk:
         base: a snapshot whose last sandbox ends while a fork of it is being restored stays until then
         (its files removed under the restore made it fail with a 500, or run on deleted files)."""
         hold = "create-" + secrets.token_hex(8)  # a user of the base until the new sandbox is made or has failed
-        template = self._template(owner, request, hold)
+        source = self._source(owner, request, hold)
         try:
             policy = self._policy(request)
             self._reserve(owner)
             try:
-                sandbox, token = self._start(owner, request, template, policy)
+                sandbox, token = self._start(owner, request, source, policy)
             finally:
                 with self._lock:
                     self._starting[owner.key] -= 1
@@ -230,16 +237,16 @@ class SandboxDesk:
             self._release_snapshots(hold)
         return sandbox, token
 
-    def _template(self, owner: Owner, request: SandboxRequest, hold: str) -> str:
+    def _source(self, owner: Owner, request: SandboxRequest, hold: str) -> Source:
         if request.base is None:
-            return request.template
+            return Source(request.template, request.template)
         with self._lock:
             snapshot = self._snapshots.get(request.base)
             if snapshot is None or snapshot.owner != owner:
                 raise SandboxNotFound(f"base {request.base[:80]!r}: no snapshot of yours by that name (a snapshot "
                                       "lives as long as its sandbox or a sandbox restored from it)")
             snapshot.users.add(hold)
-        return snapshot.name
+        return Source(snapshot.name, snapshot.template)
 
     def _policy(self, request: SandboxRequest) -> Policy:
         from runner.service.jobs.egress import EgressPolicyError
@@ -266,20 +273,20 @@ class SandboxDesk:
                                    "sandboxes.max_per_caller); destroy one first")
             self._starting[owner.key] = self._starting.get(owner.key, 0) + 1
 
-    def _start(self, owner: Owner, request: SandboxRequest, template: str,
+    def _start(self, owner: Owner, request: SandboxRequest, source: Source,
                policy: Policy) -> tuple[LiveSandbox, str]:
         sandbox_id = "j" + secrets.token_hex(8)
         job_dir = self.config.jobs_dir / sandbox_id
         record = JobRecord(id=sandbox_id, state=JobState.STARTING, repository=self.settings.repository, sha="",
                            run_id=None, run_attempt=None, job_name="sandbox", policy_digest=policy.digest(),
                            warm=request.base is not None,
-                           command=f"sandbox of {owner.key} from {request.base or template}")
+                           command=f"sandbox of {owner.key} from {source.restore}")
         job_dir.mkdir(mode=0o700)
         job_log = JobLog(job_dir / LOG, self.config.logs)
         self._save(record)
         started = time.monotonic()
         try:
-            vm = self._create_vm(vm_request(self.config, template=template,
+            vm = self._create_vm(vm_request(self.config, template=source.restore,
                                             ttl_seconds=request.ttl_seconds + _TTL_MARGIN_SECONDS, policy=policy,
                                             job_id=sandbox_id))
         except BaseException as exc:
@@ -295,11 +302,11 @@ class SandboxDesk:
         record.state, record.vm_id = JobState.RUNNING, vm.id
         record.timings.vm_ready_at = record.timings.started_at = time.time()
         record.timings.vm_ready_ms = ready_ms
-        job_log.system(f"sandbox VM {vm.id} ready in {ready_ms:.0f} ms from {request.base or template}; "
+        job_log.system(f"sandbox VM {vm.id} ready in {ready_ms:.0f} ms from {source.restore}; "
                        f"it lives at most {request.ttl_seconds:g} s")
         token = secrets.token_urlsafe(32)
-        sandbox = LiveSandbox(sandbox_id, owner, _digest(token), vm, record, job_log, policy,
-                              self._clock() + request.ttl_seconds, base=request.base)
+        sandbox = LiveSandbox(sandbox_id, owner, _digest(token), vm, record, job_log, policy, source.template,
+                              request.ttl_seconds, self._clock() + request.ttl_seconds, base=request.base)
         with self._lock:
             self._by_id[sandbox_id] = sandbox
             self._by_digest[sandbox.token_digest] = sandbox
@@ -307,6 +314,15 @@ class SandboxDesk:
                 self._snapshots[request.base].users.add(sandbox_id)
         self._save(record)
         return sandbox, token
+
+    def info(self, sandbox: LiveSandbox) -> SandboxInfo:
+        """What GET /v1/sandboxes/<id> and a create answer; what is left of its TTL on the reaper's clock
+        (`expires` is on it, not necessarily on time.monotonic)."""
+        record = sandbox.record
+        return SandboxInfo(id=sandbox.id, template=sandbox.template, base=sandbox.base, state=record.state.value,
+                           repository=record.repository, vm_id=record.vm_id, ttl_seconds=sandbox.ttl_seconds,
+                           expires_in=max(0.0, round(sandbox.expires - self._clock(), 1)), accel=sandbox.vm.accel,
+                           ready_ms=record.timings.vm_ready_ms)
 
     # -- finding --------------------------------------------------------------------------------------
 
@@ -405,7 +421,7 @@ class SandboxDesk:
             raise SandboxLimit(f"sandbox {sandbox.id} made its most snapshots ({self.settings.max_snapshots}, "
                                "sandboxes.max_snapshots)")
         name = f"sbx-{sandbox.id}-{len(sandbox.snapshots) + 1}"
-        snap = Snapshot(name, sandbox.owner, {sandbox.id})
+        snap = Snapshot(name, sandbox.owner, sandbox.template, {sandbox.id})
         with self._lock:
             self._snapshots[name] = snap
             sandbox.snapshots.append(name)
@@ -512,17 +528,17 @@ def clean_download(raw: BinaryIO, out: BinaryIO, max_bytes: int, globs: list[str
     return list(copied.skipped)
 
 
-def parse_listing(output: bytes) -> list[dict[str, object]]:
+def parse_listing(output: bytes) -> list[FileEntry]:
     """`find -printf '%y %s %P\\0'` output from the guest into entries, bounded and checked."""
     kinds = {"f": "file", "d": "dir", "l": "link"}
-    entries: list[dict[str, object]] = []
+    entries: list[FileEntry] = []
     for item in output.split(b"\0")[:MAX_LISTED]:
         kind, _, rest = item.partition(b" ")
         size, _, name = rest.partition(b" ")
         if not name or not size.isdigit() or len(size) > 20:
             continue
-        entries.append({"name": name.decode("utf-8", "replace")[:MAX_PATH],
-                        "type": kinds.get(kind.decode("ascii", "replace"), "other"), "size": int(size)})
+        entries.append(FileEntry(name.decode("utf-8", "replace")[:MAX_PATH],
+                                 kinds.get(kind.decode("ascii", "replace"), "other"), int(size)))
     return entries
 
 
