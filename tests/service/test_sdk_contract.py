@@ -1,0 +1,154 @@
+"""The sandbox API's contract (microvm_check/contract.py): every record comes back from its own wire form
+as it was, what comes over the wire off the contract is refused naming the field, and the module stays
+what the service may import: the standard library only, nothing declared twice."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from microvm_check import _wire, contract
+from microvm_check._wire import SandboxError
+from microvm_check.contract import (
+    CreateAnswer,
+    CreateRequest,
+    DestroyAnswer,
+    ErrorAnswer,
+    ExecEnd,
+    ExecOutput,
+    ExecRequest,
+    FileEntry,
+    Listing,
+    Route,
+    SandboxInfo,
+    SnapshotAnswer,
+    WireError,
+    exec_line,
+    sandbox_path,
+)
+
+SANDBOX = "j0123456789abcdef"
+INFO = SandboxInfo(id=SANDBOX, template="base", base="sbx-j0123456789abcdef-1", state="running",
+                   repository="org/sandboxes", vm_id="vm-1", ttl_seconds=600.0, expires_in=599.5, accel="kvm",
+                   ready_ms=41.5)
+RECORDS = [
+    CreateRequest(), CreateRequest("base", "sbx-j0123456789abcdef-1", "version: 1\n", 60.0),
+    ExecRequest("echo hi"), ExecRequest(("ls", "-l"), 30.0, "/tmp", {"A": "b"}),
+    INFO, CreateAnswer(INFO, "t" * 43),
+    ExecOutput("stderr", b"\x00\xffbytes"), ExecEnd(3, True, True, 12.5, ({"host": "example.com", "count": 2},)),
+    ErrorAnswer("sandbox j0123456789abcdef has ended: its VM failed"),
+    Listing("/workspace", (FileEntry("src", "dir", 0), FileEntry("a.txt", "file", 5)), True),
+    SnapshotAnswer("sbx-j0123456789abcdef-1"), DestroyAnswer(SANDBOX),
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_each_record_comes_back_from_its_json_as_it_was(record: object) -> None:
+    wire = json.loads(json.dumps(record.to_wire()))  # type: ignore[attr-defined]
+    assert type(record).from_wire(wire) == record  # type: ignore[attr-defined]
+
+
+def test_the_wire_keeps_the_fields_old_clients_read() -> None:
+    """JSON stays as the routes answered it before the contract: old SDKs read these keys."""
+    assert set(CreateAnswer(INFO, "t" * 43).to_wire()) >= {"id", "vm_id", "repository", "template", "base",
+                                                           "expires_in", "accel", "ready_ms", "token"}
+    assert ExecOutput("stdout", b"hi").to_wire() == {"stream": "stdout", "data": "aGk="}
+    assert set(ExecEnd(0).to_wire()) == {"exit_code", "timed_out", "truncated", "duration_ms", "blocked_egress"}
+    assert Listing("/w", (FileEntry("a", "file", 1),)).to_wire() == {
+        "path": "/w", "entries": [{"name": "a", "type": "file", "size": 1}], "truncated": False}
+    assert SnapshotAnswer("s").to_wire() == {"base": "s"}
+    assert DestroyAnswer(SANDBOX).to_wire() == {"destroyed": True, "id": SANDBOX}
+    assert CreateRequest(ttl_seconds=60).to_wire() == {"ttl_seconds": 60}
+    assert ExecRequest(["a"]).to_wire() == {"command": ["a"], "cwd": "/workspace", "env": {}}  # type: ignore[arg-type]
+
+
+OFF_CONTRACT = [  # (record, what came, the field the refusal names)
+    (SandboxInfo, [], "sandbox info"),
+    (SandboxInfo, {**INFO.to_wire(), "id": "../jobs"}, "id"),
+    (SandboxInfo, {**INFO.to_wire(), "template": 5}, "template"),
+    (SandboxInfo, {**INFO.to_wire(), "ttl_seconds": True}, "ttl_seconds"),
+    (SandboxInfo, {**INFO.to_wire(), "expires_in": float("nan")}, "expires_in"),
+    (SandboxInfo, {k: v for k, v in INFO.to_wire().items() if k != "state"}, "state"),
+    (CreateAnswer, INFO.to_wire(), "token"),
+    (CreateAnswer, {**INFO.to_wire(), "token": "x\r\nX-Other: 1" + "a" * 20}, "token"),
+    (ExecOutput, {"stream": "system", "data": ""}, "stream"),
+    (ExecOutput, {"stream": "stdout", "data": "not base64!"}, "data"),
+    (ExecEnd, {"exit_code": "0"}, "exit_code"),
+    (ExecEnd, {"exit_code": 0, "timed_out": "no"}, "timed_out"),
+    (ExecEnd, {"exit_code": 0, "blocked_egress": ["x"]}, "blocked_egress"),
+    (ErrorAnswer, {"error": ["x"]}, "error"),
+    (FileEntry, {"name": "a", "type": "socket", "size": 1}, "type"),
+    (FileEntry, {"name": "a", "type": "file", "size": -1}, "size"),
+    (FileEntry, {"name": "a" * 4097, "type": "file", "size": 1}, "name"),
+    (Listing, {"path": "/w", "entries": {}}, "entries"),
+    (SnapshotAnswer, {"base": None}, "base"),
+    (DestroyAnswer, {"destroyed": True}, "id"),
+    (CreateRequest, {"tmpl": "base"}, "unknown field(s) tmpl"),
+    (CreateRequest, {"ttl_seconds": 0}, "ttl_seconds"),
+    (CreateRequest, {"policy": "x" * (64 * 1024 + 1)}, "policy"),
+    (ExecRequest, {"command": ""}, "command"),
+    (ExecRequest, {"command": ["ls", 1]}, "command"),
+    (ExecRequest, {"command": "x" * (256 * 1024 + 1)}, "command"),
+    (ExecRequest, {"command": "ls", "timeout_seconds": -1}, "timeout_seconds"),
+    (ExecRequest, {"command": "ls", "env": {"A": 1}}, "env"),
+    (ExecRequest, {"command": "ls", "cwd": None}, "cwd"),
+]
+
+
+@pytest.mark.parametrize(("record", "data", "field"), OFF_CONTRACT,
+                         ids=[f"{r.__name__}-{f}" for r, _, f in OFF_CONTRACT])
+def test_what_comes_off_the_contract_is_refused_naming_the_field(record: type, data: object, field: str) -> None:
+    with pytest.raises(WireError) as refused:
+        record.from_wire(data)
+    assert str(refused.value).startswith(field), refused.value
+
+
+def test_an_exec_line_is_read_by_what_it_carries() -> None:
+    assert exec_line({"stream": "stdout", "data": "aGk="}) == ExecOutput("stdout", b"hi")
+    assert exec_line({"error": "gone"}) == ErrorAnswer("gone")
+    assert exec_line({"exit_code": 0}) == ExecEnd(0)
+
+
+def test_a_path_is_built_only_for_a_sandbox_id() -> None:
+    assert sandbox_path(SANDBOX, Route.FILES_LIST) == f"/v1/sandboxes/{SANDBOX}/files/list"
+    with pytest.raises(WireError):
+        sandbox_path("../../v1/jobs")
+
+
+def test_the_sdk_raises_an_answer_off_the_contract_as_a_sandbox_error() -> None:
+    """Not a KeyError or a JSONDecodeError from deep inside: the caller catches one error type."""
+    call = _wire.snapshot_call(SANDBOX)
+    for body in (b"not json", b'{"name": "s"}', b"[]"):
+        with pytest.raises(SandboxError, match="not the sandbox API's") as raised:
+            _wire.answer_of(call, body, SnapshotAnswer.from_wire)
+        assert raised.value.status is None
+    reader = _wire.ExecReader(None, 1024)
+    with pytest.raises(SandboxError, match="stream"):
+        reader.line(b'{"stream": "stdin", "data": ""}')
+    assert _wire.error_of(call, 502, b"<html>bad gateway</html>").status == 502
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_contract_imports_nothing_but_the_standard_library() -> None:
+    """The service imports it (import-linter keeps it to this one module of the SDK); an import of httpx
+    or of the SDK's clients here would bring them into the service. import-linter's graph has no
+    external packages, so this reads the module's imports."""
+    tree = ast.parse((ROOT / "microvm_check" / "contract.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported and {name.split(".")[0] for name in imported} <= sys.stdlib_module_names | {"__future__"}, \
+        imported
+
+
+def test_the_names_the_job_api_shares_are_the_same() -> None:
+    """A sandbox is a job record (its id a job id), on the job API's socket."""
+    from runner.jobapi import contract as jobapi
+
+    assert contract.DEFAULT_SOCKET == jobapi.DEFAULT_SOCKET
+    assert contract.SANDBOX_ID.pattern == jobapi.JOB_ID.pattern
