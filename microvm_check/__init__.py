@@ -11,11 +11,28 @@ It needs no root: the service decides (its `sandboxes:` config section) who may 
 which repository and with which egress, and destroys each at its TTL. `AsyncSandbox` is the same for
 asyncio. To run a VM inside your own root process instead (tests, benchmarks), use the in-process
 `runner.sandbox.Sandbox` with an engine of your own.
+
+The names below are loaded when first used: the service imports `microvm_check.contract` (the sandbox
+API's contract, standard library only), and that must not load the clients and httpx into it.
 """
 
-from microvm_check._wire import ExecResult, SandboxError, Service
-from microvm_check.aio import AsyncSandbox
-from microvm_check.client import Sandbox
-from microvm_check.contract import FileEntry, SandboxInfo
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from microvm_check._wire import ExecResult, SandboxError, Service
+    from microvm_check.aio import AsyncSandbox
+    from microvm_check.client import Sandbox
+    from microvm_check.contract import FileEntry, SandboxInfo
+
+_HOMES = {"AsyncSandbox": "aio", "ExecResult": "_wire", "FileEntry": "contract", "Sandbox": "client",
+          "SandboxError": "_wire", "SandboxInfo": "contract", "Service": "_wire"}
 __all__ = ["AsyncSandbox", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "SandboxInfo", "Service"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -144,6 +145,17 @@ def test_the_contract_imports_nothing_but_the_standard_library() -> None:
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported and {name.split(".")[0] for name in imported} <= sys.stdlib_module_names | {"__future__"}, \
         imported
+
+
+def test_the_service_importing_the_contract_loads_no_client() -> None:
+    """At run time too: the package's names load when first used, so the contract brings no httpx."""
+    probe = ("import sys, microvm_check.contract; "
+             "print(sorted(m for m in sys.modules if m.startswith(('httpx', 'microvm_check'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "['microvm_check', 'microvm_check.contract']", done.stdout
+    import microvm_check
+
+    assert all(hasattr(microvm_check, name) for name in microvm_check.__all__)
 
 
 def test_the_names_the_job_api_shares_are_the_same() -> None:

@@ -57,10 +57,10 @@ from runner.service.jobs.sandboxes import (
     SandboxRefused,
     SandboxRequest,
     clean_download,
-    from_wire,
     guest_path,
     log_output,
     parse_listing,
+    read_request,
     spool_tar,
 )
 from runner.uidrange import RUNNER_UIDS
@@ -354,7 +354,7 @@ class _ExecStream:
 
 def _exec_request(data: object, max_timeout: float) -> tuple[str | list[str], float, str, dict[str, str]]:
     """An exec's body (the contract's ExecRequest), held to this service's deadline: what VM.exec takes."""
-    request = from_wire(ExecRequest.from_wire, data)
+    request = read_request(ExecRequest.from_wire, data)
     timeout = max_timeout if request.timeout_seconds is None else request.timeout_seconds
     if timeout > max_timeout:
         raise SandboxCallError(f"timeout_seconds: expected a number above 0 and at most {max_timeout:g} "

@@ -104,7 +104,7 @@ class SandboxRequest:
 
     @classmethod
     def parse(cls, data: object, config: ServiceConfig) -> SandboxRequest:
-        wire = from_wire(CreateRequest.from_wire, data)
+        wire = read_request(CreateRequest.from_wire, data)
         if wire.size is not None:
             raise SandboxCallError("size: sandboxes run at the service's default size (size classes are for jobs); "
                                    "leave it out")
@@ -118,7 +118,7 @@ class SandboxRequest:
         return cls(template, wire.base, wire.policy, wire.ttl_seconds)
 
 
-def from_wire(parse: Callable[[object], Wire], data: object) -> Wire:
+def read_request(parse: Callable[[object], Wire], data: object) -> Wire:
     """A request body read as the contract's record by `parse` (its from_wire); one that is not is a 400."""
     try:
         return parse(data)
