@@ -190,8 +190,8 @@ def dns_allow_rule(ip: Address | str, ports: Iterable[int], protocol: str) -> st
 
 def rule_lines(chain: str, rule: Rule, target: str, match: str = "") -> list[str]:
     """`-A <chain> [match]-d <network> -p <proto> -m multiport --dports <group> -j <target>`, one line
-    per port group, for places outside the rendered documents that must agree with them (the
-    resolver's chain, the slot's guard, the host's own chains)."""
+    per port group: the one shape of a network rule, in the policy's documents and everywhere that must
+    agree with them (the resolver's chain, the slot's guard and nat table, the host's own chains)."""
     _check(rule.network is not None, f"{rule.destination} must be a network, not a host name")
     return [f"-A {chain} {match}-d {rule.network} -p {rule.protocol} -m multiport --dports {group} -j {target}"
             for group in port_groups(rule.ports)]

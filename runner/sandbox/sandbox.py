@@ -18,6 +18,7 @@ from policy.suggest import AuditRecord
 from runner import tarsafe
 from runner.errors import CommandNotStarted, SandboxOpFailed
 from runner.net.secretswap import SecretSwap
+from runner.sandbox.netclaim import claim_network
 from runner.sandbox.port import ExecResult, Resources, VMRequest
 from runner.sandbox.terminal import Terminal
 from runner.vm import checkoutdisk
@@ -118,16 +119,16 @@ class Sandbox:
 
     @classmethod
     def open(cls, request: VMRequest, engine: Engine) -> Sandbox:
-        """Restore the VM `request` asks for on `engine` (where a request becomes the engine's arguments)."""
-        vm = engine.create(
-            request.template,
-            network=request.network,
-            policy=request.policy,
-            ttl_seconds=request.ttl_seconds,
-            vcpus=request.resources.vcpus,
-            memory_mib=request.resources.memory_mib,
-            hostname=request.job_id,
-        )
+        """Restore the VM `request` asks for on `engine`, then claim its network for the request (its
+        egress policy: `runner.sandbox.netclaim`). Its `ready_ms` counts both: the job waits for both."""
+        started = time.monotonic()
+        vm = engine.create(request)
+        try:
+            claim_network(vm, request)
+        except BaseException:
+            engine.destroy(vm)
+            raise
+        vm.ready_ms = (time.monotonic() - started) * 1000  # as before the claim left the engine
         return cls(engine, vm)
 
     # ---- facts -------------------------------------------------------------------------------

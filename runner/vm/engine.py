@@ -3,6 +3,10 @@
 One engine owns one VM directory (an exclusive lock on it), so at start-up everything found
 there belongs to a dead predecessor and is swept. A reaper thread ends VMs whose TTL expired or
 whose VMM died on its own; `close()` (also at interpreter exit) ends all of them.
+
+A networked VM runs in a namespace the engine is given (a slot of its `SlotPool`), which denies all
+traffic until the VM's owner loads a policy into it: the engine knows nothing of egress policy
+(the sandbox layer's network claim, `runner.sandbox.netclaim`, loads it).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import shutil
 import threading
 import time
 import uuid
+from typing import Protocol
 
-from policy.model import DENY_ALL, Policy
 from runner.net.slots import SlotPool
 from runner.vm import cgroup, checkoutdisk
 from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient, AgentTooOld, QuiesceFailed
@@ -36,6 +40,32 @@ READY_TIMEOUT_S = 30.0
 LOCK_NAME = ".engine.lock"
 QUIESCE_S = 3.0  # docs/platform.md: a guest snapshotted while still busy gives clones that answer slowly
 QUIESCE_TIMEOUT_S = 120.0
+
+
+class ResourcesLike(Protocol):
+    """A VM's size as the engine reads it (`runner.sandbox.Resources`); None: the template's own."""
+
+    @property
+    def vcpus(self) -> int | None: ...
+    @property
+    def memory_mib(self) -> int | None: ...
+
+
+class VMRequestLike(Protocol):
+    """What the engine reads of a `runner.sandbox.VMRequest`, declared here because the VM layer sits
+    below the port that defines it: which template, with a network card or not, for how long, how big,
+    and for which job (the guest's hostname). Its policy is not the engine's to read."""
+
+    @property
+    def template(self) -> str: ...
+    @property
+    def network(self) -> bool: ...
+    @property
+    def ttl_seconds(self) -> float: ...
+    @property
+    def resources(self) -> ResourcesLike: ...
+    @property
+    def job_id(self) -> str | None: ...
 
 
 class Engine:
@@ -100,39 +130,32 @@ class Engine:
             raise SandboxError(stale)
         return template
 
-    def create(
-        self,
-        template: str,
-        *,
-        network: bool,
-        policy: Policy | None = None,
-        ttl_seconds: float = 600.0,
-        vcpus: int | None = None,
-        memory_mib: int | None = None,
-        hostname: str | None = None,
-    ) -> VM:
+    def create(self, request: VMRequestLike) -> VM:
+        """A running VM for `request`: a spare if one is ready, else restored now; given its identity.
+        A networked one is in a slot that still denies everything: its owner loads the policy."""
         started = time.monotonic()
+        template = request.template
         tpl = self.template(template)
-        _check_resources(tpl, vcpus, memory_mib)
+        _check_resources(tpl, request.resources)
         self.templates.touch(template)
-        if network and self.net is None:
+        if request.network and self.net is None:
             raise SandboxError("this engine has no networking configured; create the sandbox with network=False")
         try:
-            snapshot = tpl.snapshot(network)
+            snapshot = tpl.snapshot(request.network)
         except TemplateNotFound as exc:
             raise SandboxError(str(exc)) from None
         vm = self.pool.take(snapshot)
         try:
             if vm is None:
                 missed_at = time.monotonic()
-                vm = self._restore(snapshot, identity=False, respawn=False)  # _claim gives it its identity
+                vm = self._restore(snapshot, identity=False, respawn=False)  # _identify gives it its identity
                 self.pool.missed(snapshot, time.monotonic() - missed_at)
             else:
                 vm.machine.set_spare(False)
-            vm.expires_at = started + ttl_seconds
+            vm.expires_at = started + request.ttl_seconds
             with self._vms_lock:
                 self._vms[vm.id] = vm
-            self._claim(vm, policy, hostname or f"mvc-{vm.id[:8]}")
+            self._identify(vm, request.job_id or f"mvc-{vm.id[:8]}")
         except BaseException as exc:
             if vm is not None:
                 why = vm.describe_failure() if vm.failure else str(exc)
@@ -144,7 +167,7 @@ class Engine:
                 raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
-        # After the claim, not during it: a restore started on the same cores slows the claim (measured).
+        # After the identity, not during it: a restore started on the same cores slows it (measured).
         # Ahead of demand is the pool's target, which counts the arrivals expected during one refill.
         self.pool.refill(snapshot)
         self._standby.refill(snapshot)  # after a miss: the successor of the VMM its restore took
@@ -242,14 +265,9 @@ class Engine:
         made_in = template.made_in
         return made_in is None or made_in == self.state.root.resolve() or not made_in.exists()
 
-    def _claim(self, vm: VM, policy: Policy | None, hostname: str) -> None:
-        """Make a restored VM this job's: its egress policy, then its own clock, entropy and name."""
-        assert vm.agent is not None, "_restore gives every VM its agent before a job can claim it"
-        if vm.slot is not None:
-            try:
-                vm.slot.apply_policy(policy if policy is not None else DENY_ALL)
-            except Exception as exc:  # the guest must not run on with an unknown ruleset
-                raise SandboxError(f"the egress policy could not be loaded into the VM's network: {exc}") from exc
+    def _identify(self, vm: VM, hostname: str) -> None:
+        """Make a restored VM this job's: its own clock, entropy and name."""
+        assert vm.agent is not None, "_restore gives every VM its agent before a job can take it"
         vm.agent.identity(hostname=_hostname(hostname), vm_id=vm.id, timeout=READY_TIMEOUT_S)
 
     def _restore(self, snapshot: Snapshot, identity: bool = True, respawn: bool = True) -> VM:
@@ -259,10 +277,10 @@ class Engine:
         restored guest costs 100-300 ms of translation; doing that here, before any job owns the VM,
         is what lets the warm pool hand out VMs that answer in milliseconds; the checkout's
         paths are rehearsed too (runner/vm/checkoutdisk.py). A networked VM's slot
-        denies all traffic from its creation until `_claim` loads the job's policy, so the guest
-        never runs unfiltered. `identity=False` skips the placeholder identity for a VM that is
-        claimed right away (a pool miss): `_claim` sends the real one. `respawn=False` leaves spawning
-        the next VMM ahead to the caller (a miss: after its claim, which a QEMU starting beside it slowed).
+        denies all traffic from its creation until the VM's owner loads a policy into it, so the
+        guest never runs unfiltered. `identity=False` skips the placeholder identity for a VM that is
+        taken right away (a pool miss): `_identify` sends the real one. `respawn=False` leaves spawning
+        the next VMM ahead to the caller (a miss: after its identity, which a QEMU starting beside it slowed).
         """
         vm = self._spawn(snapshot)
         try:
@@ -278,7 +296,7 @@ class Engine:
             if identity:
                 vm.agent.identity(hostname="microvm", vm_id=vm.id, timeout=READY_TIMEOUT_S)
             vm.agent.exec({"argv": ["true"], "cwd": "/"}, lambda stream, data: None, timeout=READY_TIMEOUT_S)
-            if identity:  # a pooled VM; a pool miss is claimed at once, rehearsing would only add time
+            if identity:  # a pooled VM; a pool miss is taken at once, rehearsing would only add time
                 checkoutdisk.rehearse(vm, self._rehearsal_image, READY_TIMEOUT_S)
         except BaseException:
             vm.destroy()
@@ -426,13 +444,15 @@ def _memory_cap(snapshot: Snapshot) -> int:
     return int(available_kib * MEMORY_SHARE_FOR_SPARES) // (snapshot.config.memory_mib * 1024)
 
 
-def _check_resources(tpl: Template, vcpus: int | None, memory_mib: int | None) -> None:
+def _check_resources(tpl: Template, resources: ResourcesLike) -> None:
     """A restore has exactly the template's CPUs and memory; asking for others is an error, not a surprise."""
-    m = tpl.manifest
+    m, vcpus, memory_mib = tpl.manifest, resources.vcpus, resources.memory_mib
     if vcpus is not None and vcpus != m["vcpus"]:
-        raise SandboxError(f"template {tpl.name!r} has {m['vcpus']} vCPU(s), not {vcpus}: bake a template with a recipe that asks for {vcpus}")
+        raise SandboxError(f"template {tpl.name!r} has {m['vcpus']} vCPU(s), not {vcpus}: "
+                           f"bake a template with a recipe that asks for {vcpus}")
     if memory_mib is not None and memory_mib != m["memory_mib"]:
-        raise SandboxError(f"template {tpl.name!r} has {m['memory_mib']} MiB of memory, not {memory_mib}: bake a template with a recipe that asks for {memory_mib}")
+        raise SandboxError(f"template {tpl.name!r} has {m['memory_mib']} MiB of memory, not {memory_mib}: "
+                           f"bake a template with a recipe that asks for {memory_mib}")
 
 
 def _hostname(text: str) -> str:

@@ -4,7 +4,8 @@ Starting QEMU costs 45-70 ms of every restore (docs/platform.md) and, under TCG,
 restored guest another 100-300 ms of code translation. Neither depends on the job, so the pool
 pays both in the background: it keeps a few restored, never-used VMs per template variant and
 tops them up after each take. A job still gets a VM no one has used; its identity (clock,
-entropy, hostname) and egress policy are applied when it claims it.
+entropy, hostname) is given when it takes it (`Engine.create`), and its egress policy right after
+(the sandbox layer's network claim).
 
 How many: the configured size is the floor; above it the pool follows demand (`Demand`): the
 arrivals expected while one VM is prepared, plus two standard deviations of a Poisson process,

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import uuid
 
+from runner.sandbox.port import VMRequest
 from runner.vm import cgroup
 
 
 def test_an_engine_removes_its_own_cgroups_at_close(make_engine) -> None:
     engine = make_engine(pool_size=0)
     scope = cgroup.scope_for(engine.state.vms)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     assert cgroup.groups(scope) and all(p.is_dir() for p in cgroup.scope_paths(scope))
     engine.destroy(vm)
     assert cgroup.groups(scope) == []
@@ -25,7 +26,7 @@ def test_an_engine_removes_its_own_cgroups_at_close(make_engine) -> None:
 def test_a_peers_scope_keeps_the_shared_parent(make_engine) -> None:
     engine = make_engine(pool_size=0)
     scope = cgroup.scope_for(engine.state.vms)
-    engine.destroy(engine.create("base", network=False))
+    engine.destroy(engine.create(VMRequest()))
     peers = [p.parent / ("peer" + uuid.uuid4().hex[:8]) for p in cgroup.scope_paths(scope)]
     try:
         for peer in peers:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from runner.commands import doctor as cli
+from runner.sandbox.port import VMRequest
 from runner.vm import cgroup, jail, qemu
 from runner.vm.errors import VMError
 
@@ -48,7 +49,7 @@ def _wait_exit(machine, timeout: float = 30.0) -> int | None:
 
 def test_restored_qemu_is_unprivileged_sandboxed_and_in_a_limited_cgroup(make_engine, template_store):
     engine = make_engine(pool_size=0)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     pid = vm.machine.pid
     status = _status(pid)
     uid = int(status["Uid"].split()[0])
@@ -81,7 +82,7 @@ def test_restored_qemu_is_unprivileged_sandboxed_and_in_a_limited_cgroup(make_en
 
 def test_a_qemu_that_tries_to_exec_is_killed_by_seccomp(make_engine):
     engine = make_engine(pool_size=0)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     # An outgoing migration to "exec:" makes QEMU fork and exec a shell: what an escaped guest would do.
     with pytest.raises(VMError, match="QMP migrate failed"):
         vm.machine.qmp("migrate", uri="exec:/bin/true")
@@ -160,7 +161,7 @@ def test_restored_qemu_inherits_no_environment_cwd_or_capability_bound_from_the_
     monkeypatch.setenv("GITHUB_TOKEN", "ghs_secret")
     monkeypatch.setenv("MICROVM_CHECK_APP_KEY", "/etc/microvm-check/app.pem")
     engine = make_engine(pool_size=0)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     pid = vm.machine.pid
     assert _environ(pid) == {}
     assert os.readlink(f"/proc/{pid}/cwd") == "/"
@@ -175,7 +176,7 @@ def test_restored_qemu_cannot_open_connections_on_the_hosts_network(make_engine)
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
     engine = make_engine(pool_size=0)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     try:
         assert os.readlink(f"/proc/{vm.machine.pid}/ns/net") != os.readlink("/proc/self/ns/net")
         with pytest.raises(VMError, match="QMP chardev-add failed"):
@@ -219,8 +220,8 @@ def test_one_vms_qemu_cannot_reach_another_vms_qemu(make_engine):
     """Every VMM has a uid of its own: one cannot signal, trace or open the files of another (here:
     VM a's QEMU asked to open VM b's writable disk overlay through /proc/<b>/fd)."""
     engine = make_engine(pool_size=0)
-    a = engine.create("base", network=False)
-    b = engine.create("base", network=False)
+    a = engine.create(VMRequest())
+    b = engine.create(VMRequest())
     try:
         assert _status(a.machine.pid)["Uid"] != _status(b.machine.pid)["Uid"]
         overlay = f"/proc/{b.machine.pid}/fd/{_fd_of(b.machine.pid, 'disk.qcow2')}"
@@ -267,7 +268,7 @@ def test_a_vmm_cannot_write_files_larger_than_its_disk(need_root, tmp_path):
 
 def test_restored_qemu_file_size_limit_is_its_disk_plus_metadata(make_engine):
     engine = make_engine(pool_size=0)
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     limits = Path(f"/proc/{vm.machine.pid}/limits").read_text().splitlines()
     soft, hard = next(line for line in limits if line.startswith("Max file size")).split()[3:5]
     assert int(soft) == int(hard) == vm.snapshot.disk.stat().st_size + jail.FILE_SIZE_SLACK

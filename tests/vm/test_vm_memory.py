@@ -7,13 +7,14 @@ import argparse
 import re
 
 from runner.commands import doctor
+from runner.sandbox.port import VMRequest
 from runner.vm import memory
 
 
 def test_doctor_reports_the_pss_of_running_vms_by_accelerator(make_engine, tmp_path, monkeypatch, capsys) -> None:
     engine = make_engine(pool_size=0)
     assert memory.describe(engine.state.vms) == "PSS: kvm none running, tcg none running"
-    vms = [engine.create("base", network=False) for _ in range(2)]
+    vms = [engine.create(VMRequest()) for _ in range(2)]
     accel = vms[0].snapshot.config.accel
     found = memory.by_accel(engine.state.vms)
     assert list(found) == [accel] and found[accel].vms == 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from runner.sandbox.port import VMRequest
+
 WAIT_S = 120.0  # a bound for a loaded machine, not a timing
 
 
@@ -84,6 +86,6 @@ def test_spares_yield_the_cpu_to_the_jobs_vms_until_claimed(make_engine) -> None
     (spare,) = engine.pool._ready[snapshot]
     (ahead,) = engine._standby._ready[snapshot]
     assert _cpu_share(spare) == _cpu_share(ahead) == cgroup.SPARE_CPU_WEIGHT
-    vm = engine.create("base", network=False)
+    vm = engine.create(VMRequest())
     assert vm is spare and _cpu_share(vm) == cgroup.JOB_CPU_WEIGHT
     engine.destroy(vm)

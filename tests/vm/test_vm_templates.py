@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
+from runner.sandbox.port import VMRequest
 from runner.vm import guestwire as P
 from runner.vm.templates import TemplateNotFound, TemplateStore, stale_agent
 from vmimages.recipe import Recipe, RecipeError
@@ -122,7 +123,7 @@ def test_the_engine_never_restores_a_template_whose_agent_is_older(tmp_path: Pat
     engine = Engine(StateDir(tmp_path / "state"), templates=store, hypervisor=QemuOfTheManifests(), pool_size=0)
     try:
         with pytest.raises(SandboxError, match="^template 'base' .* lacks 'quiesce'.*template build base'$"):
-            engine.create("base", network=False)
+            engine.create(VMRequest())
         assert engine.live() == [] and [p.name for p in engine.state.vms.iterdir()] == [".engine.lock"]
         baked(tmp_path / "templates", "base", sorted(P.OPS))
         assert engine.template("base").agent_ops == P.OPS
