@@ -8,7 +8,7 @@ import pytest
 from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobAPIError
-from runner.service.api import jobroutes
+from runner.service.api import paths
 
 
 def raw(path: str, request: bytes) -> bytes:
@@ -41,7 +41,7 @@ def test_a_refusal_to_head_has_no_body(api) -> None:
     ("/v1/jobs/j0123456789abcdef/nothing", None),
 ])
 def test_job_routes_match_the_whole_path(path: str, route: tuple[str, str] | None) -> None:
-    assert jobroutes.job_route(path) == route
+    assert paths.job_route(path) == route
 
 
 def test_a_checkout_cut_inside_a_member_is_refused_at_upload(api) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import grp
 import json
 import logging
-import os
 import pwd
 import socket
 import threading
@@ -24,20 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import h11
-
 from runner.jobapi import termwire
 from runner.sandbox.terminal import Terminal
 from runner.service.api.refusals import BadRequest
 from runner.service.api.termfilter import TerminalFilter
-from runner.service.jobs.auth import Caller, Forbidden, peer_ids
+from runner.service.jobs.auth import Caller, Forbidden, in_group, peer_ids
 from runner.service.jobs.job import JobRun
 from runner.service.jobs.service import JobStateConflict
 from runner.uidrange import RUNNER_UIDS
 from runner.vm.guestwire import PTY_MAX_SIDE, PTY_SIGNALS
 
 if TYPE_CHECKING:
-    from runner.service.api.handler import Handler
+    from runner.service.api.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +76,7 @@ def who_may_attach(caller: Caller, sock: socket.socket | None, attach_group: str
             account, group_id = pwd.getpwuid(uid), grp.getgrnam(attach_group).gr_gid
         except KeyError:
             account = None
-        if account is not None and uid not in RUNNER_UIDS and (
-                gid == group_id or group_id in os.getgrouplist(account.pw_name, gid)):
+        if account is not None and uid not in RUNNER_UIDS and in_group(uid, gid, group_id):
             return f"{account.pw_name} (uid {uid})"
     allowed = f"and members of group {attach_group!r} (attach_group)" if attach_group else "alone"
     raise Forbidden(f"{caller.who} may not attach a terminal to a job's VM: the operator may, {allowed}; "
@@ -190,29 +186,23 @@ class Session:
                 raise
 
 
-def switch(h: Handler) -> tuple[socket.socket, bytes]:
+def switch(ex: Exchange) -> tuple[socket.socket, bytes]:
     """Answer 101 (the request asked for UPGRADE); the raw socket and what the client sent after its head."""
-    if h.headers.get("Upgrade", "").lower() != termwire.UPGRADE:
+    if ex.headers.get("Upgrade", "").lower() != termwire.UPGRADE:
         raise BadRequest(f"a terminal is an HTTP/1.1 Upgrade to {termwire.UPGRADE!r} (microvm-check jobs attach)")
-    h._answered = 101
-    h._send(h11.InformationalResponse(status_code=101, headers=[("Upgrade", termwire.UPGRADE),
-                                                                ("Connection", "Upgrade")]))
-    h.close_connection = True
-    return h._sock, h._parser.trailing_data[0]
+    return ex.upgrade(termwire.UPGRADE)
 
 
-def attach(h: Handler, job: Callable[[], JobRun], query: dict[str, list[str]], caller: Caller,
-           attach_group: str | None) -> None:
+def attach(ex: Exchange, job: Callable[[], JobRun], caller: Caller, attach_group: str | None) -> None:
     """The whole life of one attached session, on the request's worker; who may is decided before the job
     is looked up, so the refused learn nothing of it."""
-    sock = h._sock if h.server.kind == "unix" else None
-    who = who_may_attach(caller, sock, attach_group)
-    ask = SessionAsk.of(query)
+    who = who_may_attach(caller, ex.peer(), attach_group)
+    ask = SessionAsk.of(ex.query)
     run = job()
     terminal = open_terminal(run, ask)
     try:
         run.log.system(f"terminal session attached by {who}: {' '.join(ask.argv)[:200]}")
-        raw, buffered = switch(h)
+        raw, buffered = switch(ex)
         Session(raw, buffered, terminal, run, who).serve()
     finally:
         terminal.close()

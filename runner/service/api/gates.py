@@ -5,6 +5,7 @@ job tokens are all in the head). The fleet's hooks are urgent: they take the res
 from __future__ import annotations
 
 import hmac
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -12,28 +13,30 @@ from urllib.parse import urlsplit
 from runner.errors import JobError
 from runner.httpserve import Head, Refusal
 from runner.jobapi.contract import JOB_TOKEN_HEADER, RUNNER_TOKEN_HEADER
-from runner.service.api import page, sandboxroutes
-from runner.service.api.jobroutes import job_route
+from runner.service.api import page, paths, sandboxroutes
+from runner.service.api.paths import TCP, UNIX, Check, Found
 from runner.service.api.refusals import status_of
-from runner.service.api.webroutes import is_web_path
 from runner.service.jobs.auth import Access, Caller, Forbidden
 
 if TYPE_CHECKING:
     from runner.service.jobs.sandboxes import SandboxDesk
     from runner.service.jobs.service import JobService
 
-HOOK_PATHS = frozenset({"/v1/runner/job-started", "/v1/runner/job-completed"})
 
+def urgent_on(listener: str) -> Callable[[Head], bool]:
+    """The routes the table calls urgent (the fleet's hooks) take the reserved workers and go first."""
 
-def urgent(head: Head) -> bool:
-    """The fleet's hooks take the reserved workers and go first: a job must always be reported."""
-    return urlsplit(head.target).path in HOOK_PATHS
+    def urgent(head: Head) -> bool:
+        found = paths.find(head.method, urlsplit(head.target).path, listener)
+        return found is not None and found.route.urgent
+    return urgent
 
 
 def caller_gate(service: JobService, tcp: bool, sandboxes: Callable[[], SandboxDesk | None] = lambda: None
                 ) -> Callable[[Head], Refusal | None]:
     """Who is asking, and may they send this body, decided on the head (peer credentials, runner and job
-    tokens are all in it): a body is never read for a caller that would be refused after it."""
+    tokens are all in it): a body is never read for a caller that would be refused after it. What is
+    checked is the path table's (runner/service/api/paths.py)."""
     access = service.access
 
     def gate(head: Head) -> Refusal | None:
@@ -43,27 +46,35 @@ def caller_gate(service: JobService, tcp: bool, sandboxes: Callable[[], SandboxD
             # a POST's body is JSON, parsed whole: by its length the connection loop reads it within its
             # caller's budget (issue 40); a chunked one would be read and parsed by a worker outside it
             return Refusal(411, "a POST body needs its Content-Length (chunked bodies are for the PUT uploads)")
-        path = urlsplit(head.target).path
+        found = paths.find(head.method, urlsplit(head.target).path, TCP if tcp else UNIX)
         runner_token = head.headers.get(RUNNER_TOKEN_HEADER)
         try:
             if tcp:
-                caller = access.tcp_caller(runner_token)
+                caller, sock = access.tcp_caller(runner_token), None
             else:
                 assert head.peer is not None
-                caller = access.unix_caller(head.peer.sock, runner_token)
-            if path in HOOK_PATHS:
-                access.require_runner(caller)
-            elif path == "/v1/jobs":
-                _may_submit(access, caller)
-            elif (route := job_route(path)) is not None and route[1] in ("/checkout", "/cancel"):
-                access.require_job(caller, route[0], head.headers.get(JOB_TOKEN_HEADER))
-            elif (desk := sandboxes()) is not None and sandboxroutes.route(path) is not None:
-                sandboxroutes.vet(desk, access, caller, None if tcp else head.peer.sock, path,  # type: ignore[union-attr]
-                               head.headers.get(sandboxroutes.SANDBOX_TOKEN_HEADER))
+                caller, sock = access.unix_caller(head.peer.sock, runner_token), head.peer.sock
+            if found is not None:
+                _check(found, head, access, caller, sock, sandboxes())
         except JobError as exc:
             return Refusal(status_of(exc), str(exc))
         return None
     return gate
+
+
+def _check(found: Found, head: Head, access: Access, caller: Caller, sock: socket.socket | None,
+           desk: SandboxDesk | None) -> None:
+    """The route's check (Check), raising its refusal."""
+    check = found.route.check
+    if check is Check.RUNNER:
+        access.require_runner(caller)
+    elif check is Check.SUBMIT:
+        _may_submit(access, caller)
+    elif check is Check.JOB:
+        access.require_job(caller, found.params["id"], head.headers.get(JOB_TOKEN_HEADER))
+    elif check is Check.SANDBOX and desk is not None:  # without sandboxes, the route answers 404
+        sandboxroutes.vet(desk, access, caller, sock, found.params["path"],
+                          head.headers.get(sandboxroutes.SANDBOX_TOKEN_HEADER))
 
 
 def _may_submit(access: Access, caller: Caller) -> None:
@@ -97,12 +108,16 @@ def token_gate(token: str, then: Callable[[Head], Refusal | None] = lambda head:
 
 
 def _web_token_ok(head: Head, expected: bytes) -> bool:
-    """The page's other ways to show the token (page.py): its cookie or `?token=`, on GET/HEAD of /ui only,
-    so a cookie a browser sends along can never reach a route that changes anything."""
+    """The page's other ways to show the token (page.py): its cookie or `?token=`, on GET/HEAD of the routes
+    the table lets take it (the page, never /metrics) only, so a cookie a browser sends along can never reach
+    a route that changes anything but a job's cancel button (its form's CSRF token is checked too)."""
     path = urlsplit(head.target).path
+    found = paths.find(head.method, path, TCP)
+    if found is None or not found.route.page_token:
+        return False
     ui = page.ui_job_route(path)
-    cancel = head.method == "POST" and ui is not None and ui[1] == "/cancel"  # its form's CSRF token is checked too
-    if not (head.method in ("GET", "HEAD") or cancel) or path == "/metrics" or not is_web_path(path):
+    cancel = head.method == "POST" and ui is not None and ui[1] == "/cancel"
+    if not (head.method in ("GET", "HEAD") or cancel):
         return False
     offered = page.cookie_token(head.headers.get("Cookie", "")) or page.query_token(head.target)
     return offered is not None and hmac.compare_digest(offered.encode(), expected)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from runner.httpserve import parse_decimal
@@ -26,19 +25,10 @@ from runner.service.jobs.auth import Caller
 from runner.service.jobs.joblog import LogCursor
 
 if TYPE_CHECKING:
-    from runner.service.api.handler import Handler
+    from runner.service.api.exchange import Exchange
 
 _CHUNK = 1024 * 1024
 HEARTBEAT_SECONDS = 15.0  # an empty line on a silent log stream (docs/job-api.md)
-# Used with fullmatch: `$` also matches before a trailing newline, so "/v1/jobs/<id>\n" would be routed
-# (and the id may hold no whitespace, so the newline cannot become part of it either).
-_ROUTE = re.compile(r"/v1/jobs/(?P<id>[^/\s]+)(?P<rest>/checkout|/logs|/artifacts|/attestation|/cancel|/terminal)?")
-
-
-def job_route(path: str) -> tuple[str, str] | None:
-    """(job id, sub-route such as "/logs" or "") for a path under /v1/jobs/<id>, else None."""
-    match = _ROUTE.fullmatch(path)
-    return (match.group("id"), match.group("rest") or "") if match else None
 
 
 def int_param(query: dict[str, list[str]], name: str, default: int, low: int, high: int) -> int:
@@ -52,50 +42,59 @@ def int_param(query: dict[str, list[str]], name: str, default: int, low: int, hi
     return value
 
 
+def collection(ex: Exchange, params: Mapping[str, str]) -> None:
+    """/v1/jobs (runner/service/api/paths.py)."""
+    JobRoutes(ex).collection(ex.caller())
+
+
+def job(ex: Exchange, params: Mapping[str, str]) -> None:
+    """/v1/jobs/<id> and its calls (runner/service/api/paths.py)."""
+    JobRoutes(ex).answer(params["id"], params["rest"], ex.caller())
+
+
 class JobRoutes:
-    """Answers one request on a job route, for the API's Handler."""
+    """Answers one request on a job route."""
 
-    def __init__(self, handler: Handler) -> None:
-        self.h = handler
+    def __init__(self, exchange: Exchange) -> None:
+        self.h = exchange
 
-    def collection(self, method: str, query: dict[str, list[str]], caller: Caller) -> None:
+    def collection(self, caller: Caller) -> None:
         """POST /v1/jobs submits a spec; GET lists the jobs (the operator's)."""
-        h = self.h
+        h, method = self.h, self.h.method
         if method == "POST":
-            record, token, session_token = h.service.submit_as(caller, h._json_body(),
+            record, token, session_token = h.service.submit_as(caller, h.json_body(),
                                                                h.headers.get(SESSION_TOKEN_HEADER))
-            return h._send_json(201, JobSummary(record.id, record.state, token, session_token).to_wire())
+            return h.send_json(201, JobSummary(record.id, record.state, token, session_token).to_wire())
         h.service.access.require_operator(caller, "listing all jobs")
-        limit = int_param(query, "limit", LIST_DEFAULT, 1, LIST_MAX)
-        h._send_json(200, {"jobs": [r.to_wire() for r in h.service.list(limit)]})
+        limit = int_param(h.query, "limit", LIST_DEFAULT, 1, LIST_MAX)
+        h.send_json(200, {"jobs": [r.to_wire() for r in h.service.list(limit)]})
 
-    def answer(self, method: str, path: str, job_id: str, rest: str, query: dict[str, list[str]],
-               caller: Caller) -> None:
-        h = self.h
+    def answer(self, job_id: str, rest: str, caller: Caller) -> None:
+        h, method, query = self.h, self.h.method, self.h.query
         if (method, rest) == ("GET", "/terminal"):  # never with the job's token: the operator's, or attach_group's
-            return attach(h, lambda: h.service.run_of(job_id), query, caller, h.service.config.attach_group)
+            return attach(h, lambda: h.service.run_of(job_id), caller, h.service.config.attach_group)
         handler = {
-            ("GET", ""): lambda: h._send_json(200, h.service.get(job_id).to_wire()),
+            ("GET", ""): lambda: h.send_json(200, h.service.get(job_id).to_wire()),
             ("PUT", "/checkout"): lambda: self.checkout(job_id, follow=int_param(query, "follow", 0, 0, 1) == 1),
             ("GET", "/logs"): lambda: self.logs(job_id, int_param(query, "after", 0, 0, MAX_LOG_SEQ),
                                                 follow=int_param(query, "follow", 1, 0, 1) == 1),
             ("GET", "/artifacts"): lambda: self.artifacts(job_id),
             ("GET", "/attestation"): lambda: h.respond(200, h.service.attestation(job_id),
                                                        {"Content-Type": "application/vnd.in-toto+json"}),
-            ("POST", "/cancel"): lambda: h._send_json(202, h.service.cancel(job_id).to_wire()),
+            ("POST", "/cancel"): lambda: h.send_json(202, h.service.cancel(job_id).to_wire()),
         }.get((method, rest))
         if handler is None:
-            raise MethodNotAllowed(f"{method} is not allowed on {path}")
+            raise MethodNotAllowed(f"{method} is not allowed on {h.path}")
         h.service.access.require_job(caller, job_id, h.headers.get(JOB_TOKEN_HEADER))
         handler()
 
     def checkout(self, job_id: str, follow: bool = False) -> None:
         """202 and the job's summary; with `follow=1` the job's log stream instead, as GET .../logs answers it:
         a client that uploads and then follows (run, the action) needs no request of its own for the stream."""
-        record = self.h.service.put_checkout(job_id, self.h._body())
+        record = self.h.service.put_checkout(job_id, self.h.body())
         if follow:
             return self.logs(job_id, 0)
-        self.h._send_json(202, JobSummary(record.id, record.state).to_wire())
+        self.h.send_json(202, JobSummary(record.id, record.state).to_wire())
 
     def logs(self, job_id: str, after: int, follow: bool = True) -> None:
         """The log from seq `after` on, live until the job ends (`follow=0`: what is written so far)."""

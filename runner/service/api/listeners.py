@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING
 from runner.errors import ConfigError
 from runner.httpserve import BoundedHTTPServer, Limits, listen_tcp
 from runner.jobapi.contract import MAX_JSON_BODY
-from runner.service.api.gates import caller_gate, token_gate, urgent
+from runner.service.api.exchange import Listener
+from runner.service.api.gates import caller_gate, token_gate, urgent_on
 from runner.service.api.handler import Handler
 from runner.service.api.metrics import JobMetrics
+from runner.service.api.paths import TCP, UNIX
 
 if TYPE_CHECKING:
     from runner.service.github.desk import RunnerDesk
@@ -58,17 +60,8 @@ def _error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode() + b"\n"
 
 
-def _no_host_status() -> dict[str, object]:
-    return {}
-
-
-class UnixApiServer(BoundedHTTPServer):
-    kind = "unix"  # which listener: its requests' label in the metrics
-    token: str | None = None  # the TCP listener's alone
-    host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)  # GET /v1/status; set by ApiServers
-    desk: RunnerDesk | None = None  # the runners' job hooks (POST /v1/runner/...); set by ApiServers
-    metrics: JobMetrics | None = None  # the requests it answers are counted there; set by ApiServers
-    sandboxes: SandboxDesk | None = None  # the interactive sandboxes (runner/service/api/sandboxroutes.py); set by ApiServers
+class UnixApiServer(Listener):
+    kind = UNIX
 
     def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
         self.service, self.path = service, path
@@ -92,7 +85,7 @@ class UnixApiServer(BoundedHTTPServer):
                 os.unlink(path)
                 raise ConfigError(f"socket_group: no group named {group!r} on this host (create it or fix the config)") from None
         super().__init__(listener, Handler, limits, name="api-unix", error_body=_error_body,
-                         gate=caller_gate(service, tcp=False, sandboxes=lambda: self.sandboxes), urgent=urgent)
+                         gate=caller_gate(service, tcp=False, sandboxes=lambda: self.sandboxes), urgent=urgent_on(UNIX))
 
     def close(self) -> None:
         super().close()
@@ -102,11 +95,8 @@ class UnixApiServer(BoundedHTTPServer):
             pass
 
 
-class TcpApiServer(BoundedHTTPServer):
-    kind = "tcp"
-    host_status: Callable[[], dict[str, object]] = staticmethod(_no_host_status)
-    desk: RunnerDesk | None = None
-    sandboxes: SandboxDesk | None = None
+class TcpApiServer(Listener):
+    kind = TCP
 
     def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
                  metrics: JobMetrics | None = None) -> None:
@@ -114,7 +104,7 @@ class TcpApiServer(BoundedHTTPServer):
         self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
         super().__init__(listen_tcp(*address), Handler, limits, name="api-tcp", error_body=_error_body,
                          gate=token_gate(token, caller_gate(service, tcp=True, sandboxes=lambda: self.sandboxes)),
-                         urgent=urgent)
+                         urgent=urgent_on(TCP))
 
 
 def _prepare_socket_path(path: Path) -> None:

@@ -6,12 +6,15 @@ a token. Its parts, each in its own module:
 - `listeners.py`: the Unix and TCP servers (`ApiServers`), on `runner.httpserve` (h11 parses and frames
   the HTTP/1.1; heads are read by one selector thread under overall deadlines, at most MAX_WORKERS
   requests are served at once);
+- `paths.py`: the path table: each route's path, its listeners, the resource that answers it and what
+  the gate checks on its head; the gate and the Handler both read it;
 - `gates.py`: what is decided on a request's head, before any body is read or a worker is taken (the TCP
   token, the caller's right to send that body);
 - `handler.py`: one request (its body, its answer, a refusal turned into its status here, the metrics);
-- `routes.py`: which path goes to which resource: `jobroutes.py` (/v1/jobs: submit, checkout, logs,
-  artifacts, attestation, cancel), `sandboxapi.py` (/v1/sandboxes), `webroutes.py` (the page and
-  /metrics on TCP), and the runners' job hooks and the host's status in `routes.py` itself.
+  routes see it as an `exchange.Exchange`, never the Handler itself;
+- the resources: `jobroutes.py` (/v1/jobs: submit, checkout, logs, artifacts, attestation, cancel; the
+  terminal in `attach.py`), `sandboxroutes.py` (/v1/sandboxes), `webroutes.py` (the page and /metrics on
+  TCP), `hostroutes.py` (health, the attestation key, the host's status, the runners' job hooks).
 
 Bodies are streamed both ways: a checkout goes straight from the socket to the job's spool file, logs are
 a chunked NDJSON stream copied from the job's log file, artifacts are copied from disk in chunks. See

@@ -27,7 +27,7 @@ import os
 import pwd
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from microvm_check.contract import (
@@ -66,7 +66,7 @@ from runner.service.jobs.sandboxes import (
 from runner.uidrange import RUNNER_UIDS
 
 if TYPE_CHECKING:
-    from runner.service.api.handler import Handler
+    from runner.service.api.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,19 @@ def vet(desk: SandboxDesk, access: Access, caller: Caller, sock: object | None, 
         desk.find(sandbox_id, token, caller.operator)
 
 
-class SandboxRoutes:
-    """Answers one request on a sandbox route, for the API's Handler."""
+def answer(ex: Exchange, params: Mapping[str, str]) -> None:
+    """/v1/sandboxes and below (runner/service/api/paths.py), on a service that runs sandboxes."""
+    desk = ex.listener.sandboxes
+    if desk is None:
+        raise NoRoute("this service offers no interactive sandboxes (it runs no VM engine of its own)")
+    SandboxRoutes(ex, desk).answer(ex.method, params["path"], ex.query, ex.caller(), ex.peer())
 
-    def __init__(self, handler: Handler, desk: SandboxDesk) -> None:
-        self.h, self.desk = handler, desk
+
+class SandboxRoutes:
+    """Answers one request on a sandbox route."""
+
+    def __init__(self, exchange: Exchange, desk: SandboxDesk) -> None:
+        self.h, self.desk = exchange, desk
 
     def answer(self, method: str, path: str, query: dict[str, list[str]], caller: Caller, sock: object | None) -> None:
         found = route(path)
@@ -145,7 +153,7 @@ class SandboxRoutes:
             return self._create(owner)
         sandbox = self.desk.find(sandbox_id, self.h.headers.get(SANDBOX_TOKEN_HEADER), caller.operator)
         handler: Callable[[], None] | None = {
-            ("GET", Route.INFO): lambda: self.h._send_json(200, self.desk.info(sandbox).to_wire()),
+            ("GET", Route.INFO): lambda: self.h.send_json(200, self.desk.info(sandbox).to_wire()),
             ("POST", Route.EXEC): lambda: self._exec(sandbox),
             ("PUT", Route.FILES): lambda: self._write(sandbox, query),
             ("GET", Route.FILES): lambda: self._read(sandbox, query),
@@ -168,16 +176,16 @@ class SandboxRoutes:
     def _create(self, owner_key: str) -> None:
         from runner.service.jobs.sandboxes import Owner
 
-        request = SandboxRequest.parse(self.h._json_body(), self.desk.config)
+        request = SandboxRequest.parse(self.h.json_body(), self.desk.config)
         sandbox, token = self.desk.create(Owner(owner_key, owner_key == "operator"), request)
-        self.h._send_json(201, CreateAnswer(self.desk.info(sandbox), token).to_wire())
+        self.h.send_json(201, CreateAnswer(self.desk.info(sandbox), token).to_wire())
 
     def _exec(self, sandbox: object) -> None:
         from runner.service.jobs.sandboxes import LiveSandbox
 
         assert isinstance(sandbox, LiveSandbox)
         settings = self.desk.settings
-        command, timeout, cwd, env = _exec_request(self.h._json_body(), settings.exec_timeout_seconds)
+        command, timeout, cwd, env = _exec_request(self.h.json_body(), settings.exec_timeout_seconds)
         stream: _ExecStream | None = None
         try:
             with self.desk.call(sandbox) as live:
@@ -208,7 +216,7 @@ class SandboxRoutes:
             try:
                 with open(spool, "w+b") as out:
                     written = 0
-                    for chunk in self.h._body():
+                    for chunk in self.h.body():
                         written += len(chunk)
                         if written > limit:
                             self.h.close_connection = True
@@ -233,7 +241,7 @@ class SandboxRoutes:
             result = live.vm.exec(argv, timeout_seconds=60, env={}, cwd="/", capture_bytes=4 * 1024 * 1024)
         if result.exit_code != 0 and not result.stdout:
             raise SandboxCallError(f"cannot list {path}: {result.stderr[-300:].decode('utf-8', 'replace')}")
-        self.h._send_json(200, Listing(path, tuple(parse_listing(result.stdout)), result.truncated).to_wire())
+        self.h.send_json(200, Listing(path, tuple(parse_listing(result.stdout)), result.truncated).to_wire())
 
     def _upload(self, sandbox: object, query: dict[str, list[str]]) -> None:
         from runner.errors import ArchiveError
@@ -242,7 +250,7 @@ class SandboxRoutes:
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             spool = self.desk.config.jobs_dir / live.id / "upload.tar"
             try:
-                spool_tar(self.h._body(), spool, self.desk.settings.file_max_bytes)
+                spool_tar(self.h.body(), spool, self.desk.settings.file_max_bytes)
             except ArchiveError as exc:
                 self.h.close_connection = True
                 raise SandboxCallError(f"upload: {exc}") from exc
@@ -290,14 +298,14 @@ class SandboxRoutes:
     def _snapshot(self, sandbox: object) -> None:
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             name = self.desk.snapshot(live)
-        self.h._send_json(201, SnapshotAnswer(name).to_wire())
+        self.h.send_json(201, SnapshotAnswer(name).to_wire())
 
     def _destroy(self, sandbox: object) -> None:
         from runner.service.jobs.sandboxes import LiveSandbox
 
         assert isinstance(sandbox, LiveSandbox)
         self.desk.end(sandbox, JobState.FINISHED, "destroyed by its caller")
-        self.h._send_json(200, DestroyAnswer(sandbox.id).to_wire())
+        self.h.send_json(200, DestroyAnswer(sandbox.id).to_wire())
 
 
 class _ExecStream:
@@ -308,8 +316,8 @@ class _ExecStream:
     refused with its own status. Once it is out, whatever goes wrong ends the stream with an error
     line the client reads, never with a body cut short."""
 
-    def __init__(self, handler: Handler, log: Callable[[str, bytes], None], budget: int, vm: object) -> None:
-        self.h, self.log, self.left, self.vm = handler, log, budget, vm
+    def __init__(self, exchange: Exchange, log: Callable[[str, bytes], None], budget: int, vm: object) -> None:
+        self.h, self.log, self.left, self.vm = exchange, log, budget, vm
         self.over = False
         self.started = False
 

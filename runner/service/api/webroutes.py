@@ -4,6 +4,7 @@ button, whose form also carries its CSRF token."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from runner.jobapi.contract import MAX_LOG_SEQ
@@ -15,27 +16,28 @@ from runner.service.jobs.admission import TooLarge
 from runner.service.jobs.auth import Forbidden
 
 if TYPE_CHECKING:
-    from runner.service.api.handler import Handler
+    from runner.service.api.exchange import Exchange
 
 
-def is_web_path(path: str) -> bool:
-    return path == "/metrics" or path == page.PREFIX or path.startswith(page.PREFIX + "/")
+def answer(ex: Exchange, params: Mapping[str, str]) -> None:
+    """/metrics and the page under /ui, on the TCP listener (runner/service/api/paths.py)."""
+    WebRoutes(ex).answer(ex.method, params["path"], ex.query)
 
 
 class WebRoutes:
-    """Answers one request for the page or the metrics, for the API's Handler (the TCP listener's only)."""
+    """Answers one request for the page or the metrics (the TCP listener's only)."""
 
-    def __init__(self, handler: Handler) -> None:
-        self.h = handler
+    def __init__(self, exchange: Exchange) -> None:
+        self.h = exchange
 
     def _token(self) -> str:
         """The TCP listener's token: it also keys the page's CSRF tokens (page.csrf_token)."""
-        token = self.h.server.token
-        assert token is not None  # routes.py sends only the TCP listener's requests here
+        token = self.h.listener.token
+        assert token is not None  # the path table sends only the TCP listener's requests here
         return token
 
     def _metrics(self) -> JobMetrics:
-        registry = self.h.server.metrics
+        registry = self.h.listener.metrics
         assert registry is not None  # the TCP listener always has its registry
         return registry
 
@@ -80,7 +82,7 @@ class WebRoutes:
         """The job page's cancel button: a same-origin form with the page's CSRF token, then back to the page."""
         h = self.h
         form = bytearray()
-        for chunk in h._body():
+        for chunk in h.body():
             form += chunk
             if len(form) > page.MAX_FORM:
                 h.close_connection = True
