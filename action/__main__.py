@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from action import session
 from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
@@ -92,8 +92,7 @@ class JobDriver:
         dropped, record = self._relay_logs(self._send_checkout(summary.state))
         extraction = self._artifacts()
         junit = self._junit(extraction)
-        wire = record.to_wire()
-        result = Result(record=wire, exit_code=self._exit_code(wire, extraction), junit=junit,
+        result = Result(record=record, exit_code=self._exit_code(record, extraction), junit=junit,
                         artifacts=extraction.files, refused_artifacts=extraction.skipped,
                         log_dropped_bytes=dropped)
         self._report(result)
@@ -196,7 +195,7 @@ class JobDriver:
         self.artifact_trouble.append(text)
         self.out.write(annotation("warning", text) + "\n")
 
-    def _exit_code(self, record: Mapping[str, Any], extraction: Extraction) -> int:
+    def _exit_code(self, record: JobRecord, extraction: Extraction) -> int:
         """The command's exit code; with artifacts-required, 1 instead of 0 when artifacts are missing."""
         code = exit_code_of(record)
         trouble = self.artifact_trouble + [f"{name}: {why}" for name, why in extraction.skipped]
@@ -216,14 +215,14 @@ class JobDriver:
         if not extraction.files:
             return totals
         dest = self._artifact_dir()
-        for name, _size in extraction.files:
-            path = dest / name
-            if not name.endswith(".xml") or not looks_like_junit(path):
+        for artifact in extraction.files:
+            path = dest / artifact.path
+            if not artifact.path.endswith(".xml") or not looks_like_junit(path):
                 continue
             try:
                 report = read_report(path)
             except JUnitError as exc:
-                self.out.write(guest_annotation("warning", f"JUnit report {name}: {exc}") + "\n")
+                self.out.write(guest_annotation("warning", f"JUnit report {artifact.path}: {exc}") + "\n")
                 continue
             totals = totals or Totals()
             totals.add(report)
@@ -234,10 +233,10 @@ class JobDriver:
         prefix = "" if self.inputs.working_directory == "." else self.inputs.working_directory.rstrip("/") + "/"
         for line in failure_annotations(result.junit.failures if result.junit else [], prefix):
             self.out.write(line + "\n")
-        if record.get("state") == JobState.TIMED_OUT:
+        if record.state == JobState.TIMED_OUT:
             self.out.write(annotation("error", f"job timed out after {minutes(self.inputs.timeout_minutes)}") + "\n")
-        elif record.get("error"):
-            self.out.write(guest_annotation("error", f"job {record.get('state')}: {record['error']}") + "\n")
+        elif record.error:
+            self.out.write(guest_annotation("error", f"job {record.state.value}: {record.error}") + "\n")
         elif result.exit_code:
             self.out.write(annotation("error", f"command exited with {result.exit_code}") + "\n")
         self._refused_warnings(result.refused_artifacts)

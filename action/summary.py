@@ -10,26 +10,21 @@ control characters or fake table rows into the summary.
 # defines as a function (mypy rejects the redefinition). Every annotation here names a defined type.
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from action.junit import Failure, Totals
-from policy.suggest import (
+from microvm_check.entries import (
     ALWAYS_DENIED,
     BLOCK_LISTED,
-    BLOCK_LISTED_DEST,
     INTERNAL_ADDRESS,
     NAME_REFUSED,
-    REFUSED_DEST,
     REFUSED_NAME,
-    REFUSED_NAME_DEST,
     UNNAMED,
-    admitted,
-    narrowed_words,
-    suggest_policy,
+    Artifact,
+    AuditRecord,
 )
-from runner.jobapi.contract import BlockedEgress, step_exit_code
+from policy.suggest import narrowed_words, suggest_policy
+from runner.jobapi.contract import JobRecord, step_exit_code
 from runner.jobapi.workflow import annotation
 from runner.markdown import cell, code, fence, inert
 
@@ -52,10 +47,10 @@ STATE_WORDS = {
 class Result:
     """Everything the action reports about one job."""
 
-    record: Mapping[str, Any]
+    record: JobRecord
     exit_code: int
     junit: Totals | None
-    artifacts: list[tuple[str, int]]
+    artifacts: list[Artifact]  # as the action extracted them (`action.artifacts.deliver`)
     refused_artifacts: list[tuple[str, str]]
     log_dropped_bytes: int = 0
 
@@ -65,61 +60,60 @@ def minutes(value: float) -> str:
     return f"{value:g} minute" + ("" if value == 1 else "s")
 
 
-def exit_code_of(record: Mapping[str, Any]) -> int:
+def exit_code_of(record: JobRecord) -> int:
     """The step's exit status (`contract.step_exit_code`: the guest's, bounded to 0-255; 1 when the job
     failed without one, 124 when it timed out)."""
-    return step_exit_code(record.get("state"), record.get("exit_code"))
+    return step_exit_code(record.state, record.exit_code)
 
 
-def _seconds(timings: Mapping[str, object], start: str, end: str) -> str:
-    a, b = timings.get(start), timings.get(end)
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and b and b >= a:
-        return f"{b - a:.1f} s"
+def _seconds(start: float | None, end: float | None) -> str:
+    if start and end and end >= start:
+        return f"{end - start:.1f} s"
     return "–"
 
 
 def markdown(result: Result) -> str:
     record = result.record
-    timings = record.get("timings") or {}
-    state = str(record.get("state", "unknown"))
+    timings = record.timings
+    state = str(record.state.value)
     icon = "✅" if result.exit_code == 0 else "❌"
-    ready = timings.get("vm_ready_ms")
+    ready = timings.vm_ready_ms
     lines = [
         f"### {icon} microvm-check: {cell(STATE_WORDS.get(state, state))}, exit code {result.exit_code}",
         "",
         "| | |",
         "| --- | --- |",
-        f"| job | {code(record.get('id', '?'))} |",
-        f"| queued | {_seconds(timings, 'queued_at', 'started_at')} |",
-        f"| ran | {_seconds(timings, 'started_at', 'finished_at')} |",
-        f"| VM ready | {f'{ready:.0f} ms' if isinstance(ready, (int, float)) else '–'}"
-        f"{' (warm)' if record.get('warm') else ''} |",
-        f"| policy | {code(record.get('policy_digest') or '–')} |",
+        f"| job | {code(record.id)} |",
+        f"| queued | {_seconds(timings.queued_at, timings.started_at)} |",
+        f"| ran | {_seconds(timings.started_at, timings.finished_at)} |",
+        f"| VM ready | {'–' if ready is None else f'{ready:.0f} ms'}{' (warm)' if record.warm else ''} |",
+        f"| policy | {code(record.policy_digest or '–')} |",
     ]
-    if record.get("error"):
-        lines.append(f"| error | {cell(record['error'], 1000)} |")
+    if record.error:
+        lines.append(f"| error | {cell(record.error, 1000)} |")
     if result.junit is not None:
         j = result.junit
         lines.append(f"| tests | {j.passed} passed, {j.failed} failed, {j.skipped} skipped |")
     if result.log_dropped_bytes:
         lines.append(f"| log | truncated, {result.log_dropped_bytes} bytes not shown |")
-    lines += _narrowed(record.get("narrowed_egress"))
-    lines += _blocked(BlockedEgress.listed(record.get("blocked_egress")))
+    lines += _narrowed(record.narrowed_egress)
+    lines += _blocked(record.blocked_egress)
     lines += _failures(result.junit.failures if result.junit else [])
     lines += _artifacts(result.artifacts, result.refused_artifacts)
     return "\n".join(lines) + "\n"
 
 
-def _blocked(blocked: list[BlockedEgress]) -> list[str]:
+def _blocked(blocked: list[AuditRecord]) -> list[str]:
     if not blocked:
         return []
     rows = ["", "#### Blocked egress", "", "| destination | port | proto | name | count | why |",
             "| --- | --- | --- | --- | --- | --- |"]
     for entry in blocked[:MAX_ROWS]:
         port = entry.port  # None for ICMP and for refused DNS answers: no port was tried
-        rows.append(f"| {cell(_destination(entry))} | {cell('-' if port is None else port)} | "
-                    f"{cell(entry.proto)} | {cell(entry.name or '')} | {cell('' if entry.count is None else entry.count)} | "
-                    f"{_why(entry.reason)} |")
+        # The destination is never an address the resolver refused: `AuditRecord.from_wire` shows words
+        # instead (this summary is public; a fork could CNAME an allowed name to an internal one).
+        rows.append(f"| {cell(entry.dest)} | {cell('-' if port is None else port)} | "
+                    f"{cell(entry.proto)} | {cell(entry.name or '')} | {entry.count} | {_why(entry.reason)} |")
     if len(blocked) > MAX_ROWS:
         rows.append(f"| … {len(blocked) - MAX_ROWS} more | | | | | |")
     return rows + _suggestion(blocked)
@@ -130,19 +124,8 @@ def _narrowed(narrowed: object) -> list[str]:
     return [] if words is None else ["", f"> **Egress narrowed away:** {cell(words, 2000)}"]
 
 
-def _refused_answer(item: BlockedEgress) -> bool:
+def _refused_answer(item: AuditRecord) -> bool:
     return item.reason == INTERNAL_ADDRESS and item.proto == "dns"
-
-
-def _destination(item: BlockedEgress) -> str:
-    """The address dialled, but never one the resolver refused: the guest was not given it, and this
-    summary is public (a fork could CNAME an allowed name to an internal one and read a split-horizon
-    answer here). Also for a record from a service that still put it in. A refused name had none."""
-    if item.reason == REFUSED_NAME:
-        return REFUSED_NAME_DEST
-    if item.reason == BLOCK_LISTED and item.proto == "dns":
-        return BLOCK_LISTED_DEST
-    return REFUSED_DEST if _refused_answer(item) else item.dest
 
 
 def _why(reason: object) -> str:
@@ -162,12 +145,11 @@ def _why(reason: object) -> str:
     return "not in the policy"
 
 
-def _suggestion(blocked: list[BlockedEgress]) -> list[str]:
+def _suggestion(blocked: list[AuditRecord]) -> list[str]:
     """The policy that would have let the job do what it tried: how an audit run becomes a policy.
-    Only well-formed entries make it in (`policy.suggest.admitted`): they came from the guest's traffic.
+    Only names a policy loads make it in (`policy.suggest.admitted`): they came from the guest's traffic.
     A refused internal answer stays out: the table above explains it, and allowing it is a decision."""
-    entries = [item for item in blocked[:MAX_SUGGESTED] if not _refused_answer(item)]
-    records = [record for record in map(admitted, entries) if record is not None]
+    records = [item for item in blocked[:MAX_SUGGESTED] if not _refused_answer(item)]
     if not records:
         return []
     return ["", "A policy that would allow these attempts (review before adopting it):", "",
@@ -193,11 +175,11 @@ def _headline(failure: Failure) -> str:
     return lines[0] if lines else failure.kind
 
 
-def _artifacts(files: list[tuple[str, int]], refused: list[tuple[str, str]]) -> list[str]:
+def _artifacts(files: list[Artifact], refused: list[tuple[str, str]]) -> list[str]:
     rows: list[str] = []
     if files:
         rows += ["", "#### Artifacts", "", "| path | bytes |", "| --- | --- |"]
-        rows += [f"| {cell(name)} | {size} |" for name, size in files[:MAX_ROWS]]
+        rows += [f"| {cell(file.path)} | {file.size} |" for file in files[:MAX_ROWS]]
     if refused:
         rows += ["", "#### Refused artifacts", "", "| path | why |", "| --- | --- |"]
         rows += [f"| {cell(name)} | {cell(why)} |" for name, why in refused[:MAX_ROWS]]
@@ -243,11 +225,11 @@ def annotations(failures: list[Failure], prefix: str = "") -> list[str]:
 def outputs(result: Result) -> dict[str, str]:
     junit = result.junit
     payload = {
-        "record": dict(result.record),
+        "record": result.record.to_wire(),
         "exit_code": result.exit_code,
         "junit": None if junit is None else {"tests": junit.tests, "passed": junit.passed,
                                              "failed": junit.failed, "skipped": junit.skipped},
-        "artifacts": [{"path": name, "size": size} for name, size in result.artifacts],
+        "artifacts": [artifact.to_wire() for artifact in result.artifacts],
         "refused_artifacts": [{"path": name, "why": why} for name, why in result.refused_artifacts],
     }
     return {

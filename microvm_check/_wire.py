@@ -29,6 +29,7 @@ from microvm_check.contract import (
     exec_line,
     sandbox_path,
 )
+from microvm_check.entries import AuditRecord
 
 Answer = TypeVar("Answer")
 MAX_ANSWER = 16 * 1024 * 1024  # a JSON answer
@@ -55,7 +56,7 @@ class ExecResult:
     duration_ms: float
     timed_out: bool
     truncated: bool  # the service's output budget for one exec was reached: the command was killed
-    blocked_egress: list[dict[str, Any]] = field(default_factory=list)  # what the policy refused so far
+    blocked_egress: list[AuditRecord] = field(default_factory=list)  # what the policy refused so far
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class ExecReader:
             raise SandboxError("exec: the service's answer ended before the command's result")
         end = self.end
         return ExecResult(end.exit_code, b"".join(self.parts["stdout"]), b"".join(self.parts["stderr"]),
-                          end.duration_ms, end.timed_out, end.truncated, [dict(b) for b in end.blocked_egress])
+                          end.duration_ms, end.timed_out, end.truncated, list(end.blocked_egress))
 
 
 def tar_of(source: str | os.PathLike[str] | bytes) -> bytes:

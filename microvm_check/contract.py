@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from microvm_check.entries import AuditRecord
+
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"  # the job API's Unix socket (the service's `socket` setting)
 
 # -- headers ----------------------------------------------------------------------------------------
@@ -217,17 +219,18 @@ class ExecOutput:
 @dataclass(frozen=True)
 class ExecEnd:
     """An exec's last line: how its command ended. `truncated`: the output budget was reached and the
-    command killed; `blocked_egress`: what the sandbox's policy refused so far (at most MAX_BLOCKED)."""
+    command killed; `blocked_egress`: what the sandbox's policy refused so far (at most MAX_BLOCKED; an
+    entry that breaks `AuditRecord.from_wire`'s rules is left out)."""
 
     exit_code: int
     timed_out: bool = False
     truncated: bool = False
     duration_ms: float = 0.0
-    blocked_egress: tuple[Mapping[str, Any], ...] = ()
+    blocked_egress: tuple[AuditRecord, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
         return {"exit_code": self.exit_code, "timed_out": self.timed_out, "truncated": self.truncated,
-                "duration_ms": self.duration_ms, "blocked_egress": [dict(b) for b in self.blocked_egress]}
+                "duration_ms": self.duration_ms, "blocked_egress": [b.to_wire() for b in self.blocked_egress]}
 
     @classmethod
     def from_wire(cls, data: object) -> ExecEnd:
@@ -239,7 +242,8 @@ class ExecEnd:
         if not isinstance(blocked, list) or len(blocked) > MAX_BLOCKED or not all(isinstance(b, dict) for b in blocked):
             raise WireError(f"blocked_egress: expected a list of at most {MAX_BLOCKED} JSON objects")
         return cls(exit_code, _flag(data, "timed_out"), _flag(data, "truncated"),
-                   _number(data, "duration_ms", required=False, default=0.0, least=0), tuple(blocked))
+                   _number(data, "duration_ms", required=False, default=0.0, least=0),
+                   tuple(b for b in map(AuditRecord.from_wire, blocked) if b is not None))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ Public API (everything else is internal):
 - `narrowed_away(requested, effective) -> list[str]`: a job policy's entries its effective policy
   allows nothing of, in words (the job record's `narrowed_egress`).
 - `suggest_policy(records) -> str`: block-mode policy YAML that allows what an audit run tried, from
-  its `AuditRecord`s (`AuditRecord.as_json()` is a job record's `blocked_egress` entry).
+  its `AuditRecord`s (`microvm_check.entries.AuditRecord`: `to_wire()` is a job record's `blocked_egress`
+  entry, `from_wire()` reads one back).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from fnmatch import fnmatchcase
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import Literal, TypeGuard, Union
 
+from microvm_check.entries import HTTP_METHODS as HTTP_METHODS  # the methods a rule and a record may name
+
 Network = Union[IPv4Network, IPv6Network]
 Address = Union[IPv4Address, IPv6Address]
 Mode = Literal["block", "audit"]
@@ -30,7 +32,6 @@ SUPPORTED_VERSION = 1
 # then name-checked before raw (a raw rule and a checked one for the same host stay two rules),
 # then the HTTP methods and paths (rules that differ in them are not merged).
 SortKey = tuple[int, int, str, bytes, int, str, bool, tuple[str, ...], tuple[str, ...]]
-HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # The methods whose body every server reads. Of any other request (GET, HEAD, OPTIONS, TRACE,
 # DELETE, an unknown method, a method in odd case) many servers (Python's http.server, most
 # frameworks) leave the body unread on a kept-alive connection, where it is read as the next

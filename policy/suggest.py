@@ -9,100 +9,38 @@ branches each need a little, and the operator wants one policy that lets all of 
 
 from __future__ import annotations
 
-import ipaddress
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol, TypeGuard
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 import yaml
 
-from policy.model import HTTP_METHODS
+from microvm_check.entries import (
+    ALWAYS_DENIED,
+    BLOCK_LISTED,
+    BLOCK_LISTED_DEST,
+    INTERNAL_ADDRESS,
+    NAME_REFUSED,
+    POLICY,
+    REFUSED_DEST,
+    REFUSED_NAME,
+    REFUSED_NAME_DEST,
+    REQUEST_REFUSED,
+    SECRET_REFUSED,
+    UNNAMED,
+    UPSTREAM_UNTRUSTED,
+    AuditRecord,
+    path_prefix,
+)
 
-POLICY = "policy"  # blocked because the policy does not allow it (or, in audit mode, would block it)
-ALWAYS_DENIED = "always-denied"  # the host, the metadata service, loopback: no policy can allow it
-# An internal address (private, CGNAT, ULA, ...) that no `cidr:` rule opts into (`policy.reserved.opted_in`),
-# refused in every mode: dialled directly (the record has the address the guest dialled), or handed to
-# the resolver as an allowed name's answer (proto "dns", no port, and no address: see
-# `runner.net.audit.refused_answer_record`).
-INTERNAL_ADDRESS = "internal-address"
-# A name the policy has no rule for, looked up by the guest: in block mode the resolver answered NXDOMAIN,
-# so no address (and no port) was ever tried; without this record such a job's egress table would be empty.
-REFUSED_NAME = "refused-name"
-# What a refused answer's record shows instead of the address: the guest never got it, and the record
-# reaches the public job summary (a fork could point an allowed name at an internal name through a
-# CNAME and read a split-horizon resolver's private answer there). The service log keeps the address.
-REFUSED_DEST = "internal address refused"
-REFUSED_NAME_DEST = "name refused"  # a refused name's record: the resolver gave it no address
-# A TCP connection under a name-checked host rule whose TLS SNI or HTTP Host (the record's name) is
-# not a name the policy allows there, or was not handed out by the resolver for the address dialled.
-NAME_REFUSED = "name-refused"
-# A TCP connection under a name-checked host rule that named nothing the host can check: neither TLS
-# nor HTTP, no SNI, an encrypted ClientHello (the record's name is then its outer SNI, if any), a
-# malformed or smuggling-shaped request, or no first flight in time.
-UNNAMED = "unnamed"
-# On the operator's block list (`policy.blocklist`): refused in every mode, and never suggested.
-BLOCK_LISTED = "block-listed"
-BLOCK_LISTED_DEST = "name block-listed"  # a block-listed name's record: the resolver gave it no address
-# An HTTP request under a `methods:`/`paths:` rule whose method or path it does not allow (the
-# record's `method` and `path`, a prefix of the path: the rest may carry secrets of the job's).
-REQUEST_REFUSED = "request-refused"
-# The host terminated TLS for a `methods:`/`paths:` rule and the upstream's certificate failed
-# verification against the host's trust store: the guest got a 502 saying so.
-UPSTREAM_UNTRUSTED = "upstream-untrusted"
-# A secret's placeholder (`runner.net.secretswap`) where its binding does not let it go: another host,
-# port, method or path, a body, a query, another header, a TLS server name or a DNS name. The record
-# names the binding (`binding`), never a value; refused in every mode, never suggested.
-SECRET_REFUSED = "secret-refused"
-REASONS = (POLICY, ALWAYS_DENIED, INTERNAL_ADDRESS, REFUSED_NAME, NAME_REFUSED, UNNAMED, BLOCK_LISTED,
-           REQUEST_REFUSED, UPSTREAM_UNTRUSTED, SECRET_REFUSED)
-_BINDING = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # runner.net.secretswap.NAME
-_PREFIX_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,64}")
-
-
-def path_prefix(path: str) -> str:
-    """What a record keeps of a request path: its first segment as a glob (`/simple/*`), or `/`;
-    only plain characters, so a path the guest chose cannot put markup or secrets in a summary."""
-    first = path.split("?", 1)[0].lstrip("/").split("/", 1)
-    if not first[0]:
-        return "/"
-    if not _PREFIX_SEGMENT.fullmatch(first[0]) or first[0] in (".", ".."):
-        return "/*"
-    return f"/{first[0]}" + ("/*" if len(first) > 1 else "")
-PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
-MAX_COUNT = 10**9  # a record's count comes from guest traffic: kept in a range a sum cannot overflow into nonsense
-
-
-@dataclass(frozen=True)
-class AuditRecord:
-    """One blocked (or, in audit mode, would-be-blocked) destination and how often the guest tried it."""
-
-    dest: str  # the address dialled, REFUSED_DEST or REFUSED_NAME_DEST
-    port: int | None
-    proto: str
-    name: str | None
-    count: int
-    reason: str = POLICY
-    method: str | None = None  # an HTTP request's (name-checked rules), else None
-    path: str | None = None  # `path_prefix` of its path
-    # A TCP connection the name check saw name nothing (no TLS SNI or HTTP Host; the server spoke
-    # first): only a `raw: true` entry admits it. Audit mode records one that no rule covers with
-    # reason POLICY and `name` the name the resolver handed the address out for (what a suggested
-    # raw entry needs); under a name-checked rule the reason is UNNAMED and `name` what it claimed.
-    unnamed: bool = False
-    binding: str | None = None  # SECRET_REFUSED: the binding whose placeholder it was
-
-    def as_json(self) -> dict[str, object]:
-        found: dict[str, object] = {"dest": self.dest, "port": self.port, "proto": self.proto, "name": self.name,
-                                    "count": self.count, "reason": self.reason}
-        if self.method is not None:
-            found["method"], found["path"] = self.method, self.path
-        if self.unnamed:
-            found["unnamed"] = True
-        if self.binding is not None:
-            found["binding"] = self.binding
-        return found
+# The record and its vocabulary live in microvm_check.entries (the SDK reads them too, and may not import
+# policy); the network code that writes records names them here, beside the suggestion that reads them.
+__all__ = [
+    "ALWAYS_DENIED", "BLOCK_LISTED", "BLOCK_LISTED_DEST", "INTERNAL_ADDRESS", "MAX_LISTED", "NAME_REFUSED", "POLICY",
+    "REFUSED_DEST", "REFUSED_IN_EVERY_MODE", "REFUSED_NAME", "REFUSED_NAME_DEST", "REQUEST_REFUSED", "SECRET_REFUSED",
+    "UNNAMED", "UPSTREAM_UNTRUSTED", "AuditRecord", "JobAudit", "admitted", "merged_policy", "narrowed_words", "path_prefix",
+    "refused", "refused_name_record", "refused_summary", "suggest_policy", "utc_minute",
+]
 
 
 # What audit mode refuses too (the rest it lets through and only records).
@@ -144,94 +82,29 @@ def refused_name_record(name: str, count: int) -> AuditRecord:
     return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=name, count=count, reason=REFUSED_NAME)
 
 
-class Attempt(Protocol):
-    """What a blocked-egress entry offers, typed (`runner.jobapi.contract.BlockedEgress`, which policy
-    cannot import): its values still derive from the guest's traffic, so `admitted` checks each."""
-
-    @property
-    def dest(self) -> str: ...
-    @property
-    def port(self) -> int | None: ...
-    @property
-    def proto(self) -> str: ...
-    @property
-    def name(self) -> str | None: ...
-    @property
-    def count(self) -> int | None: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def method(self) -> str | None: ...
-    @property
-    def path(self) -> str | None: ...
-    @property
-    def unnamed(self) -> bool: ...
-
-
-def record_from_json(item: object) -> AuditRecord | None:
-    """A job record's `blocked_egress` entry as an AuditRecord, or None when it is not well formed
-    (`_admit`'s rules; the service's readers, which hold the entries as JSON)."""
-    if not isinstance(item, Mapping):
+def admitted(record: AuditRecord) -> AuditRecord | None:
+    """The record as a suggestion (or a metric's label) may use it: its name only when the policy loader
+    accepts it, so a suggestion always loads and no text of the guest's choosing lands in it; a DNS
+    record, which names nothing but its name, is left out without one."""
+    if record.name is None or _policy_host(record.name):
+        return record
+    if record.proto == "dns":
         return None
-    fields: Mapping[object, object] = item
-    return _admit(fields.get)
+    return replace(record, name=None)
 
 
-def admitted(attempt: Attempt) -> AuditRecord | None:
-    """A typed blocked-egress entry as an AuditRecord, or None when it is not well formed (`_admit`)."""
-    return _admit(lambda key: getattr(attempt, key, None))
-
-
-def _admit(get: Callable[[str], object]) -> AuditRecord | None:
-    """The entry whose fields `get` answers as an AuditRecord, or None when it is not well formed.
-
-    The entries derive from the guest's traffic and reach a policy file: only an address, a port in
-    range, a known protocol and a name the policy loader accepts get through, so a suggestion always
-    loads and no text of the guest's choosing lands in it. An unknown reason is read as POLICY.
-    """
-    given_reason, given_name = get("reason"), get("name")
-    reason = given_reason if isinstance(given_reason, str) and given_reason in REASONS else POLICY
-    name = given_name if _policy_host(given_name) else None
-    count = get("count")
-    count = count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_COUNT else 1
-    given_binding = get("binding")
-    binding = given_binding if isinstance(given_binding, str) and _BINDING.fullmatch(given_binding) else None
-    if reason == SECRET_REFUSED and get("proto") == "dns":  # a placeholder in a DNS name: the name is not shown
-        return AuditRecord(dest=REFUSED_NAME_DEST, port=None, proto="dns", name=None, count=count, reason=reason,
-                           binding=binding)
-    if get("proto") == "dns":  # a refused answer or name: no address was handed out, none is shown
-        if name is None or reason not in (INTERNAL_ADDRESS, REFUSED_NAME, BLOCK_LISTED):
-            return None
-        dest = {INTERNAL_ADDRESS: REFUSED_DEST, REFUSED_NAME: REFUSED_NAME_DEST}.get(reason, BLOCK_LISTED_DEST)
-        return AuditRecord(dest=dest, port=None, proto="dns", name=name, count=count, reason=reason)
-    given_dest = get("dest")
-    if not isinstance(given_dest, (str, int)):  # JSON has no bytes or address objects; ip_address refuses the rest
-        return None
-    try:
-        dest = str(ipaddress.ip_address(given_dest))
-    except ValueError:
-        return None
-    port, proto = get("port"), get("proto")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        return None
-    if not isinstance(proto, str) or proto not in PROTOCOLS or reason == REFUSED_NAME:
-        return None
-    method, path = get("method"), get("path")
-    method = method if isinstance(method, str) and method in HTTP_METHODS else None
-    path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
-    unnamed = get("unnamed") is True and proto == "tcp"
-    return AuditRecord(dest=dest, port=port, proto=proto, name=name, count=count, reason=reason,
-                       method=method, path=path, unnamed=unnamed, binding=binding if reason == SECRET_REFUSED else None)
-
-
-def _policy_host(name: object) -> TypeGuard[str]:
+def _policy_host(name: str) -> bool:
     """Whether `name` is a host the policy loader accepts: the one rule, so a suggestion always loads.
 
     A resolver name has no wildcard, so `*` (which host_error allows as a leading `*.`) is refused.
     """
     from policy.load import host_error  # policy.load is heavier; the action's import test counts modules
 
-    return isinstance(name, str) and "*" not in name and host_error(name) is None
+    return "*" not in name and host_error(name) is None
+
+
+def _admitted(records: Iterable[AuditRecord]) -> list[AuditRecord]:
+    return [record for record in map(admitted, records) if record is not None]
 
 
 _Target = tuple[str, str, str, bool]  # ("host" or "cidr", its value, protocol, raw)
@@ -303,7 +176,7 @@ def _raw_warning(target: _Target, ports: set[int]) -> str:
             "address only, any name served at the addresses it resolves to is reachable on those ports")
 
 
-def suggest_policy(records: list[AuditRecord]) -> str:
+def suggest_policy(records: Iterable[AuditRecord]) -> str:
     """A block-mode policy YAML that allows exactly what the audited job tried.
 
     Destinations the resolver handed out are allowed by name (addresses behind a name change);
@@ -315,7 +188,7 @@ def suggest_policy(records: list[AuditRecord]) -> str:
     by_target: dict[_Target, set[int]] = {}
     comments: set[str] = set()
     requests: dict[tuple[str, int], tuple[set[str], set[str]]] = {}
-    for record in records:
+    for record in _admitted(records):
         request = _request(record)
         if request is not None:
             methods, paths = requests.setdefault(request[:2], (set(), set()))
@@ -387,7 +260,7 @@ def merged_policy(jobs: Iterable[JobAudit], header: str = "") -> str:
     notes: dict[str, _Seen] = {}
     requests: dict[tuple[str, int], tuple[set[str], set[str], _Seen]] = {}
     for job in jobs:
-        for record in job.records:
+        for record in _admitted(job.records):
             request = _request(record)
             if request is not None:
                 methods, paths, request_seen = requests.setdefault(request[:2], (set(), set(), _Seen()))

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, BinaryIO
 
+from microvm_check.entries import Artifact
 from runner.errors import ArchiveError
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class Limits:
 
 @dataclass
 class Extracted:
-    files: list[tuple[str, int]] = field(default_factory=list)  # (relative path, size)
+    files: list[Artifact] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name as given, why)
     total_bytes: int = 0  # of `files`, kept as they are added: re-summing per member is quadratic
 
@@ -510,20 +511,11 @@ def check_tar(src: BinaryIO) -> int:
 # ---- the service: guest tar -> clean tar --------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Member:
-    path: str
-    size: int
-
-    def to_json(self) -> dict[str, object]:
-        return {"path": self.path, "size": self.size}
-
-
 @dataclass
 class Copied:
     """What `copy_validated` wrote, what it skipped and, if the stream broke, why it stopped."""
 
-    files: list[Member] = field(default_factory=list)
+    files: list[Artifact] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     stopped: str | None = None
 
@@ -613,7 +605,7 @@ def _copy_member(source: tarfile.TarFile, info: tarfile.TarInfo, out: _CleanTar,
     state.seen.add(name)
     state.dirs.update(_parents(name))
     state.total += info.size
-    done.files.append(Member(name, info.size))
+    done.files.append(Artifact(name, info.size))
 
 
 def _member_problem(info: tarfile.TarInfo, name: str, state: _CopyState) -> str | None:
@@ -711,7 +703,7 @@ def _extract_member(
         result.skipped.append((name, _why(exc)))
         return
     seen.add(name)
-    result.files.append((name, member.size))
+    result.files.append(Artifact(name, member.size))
     result.total_bytes += member.size
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from microvm_check.entries import Artifact
 from runner import tarsafe
 
 
@@ -56,7 +57,7 @@ def test_links_devices_and_bad_names_are_skipped_not_written(tmp_path: Path) -> 
         member("../escape", b"x"),
     )
     result = tarsafe.extract(stream, tmp_path)
-    assert result.files == [("ok/file.txt", 4)]
+    assert [(f.path, f.size) for f in result.files] == [("ok/file.txt", 4)]
     assert {name for name, _ in result.skipped} == {"ok/link", "hard", "dev", "../escape"}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["file.txt", "ok"]
 
@@ -73,7 +74,7 @@ def test_a_link_device_or_fifo_is_refused_with_its_reason_and_the_rest_comes(
     special, _ = member("special", None, kind, link)
     assert tarsafe.kind_error(special) == why
     result = tarsafe.extract(tar_of(member("a", b"1"), (special, None), member("b", b"2")), tmp_path)
-    assert result.files == [("a", 1), ("b", 1)] and result.skipped == [("special", why)]
+    assert [(f.path, f.size) for f in result.files] == [("a", 1), ("b", 1)] and result.skipped == [("special", why)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
@@ -84,7 +85,7 @@ def test_a_symlink_already_in_the_destination_is_not_followed(tmp_path: Path) ->
     dest.mkdir()
     os.symlink(outside, dest / "sub")
     result = tarsafe.extract(tar_of(member("sub/planted", b"evil")), dest)
-    assert result.files == [] and not (outside / "planted").exists()
+    assert [(f.path, f.size) for f in result.files] == [] and not (outside / "planted").exists()
     assert result.skipped[0][0] == "sub/planted"
 
 
@@ -97,7 +98,7 @@ def test_count_bombs_stop_early(tmp_path: Path) -> None:
 def test_a_file_over_the_total_is_skipped_and_the_rest_still_comes(tmp_path: Path) -> None:
     stream = tar_of(member("a", b"x" * 600), member("b", b"x" * 600), member("c", b"x" * 100))
     result = tarsafe.extract(stream, tmp_path, tarsafe.Limits(max_total_bytes=1000))
-    assert result.files == [("a", 600), ("c", 100)]
+    assert [(f.path, f.size) for f in result.files] == [("a", 600), ("c", 100)]
     assert result.skipped == [("b", "would take the files over 1000 bytes in total")]
 
 
@@ -120,7 +121,7 @@ def test_garbage_is_not_a_tar(tmp_path: Path) -> None:
                                   ".git", "a/.git./config", ".git /config"])
 def test_git_components_are_refused_in_any_case(tmp_path: Path, name: str) -> None:
     result = tarsafe.extract(tar_of(member(name, b"#!/bin/sh\ntouch /tmp/pwned\n"), member("ok", b"1")), tmp_path)
-    assert result.files == [("ok", 1)]
+    assert [(f.path, f.size) for f in result.files] == [("ok", 1)]
     assert result.skipped == [(name.rstrip("/"), tarsafe.refused_name(".git"))]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
 
@@ -145,7 +146,7 @@ def test_a_skip_marker_is_listed_with_its_reason(tmp_path: Path) -> None:
         tar.addfile(info)
     buf.seek(0)
     result = tarsafe.extract(buf, tmp_path)
-    assert result.files == [] and list(tmp_path.iterdir()) == []
+    assert [(f.path, f.size) for f in result.files] == [] and list(tmp_path.iterdir()) == []
     assert result.skipped == [("out/big.bin", "left out in the VM: larger than 10 bytes?[2J")]
 
 
@@ -249,7 +250,7 @@ def test_a_pax_size_override_keeps_the_walk_in_step(tmp_path: Path) -> None:
     file_two.size = 2
     data += file_two.tobuf(tarfile.USTAR_FORMAT) + b"ok" + bytes(510) + bytes(1024)
     result = tarsafe.extract(io.BytesIO(data), tmp_path)
-    assert result.files == [("f", 600), ("g", 2)]
+    assert [(f.path, f.size) for f in result.files] == [("f", 600), ("g", 2)]
 
 
 def test_a_corrupt_header_ends_the_stream(tmp_path: Path) -> None:
@@ -370,7 +371,7 @@ def test_real_pax_headers_still_pass(tmp_path: Path) -> None:
     body = pax_record(b"hdrcharset", b"BINARY") + pax_record(b"path", "x\u00e9".encode()) + pax_record(b"mtime", b"1.5")
     stream = io.BytesIO(buf.getvalue() + raw_tar((tarfile.XHDTYPE, b"h", body), (tarfile.REGTYPE, b"f", b"data")).getvalue())
     result = tarsafe.extract(stream, tmp_path)
-    assert result.files == [(name, 2), ("x\u00e9", 4)]
+    assert [(f.path, f.size) for f in result.files] == [(name, 2), ("x\u00e9", 4)]
     assert result.skipped == [("out/big", "left out in the VM: larger than 1000000000000 bytes")]
 
 
@@ -381,7 +382,7 @@ def test_a_non_finite_pax_mtime_is_clamped_not_a_crash(mtime: bytes, kept: int) 
     out = io.BytesIO()
     stream = raw_tar((tarfile.XHDTYPE, b"h", pax_record(b"mtime", mtime)), (tarfile.REGTYPE, b"f", b"data"))
     copied = tarsafe.copy_validated(stream, out, tarsafe.Limits())
-    assert copied.files == [tarsafe.Member("f", 4)] and copied.stopped is None
+    assert copied.files == [Artifact("f", 4)] and copied.stopped is None
     out.seek(0)
     with tarfile.open(fileobj=out) as tar:
         assert [m.mtime for m in tar] == [kept]
@@ -407,11 +408,11 @@ def test_names_that_are_not_utf8_are_skipped_and_shown_printable(tmp_path: Path)
     """Such a name became a str with lone surrogates: the service's log note about it and the action's
     job summary raised UnicodeEncodeError (job failed, step 'internal error')."""
     result = tarsafe.extract(non_utf8_tar(), tmp_path)
-    assert result.files == [("out/ok.txt", 2)]
+    assert [(f.path, f.size) for f in result.files] == [("out/ok.txt", 2)]
     assert [name for name, _ in result.skipped] == ["out/r?sum?.txt", "out/l?nk"]
     assert all("not UTF-8" in why for _, why in result.skipped)
     copied = tarsafe.copy_validated(non_utf8_tar(), io.BytesIO(), tarsafe.Limits())
-    assert copied.files == [tarsafe.Member("out/ok.txt", 2)]
+    assert copied.files == [Artifact("out/ok.txt", 2)]
     for name, why in copied.skipped:
         f"{name}: {why}".encode()
 
@@ -425,7 +426,7 @@ def test_git_hidden_behind_ignorable_or_compatibility_characters_is_refused(tmp_
     Unicode ignorables, as git's own core.protectHFS check does: `.g<ZWNJ>it` is `.git` there."""
     assert tarsafe.refused_name(name) is not None
     result = tarsafe.extract(tar_of(member(name, b"x"), member("fine/.gitignore", b"*")), tmp_path)
-    assert result.files == [("fine/.gitignore", 1)] and result.skipped[0][0] == name
+    assert [(f.path, f.size) for f in result.files] == [("fine/.gitignore", 1)] and result.skipped[0][0] == name
 
 
 @pytest.mark.parametrize("name", [".gitignore", ".github/workflows/x", "git/config", "a.git/b", ".gi"])
@@ -446,8 +447,8 @@ def test_the_services_clean_tar_always_passes_the_actions_scanner(tmp_path: Path
     )
     clean = io.BytesIO()
     copied = tarsafe.copy_validated(guest, clean, tarsafe.Limits())
-    assert copied.stopped is None and copied.files == [tarsafe.Member("good.txt", 2)]
+    assert copied.stopped is None and copied.files == [Artifact("good.txt", 2)]
     assert len(copied.skipped) == 3
     clean.seek(0)
     result = tarsafe.extract(clean, tmp_path)
-    assert result.files == [("good.txt", 2)] and len(result.skipped) == 3
+    assert [(f.path, f.size) for f in result.files] == [("good.txt", 2)] and len(result.skipped) == 3

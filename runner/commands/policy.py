@@ -121,16 +121,14 @@ def duration(text: str) -> float:
 
 def suggest_command(args: argparse.Namespace) -> int:
     from policy.model import DENY_ALL
-    from policy.suggest import JobAudit, merged_policy, record_from_json, utc_minute
+    from policy.suggest import JobAudit, merged_policy, utc_minute
 
     since = time.time() - args.since
     records = _job_records(args, since)
     if not records:
         raise UserError(f"no jobs of {args.repository} since {utc_minute(since)} in the job records: nothing to suggest "
                         "from (names are OWNER/NAME as `microvm-check jobs` shows them)")
-    jobs = [JobAudit(rec.id, rec.created_at, tuple(r for r in map(record_from_json,
-                                                                      rec.blocked_egress[:MAX_RECORDS_PER_JOB]) if r))
-            for rec in records]
+    jobs = [JobAudit(rec.id, rec.created_at, tuple(rec.blocked_egress[:MAX_RECORDS_PER_JOB])) for rec in records]
     tried = sum(1 for job in jobs if job.records)
     blind = sum(1 for rec in records if rec.policy_digest == DENY_ALL.digest())
     header = (f"Suggested by `microvm-check policy suggest` from {len(jobs)} jobs of {args.repository} since "

@@ -6,8 +6,9 @@
 The shapes are GitHub's (the check-runs OpenAPI fragments under shared/external/rest-api/, which the
 tests validate every request against, formats included). Everything of the guest's that goes in is made
 inert first: the summary's values through `runner.markdown.cell` (as the step summary does), the egress
-section from `policy.suggest.record_from_json` (only an address, a port, a protocol, a name the policy
-loader accepts, a known method and a path prefix survive) and annotation fields through
+section from the job record's typed entries (`microvm_check.entries.AuditRecord`: an address, a port, a
+protocol, a known method and a path prefix) with only a name the policy loader accepts
+(`policy.suggest.admitted`) and annotation fields through
 `runner.markdown.inert`, bounded to GitHub's sizes, with a path only when it is a plain relative path in
 the repository.
 
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, record_from_json, suggest_policy
+from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, admitted, suggest_policy
 from runner.github.errors import GitHubError, ValidationFailed
 from runner.junit import Failure
 from runner.markdown import cell, code, fence, inert
@@ -86,7 +87,7 @@ class JobOutcome:
     vm_ready_ms: float | None
     junit: tuple[int, int, int] | None  # passed, failed, skipped
     findings: tuple[Finding, ...]
-    blocked_egress: tuple[dict[str, Any], ...]
+    blocked_egress: tuple[AuditRecord, ...]
     mode: str  # the effective policy's: block or audit
     digests: dict[str, str] = field(default_factory=dict)  # policy, egress audit, key id
     artifacts: tuple[tuple[str, str], ...] = ()  # (name, sha256)
@@ -130,9 +131,10 @@ def output_findings(lines: Iterable[str]) -> list[Finding]:
 
 
 def egress_tried(outcome: JobOutcome) -> tuple[list[AuditRecord], list[AuditRecord]]:
-    """(refused, audit-only) well-formed records: what the guest had refused, and in audit mode what it did
-    that the policy (the default branch's, within the org default) does not allow."""
-    records = [r for r in map(record_from_json, outcome.blocked_egress) if r is not None]
+    """(refused, audit-only) records, named only by a name the policy loader accepts: what the guest had
+    refused, and in audit mode what it did that the policy (the default branch's, within the org default)
+    does not allow."""
+    records = [r for r in map(admitted, outcome.blocked_egress) if r is not None]
     if outcome.mode == "block":
         return records, []
     return ([r for r in records if r.reason in REFUSED_IN_EVERY_MODE],

@@ -13,13 +13,13 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import ipaddress
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
+from microvm_check.entries import Artifact, AuditRecord
 from runner.errors import ClientError
 
 DEFAULT_SOCKET = "/run/microvm-check/api.sock"
@@ -540,60 +540,6 @@ class Timings:
         return cls(**{f.name: _field(data, f.name, (int, float), optional=True) for f in fields(cls)})
 
 
-@dataclass(frozen=True)
-class BlockedEgress:
-    """One entry of a job record's `blocked_egress` (docs/job-api.md), typed: how the action and the page
-    read it. The values derive from the guest's traffic: `from_wire` checks only their types; what they
-    may say (an address, a port in range, a name a policy loads) is `policy.suggest.admitted`'s, for a
-    suggestion, and every text is escaped where it is shown."""
-
-    dest: str  # the address dialled, or the words the service shows instead (a refused DNS answer)
-    port: int | None  # None for ICMP and for DNS records: no port was tried
-    proto: str
-    name: str | None
-    count: int | None
-    reason: str | None
-    method: str | None = None
-    path: str | None = None
-    unnamed: bool = False
-
-    @classmethod
-    def from_wire(cls, item: object) -> BlockedEgress | None:
-        """The entry, or None when it is not a JSON object or its port is not an integer (or absent)."""
-        if not isinstance(item, Mapping):
-            return None
-        port = item.get("port")
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
-            return None
-        return cls(dest=_address(item.get("dest")), port=port, proto=_text(item.get("proto")) or "",
-                   name=_text(item.get("name")), count=_integer(item.get("count")), reason=_text(item.get("reason")),
-                   method=_text(item.get("method")), path=_text(item.get("path")), unnamed=item.get("unnamed") is True)
-
-    @classmethod
-    def listed(cls, items: object) -> list[BlockedEgress]:
-        """A record's `blocked_egress` list, typed; entries that are not well typed are left out."""
-        entries = (cls.from_wire(item) for item in items) if isinstance(items, list) else ()
-        return [entry for entry in entries if entry is not None]
-
-
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _integer(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _address(value: object) -> str:
-    """A `dest` as text: JSON gives a string; an integer is read as the address it numbers, as
-    `ipaddress.ip_address` reads it."""
-    if isinstance(value, int):
-        try:
-            return str(ipaddress.ip_address(value))
-        except ValueError:
-            return str(value)
-    return value if isinstance(value, str) else ""
-
 @dataclass
 class JobRecord:
     """A job as the service keeps it and answers it. Its state moves only as JobState allows: setting
@@ -613,9 +559,10 @@ class JobRecord:
     exit_code: int | None = None
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
-    # Derived from guest traffic and guest files: their readers check each item (action/summary.py).
-    blocked_egress: list[dict[str, Any]] = field(default_factory=list)
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
+    # Derived from guest traffic and guest files: checked where they enter (microvm_check.entries), and
+    # every text is escaped where it is shown.
+    blocked_egress: list[AuditRecord] = field(default_factory=list)
+    artifacts: list[Artifact] = field(default_factory=list)
     command: str = ""  # the spec's command, for operators (`jobs`, the page); "" in records from before it was kept
     # The entries of the job's own policy that the repository's allowed nothing of (`policy.compose.narrowed_away`).
     narrowed_egress: list[str] = field(default_factory=list)
@@ -639,17 +586,13 @@ class JobRecord:
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
         wire["state"] = self.state.value
+        wire["blocked_egress"] = [entry.to_wire() for entry in self.blocked_egress]
+        wire["artifacts"] = [entry.to_wire() for entry in self.artifacts]
         return wire
 
     @classmethod
     def from_wire(cls, data: object) -> JobRecord:
         data = _object(data, "job record")
-        listed = {}
-        for key in ("blocked_egress", "artifacts"):
-            items = _field(data, key, (list,))
-            if not all(isinstance(item, dict) for item in items):
-                raise WireError(f"{key}: expected a list of JSON objects")
-            listed[key] = items
         return cls(
             id=_field(data, "id", (str,)),
             state=_state(data),
@@ -668,7 +611,8 @@ class JobRecord:
             command=_field(data, "command", (str,), optional=True) or "",
             narrowed_egress=_strings(data.get("narrowed_egress"), "narrowed_egress"),
             secrets_used=_secrets_used(data.get("secrets_used")),
-            **listed,
+            blocked_egress=_entries(data, "blocked_egress", AuditRecord.from_wire),
+            artifacts=_entries(data, "artifacts", Artifact.from_wire),
         )
 
 
@@ -686,6 +630,19 @@ def step_exit_code(state: object, exit_code: object) -> int:
     if exit_code == 0 and state not in (JobState.FINISHED, None):
         return EXIT_FAILED
     return exit_code
+
+
+Entry = TypeVar("Entry")
+
+
+def _entries(data: Mapping[str, Any], key: str, read: Callable[[object], Entry | None]) -> list[Entry]:
+    """A record's list of guest-derived entries, each read by `read` (its from_wire): one that is no JSON
+    object makes the record none, one that breaks the entry's rules is left out."""
+    items = _field(data, key, (list,))
+    if not all(isinstance(item, dict) for item in items):
+        raise WireError(f"{key}: expected a list of JSON objects")
+    return [entry for entry in map(read, items) if entry is not None]
+
 
 def _strings(value: object, key: str) -> list[str]:
     """An optional list of strings (absent in records from before the field): [] when missing."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from microvm_check.entries import AuditRecord
+
 # Debian 12's Python 3.11.2 predates extraction filters; where they exist, use the strictest.
 _DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
@@ -115,7 +117,7 @@ class LocalSandbox:
         out.write(data)
         return len(data)
 
-    def blocked_egress(self) -> list[dict]:
+    def blocked_egress(self) -> list[AuditRecord]:
         return []
 
     def install_job_ca(self) -> dict[str, str]:

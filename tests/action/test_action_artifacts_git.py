@@ -14,6 +14,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from job_records import job_record
 
 from action.__main__ import JobDriver
 from action.inputs import Inputs
@@ -91,7 +92,7 @@ def test_a_hostile_tar_never_reaches_git_and_git_runs_nothing(checkout: Path, tm
     extraction, _ = fetch(checkout, temp, hostile_tar(pwned))
 
     # What is not .git lands in the new artifacts directory; every .git spelling is skipped and named.
-    assert sorted(name for name, _ in extraction.files) == ["config", "hooks/post-checkout",
+    assert sorted(file.path for file in extraction.files) == ["config", "hooks/post-checkout",
                                                            "hooks/reference-transaction", "report.xml",
                                                            "sub/hooks/post-checkout"]
     assert sorted(name for name, _ in extraction.skipped) == [".GIT/hooks/post-checkout", ".Git/config",
@@ -157,6 +158,6 @@ def test_skipped_artifacts_fail_the_step_only_when_required(checkout: Path, tmp_
     run.job_id = "j1"
     extraction = run._artifacts()
     assert extraction.files and extraction.skipped
-    assert run._exit_code({"state": "finished", "exit_code": 0}, extraction) == expected
-    assert run._exit_code({"state": "finished", "exit_code": 3}, extraction) == 3
+    assert run._exit_code(job_record({"state": "finished", "exit_code": 0}), extraction) == expected
+    assert run._exit_code(job_record({"state": "finished", "exit_code": 3}), extraction) == 3
     assert ("::error::artifacts-required: 5 problem(s)" in out.getvalue()) is required

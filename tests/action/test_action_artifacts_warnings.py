@@ -11,6 +11,8 @@ import io
 import re
 from pathlib import Path
 
+from job_records import job_record
+
 from action.__main__ import JobDriver
 from action.inputs import Inputs
 from action.summary import Result
@@ -22,7 +24,7 @@ def test_refused_artifacts_are_annotated_at_most_ten_times_then_counted(tmp_path
                     template="base", env_names=[], socket="/nonexistent", include_git=False)
     run = JobDriver(object(), inputs, tmp_path, out, {})
     refused = [(f"out/link{i}", "links are not allowed (link to '/etc/passwd')") for i in range(5000)]
-    run._report(Result(record={"state": "finished", "exit_code": 0}, exit_code=0, junit=None, artifacts=[],
+    run._report(Result(record=job_record({"state": "finished", "exit_code": 0}), exit_code=0, junit=None, artifacts=[],
                        refused_artifacts=refused))
     warnings = [line for line in out.getvalue().splitlines() if line.startswith("::warning")]
     assert len(warnings) == 11
@@ -39,7 +41,7 @@ def test_guest_chosen_names_and_errors_reach_annotations_inert(tmp_path: Path) -
                     template="base", env_names=[], socket="/nonexistent", include_git=False)
     run = JobDriver(object(), inputs, tmp_path, out, {})
     hostile = "@someone\x00\x1b[31m\u202efdp.exe"
-    run._report(Result(record={"state": "failed", "exit_code": 1, "error": f"guest said {hostile}"}, exit_code=1,
+    run._report(Result(record=job_record({"state": "failed", "exit_code": 1, "error": f"guest said {hostile}"}), exit_code=1,
                        junit=None, artifacts=[], refused_artifacts=[(f"out/{hostile}", f"refused {hostile}")]))
     lines = [line for line in out.getvalue().splitlines() if line.startswith(("::warning", "::error"))]
     assert len(lines) == 2

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from job_records import job_record
 
 import action.__main__ as main_mod
 from action.__main__ import LOG_RETRIES, JobDriver, _is_timeout
@@ -152,5 +153,5 @@ def test_a_timed_out_job_says_minute_or_minutes(timeout: float, said: str) -> No
     out = io.StringIO()
     run = JobDriver(FakeClient(0, 0, lambda: None), replace(_inputs(), timeout_minutes=timeout), Path("."), out, {})
     record = {"id": "j1", "state": "timed_out", "exit_code": None}
-    run._report(Result(record, 124, None, [], []))
+    run._report(Result(job_record(record), 124, None, [], []))
     assert out.getvalue() == f"::error::job timed out {said}\n"

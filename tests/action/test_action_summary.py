@@ -6,9 +6,11 @@ import json
 import re
 
 import pytest
+from job_records import job_record
 
 from action.junit import Failure, Totals
 from action.summary import Result, cell, exit_code_of, markdown, outputs, repository_path
+from microvm_check.entries import Artifact
 
 RECORD = {
     "id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "run_id": 1, "job_name": "t",
@@ -35,12 +37,13 @@ RECORD = {
     ({"state": "finished", "exit_code": "0"}, 1),
 ])
 def test_exit_code(record: dict, expected: int) -> None:
-    assert exit_code_of(record) == expected
+    assert exit_code_of(job_record(record)) == expected
 
 
 def test_summary_shows_timings_and_escapes_guest_text() -> None:
     failure = Failure("s", "test_<b>x</b>", "c", "failure", "![img](http://evil/x.png)", "", None, None)
-    result = Result(RECORD, 0, Totals(tests=3, failed=1, skipped=1, failures=[failure]), [("report.xml", 12)], [])
+    result = Result(job_record(RECORD), 0, Totals(tests=3, failed=1, skipped=1, failures=[failure]),
+                    [Artifact("report.xml", 12)], [])
     text = markdown(result)
     assert "| VM ready | 146 ms (warm) |" in text
     assert "| queued | 1.0 s |" in text and "| ran | 10.5 s |" in text
@@ -56,7 +59,7 @@ def test_cell_bounds_and_flattens() -> None:
 
 
 def test_outputs_carry_the_record_and_totals() -> None:
-    result = Result(RECORD, 0, Totals(tests=2), [("report.xml", 12)], [("bad", "why")])
+    result = Result(job_record(RECORD), 0, Totals(tests=2), [Artifact("report.xml", 12)], [("bad", "why")])
     out = outputs(result)
     assert out["exit-code"] == "0" and out["junit-passed"] == "2" and out["junit-failed"] == "0"
     payload = json.loads(out["result-json"])
@@ -64,7 +67,7 @@ def test_outputs_carry_the_record_and_totals() -> None:
 
 
 def test_outputs_without_junit_are_empty_strings() -> None:
-    out = outputs(Result(RECORD, 0, None, [], []))
+    out = outputs(Result(job_record(RECORD), 0, None, [], []))
     assert out["junit-passed"] == out["junit-failed"] == ""
 
 
@@ -86,7 +89,7 @@ def test_blocked_egress_comes_with_a_policy_that_would_allow_it() -> None:
         {"dest": "not-an-ip", "port": 1, "proto": "tcp", "name": None, "count": 1},  # left out
         {"dest": "203.0.113.1", "port": 70000, "proto": "tcp", "name": None, "count": 1},  # left out
     ]}
-    text = markdown(Result(record, 0, None, [], []))
+    text = markdown(Result(job_record(record), 0, None, [], []))
     yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     from policy import load_policy
 
@@ -105,7 +108,7 @@ def test_always_denied_attempts_are_marked_and_left_out_of_the_suggestion() -> N
         {"dest": "198.51.100.7", "port": 8080, "proto": "tcp", "name": None, "count": 1, "reason": "policy"},
         {"dest": "198.51.100.8", "port": 8080, "proto": "tcp", "name": None, "count": 1, "reason": "<b>"},
     ]}
-    text = markdown(Result(record, 0, None, [], []))
+    text = markdown(Result(job_record(record), 0, None, [], []))
     yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     from policy import load_policy
 
@@ -124,7 +127,7 @@ def test_a_name_the_policy_loader_rejects_is_dropped_and_the_suggestion_still_lo
         {"dest": "203.0.113.9", "port": 443, "proto": "tcp", "name": name, "count": 1},
         {"dest": "203.0.113.10", "port": 443, "proto": "tcp", "name": "Files.Example.ORG", "count": 1},
     ]}
-    text = markdown(Result(record, 0, None, [], []))
+    text = markdown(Result(job_record(record), 0, None, [], []))
     yaml_text = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     from policy import load_policy
 
@@ -141,11 +144,11 @@ def test_digests_render_as_code_on_a_commonmark_renderer() -> None:
 
     digest = "sha256:" + "ab" * 32
     record = {"id": "j0123abcd", "state": "finished", "exit_code": 0, "policy_digest": digest, "timings": {}}
-    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(record, 0, None, [], [])))
+    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(job_record(record), 0, None, [], [])))
     assert f"<code>{digest}</code>" in html and "<code>j0123abcd</code>" in html
     assert "&amp;#58;" not in html
     hostile = {**record, "id": "x`|<b>y</b>", "policy_digest": "sha256:`evil`"}
-    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(hostile, 0, None, [], [])))
+    html = MarkdownIt("commonmark").enable("table").render(markdown(Result(job_record(hostile), 0, None, [], [])))
     assert "<b>" not in html and "<code>" not in html.split("<td>job</td>")[1].split("</tr>")[0]
 
 
@@ -159,7 +162,8 @@ def test_guest_text_renders_no_link_mention_or_control_character() -> None:
     record = {**RECORD, "error": NASTY, "blocked_egress": [{"dest": "203.0.113.9", "port": 443, "proto": "tcp",
                                                             "name": NASTY, "count": 1}]}
     failure = Failure("s", NASTY, NASTY, "failure", NASTY, "", None, None)
-    text = markdown(Result(record, 1, Totals(tests=1, failed=1, failures=[failure]), [(NASTY, 3)], [(NASTY, NASTY)]))
+    text = markdown(Result(job_record(record), 1, Totals(tests=1, failed=1, failures=[failure]),
+                           [Artifact(NASTY, 3)], [(NASTY, NASTY)]))
     assert text.count("someone") == 8  # it is there: error, egress name, class and test, message, 3 artifact cells
     assert acting(render(text)) == []
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from microvm_check.entries import AuditRecord
 from runner.attest import dsse
 from runner.attest.keys import SigningKey
 from runner.attest.statement import PAYLOAD_TYPE, Statement
@@ -72,7 +73,7 @@ def test_the_key_is_made_once_0600_and_a_loose_one_is_refused(tmp_path: Path) ->
 def _record(state: JobState, **changes: object) -> JobRecord:
     record = JobRecord(id="j1", state=state, repository="o/r", sha="a" * 40, run_id=7, run_attempt=1,
                        job_name="test", policy_digest="sha256:" + "b" * 64)
-    record.blocked_egress = [{"host": "evil.example", "port": 443, "count": 2}]
+    record.blocked_egress = [AuditRecord("203.0.113.9", 443, "tcp", "evil.example", 2)]
     for name, value in changes.items():
         setattr(record, name, value)
     return record

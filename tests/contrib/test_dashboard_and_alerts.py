@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from microvm_check.entries import AuditRecord
 from runner.jobapi.contract import JobRecord, JobState, Timings
 from runner.service.api.metrics import JobMetrics, ServiceView
 from tests.conftest import require
@@ -41,7 +42,7 @@ def exported() -> dict[str, set[str]]:
     now = time.time()
     record = JobRecord("j1", JobState.FINISHED, "o/r", "a" * 40, 1, 1, "check", exit_code=0,
                        timings=Timings(now - 9, now - 8, now - 7, now, 30.0),
-                       blocked_egress=[{"count": 1, "reason": "policy"}])
+                       blocked_egress=[AuditRecord("203.0.113.9", 443, "tcp", None, 1, "policy")])
     metrics.saw(record)
     metrics.request("tcp", "/v1/jobs", "GET", 200, 0.01)
     metrics.runner_started()

@@ -11,6 +11,7 @@ import pytest
 import responses
 from github_fakes import API, assert_valid_request, example
 
+from microvm_check.entries import AuditRecord
 from policy.load import load_policy
 from runner.github.checks import (
     MAX_ANNOTATIONS_PER_REQUEST,
@@ -45,6 +46,7 @@ def _outcome(**changes: object) -> JobOutcome:
         mode="block", digests={"policy": "sha256:" + "a" * 64, "egress audit": "b" * 64, "key": "sha256:" + "c" * 64},
         artifacts=(("out/report.xml", "d" * 64),))
     fields.update(changes)
+    fields["blocked_egress"] = tuple(map(AuditRecord.from_wire, fields["blocked_egress"]))  # type: ignore[call-overload]
     return JobOutcome(**fields)  # type: ignore[arg-type]
 
 

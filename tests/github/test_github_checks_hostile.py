@@ -12,6 +12,7 @@ from dataclasses import replace
 import responses
 from github_fakes import API, assert_valid_request, example
 
+from microvm_check.entries import AuditRecord
 from runner.github.checks import MAX_SUMMARY, CheckRuns, JobOutcome, output_findings, summary
 from runner.github.client import GitHubClient
 from tests.gfm import acting, render
@@ -24,10 +25,10 @@ TITLE = NASTY.replace("%", "%25").replace(":", "%3A").replace(",", "%2C")  # as 
 DIGESTS = {"policy": "sha256:" + "a" * 64, "egress audit": "b" * 64, "signing key": "SHA256:" + "c" * 43}
 
 
-def _dialled(count: int) -> tuple[dict[str, object], ...]:
-    """`count` refused connections, shaped as the job record's blocked_egress entries are."""
-    return tuple({"dest": f"10.{n // 65536}.{n // 256 % 256}.{n % 256}", "port": 443, "proto": "tcp",
-                  "name": f"h{n}.evil.example", "count": 1, "reason": "policy"} for n in range(count))
+def _dialled(count: int) -> tuple[AuditRecord, ...]:
+    """`count` refused connections, as the job record's blocked_egress entries are."""
+    return tuple(AuditRecord(f"10.{n // 65536}.{n // 256 % 256}.{n % 256}", 443, "tcp", f"h{n}.evil.example", 1, "policy")
+                 for n in range(count))
 
 
 def _hostile() -> JobOutcome:

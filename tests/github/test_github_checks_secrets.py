@@ -4,6 +4,7 @@ guest's egress attempts or findings cannot push out; never a value (the record h
 
 from __future__ import annotations
 
+from microvm_check.entries import AuditRecord
 from runner.github.checks import MAX_SUMMARY, Finding, JobOutcome, summary
 
 USED = ({"name": "index", "host": "idx.test", "source": "operator", "requests": 3},
@@ -26,8 +27,8 @@ def test_the_summary_lists_the_bindings_used_after_the_digests() -> None:
 
 
 def test_a_guest_that_floods_egress_and_findings_cannot_push_the_bindings_out() -> None:
-    flood = tuple({"dest": f"10.0.{n // 250}.{n % 250}", "port": 443, "proto": "tcp", "name": f"h{n}.example" * 5,
-                   "count": 1, "reason": "policy"} for n in range(5000))
+    flood = tuple(AuditRecord(f"10.0.{n // 250}.{n % 250}", 443, "tcp", f"h{n}.example" * 5, 1, "policy")
+                  for n in range(5000))
     findings = tuple(Finding("failure", "x" * 3000, "t") for _ in range(500))
     text = summary(outcome(blocked_egress=flood, findings=findings))
     assert len(text.encode()) <= MAX_SUMMARY

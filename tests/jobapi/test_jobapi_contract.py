@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from microvm_check.entries import Artifact, AuditRecord
 from runner.jobapi import contract
 from runner.jobapi.contract import (
     FINAL_STATES,
@@ -28,9 +29,8 @@ def record(state: JobState = JobState.AWAITING_CHECKOUT) -> JobRecord:
     return JobRecord(id="j0123456789abcdef", state=state, repository="octo/repo", sha="a" * 40, run_id=7,
                      run_attempt=1, job_name="check", created_at=1.5, policy_digest="sha256:x",
                      timings=Timings(queued_at=2.0, vm_ready_ms=3.25),
-                     blocked_egress=[{"dest": "1.2.3.4", "port": 443, "proto": "tcp", "name": None, "count": 1,
-                                      "reason": "policy"}],
-                     artifacts=[{"path": "report.xml", "size": 12}])
+                     blocked_egress=[AuditRecord("1.2.3.4", 443, "tcp", None, 1, "policy")],
+                     artifacts=[Artifact("report.xml", 12)])
 
 
 def test_a_job_moves_through_its_states_in_order():

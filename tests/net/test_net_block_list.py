@@ -15,7 +15,7 @@ from net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
 from policy import load_policy, suggest_policy
 from policy.blocklist import BlockListError, load_block_list, parse_block_list
-from policy.suggest import BLOCK_LISTED, record_from_json
+from policy.suggest import BLOCK_LISTED
 from runner.net import NamespaceUplink, SlotPool, Upstream, netns
 
 FEED = f"""\
@@ -89,7 +89,7 @@ def test_audit_mode_still_refuses_what_the_block_list_names(blocking_slot) -> No
     records = [r for r in slot.audit_records() if r.reason == BLOCK_LISTED]
     assert {(r.dest, r.name) for r in records} >= {("name block-listed", "collector.evil.test"),
                                                    (DENIED_HOST, None), (ALLOWED_HOST, "x.tracker.test")}
-    suggestion = suggest_policy([r for r in map(record_from_json, (r.as_json() for r in slot.audit_records())) if r])
+    suggestion = suggest_policy([r for r in (r.checked() for r in slot.audit_records()) if r])
     allowed = load_policy(suggestion, "s.yml")
     assert not any(rule.host in ("collector.evil.test", "x.tracker.test") for rule in allowed.rules), suggestion
     assert "on the operator's block list" in suggestion

@@ -27,7 +27,7 @@ def test_an_allowed_name_answered_with_a_private_address_is_refused(slot, guest)
 
     assert answers(guest, "lan.test") == (RCODE.REFUSED, [])
     assert not reach(guest, LAN_HOST, 8000)  # the LAN host listens there: nothing was opened
-    refused = [r.as_json() for r in slot.audit_records() if r.reason == INTERNAL_ADDRESS]
+    refused = [r.to_wire() for r in slot.audit_records() if r.reason == INTERNAL_ADDRESS]
     assert refused == [  # the answer, without its address; the attempt by address, which the guest knew
         {"dest": LAN_HOST, "port": 8000, "proto": "tcp", "name": None, "count": 1, "reason": INTERNAL_ADDRESS},
         {"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "lan.test", "count": 1, "reason": INTERNAL_ADDRESS}]

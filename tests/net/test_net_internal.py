@@ -74,7 +74,7 @@ def test_a_cname_to_an_internal_name_leaves_its_address_in_the_service_log_only(
     with caplog.at_level(logging.INFO, logger="runner.net.dns"):
         assert answers(guest, "intranet.web.test") == (RCODE.REFUSED, [])
 
-    blocked = [record.as_json() for record in slot.audit_records()]  # the job record's blocked_egress
+    blocked = [record.to_wire() for record in slot.audit_records()]  # the job record's blocked_egress
     assert blocked == [{"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "intranet.web.test", "count": 1,
                         "reason": INTERNAL_ADDRESS}]
     summary = markdown(Result({"id": "j", "state": "finished", "exit_code": 0, "blocked_egress": blocked}, 0, None, [], []))

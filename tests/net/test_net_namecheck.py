@@ -194,7 +194,7 @@ def test_the_summary_names_what_the_name_check_refused(slot, guest) -> None:
     slot.apply_policy(policy(WEB))
     lookup(guest, "web.test")
     assert send(guest, ALLOWED_HOST, 8000, http("collector.evil.test")) is None
-    record = {"id": "j", "state": "finished", "exit_code": 0, "blocked_egress": [r.as_json() for r in slot.audit_records()]}
+    record = {"id": "j", "state": "finished", "exit_code": 0, "blocked_egress": [r.to_wire() for r in slot.audit_records()]}
     text = markdown(Result(record=record, exit_code=0, junit=None, artifacts=[], refused_artifacts=[]))
     row = next(line for line in text.splitlines() if "collector.evil.test" in line and line.startswith("|"))
     assert "TLS SNI / HTTP Host (name) is not allowed at that address" in row

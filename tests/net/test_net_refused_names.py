@@ -23,7 +23,7 @@ def test_a_name_refused_in_block_mode_is_in_the_record_and_the_summary(slot, gue
     assert answer is not None and [str(rr.rdata) for rr in answer.rr] == [ALLOWED_HOST]
     assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
 
-    blocked = [record.as_json() for record in slot.audit_records()]  # the job record's blocked_egress
+    blocked = [record.to_wire() for record in slot.audit_records()]  # the job record's blocked_egress
     assert blocked == [{"dest": REFUSED_NAME_DEST, "port": None, "proto": "dns", "name": "denied.test",
                         "count": 2, "reason": REFUSED_NAME}]
     text = markdown(Result({"id": "j1", "state": "finished", "exit_code": 0, "blocked_egress": blocked}, 0, None, [], []))

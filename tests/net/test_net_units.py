@@ -125,7 +125,7 @@ def test_always_denied_attempts_are_reported_but_never_suggested() -> None:
     assert not policy.allows(80, "tcp", address="169.254.169.254")
     assert "# always denied, no policy can allow it, was attempted: tcp to 169.254.169.254 port 80" in text
     assert "# always denied, no policy can allow it, was attempted: tcp to 172.16.0.1 port 22" in text
-    assert records[0].as_json()["reason"] == "always-denied" and records[2].as_json()["reason"] == "policy"
+    assert records[0].to_wire()["reason"] == "always-denied" and records[2].to_wire()["reason"] == "policy"
 
 
 def test_no_records_suggest_deny_all() -> None:
@@ -516,7 +516,7 @@ def test_internal_addresses_are_suggested_as_a_comment_only() -> None:
     assert [str(rule.network) for rule in load_policy(text, "suggested.yml").rules] == ["203.0.113.20/32"]
     assert "# lan.test resolved to an internal address, refused" in text
     assert f"# an internal address, refused in every mode, was attempted: tcp to {LAN_HOST} port 8000" in text
-    assert records[0].as_json() == {"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
+    assert records[0].to_wire() == {"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "lan.test", "count": 2,
                                     "reason": INTERNAL_ADDRESS}
 
 

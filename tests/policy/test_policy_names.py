@@ -96,13 +96,13 @@ def test_the_documented_policy_examples_load_and_mean_what_they_say() -> None:
 
 
 def test_a_suggestion_turns_refused_requests_into_methods_and_paths() -> None:
-    from policy.suggest import REQUEST_REFUSED, AuditRecord, record_from_json, suggest_policy
+    from policy.suggest import REQUEST_REFUSED, AuditRecord, suggest_policy
 
     records = [AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 2, REQUEST_REFUSED, "POST", "/legacy/*"),
                AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 1, REQUEST_REFUSED, "GET", "/upload")]
-    wire = [record_from_json(r.as_json()) for r in records]
+    wire = [AuditRecord.from_wire(r.to_wire()) for r in records]
     assert wire == records  # method and path prefix survive the job record
-    assert record_from_json({**records[0].as_json(), "path": "/a b/<script>"}).path is None  # type: ignore[union-attr]
+    assert AuditRecord.from_wire({**records[0].to_wire(), "path": "/a b/<script>"}).path is None  # type: ignore[union-attr]
     suggested = load_policy(suggest_policy(records), "suggested.yml")
     (rule,) = suggested.rules
     assert (rule.host, rule.methods, rule.paths) == ("pypi.org", frozenset({"GET", "POST"}), ("/legacy/*", "/upload"))

@@ -16,8 +16,8 @@ from policy.suggest import (
     REFUSED_NAME,
     AuditRecord,
     JobAudit,
+    admitted,
     merged_policy,
-    record_from_json,
 )
 from runner.cli import main
 from runner.jobapi.contract import JobRecord, JobState
@@ -29,6 +29,12 @@ WEB = {"dest": "203.0.113.10", "port": 8000, "proto": "tcp", "name": "web.test",
 WEB_9000 = {**WEB, "port": 9000, "count": 1}
 MIRROR = {"dest": "198.51.100.7", "port": 53, "proto": "udp", "name": None, "count": 3, "reason": "policy"}
 METADATA = {"dest": "169.254.169.254", "port": 80, "proto": "tcp", "name": None, "count": 1, "reason": "always-denied"}
+
+
+def record_from_json(entry: object) -> AuditRecord | None:
+    """A job record's entry as a suggestion reads it: from the wire, named only by a name a policy loads."""
+    record = AuditRecord.from_wire(entry)
+    return None if record is None else admitted(record)
 
 
 def test_three_jobs_with_different_needs_make_one_policy_allowing_all_of_them() -> None:
@@ -100,7 +106,8 @@ def state_dir(tmp_path: Path) -> Path:
             ("j0000000000000005", "octo/other", now - 60, [MIRROR])]
     for job_id, repository, created, blocked in jobs:
         store.put(JobRecord(id=job_id, state=JobState.FINISHED, repository=repository, sha="a" * 40, run_id=None,
-                            run_attempt=None, job_name="test", created_at=created, blocked_egress=blocked))
+                            run_attempt=None, job_name="test", created_at=created,
+                            blocked_egress=[r for r in map(AuditRecord.from_wire, blocked) if r]))
     store.close()
     return tmp_path
 
@@ -186,8 +193,8 @@ def test_refused_requests_across_jobs_become_methods_and_paths_entries() -> None
 
 def test_connections_that_named_nothing_become_a_raw_entry_with_its_warning() -> None:
     record = AuditRecord("203.0.113.10", 22, "tcp", "git.test", 3, unnamed=True)
-    assert record_from_json(record.as_json()) == record  # the flag survives the job record
-    assert record_from_json({**record.as_json(), "unnamed": "yes"}).unnamed is False  # type: ignore[union-attr]
+    assert record_from_json(record.to_wire()) == record  # the flag survives the job record
+    assert record_from_json({**record.to_wire(), "unnamed": "yes"}).unnamed is False  # type: ignore[union-attr]
 
     text = merged_policy([JobAudit("j1", T0, (record, AuditRecord("203.0.113.10", 443, "tcp", "git.test", 1)))])
 

@@ -59,7 +59,8 @@ def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
     assert b"building\n" in [e.data for e in entries if e.stream == "stdout"]
     assert [e.seq for e in entries] == list(range(1, len(entries) + 1))
     rec = client.get(job.id)
-    assert (rec.state, rec.exit_code, rec.artifacts) == ("finished", 2, [{"path": "out/report.xml", "size": 12}])
+    assert (rec.state, rec.exit_code, [a.to_wire() for a in rec.artifacts]) == ("finished", 2,
+                                                                      [{"path": "out/report.xml", "size": 12}])
     out = io.BytesIO()
     assert client.artifacts(job.id, out) == len(out.getvalue()) > 0
     with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:

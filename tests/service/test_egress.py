@@ -205,7 +205,7 @@ def test_a_job_policy_narrowed_to_nothing_says_so_in_the_record_summary_and_page
     record = service.get(rec.id)
     assert record.policy_digest == DENY_ALL.digest() and record.narrowed_egress == ["pypi.org tcp/443"]
     assert JobRecord.from_wire(record.to_wire()).narrowed_egress == ["pypi.org tcp/443"]
-    summary = markdown(Result(record=record.to_wire(), exit_code=0, junit=None, artifacts=[], refused_artifacts=[]))
+    summary = markdown(Result(record=record, exit_code=0, junit=None, artifacts=[], refused_artifacts=[]))
     words = "The job's policy asked for pypi.org tcp/443, but the repository's policy allows none of it"
     assert f"> **Egress narrowed away:** {words}" in html.unescape(summary)  # as GitHub shows it
     assert words in html.unescape(web.job_page(service, rec.id).body.decode())

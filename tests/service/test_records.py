@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from microvm_check.entries import Artifact, AuditRecord
 from runner.service.jobs.records import JobRecord, RecordStore
 
 
@@ -18,8 +19,8 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     rec = record("j1")
     rec.vm_id, rec.warm, rec.exit_code, rec.policy_digest = "vm-1", True, 3, "sha256:ab"
     rec.timings.queued_at, rec.timings.vm_ready_ms = 1.5, 0.25
-    rec.blocked_egress = [{"dest": "192.0.2.1", "port": 443, "proto": "tcp", "count": 1}]
-    rec.artifacts = [{"path": "a.txt", "size": 3}]
+    rec.blocked_egress = [AuditRecord("192.0.2.1", 443, "tcp", None, 1)]
+    rec.artifacts = [Artifact("a.txt", 3)]
     store.put(rec)
     again = RecordStore(tmp_path / "db").get("j1")
     assert again == rec

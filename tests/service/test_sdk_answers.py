@@ -46,7 +46,7 @@ def test_the_blocking_client_reads_each_answer_as_its_record(host: ServiceHost) 
     with Sandbox.create(ttl_seconds=60, socket=str(host.config.socket)) as sbx:
         result = sbx.exec(["hi"])
         assert (result.exit_code, result.stdout, result.timed_out, result.truncated) == (3, b"hi\n", False, False)
-        assert {(b["dest"], b["port"]) for b in result.blocked_egress} == {("192.0.2.7", 443), ("198.51.100.1", None)}
+        assert {(b.dest, b.port) for b in result.blocked_egress} == {("192.0.2.7", 443), ("198.51.100.1", None)}
         assert sbx.files.list() == [FileEntry("a.txt", "file", 5), FileEntry("src", "dir", 4096),
                                     FileEntry("link", "link", 7)]
         with pytest.raises(SandboxError) as refused:

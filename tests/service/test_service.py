@@ -60,7 +60,7 @@ def test_success_and_failure_exit_codes(make_service: Callable[..., JobService],
     call = sbx.exec_calls[0]
     assert call["cwd"] == "/workspace" and call["env"]["CI"] == "true"
     rec = service.get(ok)
-    assert rec.blocked_egress == [
+    assert [b.to_wire() for b in rec.blocked_egress] == [
         {"dest": "192.0.2.7", "port": 443, "proto": "tcp", "name": "blocked.example", "count": 2, "reason": "policy"},
         {"dest": "198.51.100.1", "port": None, "proto": "icmp", "name": None, "count": 1, "reason": "policy"}]
     assert rec.policy_digest.startswith("sha256:")
@@ -167,7 +167,7 @@ def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
     job = run(service, "ok", artifacts=["dist/*.whl"])
     wait_final(service, job)
     rec = service.get(job)
-    assert (rec.state, rec.artifacts) == ("finished", [{"path": "dist/a.whl", "size": 5}])
+    assert (rec.state, [a.to_wire() for a in rec.artifacts]) == ("finished", [{"path": "dist/a.whl", "size": 5}])
     assert engine.created[0].get_tar_calls == [(["dist/*.whl"], "/workspace")]
     with tarfile.open(service.artifacts_path(job)) as tar:
         assert tar.extractfile("dist/a.whl").read() == b"wheel"
@@ -189,7 +189,7 @@ def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(ma
     wait_final(service, job)
     rec = service.get(job)
     assert (rec.state, rec.exit_code, rec.error) == ("finished", 0, None)
-    assert rec.artifacts == [{"path": "ok", "size": 1}]
+    assert [a.to_wire() for a in rec.artifacts] == [{"path": "ok", "size": 1}]
     log = system_log(service, job)
     assert "artifact evil skipped: links are not allowed" in log
     assert "artifact .git/hooks/post-checkout skipped: a .git path component" in log

@@ -30,7 +30,7 @@ def test_skipped_artifacts_get_a_bounded_number_of_notes(make_service, engine: F
     job = run(service, "ok", artifacts=["out/**"])
     wait_final(service, job)
     rec = service.get(job)
-    assert (rec.state, rec.exit_code, rec.artifacts) == ("finished", 0, [{"path": "out/ok", "size": 1}])
+    assert (rec.state, rec.exit_code, [a.to_wire() for a in rec.artifacts]) == ("finished", 0, [{"path": "out/ok", "size": 1}])
     notes = [line for line in system_lines(service, job) if "artifact" in line]
     skipped = [line for line in notes if line.startswith("warning: artifact out/l")]
     assert len(skipped) == job_module.MAX_ARTIFACT_NOTES

@@ -139,8 +139,8 @@ def test_blocked_egress_reaches_the_record_in_block_and_audit_mode(net_host, tmp
 
     assert reached(block_text) == {ALLOWED} and reached(audit_text) == {ALLOWED, DENIED}
     for record in (blocking, auditing):
-        listed = {(b["dest"], b["port"], b["proto"]): b["reason"] for b in record.blocked_egress}
+        listed = {(b.dest, b.port, b.proto): b.reason for b in record.blocked_egress}
         assert listed[(DENIED_HOST, 8000, "tcp")] == "policy", listed
         assert listed[(METADATA, 80, "tcp")] == "always-denied", listed
         assert (ALLOWED_HOST, 8000, "tcp") not in listed, listed
-        assert all(b["count"] >= 1 for b in record.blocked_egress)
+        assert all(b.count >= 1 for b in record.blocked_egress)

@@ -77,7 +77,7 @@ def test_the_operators_block_list_is_refused_in_audit_mode_and_fails_an_on_block
 
     record, text = probe_job(host, 0, ALLOWED, DENIED)
     assert reached(text) == {ALLOWED}, text  # audit lets the policy's blocks through, never the block list
-    reasons = {(entry["dest"], entry["reason"]) for entry in record.blocked_egress}
+    reasons = {(entry.dest, entry.reason) for entry in record.blocked_egress}
     assert (DENIED_HOST, "block-listed") in reasons and (ALLOWED_HOST, "policy") in reasons
     assert (record.state, record.exit_code) == ("failed", 0), record  # only what audit mode refused counts
     assert record.error is not None and f"tcp {DENIED} (block-listed)" in record.error

@@ -183,7 +183,7 @@ def test_the_dependency_audit_refuses_and_reports_a_hostile_install(need_netns, 
         assert old["verdict"] == "vulnerable" and "EXAMPLE-2026-1" in old["advisories"]["old-pkg"], old
         assert evil["verdict"] == "hostile" and evil["refused_egress"] == [f"{DENIED_HOST}:8000"], evil
         record = host.service.get(evil["sandbox"])  # the sandbox's record, as the page reads it
-        assert [(b["dest"], b["port"]) for b in record.blocked_egress] == [(DENIED_HOST, 8000)], record
+        assert [(b.dest, b.port) for b in record.blocked_egress] == [(DENIED_HOST, 8000)], record
         page = web.job_page(host.service, evil["sandbox"]).body.decode()
         assert DENIED_HOST in page and "sandbox of uid" in page
         assert host.engine is not None and host.engine.live() == [], "an audit sandbox outlived its destroy"

@@ -76,10 +76,10 @@ def test_one_suggested_policy_from_three_audited_jobs_lets_all_three_pass_in_blo
     for need, (record, text) in audited.items():
         assert (record.state, record.exit_code) == ("finished", 0), (need, record, text)
         assert "metadata closed" in text, text  # always denied, audit mode or not
-        tried = {(b["name"], b["port"], b["reason"]) for b in record.blocked_egress}
+        tried = {(b.name, b.port, b.reason) for b in record.blocked_egress}
         assert (need.split(":")[0], int(need.split(":")[1]), "policy") in tried, tried
         # the server speaks first and the job sends nothing: the record says it named nothing
-        assert any(b["name"] == need.split(":")[0] and b.get("unnamed") is True for b in record.blocked_egress), record
+        assert any(b.name == need.split(":")[0] and b.unnamed is True for b in record.blocked_egress), record
         assert (None, 80, "always-denied") in tried, tried
 
     assert main(["policy", "suggest", "--repository", REPOSITORY, "--state-dir", str(vm_root / "state")]) == 0
@@ -100,4 +100,4 @@ def test_one_suggested_policy_from_three_audited_jobs_lets_all_three_pass_in_blo
         assert (record.state, record.exit_code) == ("finished", 0), (need, record, text)
         assert record.policy_digest == suggested.digest()
         assert f"open {need} {NEEDS[need]}" in text and "metadata closed" in text, text
-        assert [(b["port"], b["reason"]) for b in record.blocked_egress] == [(80, "always-denied")], record
+        assert [(b.port, b.reason) for b in record.blocked_egress] == [(80, "always-denied")], record

@@ -195,8 +195,8 @@ def test_docker_pulls_from_a_token_registry_through_a_basic_auth_binding_and_the
             'scope="repository:db:pull"') in bound_log, bound_log
     assert "elsewhere: 403" in bound_log and "placeholder of secret registry" in bound_log, bound_log
     assert bound_log.rstrip().splitlines()[-1] == "searched", bound_log  # nothing of the value in the guest
-    refused = [entry for entry in record.blocked_egress if entry["reason"] == SECRET_REFUSED]
-    assert [entry["name"] for entry in refused] == ["registry.test"], record.blocked_egress
+    refused = [entry for entry in record.blocked_egress if entry.reason == SECRET_REFUSED]
+    assert [entry.name for entry in refused] == ["registry.test"], record.blocked_egress
     assert "secret bindings: registry in $REGISTRY_PASSWORD" in system, system
     uses = [entry for entry in record.secrets_used if entry["name"] == "registry"]
     assert uses and uses[0]["requests"] >= 2, record.secrets_used  # docker login's token and the pull's

@@ -62,7 +62,7 @@ def test_metrics_during_and_after_jobs_agree_with_the_records(hosts, engine: Fak
         assert during[key] == 1, key
     assert during[("microvm_check_job_duration_seconds_count", (("result", "success"),))] == 1
     assert during[("microvm_check_job_duration_seconds_count", (("result", "failure"),))] == 1
-    blocked = sum(b["count"] for r in records for b in r.blocked_egress)
+    blocked = sum(b.count for r in records for b in r.blocked_egress)
     assert blocked == 6 and during[("microvm_check_blocked_egress_attempts_total", (("reason", "policy"),))] == blocked
     release.set()
     list(client.logs(running))

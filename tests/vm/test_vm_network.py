@@ -258,7 +258,7 @@ def test_an_allowed_name_pointing_into_the_lan_is_refused_unless_a_cidr_rule_all
     )
     with Sandbox.create(engine=net_engine, policy=by_name) as sbx:
         got = probe(sbx, "name,lan.test", f"tcp,{lan},8000")
-        refused = [r.as_json() for r in sbx.blocked_egress() if r.reason == REFUSED_ANSWER]
+        refused = [r.to_wire() for r in sbx.blocked_egress() if r.reason == REFUSED_ANSWER]
     assert got == {"name,lan.test": "nxdomain", f"tcp,{lan},8000": "closed"}
     # the answer by name only (the guest was not given the address), the attempt by the address it dialled
     assert sorted((r["dest"], r["name"]) for r in refused) == [(lan, None), ("internal address refused", "lan.test")]

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from runner.jobapi.contract import ACTIVE_STATES, JobState, step_exit_code
 
 if TYPE_CHECKING:
+    from policy.suggest import AuditRecord
     from runner.fleet.fleet import FleetRunner
     from runner.jobapi.contract import JobRecord, JobStarted
     from runner.service.github.desk import RunnerDesk
@@ -225,18 +226,16 @@ class JobMetrics:
         if t.queued_at is not None and t.started_at is not None:
             self.overhead.observe(max(0.0, t.started_at - t.queued_at))
         for entry in record.blocked_egress:
-            count = entry.get("count", 1)
-            reason = str(entry.get("reason") or "policy")[:_MAX_REASON]
-            self.blocked.labels(reason).inc(count if isinstance(count, int) and count > 0 else 1)
+            self.blocked.labels(entry.reason[:_MAX_REASON]).inc(entry.count)
         self._count_named(record.blocked_egress)
 
-    def _count_named(self, entries: Iterable[object]) -> None:
-        """The name check's refusals by what they claimed, read as the summary reads them (only a
-        well-formed name and path prefix get through: `policy.suggest.record_from_json`)."""
-        from policy.suggest import record_from_json
+    def _count_named(self, entries: Iterable[AuditRecord]) -> None:
+        """The name check's refusals by what they claimed, read as the summary reads them (only a name the
+        policy loader accepts gets through: `policy.suggest.admitted`)."""
+        from policy.suggest import admitted
 
         for entry in entries:
-            found = record_from_json(entry)
+            found = admitted(entry)
             if found is None or found.reason not in NAMED_REASONS:
                 continue
             labels = (found.reason, found.name or "", found.method or "", found.path or "")

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlencode
 import jinja2
 import yaml
 
-from runner.jobapi.contract import BlockedEgress, JobRecord, LogEntry, step_exit_code
+from runner.jobapi.contract import JobRecord, LogEntry, step_exit_code
 from runner.jobapi.workflow import neutralise_line, split_lines
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def job_page(service: JobService, job_id: str, secret: str = "", search: str = "
     record = service.get(job_id)
     lines, last_seq, total = _log_lines(service.log_of(job_id), search[:200])
     started = record.timings.started_at or record.created_at
-    return render("job.html", job=record, blocked=BlockedEgress.listed(record.blocked_egress), lines=lines,
+    return render("job.html", job=record, blocked=record.blocked_egress, lines=lines,
                   last_seq=last_seq, total_lines=total, search=search[:200],
                   started=started, policy=_policy(service, record), csrf=csrf_token(secret, job_id) if secret else "",
                   narrowed=narrowed_words(record.narrowed_egress),
@@ -216,12 +216,11 @@ def job_page(service: JobService, job_id: str, secret: str = "", search: str = "
 
 
 def insights_page(service: JobService, repository: str, since: str) -> Page:
-    from policy.suggest import JobAudit, admitted, merged_policy
+    from policy.suggest import JobAudit, merged_policy
 
     seconds = _since_seconds(since)
     records = service.records.of_repository(repository, time.time() - seconds) if repository else []
-    jobs = [JobAudit(r.id, r.created_at, tuple(a for a in map(admitted, BlockedEgress.listed(r.blocked_egress)) if a))
-            for r in records]
+    jobs = [JobAudit(r.id, r.created_at, tuple(r.blocked_egress)) for r in records]
     suggestion = merged_policy(jobs, f"{repository}: {len(jobs)} jobs since {since}") if jobs else None
     return render("insights.html", repository=repository, since=since, jobs=len(jobs), suggestion=suggestion)
 

@@ -170,9 +170,9 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
           f"{_when(t.started_at)}, finished {_when(t.finished_at)}"
           + (f"; VM ready in {t.vm_ready_ms:.0f} ms" if t.vm_ready_ms is not None else ""))
     for item in rec.artifacts:
-        print(f"    artifact {str(item.get('path', item.get('name', '?')))[:200]} ({item.get('size', '?')} bytes)")
+        print(f"    artifact {item.path[:200]} ({item.size} bytes)")
     if rec.blocked_egress:
-        print(f"    blocked egress: {sum(int(b.get('count', 1)) for b in rec.blocked_egress)} attempt(s)")
+        print(f"    blocked egress: {sum(b.count for b in rec.blocked_egress)} attempt(s)")
     return 0
 
 

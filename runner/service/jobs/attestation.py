@@ -112,7 +112,7 @@ class ArtifactFacts:
 
 def audit_digest(record: JobRecord) -> str:
     """sha256 of the egress audit in the record (what `jobs show --json` prints as blocked_egress)."""
-    return canonical_digest(record.blocked_egress)
+    return canonical_digest([entry.to_wire() for entry in record.blocked_egress])
 
 
 def predicate(record: JobRecord, vm: VmFacts | None, junit: Totals | None) -> JobPredicate:

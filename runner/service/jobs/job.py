@@ -20,7 +20,7 @@ from typing import Protocol
 from policy.model import Policy
 from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
-from runner.sandbox.port import ExecResult, Resources, SandboxFactory, SandboxLike, VMRequest
+from runner.sandbox.port import AuditRecord, ExecResult, Resources, SandboxFactory, SandboxLike, VMRequest
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs import containers
 from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
@@ -244,7 +244,7 @@ class JobRun:
         exit_code = _exit_code(result.exit_code)
         return self._on_block(blocked, exit_code) or ("finished", exit_code, None)
 
-    def _on_block(self, blocked: list[dict[str, object]], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
+    def _on_block(self, blocked: list[AuditRecord], exit_code: int | None) -> tuple[str, int | None, str | None] | None:
         """Under `on_block: fail`, a job whose guest had egress refused fails, its exit code kept."""
         refused = refused_egress(self.policy, blocked)
         if refused is None:

@@ -5,17 +5,17 @@ Artifacts are fetched from the guest as one tar within a byte budget, validated 
 clean tar the API serves (runner/tarsafe.py), and noted in the job's log. Files that break a rule (links,
 devices, oversize, refused names) are skipped and named; the clean tar carries them as markers so the
 action can name them too. A guest that breaks the transfer as a whole (its framing, the byte budget) ends
-it: what was validated before stays. Blocked-egress records are bounded in number and size, and decide a
-job's end only under `on_block: fail`.
+it: what was validated before stays. Blocked-egress records are bounded in number and held to the rules a
+reader holds them to (`AuditRecord.checked`), and decide a job's end only under `on_block: fail`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from microvm_check.entries import Artifact, AuditRecord
 from policy import suggest
 from policy.model import Policy
 from runner.jobapi.contract import JobSpec
@@ -29,7 +29,7 @@ MAX_BLOCKED_RECORDS = 1000
 
 
 def collect_artifacts(sandbox: SandboxLike, spec: JobSpec, job_dir: Path, clean: Path, limits: ArtifactLimits,
-                      log: JobLog, cancelled: Callable[[], bool]) -> list[dict[str, object]] | None:
+                      log: JobLog, cancelled: Callable[[], bool]) -> list[Artifact] | None:
     """The validated artifacts' entries for the job's record (the caller notes how many were collected),
     their clean tar at `clean`; None when the spec asks for none or nothing matched. Trouble with them is
     a warning in the log: the command's exit code is the job's result either way. A transfer that fails
@@ -58,7 +58,7 @@ def collect_artifacts(sandbox: SandboxLike, spec: JobSpec, job_dir: Path, clean:
 
 
 def _validate(raw: Path, clean: Path, limits: ArtifactLimits, stopped: str | None, patterns: tuple[str, ...],
-              log: JobLog) -> list[dict[str, object]]:
+              log: JobLog) -> list[Artifact]:
     tar_limits = Limits(max_files=limits.max_count, max_file_bytes=limits.max_total_bytes,
                         max_total_bytes=limits.max_total_bytes)
     with open(raw, "rb") as src, open(f"{clean}.part", "wb") as dst:
@@ -71,27 +71,20 @@ def _validate(raw: Path, clean: Path, limits: ArtifactLimits, stopped: str | Non
                    "(the artifact tar carries a note for each)")
     if copied.stopped:
         log.system(f"warning: artifact transfer ended early: {copied.stopped}")
-    return [m.to_json() for m in copied.files]
+    return copied.files
 
 
-def bounded_blocked(entries: Iterable[object] | None) -> list[dict[str, object]]:
-    """Blocked-egress records as plain JSON, bounded: their content derives from guest traffic."""
-    kept: list[dict[str, object]] = []
-    for entry in list(entries or [])[:MAX_BLOCKED_RECORDS]:
-        if hasattr(entry, "as_json"):  # runner.net.audit.AuditRecord
-            entry = entry.as_json()
-        elif dataclasses.is_dataclass(entry) and not isinstance(entry, type):
-            entry = dataclasses.asdict(entry)
-        if isinstance(entry, dict):
-            kept.append({k: v for k, v in entry.items()
-                         if isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) and len(str(v)) <= 256})
-    return kept
+def bounded_blocked(records: Iterable[AuditRecord]) -> list[AuditRecord]:
+    """What the sandbox's audit saw, for the job's record: at most MAX_BLOCKED_RECORDS, each as a reader
+    will read it (their names and paths derive from guest traffic); a record that breaks the rules is left out."""
+    kept = (record.checked() for record in list(records)[:MAX_BLOCKED_RECORDS])
+    return [record for record in kept if record is not None]
 
 
-def refused_egress(policy: Policy | None, blocked: list[dict[str, object]]) -> str | None:
+def refused_egress(policy: Policy | None, blocked: list[AuditRecord]) -> str | None:
     """Under `on_block: fail`, what of the job's blocked egress its guest actually had refused, in one
     line (policy.suggest.refused_summary); None when the policy does not fail a job for it or none was."""
     if policy is None or policy.on_block != "fail":
         return None
-    refused = suggest.refused([r for r in map(suggest.record_from_json, blocked) if r is not None], policy.mode)
+    refused = suggest.refused(blocked, policy.mode)
     return suggest.refused_summary(refused) if refused else None

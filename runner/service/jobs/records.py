@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from microvm_check.entries import Artifact, AuditRecord
 from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, Timings
 from runner.logs import JobEvents
 
@@ -54,6 +55,7 @@ _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
 # What a column holds, as sqlite3 hands it over and takes it back.
 SqlValue = str | int | float | None
+Entry = TypeVar("Entry")
 
 
 def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
@@ -61,8 +63,8 @@ def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
     values.update(values.pop("timings"))
     values["state"] = rec.state.value
     values["warm"] = int(rec.warm)
-    values["blocked_egress"] = json.dumps(rec.blocked_egress)
-    values["artifacts"] = json.dumps(rec.artifacts)
+    values["blocked_egress"] = json.dumps([entry.to_wire() for entry in rec.blocked_egress])
+    values["artifacts"] = json.dumps([entry.to_wire() for entry in rec.artifacts])
     values["narrowed_egress"] = json.dumps(rec.narrowed_egress)
     values["secrets_used"] = json.dumps(rec.secrets_used)
     return tuple(values[name] for name in _NAMES)
@@ -73,11 +75,16 @@ def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
     values: dict[str, Any] = dict(zip(_NAMES, row, strict=True))
     timings = Timings(**{name: values.pop(name) for name in _TIMING_NAMES})
     values["warm"] = bool(values["warm"])
-    values["blocked_egress"] = json.loads(values["blocked_egress"])
-    values["artifacts"] = json.loads(values["artifacts"])
+    values["blocked_egress"] = _entries(values["blocked_egress"], AuditRecord.from_wire)
+    values["artifacts"] = _entries(values["artifacts"], Artifact.from_wire)
     values["narrowed_egress"] = json.loads(values["narrowed_egress"])
     values["secrets_used"] = json.loads(values["secrets_used"])
     return JobRecord(timings=timings, **values)
+
+
+def _entries(column: str, read: Callable[[object], Entry | None]) -> list[Entry]:
+    """A column of entries, each read back by its from_wire: the store's own, written checked."""
+    return [entry for entry in map(read, json.loads(column)) if entry is not None]
 
 
 class RecordEvents(Protocol):
