@@ -8,7 +8,9 @@
 Every runner is registered just in time (`generate-jitconfig`: GitHub removes it after its one job)
 and started in a fresh directory as a uid of its own, leased for its life (`runner.fleet.workdir`). One thread
 does all the work (GitHub calls, copies, process starts and reaping), so the webhook only records
-what it heard and returns at once, and no two steps race over a runner.
+what it heard and returns at once, and no two steps race over a runner. This module keeps the count
+and the state of the runners; what a runner is on the host (its uid, directory, cgroup and process)
+is processes.py's, what GitHub still lists registrations.py's, and the status it writes status.py's.
 
 Each runner has its own token, which the service knows (`add_runner`) while the runner lives: its
 job hooks and the action in its job use it to report, guard and submit that one job (see
@@ -26,79 +28,29 @@ that got no job within `idle_recycle_seconds` is replaced by a fresh one.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from pathlib import Path
 from typing import Any, Protocol
 
-from runner.fleet import cgroup, starts, walls, workdir
-from runner.fleet.cgroup import CgroupError, RunnerCgroup
-from runner.fleet.install import current
-from runner.fleet.scope import ScopeClaim
-from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
-from runner.github.errors import GitHubError, NotFound, ValidationFailed
+from runner.fleet import starts, status
+from runner.fleet.model import FleetRunner, FleetSettings, RunnerEnd, RunnerState
+from runner.fleet.processes import START_ERRORS, RunnerProcesses
+from runner.fleet.registrations import Registrations
+from runner.github.errors import GitHubError, NotFound
 from runner.github.jobs import CompletedJob, QueuedJob
-from runner.github.runners import JitConfig, RunnerAdmin
+from runner.github.runners import RunnerAdmin
 from runner.jobapi.contract import JobStarted
 
 log = logging.getLogger(__name__)
 
 SPAWN_BACKOFF_SECONDS = 10.0  # after GitHub or the host refused a new runner
 STOP_WAIT_SECONDS = 5.0  # between SIGTERM and SIGKILL when a runner is retired
-STATUS_FILE = "fleet-status.json"
-
-
-class RunnerState(str, Enum):
-    IDLE = "idle"  # registered and started, no job reported yet
-    BUSY = "busy"  # its job-started hook reported a job
-
-
-@dataclass(frozen=True)
-class FleetSettings:
-    """The `runners:` section resolved: defaults that depend on the rest of the config filled in."""
-
-    org: str
-    labels: tuple[str, ...]
-    runner_group: int
-    min_idle: int
-    max_runners: int
-    idle_recycle_seconds: float
-    shutdown_grace_seconds: float
-    job_timeout_seconds: float
-    deadline_grace_seconds: float
-    network: str
-    limits: cgroup.Limits
-    runner_user: str
-    install_dir: Path
-    runners_dir: Path
-    name_prefix: str
-    status_path: Path
-    socket: str  # the job API's Unix socket, which the runners' hooks and the action talk to
-    state_dir: Path  # the service's own: where its claim on the runners' cgroup scope is kept (scope.py)
-
-    @classmethod
-    def from_config(cls, config: Any) -> FleetSettings:
-        section = config.runners
-        if section.org is None:
-            raise ValueError("runners.org is not set: the fleet is off")
-        prefix = section.name_prefix or f"mvc-{socket.gethostname().split('.')[0][:30]}"
-        return cls(section.org, (*section.labels, *config.size_labels), section.runner_group, section.min_idle,
-                   section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
-                   section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
-                   section.network, cgroup.Limits(section.memory_mib << 20, section.cpu_weight),
-                   section.runner_user, section.install_dir, section.runners_dir,
-                   prefix, config.state_dir / STATUS_FILE, config.socket, config.state_dir)
 
 
 class FleetService(Protocol):
@@ -113,40 +65,10 @@ class FleetService(Protocol):
     def runner_died(self, runner_name: str, reason: str) -> list[str]: ...
 
 
-@dataclass
-class FleetRunner:
-    name: str
-    dir: RunnerDir
-    github_id: int
-    process: subprocess.Popen[bytes]
-    cgroup: RunnerCgroup
-    since: float
-    token: str = field(repr=False)
-    identity: RunnerIdentity | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
-    state: RunnerState = RunnerState.IDLE
-    job: JobStarted | None = None
-    output: int = field(default=-1, repr=False)  # the file its stdout and stderr go to, kept open by the fleet
-
-    def view(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.github_id, "state": self.state.value, "since": self.since,
-                "directory": str(self.dir.path), "pid": self.process.pid,
-                "uid": self.identity.uid if self.identity else None,
-                "job": {k: v for k, v in self.job.to_wire().items() if k != "guard"} if self.job else None}
-
-
-@dataclass(frozen=True)
-class RunnerEnd:
-    """What became of a runner: for the status and the log."""
-
-    name: str
-    job: JobStarted | None
-    exit_code: int | None  # None: retired by the fleet before it took a job
-    died: bool  # it ended during its job, which was cancelled
-    since: float  # FleetRunner.since at its end: when it started, or when its job was reported
-    ended_at: float
-
 
 class RunnerFleet:
+    """Keeps the runners' count and states on a thread of its own: starts, binds, reaps, retires."""
+
     def __init__(self, settings: FleetSettings, admin: RunnerAdmin, service: FleetService,
                  extra_status: Callable[[], dict[str, Any]] | None = None, interval: float = 0.2) -> None:
         self.settings = settings
@@ -157,36 +79,21 @@ class RunnerFleet:
         self._lock = threading.Lock()
         self._runners: list[FleetRunner] = []
         self._pending: dict[int, float] = {}  # queued GitHub job id -> when the webhook said so
-        self._stale: set[int] = set()  # GitHub runner ids of ours to deregister
+        self.registrations = Registrations(admin, settings.org, settings.name_prefix)
+        self.processes = RunnerProcesses(settings)
         self.ended: deque[RunnerEnd] = deque(maxlen=200)
         self._retry_at = 0.0
         self.failed_starts = starts.StartFailures()
-        self._swept = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.user: RunnerUser | None = None
-        self._release: Path | None = None
-        self._hooks: dict[str, Path] = {}
-        self._scope = cgroup.scope_for(settings.runners_dir)
-        self._claim: ScopeClaim | None = None
 
     # -- life cycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Check that runners can see what they run, the user and the installed release, clean up after
         a predecessor, start the thread."""
-        settings = self.settings
-        walls.check_visible(walls.runner_paths(settings.install_dir, settings.runners_dir, settings.socket))
-        self.user = RunnerUser.lookup(self.settings.runner_user)
-        self._release = current(self.settings.install_dir)
-        runners_dir = self.settings.runners_dir
-        runners_dir.mkdir(parents=True, exist_ok=True)
-        os.chown(runners_dir, 0, 0)
-        os.chmod(runners_dir, 0o711)  # a runner can reach its own directory, not list the others
-        self._hooks = workdir.install_hooks(runners_dir, self.settings.socket)
-        self._claim = ScopeClaim.take(self.settings.state_dir, self._scope)  # before the sweep: not a live one's
-        self._recover_host()
+        self.processes.prepare()
         self._thread = threading.Thread(target=self._loop, name="runner-fleet", daemon=True)
         self._thread.start()
 
@@ -208,13 +115,11 @@ class RunnerFleet:
             self.tick()
             time.sleep(min(self._interval, max(0.0, deadline - time.monotonic())))
         for runner in self.runners():
-            self._kill(runner)
+            self.processes.kill(runner)
             self._reap(runner, runner.process.wait())
-        self._retry_stale()
-        cgroup.remove_scope(self._scope)
-        if self._claim is not None:
-            self._claim.release()
-        self._write_status()
+        self.registrations.retry()
+        self.processes.close()
+        status.write(self.settings.status_path, self.status())
 
     @property
     def stopping(self) -> bool:
@@ -251,7 +156,7 @@ class RunnerFleet:
                                 "labels": list(self.settings.labels), "max_runners": self.settings.max_runners,
                                 "min_idle": self.settings.min_idle, "stopping": self.stopping,
                                 "runners": [r.view() for r in self.runners()], "pending_jobs": self.pending(),
-                                "to_deregister": sorted(self._stale), "crash_loop": self.crash_loop()}
+                                "to_deregister": self.registrations.stale, "crash_loop": self.crash_loop()}
         if self._extra_status is not None:
             data.update(self._extra_status())
         return data
@@ -276,13 +181,13 @@ class RunnerFleet:
         now = time.time()
         for runner in self.runners():
             self._inspect(runner, now)
-        if not self._swept:
-            self._swept = self._sweep_github()
-        self._retry_stale()
+        if not self.registrations.swept:
+            self.registrations.sweep(runner.github_id for runner in self.runners())
+        self.registrations.retry()
         self._expire_pending(now)
         if not self.stopping:
             self._scale(now)
-        self._write_status()
+        status.write(self.settings.status_path, self.status())
 
     def _inspect(self, runner: FleetRunner, now: float) -> None:
         exit_code = runner.process.poll()
@@ -309,7 +214,7 @@ class RunnerFleet:
         why = (f"runner {runner.name} passed its deadline (job timeout {self.settings.job_timeout_seconds:g} s + "
                f"grace {self.settings.deadline_grace_seconds:g} s): it was killed with everything its job started")
         log.warning("%s", why)
-        self._kill(runner)
+        self.processes.kill(runner)
         self._reap(runner, runner.process.wait(), why)
 
     def _failed_start(self, failure: starts.StartFailure) -> None:
@@ -342,7 +247,7 @@ class RunnerFleet:
         is cancelled (VMs destroyed, sessions ended, tokens revoked) whatever the exit code: a job may
         have killed its own job-completed hook and exited 0. Deregister it if GitHub did not (a JIT
         runner is removed by GitHub only after a job it finished)."""
-        self._kill(runner)
+        self.processes.kill(runner)
         died = runner.job is not None and exit_code != 0
         if runner.job is not None:
             why = why or (f"the runner {runner.name} running this job ended ({starts.exit_text(exit_code)}) while this job "
@@ -355,7 +260,7 @@ class RunnerFleet:
                 log.warning("runner %s ended %s, but its job still ran %s: cancelled", runner.name,
                             starts.exit_text(exit_code), ", ".join(cancelled))
         if runner.job is None or exit_code != 0:
-            self._deregister(runner.github_id)
+            self.registrations.deregister(runner.github_id)
         self._forget(runner)
         self.ended.append(RunnerEnd(runner.name, runner.job, exit_code, died, runner.since,
                                     time.time() if ended_at is None else ended_at))
@@ -371,14 +276,14 @@ class RunnerFleet:
             if not force:
                 log.info("runner %s not retired (%s): GitHub says %s", runner.name, why, exc)
                 return
-            self._stale.add(runner.github_id)
+            self.registrations.note(runner.github_id)
         log.info("retiring runner %s: %s", runner.name, why)
-        self._kill(runner, signal.SIGTERM)
+        self.processes.kill(runner, signal.SIGTERM)
         try:
             runner.process.wait(STOP_WAIT_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        self._kill(runner)
+        self.processes.kill(runner)
         runner.process.wait()
         self._forget(runner)
         self.ended.append(RunnerEnd(runner.name, runner.job, None, False, runner.since, time.time()))
@@ -398,20 +303,11 @@ class RunnerFleet:
         """The runner has ended: its token opens nothing, its cgroup (whatever its job left running)
         and its directory are gone."""
         self.service.remove_runner(runner.name)
-        try:
-            runner.cgroup.destroy()
-        except CgroupError as exc:
-            log.error("runner %s: %s", runner.name, exc)
-        workdir.remove(runner.dir.path)
-        if runner.identity is not None:
-            runner.identity.release()
-        if runner.output >= 0:
-            os.close(runner.output)
+        self.processes.remove(runner)
         with self._lock:
             self._runners.remove(runner)
 
     def _spawn(self, now: float) -> bool:
-        assert self.user is not None and self._release is not None and self._hooks
         name = f"{self.settings.name_prefix}-{secrets.token_hex(4)}"
         try:
             jit = self.admin.jit_config(name, self.settings.labels, self.settings.runner_group)
@@ -420,168 +316,25 @@ class RunnerFleet:
                       self.settings.org, SPAWN_BACKOFF_SECONDS, exc)
             self._retry_at = now + SPAWN_BACKOFF_SECONDS
             return False
-        path = self.settings.runners_dir / name
         token = secrets.token_urlsafe(32)
-        group: RunnerCgroup | None = None
-        identity: RunnerIdentity | None = None
         self.service.add_runner(name, token)
         try:
-            identity = self.user.lease()
-            runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
-            group = RunnerCgroup.create(self._scope, name, self.settings.limits)
-            process, output = self._launch(runner_dir, jit, group, identity)
-        except (OSError, workdir.RunnerUidsExhausted, walls.WallsUnavailable) as exc:
-            log.error("cannot start runner %s in %s (trying again in %g s): %s", name, path, SPAWN_BACKOFF_SECONDS, exc)
+            runner = self.processes.start(name, jit, token, now)
+        except START_ERRORS as exc:
+            log.error("cannot start runner %s in %s (trying again in %g s): %s", name,
+                      self.settings.runners_dir / name, SPAWN_BACKOFF_SECONDS, exc)
             self.service.remove_runner(name)
-            if group is not None:
-                group.destroy()
-            workdir.remove(path)
-            if identity is not None:
-                identity.release()
-            self._deregister(jit.runner.id)
+            self.registrations.deregister(jit.runner.id)
             self._retry_at = now + SPAWN_BACKOFF_SECONDS
             return False
         with self._lock:
-            self._runners.append(FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token, identity,
-                                             output=output))
-        log.info("runner %s (id %d, uid %d) started in %s", name, jit.runner.id, identity.uid, path)
+            self._runners.append(runner)
+        assert runner.identity is not None  # a started runner has its own uid
+        log.info("runner %s (id %d, uid %d) started in %s", name, jit.runner.id, runner.identity.uid, runner.dir.path)
         return True
-
-    def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
-                user: RunnerIdentity) -> tuple[subprocess.Popen[bytes], int]:
-        """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
-        arguments, here kept out of `ps`), as the runner's own uid, in a session, a cgroup and
-        namespaces of its own (runner.fleet.walls).
-
-        The runner cannot move itself into a root-owned cgroup, so a shell waits on a pipe
-        until this process has put it there, and only then makes the namespaces and execs `run.sh`:
-        nothing of the runner ever runs outside the group. Also returns the descriptor of the runner's
-        output file, kept to read what it said if it ends before taking a job (runner.fleet.starts)."""
-        log_fd = os.open(runner_dir.log, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchown(log_fd, user.uid, user.gid)
-            argv = walls.launch_argv(["./run.sh"], user.uid, user.gid, user.groups, self.settings.network)
-            process = subprocess.Popen(
-                argv, cwd=runner_dir.path,
-                env={**runner_dir.environment(), "ACTIONS_RUNNER_INPUT_JITCONFIG": jit.encoded_jit_config},
-                umask=0o077, start_new_session=True, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT)
-        except BaseException:
-            os.close(log_fd)
-            raise
-        assert process.stdin is not None
-        try:
-            group.add(process.pid)
-            process.stdin.write(b"go\n")
-        except OSError:
-            process.kill()
-            process.wait()
-            os.close(log_fd)
-            raise
-        finally:
-            process.stdin.close()
-        return process, log_fd
-
-    def _kill(self, runner: FleetRunner, signum: int = signal.SIGKILL) -> None:
-        """Signal the runner's whole session; SIGKILL also reaches what its job started in sessions of
-        its own (the runner's cgroup)."""
-        try:
-            os.killpg(runner.process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if signum == signal.SIGKILL:
-            for pid in runner.cgroup.pids():
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
-
-    # -- GitHub's side -----------------------------------------------------------------------------
-
-    def _sweep_github(self) -> bool:
-        """Deregister this host's runners that GitHub still lists and this fleet does not run (a
-        predecessor's); False to try again on the next pass when GitHub cannot be asked."""
-        ours = {r.github_id for r in self.runners()}
-        prefix = self.settings.name_prefix + "-"
-        try:
-            listed = self.admin.list()
-        except GitHubError as exc:
-            log.error("cannot list org %s's runners to clean up after a previous service (trying again): %s",
-                      self.settings.org, exc)
-            return False
-        for found in listed:
-            if found.name.startswith(prefix) and found.id not in ours:
-                log.warning("deregistering runner %s (id %d, %s): left by a previous service",
-                            found.name, found.id, found.status)
-                self._stale.add(found.id)
-        return True
-
-    def _deregister(self, github_id: int) -> None:
-        self._stale.add(github_id)
-        self._retry_stale()
-
-    def _retry_stale(self) -> None:
-        for github_id in sorted(self._stale):
-            try:
-                self.admin.delete(github_id)
-            except NotFound:
-                pass
-            except ValidationFailed as exc:  # busy: a job still holds it; GitHub frees it after the job
-                log.info("runner id %d cannot be deregistered yet: %s", github_id, exc)
-                continue
-            except GitHubError as exc:
-                log.warning("deregistering runner id %d failed (trying again): %s", github_id, exc)
-                continue
-            self._stale.discard(github_id)
 
     def _expire_pending(self, now: float) -> None:
         with self._lock:
             for job_id, queued_at in list(self._pending.items()):
                 if now - queued_at > self.settings.idle_recycle_seconds:
                     del self._pending[job_id]
-
-    # -- the host's side ---------------------------------------------------------------------------
-
-    def _recover_host(self) -> None:
-        """Kill what a dead predecessor's runners still run and remove their directories."""
-        runners_dir = self.settings.runners_dir
-        for group in cgroup.sweep(self._scope):
-            log.warning("killed what runner %s of a previous service left running (its cgroup)", group.name)
-        for pid in processes_in(runners_dir):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            log.warning("killed process %d of a runner left by a previous service", pid)
-        for entry in runners_dir.iterdir():
-            if entry.name != workdir.HOOKS:
-                log.warning("removing %s: a runner directory left by a previous service", entry)
-                workdir.remove(entry)
-
-    def _write_status(self) -> None:
-        """`microvm-check status` reads this file: root's, replaced in one step."""
-        path = self.settings.status_path
-        temporary = path.with_name(f".{path.name}.tmp")
-        try:
-            temporary.write_text(json.dumps(self.status()))
-            temporary.chmod(0o600)
-            temporary.replace(path)
-        except OSError as exc:
-            log.warning("cannot write the fleet status to %s: %s", path, exc)
-
-
-def processes_in(directory: Path) -> list[int]:
-    """Processes whose working directory or program lies under `directory`."""
-    marker = str(directory).rstrip("/") + "/"
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        for link in ("cwd", "exe"):
-            try:
-                target = os.readlink(f"/proc/{entry}/{link}")
-            except OSError:
-                continue
-            if target.startswith(marker):
-                found.append(int(entry))
-                break
-    return found

@@ -1,13 +1,30 @@
-"""`microvm-check status`: the host's runners, VMs and queue, as the running service last wrote them."""
+"""`microvm-check status`: the host's runners, VMs and queue, as the running service last wrote them
+(`write`, on each of the fleet's passes) and this reads them (`load`, `render`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "fleet-status.json"  # in the service's state directory
 MAX_STATUS = 4 * 1024 * 1024
+
+
+def write(path: Path, status: dict[str, Any]) -> None:
+    """The status for `load`: root's file, replaced in one step so a reader never sees half of it. A failed
+    write is logged, not raised: the fleet's pass goes on without its report."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(json.dumps(status))
+        temporary.chmod(0o600)
+        temporary.replace(path)
+    except OSError as exc:
+        log.warning("cannot write the fleet status to %s: %s", path, exc)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def test_restart_deregisters_and_replaces_a_dead_services_runners(make_rig) -> N
         rig.fleet._stop.set()
         rig.fleet._thread.join()
         rig.fleet._runners.clear()
-        claim = rig.fleet._claim  # the kernel drops a dead service's lock on its runners' scope; the claim file stays
+        claim = rig.fleet.processes.claim  # the kernel drops a dead service's lock on its runners' scope; the claim file stays
         claim._lock.close()
         claim._lock = None
         rig.host.fleet = None

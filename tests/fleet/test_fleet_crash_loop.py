@@ -59,7 +59,7 @@ def test_runners_that_exit_at_once_are_retried_with_back_off_and_reported(make_r
     with make_rig(vms=False, min_idle=1, max_runners=1) as rig:
         loop = wait_until(lambda: rig.fleet.crash_loop(), 120, "the fleet to report a crash loop")
         tries = list(rig.fleet.ended)
-        groups = runner_cgroups(rig.fleet._scope)
+        groups = runner_cgroups(rig.fleet.processes.scope)
         assert main(["status", "--service-config", str(rig.config_path)]) == 0
         shown = capsys.readouterr().out
         metrics = rig.host.metrics.exposition().decode()

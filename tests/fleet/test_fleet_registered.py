@@ -109,7 +109,7 @@ def _no_vms(request: Any) -> Any:
 
 
 def test_the_fleet_registers_its_runners_with_the_labels_of_the_size_classes_offered() -> None:
-    from runner.fleet.fleet import FleetSettings
+    from runner.fleet.model import FleetSettings
     from runner.service.config.reading import config_from_mapping
 
     config = config_from_mapping({"runners": {"org": "octo-org", "labels": ["self-hosted", "microvm"],

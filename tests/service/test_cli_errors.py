@@ -21,7 +21,7 @@ from tests.error_tree import exception_classes, qualified
 # Outside the tree on purpose (runner/errors.py says why): a bug, a file the guest imports alone (and the
 # host's own kind-carrying subclass of its ProtocolError), signals (the action's and a local run's, both
 # KeyboardInterrupt so that cleanup runs as for Ctrl-C), the name check's private "first flight cut short"
-# (never leaves runner/net/namecheck.py); and, to move, CgroupError: runner/fleet/fleet.py still catches
+# (never leaves runner/net/namecheck.py); and, to move, CgroupError: runner/fleet/processes.py still catches
 # it as the OSError it is today.
 OUTSIDE = {"runner.jobapi.contract.StateTransitionError", "runner.vm.guestwire.ProtocolError",
            "runner.vm.agent._Violation", "action.__main__.Interrupted", "runner.fleet.cgroup.CgroupError",

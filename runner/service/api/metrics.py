@@ -30,7 +30,7 @@ from runner.jobapi.contract import ACTIVE_STATES, JobState, step_exit_code
 
 if TYPE_CHECKING:
     from policy.suggest import AuditRecord
-    from runner.fleet.fleet import FleetRunner
+    from runner.fleet.model import FleetRunner
     from runner.jobapi.contract import JobRecord, JobStarted
     from runner.service.github.desk import RunnerDesk
     from runner.service.jobs.records import RecordEvents

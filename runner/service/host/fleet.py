@@ -35,7 +35,8 @@ def start_fleet(config: ServiceConfig, desk: RunnerDesk, metrics: JobMetrics | N
                 extra_status: Callable[[], dict[str, object]], stack: ExitStack, origin: str | None) -> RunnerFleet:
     """The host's ephemeral runners (`runners:`), closed before the service drains: at shutdown busy
     runners finish their jobs while the service still runs them. They hear the webhook too."""
-    from runner.fleet.fleet import FleetSettings, RunnerFleet
+    from runner.fleet.fleet import RunnerFleet
+    from runner.fleet.model import FleetSettings
     from runner.github.config import load_settings
     from runner.github.errors import GitHubError
     from runner.github.runners import RunnerAdmin
