@@ -227,7 +227,11 @@ class _Run:
         return P.Frame(self.kind, self.req.rid, b"".join(self.parts))
 
 
-class AgentClient:
+class AgentChannel:
+    """The channel itself, apart from what is asked over it: the reader thread that frames the guest's
+    bytes and routes them to their requests, a request's frames out under a deadline, and the breaking
+    of the channel that every waiter and the owner hear of."""
+
     def __init__(
         self,
         sock: socket.socket,
@@ -248,7 +252,6 @@ class AgentClient:
         self._issued = 0
         self._pending: dict[int, _Request] = {}
         self._stray = 0
-        self._execs: set[int] = set()
         self._run: _Run | None = None
         self.broken: str | None = None
         self.broken_event = threading.Event()
@@ -256,22 +259,21 @@ class AgentClient:
         self._reader = threading.Thread(target=self._read_loop, name="agent-reader", daemon=True)
         self._reader.start()
 
-    # ---- channel ---------------------------------------------------------------------------
     def close(self) -> None:
         self._closed = True
-        self._fail("the sandbox was destroyed")
+        self.fail("the sandbox was destroyed")
 
     def _read_loop(self) -> None:
         """Never ends silently: whatever stops it marks the channel broken, with the reason."""
         try:
             self._read_frames(_Wire(self._sock))
         except P.ProtocolError as exc:
-            self._fail(f"the guest agent broke the protocol: {exc}", getattr(exc, "kind", FRAME))
+            self.fail(f"the guest agent broke the protocol: {exc}", getattr(exc, "kind", FRAME))
         except Exception as exc:  # a bug of ours, or an input we did not foresee: still the guest's doing
             log.exception("agent channel reader failed")
-            self._fail(f"the agent channel's reader failed: {type(exc).__name__}: {exc}")
+            self.fail(f"the agent channel's reader failed: {type(exc).__name__}: {exc}")
         else:
-            self._fail("the guest closed its agent channel")
+            self.fail("the guest closed its agent channel")
 
     def _read_frames(self, wire: _Wire) -> None:
         trickling = False
@@ -345,7 +347,7 @@ class AgentClient:
                 if self._closed:
                     return
 
-    def _fail(self, why: str, protocol_error: str | None = None) -> None:
+    def fail(self, why: str, protocol_error: str | None = None) -> None:
         """Break the channel; the first reason wins, and only that one is reported to the owner. A protocol
         error is reported before any waiter wakes, so whoever sees the channel broken sees it counted."""
         with self._lock:
@@ -361,12 +363,12 @@ class AgentClient:
         if self._on_broken is not None and not self._closed:
             _tell(self._on_broken, why)
 
-    def _abuse(self, why: str) -> None:
+    def abuse(self, why: str) -> None:
         """The guest ignored a limit it was told: stop trusting the channel."""
-        self._fail(why)
+        self.fail(why)
         raise AgentError(why)
 
-    def _send(self, data: bytes, deadline: float) -> None:
+    def send(self, data: bytes, deadline: float) -> None:
         with self._send_lock:
             view = memoryview(data)
             while view:
@@ -376,14 +378,14 @@ class AgentClient:
                     view = view[self._sock.send(view) :]
                 except socket.timeout:
                     if time.monotonic() > deadline:
-                        self._fail("the guest stopped reading its agent channel")
+                        self.fail("the guest stopped reading its agent channel")
                         raise AgentError(self.broken) from None
                 except OSError as exc:
-                    self._fail(f"the agent channel failed: {exc}")
+                    self.fail(f"the agent channel failed: {exc}")
                     raise AgentError(self.broken) from None
 
-    # ---- requests --------------------------------------------------------------------------
-    def _open(self, message: HostMessage, deadline: float) -> _Request:
+    # ---- one request's frames --------------------------------------------------------------
+    def open(self, message: HostMessage, deadline: float) -> _Request:
         data = _encoded(message)  # before the request exists: one too large for the wire leaves nothing behind
         with self._lock:
             if self.broken:
@@ -392,10 +394,10 @@ class AgentClient:
             self._issued = rid
             req = _Request(rid)
             self._pending[rid] = req
-        self._send(P.encode(P.MSG, rid, data), deadline)
+        self.send(P.encode(P.MSG, rid, data), deadline)
         return req
 
-    def _finish(self, req: _Request) -> None:
+    def finish(self, req: _Request) -> None:
         req.abandoned = True
         with self._lock:
             self._pending.pop(req.rid, None)
@@ -405,7 +407,7 @@ class AgentClient:
             except queue.Empty:
                 return
 
-    def _frames(self, req: _Request, deadline: float | None) -> Iterator[P.Frame]:
+    def frames(self, req: _Request, deadline: float | None) -> Iterator[P.Frame]:
         """Frames of one request up to its final reply, which is yielded last."""
         while True:
             wait = None if deadline is None else deadline - time.monotonic()
@@ -421,12 +423,42 @@ class AgentClient:
             if frame.kind == P.MSG and "ok" in frame.json():
                 return
 
-    def _send_data(self, req: _Request, chunks: Iterable[bytes], deadline: float) -> None:
+    def send_data(self, req: _Request, chunks: Iterable[bytes], deadline: float) -> None:
         for chunk in chunks:
             for start in range(0, len(chunk), P.MAX_CHUNK):
-                self._send(P.encode(P.DATA, req.rid, chunk[start : start + P.MAX_CHUNK]), deadline)
-        self._send(P.encode(P.END, req.rid), deadline)
+                self.send(P.encode(P.DATA, req.rid, chunk[start : start + P.MAX_CHUNK]), deadline)
+        self.send(P.encode(P.END, req.rid), deadline)
 
+
+class AgentClient:
+    """The guest agent's operations (exec, terminal sessions, files, quiesce...) over one AgentChannel: what
+    each asks, and what of the guest's answer is believed."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_broken: Callable[[str], None] | None = None,
+        budget: FrameBudget | None = None,
+        on_protocol_error: Callable[[str], None] | None = None,
+    ) -> None:
+        """The listeners are the channel's (AgentChannel)."""
+        self.channel = AgentChannel(sock, on_broken, budget, on_protocol_error)
+        self._execs: set[int] = set()  # the requests of commands running now, for kill_all
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @property
+    def broken(self) -> str | None:
+        """Why the channel broke (the first reason), or None while it works."""
+        return self.channel.broken
+
+    @property
+    def broken_event(self) -> threading.Event:
+        """Set once the channel broke."""
+        return self.channel.broken_event
+
+    # ---- requests --------------------------------------------------------------------------
     def call(
         self,
         message: HostMessage,
@@ -436,21 +468,21 @@ class AgentClient:
     ) -> GuestMessage:
         """Send a request (and its data), hand intermediate frames to `on_frame`, return the reply."""
         deadline = time.monotonic() + timeout
-        req = self._open(message, deadline)
+        req = self.channel.open(message, deadline)
         try:
             if data is not None:
-                self._send_data(req, data, deadline)
-            for frame in self._frames(req, deadline):
+                self.channel.send_data(req, data, deadline)
+            for frame in self.channel.frames(req, deadline):
                 if frame.kind == P.MSG and "ok" in frame.json():
                     return self._check(message, frame.json())
                 if on_frame is not None:
                     on_frame(frame)
-            raise AgentError("request ended without a reply")  # unreachable by construction of _frames
+            raise AgentError("request ended without a reply")  # unreachable by construction of AgentChannel.frames
         except TimeoutError:
-            self._fail(f"the guest agent did not answer {message.get('op')!r} within {timeout:.0f} s")
-            raise AgentError(self.broken) from None
+            self.channel.fail(f"the guest agent did not answer {message.get('op')!r} within {timeout:.0f} s")
+            raise AgentError(self.channel.broken) from None
         finally:
-            self._finish(req)
+            self.channel.finish(req)
 
     @classmethod
     def _check(cls, message: HostMessage, reply: GuestMessage) -> GuestMessage:
@@ -484,13 +516,13 @@ class AgentClient:
         limit = timeout + KILL_GRACE_S if timeout is not None else 7 * 24 * 3600.0
         deadline = time.monotonic() + limit
         message = {**message, "op": "exec", "timeout": timeout, **({"stdin": True} if stdin is not None else {})}
-        req = self._open(message, deadline)
+        req = self.channel.open(message, deadline)
         self._execs.add(req.rid)
         started = False  # the guest's {"ev": "started"}: past it, a failure is not "could not start"
         try:
             if stdin is not None:
-                self._send_data(req, stdin, deadline)
-            for frame in self._frames(req, deadline):
+                self.channel.send_data(req, stdin, deadline)
+            for frame in self.channel.frames(req, deadline):
                 if frame.kind in (P.STDOUT, P.STDERR):
                     started = True  # output comes from a started program, whatever the guest says
                     on_output("stdout" if frame.kind == P.STDOUT else "stderr", frame.payload)
@@ -501,11 +533,11 @@ class AgentClient:
                 elif frame.kind == P.MSG and frame.json().get("ev") == "started":
                     started = True
         except TimeoutError:
-            self._fail(f"the guest did not end the command {KILL_GRACE_S:.0f} s after its timeout")
-            raise AgentError(self.broken) from None
+            self.channel.fail(f"the guest did not end the command {KILL_GRACE_S:.0f} s after its timeout")
+            raise AgentError(self.channel.broken) from None
         finally:
             self._execs.discard(req.rid)
-            self._finish(req)
+            self.channel.finish(req)
         raise AgentError("exec ended without a reply")
 
     def pty(self, argv: list[str], cwd: str, env: Mapping[str, str], size: tuple[int, int], timeout: float,
@@ -516,7 +548,7 @@ class AgentClient:
         deadline = time.monotonic() + timeout + KILL_GRACE_S
         message = {"op": "pty", "argv": list(argv), "cwd": cwd, "env": dict(env), "rows": size[0], "cols": size[1],
                    "timeout": timeout, "user": user}
-        req = self._open(message, deadline)
+        req = self.channel.open(message, deadline)
         session = GuestPty(self, req, deadline)
         try:
             session.wait_started(message)
@@ -555,7 +587,7 @@ class AgentClient:
             if frame.kind == P.DATA:
                 received += len(frame.payload)
                 if received > max_bytes:
-                    self._abuse(f"the guest sent more than the {max_bytes} bytes allowed for {what}")
+                    self.channel.abuse(f"the guest sent more than the {max_bytes} bytes allowed for {what}")
                 write(frame.payload)
 
         self.call(message, timeout, on_frame=take)
@@ -602,7 +634,7 @@ class GuestPty:
 
     def wait_started(self, message: HostMessage) -> None:
         """Until the guest says the program started, or why it did not (NotStarted)."""
-        for frame in self._client._frames(self._req, self._deadline):
+        for frame in self._client.channel.frames(self._req, self._deadline):
             if frame.kind == P.MSG and frame.json().get("ev") == "started":
                 return
             if frame.kind == P.MSG and "ok" in frame.json():
@@ -613,7 +645,7 @@ class GuestPty:
     def output(self) -> Iterator[bytes]:
         """The terminal's output as it comes, until the program has ended (then `outcome` is set)."""
         try:
-            for frame in self._client._frames(self._req, self._deadline):
+            for frame in self._client.channel.frames(self._req, self._deadline):
                 if frame.kind == P.STDOUT:
                     yield frame.payload
                 elif frame.kind == P.MSG and "ok" in frame.json():
@@ -623,7 +655,7 @@ class GuestPty:
                     self.outcome = _exec_outcome(reply)
                     return
         except TimeoutError:
-            self._client._fail(f"the guest did not end a terminal session {KILL_GRACE_S:.0f} s after its timeout")
+            self._client.channel.fail(f"the guest did not end a terminal session {KILL_GRACE_S:.0f} s after its timeout")
             raise AgentError(self._client.broken) from None
 
     def write(self, data: bytes) -> None:
@@ -632,7 +664,7 @@ class GuestPty:
             if self._input_ended:
                 return
             for start in range(0, len(data), P.MAX_CHUNK):
-                self._client._send(P.encode(P.DATA, self.rid, data[start : start + P.MAX_CHUNK]), self._send_deadline())
+                self._client.channel.send(P.encode(P.DATA, self.rid, data[start : start + P.MAX_CHUNK]), self._send_deadline())
 
     def resize(self, rows: int, cols: int) -> bool:
         """The terminal's new size (the program gets SIGWINCH); False once the session has ended."""
@@ -663,11 +695,11 @@ class GuestPty:
             self.end()
             with self._lock:
                 if not self._input_ended and not client.broken:
-                    client._send(P.encode(P.END, self.rid), self._send_deadline())
+                    client.channel.send(P.encode(P.END, self.rid), self._send_deadline())
                 self._input_ended = True
         finally:
             client._execs.discard(self.rid)
-            client._finish(self._req)
+            client.channel.finish(self._req)
 
     def _closed(self) -> bool:
         """Ended as far as this side knows: closed here (the guest drops a killed session only once it has

@@ -256,7 +256,7 @@ def test_output_flood_is_streamed_with_bounded_buffering(pair):
     def consume(stream: str, data: bytes) -> None:
         nonlocal seen, max_queued
         seen += len(data)
-        max_queued = max(max_queued, max(r.frames.qsize() for r in client._pending.values()))
+        max_queued = max(max_queued, max(r.frames.qsize() for r in client.channel._pending.values()))
 
     outcome = client.exec({"shell": "yes"}, consume, timeout=30)
     assert outcome.exit_code == 0

@@ -149,7 +149,7 @@ def test_a_chatty_background_process_sends_nothing_after_its_exec_ended(sandbox)
     waited = sandbox.exec("n=$(wc -l < /tmp/ticks); while [ $(wc -l < /tmp/ticks) -lt $((n + 20)) ]; do sleep 0.02; done",
                           timeout_seconds=120)
     assert not waited.timed_out and waited.exit_code == 0
-    assert sandbox._vm.agent._stray == 0
+    assert sandbox._vm.agent.channel._stray == 0
     assert sandbox.exec("echo still-here").stdout == b"still-here\n"
 
 

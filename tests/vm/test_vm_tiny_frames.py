@@ -34,7 +34,7 @@ for i in range({n}):
 def channel_cpu_seconds(sandbox: Sandbox) -> float:
     """CPU of the two host threads that handle a VM's output: its agent reader and this one (the
     exec, writing the log). The rest of the process (QMP, the reaper) costs per second, not per byte."""
-    reader = time.pthread_getcpuclockid(sandbox._vm.agent._reader.ident)
+    reader = time.pthread_getcpuclockid(sandbox._vm.agent.channel._reader.ident)
     return time.clock_gettime(reader) + time.thread_time()
 
 
