@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policy.suggest import REFUSED_IN_EVERY_MODE, AuditRecord, admitted, suggest_policy
+from runner.attest.statement import Subject
 from runner.github.errors import GitHubError, ValidationFailed
 from runner.junit import Failure
 from runner.markdown import cell, code, fence, inert
@@ -90,7 +91,7 @@ class JobOutcome:
     blocked_egress: tuple[AuditRecord, ...]
     mode: str  # the effective policy's: block or audit
     digests: dict[str, str] = field(default_factory=dict)  # policy, egress audit, key id
-    artifacts: tuple[tuple[str, str], ...] = ()  # (name, sha256)
+    artifacts: tuple[Subject, ...] = ()  # the signed record's subjects: each artifact's name and sha256
     error: str | None = None
     # The job's secret bindings (docs/secrets.md): name, host, source, requests; never a value.
     secrets_used: tuple[dict[str, Any], ...] = ()
@@ -195,7 +196,7 @@ def _signed_record(outcome: JobOutcome, budget: int) -> list[str]:
     head = ["", "#### Signed record", "", "Match these with `microvm-check verify` on the job's "
             "`microvm-check.intoto.jsonl`:", "", "| | sha256 |", "| --- | --- |"]
     head += [f"| {cell(name)} | {code(value)} |" for name, value in outcome.digests.items()]
-    rows = [f"| artifact {cell(name)} | {code(sha)} |" for name, sha in outcome.artifacts[:MAX_ROWS]]
+    rows = [f"| artifact {cell(subject.name)} | {code(subject.sha256)} |" for subject in outcome.artifacts[:MAX_ROWS]]
     return _fit(head, rows, len(outcome.artifacts),
                 lambda n: f"| … {n} more artifacts, `microvm-check verify` lists them all | |", budget)
 

@@ -13,6 +13,7 @@ from github_fakes import API, assert_valid_request, example
 
 from microvm_check.entries import AuditRecord
 from policy.load import load_policy
+from runner.attest.statement import Subject
 from runner.github.checks import (
     MAX_ANNOTATIONS_PER_REQUEST,
     CheckRuns,
@@ -44,7 +45,7 @@ def _outcome(**changes: object) -> JobOutcome:
         blocked_egress=({"dest": "10.0.0.9", "port": 443, "proto": "tcp", "name": "pypi.evil.example", "count": 3,
                          "reason": "policy", "method": "POST", "path": "/upload"},),
         mode="block", digests={"policy": "sha256:" + "a" * 64, "egress audit": "b" * 64, "key": "sha256:" + "c" * 64},
-        artifacts=(("out/report.xml", "d" * 64),))
+        artifacts=(Subject("out/report.xml", "d" * 64),))
     fields.update(changes)
     fields["blocked_egress"] = tuple(map(AuditRecord.from_wire, fields["blocked_egress"]))  # type: ignore[call-overload]
     return JobOutcome(**fields)  # type: ignore[arg-type]
@@ -93,7 +94,7 @@ def test_the_guests_markdown_html_and_commands_are_inert() -> None:
          "plain output"])
     outcome = _outcome(findings=tuple(findings), error=HOSTILE,
                        blocked_egress=({"dest": "10.0.0.9", "port": 443, "proto": "tcp", "name": HOSTILE, "count": 1},),
-                       artifacts=((HOSTILE, "e" * 64),))
+                       artifacts=(Subject(HOSTILE, "e" * 64),))
     text = summary(outcome)
     for trick in ("<img", "](", "![", "`x`", "| col"):
         assert trick not in text

@@ -13,6 +13,7 @@ import responses
 from github_fakes import API, assert_valid_request, example
 
 from microvm_check.entries import AuditRecord
+from runner.attest.statement import Subject
 from runner.github.checks import MAX_SUMMARY, CheckRuns, JobOutcome, output_findings, summary
 from runner.github.client import GitHubClient
 from tests.gfm import acting, render
@@ -36,7 +37,7 @@ def _hostile() -> JobOutcome:
              for n in range(100_000)]
     return JobOutcome(job_id="j1", state="finished", exit_code=1, duration_s=12.0, vm_ready_ms=900.0, junit=(1, 2, 0),
                       findings=tuple(output_findings(lines)), blocked_egress=_dialled(5000), mode="block",
-                      digests=DIGESTS, artifacts=tuple((f"{n} {NASTY}", f"{n:064x}") for n in range(400)),
+                      digests=DIGESTS, artifacts=tuple(Subject(f"{n} {NASTY}", f"{n:064x}") for n in range(400)),
                       error=NASTY * 50)
 
 

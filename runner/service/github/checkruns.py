@@ -134,7 +134,7 @@ def outcome(run: JobRun, keyid: str | None = None) -> JobOutcome:
         vm_ready_ms=t.vm_ready_ms, junit=(junit.passed, junit.failed, junit.skipped) if junit else None,
         findings=tuple(findings), blocked_egress=tuple(record.blocked_egress),
         mode=run.policy.mode if run.policy is not None else "block", digests=digests,
-        artifacts=tuple((s.name, s.sha256) for s in facts.subjects) if facts else (), error=record.error,
+        artifacts=facts.subjects if facts else (), error=record.error,
         secrets_used=tuple(record.secrets_used))
 
 
