@@ -13,7 +13,8 @@ asyncio. To run a VM inside your own root process instead (tests, benchmarks), u
 `runner.sandbox.Sandbox` with an engine of your own.
 
 The names below are loaded when first used: the service imports `microvm_check.contract` (the sandbox
-API's contract, standard library only), and that must not load the clients and httpx into it.
+API's contract, standard library only) and `microvm_check.entries` (an exec's and a job record's
+blocked-egress `AuditRecord`, the record's `Artifact`), and that must not load the clients and httpx into it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
     from microvm_check.aio import AsyncSandbox
     from microvm_check.client import Sandbox
     from microvm_check.contract import FileEntry, SandboxInfo
+    from microvm_check.entries import AuditRecord
 
-_HOMES = {"AsyncSandbox": "aio", "ExecResult": "_wire", "FileEntry": "contract", "Sandbox": "client",
-          "SandboxError": "_wire", "SandboxInfo": "contract", "Service": "_wire"}
-__all__ = ["AsyncSandbox", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "SandboxInfo", "Service"]
+_HOMES = {"AsyncSandbox": "aio", "AuditRecord": "entries", "ExecResult": "_wire", "FileEntry": "contract",
+          "Sandbox": "client", "SandboxError": "_wire", "SandboxInfo": "contract", "Service": "_wire"}
+__all__ = ["AsyncSandbox", "AuditRecord", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "SandboxInfo",
+           "Service"]
 
 
 def __getattr__(name: str) -> object:
