@@ -358,9 +358,10 @@ class GitHubJob:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run. The service validates a received spec (runner.service.jobs.spec) and builds this type once,
-    at admission, with its own defaults for `template` and `timeout_seconds` (a client leaves them None for
-    those) and what only it decides: the repository the job runs as, its runner and its sized template."""
+    """What to run, as a client sends it: `template` and `timeout_seconds` left None take the service's
+    defaults. The service validates a received spec (runner.service.jobs.spec) and builds from it, once at
+    admission, its own AdmittedSpec (runner.service.jobs.job), every field decided: those defaults, and what
+    only it decides, the repository the job runs as and its runner."""
 
     repository: str
     sha: str

@@ -1,10 +1,11 @@
 """The VM port: what the service asks of the VM layer, and what it gets back, as named types.
 
-The service (and a test's stand-in) speaks only these: a `VMRequest` says which VM a job needs,
-a `SandboxFactory` turns one into a `SandboxLike`, and a `SandboxProvider` (the engine seen through
-`runner.sandbox.EngineSandboxes`) also answers what templates there are and keeps its spare VMs in
-step with them. This module imports nothing that needs root or QEMU, so the service can name the
-types without loading the VM layer.
+The service (and a test's stand-in) speaks only these: a `VMRequest` says which VM a job needs (its
+template as a `TemplateChoice` names it), a `SandboxFactory` turns one into a `SandboxLike`, and a
+`SandboxProvider` (the engine seen through `runner.sandbox.EngineSandboxes`) also answers what
+templates there are and keeps its spare VMs in step with them; runner/sandbox/fake.py is the one fake
+of all three, for tests and benchmarks. This module imports nothing that needs root or QEMU, so the
+service can name the types without loading the VM layer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from runner.vm.templates import Template
 
 __all__ = ["AuditRecord", "ExecResult", "GuestFiles", "Resources", "SandboxFactory", "SandboxLike", "SandboxProvider",
-           "VMRequest", "needs_network"]
+           "TemplateChoice", "VMRequest", "needs_network"]
 
 
 def needs_network(policy: Policy | None) -> bool:
@@ -52,6 +53,19 @@ class Resources:
 
     vcpus: int | None = None
     memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class TemplateChoice:
+    """Which template a VM restores from, and why: what a `VMRequest`'s template and size come from.
+    The service decides it in one place (runner/service/jobs/templatechoice.py `choose_template`) for a
+    job, a VM pre-warmed for one, a kept VM's first step and a sandbox; a job records its own and its log
+    says why."""
+
+    template: str  # the template the VM restores from
+    warm_base: bool  # a repository's warm base (runner/service/jobs/bases.py), not the template named
+    size: str | None  # the size class the template was baked at (`<template>.<size>`); None: its own size
+    why: str  # what it restores from and why, for the job's log ("the repository's warm base ...")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from runner.jobapi.contract import (
     WireError,
 )
 from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.job import AdmittedSpec
 from tests.service.service_fakes import spec_as_sent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,8 +99,9 @@ def test_a_spec_leaves_the_services_defaults_to_the_service():
     config = ServiceConfig()
     parsed = spec_as_sent(wire, config)
     assert (parsed.template, parsed.timeout_seconds) == (config.default_template, config.default_timeout_seconds)
-    assert parsed == JobSpec(**{**spec.__dict__, "template": config.default_template,
-                                "timeout_seconds": config.default_timeout_seconds})
+    # the service's own type for it: a JobSpec with every field decided (runner/service/jobs/job.py)
+    assert parsed == AdmittedSpec(**{**spec.__dict__, "template": config.default_template,
+                                     "timeout_seconds": config.default_timeout_seconds})
 
 
 def py_files(*dirs: str) -> list[Path]:

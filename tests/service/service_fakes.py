@@ -19,9 +19,9 @@ from typing import Any
 
 from policy.suggest import AuditRecord
 from runner.errors import CommandNotStarted
-from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import VMRequest
 from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.job import AdmittedSpec
 from runner.service.jobs.spec import parse_submission
 from runner.vm import guestwire
 from runner.vm.errors import SandboxError
@@ -210,11 +210,11 @@ def spec(command: str = "true", **fields: Any) -> dict[str, Any]:
     return {"repository": "octo/hello", "sha": SHA, "job_name": "test", "command": command, **fields}
 
 
-def spec_as_sent(data: object, config: ServiceConfig) -> JobSpec:
-    """The JobSpec a submission makes when the service decides nothing of it (the repository, runner and
-    template as sent): what the spec's own checks give, without an admission's caller or policy store."""
+def spec_as_sent(data: object, config: ServiceConfig) -> AdmittedSpec:
+    """The spec a submission makes when the service decides nothing of it (the repository and runner as
+    sent): what the spec's own checks give, without an admission's caller or policy store."""
     submitted = parse_submission(data, config)
-    return submitted.spec(submitted.repository, submitted.runner_name, submitted.template)
+    return submitted.spec(submitted.repository, submitted.runner_name)
 
 
 def checkout_tar(files: dict[str, bytes] | None = None) -> bytes:

@@ -14,6 +14,7 @@ from policy.model import DENY_ALL
 from runner.sandbox.port import Resources, VMRequest, needs_network
 from runner.service.config.reading import config_from_mapping
 from runner.service.jobs.job import vm_request
+from runner.service.jobs.templatechoice import choose_template
 
 ALLOWS = load_policy("version: 1\nallow:\n  - host: pypi.org\n    ports: [443]\n", "test policy")
 AUDITS = load_policy("version: 1\nmode: audit\n", "test policy")
@@ -35,7 +36,7 @@ def test_a_request_is_frozen() -> None:
 def test_a_jobs_request_has_the_services_size_or_its_size_class(tmp_path) -> None:
     config = config_from_mapping({"state_dir": str(tmp_path), "resources": {"vcpus": 1, "memory_mib": 512},
                                   "sizes": {"large": {"vcpus": 2, "memory_mib": 1024, "disk_mib": 3072}}})
-    plain = vm_request(config, template="base", ttl_seconds=60, policy=ALLOWS, job_id="j1")
+    plain = vm_request(config, choose_template("base"), ttl_seconds=60, policy=ALLOWS, job_id="j1")
     assert plain == VMRequest("base", 60, Resources(1, 512), ALLOWS, "j1")
-    large = vm_request(config, template="base.large", ttl_seconds=60, policy=None, job_id="j2", size="large")
+    large = vm_request(config, choose_template("base", size="large"), ttl_seconds=60, policy=None, job_id="j2")
     assert large.resources == Resources(2, 1024) and large.network is False

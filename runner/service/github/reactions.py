@@ -15,6 +15,7 @@ from runner.service.github.desk import RunnerDesk
 from runner.service.jobs.egress import EgressPolicyError
 from runner.service.jobs.job import vm_request
 from runner.service.jobs.service import JobService
+from runner.service.jobs.templatechoice import choose_template
 
 if TYPE_CHECKING:
     from runner.github.jobs import CompletedJob, InProgressJob, Push, QueuedJob, WorkflowJob
@@ -29,11 +30,10 @@ class GitHubReactions:
 
     def prewarm(self, job: QueuedJob) -> None:
         """Restore a VM for a queued GitHub job ahead of its submit (best effort, bounded), from the
-        template its submit will restore from: the repository's warm base, chosen in the background."""
+        template its submit will restore from (`choose_template`, in the background: it may ask GitHub)."""
         service, config = self.service, self.service.config
         if service.stopping:
             return
-        template = config.default_template
         try:
             policy = service.policies.effective(job.repository, None)
         except EgressPolicyError as exc:  # the policy's own message says what to fix; the stack only at DEBUG
@@ -44,9 +44,10 @@ class GitHubReactions:
             return  # its submit will be refused: see JobService._admit
         vms = service.vms
         service.prewarmed.prewarm(_announced(job), job.job_id, policy.digest(),
-                             lambda: vms.template_for(job.repository, template, policy),
-                             lambda chosen: vms.create(vm_request(
-            config, template=chosen, ttl_seconds=int(config.prewarm.expire_seconds) + config.max_timeout_seconds,
+                                  lambda: choose_template(config.default_template, repository=job.repository,
+                                                          policy=policy, bases=vms.bases),
+                                  lambda choice: vms.create(vm_request(
+            config, choice, ttl_seconds=int(config.prewarm.expire_seconds) + config.max_timeout_seconds,
             policy=policy, job_id=f"warm-{job.job_id}")))
 
     def job_in_progress(self, job: InProgressJob) -> None:

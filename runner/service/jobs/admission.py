@@ -1,8 +1,9 @@
 """Admission: what a client sent, checked before anything is spent on it.
 
 The spec is validated (runner/service/jobs/spec.py), the caller's right to submit it for its GitHub job
-is checked (runner/service/jobs/auth.py), the repository it runs as, its runner and its template decided and
-the effective egress policy of that repository looked up, all before the job's one JobSpec is built;
+is checked (runner/service/jobs/auth.py), the repository it runs as and its runner decided, its size class
+checked against the repository's and the effective egress policy of that repository looked up, all before
+the job's one AdmittedSpec is built;
 a `keep: job` step finds its session; a checkout is spooled within its limit and
 checked as a tar. Whatever is refused here is a client's error (400, 403, 409, 413).
 """
@@ -14,12 +15,11 @@ from collections.abc import Iterable
 
 from policy.model import Policy
 from runner.errors import ArchiveError, JobError
-from runner.jobapi.contract import JobSpec
 from runner.sandbox.port import needs_network
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs.auth import Access, Caller
 from runner.service.jobs.egress import EgressPolicies, EgressPolicyError, PolicySourceUnavailable
-from runner.service.jobs.job import CHECKOUT, Admitted, JobRun
+from runner.service.jobs.job import CHECKOUT, Admitted, AdmittedSpec, JobRun
 from runner.service.jobs.secretbindings import SecretAdmission
 from runner.service.jobs.sessions import Session, Sessions, session_key
 from runner.service.jobs.spec import SpecError, parse_submission
@@ -50,8 +50,8 @@ class Admission:
             # the name GitHub gave the runner (not the submit's spelling of it), or the local jobs' name
             repository = self.access.repository_for(caller, submitted)
             policy = self.policies.effective(repository, submitted.policy)
-            template = submitted.template_for(repository, self.policies.sizes_for(repository))
-            spec = submitted.spec(repository, runner or "", template)
+            submitted.check_size(repository, self.policies.sizes_for(repository))
+            spec = submitted.spec(repository, runner or "")
             if submitted.secrets:
                 self.access.refuse_workflow_secrets(caller, submitted, spec.event)
             bound = self.secrets.for_job(spec, submitted.secrets, lambda: self._trusted_policy(spec, policy))
@@ -65,12 +65,12 @@ class Admission:
                              f"policy to deny all, or ask the operator to enable networking")
         return Admitted(spec, policy, bound)
 
-    def _trusted_policy(self, spec: JobSpec, policy: Policy) -> Policy:
+    def _trusted_policy(self, spec: AdmittedSpec, policy: Policy) -> Policy:
         """The repository's trusted policy, not narrowed by the job's own (what a workflow's secret binding
         is held to); `run` trusts the job's as given."""
         return policy if self.policies.trust_job_policy else self.policies.effective(spec.repository, None)
 
-    def session_for(self, spec: JobSpec, policy: Policy,
+    def session_for(self, spec: AdmittedSpec, policy: Policy,
                       token: str | None) -> tuple[Session | None, str | None]:
         """The GitHub job's kept VM this step opens (`keep: job` without a session's token: a new
         session and its token) or attaches to (the token of a session of this very job), or None.
@@ -81,7 +81,7 @@ class Admission:
             if spec.keep == "job":
                 raise InvalidJob("keep: job needs the GitHub job's run_id and job_name (the action sends them)")
             return None, None
-        return self.sessions.join(key, spec.keep, spec.template or "", policy.digest(), token)
+        return self.sessions.join(key, spec.keep, spec.template, spec.size, policy.digest(), token)
 
 
 def spool_checkout(run: JobRun, chunks: Iterable[bytes], limit: int) -> None:

@@ -20,7 +20,15 @@ from typing import Protocol
 from policy.model import Policy
 from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
 from runner.jobapi.contract import JobRecord, JobSpec, JobState
-from runner.sandbox.port import AuditRecord, ExecResult, Resources, SandboxFactory, SandboxLike, VMRequest
+from runner.sandbox.port import (
+    AuditRecord,
+    ExecResult,
+    Resources,
+    SandboxFactory,
+    SandboxLike,
+    TemplateChoice,
+    VMRequest,
+)
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs import containers
 from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
@@ -41,14 +49,24 @@ ARTIFACTS = "artifacts.tar"
 LOG = "log.ndjson"
 
 
-def vm_request(config: ServiceConfig, *, template: str, ttl_seconds: float, policy: Policy | None,
-               job_id: str, size: str | None = None) -> VMRequest:
-    """The VM a job (or one pre-warmed for it, or an interactive sandbox) asks for: the service's size
-    for job VMs, or the size class `size` names (what its template must have been baked with: the
-    engine checks it), and the policy the VM's network card follows from."""
-    shape = config.size(size) if size else config.resources
-    return VMRequest(template=template, ttl_seconds=ttl_seconds, resources=Resources(shape.vcpus, shape.memory_mib),
-                     policy=policy, job_id=job_id)
+def vm_request(config: ServiceConfig, choice: TemplateChoice, *, ttl_seconds: float, policy: Policy | None,
+               job_id: str) -> VMRequest:
+    """The VM a job (or one pre-warmed for it, or an interactive sandbox) asks for: restored from the
+    template `choice` names, at the service's size for job VMs or the size class its template was baked
+    at (the engine checks the two agree), under the policy its network card follows from."""
+    shape = config.size(choice.size) if choice.size else config.resources
+    return VMRequest(template=choice.template, ttl_seconds=ttl_seconds,
+                     resources=Resources(shape.vcpus, shape.memory_mib), policy=policy, job_id=job_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmittedSpec(JobSpec):
+    """A job's spec as admission built it (runner/service/jobs/spec.py `Submission.spec`): what a client may
+    leave out on the wire (None there: the service's default) is decided, so no reader asks again.
+    Built once; nothing rewrites it."""
+
+    template: str  # as the client named it, or the service's default (its size variant: `TemplateChoice`)
+    timeout_seconds: int  # as the client asked, or the service's default
 
 
 class JobWatcher(Protocol):
@@ -69,7 +87,7 @@ class Admitted:
     """A job as admission decided it (runner/service/jobs/admission.py): its spec, built once; its effective
     egress policy; its secret bindings with their values. What a `JobRun` is opened from."""
 
-    spec: JobSpec
+    spec: AdmittedSpec
     policy: Policy
     secrets: JobSecrets = field(default_factory=JobSecrets, repr=False)
 
@@ -79,7 +97,7 @@ class JobRun:
     """A job between submit and its final record; shared between its worker and the API threads."""
 
     record: JobRecord
-    spec: JobSpec
+    spec: AdmittedSpec
     dir: Path
     log: JobLog
     save: Callable[[JobRecord], None]
@@ -100,20 +118,14 @@ class JobRun:
     vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
     artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
     checks: JobWatcher | None = None  # posts its check run on the pull request (runner/service/github/checkruns.py)
-    # The repository's warm base its worker chose (runner/service/jobs/workers.py), restored instead of the
-    # spec's template; the spec stays as admitted.
-    warm_base: str | None = None
+    # The template its VM restores from, as its worker chose it (runner/service/jobs/templatechoice.py); None
+    # until then. A kept VM's later steps have their first step's.
+    choice: TemplateChoice | None = None
     terminals: int = 0  # terminal sessions attached to its VM now (runner/service/api/attach.py)
 
     @property
     def checkout_path(self) -> Path:
         return self.dir / CHECKOUT
-
-    @property
-    def template(self) -> str:
-        """The template its VM restores from: the warm base chosen for it, else the spec's."""
-        assert self.spec.template is not None  # an admitted spec has it (runner/service/jobs/admission.py)
-        return self.warm_base or self.spec.template
 
     def update(self, **changes: object) -> None:
         with self.lock:
@@ -157,16 +169,18 @@ class JobRun:
         if self.checks is not None:
             self.checks.job_ended(self)
 
-    def execute(self, create: SandboxFactory, config: ServiceConfig) -> None:
-        """Run the job to its final state; never raises.
+    def execute(self, create: SandboxFactory, config: ServiceConfig, choice: TemplateChoice) -> None:
+        """Run the job to its final state, its VM restored from the template `choice` names (or the
+        session's kept VM, restored as the first step chose); never raises.
 
         The record turns final only after the VM is destroyed, so a client that sees the result
         knows the VM is gone.
         """
+        self.choice = choice
         sandbox = None
         outcome: tuple[str, int | None, str | None] = ("failed", None, "the job ended without a result")
         try:
-            sandbox = self._attach() if self.attached else self._start_vm(create, config)
+            sandbox = self._attach() if self.attached else self._start_vm(create, config, choice)
             outcome = self._run_in(sandbox, config) if sandbox is not None else self._cancelled()
         except LogFull as exc:  # the log already says so; the VM goes in `finally`
             outcome = self._cancelled() if self.cancel_reason else ("failed", None, str(exc))
@@ -252,8 +266,9 @@ class JobRun:
         self.log.system(f"egress was refused and the policy says on_block: fail: {refused}")
         return "failed", exit_code, f"egress refused (on_block: fail): {refused}"
 
-    def _start_vm(self, create: SandboxFactory, config: ServiceConfig) -> SandboxLike | None:
+    def _start_vm(self, create: SandboxFactory, config: ServiceConfig, choice: TemplateChoice) -> SandboxLike | None:
         self.update(state="starting")
+        self.log.system(f"restoring from {choice.why}")
         begin = time.monotonic()
         sandbox = self.prewarmed
         if sandbox is not None and not sandbox.alive:
@@ -262,11 +277,10 @@ class JobRun:
             sandbox = self.prewarmed = None
             self.update(warm=False)
         if sandbox is None:
-            assert self.spec.timeout_seconds is not None  # an admitted spec has it (runner/service/jobs/admission.py)
             ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
-            sandbox = create(vm_request(config, template=self.template,
+            sandbox = create(vm_request(config, choice,
                                         ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
-                                        policy=self.policy, job_id=self.record.id, size=self.spec.size))
+                                        policy=self.policy, job_id=self.record.id))
         with self.lock:
             self.sandbox = sandbox
             cancelled = self.cancel_reason is not None
@@ -296,11 +310,11 @@ class JobRun:
         command = containers.script(self.spec.services, self.spec.command) if self.spec.services else self.spec.command
 
         begun = time.monotonic()
-        limit: float | None = self.spec.timeout_seconds
+        limit: float = self.spec.timeout_seconds
 
         masked = MaskedLog(self.log, self.secrets)
 
-        def run(argv: list[str], timeout: float | None) -> ExecResult:
+        def run(argv: list[str], timeout: float) -> ExecResult:
             try:
                 return sandbox.exec(argv, timeout_seconds=timeout, env=env, cwd=self.spec.workdir,
                                     on_output=masked.append,
@@ -316,8 +330,7 @@ class JobRun:
                 if not sandbox.alive or self.cancel_reason:  # why, or runs it; any later failure is the job's
                     raise
             # the step has one deadline: the shell in the argv's place gets what is left of it
-            if limit is not None:
-                limit = max(1.0, limit - (time.monotonic() - begun))
+            limit = max(1.0, limit - (time.monotonic() - begun))
         return run(shell_argv(command), limit)
 
     def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:

@@ -2,10 +2,10 @@
 
 A pre-warmed VM is bound to one (repository, run_id, run_attempt), its template and the policy it was
 created with: a submit may only claim it if its effective policy has the same digest, since a VM's
-egress is fixed at creation, and if the service would restore the job from the same template (the
-repository's warm base of the job's network variant, or the bare template). The template is chosen
-in the background with the restore, since choosing a base may ask GitHub whether it is current and
-the webhook must answer at once. Unclaimed VMs expire and are destroyed; the pool is bounded,
+egress is fixed at creation, and if the service would restore the job from the same template (both
+ask `choose_template`, runner/service/jobs/templatechoice.py). The template is chosen in the background
+with the restore, since choosing a base may ask GitHub whether it is current and the webhook must
+answer at once. Unclaimed VMs expire and are destroyed; the pool is bounded,
 counting VMs still being restored.
 
 Four things are called warm, and this module is one: pre-warmed VMs (one announced job each, here);
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runner.jobapi.contract import GitHubJob
-from runner.sandbox.port import SandboxLike
+from runner.sandbox.port import SandboxLike, TemplateChoice
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ class PrewarmedVMs:
         self._vms: list[PrewarmedVM] = []
         self._closed = False
 
-    def prewarm(self, key: GitHubJob, github_job_id: int, policy_digest: str, choose: Callable[[], str],
-                create: Callable[[str], SandboxLike]) -> bool:
-        """In the background, choose the template (`choose()`) and restore a VM from it (`create(template)`);
+    def prewarm(self, key: GitHubJob, github_job_id: int, policy_digest: str, choose: Callable[[], TemplateChoice],
+                create: Callable[[TemplateChoice], SandboxLike]) -> bool:
+        """In the background, choose the template (`choose()`) and restore a VM from it (`create(choice)`);
         False when the pool is full or closed."""
         with self._lock:
             if self._closed or len(self._vms) >= self.max_vms:
@@ -67,12 +67,13 @@ class PrewarmedVMs:
                          daemon=True).start()
         return True
 
-    def _restore(self, vm: PrewarmedVM, choose: Callable[[], str], create: Callable[[str], SandboxLike]) -> None:
+    def _restore(self, vm: PrewarmedVM, choose: Callable[[], TemplateChoice],
+                 create: Callable[[TemplateChoice], SandboxLike]) -> None:
         try:
-            template = choose()
+            choice = choose()
             with self._lock:
-                vm.template = template
-            sandbox = create(template)
+                vm.template = choice.template
+            sandbox = create(choice)
         except Exception:
             log.warning("pre-warming a VM for %s failed", vm.key.describe(), exc_info=True)
             with self._lock:

@@ -46,6 +46,7 @@ from runner.service.jobs.egress import EgressPolicies
 from runner.service.jobs.job import LOG, vm_request
 from runner.service.jobs.joblog import JobLog, LogFull
 from runner.service.jobs.outputs import bounded_blocked
+from runner.service.jobs.templatechoice import choose_template
 from runner.tarsafe import Limits, check_tar, copy_validated
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ class SandboxDesk:
         self._save(record)
         started = time.monotonic()
         try:
-            vm = self._create_vm(vm_request(self.config, template=source.restore,
+            vm = self._create_vm(vm_request(self.config, choose_template(source.restore),
                                             ttl_seconds=request.ttl_seconds + _TTL_MARGIN_SECONDS, policy=policy,
                                             job_id=sandbox_id))
         except BaseException as exc:

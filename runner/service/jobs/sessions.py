@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from runner.errors import JobError
 from runner.jobapi.contract import MAX_TOKEN, GitHubJob, JobSpec
-from runner.sandbox.port import SandboxLike
+from runner.sandbox.port import SandboxLike, TemplateChoice
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,13 @@ class Session:
 
     id: str
     key: GitHubJob
-    template: str
+    template: str  # the template its first step named, and the size class it asked for
+    size: str | None
     policy_digest: str
     touched: float
     token_digest: bytes = field(repr=False, default=b"")  # SHA-256 of the session's token
     sandbox: SandboxLike | None = None  # None until the first step's VM is up, and again once it has ended
+    choice: TemplateChoice | None = None  # what its VM restores from, as its first step's worker chose
     steps: int = 0
     busy: bool = False  # a step is between its submit and its end: the next one waits for it to end
     ended: str | None = None  # why it ended
@@ -83,7 +85,7 @@ class Sessions:
         self._lock = threading.Lock()
         self._by_digest: dict[bytes, Session] = {}
 
-    def join(self, key: GitHubJob, keep: str, template: str, policy_digest: str,
+    def join(self, key: GitHubJob, keep: str, template: str, size: str | None, policy_digest: str,
              token: str | None = None) -> tuple[Session | None, str | None]:
         """The session a step runs in, and the new session's token when this step opens one.
 
@@ -98,13 +100,13 @@ class Sessions:
                 if keep != "job":
                     return None, None
                 new_token = secrets.token_urlsafe(32)
-                session = Session("s" + secrets.token_hex(8), key, template, policy_digest, self._clock(),
+                session = Session("s" + secrets.token_hex(8), key, template, size, policy_digest, self._clock(),
                                   _digest(new_token))
                 self._by_digest[session.token_digest] = session
             else:
                 new_token = None
             with session.lock:
-                _check_joinable(session, template, policy_digest)
+                _check_joinable(session, template, size, policy_digest)
                 session.busy = True
                 session.steps += 1
                 session.touched = self._clock()
@@ -178,17 +180,21 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
-def _check_joinable(session: Session, template: str, policy_digest: str) -> None:
+def _check_joinable(session: Session, template: str, size: str | None, policy_digest: str) -> None:
     if session.ended is not None:
         raise SessionConflict(f"the job's kept VM has ended ({session.ended})")
     if session.busy:
         raise SessionConflict("another step of this job still runs in its kept VM; steps of a job run one at a time")
-    if session.template != template:
-        raise SessionConflict(f"the job's kept VM was restored from template {session.template}, this step asks for "
-                              f"{template}: a kept VM keeps its first step's template")
+    if (session.template, session.size) != (template, size):
+        raise SessionConflict(f"the job's kept VM was restored from template {_sized(session.template, session.size)}, "
+                              f"this step asks for {_sized(template, size)}: a kept VM keeps its first step's template")
     if session.policy_digest != policy_digest:
         raise SessionConflict("this step's egress policy differs from the one the job's kept VM was started with: "
                               "a kept VM keeps its first step's policy (give every step the same `policy` input)")
+
+
+def _sized(template: str, size: str | None) -> str:
+    return template if size is None else f"{template} at the size class {size}"
 
 
 def destroy_kept(sandbox: SandboxLike) -> None:

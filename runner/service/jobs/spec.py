@@ -1,8 +1,8 @@
 """JobSpec: what a client asks the service to run, validated before anything is spent on it.
 
 Clients include the action running for fork pull requests, so every field is bounded and checked here
-(into a Submission, which admission completes into the job's one JobSpec) and the rest of the service
-can trust a JobSpec's shape. The type, its limits and patterns are the
+(into a Submission, which admission completes into the job's one AdmittedSpec, every field decided) and
+the rest of the service can trust its shape. The type, its limits and patterns are the
 job API's contract (runner.jobapi.contract); this module holds the checks and the service's defaults.
 """
 
@@ -29,14 +29,13 @@ from runner.jobapi.contract import (
     SHA,
     SPEC_FIELDS,
     GitHubJob,
-    JobSpec,
     ServiceContainer,
     WorkflowSecret,
     parse_services,
     parse_workflow_secrets,
 )
 from runner.service.config.settings import ServiceConfig
-from runner.vm.templates import sized
+from runner.service.jobs.job import AdmittedSpec
 
 _SHOWN = 80  # how much of a refused value an error message repeats: errors never echo unbounded input
 # Never forwarded whatever the allowlist says: these name credentials, and the guest is hostile.
@@ -143,24 +142,24 @@ def _artifacts(data: Mapping[str, object]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Submission:
-    """A submitted spec with every field checked, before the service has decided the three things only it
-    decides: the runner the job belongs to, the repository it runs as and the template it restores from
-    (a size class selects the template's variant). Admission (runner/service/jobs/admission.py) decides them
-    from what the submit claims here and builds the job's one JobSpec with `spec()`; nothing rewrites a
-    JobSpec after that."""
+    """A submitted spec with every field checked and the service's defaults filled in, before the service
+    has decided the two things only it decides: the runner the job belongs to and the repository it runs
+    as; and before admission has checked the repository may use the size class it asks for. Admission
+    (runner/service/jobs/admission.py) decides them from what the submit claims here and builds the job's
+    one AdmittedSpec with `spec()`; nothing rewrites it after that. Which template its VM restores from
+    (a size class selects the template's variant) is `choose_template`'s (runner/service/jobs/templatechoice.py)."""
 
     repository: str  # as the client named it
     runner_name: str  # likewise: a fleet runner's submit is bound to its own name instead
     job_name: str
     run_id: int | None
     run_attempt: int | None
-    template: str  # as named, or the service's default
     size: str | None
     policy: str | None  # the job's own policy text
-    # JobSpec with every other field as checked, waiting for the service's three
-    complete: Callable[..., JobSpec] = field(repr=False, compare=False)
+    # AdmittedSpec with every other field as checked, waiting for the service's two
+    complete: Callable[..., AdmittedSpec] = field(repr=False, compare=False)
     # The workflow's secret bindings, values included: admission decides whether they are honoured and
-    # hands them to the job's run, never to its JobSpec (which is kept, shown and recorded).
+    # hands them to the job's run, never to its spec (which is kept, shown and recorded).
     secrets: tuple[WorkflowSecret, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -172,21 +171,18 @@ class Submission:
         """The job this submit says it is, for a refusal's message."""
         return f"{self.repository} run {self.run_id}/{self.run_attempt or 1} job {self.job_name}"
 
-    def template_for(self, repository: str, allowed_sizes: tuple[str, ...]) -> str:
-        """The template the job restores from: the one it names, baked at its size class when it asks for
-        one the repository's store file allows (`allowed_sizes`; a pull request's spec cannot widen that)."""
+    def check_size(self, repository: str, allowed_sizes: tuple[str, ...]) -> None:
+        """Refuse a size class the repository's store file does not allow (`allowed_sizes`): a pull request's
+        spec cannot widen that."""
         size = self.size
-        if size is None:
-            return self.template
-        if size not in allowed_sizes:
+        if size is not None and size not in allowed_sizes:
             raise SpecError(f"size: {repository} may not use the size {size!r} (its store file allows "
                             f"{', '.join(allowed_sizes) or 'no sizes'}): the operator lists a repository's sizes in "
                             f"its store file (<owner>/<repo>.yml, sizes: [{size}]), or leave size out")
-        return sized(self.template, size)
 
-    def spec(self, repository: str, runner_name: str, template: str) -> JobSpec:
-        """The job's spec: as submitted, with the repository, runner and template the service decided."""
-        return self.complete(repository=repository, runner_name=runner_name, template=template)
+    def spec(self, repository: str, runner_name: str) -> AdmittedSpec:
+        """The job's spec: as submitted, with the repository and runner the service decided."""
+        return self.complete(repository=repository, runner_name=runner_name)
 
 
 def parse_submission(data: object, config: ServiceConfig) -> Submission:
@@ -224,7 +220,7 @@ def parse_submission(data: object, config: ServiceConfig) -> Submission:
     ref, event = _text(data, "ref", ""), _text(data, "event", "")
     run_id, run_attempt = _int(data, "run_id", 0, MAX_RUN_ID), _int(data, "run_attempt", 1, MAX_RUN_ID)
     complete = functools.partial(
-        JobSpec,
+        AdmittedSpec,
         sha=sha,
         command=command,
         job_name=job_name,
@@ -236,14 +232,14 @@ def parse_submission(data: object, config: ServiceConfig) -> Submission:
         env=_env(data, config.env_allowlist),
         artifacts=_artifacts(data),
         timeout_seconds=timeout or config.default_timeout_seconds,
+        template=template,
         size=size,
         policy=policy,
         services=_services(data),
         keep=_keep(data),
         fork=_fork(data),
     )
-    return Submission(repository, runner_name, job_name, run_id, run_attempt, template, size, policy, complete,
-                      _secrets(data))
+    return Submission(repository, runner_name, job_name, run_id, run_attempt, size, policy, complete, _secrets(data))
 
 
 def _secrets(data: Mapping[str, object]) -> tuple[WorkflowSecret, ...]:

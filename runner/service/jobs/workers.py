@@ -1,8 +1,8 @@
-"""The worker pool: each worker takes a queued job, picks the VM it restores from and runs it.
+"""The worker pool: each worker takes a queued job, chooses the template its VM restores from and runs it.
 
-`JobVMs` is how a job's VM is made (the host's sandbox factory, and which template a repository's
-job restores from when it has warm bases); the workers and the pre-warming reactions both use it,
-so a pre-warmed VM and the submit that claims it choose the same template.
+`JobVMs` is how a job's VM is made (the host's sandbox factory, and the repositories' warm bases that
+`choose_template` may pick from); the workers and the pre-warming reactions both use it, so a pre-warmed
+VM and the submit that claims it choose the same template.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from policy.model import Policy
-from runner.jobapi.contract import JobSpec, JobState, canonical_repository
-from runner.sandbox.port import SandboxFactory, SandboxLike, VMRequest, needs_network
+from runner.jobapi.contract import JobState
+from runner.sandbox.port import SandboxFactory, SandboxLike, TemplateChoice, VMRequest
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs.job import JobRun
 from runner.service.jobs.jobqueue import JobQueue
 from runner.service.jobs.prewarm import PrewarmedVMs
 from runner.service.jobs.runs import ActiveRuns, finish
 from runner.service.jobs.sessions import Sessions
+from runner.service.jobs.templatechoice import choose_template
 
 if TYPE_CHECKING:
     from runner.service.jobs.bases import RepositoryBases
@@ -41,13 +41,6 @@ class JobVMs:
         sandbox = self._create(request)
         self.accel = sandbox.accel
         return sandbox
-
-    def template_for(self, repository: str, template: str, policy: Policy | None) -> str:
-        """The template a job of `repository` that names `template` restores from: the repository's warm
-        base of the job's network variant when `template` is that base's parent (the default)."""
-        if self.bases is None or template != self.bases.settings.parent:
-            return template
-        return self.bases.template_for(canonical_repository(repository), needs_network(policy))
 
 
 class Workers:
@@ -91,29 +84,33 @@ class Workers:
         if run is None:
             return
         try:
+            choice = self._choose_template(run)
             if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
-                self._choose_template(run)
-                self._claim_warm(run)
-            elif not run.attached:
-                self._choose_template(run)
-            run.execute(self.vms.create, self.config)
+                self._claim_warm(run, choice)
+            run.execute(self.vms.create, self.config, choice)
         except Exception:  # execute never raises by design; a record that cannot be saved still might
             log.exception("job %s: the worker failed outside the job's own handling", job_id)
             self._abandon(run)
         finally:
             self.runs.pop(job_id)
 
-    def _choose_template(self, run: JobRun) -> None:
-        """The repository's warm base for its job, when it has one of the job's network variant."""
-        template = self.vms.template_for(run.spec.repository, template_of(run.spec), run.policy)
-        if template != run.spec.template:
-            run.warm_base = template
-            run.log.system(f"restoring from the repository's warm base {template}")
+    def _choose_template(self, run: JobRun) -> TemplateChoice:
+        """The template the job's VM restores from; a step that attaches to its job's kept VM has the
+        choice the first step made, which the session keeps for the steps after it."""
+        session, spec = run.session, run.spec
+        kept = session.choice if session is not None and run.attached else None
+        if kept is not None:
+            return kept
+        choice = choose_template(spec.template, size=spec.size, repository=spec.repository, policy=run.policy,
+                                 bases=self.vms.bases)
+        if session is not None:
+            session.choice = choice
+        return choice
 
-    def _claim_warm(self, run: JobRun) -> None:
+    def _claim_warm(self, run: JobRun, choice: TemplateChoice) -> None:
         spec = run.spec
         if spec.github is not None:
-            run.prewarmed = self.prewarmed.claim(spec.github, run.template, run.record.policy_digest or "")
+            run.prewarmed = self.prewarmed.claim(spec.github, choice.template, run.record.policy_digest or "")
             if run.prewarmed is not None:
                 run.update(warm=True)
 
@@ -131,8 +128,3 @@ class Workers:
         except Exception:
             log.exception("job %s: its final record could not be saved", run.record.id)
 
-
-def template_of(spec: JobSpec) -> str:
-    """The template an admitted spec names: admission always sets it (the service's default, or sized)."""
-    assert spec.template is not None, f"job spec for {spec.repository} was not validated (no template)"
-    return spec.template
