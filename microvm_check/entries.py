@@ -169,7 +169,8 @@ def _dialled(item: Mapping[str, object], name: str | None, count: int, reason: s
     method, path = item.get("method"), item.get("path")
     method = method if isinstance(method, str) and method in HTTP_METHODS else None
     path = path if method is not None and isinstance(path, str) and path_prefix(path) == path else None
-    return AuditRecord(dest, port, proto, name, count, reason, method, path, item.get("unnamed") is True and proto == "tcp",
+    unnamed = item.get("unnamed") is True and proto == "tcp"
+    return AuditRecord(dest, port, proto, name, count, reason, method, path, unnamed,
                        binding if reason == SECRET_REFUSED else None)
 
 
