@@ -62,7 +62,7 @@ def audit_one(service: Service, name: str, version: str, index: str, policy: str
         report: dict[str, object] = {"sandbox": sbx.id, "exit_code": result.exit_code}
     installed = {p["name"].lower(): p["version"] for p in json.loads(listed.stdout or b"[]")} if listed.exit_code == 0 \
         else {}
-    refused = sorted({f"{b.get('dest')}:{b.get('port')}" for b in blocked})
+    refused = sorted({f"{b.dest}:{b.port}" for b in blocked})
     found = {pkg: advisories[pkg][ver] for pkg, ver in installed.items() if ver in advisories.get(pkg, {})}
     verdict = "hostile" if refused else "failed" if result.exit_code != 0 else "vulnerable" if found else "ok"
     report.update(installed=installed, refused_egress=refused, advisories=found, verdict=verdict,
