@@ -35,11 +35,12 @@ from hypothesis import strategies as st
 from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.jobapi.client import JobClient
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.api.listeners import ApiServers
 from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
-from tests.service.service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, tar_of
+from tests.service.service_fakes import SHA, checkout_tar, member, spec, tar_of
 
 TOKEN = "fuzz-token-0123456789abcdef"
 JOB = b"{JOB}"  # replaced by one of the fuzz's own jobs (or a literal id) when the input is sent
@@ -306,7 +307,7 @@ def served() -> Iterator[Served]:
         "socket": str(directory / "api.sock"), "state_dir": str(directory / "state"), "listen": "127.0.0.1:0",
         "token": TOKEN, "max_queued_jobs": 48, "checkout_max_bytes": "256KiB", "shutdown_grace_seconds": 0,
     })
-    engine = FakeEngine(programs=defaultdict(lambda: prints(b"ok\n")),  # any command prints and exits 0
+    engine = FakeSandboxes(programs=defaultdict(lambda: prints(b"ok\n")),  # any command prints and exits 0
                         artifacts_tar=tar_of([(member("out/report.xml"), b"<testsuite/>")]))
     try:
         with ServiceHost(config, sandboxes=engine.create) as host:

@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 from wire import Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.github.signature import sign
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.config.reading import config_from_mapping
 from runner.service.github.webhook import Webhook
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
 from tests.reference import available_payloads
-from tests.service.service_fakes import FakeEngine, prints
 
 SECRET = b"webhook-fuzz-secret"
 MAX_BODY = 256 * 1024
@@ -274,7 +274,7 @@ def served() -> Iterator[Served]:
                                   "shutdown_grace_seconds": 0,
                                   "webhook": {"listen": "127.0.0.1:0", "secret_path": str(directory / "secret"),
                                               "labels": list(LABELS), "max_body": MAX_BODY}})
-    engine = FakeEngine(programs=defaultdict(lambda: prints(b"ok\n")))
+    engine = FakeSandboxes(programs=defaultdict(lambda: prints(b"ok\n")))
     try:
         with ServiceHost(config, sandboxes=engine.create, serve_api=False) as host:
             assert host.service is not None and host.webhook is not None

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_fakes import FakeEngine
+from service_fakes import BLOCKED
 
 from runner.jobapi.client import JobClient
+from runner.sandbox.fake import FakeSandboxes
 from runner.service.config.reading import config_from_mapping
 from runner.service.config.settings import ServiceConfig
 from runner.service.host.assembly import ServiceHost
@@ -36,12 +37,12 @@ def make_config(short_dir: Path) -> Callable[..., ServiceConfig]:
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
+def engine() -> FakeSandboxes:
+    return FakeSandboxes(blocked=BLOCKED)
 
 
 @pytest.fixture
-def hosts(make_config: Callable[..., ServiceConfig], engine: FakeEngine) -> Iterator[Callable[..., ServiceHost]]:
+def hosts(make_config: Callable[..., ServiceConfig], engine: FakeSandboxes) -> Iterator[Callable[..., ServiceHost]]:
     """Started `ServiceHost`s on the stand-in engine, closed at teardown; a job a test left running is
     cancelled then (shutdown_grace_seconds 0 unless the test sets it)."""
     with ExitStack() as stack:

@@ -45,15 +45,14 @@ def start_webhook(max_body: int | None = None) -> tuple[dict, object]:
 
 
 def start_api(state: Path) -> tuple[dict, object]:
-    from service_fakes import FakeEngine
-
+    from runner.sandbox.fake import FakeSandboxes
     from runner.service.api.listeners import TcpApiServer
     from runner.service.config.reading import config_from_mapping
     from runner.service.host.assembly import ServiceHost
 
     config = config_from_mapping({"socket": str(state / "api.sock"), "state_dir": str(state / "state"),
                                   "listen": "127.0.0.1:0", "token": TOKEN, "shutdown_grace_seconds": 0})
-    host = ServiceHost(config, sandboxes=FakeEngine().create).__enter__()
+    host = ServiceHost(config, sandboxes=FakeSandboxes().create).__enter__()
     tcp = next(s for s in host.api.servers if isinstance(s, TcpApiServer))
     return {"port": host.api.tcp_address[1], "socket": config.socket, "max_connections": tcp.limits.max_connections,
             "max_workers": tcp.limits.max_workers}, host.close

@@ -14,10 +14,11 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
+from service_fakes import checkout_tar, member, spec, tar_of
 
 from runner.errors import ConfigError
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.sandbox.fake import FakeSandboxes, floods, prints, waits
 from runner.service.api.listeners import UnixApiServer
 from tests.conftest import require
 
@@ -48,7 +49,7 @@ def test_socket_is_group_only(api) -> None:
     assert client.health().ok is True
 
 
-def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
+def test_full_job_over_the_socket(api, engine: FakeSandboxes) -> None:
     engine.programs["make"] = prints(b"building\n", 2)
     engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<testsuite/>")])
     service, client = api()
@@ -70,7 +71,7 @@ def test_full_job_over_the_socket(api, engine: FakeEngine) -> None:
     assert later == entries[-1:]
 
 
-def test_chunked_checkout_upload(api, engine: FakeEngine) -> None:
+def test_chunked_checkout_upload(api, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     service, client = api()
     job = client.submit(spec("ok"))
@@ -80,7 +81,7 @@ def test_chunked_checkout_upload(api, engine: FakeEngine) -> None:
     assert engine.created[0].files["/workspace/a"] == b"x" * 300000
 
 
-def test_error_statuses(api, engine: FakeEngine) -> None:
+def test_error_statuses(api, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["block"] = waits(release)
     service, client = api(max_queued_jobs=2, max_concurrent_jobs=1, checkout_max_bytes="64KiB")
@@ -172,7 +173,7 @@ def test_client_refuses_ambiguous_targets() -> None:
         JobClient(url="ftp://y")
 
 
-def test_log_end_line_carries_the_record(api, engine: FakeEngine) -> None:
+def test_log_end_line_carries_the_record(api, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"hi\n")
     service, client = api()
     job = client.submit(spec("ok")).id
@@ -204,7 +205,7 @@ def test_a_burst_of_clients_is_served(api) -> None:
     assert errors == [] and answers == [True] * 48
 
 
-def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine: FakeEngine) -> None:
+def test_a_client_that_never_reads_its_logs_does_not_hold_up_the_job(api, engine: FakeSandboxes) -> None:
     engine.programs["flood"] = floods(4 * 1024 * 1024)
     service, client = api(logs={"max_bytes": "8MiB"})  # within the budget: the job ends on its own
     job = client.submit(spec("flood")).id

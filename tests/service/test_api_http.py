@@ -9,9 +9,10 @@ import re
 import socket
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 
 from runner.jobapi.client import JobClient
+from runner.sandbox.fake import FakeSandboxes, prints
 
 STATUS_LINE = re.compile(rb"HTTP/1\.1 (\d{3}) ")
 
@@ -83,7 +84,7 @@ def test_ambiguous_or_unknown_framing_is_refused_before_a_worker(api, headers: b
     assert statuses(answer) == [status] and why in answer and b"Connection: close" in answer
 
 
-def test_an_http_1_0_client_gets_its_log_close_delimited(api, engine: FakeEngine) -> None:
+def test_an_http_1_0_client_gets_its_log_close_delimited(api, engine: FakeSandboxes) -> None:
     """HTTP/1.0 has no chunked coding (RFC 9112 7): the stream ends with the connection. It was sent chunked."""
     engine.programs["hi"] = prints(b"hello\n")
     service, client = api()

@@ -10,8 +10,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+from runner.sandbox.fake import FakeSandboxes
 from runner.service.jobs.bases import BaseSettings, RepositoryBases
-from tests.service.service_fakes import FakeProvider
 
 SETTINGS = BaseSettings(parent="base", budget_bytes=1 << 30, setup_timeout_s=60, max_checkout_bytes=1 << 20,
                         max_concurrent_builds=1, failure_backoff_s=60)
@@ -19,7 +19,7 @@ SETTINGS = BaseSettings(parent="base", budget_bytes=1 << 30, setup_timeout_s=60,
 
 def bases(settings: BaseSettings = SETTINGS) -> RepositoryBases:
     warm_for = lambda repository: (SimpleNamespace(setup="true", inputs=()), None)  # noqa: E731
-    return RepositoryBases(FakeProvider(lambda request: None), warm_for, github=None, settings=settings)  # type: ignore[arg-type]
+    return RepositoryBases(FakeSandboxes(), warm_for, github=None, settings=settings)  # type: ignore[arg-type]
 
 
 def test_stale_bases_of_many_repositories_are_rebuilt_one_at_a_time() -> None:

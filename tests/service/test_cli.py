@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from service_fakes import FakeEngine, baked_template, member, prints, tar_of
+from service_fakes import baked_template, member, tar_of
 
 from runner.cli import main
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.sandbox.fake import FakeSandboxes, prints
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def checkout(tmp_path: Path) -> Path:
 
 
 def test_run_streams_output_copies_artifacts_and_exits_with_the_guest_status(
-        api, engine: FakeEngine, tmp_path: Path, monkeypatch, capfd) -> None:
+        api, engine: FakeSandboxes, tmp_path: Path, monkeypatch, capfd) -> None:
     engine.programs["make test"] = prints(b"all good\n", 7)
     engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<r/>")])
     service, _ = api()
@@ -77,7 +78,7 @@ def test_run_reports_a_refused_job(api, tmp_path: Path, capsys) -> None:
     assert "template: 'nope' is not offered here" in capsys.readouterr().err
 
 
-def test_jobs_lists_records(api, engine: FakeEngine, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_jobs_lists_records(api, engine: FakeSandboxes, tmp_path: Path, capsys, monkeypatch) -> None:
     engine.programs["true"] = prints(b"")
     service, _ = api()
     co = checkout(tmp_path)

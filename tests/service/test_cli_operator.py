@@ -10,9 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
-from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
+from service_fakes import checkout_tar, spec
 
 from runner.cli import main
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 
 
 def _run(client, command: str) -> str:
@@ -21,7 +22,7 @@ def _run(client, command: str) -> str:
     return job
 
 
-def test_status_works_without_a_fleet(api, engine: FakeEngine, tmp_path: Path, capsys) -> None:
+def test_status_works_without_a_fleet(api, engine: FakeSandboxes, tmp_path: Path, capsys) -> None:
     """Before: `status` read the fleet's status file and refused on a host without `runners:`."""
     engine.programs["ok"] = prints(b"fine\n")
     service, client = api()
@@ -39,7 +40,7 @@ def test_status_works_without_a_fleet(api, engine: FakeEngine, tmp_path: Path, c
     assert [j["state"] for j in data["recent_jobs"]] == ["finished"]
 
 
-def test_jobs_show_logs_and_cancel(api, engine: FakeEngine, capfd) -> None:
+def test_jobs_show_logs_and_cancel(api, engine: FakeSandboxes, capfd) -> None:
     release = threading.Event()
     engine.programs.update({"bad": prints(b"oops\n", 3), "wait": waits(release)})
     service, client = api()
@@ -70,7 +71,7 @@ def test_jobs_show_logs_and_cancel(api, engine: FakeEngine, capfd) -> None:
     release.set()
 
 
-def test_others_are_refused_by_the_apis_operator_check(api, engine: FakeEngine, short_dir: Path) -> None:
+def test_others_are_refused_by_the_apis_operator_check(api, engine: FakeSandboxes, short_dir: Path) -> None:
     """A user who may use the socket (its group) but is not the operator reaches no one's job nor the status."""
     engine.programs["ok"] = prints(b"fine\n")
     os.chmod(short_dir, 0o755)

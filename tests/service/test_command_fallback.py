@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service_fakes import FakeEngine, FakeSandbox, prints
 from test_service import run, wait_final
 
 from runner.errors import SandboxError
+from runner.sandbox.fake import FakeSandbox, FakeSandboxes, prints
 from runner.sandbox.sandbox import ExecResult
 from runner.service.jobs.service import JobService
 
 
 def test_a_program_the_guest_cannot_start_is_started_through_the_shell_within_the_same_deadline(
-        make_service: Callable[..., JobService], engine: FakeEngine) -> None:
+        make_service: Callable[..., JobService], engine: FakeSandboxes) -> None:
     engine.programs["make check"] = prints(b"via the shell\n", 0)
     engine.unstartable.add("make")
     service = make_service()
@@ -28,7 +28,7 @@ def test_a_program_the_guest_cannot_start_is_started_through_the_shell_within_th
 
 
 def test_a_failure_after_the_program_started_is_the_jobs_and_runs_nothing_else(
-        make_service: Callable[..., JobService], engine: FakeEngine) -> None:
+        make_service: Callable[..., JobService], engine: FakeSandboxes) -> None:
     def fails_after_starting(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -> ExecResult:
         out("stdout", b"publishing...\n")
         raise SandboxError("exec failed in the guest: the output pump died")  # the VM lives on

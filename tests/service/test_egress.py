@@ -11,11 +11,12 @@ import pytest
 import responses
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 
 from policy import DENY_ALL, load_policy
 from runner.github.client import GitHubClient
 from runner.github.policy_source import PolicySource
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.api.refusals import status_of
 from runner.service.jobs.admission import InvalidJob
 from runner.service.jobs.egress import EgressPolicies, EgressPolicyError
@@ -61,7 +62,7 @@ def test_local_runs_trust_their_own_policy() -> None:
     assert EgressPolicies(None, trust_job_policy=True).effective("local/x", None) == DENY_ALL
 
 
-def test_the_record_names_the_effective_policy(make_service, engine: FakeEngine, store: Path) -> None:
+def test_the_record_names_the_effective_policy(make_service, engine: FakeSandboxes, store: Path) -> None:
     engine.programs["ok"] = prints(b"")
     service = make_service(policy_dir=str(store), network={"enabled": True})
     rec = service.submit(spec("ok", policy=NARROWER))
@@ -73,7 +74,7 @@ def test_the_record_names_the_effective_policy(make_service, engine: FakeEngine,
     assert request.network is True and request.policy == load_policy(NARROWER)
 
 
-def test_deny_all_vms_get_no_network_card(make_service, engine: FakeEngine, store: Path) -> None:
+def test_deny_all_vms_get_no_network_card(make_service, engine: FakeSandboxes, store: Path) -> None:
     engine.programs["ok"] = prints(b"")
     service = make_service(policy_dir=str(store))
     rec = service.submit(spec("ok", repository="octo/unlisted"))
@@ -167,7 +168,7 @@ def test_github_failing_is_a_clear_policy_error(tmp_path: Path) -> None:
 
 
 @responses.activate
-def test_the_service_reads_policies_from_default_branches_with_its_app(make_service, engine: FakeEngine,
+def test_the_service_reads_policies_from_default_branches_with_its_app(make_service, engine: FakeSandboxes,
                                                                        tmp_path: Path) -> None:
     """End to end: service config github_config -> App token -> the default branch's file -> the job's VM."""
     key = tmp_path / "app.pem"
@@ -187,7 +188,7 @@ def test_the_service_reads_policies_from_default_branches_with_its_app(make_serv
     assert responses.calls[-1].request.headers["Authorization"] == f"Bearer {token['token']}"
 
 
-def test_a_job_policy_narrowed_to_nothing_says_so_in_the_record_summary_and_page(make_service, engine: FakeEngine,
+def test_a_job_policy_narrowed_to_nothing_says_so_in_the_record_summary_and_page(make_service, engine: FakeSandboxes,
                                                                                  store: Path) -> None:
     """The job asks for pypi.org:443 and its repository allows nothing: it runs with no egress, and
     its record, step summary and job page say in words what it asked for and did not get."""

@@ -10,11 +10,12 @@ import pytest
 import responses
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from service_fakes import FakeEngine, prints, spec
+from service_fakes import spec
 from test_egress import BRANCH_FILE, BRANCH_POLICY, BRANCH_REPO, branch_file
 
 from runner.github.client import RetryPolicy
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.jobs.egress import PolicySourceUnavailable
 from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_operations, load_payload
 
@@ -32,7 +33,7 @@ def _app(tmp_path: Path) -> Path:
 
 @responses.activate
 def test_github_down_is_503_with_retry_after_and_the_client_waits_it_out(
-        api, engine: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        api, engine: FakeSandboxes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RetryPolicy, "backoff", lambda self, attempt: 0.01)  # GitHub's own retries, quickly
     engine.programs["ok"] = prints(b"fine\n")
     service, _ = api(github_config=str(_app(tmp_path)), network={"enabled": True})

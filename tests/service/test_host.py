@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_fakes import FakeEngine, baked_template, checkout_tar, spec, waits
+from service_fakes import baked_template, checkout_tar, spec
 
 from runner.errors import ConfigError, SandboxError
 from runner.jobapi.client import JobAPIError, JobClient
+from runner.sandbox.fake import FakeSandboxes, waits
 from runner.service.api.listeners import ApiServers
 from runner.service.config.settings import ServiceConfig
 from runner.service.github.webhook import Webhook
@@ -182,14 +183,14 @@ def test_an_engine_that_cannot_start_leaves_nothing_started(need_engine: None, m
 def test_origin_prefixes_what_the_user_fixes_in_the_config(make_config, short_dir: Path) -> None:
     config = make_config(github_config=str(short_dir / "missing.yml"))
     with pytest.raises(ConfigError, match=r"^/etc/service\.yml: github_config: "):
-        with ServiceHost(config, sandboxes=FakeEngine().create, origin="/etc/service.yml"):
+        with ServiceHost(config, sandboxes=FakeSandboxes().create, origin="/etc/service.yml"):
             pass
 
 
 def test_the_api_answers_while_running_jobs_get_their_grace(make_config) -> None:
     """Closing drains the service before the API: a client still reads its job's record meanwhile."""
     release = threading.Event()
-    engine = FakeEngine(programs={"sleep": waits(release)})
+    engine = FakeSandboxes(programs={"sleep": waits(release)})
     config = make_config(shutdown_grace_seconds=600)
     host = ServiceHost(config, sandboxes=engine.create).__enter__()
     closer = threading.Thread(target=host.close, name="test-closer")
@@ -221,7 +222,7 @@ def test_the_api_answers_while_running_jobs_get_their_grace(make_config) -> None
 
 def test_engine_and_sandboxes_are_one_or_the_other(make_config) -> None:
     with pytest.raises(ValueError, match="either engine settings or a sandbox factory"):
-        ServiceHost(make_config(), engine=EngineSettings(), sandboxes=FakeEngine().create)
+        ServiceHost(make_config(), engine=EngineSettings(), sandboxes=FakeSandboxes().create)
 
 
 def test_a_dead_services_sandbox_snapshots_are_removed_at_start(need_engine: None, make_config,

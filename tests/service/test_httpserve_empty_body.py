@@ -16,13 +16,13 @@ import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
-from service_fakes import FakeEngine, spec
+from service_fakes import spec
 from test_httpserve_limits import answer, connect, post_head, serving
 
 from runner.httpserve import Limits
+from runner.sandbox.fake import FakeSandboxes
 from runner.service.host.assembly import ServiceHost
 
 TIMEOUT = 10.0  # the API's old wait was 30 s; the webhook's, 2 s then no answer at all
@@ -71,19 +71,11 @@ def host(hosts: Callable[..., ServiceHost], short_dir: Path) -> ServiceHost:
                  webhook={"listen": "127.0.0.1:0", "secret_path": str(short_dir / "webhook-secret")})
 
 
-class GuestFiles(dict):
-    """The guest's files as a sandbox's file calls reach them (the stand-in VM has no file calls of its own)."""
-
-    def write(self, path: str, source: BinaryIO, mode: int) -> None:
-        self[path] = source.read()
-
-
-def test_an_empty_body_is_answered_at_once_on_every_route_that_takes_one(host: ServiceHost, engine: FakeEngine) -> None:
+def test_an_empty_body_is_answered_at_once_on_every_route_that_takes_one(host: ServiceHost, engine: FakeSandboxes) -> None:
     sock = str(host.config.socket)
     job = post_json(sock, "/v1/jobs", json.dumps(spec()).encode())["id"]
     sandbox = post_json(sock, "/v1/sandboxes", b"{}")["id"]
     vm = engine.created[-1]
-    vm.files = GuestFiles()
     assert host.api is not None and host.api.tcp_address is not None and host.webhook is not None
     tcp, bearer = host.api.tcp_address, f"Authorization: Bearer {TOKEN}"
     routes: list[tuple[str | tuple[str, int], bytes, int]] = [

@@ -11,15 +11,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, prints, waits
+from service_fakes import checkout_tar
 
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import Health, JobRecord, JobSpec, JobState, JobSummary
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 
 SPEC = JobSpec(repository="octo/hello", sha="a" * 40, command="ok", job_name="test", artifacts=("out/*",))
 
 
-def test_answers_are_the_contracts_types(api, engine: FakeEngine) -> None:
+def test_answers_are_the_contracts_types(api, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"hello\n", exit_code=3)
     _, client = api()
     health = client.health()
@@ -44,7 +45,7 @@ def test_a_refusal_carries_the_status_and_the_services_message(api) -> None:
     assert (err.value.status, err.value.retry_after, err.value.timed_out) == (400, None, False)
 
 
-def test_a_full_queue_says_when_to_come_back(api, engine: FakeEngine) -> None:
+def test_a_full_queue_says_when_to_come_back(api, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["block"] = waits(release)
     _, client = api(max_queued_jobs=1)
@@ -55,7 +56,7 @@ def test_a_full_queue_says_when_to_come_back(api, engine: FakeEngine) -> None:
     release.set()
 
 
-def test_logs_arrive_while_the_job_still_runs(api, engine: FakeEngine) -> None:
+def test_logs_arrive_while_the_job_still_runs(api, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["block"] = waits(release)
     _, client = api()
@@ -171,7 +172,7 @@ def test_a_job_id_cannot_change_the_path(short_dir: Path) -> None:
             client.artifacts("j1?x=1", io.BytesIO())
 
 
-def test_one_kept_connection_drives_a_job_and_the_log_ends_with_its_record(api, engine: FakeEngine) -> None:
+def test_one_kept_connection_drives_a_job_and_the_log_ends_with_its_record(api, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"hello\n", exit_code=3)
     service, plain = api()
     plain.close()
@@ -198,7 +199,7 @@ def test_a_socket_nobody_serves_is_unreachable_and_a_refusal_is_not(api, tmp_pat
     assert refused.value.status == 400 and not refused.value.unreachable
 
 
-def test_the_log_stream_opens_with_the_upload(api, engine: FakeEngine) -> None:
+def test_the_log_stream_opens_with_the_upload(api, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"hello\n", exit_code=3)
     _, client = api()
     job = client.submit(SPEC).id

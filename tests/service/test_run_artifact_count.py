@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service_fakes import FakeEngine, member, prints, tar_of
+from service_fakes import member, tar_of
 
 from runner.cli import main
+from runner.sandbox.fake import FakeSandboxes, prints
 
 
-def test_run_refuses_a_jobs_artifacts_past_ten_thousand_files(api, engine: FakeEngine, tmp_path: Path, monkeypatch,
+def test_run_refuses_a_jobs_artifacts_past_ten_thousand_files(api, engine: FakeSandboxes, tmp_path: Path, monkeypatch,
                                                               capsys) -> None:
     engine.programs["make"] = prints(b"")
     engine.artifacts_tar = tar_of([(member(f"out/{n}.txt"), b"") for n in range(10_001)])

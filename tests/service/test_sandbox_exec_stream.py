@@ -12,9 +12,10 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from service_fakes import ExecResult, FakeEngine, FakeSandbox, prints
 
 from microvm_check import Sandbox, SandboxError
+from runner.sandbox.fake import FakeSandbox, FakeSandboxes, prints
+from runner.sandbox.port import ExecResult
 from runner.service.host.assembly import ServiceHost
 
 
@@ -24,7 +25,7 @@ def breaks_after_output(sbx: FakeSandbox, out: Callable[[str, bytes], None], tim
 
 
 def test_a_bug_after_an_execs_answer_began_ends_it_with_an_error_line(
-        hosts: Callable[..., ServiceHost], engine: FakeEngine, caplog: pytest.LogCaptureFixture) -> None:
+        hosts: Callable[..., ServiceHost], engine: FakeSandboxes, caplog: pytest.LogCaptureFixture) -> None:
     engine.programs["breaks"] = breaks_after_output
     engine.programs["fine"] = prints(b"fine\n")
     host = hosts(sandboxes={"max_live": 1, "max_per_caller": 1})

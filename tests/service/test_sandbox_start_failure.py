@@ -9,8 +9,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from service_fakes import FakeEngine
-
+from runner.sandbox.fake import FakeSandboxes
 from runner.service.host.assembly import ServiceHost
 
 
@@ -30,7 +29,7 @@ def _create(path: Path) -> tuple[int, dict[str, str], dict]:
 
 
 def test_a_sandbox_whose_vm_does_not_start_is_503_with_its_reason_and_frees_its_place(
-        hosts: Callable[..., ServiceHost], engine: FakeEngine) -> None:
+        hosts: Callable[..., ServiceHost], engine: FakeSandboxes) -> None:
     host = hosts(sandboxes={"max_live": 1, "max_per_caller": 1})
     engine.fail_create = True
     status, headers, body = _create(host.config.socket)

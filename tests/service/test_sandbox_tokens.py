@@ -8,29 +8,17 @@ owner is tried, on the stand-in engine (a snapshot of it is only a name)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from service_fakes import FakeEngine
-
-from runner.sandbox.port import VMRequest
+from runner.sandbox.fake import FakeSandboxes
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.sandboxes import Owner, SandboxDesk, SandboxRefused, SandboxRequest
 
 
-def forkable(engine: FakeEngine) -> Callable[[VMRequest], Any]:
-    """The stand-in engine's sandboxes, with a `snapshot` that makes a template of nothing but its name."""
-    def create(request: VMRequest) -> Any:
-        vm = engine.create(request)
-        vm.snapshot = lambda name, extra=None: name
-        return vm
-    return create
-
-
 def test_each_of_a_parents_a_forks_and_a_siblings_token_opens_only_its_own_sandbox(
-        hosts: Callable[..., ServiceHost], engine: FakeEngine) -> None:
+        hosts: Callable[..., ServiceHost], engine: FakeSandboxes) -> None:
     host = hosts(serve_api=False, sandboxes={"max_live": 4, "max_per_caller": 4})
     assert host.service is not None
-    desk = SandboxDesk(host.config, forkable(engine), host.service.policies, host.service.records.put,
+    desk = SandboxDesk(host.config, engine.create, host.service.policies, host.service.records.put,
                        forget_template=lambda name: None)
     owner = Owner("uid 4242")
     try:

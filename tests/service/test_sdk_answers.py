@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from service_fakes import FakeEngine, FakeSandbox, prints
 
 from microvm_check import AsyncSandbox, FileEntry, Sandbox, SandboxError, SandboxInfo
+from runner.sandbox.fake import FakeSandbox, FakeSandboxes, prints
 from runner.sandbox.port import ExecResult
 from runner.service.host.assembly import ServiceHost
 
@@ -24,7 +24,7 @@ def lists(sbx: FakeSandbox, out: Callable[[str, bytes], None], timeout: float) -
 
 
 @pytest.fixture
-def host(hosts: Callable[..., ServiceHost], engine: FakeEngine) -> ServiceHost:
+def host(hosts: Callable[..., ServiceHost], engine: FakeSandboxes) -> ServiceHost:
     engine.programs["hi"] = prints(b"hi\n", exit_code=3)
     engine.programs[LIST] = lists
     return hosts(sandboxes={"max_live": 2, "max_per_caller": 2})

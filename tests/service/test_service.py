@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, floods, member, prints, spec, tar_of, waits
+from service_fakes import checkout_tar, member, spec, tar_of
 
 from runner.attest.keys import SigningKey
+from runner.sandbox.fake import FakeSandboxes, floods, prints, waits
 from runner.service.api.refusals import status_of
 from runner.service.host.assembly import ServiceHost
 from runner.service.host.binding import access_for
@@ -46,7 +47,7 @@ def wait_final(service: JobService, job_id: str) -> None:
         pass
 
 
-def test_success_and_failure_exit_codes(make_service: Callable[..., JobService], engine: FakeEngine) -> None:
+def test_success_and_failure_exit_codes(make_service: Callable[..., JobService], engine: FakeSandboxes) -> None:
     engine.programs.update({"ok": prints(b"fine\n", 0), "bad": prints(b"oops\n", 3)})
     service = make_service()
     ok, bad = run(service, "ok"), run(service, "bad")
@@ -69,7 +70,7 @@ def test_success_and_failure_exit_codes(make_service: Callable[..., JobService],
     assert not (service.config.jobs_dir / ok / "checkout.tar").exists()
 
 
-def test_command_runs_in_the_working_directory_with_the_env(make_service, engine: FakeEngine) -> None:
+def test_command_runs_in_the_working_directory_with_the_env(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     service = make_service()
     job = run(service, "ok", working_directory="sub/dir", env={"GITHUB_SHA": "abc"}, timeout_seconds=42)
@@ -80,7 +81,7 @@ def test_command_runs_in_the_working_directory_with_the_env(make_service, engine
     assert engine.created[0].request.ttl_seconds > 42
 
 
-def test_timeout(make_service, engine: FakeEngine) -> None:
+def test_timeout(make_service, engine: FakeSandboxes) -> None:
     engine.programs["sleep"] = waits()
     service = make_service()
     job = run(service, "sleep", timeout_seconds=1)
@@ -90,7 +91,7 @@ def test_timeout(make_service, engine: FakeEngine) -> None:
     assert engine.alive() == []
 
 
-def test_cancel_running_destroys_the_vm(make_service, engine: FakeEngine) -> None:
+def test_cancel_running_destroys_the_vm(make_service, engine: FakeSandboxes) -> None:
     engine.programs["sleep"] = waits()
     service = make_service()
     job = run(service, "sleep", timeout_seconds=600)
@@ -103,7 +104,7 @@ def test_cancel_running_destroys_the_vm(make_service, engine: FakeEngine) -> Non
     assert service.cancel(job).state == "cancelled"  # idempotent
 
 
-def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeEngine) -> None:
+def test_cancel_before_checkout_and_while_queued(make_service, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs.update({"block": waits(release), "ok": prints(b"")})
     service = make_service(max_concurrent_jobs=1)
@@ -148,7 +149,7 @@ def test_a_submit_that_fails_after_reserving_gives_its_place_back(make_service, 
     assert list(service.config.jobs_dir.iterdir()) == []
 
 
-def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
+def test_log_flood_is_bounded(make_service, engine: FakeSandboxes) -> None:
     engine.programs["flood"] = floods(8 * 1024 * 1024)
     service = make_service(logs={"max_bytes": "64KiB"})
     job = run(service, "flood")
@@ -160,7 +161,7 @@ def test_log_flood_is_bounded(make_service, engine: FakeEngine) -> None:
     assert (service.config.jobs_dir / job / "log.ndjson").stat().st_size < 64 * 1024 + 1024
 
 
-def test_artifacts_are_validated(make_service, engine: FakeEngine) -> None:
+def test_artifacts_are_validated(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     engine.artifacts_tar = tar_of([(member("dist/a.whl"), b"wheel")])
     service = make_service()
@@ -179,7 +180,7 @@ def system_log(service, job: str) -> str:
     return "\n".join(base64.b64decode(e["data"]).decode() for e in entries if e["stream"] == "system")
 
 
-def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(make_service, engine: FakeEngine) -> None:
+def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"made a link\n", 0)
     engine.artifacts_tar = tar_of([(member("ok"), b"1"),
                                    (member("evil", tarfile.SYMTYPE, "/etc/shadow"), None),
@@ -200,7 +201,7 @@ def test_hostile_artifacts_are_skipped_and_named_and_the_job_keeps_its_result(ma
         assert tar.extractfile("ok").read() == b"1"
 
 
-def test_engine_failure_fails_the_job_cleanly(make_service, engine: FakeEngine) -> None:
+def test_engine_failure_fails_the_job_cleanly(make_service, engine: FakeSandboxes) -> None:
     engine.fail_create = True
     service = make_service()
     job = run(service, "ok")
@@ -209,7 +210,7 @@ def test_engine_failure_fails_the_job_cleanly(make_service, engine: FakeEngine) 
     assert rec.state == "failed" and "could not be restored" in rec.error
 
 
-def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeEngine) -> None:
+def test_concurrency_limit_and_nothing_lost(make_service, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["work"] = waits(release)
     service = make_service(max_concurrent_jobs=2, max_queued_jobs=8)
@@ -236,7 +237,7 @@ def test_bad_checkout_is_refused(make_service) -> None:
     service.put_checkout(job, [checkout_tar()])  # the job is still waiting for a good one
 
 
-def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engine: FakeEngine) -> None:
+def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engine: FakeSandboxes) -> None:
     engine.programs["sleep"] = waits()
     service = make_service(max_concurrent_jobs=1)
     running = run(service, "sleep", timeout_seconds=600)
@@ -251,7 +252,7 @@ def test_shutdown_cancels_running_and_queued_and_destroys_vms(make_service, engi
     assert engine.alive() == []
 
 
-def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeEngine) -> None:
+def test_restart_fails_leftovers_and_sweeps_orphans(make_config, engine: FakeSandboxes) -> None:
     config = make_config()
     crashed = JobService(config, job_parts(config, JobVMs(engine.create, None), access=access_for(config),
                                            attestor=JobAttestor(SigningKey.load_or_create(config.attestation_key_path))))
@@ -281,7 +282,7 @@ class GitHubJob:  # the fields of runner.github.jobs.QueuedJob / CompletedJob th
     runner_name: str | None = None
 
 
-def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_host, engine: FakeEngine) -> None:
+def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -297,7 +298,7 @@ def test_prewarmed_vm_is_claimed_by_the_matching_submit(make_host, engine: FakeE
     assert engine.alive() == []
 
 
-def test_job_completed_discards_warm_vm_and_cancels_running(make_host, engine: FakeEngine) -> None:
+def test_job_completed_discards_warm_vm_and_cancels_running(make_host, engine: FakeSandboxes) -> None:
     engine.programs["sleep"] = waits()
     host = make_host()
     service = host.service
@@ -313,7 +314,7 @@ def test_job_completed_discards_warm_vm_and_cancels_running(make_host, engine: F
     assert engine.alive() == []
 
 
-def test_job_completed_matches_by_runner_when_names_differ(make_host, engine: FakeEngine) -> None:
+def test_job_completed_matches_by_runner_when_names_differ(make_host, engine: FakeSandboxes) -> None:
     engine.programs["sleep"] = waits()
     host = make_host()
     service = host.service
@@ -330,7 +331,7 @@ def test_job_completed_matches_by_runner_when_names_differ(make_host, engine: Fa
     assert engine.alive() == []
 
 
-def test_unclaimed_warm_vms_expire(make_host, engine: FakeEngine) -> None:
+def test_unclaimed_warm_vms_expire(make_host, engine: FakeSandboxes) -> None:
     host = make_host(prewarm={"max_vms": 1, "expire_seconds": 1})
     service = host.service
     host.reactions.prewarm(GitHubJob(job_id=1))
@@ -351,7 +352,7 @@ def test_checkout_that_never_comes_expires(make_host) -> None:
     assert rec.state == "failed" and "no checkout" in rec.error
 
 
-def test_retention_prunes_records_and_dirs(make_host, engine: FakeEngine) -> None:
+def test_retention_prunes_records_and_dirs(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host(retention={"days": 1, "max_records": 100})
     service = host.service
@@ -364,13 +365,13 @@ def test_retention_prunes_records_and_dirs(make_host, engine: FakeEngine) -> Non
     assert status_of(err.value) == 404
 
 
-def _wait_warm(service: JobService, engine: FakeEngine):
+def _wait_warm(service: JobService, engine: FakeSandboxes):
     for vm in service.prewarmed._vms:
         vm.ready.wait(10)
     return engine.created[-1]
 
 
-def test_artifact_tar_streams_from_disk(make_service, engine: FakeEngine) -> None:
+def test_artifact_tar_streams_from_disk(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     engine.artifacts_tar = tar_of([(member(f"f{i}"), bytes([i]) * 1000) for i in range(20)])
     service = make_service()
@@ -380,7 +381,7 @@ def test_artifact_tar_streams_from_disk(make_service, engine: FakeEngine) -> Non
         assert len(tar.getnames()) == 20
 
 
-def test_no_matching_artifacts_is_not_an_error(make_service, engine: FakeEngine) -> None:
+def test_no_matching_artifacts_is_not_an_error(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     service = make_service()
     job = run(service, "ok", artifacts=["nothing/*"], working_directory="sub")
@@ -390,7 +391,7 @@ def test_no_matching_artifacts_is_not_an_error(make_service, engine: FakeEngine)
     assert engine.created[0].get_tar_calls == [(["nothing/*"], "/workspace/sub")]
 
 
-def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine) -> None:
+def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeSandboxes) -> None:
     engine.programs["bad"] = prints(b"", 1)
     engine.artifacts_tar = tar_of([(member("big"), b"\0" * 200000)])
     service = make_service(artifacts={"max_count": 2, "max_total_bytes": "64KiB"})
@@ -401,7 +402,7 @@ def test_oversized_artifacts_keep_the_exit_code(make_service, engine: FakeEngine
     assert "artifact transfer ended early" in system_log(service, job)
 
 
-def test_a_dead_prewarmed_vm_is_replaced(make_host, engine: FakeEngine) -> None:
+def test_a_dead_prewarmed_vm_is_replaced(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service

@@ -8,9 +8,10 @@ import json
 import os
 import tarfile
 
-from service_fakes import FakeEngine, member, prints, tar_of
+from service_fakes import member, tar_of
 from test_service import run, wait_final
 
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.jobs import outputs as job_module
 
 
@@ -20,7 +21,7 @@ def system_lines(service, job: str) -> list[str]:
     return [base64.b64decode(e["data"]).decode() for e in entries if e["stream"] == "system"]
 
 
-def test_skipped_artifacts_get_a_bounded_number_of_notes(make_service, engine: FakeEngine) -> None:
+def test_skipped_artifacts_get_a_bounded_number_of_notes(make_service, engine: FakeSandboxes) -> None:
     """Each skipped member was a note of up to ~1.5 KiB outside the guest's log budget: 10**6 of them
     (the largest max_count) would have been over a GiB of log on disk for ~1.5 GiB of guest tar."""
     engine.programs["ok"] = prints(b"", 0)
@@ -39,7 +40,7 @@ def test_skipped_artifacts_get_a_bounded_number_of_notes(make_service, engine: F
         assert len(tar.getnames()) == 301
 
 
-def test_a_name_that_is_not_utf8_is_a_note_not_a_failed_job(make_service, engine: FakeEngine) -> None:
+def test_a_name_that_is_not_utf8_is_a_note_not_a_failed_job(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"", 5)
     engine.artifacts_tar = tar_of([(member(os.fsdecode(b"out/l\xe9nk"), tarfile.SYMTYPE, "x"), None),
                                    (member("out/ok"), b"1")])

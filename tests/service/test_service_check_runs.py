@@ -13,11 +13,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 import responses
-from service_fakes import SHA, FakeEngine, checkout_tar, member, prints, spec, tar_of
+from service_fakes import SHA, checkout_tar, member, spec, tar_of
 
 from policy import PolicyStore
 from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.github.checkruns import CheckRunReporter
 from runner.service.jobs.service import JobService
 from tests import reference
@@ -63,7 +64,7 @@ def github():
         yield mock
 
 
-def test_the_check_run_carries_the_signed_records_digests(make_service, engine: FakeEngine, tmp_path, github) -> None:
+def test_the_check_run_carries_the_signed_records_digests(make_service, engine: FakeSandboxes, tmp_path, github) -> None:
     engine.programs["suite"] = prints(b"::error file=src/app.py,line=4,title=lint::unused import\n1 passed, 1 failed\n", 1)
     engine.artifacts_tar = tar_of([(member("out/report.xml"), JUNIT)])
     service = _service(make_service, tmp_path, "on")
@@ -86,7 +87,7 @@ def test_the_check_run_carries_the_signed_records_digests(make_service, engine: 
 
 
 @pytest.mark.parametrize("setting,fork,posts", [("off", True, 0), ("forks", False, 0), ("forks", True, 2)])
-def test_the_repositorys_setting_decides(make_service, engine: FakeEngine, tmp_path, setting: str, fork: bool,
+def test_the_repositorys_setting_decides(make_service, engine: FakeSandboxes, tmp_path, setting: str, fork: bool,
                                         posts: int) -> None:
     engine.programs["ok"] = prints(b"fine\n", 0)
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
@@ -98,7 +99,7 @@ def test_the_repositorys_setting_decides(make_service, engine: FakeEngine, tmp_p
         assert len(mock.calls) == posts
 
 
-def test_github_down_leaves_the_job_its_result(make_service, engine: FakeEngine, tmp_path) -> None:
+def test_github_down_leaves_the_job_its_result(make_service, engine: FakeSandboxes, tmp_path) -> None:
     engine.programs["ok"] = prints(b"fine\n", 0)
     with responses.RequestsMock() as mock:
         mock.post(f"{API}/repos/octo/hello/check-runs", json={"message": "Server Error"}, status=500)
@@ -111,7 +112,7 @@ def test_github_down_leaves_the_job_its_result(make_service, engine: FakeEngine,
 HOSTILE = "<img src=x onerror=alert(1)> [x](https://evil.example) ![i](https://evil.example/i.png) `c` | col"
 
 
-def test_a_hostile_guests_text_arrives_inert(make_service, engine: FakeEngine, tmp_path, github) -> None:
+def test_a_hostile_guests_text_arrives_inert(make_service, engine: FakeSandboxes, tmp_path, github) -> None:
     title = HOSTILE.replace("%", "%25").replace(":", "%3A").replace(",", "%2C")  # as a tool escapes a property
     escaped = HOSTILE.replace("&", "&amp;").replace("<", "&lt;").replace('"', "&quot;")
     report = (f'<testsuite name="{escaped}"><testcase classname="{escaped}" name="{escaped}" file="../../etc/passwd">'
@@ -140,7 +141,7 @@ def _validation_failed() -> dict[str, object]:
     return body
 
 
-def test_an_update_github_refuses_is_sent_again_short_and_the_check_run_ends(make_service, engine: FakeEngine,
+def test_an_update_github_refuses_is_sent_again_short_and_the_check_run_ends(make_service, engine: FakeSandboxes,
                                                                              tmp_path) -> None:
     """GitHub answers 422 to the first update (a body it will not take): the service sends a short one with
     the conclusion and its own digests, and the check run ends completed instead of staying in progress."""

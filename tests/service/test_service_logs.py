@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 
 from runner.cli import build_parser
 from runner.logs import TextFormatter, setup
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.config.reading import ConfigError, load_config
 from runner.service.jobs.service import JobService
 
@@ -26,7 +27,7 @@ def restore_logging() -> Iterator[None]:
 
 
 def test_a_jobs_lifecycle_is_one_json_line_per_event_with_its_job_id(
-        make_service: Callable[..., JobService], engine: FakeEngine, capsys, restore_logging) -> None:
+        make_service: Callable[..., JobService], engine: FakeSandboxes, capsys, restore_logging) -> None:
     engine.programs["ok"] = prints(b"fine\n", 3)
     service = make_service()
     setup("info", "json")  # what `serve` does with its default level and --log-format json

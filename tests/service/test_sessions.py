@@ -7,10 +7,11 @@ tests/action/test_action_keep_vm.py.
 from __future__ import annotations
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 from test_service import GitHubJob, wait_final
 
 from runner.jobapi.contract import JobState
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.api.refusals import status_of
 from runner.service.jobs.admission import InvalidJob
 from runner.service.jobs.auth import OPERATOR
@@ -47,7 +48,7 @@ def step(service: JobService, command: str, keep: str = "job", **fields) -> str:
     return job.step(command, keep, **fields)
 
 
-def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(make_service, engine: FakeEngine) -> None:
+def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(make_service, engine: FakeSandboxes) -> None:
     engine.programs.update({"install": prints(b"i\n"), "lint": prints(b"l\n", 3), "test": prints(b"t\n")})
     service = make_service()
     first, second = step(service, "install"), step(service, "lint")
@@ -63,7 +64,7 @@ def test_steps_share_one_vm_each_with_its_own_exit_code_and_the_last_ends_it(mak
     assert engine.alive() == [] and service.sessions.count() == 0
 
 
-def test_an_attached_step_is_queued_without_a_checkout(make_host, engine: FakeEngine) -> None:
+def test_an_attached_step_is_queued_without_a_checkout(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -79,7 +80,7 @@ def test_an_attached_step_is_queued_without_a_checkout(make_host, engine: FakeEn
 
 @pytest.mark.parametrize("other", [{"runner_name": "host-b"}, {"run_attempt": 2}, {"run_id": 501},
                                    {"job_name": "lint"}, {"repository": "octo/other"}])
-def test_a_step_of_another_job_never_attaches(make_host, engine: FakeEngine, other) -> None:
+def test_a_step_of_another_job_never_attaches(make_host, engine: FakeSandboxes, other) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -98,7 +99,7 @@ def test_a_step_of_another_job_never_attaches(make_host, engine: FakeEngine, oth
     lambda host: host.reactions.job_completed(GitHubJob(job_id=9, run_id=500, job_name="check (x)",
                                                         runner_name="host-a", repository="octo/hello")),
 ])
-def test_the_job_end_destroys_the_kept_vm(make_host, engine: FakeEngine, end) -> None:
+def test_the_job_end_destroys_the_kept_vm(make_host, engine: FakeSandboxes, end) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -108,7 +109,7 @@ def test_the_job_end_destroys_the_kept_vm(make_host, engine: FakeEngine, end) ->
     assert engine.alive() == [] and service.sessions.count() == 0
 
 
-def test_an_idle_session_expires(make_host, engine: FakeEngine) -> None:
+def test_an_idle_session_expires(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -120,7 +121,7 @@ def test_an_idle_session_expires(make_host, engine: FakeEngine) -> None:
     assert len(engine.created) == 2 and engine.alive() == []
 
 
-def test_a_step_that_asks_for_another_template_is_refused(make_host, engine: FakeEngine) -> None:
+def test_a_step_that_asks_for_another_template_is_refused(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host(templates=["base", "other"])
     service = host.service
@@ -140,7 +141,7 @@ def test_keep_is_checked(make_service) -> None:
         service.submit(spec("ok", keep="job"))
 
 
-def test_a_later_job_with_the_same_identity_but_no_token_gets_a_vm_of_its_own(make_service, engine: FakeEngine) -> None:
+def test_a_later_job_with_the_same_identity_but_no_token_gets_a_vm_of_its_own(make_service, engine: FakeSandboxes) -> None:
     """The key's values are what a client sends: another job (or nektos/act reusing run ids) can send
     them too. Without the session's token it neither attaches to the kept VM nor ends it."""
     engine.programs.update({"ok": prints(b""), "peek": prints(b"", 1)})
@@ -157,7 +158,7 @@ def test_a_later_job_with_the_same_identity_but_no_token_gets_a_vm_of_its_own(ma
     assert service.get(last).vm_id == kept.id and engine.alive() == []
 
 
-def test_a_forged_or_stale_session_token_opens_nothing(make_host, engine: FakeEngine) -> None:
+def test_a_forged_or_stale_session_token_opens_nothing(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -173,7 +174,7 @@ def test_a_forged_or_stale_session_token_opens_nothing(make_host, engine: FakeEn
     assert engine.alive() == []
 
 
-def test_the_service_log_says_kept_for_a_kept_vm_and_destroyed_at_the_end(make_service, engine: FakeEngine,
+def test_the_service_log_says_kept_for_a_kept_vm_and_destroyed_at_the_end(make_service, engine: FakeSandboxes,
                                                                           caplog) -> None:
     """Before: every step of a `keep: job` job logged "VM ... destroyed", although the VM lived on."""
     import logging

@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from service_fakes import FakeEngine, prints, waits
 from test_service import wait_final
 from test_sessions import Job
 
 from runner.jobapi.contract import JobState
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 from runner.service.api.refusals import status_of
 from runner.service.jobs.sessions import SessionConflict
 
@@ -19,7 +19,7 @@ BLOCK = "version: 1\nallow: []\n"
 FAIL_ON_BLOCK = "version: 1\non_block: fail\nallow: []\n"
 
 
-def test_a_later_step_with_another_egress_policy_is_refused(make_host, engine: FakeEngine) -> None:
+def test_a_later_step_with_another_egress_policy_is_refused(make_host, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service
@@ -32,7 +32,7 @@ def test_a_later_step_with_another_egress_policy_is_refused(make_host, engine: F
     assert engine.alive() == []
 
 
-def test_a_second_step_while_the_first_runs_in_the_kept_vm_is_refused(make_service, engine: FakeEngine) -> None:
+def test_a_second_step_while_the_first_runs_in_the_kept_vm_is_refused(make_service, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs.update({"ok": prints(b""), "long": waits(release)})
     service = make_service()

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 from test_tenant_quotas import runner
 
 from runner.jobapi.contract import ACTIVE_STATES
+from runner.sandbox.fake import FakeSandboxes, prints
 
 
-def test_a_repositorys_jobs_run_one_after_another_under_a_running_quota_of_one(make_service, engine: FakeEngine) -> None:
+def test_a_repositorys_jobs_run_one_after_another_under_a_running_quota_of_one(make_service, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     service = make_service(max_queued_jobs=8, max_concurrent_jobs=2, max_running_per_repository=1,
                            max_queued_per_runner=8)

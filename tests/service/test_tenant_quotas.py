@@ -2,7 +2,7 @@
 leaves room for the others, and a repository that queued first does not keep another's job waiting.
 
 Jobs come from fleet runners (tenants, unlike the operator) into a real JobService; VMs are the
-FakeEngine's. Before, one tenant's submits took every slot of the queue and others got 429.
+FakeSandboxes's. Before, one tenant's submits took every slot of the queue and others got 429.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from service_fakes import FakeEngine, checkout_tar, spec, waits
+from service_fakes import checkout_tar, spec
 
 from runner.jobapi.contract import GitHubJob, JobStarted
+from runner.sandbox.fake import FakeSandboxes, waits
 from runner.service.jobs.auth import Caller, Kind
 from runner.service.jobs.jobqueue import JobQueue, QueueFull
 
@@ -79,7 +80,7 @@ def test_the_repository_with_the_fewest_running_goes_first_and_caps_hold() -> No
     assert taken == ["big2"]
 
 
-def test_the_operators_jobs_are_no_tenants(make_service, engine: FakeEngine) -> None:
+def test_the_operators_jobs_are_no_tenants(make_service, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["block"] = waits(release)
     service = make_service(max_queued_jobs=4, max_concurrent_jobs=1)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import secrets
 
 import pytest
-from service_fakes import FakeEngine, prints, spec
+from service_fakes import spec
 from test_sessions import Job
 
 from runner.jobapi.contract import JobState
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.jobs.auth import OPERATOR, Caller, Forbidden, Kind, Unauthorized
 from runner.service.jobs.sandboxes import Owner, SandboxRefused, SandboxRequest
 
@@ -61,7 +62,7 @@ def test_a_near_miss_of_a_runner_token_is_no_runner(make_host) -> None:
 
 
 def test_a_near_miss_of_a_session_token_neither_attaches_to_the_kept_vm_nor_ends_it(make_host,
-                                                                                    engine: FakeEngine) -> None:
+                                                                                    engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"")
     host = make_host()
     service = host.service

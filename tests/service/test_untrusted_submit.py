@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-from service_fakes import SHA, FakeEngine, checkout_tar, prints, spec, waits
+from service_fakes import SHA, checkout_tar, spec
 
 from runner.jobapi.client import JobAPIError
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 from runner.service.api.refusals import status_of
 from runner.service.jobs.admission import InvalidJob
 from runner.service.jobs.service import JobService
@@ -144,7 +145,7 @@ def test_the_reaper_survives_a_record_that_cannot_be_saved(make_host, fast_reape
     assert service.queue.counts() == (0, 0)
 
 
-def test_a_worker_survives_a_job_whose_record_cannot_be_saved(make_service, engine: FakeEngine, caplog) -> None:
+def test_a_worker_survives_a_job_whose_record_cannot_be_saved(make_service, engine: FakeSandboxes, caplog) -> None:
     release = threading.Event()
     engine.programs.update({"block": waits(release), "ok": prints(b"")})
     service = make_service(max_concurrent_jobs=1)

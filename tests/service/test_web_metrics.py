@@ -11,10 +11,11 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from service_fakes import FakeEngine, checkout_tar, prints, spec, waits
+from service_fakes import checkout_tar, spec
 
 from runner.github.signature import sign
 from runner.jobapi.client import JobClient
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 from runner.service.api.metrics import result_of
 from runner.service.api.page import COOKIE
 from tests.reference import captured_path
@@ -42,7 +43,7 @@ def _scrape(base: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(answer.text) for s in family.samples}
 
 
-def test_metrics_during_and_after_jobs_agree_with_the_records(hosts, engine: FakeEngine) -> None:
+def test_metrics_during_and_after_jobs_agree_with_the_records(hosts, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs.update({"ok": prints(b"fine\n"), "bad": prints(b"oops\n", 3), "wait": waits(release)})
     host, client, base = _start(hosts)
@@ -72,7 +73,7 @@ def test_metrics_during_and_after_jobs_agree_with_the_records(hosts, engine: Fak
     assert after[("microvm_check_vm_ready_seconds_count", (("warm", "false"),))] == 3
 
 
-def test_metrics_need_the_token_and_two_services_keep_their_own_counts(hosts, engine: FakeEngine, short_dir) -> None:
+def test_metrics_need_the_token_and_two_services_keep_their_own_counts(hosts, engine: FakeSandboxes, short_dir) -> None:
     engine.programs["ok"] = prints(b"fine\n")
     _, client_a, base_a = _start(hosts)
     _, _, base_b = _start(hosts, socket=str(short_dir / "b.sock"), state_dir=str(short_dir / "b"))
@@ -101,7 +102,7 @@ def test_a_token_in_the_address_becomes_a_strict_cookie_and_leaves_the_address(h
     assert httpx.post(base + "/ui", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 405
 
 
-def test_guest_html_is_text_on_the_job_page_and_the_log_stream_is_neutralised(hosts, engine: FakeEngine) -> None:
+def test_guest_html_is_text_on_the_job_page_and_the_log_stream_is_neutralised(hosts, engine: FakeSandboxes) -> None:
     engine.programs["html"] = prints(GUEST_HTML, 0)
     _, client, base = _start(hosts)
     job = _run(client, "html")
@@ -122,7 +123,7 @@ def test_guest_html_is_text_on_the_job_page_and_the_log_stream_is_neutralised(ho
     assert httpx.get(base + "/ui/static/..%2Fweb.py", cookies=cookies).status_code == 404
 
 
-def test_insights_merge_the_repository_s_runs(hosts, engine: FakeEngine) -> None:
+def test_insights_merge_the_repository_s_runs(hosts, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"fine\n")
     _, client, base = _start(hosts)
     for _ in range(2):
@@ -143,7 +144,7 @@ def _post(url: str, body: bytes, event: str, signature: str | None) -> int:
     return httpx.post(url, content=body, headers=headers, timeout=30).status_code
 
 
-def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeEngine,
+def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeSandboxes,
                                                             tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(WEBHOOK_SECRET + b"\n")
@@ -164,7 +165,7 @@ def test_webhook_deliveries_are_counted_by_event_and_result(hosts, engine: FakeE
     assert ("microvm_check_guest_protocol_errors_total", (("kind", "frame"),)) not in metrics  # no engine here
 
 
-def test_no_created_series_a_build_info_and_requests_by_route_and_status(hosts, engine: FakeEngine) -> None:
+def test_no_created_series_a_build_info_and_requests_by_route_and_status(hosts, engine: FakeSandboxes) -> None:
     engine.programs["ok"] = prints(b"fine\n")
     _, client, base = _start(hosts)
     job = _run(client, "ok")
@@ -205,9 +206,7 @@ def test_runner_starts_and_ends_are_counted_by_whether_they_had_a_job(hosts) -> 
 
 
 def test_the_name_checks_refusals_by_name_method_and_path_on_the_metrics_and_the_job_page(
-        hosts, engine: FakeEngine, monkeypatch) -> None:
-    import service_fakes
-
+        hosts, engine: FakeSandboxes, monkeypatch) -> None:
     from policy.suggest import AuditRecord
     from runner.service.api import metrics
     from runner.service.api.page import COOKIE
@@ -216,7 +215,7 @@ def test_the_name_checks_refusals_by_name_method_and_path_on_the_metrics_and_the
                AuditRecord("203.0.113.40", 443, "tcp", "pypi.org", 2, "request-refused", "POST", "/legacy/*"),
                AuditRecord("203.0.113.41", 22, "tcp", None, 1, "unnamed", unnamed=True),
                AuditRecord("203.0.113.42", 443, "tcp", "bad.test", 1, "block-listed")]
-    monkeypatch.setattr(service_fakes.FakeSandbox, "blocked_egress", lambda self: refused)
+    monkeypatch.setattr(engine, "blocked", refused)
     monkeypatch.setattr(metrics, "MAX_NAMED_SERIES", 4)
     engine.programs["ok"] = prints(b"")
     _, client, base = _start(hosts)

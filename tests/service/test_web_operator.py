@@ -9,9 +9,10 @@ import threading
 from typing import Any
 
 import httpx
-from service_fakes import FakeEngine, checkout_tar, member, prints, spec, tar_of, waits
+from service_fakes import checkout_tar, member, spec, tar_of
 
 from runner.jobapi.client import JobClient
+from runner.sandbox.fake import FakeSandboxes, prints, waits
 from runner.service.api import page as web
 from runner.service.api.page import COOKIE
 
@@ -36,7 +37,7 @@ def _rows(html: str) -> list[tuple[str, str]]:
     return re.findall(r'<tr class="result-([a-z_]+)" data-job="([^"]+)">', html)
 
 
-def test_the_list_shows_results_commands_and_filters_and_pages(hosts, engine: FakeEngine, monkeypatch) -> None:
+def test_the_list_shows_results_commands_and_filters_and_pages(hosts, engine: FakeSandboxes, monkeypatch) -> None:
     engine.programs.update({"ok": prints(b"fine\n"), "bad": prints(b"oops\n", 3)})
     _, client, base = _start(hosts)
     ok, bad = _run(client, "ok"), _run(client, "bad", repository="octo/other")
@@ -57,7 +58,7 @@ def test_the_list_shows_results_commands_and_filters_and_pages(hosts, engine: Fa
     assert _rows(second) == [("success", ok)] and 'id="newer"' in second
 
 
-def test_the_list_refreshes_itself_while_jobs_run_and_can_pause(hosts, engine: FakeEngine) -> None:
+def test_the_list_refreshes_itself_while_jobs_run_and_can_pause(hosts, engine: FakeSandboxes) -> None:
     release = threading.Event()
     engine.programs["wait"] = waits(release)
     _, client, base = _start(hosts)
@@ -74,7 +75,7 @@ def test_the_list_refreshes_itself_while_jobs_run_and_can_pause(hosts, engine: F
     list(client.logs(job))
 
 
-def test_cancel_needs_the_pages_csrf_token_and_the_same_origin(hosts, engine: FakeEngine) -> None:
+def test_cancel_needs_the_pages_csrf_token_and_the_same_origin(hosts, engine: FakeSandboxes) -> None:
     engine.programs["wait"] = waits()
     host, client, base = _start(hosts)
     job = client.submit(spec("wait")).id
@@ -101,7 +102,7 @@ def test_cancel_needs_the_pages_csrf_token_and_the_same_origin(hosts, engine: Fa
     assert "cancelled from the jobs page" in (host.service.get(job).error or "")
 
 
-def test_the_job_page_numbers_lines_searches_tails_and_offers_downloads(hosts, engine: FakeEngine,
+def test_the_job_page_numbers_lines_searches_tails_and_offers_downloads(hosts, engine: FakeSandboxes,
                                                                         monkeypatch) -> None:
     lines = b"".join(b"line-%d\n" % i for i in range(1, 31))
     engine.programs["many"] = prints(lines, 0)

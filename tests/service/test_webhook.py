@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from service_fakes import FakeEngine, checkout_tar, prints, spec
+from service_fakes import checkout_tar, spec
 
 from runner.github.signature import sign
+from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.config.reading import ConfigError
 from runner.service.github.webhook import start_webhook
 from tests.reference import captured
@@ -21,7 +22,7 @@ COMPLETED = "tarantool-job-rerunner@a5e5a579.workflow_job.completed.failure.runn
 
 
 @pytest.fixture
-def webhook(make_host, engine: FakeEngine, tmp_path: Path):
+def webhook(make_host, engine: FakeSandboxes, tmp_path: Path):
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET + b"\n")
     host = make_host()
@@ -37,7 +38,7 @@ def deliver(url: str, payload: dict) -> requests.Response:
         "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(SECRET, body)})
 
 
-def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: FakeEngine) -> None:
+def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: FakeSandboxes) -> None:
     service, url = webhook
     engine.programs["ok"] = prints(b"")
     payload = captured(QUEUED)
@@ -55,7 +56,7 @@ def test_queued_delivery_prewarms_and_the_submit_claims_it(webhook, engine: Fake
     assert engine.alive() == []
 
 
-def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeEngine) -> None:
+def test_completed_delivery_destroys_the_unclaimed_vm(webhook, engine: FakeSandboxes) -> None:
     service, url = webhook
     queued = captured(QUEUED)
     assert deliver(url, queued).status_code == 200
