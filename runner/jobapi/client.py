@@ -188,7 +188,7 @@ class JobClient:
         """The log entries of an upload's answer; past a break, the rest through `logs`."""
         after = 0
         try:
-            for entry in self._entries(resp, method, path, on_end):
+            for entry in _entries(resp, method, path, on_end):
                 after = entry.seq
                 yield entry
             return
@@ -338,27 +338,9 @@ class JobClient:
                 raise _StreamBroken(str(exc), exc.timed_out) from exc
             raise
         try:
-            yield from self._entries(resp, method, path, on_end)
+            yield from _entries(resp, method, path, on_end)
         finally:
             resp.close()
-
-    @staticmethod
-    def _entries(resp: http1.Response, method: str, path: str,
-                 on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
-        """The log entries of a streamed answer, until its end line (whose record goes to `on_end`)."""
-        for line in _lines(resp, method, path):
-            if not line.strip():
-                continue  # the service's heartbeat on a silent stream (docs/job-api.md)
-            try:
-                obj = json.loads(line)
-                if isinstance(obj, dict) and obj.get("end"):
-                    if on_end is not None and "job" in obj:
-                        on_end(JobRecord.from_wire(obj["job"]))
-                    return
-                entry = LogEntry.from_wire(obj)
-            except (ValueError, WireError) as exc:
-                raise JobAPIError(f"{method} {path}: a log line is not a log entry: {exc}") from exc
-            yield entry
 
 
 class _StreamBroken(ClientError):
@@ -421,6 +403,24 @@ def _read(resp: http1.Response, limit: int, method: str, path: str) -> bytes:
     except http1.TransportError as exc:
         raise _broken(method, path, exc) from exc
     return bytes(data)
+
+
+def _entries(resp: http1.Response, method: str, path: str,
+             on_end: Callable[[JobRecord], object] | None) -> Iterator[LogEntry]:
+    """The log entries of a streamed answer, until its end line (whose record goes to `on_end`)."""
+    for line in _lines(resp, method, path):
+        if not line.strip():
+            continue  # the service's heartbeat on a silent stream (docs/job-api.md)
+        try:
+            obj = json.loads(line)
+            if isinstance(obj, dict) and obj.get("end"):
+                if on_end is not None and "job" in obj:
+                    on_end(JobRecord.from_wire(obj["job"]))
+                return
+            entry = LogEntry.from_wire(obj)
+        except (ValueError, WireError) as exc:
+            raise JobAPIError(f"{method} {path}: a log line is not a log entry: {exc}") from exc
+        yield entry
 
 
 def _lines(resp: http1.Response, method: str, path: str) -> Iterator[bytes]:
