@@ -322,7 +322,7 @@ class ServedRequest:
     def _head(self, status: int, headers: Mapping[str, str]) -> h11.Response:
         if self._holding:  # the answer begins: the body, and whatever parsed it, is done with
             self._holding = False
-            self.server._unhold(self._conn)
+            self.server._budgets.unhold(self._conn)
         items = list(headers.items())
         if self.close_connection or self._parser.their_state is not h11.DONE:
             items.append(("Connection", "close"))  # the unread rest of a body cannot be told from a request
@@ -360,10 +360,30 @@ class _Conn:
     held: int = 0  # body bytes counted against its peer's max_body_bytes_per_peer (until its answer begins)
     drained: int = 0
 
+    def rate(self, now: float) -> float:
+        """Its body's bytes per second so far, as if it had been sending for at least _AGE_FLOOR_SECONDS."""
+        return self.received / max(now - self.body_start, _AGE_FLOOR_SECONDS)
+
+    def lagging(self, now: float, min_rate: int) -> bool:
+        """Sending slower than `min_rate` since its start, judged once it is _AGE_FLOOR_SECONDS old."""
+        age = now - self.body_start
+        return age >= _AGE_FLOOR_SECONDS and self.received < age * min_rate
+
+    def too_slow(self, now: float, limits: Limits) -> bool:
+        """A body the loop reads must keep up `body_min_rate` after its grace, all along (not only by its deadline)."""
+        if self.state != "body":
+            return False
+        late = now - self.body_start - limits.body_seconds
+        return late > 0 and self.received < late * limits.body_min_rate
+
 
 class BoundedHTTPServer:
     """Serve `handler` requests on a listening socket within `limits`; `gate` vets each head first, and
-    `urgent` says which requests may take the reserved workers (and go first when all are busy)."""
+    `urgent` says which requests may take the reserved workers (and go first when all are busy).
+
+    This class is the selector thread: it reads heads (and small bodies), vets and dispatches them and
+    keeps the connections it holds under their deadlines. Who gets a connection is `_Acceptor`'s, the
+    bodies' budgets `_BodyBudgets`', the answering `_Workers`' (and its `_StreamPump`'s)."""
 
     def __init__(self, listener: socket.socket, handler: type[ServedRequest], limits: Limits, *, name: str,
                  error_body: Callable[[str], bytes], gate: Callable[[Head], Refusal | None] | None = None,
@@ -374,28 +394,16 @@ class BoundedHTTPServer:
         self.gate = gate or (lambda head: None)
         self.urgent = urgent or (lambda head: False)
         listener.setblocking(False)
-        self._busy_workers = 0
-        self._waiting: deque[_Conn] = deque()  # passed the gate, waiting for a worker (FIFO)
-        self._waiting_urgent: deque[_Conn] = deque()
         self._loop_owned: OrderedDict[_Conn, None] = OrderedDict()
         self._per_peer: Counter[str] = Counter()  # loop-owned connections by peer
-        self._bodies: dict[str, list[_Conn]] = {}  # buffered bodies being read, by peer
-        self._held: Counter[str] = Counter()  # buffered body bytes by peer, from head until answer (`_lock`)
-        self._room: dict[str, deque[_Conn]] = {}  # bodies waiting for room in their peer's budget, by peer (FIFO)
-        self._freed: set[str] = set()  # peers whose budget got room since the loop last looked (`_lock`)
         self._open = 0
-        self._buffered = 0
-        self._returns: SimpleQueue[tuple[_Conn, bool | None]] = SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._reserve: int | None = _open_reserve()
         self._selector = selectors.DefaultSelector()
-        self._paused_until = 0.0
         self._stop = threading.Event()
-        self._closed = False
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._fd_warning_at = 0.0
-        self._pump = _StreamPump(self)
+        self._budgets = _BodyBudgets(self.limits, self._wake, self._give_way)
+        self._workers = _Workers(self)
+        self._acceptor = _Acceptor(self)
 
     @property
     def address(self) -> Any:
@@ -403,8 +411,8 @@ class BoundedHTTPServer:
 
     def stats(self) -> dict[str, int]:
         """Connections open, workers busy, requests waiting for one, answers being streamed: for benchmarks."""
-        return {"connections": self._open, "workers": self._busy_workers,
-                "waiting": len(self._waiting) + len(self._waiting_urgent), "streams": self._pump.count}
+        return {"connections": self._open, "workers": self._workers.busy, "waiting": self._workers.waiting,
+                "streams": self._workers.pump.count}
 
     def start(self) -> None:
         limits = self.limits
@@ -420,23 +428,16 @@ class BoundedHTTPServer:
         self._wake()
         if self._thread is not None:
             self._thread.join()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._pump.close()
+        if not self._workers.close():
+            return
         self._drain_returns(close_all=True)
-        for conn in [*self._waiting, *self._waiting_urgent]:
-            conn.sock.close()
-        self._waiting.clear()
-        self._waiting_urgent.clear()
         for conn in list(self._loop_owned):
             self._close(conn)
         self._selector.close()
         self.listener.close()
-        for fd in (self._wake_r, self._wake_w, self._reserve):
-            if fd is not None:
-                os.close(fd)
+        self._acceptor.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         _LEDGER.release(self.limits.max_connections)
 
     # -- the selector thread ----------------------------------------------------------------------
@@ -449,12 +450,12 @@ class BoundedHTTPServer:
             while not self._stop.is_set():
                 for key, _ in self._selector.select(_SWEEP_SECONDS):
                     if key.fileobj is self.listener:
-                        self._accept()
+                        self._acceptor.accept()
                     elif key.fileobj == self._wake_r:
                         self._drain_returns()
                     elif key.data in self._loop_owned:  # not closed by an eviction earlier in this batch
                         self._readable(key.data)
-                self._start_waiting()
+                self._workers.start_waiting()
                 self._admit_room()
                 now = time.monotonic()
                 if now >= next_sweep:
@@ -463,68 +464,6 @@ class BoundedHTTPServer:
         except Exception:
             log.exception("%s: the connection loop failed; the listener is down", self.name)
             raise
-
-    def _accept(self) -> None:
-        for _ in range(64):  # then let the other connections have a turn
-            try:
-                sock, address = self.listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno in _OUT_OF_FDS:
-                    self._out_of_fds(exc)
-                    return
-                continue  # e.g. ECONNABORTED: that client is gone, the next one may not be
-            self._admit(sock, address)
-
-    def _admit(self, sock: socket.socket, address: Any) -> None:
-        now = time.monotonic()
-        peer = _peer_key(sock, address)
-        if not self._allowed(address):
-            sock.close()  # not a source this listener serves: not even an answer
-            return
-        if self._per_peer[peer] >= self.limits.max_per_peer and not self._evict_oldest(now, peer):
-            self._refuse_fresh(sock, self._busy("too many connections from one peer"))
-            return
-        if self._open >= self.limits.max_connections and not self._evict_oldest(now):
-            self._refuse_fresh(sock, self._busy("too many connections"))
-            return
-        sock.setblocking(False)
-        self._open += 1
-        parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
-        self._enter(_Conn(sock, address, since=now, deadline=now + self.limits.idle_seconds, parser=parser,
-                          peer=peer))
-
-    def _allowed(self, address: Any) -> bool:
-        if not self.limits.allow_sources or not isinstance(address, tuple):
-            return True
-        try:
-            ip = ipaddress.ip_address(address[0].split("%", 1)[0])
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return any(ip in net for net in self.limits.allow_sources)
-
-    def _out_of_fds(self, exc: OSError) -> None:
-        """accept() failed for want of fds: free one of ours, or answer one client through the reserve; then pause."""
-        now = time.monotonic()
-        if now - self._fd_warning_at > 60:
-            self._fd_warning_at = now
-            log.warning("%s: accept failed (%s); closing idle connections and pausing accepts", self.name, exc.strerror)
-        if self._evict_oldest(now):
-            return
-        if self._reserve is not None:  # one fd at a time: tell the waiting clients why, then let them go
-            os.close(self._reserve)
-            for _ in range(64):
-                try:
-                    sock, _ = self.listener.accept()
-                except OSError:
-                    break
-                self._refuse_fresh(sock, self._busy("out of file descriptors"))
-            self._reserve = _open_reserve()
-        self._paused_until = now + _ACCEPT_PAUSE_SECONDS
-        self._selector.unregister(self.listener)
 
     def _evict_oldest(self, now: float, peer: str | None = None) -> bool:
         """Close a connection in the loop (of `peer`, when given) to make room: one already answered and
@@ -583,13 +522,14 @@ class BoundedHTTPServer:
                 length = conn.head.length
                 if not length or length > self.limits.buffer_body_max or conn.head.method in ("GET", "HEAD"):
                     return self._dispatch(conn)  # a GET's body means nothing (RFC 9110 9.3.1): answered unread
-                queued = conn.peer in self._room and length > self.limits.small_body_max  # behind its peer's
-                room = "wait" if queued else self._make_room(conn, length)
+                queued = self._budgets.waits(conn.peer) and length > self.limits.small_body_max  # behind its peer's
+                room = "wait" if queued else self._budgets.make_room(conn, length)
                 if room == "wait":
-                    return self._wait_room(conn)
+                    self._selector.unregister(conn.sock)  # its body left in the socket: the client is held back
+                    return self._budgets.wait(conn)
                 if room is not None:
                     return self._refuse(conn, room)
-                self._read_body(conn, length)
+                self._budgets.read(conn, length)
             elif isinstance(event, h11.Data):
                 conn.body.append(event.data)
                 conn.received += len(event.data)
@@ -598,107 +538,29 @@ class BoundedHTTPServer:
             else:
                 return  # NEED_DATA
 
-    def _make_room(self, conn: _Conn, length: int) -> Refusal | Literal["wait"] | None:
-        """Room for a body of `length` in its peer's and the listener's budgets; None when it fits now.
-
-        Over its peer's budget, that peer's slowest body being read gives way if it lags behind
-        body_min_rate; else the body waits ("wait"): a peer's bodies that keep up never push each other
-        out. Over the listener's, the slowest body being read of any peer gives way (they passed only
-        the head's checks); with none being read, a 503."""
-        limits = self.limits
-        if length > limits.max_body_bytes_per_peer or length > limits.max_buffered_bytes:
-            return self._busy("the request body is larger than this listener buffers")
-        now = time.monotonic()
-        while self._peer_full(conn.peer, length):
-            lagging = [c for c in self._bodies.get(conn.peer, []) if self._lagging(c, now)]
-            if not lagging:
-                return "wait"
-            self._give_way(min(lagging, key=lambda c: self._rate(c, now)))
-        while self._buffered + length > limits.max_buffered_bytes:
-            candidates = [c for bodies in self._bodies.values() for c in bodies]
-            if not candidates:
-                return self._busy("too many request bodies arriving at once")
-            self._give_way(min(candidates, key=lambda c: self._rate(c, now)))
-        return None
-
-    def _peer_full(self, peer: str, length: int) -> bool:
-        limits = self.limits
-        return (len(self._bodies.get(peer, ())) >= limits.max_bodies_per_peer
-                or (length > limits.small_body_max and self._held[peer] + length > limits.max_body_bytes_per_peer))
-
-    def _rate(self, conn: _Conn, now: float) -> float:
-        return conn.received / max(now - conn.body_start, _AGE_FLOOR_SECONDS)
-
-    def _lagging(self, conn: _Conn, now: float) -> bool:
-        """Sending slower than body_min_rate since its start, judged once it is _AGE_FLOOR_SECONDS old."""
-        age = now - conn.body_start
-        return age >= _AGE_FLOOR_SECONDS and conn.received < age * self.limits.body_min_rate
-
     def _give_way(self, conn: _Conn) -> None:
         log.debug("%s: closing the slowest body being read (%d bytes) to make room", self.name, conn.received)
-        self._refuse(conn, self._busy("the request body arrived too slowly while others waited"))
-
-    def _read_body(self, conn: _Conn, length: int) -> None:
-        """The loop reads the body of a head that passed, counted against its peer's and the listener's budgets."""
-        now = time.monotonic()
-        conn.state, conn.reserved, conn.body_start = "body", length, now
-        self._buffered += length
-        with self._lock:
-            conn.held = length
-            self._held[conn.peer] += length
-        self._bodies.setdefault(conn.peer, []).append(conn)
-        conn.deadline = now + self.limits.body_seconds + length / self.limits.body_min_rate
-        if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
-            self._send_once(conn.sock, conn.parser.send(_CONTINUE))
-
-    def _wait_room(self, conn: _Conn) -> None:
-        """Its peer's budget is full of bodies that keep up, or others of its wait already: it waits its turn
-        (up to wait_seconds), its body left in the socket, so the client is held back rather than refused."""
-        self._selector.unregister(conn.sock)
-        conn.state, conn.deadline = "room", time.monotonic() + self.limits.wait_seconds
-        self._room.setdefault(conn.peer, deque()).append(conn)
+        self._refuse(conn, _busy(self.limits, "the request body arrived too slowly while others waited"))
 
     def _admit_room(self) -> None:
         """Start the waiting bodies of the peers whose budget got room, first come first."""
-        with self._lock:
-            freed, self._freed = self._freed, set()
-        for peer in freed:
-            while (queue := self._room.get(peer)) is not None:
-                conn = queue[0]
+        for peer in self._budgets.take_freed():
+            while (conn := self._budgets.first_waiting(peer)) is not None:
                 assert conn.head is not None and conn.head.length
-                room = self._make_room(conn, conn.head.length)
+                room = self._budgets.make_room(conn, conn.head.length)
                 if room == "wait":
                     break
                 self._resume(conn)
                 if room is not None:
                     self._refuse(conn, room)
                     continue
-                self._read_body(conn, conn.head.length)
+                self._budgets.read(conn, conn.head.length)
                 self._progress(conn)  # what arrived with its head, which nothing has read yet
 
     def _resume(self, conn: _Conn) -> None:
         """Out of its peer's wait, back in the selector."""
-        self._leave_room(conn)
+        self._budgets.leave_room(conn)
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-
-    def _leave_room(self, conn: _Conn) -> None:
-        queue = self._room[conn.peer]
-        queue.remove(conn)
-        if not queue:
-            del self._room[conn.peer]
-        conn.state = "head"
-
-    def _unhold(self, conn: _Conn) -> None:
-        """Its body leaves its peer's budget: its answer began (from its worker), or it ended unanswered."""
-        with self._lock:
-            if not conn.held:
-                return
-            self._held[conn.peer] -= conn.held
-            if self._held[conn.peer] <= 0:
-                del self._held[conn.peer]
-            conn.held = 0
-            self._freed.add(conn.peer)
-        self._wake()
 
     def _vet(self, head: Head) -> Refusal | None:
         """Our rules on top of h11's: a bound on header lines, the listener's gate, unambiguous framing."""
@@ -714,47 +576,14 @@ class BoundedHTTPServer:
         """A worker for a request that passed its gate, or a place in the wait for one (an fd, no thread)."""
         assert conn.head is not None
         urgent = self.urgent(conn.head)
-        if self._take_worker(urgent):
+        if self._workers.take(urgent):
             self._leave(conn)
-            return self._start(conn)
-        waiting = self._waiting_urgent if urgent else self._waiting
-        if len(self._waiting) + len(self._waiting_urgent) >= self.limits.max_waiting:
-            return self._refuse(conn, self._busy("every worker is busy"))
+            return self._workers.start(conn)
+        if self._workers.waiting >= self.limits.max_waiting:
+            return self._refuse(conn, _busy(self.limits, "every worker is busy"))
         self._unwatch(conn)  # its body, if any, stays in the socket until a worker reads it
         conn.state, conn.deadline = "wait", time.monotonic() + self.limits.wait_seconds
-        waiting.append(conn)
-
-    def _take_worker(self, urgent: bool) -> bool:
-        cap = self.limits.max_workers - (0 if urgent else self.limits.reserved_workers)
-        with self._lock:
-            if self._busy_workers < cap:
-                self._busy_workers += 1
-                return True
-            return False
-
-    def _release_worker(self) -> None:
-        with self._lock:
-            self._busy_workers -= 1
-        self._wake()
-
-    def _start_waiting(self) -> None:
-        for waiting, urgent in ((self._waiting_urgent, True), (self._waiting, False)):
-            while waiting and self._take_worker(urgent):
-                conn = waiting.popleft()
-                self._buffered -= conn.reserved
-                conn.reserved = 0
-                self._start(conn)
-
-    def _start(self, conn: _Conn) -> None:
-        """On a worker thread; the caller took the worker and the connection is out of the selector."""
-        conn.sock.setblocking(True)
-        try:
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-worker", daemon=True).start()
-        except RuntimeError:  # no thread could be started
-            self._release_worker()
-            conn.sock.setblocking(False)
-            self._enter(conn)
-            self._refuse(conn, self._busy("no thread available"))
+        self._workers.wait(conn, urgent)
 
     def _drain_returns(self, close_all: bool = False) -> None:
         try:
@@ -762,12 +591,8 @@ class BoundedHTTPServer:
                 pass
         except BlockingIOError:
             pass
-        while True:
-            try:
-                conn, keep = self._returns.get_nowait()
-            except Empty:
-                return
-            self._unhold(conn)  # its request ended; normally its answer's start already let go of its body
+        for conn, keep in self._workers.returned():
+            self._budgets.unhold(conn)  # its request ended; normally its answer's start already let go of its body
             if keep is None:  # the stream thread closed it
                 self._open -= 1
                 continue
@@ -788,35 +613,18 @@ class BoundedHTTPServer:
                 self._progress(conn)
 
     def _expire(self, now: float) -> None:
-        if self._paused_until and now >= self._paused_until:
-            self._paused_until = 0.0
-            self._selector.register(self.listener, selectors.EVENT_READ)
+        self._acceptor.resume(now)
         limits = self.limits
-        lagging = {peer for peer in self._room if any(self._lagging(c, now) for c in self._bodies.get(peer, ()))}
-        if lagging:  # a body that lags by now gives way to its peer's waiting ones
-            with self._lock:
-                self._freed |= lagging
-        for conn in [c for c in self._loop_owned if c.deadline <= now or self._too_slow(c, now)]:
+        self._budgets.note_lagging(now)
+        for conn in [c for c in self._loop_owned if c.deadline <= now or c.too_slow(now, limits)]:
             if conn.state == "room":
-                self._refuse(conn, self._busy(f"the request body waited {limits.wait_seconds:g} s for its peer's "
-                                              "earlier bodies"))
+                self._refuse(conn, _busy(limits, f"the request body waited {limits.wait_seconds:g} s for its "
+                                                 "peer's earlier bodies"))
                 continue
             if conn.state in ("head", "body") and conn.prefix:
-                self._send_once(conn.sock, self._render(Refusal(408, "the request did not arrive in time")))
+                _send_once(conn.sock, _render(Refusal(408, "the request did not arrive in time"), self.error_body))
             self._close(conn)
-        for waiting in (self._waiting, self._waiting_urgent):
-            while waiting and waiting[0].deadline <= now:
-                conn = waiting.popleft()
-                conn.sock.setblocking(False)
-                self._enter(conn)
-                self._refuse(conn, self._busy(f"no worker was free for {limits.wait_seconds:g} s"))
-
-    def _too_slow(self, conn: _Conn, now: float) -> bool:
-        """A body the loop reads must keep up `body_min_rate` after its grace, all along (not only by its deadline)."""
-        if conn.state != "body":
-            return False
-        late = now - conn.body_start - self.limits.body_seconds
-        return late > 0 and conn.received < late * self.limits.body_min_rate
+        self._workers.expire(now)
 
     # -- connection bookkeeping -------------------------------------------------------------------
 
@@ -829,39 +637,27 @@ class BoundedHTTPServer:
         """Out of the selector (or its peer's wait) and the per-peer counts; its body reservation and its
         peer's hold on it, if any, stay."""
         if conn.state == "room":
-            self._leave_room(conn)
+            self._budgets.leave_room(conn)
         else:
             self._selector.unregister(conn.sock)
         del self._loop_owned[conn]
         self._per_peer[conn.peer] -= 1
         if self._per_peer[conn.peer] <= 0:
             del self._per_peer[conn.peer]
-        self._stop_reading(conn)
-
-    def _stop_reading(self, conn: _Conn) -> None:
-        """No longer among the bodies its peer's loop reads at once: one of its waiting bodies may start."""
-        bodies = self._bodies.get(conn.peer)
-        if bodies is not None and conn in bodies:
-            bodies.remove(conn)
-            if not bodies:
-                del self._bodies[conn.peer]
-            if conn.peer in self._room:
-                with self._lock:
-                    self._freed.add(conn.peer)
+        self._budgets.stop_reading(conn)
 
     def _leave(self, conn: _Conn) -> None:
         self._unwatch(conn)
-        self._buffered -= conn.reserved
-        conn.reserved = 0
+        self._budgets.release(conn)
 
     def _close(self, conn: _Conn) -> None:
         self._leave(conn)
-        self._unhold(conn)
+        self._budgets.unhold(conn)
         conn.sock.close()
         self._open -= 1
 
     def _refuse(self, conn: _Conn, refusal: Refusal) -> None:
-        if self._send_once(conn.sock, self._render(refusal, head_only=conn.prefix == b"HEAD ")):
+        if _send_once(conn.sock, _render(refusal, self.error_body, head_only=conn.prefix == b"HEAD ")):
             self._linger(conn)
         else:
             self._close(conn)
@@ -874,39 +670,11 @@ class BoundedHTTPServer:
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             return self._close(conn)
-        self._stop_reading(conn)
-        self._unhold(conn)
-        self._buffered -= conn.reserved
-        conn.state, conn.reserved, conn.body = "linger", 0, []
+        self._budgets.stop_reading(conn)
+        self._budgets.unhold(conn)
+        self._budgets.release(conn)
+        conn.state, conn.body = "linger", []
         conn.deadline = min(conn.deadline, time.monotonic() + _LINGER_SECONDS)
-
-    def _refuse_fresh(self, sock: socket.socket, refusal: Refusal) -> None:
-        sock.setblocking(False)
-        self._send_once(sock, self._render(refusal))
-        sock.close()
-
-    def _send_once(self, sock: socket.socket, data: bytes) -> bool:
-        """One non-blocking send: a short answer fits the socket buffer, and the selector must never wait."""
-        try:
-            return sock.send(data) == len(data)
-        except OSError:
-            return False
-
-    def _busy(self, why: str) -> Refusal:
-        retry = str(self.limits.retry_after_seconds)
-        return Refusal(503, f"{why}; try again in {retry} s", (("Retry-After", retry),))
-
-    def _render(self, refusal: Refusal, head_only: bool = False) -> bytes:
-        """The answer's bytes, framed by a fresh h11 connection (h11 allows an answer to a request it never
-        parsed); to a HEAD request without the body (RFC 9110 9.3.2: a client reads none, so one sent would be
-        taken for the next answer), as ServedRequest answers HEAD too."""
-        body = self.error_body(refusal.message)
-        framer = h11.Connection(h11.SERVER)
-        head = framer.send(h11.Response(
-            status_code=refusal.status, reason=HTTPStatus(refusal.status).phrase.encode(),
-            headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close"),
-                     *refusal.headers]))
-        return head if head_only else head + framer.send(h11.Data(data=body)) + framer.send(h11.EndOfMessage())
 
     def _wake(self) -> None:
         try:
@@ -914,28 +682,303 @@ class BoundedHTTPServer:
         except (BlockingIOError, OSError):
             pass  # already awake, or closing
 
-    # -- worker threads ---------------------------------------------------------------------------
+
+class _Acceptor:
+    """Who gets a connection: a source the listener serves, within the connection caps (of one peer, and
+    of all), an old connection closed to make room when one may be. When `accept` fails for want of fds,
+    one of ours is closed, or the waiting clients are told why through a reserved fd; then accepting
+    pauses for a moment: never a busy spin."""
+
+    def __init__(self, server: BoundedHTTPServer) -> None:
+        self._server, self._limits = server, server.limits
+        self._reserve: int | None = _open_reserve()
+        self._paused_until = 0.0
+        self._fd_warning_at = 0.0
+
+    def accept(self) -> None:
+        listener = self._server.listener
+        for _ in range(64):  # then let the other connections have a turn
+            try:
+                sock, address = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_FDS:
+                    self._out_of_fds(exc)
+                    return
+                continue  # e.g. ECONNABORTED: that client is gone, the next one may not be
+            self._admit(sock, address)
+
+    def _admit(self, sock: socket.socket, address: Any) -> None:
+        server, limits = self._server, self._limits
+        now = time.monotonic()
+        peer = _peer_key(sock, address)
+        if not _source_allowed(address, limits.allow_sources):
+            sock.close()  # not a source this listener serves: not even an answer
+            return
+        if server._per_peer[peer] >= limits.max_per_peer and not server._evict_oldest(now, peer):
+            self._refuse(sock, _busy(limits, "too many connections from one peer"))
+            return
+        if server._open >= limits.max_connections and not server._evict_oldest(now):
+            self._refuse(sock, _busy(limits, "too many connections"))
+            return
+        sock.setblocking(False)
+        server._open += 1
+        parser = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        server._enter(_Conn(sock, address, since=now, deadline=now + limits.idle_seconds, parser=parser, peer=peer))
+
+    def _out_of_fds(self, exc: OSError) -> None:
+        """accept() failed for want of fds: free one of ours, or answer one client through the reserve; then pause."""
+        server = self._server
+        now = time.monotonic()
+        if now - self._fd_warning_at > 60:
+            self._fd_warning_at = now
+            log.warning("%s: accept failed (%s); closing idle connections and pausing accepts", server.name,
+                        exc.strerror)
+        if server._evict_oldest(now):
+            return
+        if self._reserve is not None:  # one fd at a time: tell the waiting clients why, then let them go
+            os.close(self._reserve)
+            for _ in range(64):
+                try:
+                    sock, _ = server.listener.accept()
+                except OSError:
+                    break
+                self._refuse(sock, _busy(self._limits, "out of file descriptors"))
+            self._reserve = _open_reserve()
+        self._paused_until = now + _ACCEPT_PAUSE_SECONDS
+        server._selector.unregister(server.listener)
+
+    def resume(self, now: float) -> None:
+        """Accept again once the pause after running out of fds is over."""
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._server._selector.register(self._server.listener, selectors.EVENT_READ)
+
+    def _refuse(self, sock: socket.socket, refusal: Refusal) -> None:
+        """A connection never let in: the answer, if the socket takes it at once, and closed."""
+        sock.setblocking(False)
+        _send_once(sock, _render(refusal, self._server.error_body))
+        sock.close()
+
+    def close(self) -> None:
+        if self._reserve is not None:
+            os.close(self._reserve)
+
+
+class _BodyBudgets:
+    """The bytes of the bodies the loop reads itself (listeners with buffer_body_max), in two budgets: each
+    peer's (`max_body_bytes_per_peer`, from a body's head until its answer begins: being read, waiting for
+    a worker, handled) and the listener's (`max_buffered_bytes`, until a worker takes it); and each peer's
+    FIFO of bodies waiting, unread, for room in its own.
+
+    The loop thread reads, reserves and waits; a worker lets go of its body (`unhold`) as its answer
+    begins, so the held bytes and the peers that got room (`freed`) are under a lock."""
+
+    def __init__(self, limits: Limits, wake: Callable[[], None], give_way: Callable[[_Conn], None]) -> None:
+        self._limits, self._wake, self._give_way = limits, wake, give_way
+        self._buffered = 0  # reserved against max_buffered_bytes
+        self._reading: dict[str, list[_Conn]] = {}  # bodies being read, by peer
+        self._held: Counter[str] = Counter()  # body bytes by peer, from head until answer (`_lock`)
+        self._room: dict[str, deque[_Conn]] = {}  # bodies waiting for room in their peer's budget (FIFO)
+        self._freed: set[str] = set()  # peers whose budget got room since the loop last looked (`_lock`)
+        self._lock = threading.Lock()
+
+    def make_room(self, conn: _Conn, length: int) -> Refusal | Literal["wait"] | None:
+        """Room for a body of `length` in its peer's and the listener's budgets; None when it fits now.
+
+        Over its peer's budget, that peer's slowest body being read gives way if it lags behind
+        body_min_rate; else the body waits ("wait"): a peer's bodies that keep up never push each other
+        out. Over the listener's, the slowest body being read of any peer gives way (they passed only
+        the head's checks); with none being read, a 503."""
+        limits = self._limits
+        if length > limits.max_body_bytes_per_peer or length > limits.max_buffered_bytes:
+            return _busy(limits, "the request body is larger than this listener buffers")
+        now = time.monotonic()
+        while self._peer_full(conn.peer, length):
+            lagging = [c for c in self._reading.get(conn.peer, []) if c.lagging(now, limits.body_min_rate)]
+            if not lagging:
+                return "wait"
+            self._give_way(min(lagging, key=lambda c: c.rate(now)))
+        while self._buffered + length > limits.max_buffered_bytes:
+            candidates = [c for bodies in self._reading.values() for c in bodies]
+            if not candidates:
+                return _busy(limits, "too many request bodies arriving at once")
+            self._give_way(min(candidates, key=lambda c: c.rate(now)))
+        return None
+
+    def _peer_full(self, peer: str, length: int) -> bool:
+        limits = self._limits
+        return (len(self._reading.get(peer, ())) >= limits.max_bodies_per_peer
+                or (length > limits.small_body_max and self._held[peer] + length > limits.max_body_bytes_per_peer))
+
+    def read(self, conn: _Conn, length: int) -> None:
+        """The loop reads the body of a head that passed, counted against its peer's and the listener's budgets."""
+        now = time.monotonic()
+        conn.state, conn.reserved, conn.body_start = "body", length, now
+        self._buffered += length
+        with self._lock:
+            conn.held = length
+            self._held[conn.peer] += length
+        self._reading.setdefault(conn.peer, []).append(conn)
+        conn.deadline = now + self._limits.body_seconds + length / self._limits.body_min_rate
+        if conn.parser.they_are_waiting_for_100_continue:  # the head passed: the body may come
+            _send_once(conn.sock, conn.parser.send(_CONTINUE))
+
+    def wait(self, conn: _Conn) -> None:
+        """Its peer's budget is full of bodies that keep up, or others of its wait already: it waits its turn
+        (up to wait_seconds), out of the selector, so the client is held back rather than refused."""
+        conn.state, conn.deadline = "room", time.monotonic() + self._limits.wait_seconds
+        self._room.setdefault(conn.peer, deque()).append(conn)
+
+    def waits(self, peer: str) -> bool:
+        """Whether bodies of `peer` wait for room: a newcomer queues behind them."""
+        return peer in self._room
+
+    def take_freed(self) -> set[str]:
+        """The peers whose budget got room since the last call."""
+        with self._lock:
+            freed, self._freed = self._freed, set()
+        return freed
+
+    def first_waiting(self, peer: str) -> _Conn | None:
+        queue = self._room.get(peer)
+        return queue[0] if queue else None
+
+    def leave_room(self, conn: _Conn) -> None:
+        queue = self._room[conn.peer]
+        queue.remove(conn)
+        if not queue:
+            del self._room[conn.peer]
+        conn.state = "head"
+
+    def note_lagging(self, now: float) -> None:
+        """A body that lags by now gives way to its peer's waiting ones: their peer is looked at again."""
+        lagging = {peer for peer in self._room
+                   if any(c.lagging(now, self._limits.body_min_rate) for c in self._reading.get(peer, ()))}
+        if lagging:
+            with self._lock:
+                self._freed |= lagging
+
+    def stop_reading(self, conn: _Conn) -> None:
+        """No longer among the bodies its peer's loop reads at once: one of its waiting bodies may start."""
+        bodies = self._reading.get(conn.peer)
+        if bodies is not None and conn in bodies:
+            bodies.remove(conn)
+            if not bodies:
+                del self._reading[conn.peer]
+            if conn.peer in self._room:
+                with self._lock:
+                    self._freed.add(conn.peer)
+
+    def release(self, conn: _Conn) -> None:
+        """Its body leaves the listener's budget: a worker has it, or it ended."""
+        self._buffered -= conn.reserved
+        conn.reserved = 0
+
+    def unhold(self, conn: _Conn) -> None:
+        """Its body leaves its peer's budget: its answer began (from its worker), or it ended unanswered."""
+        with self._lock:
+            if not conn.held:
+                return
+            self._held[conn.peer] -= conn.held
+            if self._held[conn.peer] <= 0:
+                del self._held[conn.peer]
+            conn.held = 0
+            self._freed.add(conn.peer)
+        self._wake()
+
+
+class _Workers:
+    """The threads that answer: at most `max_workers` at once (`reserved_workers` of them kept for the
+    listener's urgent requests), a FIFO of the requests that passed their gate while every one was busy
+    (an fd each, no thread), the stream thread long answers are handed to, and the connections going back
+    to the selector after their answer."""
+
+    def __init__(self, server: BoundedHTTPServer) -> None:
+        self._server, self._limits = server, server.limits
+        self._busy = 0  # `_lock`
+        self._waiting: deque[_Conn] = deque()  # passed the gate, waiting for a worker (FIFO)
+        self._waiting_urgent: deque[_Conn] = deque()
+        self._returns: SimpleQueue[tuple[_Conn, bool | None]] = SimpleQueue()
+        self._closed = False  # `_lock`
+        self._lock = threading.Lock()
+        self.pump = _StreamPump(server)
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + len(self._waiting_urgent)
+
+    def take(self, urgent: bool) -> bool:
+        """A worker, if one is free for this request (an urgent one may take the reserved ones)."""
+        cap = self._limits.max_workers - (0 if urgent else self._limits.reserved_workers)
+        with self._lock:
+            if self._busy < cap:
+                self._busy += 1
+                return True
+            return False
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+        self._server._wake()
+
+    def wait(self, conn: _Conn, urgent: bool) -> None:
+        (self._waiting_urgent if urgent else self._waiting).append(conn)
+
+    def start_waiting(self) -> None:
+        """Workers for the waiting requests, urgent ones first, while there are free ones."""
+        for waiting, urgent in ((self._waiting_urgent, True), (self._waiting, False)):
+            while waiting and self.take(urgent):
+                conn = waiting.popleft()
+                self._server._budgets.release(conn)
+                self.start(conn)
+
+    def start(self, conn: _Conn) -> None:
+        """On a worker thread; the caller took the worker and the connection is out of the selector."""
+        conn.sock.setblocking(True)
+        try:
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self._server.name}-worker", daemon=True).start()
+        except RuntimeError:  # no thread could be started
+            self._release()
+            conn.sock.setblocking(False)
+            self._server._enter(conn)
+            self._server._refuse(conn, _busy(self._limits, "no thread available"))
+
+    def expire(self, now: float) -> None:
+        """A request that waited `wait_seconds` for a worker is answered 503."""
+        for waiting in (self._waiting, self._waiting_urgent):
+            while waiting and waiting[0].deadline <= now:
+                conn = waiting.popleft()
+                conn.sock.setblocking(False)
+                self._server._enter(conn)
+                self._server._refuse(conn, _busy(self._limits, f"no worker was free for {self._limits.wait_seconds:g} s"))
 
     def _serve(self, conn: _Conn) -> None:
+        server = self._server
         keep = False
         request: ServedRequest | None = None
         try:
-            request = self.handler(self, conn)
+            request = server.handler(server, conn)
             request.handle()
             if request.handed_off is not None:
-                self._pump.add(conn, request, request.handed_off)
+                self.pump.add(conn, request, request.handed_off)
                 return
             keep = request.finish()
         except (ConnectionError, TimeoutError) as exc:
-            log.debug("%s: client %s went away: %s", self.name, conn.address or "unix", exc)
+            log.debug("%s: client %s went away: %s", server.name, conn.address or "unix", exc)
         except Exception:
-            log.exception("%s: serving a request failed", self.name)
+            log.exception("%s: serving a request failed", server.name)
         finally:
-            self._release_worker()
+            self._release()
             if request is None or request.handed_off is None:
-                self._give_back(conn, keep)
+                self.give_back(conn, keep)
 
-    def _give_back(self, conn: _Conn, keep: bool | None) -> None:
+    def give_back(self, conn: _Conn, keep: bool | None) -> None:
         """Back to the selector (keep: for its next request; False: to be closed after a linger; None: the
         stream thread already closed it)."""
         with self._lock:
@@ -944,7 +987,29 @@ class BoundedHTTPServer:
                     conn.sock.close()
                 return
             self._returns.put((conn, keep))
-        self._wake()
+        self._server._wake()
+
+    def returned(self) -> Iterator[tuple[_Conn, bool | None]]:
+        """The connections given back since the selector last looked."""
+        while True:
+            try:
+                yield self._returns.get_nowait()
+            except Empty:
+                return
+
+    def close(self) -> bool:
+        """No more connections come back (a worker that ends later closes its own); the stream thread ends and
+        the waiting requests are closed. False when already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self.pump.close()
+        for conn in [*self._waiting, *self._waiting_urgent]:
+            conn.sock.close()
+        self._waiting.clear()
+        self._waiting_urgent.clear()
+        return True
 
 
 @dataclass(eq=False)
@@ -1144,14 +1209,14 @@ class _StreamPump:
 
     def _finish(self, entry: _Streaming) -> None:
         self._forget(entry)
-        self._server._give_back(entry.conn, entry.request.finish())
+        self._server._workers.give_back(entry.conn, entry.request.finish())
 
     def _drop(self, entry: _Streaming) -> None:
         if entry.conn.sock not in self._streams:
             return
         self._forget(entry)
         entry.conn.sock.close()
-        self._server._give_back(entry.conn, None)
+        self._server._workers.give_back(entry.conn, None)
 
     def _forget(self, entry: _Streaming) -> None:
         del self._streams[entry.conn.sock]
@@ -1175,6 +1240,45 @@ def _peer_key(sock: socket.socket, address: Any) -> str:
         return f"uid {int.from_bytes(data[4:8], 'little')}"
     except OSError:
         return "unix"
+
+
+def _source_allowed(address: Any, sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
+    """Whether a TCP peer is of the networks a listener serves (none given: every source; a Unix socket's: yes)."""
+    if not sources or not isinstance(address, tuple):
+        return True
+    try:
+        ip = ipaddress.ip_address(address[0].split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in sources)
+
+
+def _send_once(sock: socket.socket, data: bytes) -> bool:
+    """One non-blocking send: a short answer fits the socket buffer, and the selector must never wait."""
+    try:
+        return sock.send(data) == len(data)
+    except OSError:
+        return False
+
+
+def _busy(limits: Limits, why: str) -> Refusal:
+    retry = str(limits.retry_after_seconds)
+    return Refusal(503, f"{why}; try again in {retry} s", (("Retry-After", retry),))
+
+
+def _render(refusal: Refusal, error_body: Callable[[str], bytes], head_only: bool = False) -> bytes:
+    """The answer's bytes, framed by a fresh h11 connection (h11 allows an answer to a request it never
+    parsed); to a HEAD request without the body (RFC 9110 9.3.2: a client reads none, so one sent would be
+    taken for the next answer), as ServedRequest answers HEAD too."""
+    body = error_body(refusal.message)
+    framer = h11.Connection(h11.SERVER)
+    head = framer.send(h11.Response(
+        status_code=refusal.status, reason=HTTPStatus(refusal.status).phrase.encode(),
+        headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close"),
+                 *refusal.headers]))
+    return head if head_only else head + framer.send(h11.Data(data=body)) + framer.send(h11.EndOfMessage())
 
 
 _HUGE_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*[0-9]{19,}[ \t]*\r?$")

@@ -1,9 +1,10 @@
-"""The service's classes and modules stay small: a class past 25 methods is two roles in one, a module
-importing more than 12 of the project's modules two concepts in one (docs/architecture.md).
+"""The project's classes and the service's modules stay small: a class past 25 methods is two roles in one,
+a service module importing more than 12 of the project's modules two concepts in one (docs/architecture.md).
 
 The split of the job service (the job API core, workers, admission, the runner desk, the GitHub
-reactions, retention), of the API by resource and of the host's assembly by role holds only as long as
-nothing grows back; this reads runner/service's source and names the class or module that grew.
+reactions, retention), of the API by resource, of the host's assembly by role, and of the HTTP server,
+the runner fleet and the guest agent's client by role holds only as long as nothing grows back; this
+reads the source and names the class or module that grew.
 """
 
 from __future__ import annotations
@@ -13,8 +14,18 @@ from pathlib import Path
 
 import pytest
 
-SERVICE = Path(__file__).resolve().parents[2] / "runner" / "service"
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ROOT / "runner" / "service"
+CLASSES_UNDER = ("runner", "policy", "vmimages")  # every class of the host's code; the SDK and the action are small
 MAX_METHODS = 25
+# A class that has more methods than MAX_METHODS for now, with why. A name here needs its reason, and its
+# own ceiling, so it cannot grow either.
+OVER_THE_METHODS: dict[str, tuple[int, str]] = {
+    "runner/net/dns.py:SlotResolver": (26, "runner/net was being reworked by another change of issue 33 when "
+                                           "the ceiling came to all of runner/: to be split by role there"),
+    "runner/net/nameproxy.py:NameProxy": (29, "runner/net was being reworked by another change of issue 33 when "
+                                              "the ceiling came to all of runner/: to be split by role there"),
+}
 
 
 def methods_per_class(source: str) -> dict[str, int]:
@@ -24,12 +35,23 @@ def methods_per_class(source: str) -> dict[str, int]:
             for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
 
 
-def test_no_class_in_the_service_passes_25_methods() -> None:
-    modules = sorted(SERVICE.rglob("*.py"))
-    assert len(modules) > 10  # the service's own modules were found, not an empty directory
-    grown = {f"{path.relative_to(SERVICE)}:{name}": count for path in modules
-             for name, count in methods_per_class(path.read_text()).items() if count > MAX_METHODS}
+def test_no_class_passes_25_methods() -> None:
+    modules = sorted(path for top in CLASSES_UNDER for path in (ROOT / top).rglob("*.py"))
+    assert len(modules) > 100  # the project's own modules were found, not an empty directory
+    counts = {f"{path.relative_to(ROOT)}:{name}": count for path in modules
+              for name, count in methods_per_class(path.read_text()).items()}
+    assert counts["runner/httpserve.py:BoundedHTTPServer"] > 10  # the classes were read
+    grown = {name: count for name, count in counts.items()
+             if count > OVER_THE_METHODS.get(name, (MAX_METHODS, ""))[0]}
     assert grown == {}, f"split these by role: {grown}"
+
+
+def test_a_class_over_the_ceiling_is_still_there_and_still_over_it() -> None:
+    """An exception that is no longer needed goes: a class split (or gone) leaves OVER_THE_METHODS."""
+    for name, (ceiling, _why) in OVER_THE_METHODS.items():
+        path, cls = name.split(":")
+        assert methods_per_class((ROOT / path).read_text()).get(cls, 0) > MAX_METHODS, f"{name}: remove it here"
+        assert ceiling > MAX_METHODS
 
 
 @pytest.mark.parametrize(("methods", "refused"), [(MAX_METHODS, False), (MAX_METHODS + 1, True)])
@@ -39,7 +61,6 @@ def test_the_count_sees_a_class_that_grew(methods: int, refused: bool) -> None:
     assert (counted["Grown"] > MAX_METHODS) is refused
 
 
-ROOT = SERVICE.parents[1]
 PROJECT = ("runner", "policy", "action", "microvm_check", "vmimages")
 MAX_IMPORTS = 12
 # A module that must know more of the project than MAX_IMPORTS, with why. A name here needs its reason,
