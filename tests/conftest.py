@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -31,6 +32,50 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("microvm-check")
+
+
+# What must not share the machine with another test file: scripts/test runs these (a file, or every file
+# under a directory) in a second, serial pass, after two workers ran the rest two files at a time. Each
+# with what a test file beside it would break; a name here that no longer exists stops the collection.
+ALONE: dict[str, str] = {
+    "tests/net/": "reach() gives a connection 1.5 s: a VM test on the other core (a VM may use vcpus+1 "
+                  "cores) can starve the fake hosts' threads that long",
+    "tests/service/test_httpserve_limits.py": "refusals within wall-clock windows of 3 to 6 s",
+    "tests/service/test_api_slow_bodies.py": "every health answer within 3 s during a 64 MiB flood",
+    "tests/vm/test_vm_memory.py": "two PSS readings of the same QEMUs within 5 MiB: another test's QEMU "
+                                  "starting or ending moves their shared pages' share",
+    "tests/vm/test_vm_confinement.py": "a released VM uid is free again: any VM another test starts meanwhile "
+                                       "leases the lowest free uid, that one",
+    "tests/vm/test_vm_cgroup_cleanup.py": "the shared parent cgroup is gone or has a child: another engine "
+                                          "leaves it empty for a moment as it creates or removes its scope",
+    "tests/fleet/test_fleet_walls.py": "mounts and unmounts the host's /dev/mqueue, which other fleets' "
+                                       "runners cover and scan",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = [name for name in ALONE if not (ROOT / name).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py ALONE names what does not exist: {missing}")
+    for item in items:
+        where = item.path.relative_to(ROOT).as_posix()
+        if any(where == name or (name.endswith("/") and where.startswith(name)) for name in ALONE):
+            item.add_marker(pytest.mark.alone)
+
+
+FUZZ_INPUTS: dict[str, int] = {}  # the xdist workers' fuzz counts (tests/fuzz/conftest.py), summed here
+
+
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """An xdist worker ended: add its fuzz counts to the controller's."""
+    for name, count in getattr(node, "workeroutput", {}).get("fuzz_inputs", {}).items():
+        FUZZ_INPUTS[name] = FUZZ_INPUTS.get(name, 0) + count
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FUZZ_INPUTS:
+        counts = ", ".join(f"{name}={count}" for name, count in sorted(FUZZ_INPUTS.items()))
+        terminalreporter.write_line(f"fuzz inputs: {counts} (total {sum(FUZZ_INPUTS.values())})")
 
 
 @pytest.fixture(autouse=True)

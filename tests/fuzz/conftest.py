@@ -28,6 +28,13 @@ import pytest
 from fuzzing import INPUTS
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under xdist, a worker's counts go to the controller, which prints them (tests/conftest.py)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["fuzz_inputs"] = dict(INPUTS)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if INPUTS:
         counts = ", ".join(f"{name}={count}" for name, count in sorted(INPUTS.items()))

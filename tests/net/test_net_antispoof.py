@@ -36,7 +36,8 @@ ADMIT_IN_FORWARD = ("-t", "filter", "-I", "FORWARD", "1", "-s", f"{SPOOFED}/32",
 def iptables(slot, *args: str) -> None:
     """Run the slot's own iptables backend (legacy or nft, as it loaded the rules) in its namespace."""
     binary = slot.firewall.restore4.replace("-restore", "")
-    done = subprocess.run(["ip", "netns", "exec", slot.netns, binary, *args], capture_output=True, text=True)
+    # -w: legacy iptables takes one host-wide lock (/run/xtables.lock), which another test's slot may hold
+    done = subprocess.run(["ip", "netns", "exec", slot.netns, binary, "-w", *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
