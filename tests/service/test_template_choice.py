@@ -44,7 +44,7 @@ def test_a_repositorys_warm_base_of_the_vms_network_variant() -> None:
     assert (networked.template, networked.warm_base) == ("base--net--octo--hello", True)
     assert "the repository's warm base base--net--octo--hello" in networked.why
     offline = choose_template("base", repository="octo/hello", bases=bases)  # type: ignore[arg-type]
-    assert (offline.template, offline.warm_base) == ("base", False) and "no warm base" in offline.why
+    assert (offline.template, offline.warm_base) == ("base", False) and "no base" in offline.why
     assert bases.asked == [("octo/hello", True), ("octo/hello", False)]  # by its canonical name
 
 

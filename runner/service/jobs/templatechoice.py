@@ -36,5 +36,5 @@ def choose_template(named: str, *, size: str | None = None, repository: str | No
     template = bases.template_for(canonical_repository(repository), needs_network(policy))
     if template == named:
         return TemplateChoice(named, warm_base=False, size=None,
-                              why=f"the template {named} (the repository has no warm base of this variant ready)")
+                              why=f"the template {named} (the repository has no base of this network variant ready)")
     return TemplateChoice(template, warm_base=True, size=None, why=f"the repository's warm base {template}")
