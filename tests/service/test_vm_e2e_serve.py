@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -105,12 +104,6 @@ def serve(vm_root: Path) -> Iterator[Any]:
                 process.kill()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # -- a fake GitHub for the sweep ------------------------------------------------------------------
 
 
@@ -198,17 +191,19 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
     app.write_text(f"app_id: 1\nprivate_key_path: {pem}\napi_url: {github.url}\n")
     secret = tmp_path / "webhook-secret"
     secret.write_bytes(SECRET)
-    port = free_port()
     process = serve({"prewarm": {"max_vms": 1},
-                     "webhook": {"listen": f"127.0.0.1:{port}", "secret_path": str(secret), "labels": ["self-hosted"],
+                     "webhook": {"listen": "127.0.0.1:0", "secret_path": str(secret), "labels": ["self-hosted"],
                                  "redeliver_every": 30, "github_config": str(app)}})
     client = JobClient(socket=str(vm_root / "api.sock"))
     process.wait_answering(client)
     assert client.health().warm == 0
+    webhook = client.status()["listening"]["webhook"]  # the port the kernel chose for port 0
+    assert webhook.startswith("127.0.0.1:") and webhook != "127.0.0.1:0", webhook
+    assert f"GitHub's webhook on {webhook}" in process.stderr()
 
     queued = captured(QUEUED)
     body = json.dumps(queued).encode()
-    answer = requests.post(f"http://127.0.0.1:{port}/github/webhook", data=body, timeout=30, headers={
+    answer = requests.post(f"http://{webhook}/github/webhook", data=body, timeout=30, headers={
         "Content-Type": "application/json", "X-GitHub-Event": "workflow_job",
         "X-GitHub-Delivery": str(uuid.uuid4()), "X-Hub-Signature-256": sign(SECRET, body)},
         proxies={"http": None, "https": None})

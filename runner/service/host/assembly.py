@@ -131,4 +131,14 @@ class ServiceHost:
 
     def status(self, service: JobService, recent: int = 10) -> dict[str, object]:
         """What `microvm-check status` shows (GET /v1/status, operators only): host_status.host_status."""
-        return host_status.host_status(service, self.engine, self._engine_settings.pool_size, self.fleet, recent)
+        return host_status.host_status(service, self.engine, self._engine_settings.pool_size, self.fleet,
+                                       self.listening(), recent)
+
+    def listening(self) -> dict[str, str | None]:
+        """The TCP addresses bound, by listener: the job API's (`listen`) and the webhook's (`webhook.listen`),
+        with the port the kernel chose where the config said 0; None for a listener not configured."""
+        tcp = self.api.tcp_address if self.api is not None else None
+        api = f"{self.config.listen[0]}:{tcp[1]}" if tcp is not None and self.config.listen else None
+        hook = self.config.webhook.listen
+        webhook = f"{hook[0]}:{self.webhook.port}" if self.webhook is not None and hook else None
+        return {"api": api, "webhook": webhook}

@@ -76,9 +76,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with ServiceHost(config, origin=str(args.config)) as host:
             assert host.api is not None
-            tcp = host.api.tcp_address  # there when config.listen is set (the API binds both or neither)
+            bound = host.listening()  # with the ports the kernel chose where the config said 0
             print(f"microvm-check: serving jobs on {config.socket}"
-                  + (f" and {config.listen[0]}:{tcp[1]}" if config.listen and tcp else ""), file=sys.stderr)
+                  + (f" and {bound['api']}" if bound["api"] else "")
+                  + (f"; GitHub's webhook on {bound['webhook']}" if bound["webhook"] else ""), file=sys.stderr)
             stop.wait()
             print("microvm-check: shutting down: finishing running jobs, destroying every VM", file=sys.stderr)
     except OSError as exc:  # a file, a port, a socket the host cannot use: the OS's message names it

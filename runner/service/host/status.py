@@ -55,9 +55,10 @@ def beside_runners(service: JobService, engine: Engine | None) -> dict[str, obje
 
 
 def host_status(service: JobService, engine: Engine | None, pool_size: int, fleet: RunnerFleet | None,
-                recent: int = 10) -> dict[str, object]:
+                listening: dict[str, str | None], recent: int = 10) -> dict[str, object]:
     """What `microvm-check status` shows (GET /v1/status, operators only): the VMs, each with the job it
-    runs, the spare pools, the queue, the newest job records, and the runners when there is a fleet."""
+    runs, the spare pools, the queue, the newest job records, the runners when there is a fleet, and the
+    TCP addresses the service listens on (`listening`: the ports it bound, also when the config said 0)."""
     active = {r.vm_id: r.id for r in service.records.in_states(ACTIVE_STATES) if r.vm_id}
     vms = [{"id": vm.id, "ready_ms": round(vm.ready_ms, 1), "job": active.get(vm.id)}
            for vm in engine.live()] if engine else []
@@ -67,4 +68,4 @@ def host_status(service: JobService, engine: Engine | None, pool_size: int, flee
         for key in ("vms", "queue"):
             shown.pop(key, None)
     return {"vms": vms, "spare_pools": pools, "queue": service.health().to_wire(),
-            "recent_jobs": [r.to_wire() for r in service.list(recent)], "fleet": shown}
+            "recent_jobs": [r.to_wire() for r in service.list(recent)], "fleet": shown, "listening": listening}
