@@ -132,7 +132,7 @@ def network_checks(forward: Path = IP_FORWARD) -> list[Check]:
         checks = [Check(os.access(forward, os.W_OK), "IP forwarding is off; the service turns it on when "
                         "network.enabled is true", f"make {forward} writable (run as root, not in a read-only /proc)")]
     try:
-        done = subprocess.run(["iptables-restore", "--test", "--noflush"], input=NFLOG_PROBE, capture_output=True,
+        done = subprocess.run(["iptables-restore", "--wait", "--test", "--noflush"], input=NFLOG_PROBE, capture_output=True,
                               text=True, timeout=10)
         error = done.stderr.strip().splitlines()[-1] if done.returncode else ""
     except (OSError, subprocess.TimeoutExpired) as exc:
