@@ -45,7 +45,7 @@ from policy.suggest import (
     refused_name_record,
 )
 from runner.errors import NetworkError
-from runner.net import addresses, netns
+from runner.net import addresses, leases, netns
 from runner.net.audit import SlotAudit, refused_answer_record
 from runner.net.dns import DnsService, Opening, SlotResolver, Upstream
 from runner.net.firewall import Firewall, check_policy_document, rules_of
@@ -243,8 +243,11 @@ def _configure_inside(index: int) -> None:
 class SlotPool:
     """Pre-created slots named `prefix`-N, handed to one VM at a time.
 
-    `start()` sweeps what a crashed predecessor left behind, prepares the uplink and starts the
-    resolver/audit loop; `close()` removes every slot. Thread-safe.
+    `start()` claims the prefix on this host (`runner.net.leases`: a second live pool with it is
+    refused), sweeps what a crashed predecessor left behind, prepares the uplink and starts the
+    resolver/audit loop; `close()` removes every slot and gives the prefix up. Each slot's index (so
+    its uplink /30) is leased on the uplink's namespace, so pools of other prefixes beside it never
+    take the same address. Thread-safe.
     """
 
     def __init__(
@@ -284,7 +287,8 @@ class SlotPool:
         self._lock = threading.Lock()
         self._idle: list[Slot] = []
         self._busy: dict[int, Slot] = {}
-        self._reserved: set[int] = set()  # indices whose slot is being created
+        self._claim: leases.Lease | None = None  # the prefix, held from start() to close()
+        self._leases: dict[int, leases.Lease] = {}  # the index (uplink /30) of each slot made or being made
         self._loop: NetLoop | None = None
         self._dns: DnsService | None = None
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)")
@@ -297,14 +301,21 @@ class SlotPool:
         self.close()
 
     def start(self) -> None:
-        self.sweep()
-        self.uplink.prepare(self.prefix, self.allowances)
-        self._loop = NetLoop()
-        self._dns = DnsService(self._loop, self.upstream, self.clock)
-        for _ in range(self.size):
-            slot = self._create(self._free_index())
-            with self._lock:
-                self._idle.append(slot)
+        """Claim the prefix, sweep, prepare the uplink and make `size` slots; a failure undoes it all
+        (the caller of a failed start has no pool to close, `with` included)."""
+        self._claim = leases.claim_prefix(self.prefix)
+        try:
+            self.sweep()
+            self.uplink.prepare(self.prefix, self.allowances)
+            self._loop = NetLoop()
+            self._dns = DnsService(self._loop, self.upstream, self.clock)
+            for _ in range(self.size):
+                slot = self._create(self._free_index())
+                with self._lock:
+                    self._idle.append(slot)
+        except BaseException:
+            self.close()
+            raise
 
     def acquire(self, job: str = "") -> Slot:
         """A clean, deny-all slot (made now if the pool is empty); load a policy before the VM runs."""
@@ -352,7 +363,10 @@ class SlotPool:
             return [*self._idle, *self._busy.values()]
 
     def sweep(self) -> list[str]:
-        """Remove namespaces and uplink veths named like our slots that no live slot owns."""
+        """Remove namespaces and uplink veths named like our slots that no live slot owns: with the
+        prefix claimed (`start`), no other live process has any, so they are a dead predecessor's."""
+        if self._claim is None:
+            raise SlotError(f"pool {self.prefix} sweeps only once started: the prefix may be another process's")
         owned = {slot.netns for slot in self.live()}
         removed: list[str] = []
         for name in netns.names():
@@ -373,17 +387,23 @@ class SlotPool:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
-        self.uplink.close(self.prefix)
+        if self._claim is not None:  # a pool refused its prefix must not take down the holder's chains
+            self.uplink.close(self.prefix)
+            self._claim.release()
+            self._claim = None
 
     def _free_index(self) -> int:
+        """The lowest index neither this pool nor another pool on the same uplink holds, now leased."""
         with self._lock:
-            used = {slot.index for slot in (*self._idle, *self._busy.values())}
-            used |= self._reserved
             for index in range(self.max_slots):
-                if index not in used:
-                    self._reserved.add(index)
+                if index in self._leases:
+                    continue
+                lease = leases.lease_index(self.uplink.netns, index)
+                if lease is not None:
+                    self._leases[index] = lease
                     return index
-        raise SlotError(f"all {self.max_slots} slots of pool {self.prefix} are in use; release one or raise max_slots")
+        raise SlotError(f"all {self.max_slots} slots of pool {self.prefix} (and of the other pools on its uplink) "
+                        "are in use; release one or raise max_slots")
 
     def _create(self, index: int, busy: bool = False) -> Slot:
         name = f"{self.prefix}-{index}"
@@ -407,12 +427,9 @@ class SlotPool:
             slot.reset()
         except Exception as exc:
             self._destroy(slot, forget=False)
-            with self._lock:
-                self._reserved.discard(index)
             raise SlotError(f"cannot create slot {name}: {exc}") from exc
-        with self._lock:
-            self._reserved.discard(index)
-            if busy:
+        if busy:
+            with self._lock:
                 self._busy[index] = slot
         return slot
 
@@ -431,6 +448,10 @@ class SlotPool:
             self._dns.detach(slot.resolver)
         netns.remove(slot.netns)
         self.uplink.delete_link(slot.netns)
+        with self._lock:
+            lease = self._leases.pop(slot.index, None)
+        if lease is not None:  # the address is free again only once its veth is gone
+            lease.release()
 
 
 def _add_veth(name: str) -> None:

@@ -50,7 +50,8 @@ class Uplink(ABC):
 
     @abstractmethod
     def close(self, prefix: str) -> None:
-        """Undo `prepare`."""
+        """Undo `prepare`. Only the pool that holds `prefix` (runner.net.leases) calls either: whatever
+        is named after the prefix is its own."""
 
     def run(self, fn: Callable[[], T]) -> T:
         """Call `fn` inside the uplink's namespace."""
@@ -143,7 +144,7 @@ class HostUplink(Uplink):
 
     def _prepare(self, prefix: str, allowances: OperatorAllowances) -> None:
         out = self.out_iface or _default_route_iface()
-        self._remove_chains(prefix)
+        self._remove_chains(prefix)  # a dead predecessor's: the pool holds the prefix host-wide (runner.net.leases)
         with open("/proc/sys/net/ipv4/ip_forward", "w") as forward:
             forward.write("1\n")
         if "-P FORWARD ACCEPT" in self._ipt("-S", "FORWARD"):

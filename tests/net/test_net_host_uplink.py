@@ -17,7 +17,8 @@ import pytest
 from net_fakes import ALLOWED_HOST, DENIED_HOST, ip, lookup, reach
 
 from policy import OperatorAllowances, Rule, load_policy
-from runner.net import HostUplink, SlotPool, Upstream, netns
+from runner.net import HostUplink, SlotPool, Upstream, addresses, netns
+from runner.net.leases import PrefixTaken
 
 HOST_WAN = "100.64.0.2"
 ISP = "100.64.0.1"
@@ -129,3 +130,42 @@ def test_close_removes_the_hosts_chains(host_net) -> None:
 
     rules = subprocess.run(["ip", "netns", "exec", host, "iptables-save"], capture_output=True, text=True, check=True).stdout
     assert tag not in rules
+
+
+def host_rules(host: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", host, "iptables-save"], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_second_pool_on_the_same_prefix_leaves_the_hosts_chains_and_slots_alone(host_net) -> None:
+    host, _, pool = host_net
+    slot = pool.acquire()
+    rules = host_rules(host)
+    second = SlotPool(pool.prefix, HostUplink(namespace=host), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=host))
+    with pytest.raises(PrefixTaken, match=r"network\.slot_prefix"):
+        second.start()  # it would have swept the first pool's slots and removed its chains
+    second.close()  # nor may its close remove them
+
+    assert host_rules(host) == rules and netns.exists(slot.netns)
+    guest = net_fakes.attach_guest(pool.prefix, slot.netns)
+    slot.apply_policy(load_policy(POLICY, "host.yml"))
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
+
+
+def test_pools_of_two_prefixes_on_one_host_route_each_guest_its_own_way(host_net) -> None:
+    """Two services beside each other: each slot's uplink /30 is its own, so both guests get answers
+    (one address on two veths of the host would route one guest's replies to the other's slot)."""
+    host, _, pool = host_net
+    ours = pool.acquire()
+    other = SlotPool(pool.prefix + "b", HostUplink(namespace=host), size=1, upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=host))
+    try:
+        other.start()
+        theirs = other.acquire()
+        guests = [net_fakes.attach_guest(pool.prefix, ours.netns), net_fakes.attach_guest(other.prefix, theirs.netns)]
+        for slot in (ours, theirs):
+            slot.apply_policy(load_policy(POLICY, "host.yml"))
+
+        assert [reach(guest, ALLOWED_HOST, 8000, name="web.test") for guest in guests] == [True, True]
+        assert addresses.uplink_ip(ours.index) != addresses.uplink_ip(theirs.index)
+    finally:
+        other.close()
+        netns.remove(f"{other.prefix}-guest")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from contextlib import ExitStack
 
 import net_fakes
@@ -11,7 +13,8 @@ from net_fakes import ALLOWED_HOST, ip, lookup, reach
 from pyroute2 import IPRoute, NFCTSocket
 
 from policy import load_policy
-from runner.net import Firewall, FirewallError, NamespaceUplink, SlotError, SlotPool, Upstream, addresses, netns
+from runner.net import Firewall, FirewallError, NamespaceUplink, SlotError, SlotPool, Upstream, addresses, leases, netns
+from runner.net.leases import PrefixTaken
 
 CIDR_POLICY = "version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n  - host: web.test\n    ports: [9000]\n"
 
@@ -182,3 +185,60 @@ def test_a_veth_the_kernel_removes_mid_delete_counts_as_deleted(need_netns, pref
         assert f"{prefix}-a" not in uplink.link_names()
     finally:
         netns.remove(ns)
+
+
+def test_a_second_pool_on_the_same_prefix_is_refused_and_the_first_keeps_its_slots(net, slot, guest) -> None:
+    second = SlotPool(net.prefix, NamespaceUplink(net.internet), size=1,
+                      upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=net.internet))
+    with pytest.raises(PrefixTaken, match=rf"in use on this host by pid {os.getpid()} .*network\.slot_prefix"):
+        second.start()  # its start-up sweep would have removed the first pool's namespaces and veths
+    second.close()
+
+    assert netns.exists(slot.netns) and slot.netns in links(net.internet)
+    slot.apply_policy(load_policy(CIDR_POLICY, "p.yml"))
+    assert reach(guest, ALLOWED_HOST, 8000, name="web.test")
+
+
+def test_pools_of_two_prefixes_on_one_uplink_namespace_take_distinct_addresses(net, slot) -> None:
+    other = SlotPool(net.prefix + "b", NamespaceUplink(net.internet), size=1,
+                     upstream=Upstream(net_fakes.UPSTREAM_DNS, netns=net.internet))
+    try:
+        other.start()
+        theirs = other.acquire()
+        outside = links(net.internet)
+        assert theirs.index != slot.index
+        assert outside[slot.netns] == [f"{addresses.uplink_ip(slot.index)}/30"]
+        assert outside[theirs.netns] == [f"{addresses.uplink_ip(theirs.index)}/30"]
+    finally:
+        other.close()
+
+
+def test_slot_indices_are_leased_per_uplink_namespace(tmp_path) -> None:
+    held = leases.lease_index("a-inet", 0, tmp_path)
+    assert held is not None
+    assert leases.lease_index("a-inet", 0, tmp_path) is None  # another pool on that uplink: the next index
+    beside = leases.lease_index("b-inet", 0, tmp_path)  # another namespace: the same /30 is no clash there
+    root = leases.lease_index(None, 0, tmp_path)
+    assert beside is not None and root is not None
+
+    for lease in (held, beside, root):
+        lease.release()
+    assert list(tmp_path.iterdir()) == []  # a released lease leaves no file
+    again = leases.lease_index("a-inet", 0, tmp_path)
+    assert again is not None
+    again.release()
+
+
+def test_a_refused_prefix_names_its_holder_and_the_setting_to_change(tmp_path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from runner.net import leases; leases.claim_prefix('job', Path(sys.argv[1])); "
+                               "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(PrefixTaken) as refused:
+            leases.claim_prefix("job", tmp_path)
+        assert f"by pid {holder.pid} (" in str(refused.value) and "network.slot_prefix" in str(refused.value)
+    finally:
+        holder.communicate("")  # its stdin closes: it exits, and the kernel drops its lock
+    leases.claim_prefix("job", tmp_path).release()
