@@ -2,11 +2,13 @@
 sandbox routes, declared once for both.
 
 Here: the default socket, the headers, the routes' paths, the bounds a request is held to, and the
-typed forms of what is sent (CreateRequest, ExecRequest) and answered (SandboxInfo, CreateAnswer,
-ExecOutput and ExecEnd lines, FileEntry in a Listing, SnapshotAnswer, DestroyAnswer, ErrorAnswer),
-each with `to_wire()` and `from_wire()`. `from_wire()` takes what came over the wire as untrusted:
-it checks every field it reads and raises WireError naming the first that is wrong; a field it does
-not know is left alone in an answer (a newer service may add one), refused in a create's body.
+typed forms of what is sent (CreateRequest, ExecRequest, TerminalRequest) and answered (SandboxInfo,
+CreateAnswer, ExecOutput and ExecEnd lines, FileEntry in a Listing, SnapshotAnswer, DestroyAnswer,
+ErrorAnswer, TerminalEnd), each with `to_wire()` and `from_wire()`; and the framing of a terminal's
+stream (after an HTTP/1.1 Upgrade), which the job API's `jobs attach` speaks too (runner/jobapi/
+termwire.py). `from_wire()` takes what came over the wire as untrusted: it checks every field it reads
+and raises WireError naming the first that is wrong; a field it does not know is left alone in an
+answer (a newer service may add one), refused in a create's body.
 
 It imports nothing but the standard library: the service imports it (the one module of the SDK it
 may import, pyproject.toml's import-linter contracts), and callers get it without the service's code.
@@ -17,9 +19,11 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import json
 import math
 import re
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,7 @@ class Route(enum.StrEnum):
     DOWNLOAD = "/download"  # GET ?glob=G&cwd=D -> a tar, SKIPPED_HEADER
     SNAPSHOT = "/snapshot"  # POST -> 201 SnapshotAnswer
     DESTROY = "/destroy"  # POST -> 200 DestroyAnswer
+    TERMINAL = "/terminal"  # GET ?TerminalRequest, Upgrade: TERMINAL_UPGRADE -> 101, then terminal frames
 
 
 def sandbox_path(sandbox_id: str, route: Route = Route.INFO) -> str:
@@ -72,6 +77,7 @@ MAX_COMMAND = 256 * 1024  # characters of an exec's command, all words together
 MAX_ENV = 64  # an exec's environment variables
 MAX_ENV_ITEM = 32 * 1024  # characters of one name and its value
 MAX_BLOCKED = 100  # blocked-egress entries an ExecEnd carries
+MAX_STDIN = 512 * 1024  # bytes of an exec's `stdin` (base64 in its JSON body, which the service holds to 1 MiB)
 STREAMS = ("stdout", "stderr")
 FILE_TYPES = ("file", "dir", "link", "other")
 WORKSPACE = "/workspace"  # an exec's default cwd, a listing's, an upload's and a download's
@@ -116,26 +122,30 @@ class CreateRequest:
 @dataclass(frozen=True)
 class ExecRequest:
     """POST .../exec: a shell string (run by sh -c) or an argv list; `timeout_seconds` None is the
-    service's most (sandboxes.exec_timeout_seconds)."""
+    service's most (sandboxes.exec_timeout_seconds). `stdin` is the command's whole input (at most
+    MAX_STDIN bytes, in the guest before it starts; None: it reads an empty one)."""
 
     command: str | tuple[str, ...]
     timeout_seconds: float | None = None
     cwd: str = WORKSPACE
     env: Mapping[str, str] = field(default_factory=dict)
+    stdin: bytes | None = None
 
     def to_wire(self) -> dict[str, object]:
         wire: dict[str, object] = {"command": self.command if isinstance(self.command, str) else list(self.command),
                                    "cwd": self.cwd, "env": dict(self.env)}
         if self.timeout_seconds is not None:
             wire["timeout_seconds"] = self.timeout_seconds
+        if self.stdin is not None:
+            wire["stdin"] = base64.b64encode(self.stdin).decode()
         return wire
 
     @classmethod
     def from_wire(cls, data: object) -> ExecRequest:
-        data = _object(data, "the body: {command, timeout_seconds, cwd, env}")
+        data = _object(data, "the body: {command, timeout_seconds, cwd, env, stdin}")
         timeout = _number(data, "timeout_seconds", required=False, above=0)
         return cls(_command(data.get("command")), timeout, _text(data, "cwd", MAX_PATH, default=WORKSPACE),
-                   _env(data.get("env")))
+                   _env(data.get("env")), _stdin(data))
 
 
 # -- answers ----------------------------------------------------------------------------------------
@@ -345,6 +355,185 @@ class DestroyAnswer:
         return cls(_sandbox_id(data), _flag(data, "destroyed"))
 
 
+# -- a terminal's stream ------------------------------------------------------------------------------
+#
+# GET /v1/sandboxes/<id>/terminal (and the job API's GET /v1/jobs/<id>/terminal, `jobs attach`) asks for
+# an HTTP/1.1 Upgrade to TERMINAL_UPGRADE; after the service's 101 both directions carry frames: a kind
+# byte, a big-endian u32 length, the payload (at most MAX_FRAME bytes). The client sends INPUT (typed
+# bytes), RESIZE ("ROWSxCOLS") and SIGNAL (a name of TERMINAL_SIGNALS); the service sends OUTPUT (the
+# terminal's output) and, last, EXIT (a TerminalEnd). Closing the connection detaches: the session's
+# program is ended, the sandbox (or the job) is not.
+
+TERMINAL_UPGRADE = "microvm-check-terminal"
+INPUT, RESIZE, SIGNAL, OUTPUT, EXIT = b"i", b"r", b"s", b"o", b"x"
+CLIENT_KINDS = frozenset({INPUT, RESIZE, SIGNAL})
+SERVICE_KINDS = frozenset({OUTPUT, EXIT})
+MAX_FRAME = 64 * 1024
+MAX_SIDE = 1000  # a terminal's rows or columns (the guest agent's own bound)
+TERMINAL_SIGNALS = ("INT", "QUIT", "TERM", "HUP", "KILL", "TSTP", "CONT")  # sent to the foreground process group
+_FRAME_HEADER = struct.Struct(">cI")
+
+
+class FrameError(WireError):
+    """The peer sent something that is not a frame of a terminal's stream: the session ends (no HTTP
+    status is left to answer with)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: bytes
+    payload: bytes
+
+
+def encode_frame(kind: bytes, payload: bytes = b"") -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise ValueError(f"a terminal frame of {len(payload)} bytes is over {MAX_FRAME}")
+    return _FRAME_HEADER.pack(kind, len(payload)) + payload
+
+
+def encode_frames(kind: bytes, data: bytes) -> bytes:
+    """Frames of `kind` (OUTPUT, INPUT) for any amount of data (none for b"")."""
+    return b"".join(encode_frame(kind, data[i : i + MAX_FRAME]) for i in range(0, len(data), MAX_FRAME))
+
+
+def resize_payload(rows: int, cols: int) -> bytes:
+    return f"{rows}x{cols}".encode()
+
+
+def parse_size(payload: bytes, largest: int = MAX_SIDE) -> tuple[int, int]:
+    """"ROWSxCOLS" as two integers in 1..largest, else FrameError."""
+    rows, sep, cols = payload.partition(b"x")
+    if not (sep and rows.isdigit() and cols.isdigit() and len(rows) <= 5 and len(cols) <= 5):
+        raise FrameError(f"a resize is ROWSxCOLS, not {payload[:20]!r}")
+    size = int(rows), int(cols)
+    if not all(1 <= side <= largest for side in size):
+        raise FrameError(f"a terminal of {size[0]}x{size[1]} is out of range (1..{largest} each)")
+    return size
+
+
+class FrameDecoder:
+    """Frames out of bytes fed as they came (no I/O: the blocking and the asyncio readers both use it).
+    A frame's kind and length are checked from its header, before its payload is waited for, so what is
+    held is at most one frame and the last chunk fed."""
+
+    def __init__(self, kinds: frozenset[bytes], buffered: bytes = b"") -> None:
+        self._kinds, self._buf = kinds, bytearray(buffered)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    @property
+    def partial(self) -> bool:
+        """Bytes of a frame not complete yet are held (the stream ending now ends inside a frame)."""
+        return bool(self._buf)
+
+    def next(self) -> Frame | None:
+        """The next whole frame fed, or None until more is fed; FrameError for one off the stream's rules."""
+        if len(self._buf) < _FRAME_HEADER.size:
+            return None
+        kind, length = _FRAME_HEADER.unpack_from(self._buf)
+        if kind not in self._kinds:
+            raise FrameError(f"unknown terminal frame kind {kind!r}")
+        if length > MAX_FRAME:
+            raise FrameError(f"a terminal frame of {length} bytes is over {MAX_FRAME}")
+        end = _FRAME_HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        payload = bytes(self._buf[_FRAME_HEADER.size : end])
+        del self._buf[:end]
+        return Frame(kind, payload)
+
+
+class FrameReader:
+    """Frames from a blocking `recv(n)` (b"" at the end of the stream), each checked before it is read."""
+
+    def __init__(self, recv: Callable[[int], bytes], kinds: frozenset[bytes], buffered: bytes = b"") -> None:
+        self._recv, self._decoder = recv, FrameDecoder(kinds, buffered)
+
+    def next(self) -> Frame | None:
+        """The next frame, or None at a clean end of the stream (between frames)."""
+        while (frame := self._decoder.next()) is None:
+            chunk = self._recv(65536)
+            if not chunk:
+                if self._decoder.partial:
+                    raise FrameError("the stream ended inside a frame")
+                return None
+            self._decoder.feed(chunk)
+        return frame
+
+
+@dataclass(frozen=True)
+class TerminalRequest:
+    """GET .../terminal's query: the program (`argv`; empty: the sandbox's login shell), the terminal's
+    size, its working directory and environment (beside TERM)."""
+
+    argv: tuple[str, ...] = ()
+    rows: int = 24
+    cols: int = 80
+    cwd: str = WORKSPACE
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def to_query(self) -> list[tuple[str, str]]:
+        return [("size", f"{self.rows}x{self.cols}"), ("cwd", self.cwd), *(("argv", a) for a in self.argv),
+                *(("env", f"{k}={v}") for k, v in self.env.items())]
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, list[str]]) -> TerminalRequest:
+        unknown = set(query) - {"size", "cwd", "argv", "env"}
+        if unknown:
+            raise WireError(f"unknown parameter(s) {', '.join(sorted(unknown))[:200]}")
+        argv = list(query.get("argv", []))
+        if argv:
+            _command(argv)
+        if any("\0" in a for a in argv):
+            raise WireError("argv: no NUL characters")
+        pairs = [item.partition("=") for item in query.get("env", [])]
+        if any(not sep or not name for name, sep, _ in pairs):
+            raise WireError("env: expected NAME=VALUE")
+        env = _env({name: value for name, _, value in pairs})
+        if len(env) != len(pairs) or any("\0" in k or "\0" in v for k, v in env.items()):
+            raise WireError("env: each name once, no NUL characters")
+        rows, cols = parse_size(_last(query, "size", "24x80").encode())
+        cwd = _last(query, "cwd", WORKSPACE)
+        if not cwd.startswith("/") or "\0" in cwd or len(cwd) > MAX_PATH:
+            raise WireError(f"cwd: expected an absolute path of at most {MAX_PATH} characters")
+        return cls(tuple(argv), rows, cols, cwd, env)
+
+
+@dataclass(frozen=True)
+class TerminalEnd:
+    """A terminal's EXIT frame: how its program ended (`exit_code`; `timed_out` past the service's deadline;
+    `killed`: ended from the host, by a detach), or the `error` that ended the session instead."""
+
+    exit_code: int | None = None
+    timed_out: bool = False
+    killed: bool = False
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, object]:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"exit_code": self.exit_code, "timed_out": self.timed_out, "killed": self.killed}
+
+    @classmethod
+    def from_wire(cls, data: object) -> TerminalEnd:
+        data = _object(data, "terminal end")
+        if "error" in data:
+            return cls(error=_text(data, "error", MAX_FRAME))
+        exit_code = data.get("exit_code")
+        if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+            raise WireError(f"exit_code: expected an integer or null, got {type(exit_code).__name__}")
+        return cls(exit_code, _flag(data, "timed_out"), _flag(data, "killed"))
+
+    @classmethod
+    def of_frame(cls, payload: bytes) -> TerminalEnd:
+        """An EXIT frame's payload (JSON), checked."""
+        try:
+            return cls.from_wire(json.loads(payload))
+        except ValueError as exc:  # not JSON (WireError is one too)
+            raise FrameError(f"the terminal's EXIT frame is not a TerminalEnd: {exc}") from None
+
+
 # -- field readers ----------------------------------------------------------------------------------
 
 
@@ -409,3 +598,18 @@ def _env(env: object) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= MAX_ENV_ITEM for k, v in env.items()):
         raise WireError(f"env: expected at most {MAX_ENV} string names and values")
     return dict(env)
+
+
+def _stdin(data: Mapping[str, Any]) -> bytes | None:
+    text = _text(data, "stdin", (MAX_STDIN + 2) // 3 * 4, optional=True, meaning="base64 bytes")
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise WireError("stdin: expected base64") from exc
+
+
+def _last(query: Mapping[str, list[str]], name: str, default: str) -> str:
+    values = query.get(name)
+    return values[-1] if values else default

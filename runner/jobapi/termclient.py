@@ -112,7 +112,10 @@ def relay(sock: socket.socket, buffered: bytes, stdin: int | None, stdout: int) 
                     return {"detached": True}
                 sock.sendall(termwire.encode(termwire.INPUT, keys))
             if sock.fileno() in ready:
-                frame = frames.next()
+                try:
+                    frame = frames.next()
+                except termwire.FrameError as exc:  # the contract's (a ValueError), not a ClientError
+                    return {"error": f"the service's stream broke the terminal framing: {exc}"}
                 if frame is None:
                     return {"error": "the service closed the session"}
                 if frame.kind == termwire.EXIT:

@@ -18,7 +18,6 @@ import json
 import logging
 import pwd
 import socket
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,11 +26,12 @@ from runner.jobapi import termwire
 from runner.sandbox.terminal import Terminal
 from runner.service.api.refusals import BadRequest
 from runner.service.api.termfilter import TerminalFilter
+from runner.service.api.termsession import TerminalSession, switch
 from runner.service.jobs.auth import Caller, Forbidden, in_group, peer_ids
 from runner.service.jobs.job import JobRun
 from runner.service.jobs.service import JobStateConflict
 from runner.uidrange import RUNNER_UIDS
-from runner.vm.guestwire import PTY_MAX_SIDE, PTY_SIGNALS
+from runner.vm.guestwire import PTY_MAX_SIDE
 
 if TYPE_CHECKING:
     from runner.service.api.exchange import Exchange
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_JOB = 4
 SESSION_SECONDS = 3600.0  # the guest ends a session's program past this
-SEND_SECONDS = 10.0  # a client that takes no output for this long is detached (the VM's channel must flow)
 MAX_ARGV_BYTES = 16 * 1024
 SHELL = ["/bin/bash", "-i"]
 TERM_NAME = "xterm-256color"
@@ -109,88 +108,23 @@ def detached(run: JobRun) -> None:
         run.terminals -= 1
 
 
-class Session:
-    """One attached client, after the 101: its frames in (a reader loop on the request's worker), the
-    terminal's output out (a thread of its own, filtered), the EXIT frame last."""
+class Session(TerminalSession):
+    """One attached client (the session's machinery is termsession.py's, shared with the sandboxes'): the
+    terminal's output filtered for the operator's terminal, the job's log saying what happened."""
 
     def __init__(self, sock: socket.socket, buffered: bytes, terminal: Terminal, run: JobRun, who: str) -> None:
-        self.sock, self.terminal, self.run, self.who = sock, terminal, run, who
-        self.frames = termwire.FrameReader(sock.recv, termwire.CLIENT_KINDS, buffered)
+        super().__init__(sock, buffered, terminal, run.record.id)
+        self.run, self.who = run, who
         self.screen = TerminalFilter()
-        self._send_lock = threading.Lock()
 
-    def serve(self) -> None:
-        pump = threading.Thread(target=self._pump, name=f"terminal-{self.run.record.id}", daemon=True)
-        pump.start()
-        try:
-            self._take_input()
-        finally:
-            try:
-                self.terminal.end()  # detached (or the client broke off): its program ends, the job goes on
-            except Exception as exc:
-                log.debug("ending a terminal session of job %s: %s", self.run.record.id, exc)
-            pump.join()
+    def shown(self, chunk: bytes) -> bytes:
+        return self.screen.feed(chunk)
 
-    def _take_input(self) -> None:
-        self.sock.settimeout(None)
-        while True:
-            try:
-                frame = self.frames.next()
-            except (termwire.FrameError, OSError) as exc:
-                self.run.log.system(f"terminal session of {self.who}: its client broke off ({exc})")
-                return
-            if frame is None or self.terminal.outcome is not None:
-                return
-            try:
-                self._act(frame)
-            except Exception as exc:  # the VM went, a bad resize: the session ends, the job is not ours to end
-                self.run.log.system(f"terminal session of {self.who}: {exc}")
-                return
+    def note(self, text: str) -> None:
+        self.run.log.system(f"terminal session of {self.who}: {text}")
 
-    def _act(self, frame: termwire.Frame) -> None:
-        if frame.kind == termwire.INPUT:
-            self.terminal.write(frame.payload)
-        elif frame.kind == termwire.RESIZE:
-            self.terminal.resize(*termwire.parse_size(frame.payload, PTY_MAX_SIDE))
-        elif frame.payload.decode(errors="replace") in PTY_SIGNALS:
-            self.terminal.signal(frame.payload.decode())
-
-    def _pump(self) -> None:
-        outcome: dict[str, object]
-        try:
-            for chunk in self.terminal.output():
-                self._send(termwire.encode_output(self.screen.feed(chunk)))
-            done = self.terminal.outcome
-            outcome = {"exit_code": done.exit_code, "timed_out": done.timed_out, "killed": done.killed} \
-                if done is not None else {"error": "the session ended without an exit status"}
-        except OSError:
-            outcome = {"error": "the client stopped taking the terminal's output"}
-        except Exception as exc:
-            outcome = {"error": str(exc)[:500]}
-        finally:
-            self.terminal.close()
+    def ended(self, outcome: dict[str, object]) -> None:
         self.run.log.system(f"terminal session of {self.who} ended: {json.dumps(outcome)}")
-        try:
-            self._send(termwire.encode_exit(outcome))
-            self.sock.shutdown(socket.SHUT_RDWR)  # the reader loop ends too
-        except OSError:
-            pass
-
-    def _send(self, data: bytes) -> None:
-        with self._send_lock:
-            self.sock.settimeout(SEND_SECONDS)
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                self.sock.shutdown(socket.SHUT_RDWR)
-                raise
-
-
-def switch(ex: Exchange) -> tuple[socket.socket, bytes]:
-    """Answer 101 (the request asked for UPGRADE); the raw socket and what the client sent after its head."""
-    if ex.headers.get("Upgrade", "").lower() != termwire.UPGRADE:
-        raise BadRequest(f"a terminal is an HTTP/1.1 Upgrade to {termwire.UPGRADE!r} (microvm-check jobs attach)")
-    return ex.upgrade(termwire.UPGRADE)
 
 
 def attach(ex: Exchange, job: Callable[[], JobRun], caller: Caller, attach_group: str | None) -> None:
