@@ -32,6 +32,7 @@ from runner.errors import AttestationError
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "urn:uuid:d1a758d2-d38b-4456-b536-c60179823b59"  # microvm-check job record, version 1
+OPTIONAL = ("vmReadyMs", "error", "secretsUsed", "terminalSessions")  # members a verifier may find absent
 ENVELOPE_FILE = "microvm-check.intoto.jsonl"  # written next to the artifacts by the action and `run`
 JOB_SUBJECT_PREFIX = "job:"
 
@@ -79,6 +80,10 @@ class JobPredicate:
     error: str | None = None
     # The job's secret bindings: name, host, source (operator or workflow), requests; never a value.
     secretsUsed: list[dict[str, Any]] = field(default_factory=list)
+    # The terminal sessions attached to the job's VM by the time it ended (issue 37): who, attachedAt,
+    # endedAt and ended (null while still attached), bytesIn, bytesOut. [] when nobody attached; None (absent)
+    # in records signed before sessions were kept, which say nothing either way.
+    terminalSessions: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # members a later version adds, kept when read
 
     def to_json(self) -> dict[str, Any]:
@@ -91,7 +96,7 @@ class JobPredicate:
         if not isinstance(data, dict):
             raise AttestationError("the statement's predicate is not an object")
         names = [f for f in cls.__dataclass_fields__ if f != "extra"]
-        missing = [n for n in names if n not in data and n not in ("vmReadyMs", "error", "secretsUsed")]
+        missing = [n for n in names if n not in data and n not in OPTIONAL]
         if missing:
             raise AttestationError(f"the predicate lacks {', '.join(missing)}")
         known: dict[str, Any] = {n: data.get(n) for n in names}

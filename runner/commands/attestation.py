@@ -112,6 +112,7 @@ def describe(verified: Verified, artifacts: Path | None) -> str:
         f"({_t(p.egressAudit.get('records'))} records)",
         f"times: started {_t(p.startedAt)}, finished {_t(p.finishedAt)}",
     ]
+    lines.append(_sessions(p.terminalSessions))
     subjects = statement.artifacts
     if artifacts is None:
         lines.append(f"artifacts: {len(subjects)} named, not checked (pass --artifacts DIR)")
@@ -126,6 +127,17 @@ def describe(verified: Verified, artifacts: Path | None) -> str:
         lines.append(f"record subject: {subject.sha256}  {_t(subject.name)} (the digest of its predicate: the job "
                      "had no artifacts)")
     return "\n".join(lines)
+
+
+def _sessions(sessions: list[dict[str, Any]] | None) -> str:
+    """The record's terminal sessions: none, who attached when, or that the record predates them."""
+    if sessions is None:
+        return "terminal sessions: not recorded (signed before they were kept)"
+    if not sessions:
+        return "terminal sessions: none attached"
+    shown = [f"  {_t(s.get('who'))} at {_t(s.get('attachedAt'))}, ended {_t(s.get('endedAt'))}: {_t(s.get('ended'))}"
+             for s in sessions[:50] if isinstance(s, dict)]
+    return "\n".join([f"terminal sessions: {len(sessions)} attached", *shown])
 
 
 def _ref(value: object) -> str:

@@ -570,6 +570,10 @@ class JobRecord:
     # The job's secret bindings and how often each value went out (docs/secrets.md): name, host, source
     # ("operator" or "workflow") and requests; never a value. [] when it had none, or in older records.
     secrets_used: list[dict[str, Any]] = field(default_factory=list)
+    # The terminal sessions attached to its VM (`jobs attach`/`jobs exec`, docs/debugging.md), in the order
+    # they attached: session (its number in the transcript), who, argv, attached_at, ended_at and ended (None
+    # while attached), bytes_in (typed), bytes_out (the guest's output). [] when none, or in older records.
+    terminal_sessions: list[dict[str, Any]] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -612,6 +616,7 @@ class JobRecord:
             command=_field(data, "command", (str,), optional=True) or "",
             narrowed_egress=_strings(data.get("narrowed_egress"), "narrowed_egress"),
             secrets_used=_secrets_used(data.get("secrets_used")),
+            terminal_sessions=_objects(data.get("terminal_sessions"), "terminal_sessions"),
             blocked_egress=_entries(data, "blocked_egress", AuditRecord.from_wire),
             artifacts=_entries(data, "artifacts", Artifact.from_wire),
         )
@@ -656,10 +661,15 @@ def _strings(value: object, key: str) -> list[str]:
 
 def _secrets_used(value: object) -> list[dict[str, Any]]:
     """A record's `secrets_used` (absent in records from before it): [] when missing."""
+    return _objects(value, "secrets_used")
+
+
+def _objects(value: object, key: str) -> list[dict[str, Any]]:
+    """An optional list of JSON objects (absent in records from before the field): [] when missing."""
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise WireError("secrets_used: expected a list of JSON objects")
+        raise WireError(f"{key}: expected a list of JSON objects")
     return value
 
 

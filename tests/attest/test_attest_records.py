@@ -15,8 +15,9 @@ import pytest
 from microvm_check.entries import AuditRecord
 from runner.attest import dsse
 from runner.attest.keys import SigningKey
-from runner.attest.statement import PAYLOAD_TYPE, Statement
+from runner.attest.statement import PAYLOAD_TYPE, JobPredicate, Statement
 from runner.attest.verify import verify_record
+from runner.commands.attestation import _sessions
 from runner.errors import AttestationError
 from runner.jobapi.contract import JobRecord, JobState
 from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts
@@ -137,3 +138,35 @@ def test_a_link_in_the_artifacts_directory_is_not_followed(key: SigningKey, tmp_
     (out / "a").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(AttestationError, match="a/f"):
         verify_record((tmp_path / "attestation.intoto.jsonl").read_bytes(), key.public, out)
+
+
+def test_the_record_says_who_attached_a_terminal_and_a_job_nobody_attached_says_none(key: SigningKey,
+                                                                                    tmp_path: Path) -> None:
+    def signed(record: JobRecord) -> Statement:
+        JobAttestor(key).sign(tmp_path, record, None, ArtifactFacts())
+        return Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
+
+    assert signed(_record(JobState.FINISHED, exit_code=0)).predicate.terminalSessions == []
+    sessions = [{"session": 1, "who": "alice (uid 1001)", "argv": "/bin/bash -i", "attached_at": 1796650000.5,
+                 "ended_at": 1796650060.25, "ended": "detached: its program was ended", "bytes_in": 12,
+                 "bytes_out": 3400},
+                {"session": 2, "who": "root", "argv": "tty", "attached_at": 1796650070.0, "ended_at": None,
+                 "ended": None, "bytes_in": 0, "bytes_out": 0}]
+    got = signed(_record(JobState.FAILED, terminal_sessions=sessions)).predicate.terminalSessions
+    assert got == [{"who": "alice (uid 1001)", "attachedAt": "2026-12-07T13:26:40.500Z",
+                    "endedAt": "2026-12-07T13:27:40.250Z", "ended": "detached: its program was ended",
+                    "bytesIn": 12, "bytesOut": 3400},
+                   {"who": "root", "attachedAt": "2026-12-07T13:27:50.000Z", "endedAt": None, "ended": None,
+                    "bytesIn": 0, "bytesOut": 0}]
+    assert _sessions([]) == "terminal sessions: none attached"
+    assert _sessions(None).startswith("terminal sessions: not recorded")
+    shown = _sessions([{"who": "eve\x1b]52;c;x\x07", "attachedAt": "t", "endedAt": None, "ended": None}])
+    assert "\x1b" not in shown and "\x07" not in shown and shown.startswith("terminal sessions: 1 attached")
+
+
+def test_a_record_signed_before_sessions_were_kept_says_nothing_of_them(key: SigningKey, tmp_path: Path) -> None:
+    JobAttestor(key).sign(tmp_path, _record(JobState.FINISHED, exit_code=0), None, ArtifactFacts())
+    statement = Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
+    older = statement.to_json()["predicate"]
+    del older["terminalSessions"]
+    assert JobPredicate.from_json(older).terminalSessions is None

@@ -8,7 +8,9 @@ program of its own on a pty in the job's VM, with the job's environment and work
 may be attached at once (MAX_SESSIONS_PER_JOB, each holding an API worker), and closing one (detaching)
 ends that program only, never the job. The guest's output reaches the operator through the terminal
 filter (runner/service/api/termfilter.py), and the job's log says who attached, what they ran and when
-they left.
+they left. Everything a session sends and receives goes into the job's transcript (runner/service/jobs/
+joblog.py `Transcript`: bounded like the log, neutralised where it is shown), and the job's record lists its
+sessions (`terminal_sessions`: who, when, how each ended, bytes in and out), which its signed record carries.
 """
 
 from __future__ import annotations
@@ -112,12 +114,21 @@ class Session(TerminalSession):
     """One attached client (the session's machinery is termsession.py's, shared with the sandboxes'): the
     terminal's output filtered for the operator's terminal, the job's log saying what happened."""
 
-    def __init__(self, sock: socket.socket, buffered: bytes, terminal: Terminal, run: JobRun, who: str) -> None:
+    def __init__(self, sock: socket.socket, buffered: bytes, terminal: Terminal, run: JobRun, who: str,
+                 argv: list[str]) -> None:
         super().__init__(sock, buffered, terminal, run.record.id)
         self.run, self.who = run, who
         self.screen = TerminalFilter()
+        self.transcript, self.number = run.terminal_attached(who, argv)
+        self.bytes_in = self.bytes_out = 0
+
+    def typed(self, data: bytes) -> None:
+        self.transcript.write(self.number, "in", data)
+        self.bytes_in += len(data)
 
     def shown(self, chunk: bytes) -> bytes:
+        self.transcript.write(self.number, "out", chunk)
+        self.bytes_out += len(chunk)
         return self.screen.feed(chunk)
 
     def note(self, text: str) -> None:
@@ -125,6 +136,7 @@ class Session(TerminalSession):
 
     def ended(self, outcome: dict[str, object]) -> None:
         self.run.log.system(f"terminal session of {self.who} ended: {json.dumps(outcome)}")
+        self.run.terminal_ended(self.number, _ended(outcome), self.bytes_in, self.bytes_out)
 
 
 def attach(ex: Exchange, job: Callable[[], JobRun], caller: Caller, attach_group: str | None) -> None:
@@ -137,7 +149,18 @@ def attach(ex: Exchange, job: Callable[[], JobRun], caller: Caller, attach_group
     try:
         run.log.system(f"terminal session attached by {who}: {' '.join(ask.argv)[:200]}")
         raw, buffered = switch(ex)
-        Session(raw, buffered, terminal, run, who).serve()
+        Session(raw, buffered, terminal, run, who, ask.argv).serve()
     finally:
         terminal.close()
         detached(run)
+
+
+def _ended(outcome: dict[str, object]) -> str:
+    """How a session ended, for the job's record."""
+    if "error" in outcome:
+        return str(outcome["error"])
+    if outcome.get("timed_out"):
+        return f"its program ran past {SESSION_SECONDS:.0f} s and was ended"
+    if outcome.get("killed"):
+        return "detached: its program was ended"
+    return f"its program exited {outcome.get('exit_code')}"

@@ -36,6 +36,7 @@ import yaml
 
 from runner.jobapi.contract import JobRecord, LogEntry, step_exit_code
 from runner.jobapi.workflow import neutralise_line, split_lines
+from runner.service.jobs.joblog import ShownLine, shown_lines
 
 if TYPE_CHECKING:
     from runner.service.jobs.joblog import JobLog
@@ -50,6 +51,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
            "Cache-Control": "no-store", "X-Frame-Options": "DENY"}
 PAGE_LOG_LINES = 2000  # the server-rendered log shows the last lines; the script follows the rest
+PAGE_TRANSCRIPT_LINES = 2000  # the terminal transcript shows its last lines; terminal.txt has it all
 PAGE_JOBS = 50  # jobs per page of the list
 REFRESH_SECONDS = 10  # the list reloads itself this often while any job is active
 MAX_SEARCH_HITS = 2000
@@ -57,7 +59,7 @@ MAX_FORM = 4096  # the cancel form: one CSRF token
 # The list's filter: a final state, "success"/"failure" (a finished job's exit code), or "active".
 RESULT_FILTERS = ("success", "failure", "failed", "timed_out", "cancelled", "active")
 ACTIVE = ("awaiting_checkout", "queued", "starting", "running")
-_UI_JOB = re.compile(r"/ui/jobs/(?P<id>[A-Za-z0-9_-]{1,64})(?P<rest>/logs|/artifacts|/cancel|/log\.txt)?")
+_UI_JOB = re.compile(r"/ui/jobs/(?P<id>[A-Za-z0-9_-]{1,64})(?P<rest>/logs|/artifacts|/cancel|/log\.txt|/terminal\.txt)?")
 GITHUB = "https://github.com"
 _SINCE_UNITS = {"d": 86400, "h": 3600}
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("runner.service.api", "templates"),
@@ -97,7 +99,8 @@ class Page:
 
 
 def ui_job_route(path: str) -> tuple[str, str] | None:
-    """(job id, "" or "/logs", "/artifacts", "/cancel", "/log.txt") for a job's page path, else None."""
+    """(job id, "" or "/logs", "/artifacts", "/cancel", "/log.txt", "/terminal.txt") for a job's page path,
+    else None."""
     match = _UI_JOB.fullmatch(path)
     return (match.group("id"), match.group("rest") or "") if match else None
 
@@ -208,11 +211,13 @@ def job_page(service: JobService, job_id: str, secret: str = "", search: str = "
     record = service.get(job_id)
     lines, last_seq, total = _log_lines(service.log_of(job_id), search[:200])
     started = record.timings.started_at or record.created_at
+    transcript, transcript_total = _transcript_tail(service.config.jobs_dir / record.id)
     return render("job.html", job=record, blocked=record.blocked_egress, lines=lines,
                   last_seq=last_seq, total_lines=total, search=search[:200],
                   started=started, policy=_policy(service, record), csrf=csrf_token(secret, job_id) if secret else "",
                   narrowed=narrowed_words(record.narrowed_egress),
-                  tail=PAGE_LOG_LINES if total > len(lines) and not search else None)
+                  tail=PAGE_LOG_LINES if total > len(lines) and not search else None,
+                  transcript=transcript, transcript_total=transcript_total)
 
 
 def insights_page(service: JobService, repository: str, since: str) -> Page:
@@ -310,6 +315,26 @@ def log_text(job_log: JobLog) -> Iterator[bytes]:
     for stream, ts, text in _lines_of(_Entries(_committed(job_log))):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
         yield f"{stamp} {stream:<6} {text}\n".encode()
+
+
+def _transcript_tail(job_dir: Path) -> tuple[list[ShownLine], int]:
+    """The last PAGE_TRANSCRIPT_LINES lines of the job's terminal transcript (neutralised), and how many."""
+    lines: list[ShownLine] = []
+    total = 0
+    for line in shown_lines(job_dir):
+        total += 1
+        lines.append(line)
+        if len(lines) > 2 * PAGE_TRANSCRIPT_LINES:
+            del lines[:-PAGE_TRANSCRIPT_LINES]
+    return lines[-PAGE_TRANSCRIPT_LINES:], total
+
+
+def transcript_text(job_dir: Path) -> Iterator[bytes]:
+    """The whole terminal transcript as inert text (terminal.txt): each line with its time, session and
+    direction; no escape sequence or control of the guest's reaches whoever prints it."""
+    for line in shown_lines(job_dir):
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(line.ts)) + f".{int(line.ts * 1000) % 1000:03d}Z"
+        yield f"{stamp} #{line.session} {line.dir:<4} {line.text}\n".encode()
 
 
 def _committed(job_log: JobLog) -> Iterator[bytes]:

@@ -66,6 +66,8 @@ class WebRoutes:
                 return JobRoutes(h).artifacts(job_id, {"Content-Disposition": download, **page.HEADERS})
             if rest == "/log.txt":
                 return self._log_text(job_id)
+            if rest == "/terminal.txt":
+                return self._transcript_text(job_id)
             if rest == "/cancel":
                 raise MethodNotAllowed(f"GET is not allowed on {path}: the job page's cancel button posts")
             shown = page.job_page(h.service, job_id, token, query.get("q", [""])[-1])
@@ -101,6 +103,17 @@ class WebRoutes:
         h.start_response(200, {"Content-Type": "text/plain; charset=utf-8",
                                "Content-Disposition": f'attachment; filename="{job_id}.log.txt"', **page.HEADERS})
         for data in page.log_text(job_log):
+            h.send_data(data)
+        h.end_response()
+
+    def _transcript_text(self, job_id: str) -> None:
+        """The job's terminal transcript, neutralised as the page shows it."""
+        h = self.h
+        record = h.service.get(job_id)  # 404 for unknown ids
+        h.start_response(200, {"Content-Type": "text/plain; charset=utf-8",
+                               "Content-Disposition": f'attachment; filename="{record.id}.terminal.txt"',
+                               **page.HEADERS})
+        for data in page.transcript_text(h.service.config.jobs_dir / record.id):
             h.send_data(data)
         h.end_response()
 

@@ -10,8 +10,9 @@ service validated them (the clean tar), JUnit totals counted by the service from
 (runner/junit.py, as the action counts), the template and warm base the VM restored from (read at
 restore), the effective policy's digest, the digest of the egress audit in the job's record, the exit
 code, the accelerator, the times and the secret bindings the job had (names, hosts, where each came
-from and how many requests its value went into; never a value). A record that cannot be signed (a full disk) is logged; the job
-keeps its result.
+from and how many requests its value went into; never a value), and the terminal sessions attached to its
+VM by then (who, when, how each ended: `terminalSessions`, [] when nobody attached). A record that
+cannot be signed (a full disk) is logged; the job keeps its result.
 """
 
 from __future__ import annotations
@@ -128,7 +129,11 @@ def predicate(record: JobRecord, vm: VmFacts | None, junit: Totals | None) -> Jo
         accelerator=vm.accelerator, startedAt=rfc3339(record.timings.started_at),
         finishedAt=rfc3339(record.timings.finished_at), vmReadyMs=record.timings.vm_ready_ms, error=record.error,
         secretsUsed=[{"name": used.get("name"), "host": used.get("host"), "source": used.get("source"),
-                      "requests": used.get("requests")} for used in record.secrets_used])
+                      "requests": used.get("requests")} for used in record.secrets_used],
+        terminalSessions=[{"who": session.get("who"), "attachedAt": rfc3339(session.get("attached_at")),
+                           "endedAt": rfc3339(session.get("ended_at")), "ended": session.get("ended"),
+                           "bytesIn": session.get("bytes_in"), "bytesOut": session.get("bytes_out")}
+                          for session in record.terminal_sessions])
 
 
 class JobAttestor:

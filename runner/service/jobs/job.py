@@ -33,7 +33,7 @@ from runner.service.config.settings import ServiceConfig
 from runner.service.jobs import containers
 from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
 from runner.service.jobs.command import direct_argv, shell_argv
-from runner.service.jobs.joblog import JobLog, LogFull
+from runner.service.jobs.joblog import JobLog, LogFull, Transcript
 from runner.service.jobs.jobsecrets import JobSecrets, MaskedLog
 from runner.service.jobs.outputs import bounded_blocked, collect_artifacts, refused_egress
 from runner.service.jobs.sessions import KEEP_MAX_SECONDS, Session, Sessions
@@ -122,6 +122,7 @@ class JobRun:
     # until then. A kept VM's later steps have their first step's.
     choice: TemplateChoice | None = None
     terminals: int = 0  # terminal sessions attached to its VM now (runner/service/api/attach.py)
+    transcript: Transcript | None = None  # what they sent and received, once one attached
 
     @property
     def checkout_path(self) -> Path:
@@ -135,6 +136,31 @@ class JobRun:
                 target = self.record.timings if hasattr(self.record.timings, key) else self.record
                 setattr(target, key, value)
             self.save(self.record)
+
+    def terminal_attached(self, who: str, argv: list[str]) -> tuple[Transcript, int]:
+        """A terminal session attaches: its entry in the record, saved (also once the record is final: a
+        session may end just after the job's result), and its number in the transcript."""
+        with self.lock:
+            if self.transcript is None:
+                self.transcript = Transcript(self.dir, self.log.limits)
+            number = len(self.record.terminal_sessions) + 1
+            self.record.terminal_sessions.append(
+                {"session": number, "who": who, "argv": " ".join(argv)[:200], "attached_at": time.time(),
+                 "ended_at": None, "ended": None, "bytes_in": 0, "bytes_out": 0})
+            self.save(self.record)
+            transcript = self.transcript
+        transcript.note(number, f"terminal session {number} attached by {who}: {' '.join(argv)[:200]}")
+        return transcript, number
+
+    def terminal_ended(self, number: int, ended: str, bytes_in: int, bytes_out: int) -> None:
+        with self.lock:
+            for entry in self.record.terminal_sessions:
+                if entry.get("session") == number:
+                    entry.update(ended_at=time.time(), ended=ended[:300], bytes_in=bytes_in, bytes_out=bytes_out)
+            self.save(self.record)
+            transcript = self.transcript
+        if transcript is not None:
+            transcript.note(number, f"terminal session {number} ended: {ended[:300]}")
 
     def cancel(self, reason: str) -> bool:
         """Ask the job to stop; destroys its VM now. False when it had already finished."""

@@ -8,15 +8,28 @@ pass it writes what fits, a system note, and raises `LogFull` so the caller stop
 Small writes are merged into larger entries before they get here (`runner.vm.agent`), which is
 what keeps an entry's fixed overhead from multiplying a byte-at-a-time writer's output. Memory use
 is one entry at a time whatever the guest writes.
+
+Beside it, the job's terminal transcript (`Transcript`, issue 37): everything its attached sessions
+(runner/service/api/attach.py) sent and received, in the job's directory beside its log, pruned with it.
+
+NDJSON, one entry per chunk: `{"session": n, "dir": "in"|"out", "ts": …, "data": base64}` for what the
+operator typed (in) and the guest's output as it came (out, before the terminal filter: the record is of
+what the guest did), and `{"session": n, "dir": "note", …}` for the service's own lines (attached by,
+ended). Bounded like the log: at most `max_bytes` on disk (the log's `logs.max_bytes`), entries of at most
+`max_entry_bytes`; past the budget what fits is written, then one note says the transcript was cut, and
+nothing more of any session is kept (the sessions go on). Whoever shows it neutralises the guest's bytes
+for where they go (`shown_lines`: no escape sequence, no control, for a terminal and for HTML alike).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -238,3 +251,127 @@ def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
+
+TRANSCRIPT = "terminal.ndjson"  # in the job's directory
+DIRECTIONS = ("in", "out", "note")
+MAX_LINE = 64 * 1024  # a line longer is shown in pieces
+_NOTE_ROOM = 512  # kept for the note that says the transcript was cut
+# What showing a transcript removes of the guest's bytes: every escape sequence (CSI, OSC/DCS/APC/PM/SOS
+# strings to their terminator or the end, two- and three-character escapes), then every control left but
+# newline and tab. A carriage return before a newline is the terminal's line end; any other ends a line too.
+_SEQUENCES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b[P\]_^X][^\x07\x1b]*(?:\x07|\x1b\\|$)|\x1b[ -/]*[0-~]?"
+                        r"|[\x9b][0-?]*[ -/]*[@-~]?|[\x90\x9d\x9e\x9f\x98][^\x07\x1b\x9c]*(?:\x07|\x9c|\x1b\\|$)")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class Transcript:
+    """The job's transcript file, written by any number of sessions at once (one lock)."""
+
+    def __init__(self, job_dir: Path, limits: LogLimits) -> None:
+        self.path = job_dir / TRANSCRIPT
+        self._limits = limits
+        self._lock = threading.Lock()
+        self._size = self.path.stat().st_size if self.path.exists() else 0
+        self._cut = False
+
+    def note(self, session: int, text: str) -> None:
+        self.write(session, "note", text.encode()[:1024])
+
+    def write(self, session: int, direction: str, data: bytes) -> None:
+        """Keep a chunk (split into entries); past the budget, what fits and then the one note."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"unknown direction {direction!r}")
+        step = self._limits.max_entry_bytes
+        with self._lock:
+            for start in range(0, max(len(data), 1), step):
+                if not self._put(session, direction, data[start:start + step]):
+                    return
+
+    def _put(self, session: int, direction: str, data: bytes) -> bool:
+        if self._cut:
+            return False
+        room = self._limits.max_bytes - self._size - _NOTE_ROOM  # the cut note fits after anything written
+        entry = _entry(session, direction, data)
+        if len(entry) <= room:
+            self._append(entry)
+            return True
+        fits = max(0, (room - len(entry) + _b64_size(len(data))) // 4 * 3)
+        if fits and direction != "note":
+            self._append(_entry(session, direction, data[:fits]))
+        self._cut = True
+        note = _entry(session, "note", f"the transcript reached its limit of {self._limits.max_bytes} bytes "
+                                       "(logs.max_bytes): nothing more of any session is kept".encode())
+        if self._size + len(note) <= self._limits.max_bytes:  # not when an earlier process already wrote it
+            self._append(note)
+        return False
+
+    def _append(self, line: bytes) -> None:
+        with open(self.path, "ab") as f:
+            f.write(line)
+        self._size += len(line)
+
+
+def _entry(session: int, direction: str, data: bytes) -> bytes:
+    entry = {"session": session, "dir": direction, "ts": time.time(), "data": base64.b64encode(data).decode()}
+    return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+
+
+@dataclass(frozen=True)
+class ShownLine:
+    """One line of a transcript as shown: its session, direction, time and neutral text."""
+
+    session: int
+    dir: str
+    ts: float
+    text: str
+
+
+def neutral(text: str) -> str:
+    """Terminal bytes as inert text: no escape sequence, no control but newline and tab."""
+    text = _SEQUENCES.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROLS.sub("", text)
+
+
+def shown_lines(job_dir: Path) -> Iterator[ShownLine]:
+    """The transcript's lines, neutralised, each session's input and output kept apart: a chunk that ends
+    inside a line is continued by the next chunk of its session and direction (a sequence split between
+    chunks is whole again before it is removed). Entries not of the service's own shape are skipped."""
+    path = job_dir / TRANSCRIPT
+    if not path.exists():
+        return
+    pending: dict[tuple[int, str], tuple[float, str]] = {}
+    with open(path, "rb") as f:
+        for raw in f:
+            entry = _read(raw)
+            if entry is None:
+                continue
+            session, direction, ts, data = entry
+            text = data.decode("utf-8", "replace")
+            if direction == "note":
+                yield ShownLine(session, direction, ts, neutral(text).replace("\n", " "))
+                continue
+            first, held = pending.pop((session, direction), (ts, ""))
+            text = held + text.replace("\r\n", "\n").replace("\r", "\n")
+            end = text.rfind("\n")
+            if end < 0 and len(text) < MAX_LINE:
+                pending[session, direction] = (first, text)
+                continue
+            whole, rest = (text[:end], text[end + 1:]) if end >= 0 else (text, "")
+            for number, line in enumerate(neutral(whole).split("\n")):
+                yield ShownLine(session, direction, first if number == 0 else ts, line)
+            if rest:
+                pending[session, direction] = (ts, rest)
+    for (session, direction), (ts, text) in pending.items():
+        yield ShownLine(session, direction, ts, neutral(text))
+
+
+def _read(raw: bytes) -> tuple[int, str, float, bytes] | None:
+    try:
+        entry = json.loads(raw)
+        session, direction, ts = entry["session"], entry["dir"], entry["ts"]
+        data = base64.b64decode(entry["data"], validate=True)
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(session, int) or direction not in DIRECTIONS or not isinstance(ts, (int, float)):
+        return None
+    return session, direction, float(ts), data

@@ -46,10 +46,11 @@ _COLUMNS = (
     "command TEXT NOT NULL DEFAULT ''",
     "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
     "secrets_used TEXT NOT NULL DEFAULT '[]'",
+    "terminal_sessions TEXT NOT NULL DEFAULT '[]'",
 )
 # Columns added since the first schema: a store made before gets them (ALTER TABLE) when opened.
 _ADDED_COLUMNS = ("command TEXT NOT NULL DEFAULT ''", "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
-                  "secrets_used TEXT NOT NULL DEFAULT '[]'")
+                  "secrets_used TEXT NOT NULL DEFAULT '[]'", "terminal_sessions TEXT NOT NULL DEFAULT '[]'")
 _NAMES = tuple(c.split()[0] for c in _COLUMNS)
 _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
@@ -67,6 +68,7 @@ def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
     values["artifacts"] = json.dumps([entry.to_wire() for entry in rec.artifacts])
     values["narrowed_egress"] = json.dumps(rec.narrowed_egress)
     values["secrets_used"] = json.dumps(rec.secrets_used)
+    values["terminal_sessions"] = json.dumps(rec.terminal_sessions)
     return tuple(values[name] for name in _NAMES)
 
 
@@ -79,6 +81,7 @@ def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
     values["artifacts"] = _entries(values["artifacts"], Artifact.from_wire)
     values["narrowed_egress"] = json.loads(values["narrowed_egress"])
     values["secrets_used"] = json.loads(values["secrets_used"])
+    values["terminal_sessions"] = json.loads(values["terminal_sessions"])
     return JobRecord(timings=timings, **values)
 
 
@@ -115,7 +118,10 @@ class RecordStore:
     def put(self, rec: JobRecord) -> None:
         marks = ", ".join("?" for _ in _NAMES)
         with self._lock:
+            before = self._db.execute("SELECT state FROM jobs WHERE id = ?", (rec.id,)).fetchone()
             self._db.execute(f"INSERT OR REPLACE INTO jobs ({', '.join(_NAMES)}) VALUES ({marks})", _to_row(rec))
+        if rec.final and before is not None and before[0] == rec.state.value:
+            return  # a final record saved again (a terminal session's end, after the result) is no news
         self.events.saw(rec)
 
     def get(self, job_id: str) -> JobRecord | None:
