@@ -5,13 +5,14 @@ Here: the default socket, the headers, the routes' paths, the bounds a request i
 typed forms of what is sent (CreateRequest, ExecRequest, TerminalRequest) and answered (SandboxInfo,
 CreateAnswer, ExecOutput and ExecEnd lines, FileEntry in a Listing, SnapshotAnswer, DestroyAnswer,
 ErrorAnswer, TerminalEnd), each with `to_wire()` and `from_wire()`; and the framing of a terminal's
-stream (after an HTTP/1.1 Upgrade), which the job API's `jobs attach` speaks too (runner/jobapi/
-termwire.py). `from_wire()` takes what came over the wire as untrusted: it checks every field it reads
+stream (after an HTTP/1.1 Upgrade), which the job API's `jobs attach` speaks too
+(runner/jobapi/termwire.py). `from_wire()` takes what came over the wire as untrusted: it checks every field it reads
 and raises WireError naming the first that is wrong; a field it does not know is left alone in an
 answer (a newer service may add one), refused in a create's body.
 
-It imports nothing but the standard library: the service imports it (the one module of the SDK it
-may import, pyproject.toml's import-linter contracts), and callers get it without the service's code.
+It imports nothing but the standard library and microvm_check/entries.py (the record types, standard library
+only too): the service imports the two (the modules of the SDK it may import, pyproject.toml's import-linter
+contracts), and callers get them without the service's code.
 """
 
 from __future__ import annotations
