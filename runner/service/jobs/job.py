@@ -360,7 +360,7 @@ class JobRun:
         return run(shell_argv(command), limit)
 
     def _collect_artifacts(self, sandbox: SandboxLike, config: ServiceConfig) -> None:
-        """Validated artifacts into the job dir (runner/service/artifacts.py); trouble with them is a
+        """Validated artifacts into the job dir (runner/service/jobs/outputs.py); trouble with them is a
         warning in the log, and the command's exit code is the job's result either way."""
         entries = collect_artifacts(sandbox, self.spec, self.dir, self.dir / ARTIFACTS, config.artifacts, self.log,
                                     lambda: bool(self.cancel_reason))
