@@ -327,7 +327,7 @@ def rehearse(vm: VM, image: Path, timeout: float) -> None:
     media change, the ext4 and overlay mounts cost 100-300 ms the first time and a fraction after.
     Paying that in the pool keeps it off the job's clock. The drive is left free, holding this
     medium unmounted; the job's checkout replaces it (and its UUID check tells the two apart)."""
-    assert vm.agent is not None  # rehearsed after the agent's first answers (Engine._ready)
+    assert vm.agent is not None  # rehearsed after the agent's first answers (Engine._restore)
     vm.machine.change_medium(image)
     vm.agent.call({"op": "checkout", "device": CHECKOUT_DEVICE, "uuid": REHEARSAL_UUID, "dir": TREE,
                    "dest": "/run/microvm-check-rehearsal", "rehearsal": True}, timeout)

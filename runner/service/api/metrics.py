@@ -10,7 +10,7 @@ Two sources, so that no hot path grows a hook:
   every path that ends a job (worker, reaper, cancel, start-up clean-up) is counted once.
 
 Counters and histograms start at zero with the process, as Prometheus expects; the job records are the
-durable history (a scrape during a job and the records agree: tests/service/test_metrics.py).
+durable history (a scrape during a job and the records agree: tests/service/test_web_metrics.py).
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ class EventsTee:
 
 
 class CountedRunners:
-    """The job service as the runner fleet sees it (runner.fleet.FleetService), with each runner's start and
+    """The job service as the runner fleet sees it (runner.fleet.fleet.FleetService), with each runner's start and
     end counted: the fleet calls `add_runner` once per runner it starts and `remove_runner` once as it ends."""
 
     def __init__(self, desk: RunnerDesk, metrics: JobMetrics) -> None:

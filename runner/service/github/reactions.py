@@ -41,7 +41,7 @@ class GitHubReactions:
             log.debug("not pre-warming for %s", job.repository, exc_info=True)
             return
         if needs_network(policy) and not config.network.enabled:
-            return  # its submit will be refused: see JobService._admit
+            return  # its submit will be refused: see Admission.admit
         vms = service.vms
         service.prewarmed.prewarm(_announced(job), job.job_id, policy.digest(),
                                   lambda: choose_template(config.default_template, repository=job.repository,

@@ -19,9 +19,9 @@ With VMs and the GitHub App (github_config), the host also gives the job service
 warm bases (runner/service/jobs/bases.py) on its engine, held to the config's `bases.disk_budget` from
 the start (a budget lowered since the last run evicts at once) and after every build.
 
-`_build` is the order; each role's parts are built by its own builder: the VM side (host_vms.py), the
-job side (host_jobs.py), the GitHub side (host_github.py), the fleet (host_fleet.py), and the metrics
-and status (host_status.py).
+`_build` is the order; each role's parts are built by its own builder: the VM side (host/vms.py), the
+job side (host/jobs.py), the GitHub side (host/github.py), the fleet (host/fleet.py), and the metrics
+and status (host/status.py).
 """
 
 from __future__ import annotations
