@@ -24,15 +24,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from microvm_check._wire import ExecResult, SandboxError, Service
-    from microvm_check.aio import AsyncSandbox
-    from microvm_check.client import Sandbox
-    from microvm_check.contract import FileEntry, SandboxInfo
+    from microvm_check.aio import AsyncSandbox, AsyncTerminal
+    from microvm_check.client import Sandbox, Terminal
+    from microvm_check.contract import FileEntry, SandboxInfo, TerminalEnd
     from microvm_check.entries import AuditRecord
 
-_HOMES = {"AsyncSandbox": "aio", "AuditRecord": "entries", "ExecResult": "_wire", "FileEntry": "contract",
-          "Sandbox": "client", "SandboxError": "_wire", "SandboxInfo": "contract", "Service": "_wire"}
-__all__ = ["AsyncSandbox", "AuditRecord", "ExecResult", "FileEntry", "Sandbox", "SandboxError", "SandboxInfo",
-           "Service"]
+_HOMES = {"AsyncSandbox": "aio", "AsyncTerminal": "aio", "AuditRecord": "entries", "ExecResult": "_wire",
+          "FileEntry": "contract", "Sandbox": "client", "SandboxError": "_wire", "SandboxInfo": "contract",
+          "Service": "_wire", "Terminal": "client", "TerminalEnd": "contract"}
+__all__ = ["AsyncSandbox", "AsyncTerminal", "AuditRecord", "ExecResult", "FileEntry", "Sandbox", "SandboxError",
+           "SandboxInfo", "Service", "Terminal", "TerminalEnd"]
 
 
 def __getattr__(name: str) -> object:

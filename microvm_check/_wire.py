@@ -18,15 +18,30 @@ import httpx
 
 from microvm_check.contract import (
     DEFAULT_SOCKET,
+    EXIT,
+    INPUT,
+    MAX_SIDE,
+    MAX_STDIN,
+    RESIZE,
     SANDBOXES,
+    SERVICE_KINDS,
+    SIGNAL,
+    TERMINAL_SIGNALS,
+    TERMINAL_UPGRADE,
     CreateRequest,
     ErrorAnswer,
     ExecEnd,
     ExecOutput,
     ExecRequest,
+    FrameDecoder,
     Route,
+    TerminalEnd,
+    TerminalRequest,
     WireError,
+    encode_frame,
+    encode_frames,
     exec_line,
+    resize_payload,
     sandbox_path,
 )
 from microvm_check.entries import AuditRecord
@@ -37,6 +52,8 @@ MAX_LINE = 4 * 1024 * 1024  # one exec output line (base64)
 DEFAULT_DOWNLOAD = 256 * 1024 * 1024
 CONNECT_SECONDS = 30.0
 MARGIN_SECONDS = 30.0  # past an exec's own deadline before the client gives up on the service
+TERMINAL_WRITE_SECONDS = 30.0  # a terminal's input, resize or signal the service does not take for this long
+TERMINAL_READ = 64 * 1024  # bytes asked of the connection at once
 
 
 class SandboxError(Exception):
@@ -98,6 +115,7 @@ class Call:
     json: Any = None
     content: bytes | None = None
     read_seconds: float = 120.0
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def create_call(template: str | None, base: str | None, policy: str | None, ttl_seconds: float,
@@ -116,8 +134,13 @@ def info_call(sandbox_id: str) -> Call:
 
 
 def exec_call(sandbox_id: str, command: str | list[str], timeout: float | None, cwd: str,
-              env: dict[str, str] | None) -> Call:
-    request = ExecRequest(command if isinstance(command, str) else tuple(command), timeout, cwd, dict(env or {}))
+              env: dict[str, str] | None, stdin: bytes | str | None = None) -> Call:
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    if data is not None and len(data) > MAX_STDIN:
+        raise SandboxError(f"exec: stdin is {len(data)} bytes, more than the {MAX_STDIN} an exec takes "
+                           "(write a file with files.write and redirect from it)")
+    request = ExecRequest(command if isinstance(command, str) else tuple(command), timeout, cwd, dict(env or {}),
+                          data)
     # the service ends the call at its deadline; only the service's own silence beyond it is an error
     return Call("POST", sandbox_path(sandbox_id, Route.EXEC), json=request.to_wire(),
                 read_seconds=(request.timeout_seconds or 3600.0) + MARGIN_SECONDS)
@@ -151,6 +174,76 @@ def snapshot_call(sandbox_id: str) -> Call:
 
 def destroy_call(sandbox_id: str) -> Call:
     return Call("POST", sandbox_path(sandbox_id, Route.DESTROY), json={})
+
+
+def terminal_call(sandbox_id: str, command: str | list[str] | None, rows: int, cols: int, cwd: str,
+                  env: dict[str, str] | None) -> Call:
+    """GET .../terminal asking for the Upgrade; a shell string runs under /bin/sh -c, None is the sandbox's shell."""
+    argv = ("/bin/sh", "-c", command) if isinstance(command, str) else tuple(command or ())
+    _check_size(rows, cols)
+    request = TerminalRequest(argv, rows, cols, cwd, dict(env or {}))
+    return Call("GET", sandbox_path(sandbox_id, Route.TERMINAL), tuple(request.to_query()), read_seconds=120.0,
+                headers=(("Upgrade", TERMINAL_UPGRADE), ("Connection", "Upgrade")))
+
+
+def _check_size(rows: int, cols: int) -> None:
+    if not all(isinstance(side, int) and not isinstance(side, bool) and 1 <= side <= MAX_SIDE for side in (rows, cols)):
+        raise SandboxError(f"terminal: rows and cols are integers from 1 to {MAX_SIDE}")
+
+
+def input_frames(data: bytes | str) -> bytes:
+    return encode_frames(INPUT, data.encode() if isinstance(data, str) else bytes(data))
+
+
+def resize_frame(rows: int, cols: int) -> bytes:
+    _check_size(rows, cols)
+    return encode_frame(RESIZE, resize_payload(rows, cols))
+
+
+def signal_frame(name: str) -> bytes:
+    if name not in TERMINAL_SIGNALS:
+        raise SandboxError(f"terminal: no signal {str(name)[:20]!r}; one of {', '.join(TERMINAL_SIGNALS)}")
+    return encode_frame(SIGNAL, name.encode())
+
+
+def stream_error(what: str, exc: Exception) -> Exception:
+    """An error of an upgraded connection (httpx hands it over as its transport's network stream, whose
+    errors httpx does not re-export): a timeout is TimeoutError, anything else the service breaking off."""
+    if isinstance(exc, TimeoutError) or type(exc).__name__.endswith("Timeout"):
+        return TimeoutError(f"{what}: nothing within the timeout")
+    return SandboxError(f"{what}: the service broke off: {exc}")
+
+
+class TerminalReader:
+    """A terminal's frames from the service (the contract's framing), as the bytes came: its output chunks,
+    then its end. Whatever is off the stream's rules (a kind, a size, an EXIT that is not a TerminalEnd, a
+    frame after it, the stream ending before it) is a SandboxError; at most one frame is held."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.end: TerminalEnd | None = None
+        self._decoder = FrameDecoder(SERVICE_KINDS)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The output chunks `data` completed (b"": the stream ended)."""
+        if not data:
+            if self.end is None:
+                inside = " inside a frame" if self._decoder.partial else ""
+                raise SandboxError(f"{self.what}: the service closed the terminal{inside} before its end")
+            return []
+        self._decoder.feed(data)
+        chunks = []
+        try:
+            while (frame := self._decoder.next()) is not None:
+                if self.end is not None:
+                    raise WireError("a frame after the EXIT frame")
+                if frame.kind == EXIT:
+                    self.end = TerminalEnd.of_frame(frame.payload)
+                elif frame.payload:
+                    chunks.append(frame.payload)
+        except WireError as exc:
+            raise SandboxError(f"{self.what}: the service's stream is not a terminal's: {exc}") from exc
+        return chunks
 
 
 def timeout_of(call: Call) -> httpx.Timeout:

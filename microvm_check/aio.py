@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -17,6 +19,7 @@ from microvm_check.contract import (
     Listing,
     SandboxInfo,
     SnapshotAnswer,
+    TerminalEnd,
 )
 
 OnOutput = Callable[[str, bytes], None | Awaitable[None]]
@@ -57,6 +60,112 @@ class _AsyncSender:
                     await take(line.encode())
         except httpx.TransportError as exc:
             raise SandboxError(f"{call.method} {call.path}: the service broke off: {exc}") from exc
+
+
+    async def upgrade(self, call: Call) -> httpx.Response:
+        request = self._http.build_request(call.method, call.path, params=call.params, headers=dict(call.headers),
+                                           timeout=_wire.timeout_of(call))
+        try:
+            answer = await self._http.send(request, stream=True)
+            if answer.status_code == 101:
+                return answer
+            try:
+                body = bytearray()
+                async for chunk in answer.aiter_bytes():
+                    body += chunk
+                    if len(body) > _wire.MAX_ANSWER:
+                        break
+            finally:
+                await answer.aclose()
+        except httpx.TransportError as exc:
+            raise SandboxError(f"{call.method} {call.path}: the service was not reached or broke off: {exc}") from exc
+        if answer.status_code < 400:
+            raise SandboxError(f"{call.method} {call.path}: the service answered {answer.status_code}, not 101")
+        raise _wire.error_of(call, answer.status_code, bytes(body[: _wire.MAX_ANSWER]))
+
+
+class AsyncTerminal:
+    """`Terminal` for asyncio: `async with await sbx.terminal() as term: await term.write(...)`, `async for
+    chunk in term`, `await term.wait()`. Its output is the terminal's raw bytes."""
+
+    def __init__(self, answer: httpx.Response, what: str) -> None:
+        self._answer = answer
+        self._stream = answer.extensions["network_stream"]
+        self._reader = _wire.TerminalReader(what)
+        self._pending: deque[bytes] = deque()
+        self._write_lock = asyncio.Lock()
+        self._closed = False
+        self.what = what
+
+    @property
+    def end(self) -> TerminalEnd | None:
+        return self._reader.end
+
+    @property
+    def exit_code(self) -> int | None:
+        end = self._reader.end
+        return end.exit_code if end is not None else None
+
+    async def write(self, data: bytes | str) -> None:
+        await self._send(_wire.input_frames(data))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._send(_wire.resize_frame(rows, cols))
+
+    async def signal(self, name: str = "INT") -> None:
+        await self._send(_wire.signal_frame(name))
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        while not self._pending:
+            if self._reader.end is not None:
+                return b""
+            if self._closed:
+                raise SandboxError(f"{self.what}: the terminal was closed")
+            try:
+                data = await self._stream.read(_wire.TERMINAL_READ, timeout=timeout)
+            except Exception as exc:
+                raise _wire.stream_error(self.what, exc) from exc
+            self._pending.extend(self._reader.feed(data))
+        return self._pending.popleft()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await self.read():
+            yield chunk
+
+    async def wait(self, timeout: float | None = None) -> TerminalEnd:
+        while await self.read(timeout):
+            pass
+        end = self._reader.end
+        assert end is not None
+        if end.error is not None:
+            raise SandboxError(f"{self.what}: {end.error}")
+        return end
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.aclose()
+        except Exception:
+            pass
+        finally:
+            await self._answer.aclose()
+
+    async def _send(self, frames: bytes) -> None:
+        if self._closed:
+            raise SandboxError(f"{self.what}: the terminal was closed")
+        async with self._write_lock:
+            try:
+                await self._stream.write(frames, timeout=_wire.TERMINAL_WRITE_SECONDS)
+            except Exception as exc:
+                raise _wire.stream_error(self.what, exc) from exc
+
+    async def __aenter__(self) -> AsyncTerminal:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class AsyncFiles:
@@ -116,7 +225,7 @@ class AsyncSandbox:
 
     async def exec(self, command: str | list[str], timeout: float | None = None, cwd: str = "/workspace",
                    env: dict[str, str] | None = None, on_output: OnOutput | None = None,
-                   capture_bytes: int = 16 * 1024 * 1024) -> ExecResult:
+                   capture_bytes: int = 16 * 1024 * 1024, stdin: bytes | str | None = None) -> ExecResult:
         pending: list[Awaitable[None]] = []
 
         def collect(stream: str, data: bytes) -> None:
@@ -134,8 +243,15 @@ class AsyncSandbox:
 
         if self._destroyed:
             raise SandboxError(f"sandbox {self.id} was destroyed by this client")
-        await self._sender.lines(_wire.exec_call(self.id, command, timeout, cwd, env), take)
+        await self._sender.lines(_wire.exec_call(self.id, command, timeout, cwd, env, stdin), take)
         return reader.result()
+
+    async def terminal(self, command: str | list[str] | None = None, rows: int = 24, cols: int = 80,
+                       cwd: str = "/workspace", env: dict[str, str] | None = None) -> AsyncTerminal:
+        call = _wire.terminal_call(self.id, command, rows, cols, cwd, env)
+        if self._destroyed:
+            raise SandboxError(f"sandbox {self.id} was destroyed by this client")
+        return AsyncTerminal(await self._sender.upgrade(call), f"terminal of sandbox {self.id}")
 
     async def upload(self, source: str | os.PathLike[str] | bytes, dest: str = "/workspace") -> None:
         await self._send(_wire.upload_call(self.id, source, dest))

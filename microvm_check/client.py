@@ -1,9 +1,11 @@
-"""The blocking client: `Sandbox` and its `files`."""
+"""The blocking client: `Sandbox`, its `files` and its `terminal()`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -17,6 +19,7 @@ from microvm_check.contract import (
     Listing,
     SandboxInfo,
     SnapshotAnswer,
+    TerminalEnd,
 )
 
 OnOutput = Callable[[str, bytes], None]
@@ -59,6 +62,133 @@ class _Sender:
                     take(line.encode())
         except httpx.TransportError as exc:
             raise SandboxError(f"{call.method} {call.path}: the service broke off: {exc}") from exc
+
+
+    def upgrade(self, call: Call) -> httpx.Response:
+        """The 101 answer to a call asking for an Upgrade (its connection is the caller's from here), or the
+        refusal as SandboxError."""
+        request = self._http.build_request(call.method, call.path, params=call.params, headers=dict(call.headers),
+                                           timeout=_wire.timeout_of(call))
+        try:
+            answer = self._http.send(request, stream=True)
+            if answer.status_code == 101:
+                return answer
+            try:
+                body = bytearray()
+                for chunk in answer.iter_bytes():
+                    body += chunk
+                    if len(body) > _wire.MAX_ANSWER:
+                        break
+            finally:
+                answer.close()
+        except httpx.TransportError as exc:
+            raise SandboxError(f"{call.method} {call.path}: the service at {self.service.socket or self.service.url} "
+                               f"was not reached or broke off: {exc}") from exc
+        if answer.status_code < 400:
+            raise SandboxError(f"{call.method} {call.path}: the service answered {answer.status_code}, not 101")
+        raise _wire.error_of(call, answer.status_code, bytes(body[: _wire.MAX_ANSWER]))
+
+
+class Terminal:
+    """A program on a terminal of its own in the sandbox's VM (`Sandbox.terminal()`), over one connection:
+
+        with sbx.terminal(rows=40, cols=120) as term:       # the sandbox's shell
+            term.write("make test\n")
+            for chunk in term:                               # raw terminal bytes, until the program ends
+                ...
+            print(term.wait().exit_code)
+
+    Its output is the terminal's raw bytes, escape sequences and all, for a program to read (not shown
+    to a person's terminal as it is). `write`, `resize` and `signal` may come from any thread, reading
+    from one. Closing it (detaching) ends the program and never the sandbox."""
+
+    def __init__(self, answer: httpx.Response, what: str) -> None:
+        self._answer = answer
+        self._stream = answer.extensions["network_stream"]
+        self._reader = _wire.TerminalReader(what)
+        self._pending: deque[bytes] = deque()
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self.what = what
+
+    @property
+    def end(self) -> TerminalEnd | None:
+        """How the program ended (once the output was read to its end), else None."""
+        return self._reader.end
+
+    @property
+    def exit_code(self) -> int | None:
+        end = self._reader.end
+        return end.exit_code if end is not None else None
+
+    def write(self, data: bytes | str) -> None:
+        """Typed input (a str is sent as UTF-8); "\x03" is Ctrl-C as a terminal types it."""
+        self._send(_wire.input_frames(data))
+
+    def resize(self, rows: int, cols: int) -> None:
+        """The terminal's new size; its program gets SIGWINCH."""
+        self._send(_wire.resize_frame(rows, cols))
+
+    def signal(self, name: str = "INT") -> None:
+        """A signal by name (INT, QUIT, TERM, HUP, KILL, TSTP, CONT) to the terminal's foreground process group."""
+        self._send(_wire.signal_frame(name))
+
+    def read(self, timeout: float | None = None) -> bytes:
+        """The next output chunk as it comes; b"" once the program has ended (`end` says how). TimeoutError
+        when nothing came within `timeout` seconds (None: wait)."""
+        while not self._pending:
+            if self._reader.end is not None:
+                return b""
+            if self._closed:
+                raise SandboxError(f"{self.what}: the terminal was closed")
+            try:
+                data = self._stream.read(_wire.TERMINAL_READ, timeout=timeout)
+            except Exception as exc:
+                raise _wire.stream_error(self.what, exc) from exc
+            self._pending.extend(self._reader.feed(data))
+        return self._pending.popleft()
+
+    def __iter__(self) -> Iterator[bytes]:
+        while chunk := self.read():
+            yield chunk
+
+    def wait(self, timeout: float | None = None) -> TerminalEnd:
+        """Read (and drop) the output to the program's end: how it ended. SandboxError when the session ended
+        without an exit status (the VM went, the output budget was passed)."""
+        while self.read(timeout):
+            pass
+        end = self._reader.end
+        assert end is not None
+        if end.error is not None:
+            raise SandboxError(f"{self.what}: {end.error}")
+        return end
+
+    def close(self) -> None:
+        """Detach: the program is ended (if it runs still), the sandbox runs on."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stream.close()
+        except Exception:
+            pass  # already gone: closing is all that was asked
+        finally:
+            self._answer.close()
+
+    def _send(self, frames: bytes) -> None:
+        if self._closed:
+            raise SandboxError(f"{self.what}: the terminal was closed")
+        with self._write_lock:
+            try:
+                self._stream.write(frames, timeout=_wire.TERMINAL_WRITE_SECONDS)
+            except Exception as exc:
+                raise _wire.stream_error(self.what, exc) from exc
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Files:
@@ -132,14 +262,25 @@ class Sandbox:
 
     def exec(self, command: str | list[str], timeout: float | None = None, cwd: str = "/workspace",
              env: dict[str, str] | None = None, on_output: OnOutput | None = None,
-             capture_bytes: int = 16 * 1024 * 1024) -> ExecResult:
+             capture_bytes: int = 16 * 1024 * 1024, stdin: bytes | str | None = None) -> ExecResult:
         """Run a shell string (or an argv list, no shell) and wait; output streams to `on_output` as it comes.
-        A non-zero exit is a result; at most `capture_bytes` per stream are kept in it."""
+        A non-zero exit is a result; at most `capture_bytes` per stream are kept in it. `stdin` is the
+        command's whole input (at most 512 KiB; else it reads an empty one)."""
         reader = _wire.ExecReader(on_output, capture_bytes)
         if self._destroyed:
             raise SandboxError(f"sandbox {self.id} was destroyed by this client")
-        self._sender.lines(_wire.exec_call(self.id, command, timeout, cwd, env), reader.line)
+        self._sender.lines(_wire.exec_call(self.id, command, timeout, cwd, env, stdin), reader.line)
         return reader.result()
+
+    def terminal(self, command: str | list[str] | None = None, rows: int = 24, cols: int = 80,
+                 cwd: str = "/workspace", env: dict[str, str] | None = None) -> Terminal:
+        """A program on a terminal of its own in the VM (None: the sandbox's shell; a string runs under sh -c),
+        streamed both ways until it ends or the Terminal is closed; the sandbox runs on after it. It holds one
+        of the sandbox's concurrent calls and ends past the service's exec deadline."""
+        call = _wire.terminal_call(self.id, command, rows, cols, cwd, env)
+        if self._destroyed:
+            raise SandboxError(f"sandbox {self.id} was destroyed by this client")
+        return Terminal(self._sender.upgrade(call), f"terminal of sandbox {self.id}")
 
     def upload(self, source: str | os.PathLike[str] | bytes, dest: str = "/workspace") -> None:
         """A directory's contents, a .tar file or tar bytes, unpacked into `dest`."""

@@ -133,10 +133,11 @@ class FakeSandbox:
 
     def exec(self, command: str | list[str], timeout_seconds: float | None = None, env: dict[str, str] | None = None,
              cwd: str = "/workspace", user: str | None = None, on_output: Callable[[str, bytes], None] | None = None,
-             capture_bytes: int = 0) -> ExecResult:
+             capture_bytes: int = 0, stdin: bytes | None = None) -> ExecResult:
         """Run the program scripted for `command`: a job's `sh -c COMMAND` by COMMAND, an argv by its words
-        joined, a string as it is."""
-        self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds})
+        joined, a string as it is (its `stdin`, when given, is recorded with the call)."""
+        self.exec_calls.append({"command": command, "env": env, "cwd": cwd, "timeout": timeout_seconds,
+                                **({"stdin": stdin} if stdin is not None else {})})
         shell = isinstance(command, list) and command[:2] == ["sh", "-c"] and len(command) == 3
         if isinstance(command, list) and not shell and command[0] in self.engine.unstartable:
             raise CommandNotStarted(f"exec failed in the guest: cannot start {command[0]!r}: No such file or directory")

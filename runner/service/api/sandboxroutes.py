@@ -12,6 +12,8 @@ paths, headers and bodies are the SDK's contract (microvm_check/contract.py, its
     GET  /v1/sandboxes/<id>/download?glob=G&cwd=D   -> a tar (regular files only, re-written on the host)
     POST /v1/sandboxes/<id>/snapshot                -> 201 [SnapshotAnswer] for a create's `base`
     POST /v1/sandboxes/<id>/destroy                 -> 200 [DestroyAnswer]
+    GET  /v1/sandboxes/<id>/terminal?[TerminalRequest]  Upgrade: microvm-check-terminal -> 101, then the
+                                            terminal's frames both ways, [TerminalEnd] last (termsession.py)
 
 Creating needs the operator or a member of `sandboxes.group` on the Unix socket (its peer uid, as the
 kernel reports it); everything else needs the sandbox's own token (SANDBOX_TOKEN_HEADER), checked on
@@ -26,6 +28,7 @@ import logging
 import os
 import pwd
 import re
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -45,13 +48,17 @@ from microvm_check.contract import (
     Listing,
     Route,
     SnapshotAnswer,
+    TerminalRequest,
+    WireError,
 )
 from microvm_check.contract import SANDBOX_TOKEN_HEADER as SANDBOX_TOKEN_HEADER  # gates.py reads it here
 from runner.errors import MicrovmCheckError
 from runner.jobapi.contract import JobState
 from runner.service.api.refusals import MethodNotAllowed, NoRoute
+from runner.service.api.termsession import TerminalSession, check_upgrade, switch
 from runner.service.jobs.auth import Access, Caller, in_group, peer_ids
 from runner.service.jobs.sandboxes import (
+    LiveSandbox,
     SandboxCallError,
     SandboxDesk,
     SandboxRefused,
@@ -66,6 +73,7 @@ from runner.service.jobs.sandboxes import (
 from runner.uidrange import RUNNER_UIDS
 
 if TYPE_CHECKING:
+    from runner.sandbox.terminal import Terminal
     from runner.service.api.exchange import Exchange
 
 log = logging.getLogger(__name__)
@@ -74,6 +82,9 @@ _ROUTE = re.compile(re.escape(SANDBOXES) + r"(?:/(?P<id>" + SANDBOX_ID.pattern +
                     + "|".join(re.escape(r.value) for r in Route if r.value) + r")?)?")
 _CHUNK = 1024 * 1024
 MAX_GLOBS = 64
+# a terminal's program when the caller names none: the template's bash if it has one, else its sh
+SHELL = ["/bin/sh", "-c", "if [ -x /bin/bash ]; then exec /bin/bash -i; fi; exec /bin/sh -i"]
+TERM_NAME = "xterm-256color"  # a terminal's TERM unless the caller's env names one
 
 
 def route(path: str) -> tuple[str | None, Route] | None:
@@ -162,6 +173,7 @@ class SandboxRoutes:
             ("GET", Route.DOWNLOAD): lambda: self._download(sandbox, query),
             ("POST", Route.SNAPSHOT): lambda: self._snapshot(sandbox),
             ("POST", Route.DESTROY): lambda: self._destroy(sandbox),
+            ("GET", Route.TERMINAL): lambda: self._terminal(sandbox, query),
         }.get((method, rest))
         if handler is None:
             return self._not_allowed(method, path)
@@ -185,14 +197,14 @@ class SandboxRoutes:
 
         assert isinstance(sandbox, LiveSandbox)
         settings = self.desk.settings
-        command, timeout, cwd, env = _exec_request(self.h.json_body(), settings.exec_timeout_seconds)
+        command, timeout, cwd, env, stdin = _exec_request(self.h.json_body(), settings.exec_timeout_seconds)
         stream: _ExecStream | None = None
         try:
             with self.desk.call(sandbox) as live:
                 live.log.system(f"exec: {json.dumps(command)[:1000]}")
                 stream = _ExecStream(self.h, log_output(live.log), settings.exec_output_bytes, live.vm)
                 result = live.vm.exec(command, timeout_seconds=timeout, env=env, cwd=cwd, on_output=stream,
-                                      capture_bytes=0)
+                                      capture_bytes=0, stdin=stdin)
                 self.desk.note_blocked(live)
                 end = ExecEnd(result.exit_code, result.timed_out, stream.over, round(result.duration_ms, 3),
                               tuple(live.record.blocked_egress[:MAX_BLOCKED]))
@@ -300,12 +312,59 @@ class SandboxRoutes:
             name = self.desk.snapshot(live)
         self.h.send_json(201, SnapshotAnswer(name).to_wire())
 
+    def _terminal(self, sandbox: LiveSandbox, query: dict[str, list[str]]) -> None:
+        """The whole session, on the request's worker, holding one of the sandbox's calls: refused with a status
+        until its program started (the Upgrade not asked, a bad query, a program that does not start), then
+        101 and the stream; the sandbox lives on after it, unless its VM went meanwhile."""
+        check_upgrade(self.h, "microvm_check's Sandbox.terminal()")
+        try:
+            request = TerminalRequest.from_query(query)
+        except WireError as exc:
+            raise SandboxCallError(str(exc)) from exc
+        settings = self.desk.settings
+        with self.desk.call(sandbox) as live:
+            terminal = _open_terminal(live, request, settings.exec_timeout_seconds)
+            try:
+                raw, buffered = switch(self.h, "microvm_check's Sandbox.terminal()")
+                _SandboxSession(raw, buffered, terminal, live, settings.exec_output_bytes).serve()
+            finally:
+                terminal.close()
+        if not sandbox.vm.alive:
+            self.desk.end(sandbox, JobState.FAILED, "its VM failed during a terminal session")
+
     def _destroy(self, sandbox: object) -> None:
         from runner.service.jobs.sandboxes import LiveSandbox
 
         assert isinstance(sandbox, LiveSandbox)
         self.desk.end(sandbox, JobState.FINISHED, "destroyed by its caller")
         self.h.send_json(200, DestroyAnswer(sandbox.id).to_wire())
+
+
+class _SandboxSession(TerminalSession):
+    """A terminal of a sandbox's caller (a program, not an operator's terminal): the guest's output goes
+    out as it came, and into the sandbox's log until that is full; past `budget` bytes of it
+    (sandboxes.exec_output_bytes) the session ends and its program with it."""
+
+    def __init__(self, sock: socket.socket, buffered: bytes, terminal: Terminal, live: LiveSandbox,
+                 budget: int) -> None:
+        super().__init__(sock, buffered, terminal, live.id)
+        self.live, self.left = live, budget
+        self.budget = budget
+        self.log = log_output(live.log)
+
+    def shown(self, chunk: bytes) -> bytes:
+        if len(chunk) > self.left:
+            raise SandboxCallError(f"the terminal's output passed {self.budget} bytes (sandboxes.exec_output_bytes): "
+                                   "its program was ended")
+        self.left -= len(chunk)
+        self.log("stdout", chunk)
+        return chunk
+
+    def note(self, text: str) -> None:
+        self.live.log.system(f"terminal: {text}")
+
+    def ended(self, outcome: dict[str, object]) -> None:
+        self.live.log.system(f"terminal ended: {json.dumps(outcome)}")
 
 
 class _ExecStream:
@@ -360,15 +419,27 @@ class _ExecStream:
             pass  # the VM is gone already: nothing runs on
 
 
-def _exec_request(data: object, max_timeout: float) -> tuple[str | list[str], float, str, dict[str, str]]:
-    """An exec's body (the contract's ExecRequest), held to this service's deadline: what VM.exec takes."""
+def _exec_request(data: object, max_timeout: float) -> tuple[str | list[str], float, str, dict[str, str], bytes | None]:
+    """An exec's body (the contract's ExecRequest), held to this service's deadline: what VM.exec takes
+    (`stdin` is held to MAX_STDIN by the contract, and by the JSON body's own bound)."""
     request = read_request(ExecRequest.from_wire, data)
     timeout = max_timeout if request.timeout_seconds is None else request.timeout_seconds
     if timeout > max_timeout:
         raise SandboxCallError(f"timeout_seconds: expected a number above 0 and at most {max_timeout:g} "
                                "(sandboxes.exec_timeout_seconds)")
     command = request.command if isinstance(request.command, str) else list(request.command)
-    return command, timeout, guest_path(request.cwd, "cwd"), dict(request.env)
+    return command, timeout, guest_path(request.cwd, "cwd"), dict(request.env), request.stdin
+
+
+def _open_terminal(sandbox: LiveSandbox, request: TerminalRequest, timeout_seconds: float) -> Terminal:
+    """A terminal in the sandbox's VM (the caller holds a call on it meanwhile): the program asked for
+    (SHELL when none) on a pty of the size asked, killed with whatever it started past `timeout_seconds`
+    (sandboxes.exec_timeout_seconds), when the caller detaches, or when it is closed."""
+    cwd = guest_path(request.cwd, "cwd")
+    argv = list(request.argv) or SHELL
+    sandbox.log.system(f"terminal: {json.dumps(argv)[:1000]} ({request.rows}x{request.cols})")
+    return sandbox.vm.terminal(argv, cwd=cwd, env={"TERM": TERM_NAME, **request.env},
+                               size=(request.rows, request.cols), timeout_seconds=timeout_seconds)
 
 
 def _one(query: dict[str, list[str]], name: str) -> str | None:

@@ -126,8 +126,13 @@ class TerminalSession:
                 raise
 
 
-def switch(ex: Exchange, client: str = "microvm-check jobs attach") -> tuple[socket.socket, bytes]:
-    """Answer 101 (the request asked for UPGRADE); the raw socket and what the client sent after its head."""
+def check_upgrade(ex: Exchange, client: str = "microvm-check jobs attach") -> None:
+    """BadRequest unless the request asks for an Upgrade to UPGRADE (`client` is what speaks it)."""
     if ex.headers.get("Upgrade", "").lower() != termwire.UPGRADE:
         raise BadRequest(f"a terminal is an HTTP/1.1 Upgrade to {termwire.UPGRADE!r} ({client})")
+
+
+def switch(ex: Exchange, client: str = "microvm-check jobs attach") -> tuple[socket.socket, bytes]:
+    """Answer 101 (the request asked for UPGRADE); the raw socket and what the client sent after its head."""
+    check_upgrade(ex, client)
     return ex.upgrade(termwire.UPGRADE)
