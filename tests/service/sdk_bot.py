@@ -10,7 +10,11 @@ argv: SOCKET MODE. Modes:
   in the middle of an exec's output, and another's before any;
 - takeover BASE: a guest that takes its agent over answers two downloads with members named
   BASE/victim.txt and ../victim2.txt, the second cut short; each tar is unpacked with plain tarfile
-  into BASE/dest1 and BASE/dest2, as a trusting bot would.
+  into BASE/dest1 and BASE/dest2, as a trusting bot would;
+- terminal: a sandbox's shell on a terminal (`tty`, a resize seen by `stty size`, Ctrl-C typed into a
+  `sleep`, an exit status), the sandbox alive after it, an exec fed on stdin, the asyncio twin; then it
+  says the sandbox's id and waits for a line on stdin before destroying it;
+- intrude ID: create a sandbox of this user's own, and open sandbox ID's terminal with its token.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import sys
 import tarfile
 import threading
@@ -26,7 +31,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from microvm_check import AsyncSandbox, Sandbox, SandboxError, Service
+from microvm_check import AsyncSandbox, Sandbox, SandboxError, Service, Terminal
+from microvm_check.contract import SandboxInfo
 
 TAKEOVER = Path(__file__).with_name("guest_takeover.py")
 
@@ -167,6 +173,73 @@ def takeover(service: Service, base: Path) -> None:
                 say(**{f"unpacked{n}": str(exc)})
 
 
+def expect(term: Terminal, pattern: bytes, seen: list[bytes]) -> re.Match[bytes]:
+    """Read the terminal until `pattern` matches what came since the last match (raw bytes, echo included)."""
+    deadline = time.monotonic() + 120
+    while (found := re.search(pattern, seen[0])) is None:
+        chunk = term.read(timeout=max(0.1, deadline - time.monotonic()))
+        if not chunk:
+            raise AssertionError(f"the terminal ended before {pattern!r}: {seen[0][-2000:]!r}")
+        seen[0] += chunk
+    seen[0] = seen[0][found.end():]
+    return found
+
+
+def terminal(service: Service) -> None:
+    with Sandbox.create(ttl_seconds=300, service=service) as sbx:
+        seen = [b""]
+        with sbx.terminal(rows=24, cols=80) as term:
+            term.write("tty; echo T=done\n")
+            say(tty=expect(term, rb"(/dev/pts/\d+)\r?\n", seen).group(1).decode())
+            expect(term, rb"T=done", seen)
+            term.resize(33, 111)
+            term.write("echo S=$(stty size)\n")
+            say(stty_size=expect(term, rb"S=(\d+ \d+)", seen).group(1).decode())
+            term.write("echo W=$((6*7)); sleep 1000\n")
+            expect(term, rb"W=42", seen)
+            time.sleep(1)  # the sleep is the terminal's foreground job now
+            term.write(b"\x03")  # Ctrl-C, as a keyboard types it
+            time.sleep(0.5)  # after the line discipline flushed what was typed before it
+            term.write("echo I=$?\n")
+            say(interrupted=expect(term, rb"I=(\d+)", seen).group(1).decode())
+            term.write("exit 5\n")
+            end = term.wait(timeout=120)
+            say(exit_code=end.exit_code, killed=end.killed, timed_out=end.timed_out)
+        alive = sbx.exec("echo alive", timeout=60)
+        say(alive=[alive.exit_code, alive.stdout.decode()])
+        fed = sbx.exec(["cat"], timeout=60, stdin=b"fed on stdin\n")
+        say(stdin=fed.stdout.decode())
+        say(async_=asyncio.run(terminal_async(service, sbx)))
+        say(ready=sbx.id)
+        sys.stdin.readline()  # the test tried another user's token on it meanwhile
+
+
+async def terminal_async(service: Service, sbx: Sandbox) -> dict[str, Any]:
+    same = await AsyncSandbox.connect(sbx.id, sbx.token, service)
+    try:
+        async with await same.terminal(["sh", "-c", "tty; stty size; exit 3"], rows=20, cols=70) as term:
+            output = b""
+            async for chunk in term:
+                output += chunk
+            end = await term.wait(timeout=120)
+        return {"output": output.decode(errors="replace"), "exit_code": end.exit_code}
+    finally:
+        await same._sender.close()
+
+
+def intrude(service: Service, victim: str) -> None:
+    with Sandbox.create(ttl_seconds=120, service=service) as mine:
+        info = SandboxInfo(victim, "base", None, "running", "", None, 60.0, 60.0, None, None)
+        other = Sandbox(service, info, mine.token)  # the victim's id with this user's own sandbox's token
+        try:
+            other.terminal(["true"]).close()
+            say(intrude="reached")
+        except SandboxError as exc:
+            say(intrude=exc.status, message=str(exc))
+        finally:
+            other._sender.close()
+
+
 def main() -> None:
     socket, mode = sys.argv[1], sys.argv[2]
     service = Service(socket=socket)
@@ -180,6 +253,10 @@ def main() -> None:
             say(create=exc.status, message=str(exc))
     elif mode == "refusals":
         refusals(service)
+    elif mode == "terminal":
+        terminal(service)
+    elif mode == "intrude":
+        intrude(service, sys.argv[3])
     elif mode == "takeover":
         takeover(service, Path(sys.argv[3]))
     elif mode == "hang":
