@@ -36,7 +36,7 @@ def test_status_works_without_a_fleet(api, engine: FakeSandboxes, tmp_path: Path
     assert "runners: none (no runners: section in the config)" in out
     assert main(["status", "--socket", service.config.socket, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"vms", "spare_pools", "queue", "recent_jobs", "fleet"} and data["fleet"] is None
+    assert set(data) == {"vms", "spare_pools", "queue", "recent_jobs", "fleet", "listening"} and data["fleet"] is None
     assert [j["state"] for j in data["recent_jobs"]] == ["finished"]
 
 

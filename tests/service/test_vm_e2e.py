@@ -58,7 +58,7 @@ def test_artifacts_come_back_validated(vm_service) -> None:
     output(client, job)
     rec = client.get(job)
     assert rec.state == "finished"
-    assert sorted((a["path"], a["size"]) for a in rec.artifacts) == [("out/report.xml", 5), ("out/sub/a.bin", 1)]
+    assert sorted((a.path, a.size) for a in rec.artifacts) == [("out/report.xml", 5), ("out/sub/a.bin", 1)]
     buf = io.BytesIO()
     client.artifacts(job, buf)
     with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
@@ -80,7 +80,7 @@ def test_artifacts_from_a_directory_glob_come_back_and_bad_files_are_named(vm_se
     output(client, job)
     rec = client.get(job)
     assert (rec.state, rec.exit_code, rec.error) == ("finished", 3, None)
-    assert sorted((a["path"], a["size"]) for a in rec.artifacts) == [
+    assert sorted((a.path, a.size) for a in rec.artifacts) == [
         ("out/a.txt", 2), ("out/sub/deep/d.bin", 2), ("out/sub/r.xml", 5), ("report.xml", 5)]
     buf = io.BytesIO()
     client.artifacts(job, buf)
