@@ -170,3 +170,126 @@ def test_the_names_the_job_api_shares_are_the_same() -> None:
 
     assert contract.DEFAULT_SOCKET == jobapi.DEFAULT_SOCKET
     assert contract.SANDBOX_ID.pattern == jobapi.JOB_ID.pattern
+
+
+# -- a terminal's stream (issue 37) -----------------------------------------------------------------
+
+
+def test_terminal_frames_come_back_whole_however_the_bytes_are_cut() -> None:
+    from microvm_check.contract import (
+        CLIENT_KINDS,
+        INPUT,
+        MAX_FRAME,
+        RESIZE,
+        FrameDecoder,
+        encode_frame,
+        encode_frames,
+        resize_payload,
+    )
+
+    data = encode_frames(INPUT, b"x" * (MAX_FRAME + 10)) + encode_frame(RESIZE, resize_payload(33, 111))
+    decoder = FrameDecoder(CLIENT_KINDS)
+    frames = []
+    for i in range(0, len(data), 7):  # fed in small pieces, as a connection may deliver them
+        decoder.feed(data[i : i + 7])
+        while (frame := decoder.next()) is not None:
+            frames.append(frame)
+    assert [(f.kind, len(f.payload)) for f in frames] == [(INPUT, MAX_FRAME), (INPUT, 10), (RESIZE, 6)]
+    assert not decoder.partial and encode_frames(INPUT, b"") == b""
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"z\x00\x00\x00\x01z", "unknown terminal frame kind"),
+    (b"o\x00\x00\x00\x01o", "unknown terminal frame kind"),  # a service's kind, from a client
+    (b"i\x00\x01\x00\x01", "over"),  # refused from its header, before its payload is waited for
+])
+def test_a_terminal_frame_off_the_rules_is_refused_from_its_header(data: bytes, why: str) -> None:
+    from microvm_check.contract import CLIENT_KINDS, FrameDecoder, FrameError
+
+    decoder = FrameDecoder(CLIENT_KINDS, data)
+    with pytest.raises(FrameError, match=why):
+        decoder.next()
+
+
+def test_a_stream_that_ends_inside_a_frame_is_refused() -> None:
+    from microvm_check.contract import SERVICE_KINDS, FrameError, FrameReader
+
+    parts = [b"o\x00\x00\x00\x05ab", b""]
+    with pytest.raises(FrameError, match="inside a frame"):
+        FrameReader(lambda _n: parts.pop(0), SERVICE_KINDS).next()
+    assert FrameReader(lambda _n: b"", SERVICE_KINDS).next() is None
+
+
+@pytest.mark.parametrize(("size", "why"), [(b"0x80", "out of range"), (b"24x1001", "out of range"),
+                                           (b"24*80", "ROWSxCOLS"), (b"-1x5", "ROWSxCOLS"),
+                                           (b"999999x1", "ROWSxCOLS")])
+def test_a_terminal_size_is_held_to_the_guests_bounds(size: bytes, why: str) -> None:
+    from microvm_check.contract import FrameError, parse_size
+
+    assert parse_size(b"33x111") == (33, 111)
+    with pytest.raises(FrameError, match=why):
+        parse_size(size)
+
+
+def test_a_terminal_request_and_end_come_back_as_they_were() -> None:
+    from microvm_check.contract import TerminalEnd, TerminalRequest
+
+    request = TerminalRequest(("sh", "-c", "tty"), 33, 111, "/tmp", {"A": "b=c"})
+    query: dict[str, list[str]] = {}
+    for name, value in request.to_query():
+        query.setdefault(name, []).append(value)
+    assert TerminalRequest.from_query(query) == request
+    assert TerminalRequest.from_query({}) == TerminalRequest()
+    for end in (TerminalEnd(3), TerminalEnd(None, killed=True), TerminalEnd(error="the VM went")):
+        assert TerminalEnd.of_frame(json.dumps(end.to_wire()).encode()) == end
+    assert TerminalEnd(0).to_wire() == {"exit_code": 0, "timed_out": False, "killed": False}  # the job API's EXIT
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ({"argv": ["a\x00b"]}, "argv"), ({"env": ["A"]}, "env"), ({"env": ["A=1", "A=2"]}, "env"),
+    ({"cwd": ["tmp"]}, "cwd"), ({"size": ["1x0"]}, "a terminal of"), ({"user": ["root"]}, "unknown parameter"),
+    ({"argv": ["x" * (256 * 1024 + 1)]}, "command"),
+])
+def test_a_terminal_request_off_the_contract_is_refused_naming_the_field(query: dict[str, list[str]],
+                                                                         field: str) -> None:
+    from microvm_check.contract import TerminalRequest
+
+    with pytest.raises(WireError) as refused:
+        TerminalRequest.from_query(query)
+    assert str(refused.value).startswith(field), refused.value
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[]", b'{"exit_code": "0"}', b'{"exit_code": 0, "killed": 1}'])
+def test_an_exit_frame_that_is_no_terminal_end_is_refused(payload: bytes) -> None:
+    from microvm_check.contract import FrameError, TerminalEnd
+
+    with pytest.raises(FrameError, match="EXIT"):
+        TerminalEnd.of_frame(payload)
+
+
+def test_the_sdk_reads_a_terminals_stream_to_its_end_and_nothing_past_it() -> None:
+    from microvm_check.contract import EXIT, OUTPUT, encode_frame
+
+    reader = _wire.TerminalReader("terminal")
+    data = encode_frame(OUTPUT, b"\x1b]0;raw\x07") + encode_frame(EXIT, b'{"exit_code": 2}')
+    assert reader.feed(data[:3]) == [] and reader.feed(data[3:]) == [b"\x1b]0;raw\x07"]
+    assert reader.end is not None and reader.end.exit_code == 2 and reader.feed(b"") == []
+    with pytest.raises(SandboxError, match="after the EXIT"):
+        reader.feed(encode_frame(OUTPUT, b"late"))
+    with pytest.raises(SandboxError, match="closed the terminal inside a frame"):
+        early = _wire.TerminalReader("terminal")
+        early.feed(data[:3])
+        early.feed(b"")
+    with pytest.raises(SandboxError, match="not a terminal's"):
+        _wire.TerminalReader("terminal").feed(encode_frame(b"i", b"typed"))
+
+
+def test_an_exec_carries_its_stdin_and_the_signals_are_the_guests() -> None:
+    from microvm_check.contract import MAX_SIDE, TERMINAL_SIGNALS
+    from runner.vm.guestwire import PTY_MAX_SIDE, PTY_SIGNALS
+
+    assert ExecRequest.from_wire(ExecRequest("cat", stdin=b"\x00in").to_wire()).stdin == b"\x00in"
+    assert "stdin" not in ExecRequest("cat").to_wire()
+    with pytest.raises(WireError, match="stdin"):
+        ExecRequest.from_wire({"command": "cat", "stdin": "not base64!"})
+    assert set(TERMINAL_SIGNALS) == set(PTY_SIGNALS) and MAX_SIDE == PTY_MAX_SIDE
