@@ -6,6 +6,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from socket import SHUT_RDWR
 
 import httpx
 
@@ -169,6 +170,9 @@ class Terminal:
             return
         self._closed = True
         try:
+            raw = self._stream.get_extra_info("socket")
+            if raw is not None:
+                raw.shutdown(SHUT_RDWR)  # a read blocked in another thread ends now
             self._stream.close()
         except Exception:
             pass  # already gone: closing is all that was asked
@@ -180,7 +184,11 @@ class Terminal:
             raise SandboxError(f"{self.what}: the terminal was closed")
         with self._write_lock:
             try:
-                self._stream.write(frames, timeout=_wire.TERMINAL_WRITE_SECONDS)
+                raw = self._stream.get_extra_info("socket")
+                if raw is not None:  # not the stream's write, which sets the socket's timeout under a reading thread
+                    raw.sendall(frames)
+                else:
+                    self._stream.write(frames, timeout=_wire.TERMINAL_WRITE_SECONDS)
             except Exception as exc:
                 raise _wire.stream_error(self.what, exc) from exc
 

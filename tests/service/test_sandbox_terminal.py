@@ -220,3 +220,32 @@ def test_the_async_terminal_does_the_same(service: Service, terminals: list[Fake
 
     code, seen = asyncio.run(drive())
     assert code == 130 and b"size=40x120" in seen and b"size 50 60" in seen, seen
+
+
+def test_one_thread_reads_while_another_types_and_closing_ends_the_read(service: Service,
+                                                                         terminals: list[FakeTerminal]) -> None:
+    with Sandbox.create(ttl_seconds=60, service=service) as sbx:
+        term = sbx.terminal(["prog"])
+        seen: list[bytes] = []
+        ended: list[BaseException | None] = []
+        got_typed = threading.Event()
+
+        def read() -> None:
+            try:
+                for chunk in term:
+                    seen.append(chunk)
+                    if b"typed 49" in b"".join(seen):
+                        got_typed.set()
+                ended.append(None)
+            except BaseException as exc:  # the close from the other thread
+                ended.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for n in range(50):
+            term.write(f"typed {n}\n")
+        assert got_typed.wait(30), b"".join(seen)
+        term.close()  # the reader is blocked in a read: it ends too
+        reader.join(30)
+        assert not reader.is_alive() and ended and (ended[0] is None or isinstance(ended[0], SandboxError)), ended
+        assert terminals[0].ended_from_host.wait(30)
