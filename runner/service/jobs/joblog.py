@@ -281,9 +281,11 @@ class Transcript:
         """Keep a chunk (split into entries); past the budget, what fits and then the one note."""
         if direction not in DIRECTIONS:
             raise ValueError(f"unknown direction {direction!r}")
+        if not data:
+            return
         step = self._limits.max_entry_bytes
         with self._lock:
-            for start in range(0, max(len(data), 1), step):
+            for start in range(0, len(data), step):
                 if not self._put(session, direction, data[start:start + step]):
                     return
 
