@@ -20,7 +20,7 @@ from runner.fleet.cgroup import RunnerCgroup
 from runner.fleet.install import current
 from runner.fleet.model import FleetRunner, FleetSettings
 from runner.fleet.scope import ScopeClaim
-from runner.fleet.workdir import RunnerDir, RunnerIdentity, RunnerUser
+from runner.fleet.workdir import RunnerDir, RunnerUidLease, RunnerUser
 from runner.github.runners import JitConfig
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class RunnerProcesses:
         assert self.user is not None and self._release is not None and self._hooks
         path = self.settings.runners_dir / name
         group: RunnerCgroup | None = None
-        identity: RunnerIdentity | None = None
+        identity: RunnerUidLease | None = None
         try:
             identity = self.user.lease()
             runner_dir = workdir.make(self._release, path, identity, name, token, self._hooks)
@@ -83,7 +83,7 @@ class RunnerProcesses:
         return FleetRunner(name, runner_dir, jit.runner.id, process, group, now, token, identity, output=output)
 
     def _launch(self, runner_dir: RunnerDir, jit: JitConfig, group: RunnerCgroup,
-                user: RunnerIdentity) -> tuple[subprocess.Popen[bytes], int]:
+                user: RunnerUidLease) -> tuple[subprocess.Popen[bytes], int]:
         """`run.sh` with the JIT config as ACTIONS_RUNNER_INPUT_JITCONFIG (how the runner takes any of its
         arguments, here kept out of `ps`), as the runner's own uid, in a session, a cgroup and
         namespaces of its own (runner.fleet.walls).

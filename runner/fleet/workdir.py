@@ -2,7 +2,7 @@
 
 The copy is a real copy (new inodes), never hard links into the installed release: a job running as
 its runner could otherwise write through a link into the release every later runner starts from.
-Each runner runs as a uid of its own (`RunnerIdentity`, leased from runner.uidrange.RUNNER_UIDS while
+Each runner runs as a uid of its own (`RunnerUidLease`, leased from runner.uidrange.RUNNER_UIDS while
 it lives) with a group of its own (the same number), plus the configured runner user's groups (the
 job API socket's): so no runner can read another's directory or `.env`, nor read the environment of,
 signal or trace another's processes, as runners sharing one user could (the kernel's /proc and ptrace
@@ -71,16 +71,16 @@ class RunnerUser:
             raise RunnerUserError(f"runners.runner_user {name!r} is in group root: give runners a user of their own")
         return cls(name, entry.pw_uid, entry.pw_gid, groups)
 
-    def lease(self) -> RunnerIdentity:
-        """A uid of its own for one runner, held until `RunnerIdentity.release`. Skipped: uids an account
+    def lease(self) -> RunnerUidLease:
+        """A uid of its own for one runner, held until `RunnerUidLease.release`. Skipped: uids an account
         holds (doctor warns of them) and uids still running a process (a crashed service's runner)."""
         lease = uidrange.RUNNERS.lease(
             lambda message: RunnerUidsExhausted(f"{message}: lower runners.max_runners"), _unused_uid)
-        return RunnerIdentity(lease.uid, lease.uid, (self.gid, *self.groups), lease)
+        return RunnerUidLease(lease.uid, lease.uid, (self.gid, *self.groups), lease)
 
 
 @dataclass
-class RunnerIdentity:
+class RunnerUidLease:
     """What one runner's processes run as: a leased uid, a gid of the same number (no group shares it),
     and the runner user's groups (which include the job API socket's)."""
 
@@ -200,7 +200,7 @@ def _write_hook(hooks: Path, command: str, socket: str) -> Path:
     return script
 
 
-def make(release: Path, path: Path, user: RunnerIdentity, name: str, token: str,
+def make(release: Path, path: Path, user: RunnerUidLease, name: str, token: str,
          hooks: dict[str, Path]) -> RunnerDir:
     """A fresh runner directory at `path` (which must not exist) for one runner's `user`, mode 0700,
     its `.env` 0600: nothing in it is readable by another runner's uid."""
@@ -236,7 +236,7 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _own(root: Path, user: RunnerIdentity) -> None:
+def _own(root: Path, user: RunnerUidLease) -> None:
     for directory, dirs, files in os.walk(root):
         for name in [*dirs, *files]:
             os.lchown(os.path.join(directory, name), user.uid, user.gid)
