@@ -8,7 +8,7 @@ the group can fork any more, so killing cannot race a fork bomb), every member i
 group is removed.
 
 The pids controller is what containment needs: cgroup v2's unified hierarchy, or v1's pids hierarchy
-(as runner/vm/cgroup.py does for VMs). The runner's limits (`Limits`: memory, CPU weight) use the
+(as runner/vm/cgroup.py does for VMs). The runner's limits (`RunnerCgroupLimits`: memory, CPU weight) use the
 memory and cpu controllers: in v2 on the same group, in v1 on groups of the same name in their
 hierarchies, which every process of the runner joins too. Groups are `microvm-check-runners/<scope>/<runner name>`, the scope
 derived from the runners directory, so the start-up sweep only touches what an earlier service of
@@ -68,7 +68,7 @@ def _base(scope: str) -> Path:
 
 
 @dataclass(frozen=True)
-class Limits:
+class RunnerCgroupLimits:
     """What one runner may use of the host: memory (bytes, its tmpfs files included) and a CPU weight
     against the other runners (cgroup v2 cpu.weight 1-10000, default 100; v1 cpu.shares = weight x 10.24)."""
 
@@ -82,7 +82,7 @@ class RunnerCgroup:
     limited: tuple[Path, ...] = ()  # cgroup v1: the runner's groups in the memory and cpu hierarchies
 
     @classmethod
-    def create(cls, scope: str, name: str, limits: Limits | None = None) -> RunnerCgroup:
+    def create(cls, scope: str, name: str, limits: RunnerCgroupLimits | None = None) -> RunnerCgroup:
         """The runner's groups, limited; on any failure none of them is left (a fleet retrying a start
         that cannot succeed would otherwise leave a group per try)."""
         made: list[Path] = []
@@ -100,7 +100,7 @@ class RunnerCgroup:
             raise CgroupError(f"cannot create the runner's cgroup for {name}: {exc}") from None
         return group
 
-    def _limit(self, limits: Limits) -> None:
+    def _limit(self, limits: RunnerCgroupLimits) -> None:
         if not self.limited:  # v2: one group holds every controller
             (self.path / "memory.max").write_text(str(limits.memory_bytes))
             (self.path / "memory.swap.max").write_text("0")

@@ -14,7 +14,7 @@ from typing import Any
 from runner.fleet import cgroup
 from runner.fleet.cgroup import RunnerCgroup
 from runner.fleet.status import STATUS_FILE
-from runner.fleet.workdir import RunnerDir, RunnerIdentity
+from runner.fleet.workdir import RunnerDir, RunnerUidLease
 from runner.jobapi.contract import JobStarted
 
 
@@ -37,7 +37,7 @@ class FleetSettings:
     job_timeout_seconds: float
     deadline_grace_seconds: float
     network: str
-    limits: cgroup.Limits
+    limits: cgroup.RunnerCgroupLimits
     runner_user: str
     install_dir: Path
     runners_dir: Path
@@ -55,7 +55,7 @@ class FleetSettings:
         return cls(section.org, (*section.labels, *config.size_labels), section.runner_group, section.min_idle,
                    section.max_runners or config.max_concurrent_jobs, section.idle_recycle_seconds,
                    section.shutdown_grace_seconds, section.job_timeout_seconds, section.deadline_grace_seconds,
-                   section.network, cgroup.Limits(section.memory_mib << 20, section.cpu_weight),
+                   section.network, cgroup.RunnerCgroupLimits(section.memory_mib << 20, section.cpu_weight),
                    section.runner_user, section.install_dir, section.runners_dir,
                    prefix, config.state_dir / STATUS_FILE, config.socket, config.state_dir)
 
@@ -69,7 +69,7 @@ class FleetRunner:
     cgroup: RunnerCgroup
     since: float
     token: str = field(repr=False)
-    identity: RunnerIdentity | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
+    identity: RunnerUidLease | None = None  # its own uid  # the runner's own credential (in its .env): binds its jobs to it
     state: RunnerState = RunnerState.IDLE
     job: JobStarted | None = None
     output: int = field(default=-1, repr=False)  # the file its stdout and stderr go to, kept open by the fleet

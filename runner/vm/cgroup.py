@@ -33,16 +33,16 @@ JOB_CPU_WEIGHT = 100
 
 
 @dataclass(frozen=True)
-class Limits:
+class VMCgroupLimits:
     cpus: float  # CPU time per wall-clock time (1.0 = one core)
     memory_bytes: int
     pids: int
 
 
-def limits_for(vcpus: int, memory_mib: int) -> Limits:
+def limits_for(vcpus: int, memory_mib: int) -> VMCgroupLimits:
     """The guest's vCPUs plus one core for QEMU's main loop and I/O; its RAM plus room for QEMU's own
     memory and the TCG translation cache; pids for QEMU's threads (vCPUs, RCU, I/O workers)."""
-    return Limits(cpus=vcpus + 1.0, memory_bytes=(memory_mib + 512) << 20, pids=128)
+    return VMCgroupLimits(cpus=vcpus + 1.0, memory_bytes=(memory_mib + 512) << 20, pids=128)
 
 
 def scope_for(vms_dir: Path) -> str:
@@ -132,7 +132,7 @@ class VMCgroup:
     version: str
 
     @classmethod
-    def create(cls, scope: str, name: str, limits: Limits) -> VMCgroup:
+    def create(cls, scope: str, name: str, limits: VMCgroupLimits) -> VMCgroup:
         bases = _bases(scope)
         found = "v2" if len(bases) == 1 else "v1"
         group = cls([base / name for base in bases], found)
@@ -156,7 +156,7 @@ class VMCgroup:
         for path in self.paths:
             path.mkdir(exist_ok=again)
 
-    def _limit(self, limits: Limits) -> None:
+    def _limit(self, limits: VMCgroupLimits) -> None:
         quota = int(limits.cpus * CPU_PERIOD_US)
         if self.version == "v2":
             path = self.paths[0]

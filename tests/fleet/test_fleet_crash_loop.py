@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runner.fleet import cgroup, install
-from runner.fleet.cgroup import CgroupError, Limits, RunnerCgroup
+from runner.fleet.cgroup import CgroupError, RunnerCgroup, RunnerCgroupLimits
 from runner.fleet.starts import CRASH_LOOP_TRIES, retry_delay
 from tests.fleet.conftest import PYTHON, STANDIN, VERSION
 from tests.fleet.waiting import wait_until
@@ -103,7 +103,7 @@ def test_a_runner_cgroup_whose_limits_the_kernel_refuses_leaves_no_directory(nee
     scope = f"test{secrets.token_hex(4)}"
     try:
         with pytest.raises(CgroupError, match="cannot create the runner's cgroup for mvc-refused"):
-            RunnerCgroup.create(scope, "mvc-refused", Limits(memory_bytes=-5, cpu_weight=100))
+            RunnerCgroup.create(scope, "mvc-refused", RunnerCgroupLimits(memory_bytes=-5, cpu_weight=100))
         assert runner_cgroups(scope) == set()
     finally:
         for root in (cgroup.ROOT, *cgroup.ROOT.iterdir()):  # only when the test fails: leave nothing on the host
