@@ -34,7 +34,7 @@ from policy.reserved import reserved_containing
 from policy.yamldoc import (
     BOOL_TAG,
     STR_TAG,
-    Limits,
+    DocumentLimits,
     Problem,
     Problems,
     all_or_none,
@@ -55,7 +55,7 @@ MAX_RULES = 256
 MAX_PORTS_PER_RULE = 128
 MAX_DEPTH = 16
 MAX_PROBLEMS = 100
-LIMITS = Limits("policy", MAX_BYTES, MAX_DEPTH, "a policy is a mapping with a list of flat entries", MAX_PROBLEMS)
+LIMITS = DocumentLimits("policy", MAX_BYTES, MAX_DEPTH, "a policy is a mapping with a list of flat entries", MAX_PROBLEMS)
 
 TOP_KEYS = ("version", "mode", "allow", "on_block")
 RULE_KEYS = ("host", "cidr", "ports", "protocol", "raw", "methods", "paths")

@@ -38,7 +38,7 @@ class Mark(Protocol):
 
 
 @dataclass(frozen=True)
-class Limits:
+class DocumentLimits:
     """What one kind of document may be, and the words its messages use for it."""
 
     noun: str  # "policy", "config": in "the policy is larger than ..."
@@ -103,7 +103,7 @@ class Problems:
                                      f"{self.dropped} more problems not shown; fix the ones above first")]
 
 
-def read_text(path: Path, limits: Limits, problems: Problems) -> str | None:
+def read_text(path: Path, limits: DocumentLimits, problems: Problems) -> str | None:
     """The file's text, or None with a problem: unreadable, too large, or not UTF-8."""
     try:
         with path.open("rb") as handle:
@@ -123,7 +123,7 @@ def read_text(path: Path, limits: Limits, problems: Problems) -> str | None:
         return None
 
 
-def _entries(limits: Limits) -> str:
+def _entries(limits: DocumentLimits) -> str:
     return "rules" if limits.noun == "policy" else "settings"
 
 
@@ -133,7 +133,7 @@ def position(text: str, index: int) -> tuple[int, int]:
     return before.count("\n") + 1, index - (before.rfind("\n") + 1) + 1
 
 
-def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
+def compose(text: str, limits: DocumentLimits, problems: Problems) -> yaml.Node | None:
     """The node tree of `text`, or None with problems. A streaming pass first refuses aliases and
     deep nesting (composing either would cost memory or recursion out of proportion to the size)."""
     try:
@@ -204,7 +204,7 @@ def compose(text: str, limits: Limits, problems: Problems) -> yaml.Node | None:
     return None
 
 
-def _too_many(limits: Limits, keys: bool) -> str:
+def _too_many(limits: DocumentLimits, keys: bool) -> str:
     if keys:
         return (f"the {limits.noun} has more than {limits.max_keys} keys in all; "
                 f"a {limits.noun} needs a handful of {_entries(limits)}")

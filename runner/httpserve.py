@@ -91,7 +91,7 @@ def parse_decimal(text: str, max_digits: int = 18) -> int | None:
 
 
 @dataclass(frozen=True)
-class Limits:
+class ServerLimits:
     """What one listener allows; every time is an overall deadline, not a per-read timeout."""
 
     max_connections: int = 512  # sockets open at once: idle, reading a head, being served
@@ -221,7 +221,7 @@ class _Deadline:
     """A worker's reads of a request body share one deadline: after `body_seconds` of grace the client
     must have sent `body_min_rate` bytes per second on average, however it spreads them over reads."""
 
-    def __init__(self, sock: socket.socket, limits: Limits) -> None:
+    def __init__(self, sock: socket.socket, limits: ServerLimits) -> None:
         self._sock, self._limits = sock, limits
         self._start = time.monotonic()
         self._received = 0
@@ -369,7 +369,7 @@ class _Conn:
         age = now - self.body_start
         return age >= _AGE_FLOOR_SECONDS and self.received < age * min_rate
 
-    def too_slow(self, now: float, limits: Limits) -> bool:
+    def too_slow(self, now: float, limits: ServerLimits) -> bool:
         """A body the loop reads must keep up `body_min_rate` after its grace, all along (not only by its deadline)."""
         if self.state != "body":
             return False
@@ -385,7 +385,7 @@ class BoundedHTTPServer:
     keeps the connections it holds under their deadlines. Who gets a connection is `_Acceptor`'s, the
     bodies' budgets `_BodyBudgets`', the answering `_Workers`' (and its `_StreamPump`'s)."""
 
-    def __init__(self, listener: socket.socket, handler: type[ServedRequest], limits: Limits, *, name: str,
+    def __init__(self, listener: socket.socket, handler: type[ServedRequest], limits: ServerLimits, *, name: str,
                  error_body: Callable[[str], bytes], gate: Callable[[Head], Refusal | None] | None = None,
                  urgent: Callable[[Head], bool] | None = None) -> None:
         self.listener, self.handler, self.name = listener, handler, name
@@ -775,7 +775,7 @@ class _BodyBudgets:
     The loop thread reads, reserves and waits; a worker lets go of its body (`unhold`) as its answer
     begins, so the held bytes and the peers that got room (`freed`) are under a lock."""
 
-    def __init__(self, limits: Limits, wake: Callable[[], None], give_way: Callable[[_Conn], None]) -> None:
+    def __init__(self, limits: ServerLimits, wake: Callable[[], None], give_way: Callable[[_Conn], None]) -> None:
         self._limits, self._wake, self._give_way = limits, wake, give_way
         self._buffered = 0  # reserved against max_buffered_bytes
         self._reading: dict[str, list[_Conn]] = {}  # bodies being read, by peer
@@ -1263,7 +1263,7 @@ def _send_once(sock: socket.socket, data: bytes) -> bool:
         return False
 
 
-def _busy(limits: Limits, why: str) -> Refusal:
+def _busy(limits: ServerLimits, why: str) -> Refusal:
     retry = str(limits.retry_after_seconds)
     return Refusal(503, f"{why}; try again in {retry} s", (("Retry-After", retry),))
 
@@ -1284,7 +1284,7 @@ def _render(refusal: Refusal, error_body: Callable[[str], bytes], head_only: boo
 _HUGE_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*[0-9]{19,}[ \t]*\r?$")
 
 
-def _malformed(exc: h11.RemoteProtocolError, limits: Limits, last: bytes = b"") -> Refusal:
+def _malformed(exc: h11.RemoteProtocolError, limits: ServerLimits, last: bytes = b"") -> Refusal:
     """h11's verdict on bytes that are not an HTTP/1.1 request, in words a client can act on."""
     if exc.error_status_hint == 431:
         return Refusal(431, f"the request head is larger than {limits.max_head_bytes} bytes")

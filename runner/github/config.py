@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from policy.yamldoc import (
-    Limits,
+    DocumentLimits,
     Problems,
     compose,
     decimal_int,
@@ -42,7 +42,7 @@ ENV_PREFIX = "MICROVM_CHECK_GITHUB_"
 DEFAULT_LABELS = ("microvm",)
 ENV_FIELDS = ("app_id", "client_id", "private_key_path", "installation_id", "org", "app_slug", "api_url")
 KEYS = (*ENV_FIELDS, "labels")
-LIMITS = Limits("GitHub config", 64 * 1024, 4, "a GitHub config is a flat mapping of settings with a labels list")
+LIMITS = DocumentLimits("GitHub config", 64 * 1024, 4, "a GitHub config is a flat mapping of settings with a labels list")
 MAX_STRING = 4096
 MAX_LABELS = 64
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar, overload
 
 from runner import jsonbody
 from runner.github import jobs, signature
-from runner.httpserve import BoundedHTTPServer, Head, Limits, Refusal, ServedRequest, listen_tcp, parse_decimal
+from runner.httpserve import BoundedHTTPServer, Head, ServerLimits, Refusal, ServedRequest, listen_tcp, parse_decimal
 from runner.github.deliveries import DeliveryLog
 from runner.github.jobs import CompletedJob, InProgressJob, JobHooks, QueuedJob
 
@@ -222,7 +222,7 @@ class _Server(BoundedHTTPServer):
     def __init__(self, receiver: WebhookReceiver, host: str, port: int) -> None:
         self.receiver = receiver
         config = receiver.config
-        limits = Limits(max_connections=config.max_connections, max_workers=config.max_concurrent,
+        limits = ServerLimits(max_connections=config.max_connections, max_workers=config.max_concurrent,
                         buffer_body_max=config.max_body, body_seconds=BODY_GRACE, body_min_rate=BODY_MIN_RATE,
                         max_per_peer=PEER_CONNECTIONS, max_bodies_per_peer=PEER_BODIES,
                         max_body_bytes_per_peer=PEER_BODY_FACTOR * config.max_body,

@@ -21,7 +21,7 @@ import pytest
 from service_fakes import spec
 from test_httpserve_limits import answer, connect, post_head, serving
 
-from runner.httpserve import Limits
+from runner.httpserve import ServerLimits
 from runner.sandbox.fake import FakeSandboxes
 from runner.service.host.assembly import ServiceHost
 
@@ -106,7 +106,7 @@ def test_an_empty_body_is_answered_at_once_on_every_route_that_takes_one(host: S
 def test_an_empty_body_is_read_whole_and_the_connection_serves_the_next_request(buffered: int) -> None:
     """On the server alone (a handler that reads the body, on either listener's kind of body reading): the
     empty body is read at once, and the kept-alive connection takes a request sent after the answer."""
-    with serving(Limits(buffer_body_max=buffered)) as port, connect(port) as sock:
+    with serving(ServerLimits(buffer_body_max=buffered)) as port, connect(port) as sock:
         sock.sendall(post_head(0))
         first = answer(sock, TIMEOUT)
         assert first is not None and first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\n0"), first

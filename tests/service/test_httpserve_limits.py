@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from runner.httpserve import BoundedHTTPServer, Head, Limits, ServedRequest, _peer_key, listen_tcp
+from runner.httpserve import BoundedHTTPServer, Head, ServedRequest, ServerLimits, _peer_key, listen_tcp
 
 ATTACKER = "127.0.0.2"
 
@@ -40,7 +40,7 @@ class Echo(ServedRequest):
 
 
 @contextlib.contextmanager
-def serving(limits: Limits, urgent: Callable[[Head], bool] | None = None) -> Iterator[int]:
+def serving(limits: ServerLimits, urgent: Callable[[Head], bool] | None = None) -> Iterator[int]:
     Echo.release = threading.Event()
     server = BoundedHTTPServer(listen_tcp("127.0.0.1", 0), Echo, limits, name="test-limits",
                                error_body=lambda message: message.encode(), urgent=urgent)
@@ -89,7 +89,7 @@ def post_head(length: int) -> bytes:
 
 
 def test_a_peer_past_its_connection_share_is_answered_503_while_others_are_served() -> None:
-    limits = Limits(max_connections=64, max_per_peer=4, evict_after_seconds=60.0, idle_seconds=30.0)
+    limits = ServerLimits(max_connections=64, max_per_peer=4, evict_after_seconds=60.0, idle_seconds=30.0)
     with serving(limits) as port, contextlib.ExitStack() as stack:
         for _ in range(4):
             stack.enter_context(connect(port, ATTACKER))
@@ -102,7 +102,7 @@ def test_a_peer_past_its_connection_share_is_answered_503_while_others_are_serve
 
 def test_at_the_peer_cap_only_a_connection_older_than_evict_after_gives_way() -> None:
     # 3 s: the refusal of the young third must come before the oldest is old enough, also on a busy machine.
-    limits = Limits(max_connections=64, max_per_peer=2, evict_after_seconds=3.0, idle_seconds=30.0)
+    limits = ServerLimits(max_connections=64, max_per_peer=2, evict_after_seconds=3.0, idle_seconds=30.0)
     with serving(limits) as port, contextlib.ExitStack() as stack:
         oldest = stack.enter_context(connect(port, ATTACKER))
         stack.enter_context(connect(port, ATTACKER))
@@ -116,7 +116,7 @@ def test_at_the_peer_cap_only_a_connection_older_than_evict_after_gives_way() ->
 
 
 def test_a_connection_that_never_sends_a_byte_is_closed_at_idle_seconds() -> None:
-    with serving(Limits(idle_seconds=1.0, head_seconds=30.0)) as port, connect(port) as silent:
+    with serving(ServerLimits(idle_seconds=1.0, head_seconds=30.0)) as port, connect(port) as silent:
         started = time.monotonic()
         assert answer(silent, 6.0) == b""
         assert time.monotonic() - started < 4.0
@@ -124,7 +124,7 @@ def test_a_connection_that_never_sends_a_byte_is_closed_at_idle_seconds() -> Non
 
 def test_a_buffered_body_must_keep_up_its_minimum_rate_all_along_not_only_by_its_deadline() -> None:
     # 100 kB at 1 kB/s after 1 s of grace: the deadline is 101 s away, but 1 byte per 0.5 s is far behind
-    limits = Limits(buffer_body_max=1 << 20, body_seconds=1.0, body_min_rate=1000)
+    limits = ServerLimits(buffer_body_max=1 << 20, body_seconds=1.0, body_min_rate=1000)
     with serving(limits) as port, connect(port, ATTACKER, post_head(100_000)) as slow:
         slow.settimeout(0.5)
         started, cut = time.monotonic(), False
@@ -140,7 +140,7 @@ def test_a_buffered_body_must_keep_up_its_minimum_rate_all_along_not_only_by_its
 
 
 def test_a_peer_past_its_body_share_loses_its_slowest_body_and_the_newcomer_is_served() -> None:
-    limits = Limits(buffer_body_max=1 << 20, max_bodies_per_peer=2, body_seconds=30.0, body_min_rate=1)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_bodies_per_peer=2, body_seconds=30.0, body_min_rate=1)
     with serving(limits) as port, contextlib.ExitStack() as stack:
         slowest = stack.enter_context(connect(port, ATTACKER, post_head(1000) + b"x"))
         faster = stack.enter_context(connect(port, ATTACKER, post_head(1000) + b"y" * 500))
@@ -159,7 +159,7 @@ def test_a_peer_past_its_body_share_loses_its_slowest_body_and_the_newcomer_is_s
 
 
 def test_reserved_workers_serve_an_urgent_request_while_the_others_are_taken() -> None:
-    limits = Limits(max_workers=2, reserved_workers=1, wait_seconds=30.0)
+    limits = ServerLimits(max_workers=2, reserved_workers=1, wait_seconds=30.0)
     with serving(limits, urgent=lambda head: head.target == "/urgent") as port, contextlib.ExitStack() as stack:
         stack.enter_context(connect(port, first=b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"))  # holds the one worker
         time.sleep(0.3)

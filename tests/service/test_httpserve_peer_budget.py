@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 from test_httpserve_limits import ATTACKER, answer, connect, post_head
 
-from runner.httpserve import BoundedHTTPServer, Limits, ServedRequest, listen_tcp
+from runner.httpserve import BoundedHTTPServer, ServedRequest, ServerLimits, listen_tcp
 
 BODY = 1000
 
@@ -47,7 +47,7 @@ class Held(ServedRequest):
 
 
 @contextlib.contextmanager
-def serving(limits: Limits, names: str = "") -> Iterator[int]:
+def serving(limits: ServerLimits, names: str = "") -> Iterator[int]:
     Held.entered, Held.ending = set(), threading.Event()
     Held.open = {name: threading.Event() for name in names}
     server = BoundedHTTPServer(listen_tcp("127.0.0.1", 0), Held, limits, name="test-budget",
@@ -85,7 +85,7 @@ def until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def test_a_peers_bodies_past_its_budget_wait_until_an_earlier_answer_begins() -> None:
-    limits = Limits(buffer_body_max=1 << 20, max_body_bytes_per_peer=2 * BODY, wait_seconds=30.0)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_body_bytes_per_peer=2 * BODY, wait_seconds=30.0)
     with serving(limits, "abc") as port, contextlib.ExitStack() as stack:
         a, b = (stack.enter_context(connect(port, ATTACKER, post(name))) for name in "ab")
         assert until(lambda: Held.entered == {"a", "b"}), Held.entered
@@ -105,7 +105,7 @@ def test_a_peers_bodies_past_its_budget_wait_until_an_earlier_answer_begins() ->
 
 
 def test_a_body_that_waits_past_wait_seconds_is_told_to_come_back() -> None:
-    limits = Limits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY, wait_seconds=1.0, retry_after_seconds=3)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY, wait_seconds=1.0, retry_after_seconds=3)
     with serving(limits, "ab") as port, contextlib.ExitStack() as stack:
         stack.enter_context(connect(port, ATTACKER, post("a")))
         assert until(lambda: Held.entered == {"a"})
@@ -117,7 +117,7 @@ def test_a_body_that_waits_past_wait_seconds_is_told_to_come_back() -> None:
 
 def test_a_peers_waiting_bodies_start_in_the_order_they_came() -> None:
     """A small body that would fit does not overtake its peer's larger one waiting before it."""
-    limits = Limits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY + BODY // 2, wait_seconds=30.0)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY + BODY // 2, wait_seconds=30.0)
     with serving(limits, "abd") as port, contextlib.ExitStack() as stack:
         socks = [stack.enter_context(connect(port, ATTACKER, post("a")))]
         assert until(lambda: Held.entered == {"a"})
@@ -140,7 +140,7 @@ def test_a_newcomer_waits_behind_its_peers_bodies_that_keep_up_instead_of_closin
     """At its peer's cap of bodies being read (1 here), a newcomer does not close the body being read when that
     one keeps up (a young body is not judged yet); it starts as soon as that body has arrived whole, before
     that body's answer."""
-    limits = Limits(buffer_body_max=1 << 20, max_bodies_per_peer=1, body_seconds=10.0)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_bodies_per_peer=1, body_seconds=10.0)
     with serving(limits, "ab") as port, contextlib.ExitStack() as stack:
         first = stack.enter_context(connect(port, ATTACKER, post("a")[:-BODY // 2]))
         time.sleep(0.2)
@@ -160,7 +160,7 @@ def test_a_newcomer_waits_behind_its_peers_bodies_that_keep_up_instead_of_closin
 def test_a_waiting_body_takes_the_place_of_its_peers_body_once_that_one_lags() -> None:
     """A young body is not judged; once it has lagged behind body_min_rate for a second, the body waiting
     for its room closes it (503) rather than waiting out its grace (body_seconds)."""
-    limits = Limits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY, body_seconds=10.0)
+    limits = ServerLimits(buffer_body_max=1 << 20, max_body_bytes_per_peer=BODY, body_seconds=10.0)
     with serving(limits) as port, contextlib.ExitStack() as stack:
         lagging = stack.enter_context(connect(port, ATTACKER, post_head(BODY) + b"x" * 10))
         waiting = stack.enter_context(connect(port, ATTACKER, post_head(BODY) + b"y" * BODY))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from runner.httpserve import BoundedHTTPServer, Head, Limits, ServedRequest, listen_tcp
+from runner.httpserve import BoundedHTTPServer, Head, ServedRequest, ServerLimits, listen_tcp
 
 RELEASE = threading.Event()
 
@@ -49,7 +49,7 @@ class Ticks:
 @pytest.fixture
 def server() -> Iterator[BoundedHTTPServer]:
     RELEASE.clear()
-    served = BoundedHTTPServer(listen_tcp("127.0.0.1", 0), Handler, Limits(max_workers=2, reserved_workers=1),
+    served = BoundedHTTPServer(listen_tcp("127.0.0.1", 0), Handler, ServerLimits(max_workers=2, reserved_workers=1),
                                name="toy", error_body=lambda m: json.dumps({"error": m}).encode(),
                                urgent=lambda head: head.target == "/hook")
     served.start()

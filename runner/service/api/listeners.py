@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import ConfigError
-from runner.httpserve import BoundedHTTPServer, Limits, listen_tcp
+from runner.httpserve import BoundedHTTPServer, ServerLimits, listen_tcp
 from runner.jobapi.contract import MAX_JSON_BODY
 from runner.service.api.exchange import Listener
 from runner.service.api.gates import caller_gate, token_gate, urgent_on
@@ -42,12 +42,12 @@ if TYPE_CHECKING:
 # or slow bodies do not hold back its small requests. How many bodies it sends at once is bounded by its
 # connections (max_per_peer): a slow one costs an fd, and gives way to a waiting body once it lags.
 PEER_BODY_BYTES, PEER_SMALL_BODY = 2 * MAX_JSON_BODY, 16 * 1024
-LIMITS = Limits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024,
+LIMITS = ServerLimits(max_connections=512, max_workers=64, body_seconds=30.0, body_min_rate=64 * 1024,
                 buffer_body_max=MAX_JSON_BODY, reserved_workers=8, max_per_peer=256,
                 max_body_bytes_per_peer=PEER_BODY_BYTES, small_body_max=PEER_SMALL_BODY)
 
 
-def limits_for(service: JobService, limits: Limits = LIMITS) -> Limits:
+def limits_for(service: JobService, limits: ServerLimits = LIMITS) -> ServerLimits:
     """Connections for every queued and running job's client (its log stream and one request) on top of
     the listener's own: waiting clients cost an fd each, never a worker."""
     config = service.config
@@ -63,7 +63,7 @@ def _error_body(message: str) -> bytes:
 class UnixApiServer(Listener):
     kind = UNIX
 
-    def __init__(self, path: str, service: JobService, group: str | None = None, limits: Limits = LIMITS) -> None:
+    def __init__(self, path: str, service: JobService, group: str | None = None, limits: ServerLimits = LIMITS) -> None:
         self.service, self.path = service, path
         _prepare_socket_path(Path(path))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,7 +98,7 @@ class UnixApiServer(Listener):
 class TcpApiServer(Listener):
     kind = TCP
 
-    def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: Limits = LIMITS,
+    def __init__(self, address: tuple[str, int], service: JobService, token: str, limits: ServerLimits = LIMITS,
                  metrics: JobMetrics | None = None) -> None:
         self.service, self.token = service, token  # the token also keys the page's CSRF tokens (web.csrf_token)
         self.metrics = metrics or JobMetrics()  # its own registry: several services in one process never collide
@@ -130,7 +130,7 @@ def _prepare_socket_path(path: Path) -> None:
 class ApiServers:
     """The Unix server and the optional TCP server, each with its own connection loop and workers."""
 
-    def __init__(self, service: JobService, desk: RunnerDesk | None = None, limits: Limits = LIMITS,
+    def __init__(self, service: JobService, desk: RunnerDesk | None = None, limits: ServerLimits = LIMITS,
                  metrics: JobMetrics | None = None, host_status: Callable[[], dict[str, object]] | None = None,
                  sandboxes: SandboxDesk | None = None) -> None:
         """`desk` takes the runners' job hooks; `host_status` answers GET /v1/status (the host's VMs, spare

@@ -29,7 +29,7 @@ from policy.yamldoc import (
     FLOAT_TAG,
     INT_TAG,
     STR_TAG,
-    Limits,
+    DocumentLimits,
     Problems,
     compose,
     decimal_int,
@@ -64,7 +64,7 @@ from runner.service.config.settings import (
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-LIMITS = Limits("config", 64 * 1024, 8, "a config is a mapping of settings with a few small sections",
+LIMITS = DocumentLimits("config", 64 * 1024, 8, "a config is a mapping of settings with a few small sections",
                 max_problems=20)
 _SIZE = re.compile(SIZE_PATTERN)
 _UNITS = {"": 1, "B": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB}

@@ -35,7 +35,7 @@ import yaml
 
 from policy.model import HTTP_METHODS, Policy
 from policy.yamldoc import (
-    Limits,
+    DocumentLimits,
     Problems,
     compose,
     decimal_int,
@@ -52,7 +52,7 @@ from runner.net.secretswap import SCHEMES, BoundSecret, Scheme, SecretBinding, S
 from runner.service.jobs.jobsecrets import JobSecrets, job_secrets
 from runner.service.jobs.spec import SpecError
 
-LIMITS = Limits("secret bindings", 64 * 1024, 6, "a list of bindings under bindings:", max_problems=20)
+LIMITS = DocumentLimits("secret bindings", 64 * 1024, 6, "a list of bindings under bindings:", max_problems=20)
 KEYS = ("name", "repositories", "env", "host", "ports", "methods", "paths", "scheme", "user", "header", "value_file")
 REQUIRED = ("name", "repositories", "env", "host", "paths", "value_file")
 MAX_VALUE_FILE = 8192
