@@ -61,8 +61,10 @@ def setting(default: object, help: str, kind: str, *, minimum: float | None = No
     return field(default=default, metadata=metadata)
 
 
+# `resources:`, the VM size of a job that names none (a size class is SizeClass; the size a VM is given is
+# runner.sandbox.port.Resources). No docstring: a section's docstring would be its schema's description.
 @dataclass(frozen=True)
-class Resources:
+class ResourceSettings:
     vcpus: int | None = setting(None, "vCPUs per job VM (default: the template's)", "int", minimum=1, maximum=64)
     memory_mib: int | None = setting(None, "memory per job VM in MiB (default: the template's)", "int",
                                      minimum=64, maximum=1024**2)
@@ -97,8 +99,9 @@ class LogLimits:
                                    "size", minimum=1, maximum=16 * MIB)
 
 
+# `retention:`, how long job records are kept (what expires them is runner.service.host.retention.Retention).
 @dataclass(frozen=True)
-class Retention:
+class RetentionSettings:
     days: float = setting(14.0, "job records and directories older than this are pruned", "number",
                           minimum=0, maximum=36500)
     max_records: int = setting(10000, "at most this many job records are kept", "int", minimum=1, maximum=10**9)
@@ -273,7 +276,7 @@ class ServiceConfig:
                                            "a job's check run links <public_url>/ui/jobs/<id>", "string",
                                      pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
-    resources: Resources = setting(None, "job VM size", "section", section=Resources)
+    resources: ResourceSettings = setting(None, "job VM size", "section", section=ResourceSettings)
     sizes: dict[str, SizeClass] | None = setting(None, "size classes a job may ask for (size: NAME), each "
                                                        "name: {vcpus, memory_mib, disk_mib}; a repository "
                                                        "gets only those its store file's sizes: lists", "sizes")
@@ -301,7 +304,7 @@ class ServiceConfig:
                                       "path")
     github_config: Path | None = setting(None, "GitHub App settings: policies from the repositories' default "
                                                "branches", "path")
-    retention: Retention = setting(None, "how long job records are kept", "section", section=Retention)
+    retention: RetentionSettings = setting(None, "how long job records are kept", "section", section=RetentionSettings)
     prewarm: Prewarm = setting(None, "VMs restored ahead of jobs the webhook announces", "section", section=Prewarm)
     bases: Bases = setting(None, "repositories' warm bases: their disk budget and setup timeout", "section",
                            section=Bases)
