@@ -19,8 +19,11 @@ import shutil
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+from runner.errors import TemplateError
 from runner.net.slots import SlotPool
 from runner.vm import cgroup, checkoutdisk
 from runner.vm.agent import PROTOCOL_ERROR_KINDS, AgentClient, AgentTooOld, QuiesceFailed
@@ -30,7 +33,7 @@ from runner.vm.pool import SpareVMs
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
-from runner.vm.templates import NAME, Template, TemplateNotFound, TemplateStore, stale_agent
+from runner.vm.templates import NAME, DigestHold, Template, TemplateNotFound, TemplateStore, stale_agent
 from runner.vm.vm import VM
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ class Engine:
         self._vms_lock = threading.Lock()
         self._protocol_errors = dict.fromkeys(PROTOCOL_ERROR_KINDS, 0)  # under _vms_lock
         self._preparing: dict[Snapshot, VM] = {}  # the spare each pool filler is preparing now (under _vms_lock)
+        self._digests = DigestUsers(self.templates)
         self.pool = SpareVMs(self._restore, pool_size, cap=_memory_cap, hurry=self._hurry, cancel=self._cancel)
         # VMMs spawned ahead (jail, cgroup, descriptors, QEMU's own start-up), waiting at `-incoming defer`:
         # a restore that finds one skips 50-60 ms of spawning. Refilled after a restore, not during one: a
@@ -192,7 +196,10 @@ class Engine:
         parent = self.templates.owner(vm.snapshot)
         variant = "net" if vm.snapshot.config.network else "nonet"
         digest = digest or uuid.uuid4().hex[:20]
-        path = self.templates.begin(name, digest)
+        try:
+            path = self.templates.begin(name, digest)
+        except TemplateError as exc:
+            raise SandboxError(f"could not snapshot VM {vm.id} as template {name!r}: {exc}") from None
         work = self.state.vms / f"{vm.id}-fold-{uuid.uuid4().hex[:6]}"
         try:
             self._quiesce(vm, quiet_s)
@@ -214,7 +221,7 @@ class Engine:
                 entry.chmod(0o444)  # every clone maps these; nothing may ever write them again
             self.templates.publish(name, digest)
         except BaseException as exc:
-            shutil.rmtree(path, ignore_errors=True)
+            self.templates.abandon(name, digest)
             if isinstance(exc, (VMError, OSError)):
                 raise SandboxError(f"could not snapshot VM {vm.id} as template {name!r}: {exc}") from None
             raise
@@ -335,10 +342,11 @@ class Engine:
 
     def _spawn_now(self, snapshot: Snapshot) -> VM:
         vm_id = uuid.uuid4().hex[:16]
+        self._digests.take(snapshot)  # before its files are opened: no other process removes them from now on
         vm_dir = self.state.vms / vm_id
-        vm_dir.mkdir(mode=0o700)
         slot = None
         try:
+            vm_dir.mkdir(mode=0o700)
             disk = self.hv.overlay(snapshot.disk, vm_dir)
             namespace = ""
             if snapshot.config.network:
@@ -348,11 +356,14 @@ class Engine:
             launch = Launch(vm_dir=vm_dir, disk=disk.path, disk_format=disk.format, netns=namespace)
             machine = self.hv.spawn(snapshot, launch)
         except BaseException:
+            self._digests.drop(snapshot)
             if slot is not None and self.net is not None:
                 self.net.release(slot)
             shutil.rmtree(vm_dir, ignore_errors=True)
             raise
-        return VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, slots=self.net)
+        vm = VM(id=vm_id, dir=vm_dir, machine=machine, snapshot=snapshot, slot=slot, slots=self.net)
+        self._digests.attach(vm)
+        return vm
 
     # ---- ending ------------------------------------------------------------------------------
     def destroy(self, vm: VM) -> None:
@@ -393,6 +404,7 @@ class Engine:
                     self._reap(vm, now)
                 except Exception:  # one VM failing to end must not stop the reaper for all others
                     log.exception("could not end VM %s cleanly", vm.id)
+            self._digests.release(everything=False)
 
     def _reap(self, vm: VM, now: float) -> None:
         if vm.destroyed:
@@ -427,7 +439,73 @@ class Engine:
             finally:
                 self._forget(vm)
         cgroup.remove_scope(cgroup.scope_for(self.state.vms))  # its VMs' cgroups went with them
+        self._digests.release(everything=True)
         self._lock_file.close()
+
+
+@dataclass
+class _Use:
+    """One digest this engine holds: its VMs (spare, standby or a job's) and the spawns under way."""
+
+    hold: DigestHold
+    vms: list[VM] = field(default_factory=list)
+    starting: int = 0
+
+
+class DigestUsers:
+    """The template digests this engine's VMs run from, each held (`TemplateStore.hold`) from before its
+    first VM is spawned until its last one has ended: another process sharing the store (a publish of a
+    newer build, a removal, an eviction) then leaves its files alone, which a VM of it reads for as long as
+    it runs (a spare's restore, a snapshot's lineage). Once let go, a digest no longer current is removed
+    (`TemplateStore.collect`). The reaper lets go of unused ones; `close` of all of them."""
+
+    def __init__(self, store: TemplateStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._uses: dict[Path, _Use] = {}
+
+    def take(self, snapshot: Snapshot) -> None:
+        """A VM of `snapshot` is about to be spawned: hold its digest (then `attach` the VM, or `drop`)."""
+        path = _digest_dir(snapshot)
+        with self._lock:
+            use = self._uses.get(path)
+            if use is None:
+                try:
+                    use = self._uses[path] = _Use(self._store.hold(path))
+                except TemplateNotFound:
+                    raise SandboxError(f"template {path.parent.name!r} was replaced or removed by another process "
+                                       "as this VM started: try again") from None
+            use.starting += 1
+
+    def attach(self, vm: VM) -> None:
+        with self._lock:
+            use = self._uses[_digest_dir(vm.snapshot)]
+            use.starting -= 1
+            use.vms.append(vm)
+
+    def drop(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._uses[_digest_dir(snapshot)].starting -= 1
+
+    def release(self, everything: bool) -> None:
+        """Let go of the digests no VM of this engine runs from any more (all of them: `everything`, at
+        close), and remove those no longer current that no one else holds."""
+        with self._lock:
+            for use in self._uses.values():
+                use.vms = [vm for vm in use.vms if not vm.destroyed]
+            unused = [path for path, use in self._uses.items() if everything or not (use.vms or use.starting)]
+            let_go = [self._uses.pop(path) for path in unused]
+        for use in let_go:
+            use.hold.close()
+            try:
+                self._store.collect(use.hold.path.parent.name)
+            except OSError as exc:  # it stays on disk until the next publish or collect of the name
+                log.warning("could not remove the unused template %s: %s", use.hold.path, exc)
+
+
+def _digest_dir(snapshot: Snapshot) -> Path:
+    """<templates>/<name>/<digest> of a snapshot's files (<digest>/<variant>/state.bin)."""
+    return snapshot.state_file.parent.parent
 
 
 MEMORY_SHARE_FOR_SPARES = 0.5  # of MemAvailable, for spare VMs beyond the configured pool size

@@ -14,16 +14,34 @@ A template can also be made from a running VM (`Engine.snapshot`: a repository's
 and initrd are its parent's (`TemplateStore.write_derived`; `owner` reads the lineage back).
 `<root>/templates/<name>/last-used` is touched at each restore, so the derived templates can be
 held to a disk budget, least recently used first (`evict`).
+
+Several processes share one store (`serve` beside `microvm-check run`, two services with state
+directories of their own), so two kinds of flock keep one from deleting what another uses:
+
+- a digest directory is shared-locked (`hold`) by every process whose VMs run from it (Engine) and by
+  the process building it (`begin` to `publish` or `abandon`); it is removed only by a process that
+  gets it exclusively (`collect`), so never while held, and a holder that locked a directory removed
+  meanwhile sees it gone (`TemplateNotFound`);
+- `<root>/templates/.locks/<name>.lock` is taken by whoever changes which digests of `name` exist or
+  which is current (begin, publish, collect, remove), for the moment of the change only, so a
+  check and the removal it allows are one step.
+
+A digest no longer current is removed by the publish that replaced it, or, if it was held then, by
+its last holder's `collect` once the holder lets go.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +52,8 @@ from runner.vm.hypervisor import MachineConfig, Snapshot
 
 VARIANTS = {"net": True, "nonet": False}
 LAST_USED = "last-used"
+CURRENT = "current"
+LOCKS = ".locks"  # not a NAME: never listed as a template
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")
 
 
@@ -123,15 +143,31 @@ class Template:
         return sum(p.stat().st_blocks * 512 for p in self.path.rglob("*") if p.is_file())
 
 
+@dataclass
+class DigestHold:
+    """A shared flock on one digest's directory: while any process has one, no store removes it."""
+
+    path: Path  # <root>/<name>/<digest>
+    _fd: int
+
+    def close(self) -> None:
+        """Let go (idempotent); the caller runs `TemplateStore.collect` if the digest may now go."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class TemplateStore:
     def __init__(self, root: Path) -> None:
         self.root = root  # <state>/templates
+        self._builds: dict[Path, DigestHold] = {}  # this store's builds under way (begin to publish/abandon)
+        self._builds_lock = threading.Lock()
 
     def dir_for(self, name: str, digest: str) -> Path:
         return self.root / name / digest
 
     def get(self, name: str) -> Template:
-        current = self.root / name / "current"
+        current = self.root / name / CURRENT
         if not current.exists():
             raise TemplateNotFound(f"no template named {name!r} in {self.root}: build it with '{build_command(name)}'")
         digest = current.read_text().strip()
@@ -144,7 +180,7 @@ class TemplateStore:
         try:
             return (self.root / name / LAST_USED).stat().st_mtime
         except FileNotFoundError:
-            return (self.root / name / "current").stat().st_mtime
+            return (self.root / name / CURRENT).stat().st_mtime
 
     def touch(self, name: str) -> None:
         """Record a restore from `name`, for least-recently-used eviction."""
@@ -155,12 +191,46 @@ class TemplateStore:
             path.touch()
 
     def begin(self, name: str, digest: str) -> Path:
-        """An empty directory for a new build of `name` (a `NAME`); a partial one of an earlier try is dropped."""
+        """An empty directory for a new build of `name` (a `NAME`), held until `publish` or `abandon`; a
+        partial one of an earlier try that died is dropped. The same digest being built, or restored from,
+        by another process is refused: it is not this build's to delete."""
         path = self.dir_for(name, digest)
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        with self._name_locked(name):
+            if path.exists() and not _remove_unheld(path):
+                raise TemplateError(f"template {name!r} {digest} is being built, or VMs run from it, in another "
+                                    "process sharing this template store: wait for it, or make it under another name")
+            path.mkdir(parents=True)
+            hold = self.hold(path)
+        with self._builds_lock:
+            self._builds[path] = hold
         return path
+
+    def abandon(self, name: str, digest: str) -> None:
+        """Drop a build begun here that will not be published."""
+        path = self.dir_for(name, digest)
+        with self._name_locked(name):
+            shutil.rmtree(path, ignore_errors=True)
+            self._end_build(path)
+            _collect(self.root / name)  # a first build's name goes with it
+
+    def hold(self, path: Path) -> DigestHold:
+        """Hold the digest directory `path` (a `Template.path`) until the hold is closed; TemplateNotFound
+        when another process removed it (then `get` the name again: it has a newer current)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise TemplateNotFound(f"template {path.parent.name!r} {path.name} was removed by another process") from None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal under way
+        if os.fstat(fd).st_nlink == 0:  # removed while we waited
+            os.close(fd)
+            raise TemplateNotFound(f"template {path.parent.name!r} {path.name} was removed by another process")
+        return DigestHold(path, fd)
+
+    def collect(self, name: str) -> list[str]:
+        """Remove the digests of `name` that are not current and that no process holds (and `name` itself
+        once removed and empty); the digests removed."""
+        with self._name_locked(name):
+            return _collect(self.root / name)
 
     def evict(self, budget_bytes: int, keep: frozenset[str] = frozenset(),
               before_remove: Callable[[str], None] | None = None) -> list[str]:
@@ -208,14 +278,15 @@ class TemplateStore:
         return (self.dir_for(name, digest) / "manifest.json").exists()
 
     def publish(self, name: str, digest: str) -> None:
-        """Make `digest` the current template of `name` (atomically) and drop the older ones."""
-        tmp = self.root / name / "current.tmp"
-        tmp.write_text(digest + "\n")
-        tmp.replace(self.root / name / "current")
-        (self.root / name / LAST_USED).touch()
-        for old in (self.root / name).iterdir():
-            if old.is_dir() and old.name != digest:
-                shutil.rmtree(old)
+        """Make `digest` the current template of `name` (atomically) and drop the older ones no process
+        holds (a held one goes when its last holder lets go: `collect`)."""
+        with self._name_locked(name):
+            tmp = self.root / name / f".{CURRENT}.{uuid.uuid4().hex}.tmp"
+            tmp.write_text(digest + "\n")
+            tmp.replace(self.root / name / CURRENT)
+            (self.root / name / LAST_USED).touch()
+            self._end_build(self.dir_for(name, digest))
+            _collect(self.root / name)
 
     def list(self) -> list[Template]:
         found = []
@@ -228,10 +299,76 @@ class TemplateStore:
         return found
 
     def remove(self, name: str) -> None:
-        path = self.root / name
-        if not path.exists():
-            raise TemplateNotFound(f"no template named {name!r} in {self.root}")
-        shutil.rmtree(path)
+        """Remove `name`: no VM restores from it from now on; its files go now, or, for a digest another
+        process's VMs still run from, when that process lets go of it (`collect`)."""
+        with self._name_locked(name):
+            path = self.root / name
+            if not path.exists():
+                raise TemplateNotFound(f"no template named {name!r} in {self.root}")
+            (path / CURRENT).unlink(missing_ok=True)
+            _collect(self.root / name)
+
+    def _end_build(self, path: Path) -> None:
+        with self._builds_lock:
+            hold = self._builds.pop(path, None)
+        if hold is not None:
+            hold.close()
+
+    @contextmanager
+    def _name_locked(self, name: str) -> Iterator[None]:
+        """Hold `name`'s lock (every process sharing the store, every thread) for one change of its digests.
+        The lock file goes with the name (removed while locked; a waiter that then gets the removed file's
+        lock takes the new one instead), so names that come and go (snapshots) leave none behind."""
+        lock = self.root / LOCKS / f"{name}.lock"
+        lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        while True:
+            with open(lock, "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                if not _is_at(held.fileno(), lock):
+                    continue
+                try:
+                    yield
+                finally:
+                    if not (self.root / name).exists():
+                        lock.unlink()
+                return
+
+
+def _collect(path: Path) -> list[str]:
+    """`TemplateStore.collect` of the name directory `path`, under the name's lock."""
+    if not path.is_dir():
+        return []
+    try:
+        current: str | None = (path / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        current = None
+    digests = [entry for entry in path.iterdir() if entry.is_dir()]
+    removed = [entry.name for entry in digests if entry.name != current and _remove_unheld(entry)]
+    if current is None and len(removed) == len(digests):
+        shutil.rmtree(path)  # removed, and nothing of it held any more: its last-used goes too
+    return removed
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the one at `path` (not removed nor replaced)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _remove_unheld(path: Path) -> bool:
+    """Remove the digest directory `path` unless a process holds it; whether it was removed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(path)  # locked: a holder that opened it meanwhile waits, then finds it gone
+        return True
+    finally:
+        os.close(fd)
 
 
 def stale_agent(template: Template, missing: frozenset[str] | None = None,
