@@ -14,6 +14,7 @@ from net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
 from action.summary import Result, markdown
 from policy import load_policy, suggest_policy
 from policy.suggest import INTERNAL_ADDRESS, POLICY, REFUSED_DEST
+from tests.action.job_records import job_record
 
 
 def answers(guest: str, name: str) -> tuple[int, list[str]]:
@@ -77,6 +78,6 @@ def test_a_cname_to_an_internal_name_leaves_its_address_in_the_service_log_only(
     blocked = [record.to_wire() for record in slot.audit_records()]  # the job record's blocked_egress
     assert blocked == [{"dest": REFUSED_DEST, "port": None, "proto": "dns", "name": "intranet.web.test", "count": 1,
                         "reason": INTERNAL_ADDRESS}]
-    summary = markdown(Result({"id": "j", "state": "finished", "exit_code": 0, "blocked_egress": blocked}, 0, None, [], []))
+    summary = markdown(Result(job_record({"id": "j", "exit_code": 0, "blocked_egress": blocked}), 0, None, [], []))
     assert LAN_HOST not in json.dumps(blocked) and LAN_HOST not in summary and "intranet.web.test" in summary
     assert any(LAN_HOST in r.getMessage() and "intranet.web.test" in r.getMessage() for r in caplog.records)

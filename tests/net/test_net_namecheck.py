@@ -190,11 +190,12 @@ def test_a_released_slot_ends_its_checked_connections(net, slot, guest) -> None:
 
 def test_the_summary_names_what_the_name_check_refused(slot, guest) -> None:
     from action.summary import Result, markdown
+    from tests.action.job_records import job_record
 
     slot.apply_policy(policy(WEB))
     lookup(guest, "web.test")
     assert send(guest, ALLOWED_HOST, 8000, http("collector.evil.test")) is None
-    record = {"id": "j", "state": "finished", "exit_code": 0, "blocked_egress": [r.to_wire() for r in slot.audit_records()]}
+    record = job_record({"id": "j", "exit_code": 0, "blocked_egress": [r.to_wire() for r in slot.audit_records()]})
     text = markdown(Result(record=record, exit_code=0, junit=None, artifacts=[], refused_artifacts=[]))
     row = next(line for line in text.splitlines() if "collector.evil.test" in line and line.startswith("|"))
     assert "TLS SNI / HTTP Host (name) is not allowed at that address" in row

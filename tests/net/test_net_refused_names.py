@@ -9,6 +9,7 @@ from net_fakes import ALLOWED_HOST, lookup, reach
 from action.summary import Result, markdown
 from policy import load_policy
 from policy.suggest import REFUSED_NAME, REFUSED_NAME_DEST
+from tests.action.job_records import job_record
 
 BLOCK = "version: 1\nallow:\n  - host: web.test\n    ports: [8000]\n"
 
@@ -26,7 +27,7 @@ def test_a_name_refused_in_block_mode_is_in_the_record_and_the_summary(slot, gue
     blocked = [record.to_wire() for record in slot.audit_records()]  # the job record's blocked_egress
     assert blocked == [{"dest": REFUSED_NAME_DEST, "port": None, "proto": "dns", "name": "denied.test",
                         "count": 2, "reason": REFUSED_NAME}]
-    text = markdown(Result({"id": "j1", "state": "finished", "exit_code": 0, "blocked_egress": blocked}, 0, None, [], []))
+    text = markdown(Result(job_record({"id": "j1", "exit_code": 0, "blocked_egress": blocked}), 0, None, [], []))
     assert ("| name refused | - | dns | denied.test | 2 | name refused: no rule names it "
             "(in block mode the job got NXDOMAIN) |") in text
     assert "# denied.test was looked up and refused (no rule names it), so no port was tried" in text
