@@ -59,6 +59,9 @@ class TerminalSession:
     # -- the session ------------------------------------------------------------------------------------
 
     def serve(self) -> None:
+        # one timeout for both threads, set before either runs: settimeout switches the socket's blocking mode,
+        # and a switch under the other thread's recv or send made it fail with EAGAIN (a session cut off)
+        self.sock.settimeout(SEND_SECONDS)
         pump = threading.Thread(target=self._pump, name=f"terminal-{self.name}", daemon=True)
         pump.start()
         try:
@@ -71,10 +74,13 @@ class TerminalSession:
             pump.join()
 
     def _take_input(self) -> None:
-        self.sock.settimeout(None)
         while True:
             try:
                 frame = self.frames.next()
+            except TimeoutError:  # nothing typed for a while (the frame read so far is kept): read on
+                if self.terminal.outcome is not None:
+                    return
+                continue
             except (termwire.FrameError, OSError) as exc:
                 self.note(f"its client broke off ({exc})")
                 return
@@ -118,7 +124,6 @@ class TerminalSession:
 
     def _send(self, data: bytes) -> None:
         with self._send_lock:
-            self.sock.settimeout(SEND_SECONDS)
             try:
                 self.sock.sendall(data)
             except OSError:
