@@ -263,6 +263,7 @@ class Engine:
             for vm in (*self.pool.forget(snapshot), *self._standby.forget(snapshot)):
                 vm.destroy()
             self.hv.forget(snapshot)
+        self._digests.release(everything=False)  # the template's removal, next, finds its files let go
 
     def is_leftover(self, template: Template) -> bool:
         """Whether `template`, a sandbox's snapshot, is left over from a service that ended (no sandbox outlives
@@ -371,6 +372,7 @@ class Engine:
             vm.destroy()
         finally:
             self._forget(vm)
+            self._digests.release(everything=False)  # now, not at the reaper's next round: a removal may follow
 
     def _forget(self, vm: VM) -> None:
         with self._vms_lock:
