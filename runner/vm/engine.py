@@ -33,7 +33,7 @@ from runner.vm.pool import SpareVMs
 from runner.vm.qemu import QemuHypervisor
 from runner.vm.statedir import StateDir
 from runner.vm.sweep import sweep
-from runner.vm.templates import NAME, DigestHold, Template, TemplateNotFound, TemplateStore, stale_agent
+from runner.vm.templates import CURRENT, NAME, DigestHold, Template, TemplateNotFound, TemplateStore, stale_agent
 from runner.vm.vm import VM
 
 log = logging.getLogger(__name__)
@@ -406,7 +406,16 @@ class Engine:
                     self._reap(vm, now)
                 except Exception:  # one VM failing to end must not stop the reaper for all others
                     log.exception("could not end VM %s cleanly", vm.id)
+            self._end_superseded_spares()
             self._digests.release(everything=False)
+
+    def _end_superseded_spares(self) -> None:
+        """Spare VMs of a digest that is no longer its template's current one (another process published a
+        newer build, or removed the template) are never taken: end them, so that the digest is let go and its
+        files can go. VMs that jobs hold run on."""
+        for snapshot in self._digests.superseded():
+            for vm in (*self.pool.forget(snapshot), *self._standby.forget(snapshot)):
+                vm.destroy()
 
     def _reap(self, vm: VM, now: float) -> None:
         if vm.destroyed:
@@ -489,6 +498,12 @@ class DigestUsers:
         with self._lock:
             self._uses[_digest_dir(snapshot)].starting -= 1
 
+    def superseded(self) -> set[Snapshot]:
+        """The snapshots of this engine's VMs whose digest is no longer the current one of its template."""
+        with self._lock:
+            held = {path: {vm.snapshot for vm in use.vms} for path, use in self._uses.items()}
+        return {snapshot for path, snapshots in held.items() if not _is_current(path) for snapshot in snapshots}
+
     def release(self, everything: bool) -> None:
         """Let go of the digests no VM of this engine runs from any more (all of them: `everything`, at
         close), and remove those no longer current that no one else holds."""
@@ -503,6 +518,14 @@ class DigestUsers:
                 self._store.collect(use.hold.path.parent.name)
             except OSError as exc:  # it stays on disk until the next publish or collect of the name
                 log.warning("could not remove the unused template %s: %s", use.hold.path, exc)
+
+
+def _is_current(path: Path) -> bool:
+    """Whether the digest directory `path` is its template's current build."""
+    try:
+        return (path.parent / CURRENT).read_text().strip() == path.name
+    except FileNotFoundError:
+        return False
 
 
 def _digest_dir(snapshot: Snapshot) -> Path:

@@ -122,8 +122,8 @@ def test_a_digest_held_by_another_process_goes_when_that_process_dies(tmp_path: 
 
 @pytest.mark.vm
 def test_a_digest_an_engine_runs_a_vm_from_survives_another_publish_until_the_vm_ends(make_engine, template_store) -> None:
-    """The engine holds the digest of every VM it runs; once the last one ends, a digest that is no longer
-    current goes (the reaper lets go of it)."""
+    """The engine holds the digest of every VM it runs; spares of a digest no longer current are ended (no one
+    takes them), and once the last VM ends the digest goes (the reaper lets go of it)."""
     from runner.sandbox import Sandbox
 
     name = f"held-{uuid.uuid4().hex[:8]}"
@@ -137,8 +137,12 @@ def test_a_digest_an_engine_runs_a_vm_from_survives_another_publish_until_the_vm
             elif source.is_file():
                 os.link(source, target)  # the same files, under a name of the test's own
         template_store.publish(name, base.digest)
-        engine = make_engine(pool_size=0)
+        engine = make_engine(pool_size=1)  # a spare of it too, refilled after the create
         with Sandbox.create(template=name, engine=engine) as sandbox:
+            deadline = time.monotonic() + 30
+            while not engine.pool.ready().get(f"{name}/nonet") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.pool.ready().get(f"{name}/nonet") == 1
             other = TemplateStore(template_store.root)
             build(other, name, "newer")
             other.publish(name, "newer")
