@@ -293,3 +293,29 @@ def test_an_exec_carries_its_stdin_and_the_signals_are_the_guests() -> None:
     with pytest.raises(WireError, match="stdin"):
         ExecRequest.from_wire({"command": "cat", "stdin": "not base64!"})
     assert set(TERMINAL_SIGNALS) == set(PTY_SIGNALS) and MAX_SIDE == PTY_MAX_SIDE
+
+
+# review: bounds of the contract a mutation could drop unnoticed (each failed on one that did)
+_ENTRY = {"name": "a", "type": "file", "size": 1}
+BOUNDS = [  # (record, what came, the field the refusal names)
+    (CreateAnswer, {**INFO.to_wire(), "token": "a" * 15}, "token"),
+    (CreateAnswer, {**INFO.to_wire(), "token": "a" * 129}, "token"),
+    (CreateAnswer, {**INFO.to_wire(), "token": "a" * 20 + " :\r"}, "token"),
+    (ExecEnd, {"exit_code": 0, "blocked_egress": [{}] * 101}, "blocked_egress"),
+    (ExecRequest, {"command": "ls", "stdin": "AAAA" * ((512 * 1024 + 2) // 3 + 1)}, "stdin"),
+    (Listing, {"path": "/w", "entries": [_ENTRY] * 10_001}, "entries"),
+]
+
+
+@pytest.mark.parametrize(("record", "data", "field"), BOUNDS, ids=[f"{r.__name__}-{f}-{i}" for i, (r, _, f) in enumerate(BOUNDS)])
+def test_what_is_past_a_bound_is_refused_naming_the_field(record: type, data: object, field: str) -> None:
+    with pytest.raises(WireError) as refused:
+        record.from_wire(data)
+    assert str(refused.value).startswith(field), refused.value
+
+
+def test_the_bounds_themselves_are_taken() -> None:
+    assert CreateAnswer.from_wire({**INFO.to_wire(), "token": "a" * 16}).token == "a" * 16
+    assert len(ExecEnd.from_wire({"exit_code": 0, "blocked_egress": [{}] * 100}).blocked_egress) == 0
+    assert ExecRequest.from_wire({"command": "ls", "stdin": "AAAA" * ((512 * 1024 + 2) // 3)}).stdin is not None
+    assert len(Listing.from_wire({"path": "/w", "entries": [_ENTRY] * 10_000}).entries) == 10_000

@@ -135,3 +135,38 @@ def test_the_job_page_lists_its_sessions_and_shows_the_transcript_inert(hosts: A
     tail = httpx.get(base + f"/ui/jobs/{job}", cookies=cookies).text
     assert re.search(r"The last 1 of \d+ lines are shown", tail)
     assert httpx.get(base + "/ui/jobs/j-nope/terminal.txt", cookies=cookies).status_code == 404
+
+
+# -- review: each of neutral()'s removals on its own (each test failed on a mutation that dropped one) --
+
+
+def test_a_lone_c1_control_is_removed() -> None:
+    """U+0085 (NEL), U+008D (reverse index) and U+0080 are no sequence's start: the control class removes them."""
+    assert neutral("a\u0085b\u008dc\u0080d") == "abcd"
+
+
+def test_a_c1_string_sequence_goes_whole() -> None:
+    """An 8-bit OSC (U+009D), DCS (U+0090) or APC (U+009F) string goes with its text to its terminator."""
+    assert neutral("a\u009d52;c;cHduZWQ=\u0007b\u0090$q m\u009cc\u009fx\u001b\\d") == "abcd"
+
+
+def test_a_note_and_a_line_left_open_at_the_end_are_neutralised_too(tmp_path: Path) -> None:
+    """A note carries the attacher's argv and an error's text; a session's last output may end without a
+    newline: neither reaches the page or terminal.txt with an escape sequence."""
+    transcript = Transcript(tmp_path, LogLimits())
+    transcript.note(1, "attached: \x1b]0;owned\x07bash \x1b[2J")
+    transcript.write(1, "out", b"done\r\n\x1b]52;c;cHduZWQ=\x07\x1b[31mprompt$ ")
+    assert _lines(tmp_path) == [(1, "note", "attached: bash "), (1, "out", "done"), (1, "out", "prompt$ ")]
+
+
+def test_a_line_longer_than_max_line_is_shown_in_pieces(tmp_path: Path) -> None:
+    from runner.service.jobs.joblog import MAX_LINE
+    transcript = Transcript(tmp_path, LogLimits(max_bytes=1024 * 1024))
+    transcript.write(1, "out", b"x" * MAX_LINE)
+    transcript.write(1, "out", b"y\n")
+    assert [text for _, _, text in _lines(tmp_path)] == ["x" * MAX_LINE, "y"]
+
+
+def test_a_lone_carriage_return_ends_a_line_and_never_stays() -> None:
+    """A carriage return would let the guest's next text overwrite the line shown in a terminal (cat terminal.txt)."""
+    assert neutral("rm -rf /\rls") == "rm -rf /\nls" and neutral("a\r\nb") == "a\nb"
