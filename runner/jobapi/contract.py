@@ -19,10 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from microvm_check.contract import DEFAULT_SOCKET as DEFAULT_SOCKET  # declared once, where the SDK reads it too
 from microvm_check.entries import Artifact, AuditRecord
 from runner.errors import ClientError
-
-DEFAULT_SOCKET = "/run/microvm-check/api.sock"
 
 # -- credentials (docs/job-api.md, "Who may do what"; the rules are runner/service/jobs/auth.py) -------------
 

@@ -108,17 +108,20 @@ def py_files(*dirs: str) -> list[Path]:
     return [path for d in dirs for path in sorted((ROOT / d).rglob("*.py"))]
 
 
-@pytest.mark.parametrize("literal", [
-    '"/run/microvm-check/api.sock"',  # the default socket
-    "[0-9a-f]{40}",  # the commit pattern
-    "A-Za-z0-9_.-]{1,100}",  # the repository pattern
-    "j[0-9a-f]{16}",  # the job id pattern
+@pytest.mark.parametrize(("literal", "home"), [
+    ('"/run/microvm-check/api.sock"', ["microvm_check/contract.py"]),  # the default socket, the SDK's too
+    ("[0-9a-f]{40}", ["runner/jobapi/contract.py"]),  # the commit pattern
+    ("A-Za-z0-9_.-]{1,100}", ["runner/jobapi/contract.py"]),  # the repository pattern
+    # the job id pattern, and the sandbox's (a sandbox is a job record; test_sdk_contract holds them equal)
+    ("j[0-9a-f]{16}", ["microvm_check/contract.py", "runner/jobapi/contract.py"]),
 ])
-def test_the_contract_is_the_one_place_that_spells_it(literal: str):
-    """The job API's users (the action, the service, `run`, the benchmark) import these; none spells its own."""
-    spelled = [str(path.relative_to(ROOT)) for path in py_files("action", "runner/service", "runner/jobapi", "bench")
+def test_the_contract_is_the_one_place_that_spells_it(literal: str, home: list[str]):
+    """The job API's users (the action, the service, `run`, the benchmark, the SDK) import these; none spells
+    its own."""
+    spelled = [str(path.relative_to(ROOT)) for path in
+               py_files("action", "runner/service", "runner/jobapi", "bench", "microvm_check")
                if literal in path.read_text()]
-    assert spelled == ["runner/jobapi/contract.py"]
+    assert spelled == home
 
 
 def test_the_limits_a_client_checks_are_the_services():
