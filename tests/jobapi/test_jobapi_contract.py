@@ -113,7 +113,7 @@ def py_files(*dirs: str) -> list[Path]:
     ("[0-9a-f]{40}", ["runner/jobapi/contract.py"]),  # the commit pattern
     ("A-Za-z0-9_.-]{1,100}", ["runner/jobapi/contract.py"]),  # the repository pattern
     # the job id pattern, and the sandbox's (a sandbox is a job record; test_sdk_contract holds them equal)
-    ("j[0-9a-f]{16}", ["microvm_check/contract.py", "runner/jobapi/contract.py"]),
+    ("j[0-9a-f]{16}", ["runner/jobapi/contract.py", "microvm_check/contract.py"]),
 ])
 def test_the_contract_is_the_one_place_that_spells_it(literal: str, home: list[str]):
     """The job API's users (the action, the service, `run`, the benchmark, the SDK) import these; none spells
