@@ -606,9 +606,12 @@ def _stdin(data: Mapping[str, Any]) -> bytes | None:
     if text is None:
         return None
     try:
-        return base64.b64decode(text, validate=True)
+        stdin = base64.b64decode(text, validate=True)
     except binascii.Error as exc:
         raise WireError("stdin: expected base64") from exc
+    if len(stdin) > MAX_STDIN:  # the text's bound lets its last group of four carry a byte more
+        raise WireError(f"stdin: expected base64 bytes of at most {MAX_STDIN} bytes, got {len(stdin)}")
+    return stdin
 
 
 def _last(query: Mapping[str, list[str]], name: str, default: str) -> str:

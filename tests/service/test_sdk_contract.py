@@ -317,5 +317,16 @@ def test_what_is_past_a_bound_is_refused_naming_the_field(record: type, data: ob
 def test_the_bounds_themselves_are_taken() -> None:
     assert CreateAnswer.from_wire({**INFO.to_wire(), "token": "a" * 16}).token == "a" * 16
     assert len(ExecEnd.from_wire({"exit_code": 0, "blocked_egress": [{}] * 100}).blocked_egress) == 0
-    assert ExecRequest.from_wire({"command": "ls", "stdin": "AAAA" * ((512 * 1024 + 2) // 3)}).stdin is not None
+    assert ExecRequest.from_wire({"command": "ls", "stdin": "AAAA" * (512 * 1024 // 3) + "AAA="}).stdin is not None
     assert len(Listing.from_wire({"path": "/w", "entries": [_ENTRY] * 10_000}).entries) == 10_000
+
+
+def test_stdin_is_held_to_max_stdin_bytes_not_only_to_its_base64_length() -> None:
+    """(MAX_STDIN + 2) // 3 * 4 characters of base64 decode to a byte past MAX_STDIN: the SDK
+    refuses them (microvm_check._wire), the service's contract now too."""
+    import base64
+
+    from microvm_check.contract import MAX_STDIN
+    assert ExecRequest.from_wire({"command": "ls", "stdin": base64.b64encode(b"x" * MAX_STDIN).decode()}).stdin
+    with pytest.raises(WireError, match="^stdin: .* at most 524288 bytes, got 524289"):
+        ExecRequest.from_wire({"command": "ls", "stdin": base64.b64encode(b"x" * (MAX_STDIN + 1)).decode()})
