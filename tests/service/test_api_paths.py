@@ -129,6 +129,9 @@ def tcp(hosts: Callable[..., ServiceHost]) -> str:
 def test_the_pages_cookie_and_query_token_open_the_page_and_nothing_else(tcp: str) -> None:
     cookies = {COOKIE: TOKEN}
     assert httpx.get(tcp + "/ui", cookies=cookies).status_code == 200
+    for target in ("/ui", "/ui/jobs/j0123456789abcdef/terminal.txt", "/ui/jobs/j0123456789abcdef/log.txt"):
+        assert httpx.get(tcp + target).status_code == 401, target  # a transcript is the token holder's only
+        assert httpx.get(tcp + target, cookies={COOKIE: "not-the-token"}).status_code == 401, target
     for target in ("/metrics", "/v1/status", "/v1/jobs", "/v1/attestation-key"):
         assert httpx.get(tcp + target, cookies=cookies).status_code == 401, target
         assert httpx.get(tcp + target + "?token=" + TOKEN).status_code == 401, target
@@ -271,3 +274,31 @@ def test_the_tcp_token_gate_then_asks_the_caller_gate() -> None:
     assert asked == ["/v1/jobs"]
     refused = gate(_head("POST", "/v1/jobs", Authorization="Bearer not-the-token"))
     assert refused is not None and refused.status == 401 and asked == ["/v1/jobs"]
+
+
+# -- the handler's bounds ----------------------------------------------------------------------------------
+
+
+def test_a_json_body_past_its_bound_is_413_and_never_parsed(api: Any) -> None:
+    """A body the connection loop does not buffer is read by the worker, held to MAX_JSON_BODY as it comes."""
+    from runner.jobapi.contract import MAX_JSON_BODY
+    service, _client = api()
+    body = b'{"a": "' + b"x" * (MAX_JSON_BODY * 8) + b'"}'
+    request = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+               b"Connection: close\r\n\r\n" % len(body))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(service.config.socket)
+        sock.sendall(request)
+        try:
+            sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it stopped reading: the bound held
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert f"larger than {MAX_JSON_BODY} bytes".encode() in answer
