@@ -85,6 +85,15 @@ class PolicyStore:
         own = self._repository_file(owner, repo)
         return load_repository_file(own).sizes if own is not None else ()
 
+    def debug_for(self, repository: str, fallback: FileFallback | None = None) -> int | None:
+        """The repository's `debug:` keep in seconds (docs/debugging.md), or None when it sets none. Read from
+        the store file, or, only when there is none, from `fallback` (the default branch's file): never from
+        a pull request."""
+        owner, repo = split_repository(repository)
+        own = self._repository_file(owner, repo)
+        found = load_repository_file(own) if own is not None else (fallback() if fallback is not None else None)
+        return None if found is None else found.debug_seconds
+
     def _org_file(self) -> Path | None:
         if self.directory is None:
             return None

@@ -28,7 +28,7 @@ import yaml
 
 from policy.load import _mode, _rules, load_policy
 from policy.model import DENY_ALL, SUPPORTED_VERSION, Policy
-from policy.yamldoc import Problems, all_or_none, is_null, kind, mapping, string
+from policy.yamldoc import BOOL_TAG, Problems, all_or_none, decimal_int, is_null, kind, mapping, string
 
 MAX_SETUP_CHARS = 8192
 MAX_INPUTS = 32
@@ -62,6 +62,9 @@ class RepositoryFile:
     # The size classes (the service config's `sizes:`) this repository's jobs may ask for with `size:`;
     # none: only the template's own size. Read from the operator's store only, never from a repository.
     sizes: tuple[str, ...] = ()
+    # `debug:` (issue 37, docs/debugging.md): how long the VM of a failed or timed-out job is kept for the
+    # operator to attach to, in seconds; None: not set (no keep). Held to the service config's debug section.
+    debug_seconds: int | None = None
 
 
 CHECKS_SETTINGS = ("on", "off", "forks")
@@ -72,11 +75,39 @@ def load_repository_file(source: str | Path, source_name: str | None = None) -> 
     found: list[WarmSpec | None] = []
     checks: list[str | None] = []
     sizes: list[tuple[str, ...]] = []
+    debug: list[int | None] = []
     loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems)),
                                                "checks": lambda node, problems: checks.append(_checks(node, problems)),
-                                               "sizes": lambda node, problems: sizes.append(_sizes(node, problems))})
+                                               "sizes": lambda node, problems: sizes.append(_sizes(node, problems)),
+                                               "debug": lambda node, problems: debug.append(_debug(node, problems))})
     return RepositoryFile(loaded, found[0] if found else None, checks[0] if checks else None,
-                          sizes[0] if sizes else ())
+                          sizes[0] if sizes else (), debug[0] if debug else None)
+
+
+DEBUG_DEFAULT_SECONDS = 900
+DEBUG_MAX_SECONDS = 86400
+DEBUG_KEYS = ("keep_seconds",)
+
+
+def _debug(node: yaml.Node, problems: Problems) -> int | None:
+    """`debug: true` (keep a failed job's VM DEBUG_DEFAULT_SECONDS), `debug: false`, or
+    `debug: {keep_seconds: N}`; 0 keeps nothing."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
+        return DEBUG_DEFAULT_SECONDS if str(node.value).lower() in ("true", "yes", "on") else 0
+    if not isinstance(node, yaml.MappingNode):
+        problems.at(node, "debug must be true, false or a mapping {keep_seconds: N}: how long the VM of a failed "
+                          "or timed-out job is kept for the operator to attach to")
+        return None
+    values, duplicates = mapping(node, DEBUG_KEYS, "debug", problems)
+    seconds = values.get("keep_seconds")
+    if seconds is None:
+        return None if duplicates else DEBUG_DEFAULT_SECONDS
+    value = decimal_int(seconds)
+    if value is None or not 0 <= value <= DEBUG_MAX_SECONDS:
+        problems.at(seconds, f"debug.keep_seconds must be a whole number of seconds from 0 to {DEBUG_MAX_SECONDS} "
+                             "(the service config's debug.max_keep_seconds bounds it further)")
+        return None
+    return None if duplicates else value
 
 
 SIZE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
