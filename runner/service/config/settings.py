@@ -115,6 +115,23 @@ class Prewarm:
 
 
 @dataclass(frozen=True)
+class DebugKeep:
+    """Keeping the VM of a failed or timed-out job for the operator to attach to (docs/debugging.md): asked
+    for by the repository's trusted file (`debug:`) or by `keep_seconds` here, never by a pull request."""
+
+    allowed: bool = setting(True, "whether a repository's trusted file may ask (debug:) for a failed job's VM "
+                                  "to be kept", "bool")
+    max_keep_seconds: int = setting(900, "the longest a failed job's VM is kept, whatever a repository asks; "
+                                         "kept, it holds its job's worker (capacity and the repository's share)",
+                                    "int", minimum=0, maximum=DAY)
+    keep_seconds: int = setting(0, "keep every failed or timed-out job's VM this long (0: only where a "
+                                   "repository's trusted file asks), at most max_keep_seconds", "int",
+                                minimum=0, maximum=DAY)
+    cut_network: bool = setting(True, "a kept VM's network is cut to nothing (deny-all) while it is kept",
+                                "bool")
+
+
+@dataclass(frozen=True)
 class Bases:
     """Repositories' warm bases (runner/service/jobs/bases.py): built from their default branch's `warm:`
     section when GitHub App settings (github_config) let the service read it."""
@@ -228,6 +245,8 @@ class RunnerSettings:
                                       minimum=1, maximum=1024)
     idle_recycle_seconds: float = setting(3600.0, "a runner that got no job in this time is replaced by a fresh "
                                                   "one", "number", minimum=10, maximum=7 * DAY)
+    debug: DebugKeep = setting(None, "keeping a failed job's VM for the operator to attach to (docs/debugging.md)",
+                               "section", section=DebugKeep)
     shutdown_grace_seconds: float = setting(300.0, "at shutdown, busy runners get this long to finish their job",
                                             "number", minimum=0, maximum=DAY)
     job_timeout_seconds: float = setting(6 * 3600.0, "a busy runner's job may take this long (GitHub's own limit "
@@ -312,6 +331,8 @@ class ServiceConfig:
     secrets: Path | None = setting(None, "the operator's secret bindings (docs/secrets.md): which repositories' jobs "
                                          "get a placeholder the host swaps for a value from a root-only file, and "
                                          "where it may be sent", "path")
+    debug: DebugKeep = setting(None, "keeping a failed job's VM for the operator to attach to (docs/debugging.md)",
+                               "section", section=DebugKeep)
     shutdown_grace_seconds: float = setting(30.0, "at shutdown, running jobs get this long before they are "
                                                   "cancelled", "number", minimum=0, maximum=DAY)
     env_allowlist: tuple[str, ...] = setting(("CI", "GITHUB_*", "RUNNER_*"), "environment names (globs) a job "
