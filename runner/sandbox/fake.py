@@ -115,6 +115,7 @@ class FakeSandbox:
         self.exec_calls: list[dict[str, object]] = []
         self.get_tar_calls: list[tuple[list[str], str]] = []
         self.snapshots: list[str] = []
+        self.network_cut = False  # cut_network was called (a VM kept for debugging)
 
     @property
     def alive(self) -> bool:
@@ -171,6 +172,9 @@ class FakeSandbox:
 
     def secret_uses(self) -> dict[str, int]:
         return {}
+
+    def cut_network(self) -> None:
+        self.network_cut = True
 
     def snapshot(self, name: str, *, digest: str | None = None, extra: dict[str, object] | None = None) -> str:
         """A template of nothing but its name (a fork restores from a fake sandbox again)."""

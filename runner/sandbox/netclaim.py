@@ -16,6 +16,18 @@ from runner.vm.errors import SandboxError
 from runner.vm.vm import VM
 
 
+def cut_network(vm: VM) -> None:
+    """Load deny-all into `vm`'s slot, in place of whatever its request's policy allowed: the guest reaches
+    nothing from now on (a failed job's VM kept for the operator, docs/debugging.md). Raises a SandboxError
+    when the rules cannot be loaded: the caller destroys the VM rather than keep it on its old policy."""
+    if vm.slot is None:
+        return  # no network card: it reaches nothing already
+    try:
+        vm.slot.apply_policy(DENY_ALL)
+    except Exception as exc:
+        raise SandboxError(f"could not cut VM {vm.id}'s network to deny-all: {exc}") from None
+
+
 def claim_network(vm: VM, request: VMRequest) -> None:
     """Load `request`'s policy (deny-all when it has none) into `vm`'s slot; a VM without a network
     card has nothing to claim. Raises a SandboxError when the rules cannot be loaded: the caller

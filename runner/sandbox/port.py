@@ -125,6 +125,7 @@ class SandboxLike(Protocol):
     def install_job_ca(self) -> dict[str, str]: ...  # the job CA's variables for its commands ({}: none)
     def bind_secrets(self, swap: SecretSwap) -> dict[str, str]: ...  # the placeholders' variables (before the CA)
     def secret_uses(self) -> dict[str, int]: ...  # requests each binding's value went into, by name
+    def cut_network(self) -> None: ...  # its network denies everything from now on (a VM kept for debugging)
     def snapshot(self, name: str, *, digest: str | None = None, extra: dict[str, object] | None = None) -> str: ...
     def destroy(self) -> None: ...
 

@@ -18,7 +18,7 @@ from policy.suggest import AuditRecord
 from runner import tarsafe
 from runner.errors import CommandNotStarted, SandboxOpFailed
 from runner.net.secretswap import SecretSwap
-from runner.sandbox.netclaim import claim_network
+from runner.sandbox.netclaim import claim_network, cut_network
 from runner.sandbox.port import ExecResult, Resources, VMRequest
 from runner.sandbox.terminal import Terminal
 from runner.vm import checkoutdisk
@@ -319,6 +319,11 @@ class Sandbox:
                                f"(bindings: {', '.join(bound.binding.name for bound in swap.secrets)})")
         slot.bind_secrets(swap)
         return {bound.binding.env: bound.placeholder for bound in swap.secrets}
+
+    def cut_network(self) -> None:
+        """Its network denies everything from now on (runner.sandbox.netclaim `cut_network`): a job's VM
+        kept for the operator after it failed. A SandboxError when the slot's rules cannot be loaded."""
+        cut_network(self._vm)
 
     def secret_uses(self) -> dict[str, int]:
         slot = self._vm.slot

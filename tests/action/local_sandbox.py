@@ -123,6 +123,9 @@ class LocalSandbox:
     def install_job_ca(self) -> dict[str, str]:
         return {}
 
+    def cut_network(self) -> None:
+        pass  # a local sandbox has no network of its own to cut
+
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
