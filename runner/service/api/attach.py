@@ -1,5 +1,6 @@
-"""Terminal sessions into a running job's VM: `GET /v1/jobs/<id>/terminal` (`microvm-check jobs attach`
-and `jobs exec`; issue 37; the stream is runner/jobapi/termwire.py).
+"""Terminal sessions into a running job's VM, or a failed job's VM kept for debugging (docs/debugging.md):
+`GET /v1/jobs/<id>/terminal` (`microvm-check jobs attach` and `jobs exec`; issue 37; the stream is
+runner/jobapi/termwire.py).
 
 Who: the operator (root, `admin_group`, the TCP token) or a member of the config's `attach_group` on the
 socket, never a runner's user (its processes run pull requests' workflow steps on the host) and never
@@ -88,10 +89,11 @@ def open_terminal(run: JobRun, ask: SessionAsk) -> Terminal:
     """A terminal in the job's VM, with the job's environment in its working directory, counted among the
     job's sessions (give it back with `detached`)."""
     with run.lock:
-        sandbox = run.sandbox if not run.record.final else None
-        if sandbox is None or not sandbox.alive or run.record.state.value != "running":
+        kept = run.debug_until is not None  # a failed job's VM kept for debugging (docs/debugging.md)
+        sandbox = run.sandbox if kept or not run.record.final else None
+        if sandbox is None or not sandbox.alive or not (kept or run.record.state.value == "running"):
             raise JobStateConflict(f"job {run.record.id} is {run.record.state.value}: a terminal attaches to a "
-                                   "running job's VM")
+                                   "running job's VM, or to a failed job's VM kept for debugging")
         if run.terminals >= MAX_SESSIONS_PER_JOB:
             raise JobStateConflict(f"job {run.record.id} already has {MAX_SESSIONS_PER_JOB} terminal sessions: "
                                    "detach one first")

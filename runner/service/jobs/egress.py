@@ -61,6 +61,17 @@ class EgressPolicies:
         except (policy.PolicyError, ValueError) as exc:
             raise EgressPolicyError(f"policy store: {exc}") from exc
 
+    def debug_for(self, repository: str) -> int | None:
+        """The repository's trusted `debug:` keep in seconds (its store file, else its default branch's
+        file), None when it sets none; raises EgressPolicyError when the file cannot be read."""
+        if self.trust_job_policy:
+            return None
+        try:
+            fallback = (lambda: self._file_from_branch(repository)) if self.branch_files is not None else None
+            return policy.PolicyStore(self.policy_dir).debug_for(repository, fallback)
+        except (policy.PolicyError, ValueError, GitHubError) as exc:
+            raise EgressPolicyError(f"debug: {repository}'s trusted file cannot be read ({exc})") from exc
+
     def narrowed(self, job_policy: str | None, effective: Policy) -> list[str]:
         """What the job's own policy asked for that its effective one allows nothing of (a job asked
         for `pypi.org:443`, the repository allows nothing): its record says so, in words."""
@@ -72,6 +83,10 @@ class EgressPolicies:
             return []  # not reached: effective() loaded the same text
 
     def _from_branch(self, repository: str) -> Policy | None:
+        found = self._file_from_branch(repository)
+        return None if found is None else found.policy
+
+    def _file_from_branch(self, repository: str) -> policy.RepositoryFile | None:
         assert self.branch_files is not None
         found = self.branch_files.for_repository(repository)
-        return None if found is None else policy.load_repository_file(found.text, found.provenance.describe()).policy
+        return None if found is None else policy.load_repository_file(found.text, found.provenance.describe())

@@ -2,9 +2,11 @@
 
 The VM is destroyed on every path out of `JobRun.execute` (success, failure, timeout, cancel, an
 engine error, service shutdown): `finally` owns it, and `cancel` from another thread destroys it
-at once so a blocked `exec` returns instead of running on. The one exception is a step of a
+at once so a blocked `exec` returns instead of running on. The exceptions: a step of a
 `keep: job` session (runner/service/jobs/sessions.py) that ended with a result: its VM goes back to the
-session for the job's next step, which attaches to it (no checkout) instead of starting one.
+session for the job's next step, which attaches to it (no checkout) instead of starting one; and a failed
+or timed-out job whose trusted side asks for `debug:` (runner/service/jobs/debugkeep.py): its record turns
+final with its VM kept, network cut, held by its worker until the keep's time is up or `cancel` (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 EXIT_TIMEOUT = 124
 EXIT_CANCELLED = 130
 _TTL_MARGIN_SECONDS = 120  # the engine's own hard limit, past the job's timeout, in case we die
+_CANCEL_KEEP_WAIT_SECONDS = 30.0  # a cancel waits this long for a kept VM's destruction
 
 CHECKOUT = "checkout.tar"
 ARTIFACTS = "artifacts.tar"
@@ -122,6 +125,14 @@ class JobRun:
     # until then. A kept VM's later steps have their first step's.
     choice: TemplateChoice | None = None
     terminals: int = 0  # terminal sessions attached to its VM now (runner/service/api/attach.py)
+    # A failed job's VM is kept this long for the operator (runner/service/jobs/debugkeep.py; 0: not kept), and
+    # why not when the job's own checkout asked for it.
+    debug_seconds: int = 0
+    debug_refusal: Callable[[], str | None] | None = None
+    debug_until: float | None = None  # while its VM is kept: when the keep ends (wall clock)
+    debug_end: threading.Event = field(default_factory=threading.Event)  # cancel: end the keep now
+    debug_gone: threading.Event = field(default_factory=threading.Event)  # the kept VM is destroyed
+    on_kept: Callable[[], None] | None = None  # its worker's: the job is final, its VM kept (runner/service/jobs/workers.py)
     transcript: Transcript | None = None  # what they sent and received, once one attached
 
     @property
@@ -163,7 +174,8 @@ class JobRun:
             transcript.note(number, f"terminal session {number} ended: {ended[:300]}")
 
     def cancel(self, reason: str) -> bool:
-        """Ask the job to stop; destroys its VM now. False when it had already finished."""
+        """Ask the job to stop; destroys its VM now. False when it had already finished (a VM kept for
+        debugging after it stays: `end_keep` ends that)."""
         with self.lock:
             if self.record.final or self.cancel_reason:
                 return False
@@ -173,6 +185,17 @@ class JobRun:
         if sandbox is not None:
             _destroy(sandbox)
         return True
+
+    def end_keep(self, reason: str) -> bool:
+        """Destroy the VM kept for debugging after the job failed (`jobs cancel`, the service's shutdown),
+        waiting a while for it to be gone; False when none is kept."""
+        with self.lock:
+            kept = self.debug_until is not None
+            self.debug_end.set()
+        if kept:
+            log.info("job %s: its kept VM ends: %s", self.record.id, reason)
+            self.debug_gone.wait(_CANCEL_KEEP_WAIT_SECONDS)
+        return kept
 
     def finish(self, state: str, exit_code: int | None = None, error: str | None = None) -> None:
         """The final record, signed first when the service signs records (so whoever sees it final finds
@@ -218,9 +241,65 @@ class JobRun:
                 self.log.system(f"job failed: {exc}")
                 outcome = ("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
-            if not self._kept(sandbox, outcome[0]) and sandbox is not None:
+            kept = self._kept(sandbox, outcome[0])
+            debug = None if kept or sandbox is None else self._keep_for_debug(sandbox, outcome, config)
+            if not kept and debug is None and sandbox is not None:
                 _destroy(sandbox)
-            self.finish(*outcome)
+            self.finish(*(debug or outcome))
+            if debug is not None and sandbox is not None:
+                if self.on_kept is not None:
+                    self.on_kept()
+                self._hold_for_debug(sandbox)
+
+    def _keep_for_debug(self, sandbox: SandboxLike, outcome: tuple[str, int | None, str | None],
+                        config: ServiceConfig) -> tuple[str, int | None, str | None] | None:
+        """A failed or timed-out job's VM, kept for the operator when the trusted side asks (docs/debugging.md):
+        its network cut (unless the config says otherwise), the log and the result saying how long and how
+        to attach. The outcome to finish with; None: destroy it as usual."""
+        state, exit_code, error = outcome
+        failed = state in ("failed", "timed_out") or (state == "finished" and exit_code != 0)
+        if not failed or self.cancel_reason:
+            return None
+        if self.debug_seconds <= 0:
+            refused = self.debug_refusal() if self.debug_refusal is not None else None
+            if refused:
+                self.log.system(refused)
+            return None
+        if not sandbox.alive:
+            return None
+        cut = config.debug.cut_network
+        try:
+            if cut:
+                sandbox.cut_network()
+        except Exception as exc:
+            self.log.system(f"debug: the VM is not kept: its network could not be cut ({exc})")
+            return None
+        with self.lock:
+            if self.cancel_reason:
+                return None
+            self.debug_until = time.time() + self.debug_seconds
+        job = self.record.id
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(self.debug_until))
+        note = (f"debug: VM {sandbox.id} is kept for {self.debug_seconds} s (until {until}), "
+                f"{'its network cut to nothing' if cut else 'its network as the job had it'}: on the runner host, "
+                f"`microvm-check jobs attach {job}` (the operator or the config's attach_group); "
+                f"`microvm-check jobs cancel {job}` destroys it sooner")
+        self.log.system(note)
+        return state, exit_code, f"{error}; {note}" if error else note
+
+    def _hold_for_debug(self, sandbox: SandboxLike) -> None:
+        """Keep the VM (and so this job's worker) until its time is up, a cancel or its death; then destroy it."""
+        try:
+            while sandbox.alive and self.debug_until is not None:
+                left = self.debug_until - time.time()
+                if left <= 0 or self.debug_end.wait(min(left, 1.0)):
+                    break
+        finally:
+            with self.lock:
+                self.debug_until = None
+            _destroy(sandbox)
+            self.debug_gone.set()
+            log.info("job %s: its VM %s kept for debugging is destroyed", self.record.id, sandbox.id)
 
     def _attach(self) -> SandboxLike | None:
         """The session's VM for this step; it is this step's alone until `_kept` hands it back."""
@@ -303,7 +382,7 @@ class JobRun:
             sandbox = self.prewarmed = None
             self.update(warm=False)
         if sandbox is None:
-            ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS
+            ttl = self.spec.timeout_seconds + _TTL_MARGIN_SECONDS + self.debug_seconds
             sandbox = create(vm_request(config, choice,
                                         ttl_seconds=max(ttl, KEEP_MAX_SECONDS) if self.session is not None else ttl,
                                         policy=self.policy, job_id=self.record.id))

@@ -54,7 +54,7 @@ def job_parts(config: ServiceConfig, vms: JobVMs, *, attestor: JobAttestor, acce
     runs = ActiveRuns()
     return JobParts(policies, records, attestor, check_runs, queue, prewarmed, sessions, access,
                     Admission(config, access, policies, sessions), runs, vms,
-                    Workers(config, queue, runs, vms, prewarmed, sessions))
+                    Workers(config, queue, runs, vms, prewarmed, sessions, policies))
 
 
 def _queue_shares(config: ServiceConfig) -> dict[str, int]:

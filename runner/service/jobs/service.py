@@ -79,6 +79,7 @@ class JobService:
         self._drained = True
         grace = self.config.shutdown_grace_seconds if grace_seconds is None else grace_seconds
         self._stopping.set()
+        self.workers.end_keeps("the service is shutting down")  # VMs kept for debugging (docs/debugging.md)
         for job_id in self.queue.close():
             run = self.runs.get(job_id)
             if run:
@@ -216,6 +217,10 @@ class JobService:
         return run.record
 
     def cancel(self, job_id: str, reason: str = "cancelled by the client") -> JobRecord:
+        kept = self.workers.kept(job_id)
+        if kept is not None:  # a failed job's VM kept for debugging: destroyed now, its final record stands
+            kept.end_keep(reason)
+            return kept.record
         run = self.runs.get(job_id)
         if run is None:
             return self.get(job_id)  # already final: cancel is idempotent
@@ -236,10 +241,11 @@ class JobService:
 
     def run_of(self, job_id: str) -> JobRun:
         """A job that has not ended (its VM, its log); an ended or unknown one is JobStateConflict or JobNotFound."""
-        run = self.runs.get(job_id)
+        run = self.runs.get(job_id) or self.workers.kept(job_id)  # or a failed job's VM kept for debugging
         if run is None:
-            raise JobStateConflict(f"job {job_id} is {self.get(job_id).state.value}: only a running job has a VM "
-                                   "to attach to")
+            raise JobStateConflict(f"job {job_id} is {self.get(job_id).state.value}: only a running job (or a "
+                                   "failed one whose VM is kept for debugging, docs/debugging.md) has a VM to "
+                                   "attach to")
         return run
 
     def list(self, limit: int = 50) -> list[JobRecord]:

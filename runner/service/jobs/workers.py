@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from runner.jobapi.contract import JobState
 from runner.sandbox.port import SandboxFactory, SandboxLike, TemplateChoice, VMRequest
 from runner.service.config.settings import ServiceConfig
+from runner.service.jobs.debugkeep import debug_seconds, refusal
+from runner.service.jobs.egress import EgressPolicies
 from runner.service.jobs.job import JobRun
 from runner.service.jobs.jobqueue import JobQueue
 from runner.service.jobs.prewarm import PrewarmedVMs
@@ -47,10 +49,29 @@ class Workers:
     """`config.max_concurrent_jobs` threads, one job at a time each, until the queue closes."""
 
     def __init__(self, config: ServiceConfig, queue: JobQueue, runs: ActiveRuns, vms: JobVMs,
-                 prewarmed: PrewarmedVMs, sessions: Sessions) -> None:
+                 prewarmed: PrewarmedVMs, sessions: Sessions, policies: EgressPolicies | None = None) -> None:
         self.config, self.queue, self.runs, self.vms = config, queue, runs, vms
         self.prewarmed, self.sessions = prewarmed, sessions
+        self.policies = policies  # the repositories' trusted files: their `debug:` keep (None: the config's alone)
         self._threads: list[threading.Thread] = []
+        # Failed jobs whose VM is kept for debugging, by id: out of `runs` (they run nothing a GitHub job's end
+        # or a runner's death must cancel), each holding its worker until `end_keep` or its time is up.
+        self._kept: dict[str, JobRun] = {}
+        self._kept_lock = threading.Lock()
+        self._closing = False  # end_keeps was called: a job kept from now on ends its keep at once
+
+    def kept(self, job_id: str) -> JobRun | None:
+        """The finished job `job_id` whose VM is kept for debugging (`jobs attach`, `jobs cancel`), or None."""
+        with self._kept_lock:
+            return self._kept.get(job_id)
+
+    def end_keeps(self, why: str) -> None:
+        """Destroy every VM kept for debugging (the service's shutdown)."""
+        with self._kept_lock:
+            self._closing = True
+            kept = list(self._kept.values())
+        for run in kept:
+            run.end_keep(why)
 
     def start(self) -> None:
         for n in range(self.config.max_concurrent_jobs):
@@ -85,14 +106,26 @@ class Workers:
             return
         try:
             choice = self._choose_template(run)
-            if run.session is None:  # a kept VM outlives a pre-warmed VM's TTL: a session starts its own
+            self._debug_keep(run)
+            if run.session is None and not run.debug_seconds:  # a kept VM outlives a pre-warmed VM's TTL
                 self._claim_warm(run, choice)
+            run.on_kept = lambda: self._keep(run)
             run.execute(self.vms.create, self.config, choice)
         except Exception:  # execute never raises by design; a record that cannot be saved still might
             log.exception("job %s: the worker failed outside the job's own handling", job_id)
             self._abandon(run)
         finally:
             self.runs.pop(job_id)
+            with self._kept_lock:
+                self._kept.pop(job_id, None)
+
+    def _keep(self, run: JobRun) -> None:
+        with self._kept_lock:
+            self._kept[run.record.id] = run
+            closing = self._closing
+        self.runs.pop(run.record.id)
+        if closing:
+            run.debug_end.set()
 
     def _choose_template(self, run: JobRun) -> TemplateChoice:
         """The template the job's VM restores from; a step that attaches to its job's kept VM has the
@@ -106,6 +139,14 @@ class Workers:
         if session is not None:
             session.choice = choice
         return choice
+
+    def _debug_keep(self, run: JobRun) -> None:
+        """How long the job's VM is kept should it fail (runner/service/jobs/debugkeep.py), asked of the
+        trusted side before its VM starts (the VM's engine TTL allows for it)."""
+        policies = self.policies or EgressPolicies(self.config.policy_dir)
+        run.debug_seconds = debug_seconds(self.config, policies, run.spec.repository)
+        checkout, config = run.checkout_path, self.config
+        run.debug_refusal = lambda: refusal(config, checkout) if checkout.exists() else None
 
     def _claim_warm(self, run: JobRun, choice: TemplateChoice) -> None:
         spec = run.spec
