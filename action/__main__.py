@@ -22,7 +22,7 @@ from typing import TextIO
 from action import session
 from action.artifacts import ArtifactError, ArtifactLimits, BoundedWriter, Extraction, deliver
 from action.attestation import write_envelope
-from action.inputs import Inputs, job_spec, read_inputs, runner_token
+from action.inputs import Inputs, debug_refusal, job_spec, read_inputs, runner_token
 from action.junit import JUnitError, Totals, looks_like_junit, read_report
 from action.logs import LogRelay
 from action.queuewait import QueueWait
@@ -305,6 +305,9 @@ def main(environ: Mapping[str, str] = os.environ, out: TextIO = sys.stdout) -> i
     client: JobClient | None = None
     try:
         inputs = read_inputs(environ)
+        refused = debug_refusal(environ)
+        if refused:
+            out.write(annotation("warning", refused) + "\n")
         workspace = Path(environ.get("GITHUB_WORKSPACE") or os.getcwd())
         spec = job_spec(inputs, environ, workspace)
         # a busy service (503) is waited out by the client; a full queue (429) by QueueWait, which says how full

@@ -64,6 +64,15 @@ def _get(environ: Mapping[str, str], name: str, default: str = "") -> str:
     return environ.get(f"INPUT_{name.upper().replace('-', '_')}", default).strip()
 
 
+def debug_refusal(environ: Mapping[str, str]) -> str | None:
+    """Why the `debug` input keeps no VM, when a workflow set it (None when it did not)."""
+    if _get(environ, "debug").lower() in ("", "false", "0", "no", "off"):
+        return None
+    return ("input 'debug' is ignored: a workflow (which a pull request can change) never keeps a VM; a failed "
+            "job's VM is kept only when the repository's trusted file (the operator's store, or .github/microvm-"
+            "check.yml on the default branch) or the operator's config says debug: (docs/debugging.md)")
+
+
 def read_inputs(environ: Mapping[str, str]) -> Inputs:
     run = environ.get("INPUT_RUN", "")
     if not run.strip():

@@ -111,3 +111,15 @@ def test_a_deeply_nested_services_input_is_a_user_error() -> None:
     """PyYAML recurses per nesting level: 20 000 of them, within the size cap, are a clear error, not a traceback."""
     with pytest.raises(UserError, match="input 'services' is nested too deeply"):
         read_inputs(environ(None, INPUT_SERVICES="[" * 20000 + "]" * 20000))
+
+
+@pytest.mark.parametrize("value, refused", [("", False), ("false", False), ("true", True), ("15m", True)])
+def test_the_debug_input_keeps_nothing_and_says_why(value: str, refused: bool) -> None:
+    from action.inputs import debug_refusal
+    from runner.jobapi.contract import JobSpec
+
+    why = debug_refusal({"INPUT_DEBUG": value})
+    assert (why is not None) == refused
+    if why:
+        assert "never keeps a VM" in why and "trusted file" in why and "docs/debugging.md" in why
+    assert "debug" not in JobSpec.__dataclass_fields__, "the spec a workflow sends carries no debug setting"
