@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from service_fakes import checkout_tar, spec
-from test_service import wait_final
+from test_service import GitHubJob, wait_final
 
 from runner.errors import SandboxError
 from runner.sandbox.fake import FakeSandboxes, prints
@@ -93,6 +93,17 @@ def test_a_cancel_ends_the_keep_and_leaves_the_record(make_service, engine: Fake
     service.cancel(job)
     assert not vm.alive, "cancel returned before the kept VM was destroyed"
     assert service.get(job).to_wire() == before
+
+
+def test_the_github_jobs_end_leaves_the_keep_to_its_time(make_host, engine: FakeSandboxes, tmp_path: Path) -> None:
+    """The completed webhook cancels what still runs for the GitHub job; a kept VM runs nothing of it."""
+    engine.programs.update({"bad": prints(b"oops\n", 1)})
+    host = make_host(policy_dir=store(tmp_path), debug={"max_keep_seconds": 600})
+    job = run(host.service, "bad", run_id=91, run_attempt=1)
+    host.reactions.job_completed(GitHubJob(job_id=601, run_id=91))
+    assert engine.created[0].alive and host.service.run_of(job).debug_until is not None
+    host.service.cancel(job)
+    assert not engine.created[0].alive
 
 
 def test_shutdown_destroys_a_kept_vm(hosts, engine: FakeSandboxes, tmp_path: Path) -> None:
