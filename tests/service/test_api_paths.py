@@ -302,3 +302,50 @@ def test_a_json_body_past_its_bound_is_413_and_never_parsed(api: Any) -> None:
             pass
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     assert f"larger than {MAX_JSON_BODY} bytes".encode() in answer
+
+
+# -- a sandbox's id and token on the other resources' routes ----------------------------------------------
+
+
+def _request(path: str, method: str, target: str, headers: dict[str, str] | None = None,
+             body: bytes = b"") -> tuple[int, bytes]:
+    head = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}"
+                     "Connection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    found = STATUS_LINE.match(data)
+    assert found, data[:200]
+    return int(found.group(1)), data
+
+
+def test_a_sandboxs_token_opens_its_sandbox_routes_only(hosts: Callable[..., ServiceHost],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox is a job record (its id a job id): its token is no job token, and no spelling of its path
+    reaches it without the token."""
+    import json
+    host = hosts(sandboxes={"max_live": 2, "max_per_caller": 2})
+    path = host.config.socket
+    status, answer = _request(path, "POST", "/v1/sandboxes", {"Content-Type": "application/json"}, b"{}")
+    assert status == 201, answer[:300]
+    created = json.loads(answer.partition(b"\r\n\r\n")[2])
+    sandbox, token = created["id"], created["token"]
+    monkeypatch.setattr("runner.service.jobs.auth.peer_ids", lambda sock: (4242, 4242))  # a member, not root
+    mine = {"X-Microvm-Check-Sandbox-Token": token}
+    assert _request(path, "GET", f"/v1/sandboxes/{sandbox}", mine)[0] == 200
+    assert _request(path, "GET", f"/v1/sandboxes/{sandbox}")[0] == 403
+    assert _request(path, "POST", f"/v1/sandboxes/{sandbox}/exec", None, b'{"command": "id"}')[0] == 403
+    for target in (f"/v1/sandboxes/{sandbox.upper()}", f"/v1/sandboxes/{sandbox}/", f"/v1/sandboxes//{sandbox}",
+                   f"/v1/sandboxes/{sandbox}/exec/", f"/v1/sandboxes/x/../{sandbox}", f"/v1/sandboxes/{sandbox}%2Fexec"):
+        assert _request(path, "GET", target, mine)[0] == 404, target
+    job_token = {"X-Microvm-Check-Job-Token": token}
+    for method, target in (("GET", f"/v1/jobs/{sandbox}"), ("GET", f"/v1/jobs/{sandbox}/logs?follow=0"),
+                           ("POST", f"/v1/jobs/{sandbox}/cancel"), ("GET", f"/v1/jobs/{sandbox}/terminal")):
+        assert _request(path, method, target, {**mine, **job_token})[0] == 403, target
+    upgrade = {**mine, "Connection": "Upgrade", "Upgrade": "microvm-check-terminal"}
+    status, answer = _request(path, "GET", f"/v1/sandboxes/{sandbox}", upgrade)
+    assert status == 200 and b"101" not in answer.split(b"\r\n", 1)[0]  # an upgrade only where a route takes it
