@@ -44,9 +44,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     logs = actions.add_parser("logs", help="one job's log (stdout, stderr and the service's notes)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep following until the job ends")
     cancel = actions.add_parser("cancel", help="cancel a job: its VM is destroyed, its record says cancelled")
-    attach = actions.add_parser("attach", help="a shell on a terminal in a running job's VM (the operator, or "
+    attach = actions.add_parser("attach", help="a shell on a terminal in a running (or kept) job's VM (the operator, or "
                                                "attach_group); Ctrl-] detaches, the job runs on")
-    run = actions.add_parser("exec", help="one command on a terminal in a running job's VM: jobs exec ID -- CMD")
+    run = actions.add_parser("exec", help="one command on a terminal in a running (or kept) job's VM: jobs exec ID -- CMD")
     for action, func in ((show, cmd_jobs_show), (logs, cmd_jobs_logs), (cancel, cmd_jobs_cancel),
                          (attach, cmd_jobs_attach), (run, cmd_jobs_attach)):
         action.add_argument("id", help="the job's id (as `jobs` lists it)")
