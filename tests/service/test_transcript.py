@@ -129,6 +129,8 @@ def test_the_job_page_lists_its_sessions_and_shows_the_transcript_inert(hosts: A
     assert re.search(r'<span class="s">#1 in</span><span class="t">cat evil</span>', page)
     download = httpx.get(base + f"/ui/jobs/{job}/terminal.txt", cookies=cookies)
     assert download.status_code == 200 and download.headers["Content-Disposition"].startswith("attachment")
+    assert download.headers["Content-Type"] == "text/plain; charset=utf-8"  # never rendered: no sniffing, no script
+    assert download.headers["X-Content-Type-Options"] == "nosniff" and "Content-Security-Policy" in download.headers
     assert "\x1b" not in download.text and "\x07" not in download.text and "cHduZWQ" not in download.text
     assert re.search(r"#1 out  red <script>alert\(1\)</script>\n", download.text)
     monkeypatch.setattr(web, "PAGE_TRANSCRIPT_LINES", 1)
