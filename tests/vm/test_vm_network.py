@@ -360,3 +360,33 @@ def test_a_host_rule_admits_only_its_own_name_at_the_address_it_resolved_to(net_
             ("web.test", "unnamed"), ("evil.test", "name-refused")} <= records
     assert pip.exit_code == 0, pip.stdout + pip.stderr  # pip through the name check, by name
     assert b"installed from the fake index" in pip.stdout
+
+
+def test_a_vm_the_engine_hands_back_reaches_nothing_until_its_claim_loads_the_policy(net_engine):
+    """Review (issue 33 moved the policy out of the engine): Engine.create takes the request with its policy
+    and must not load it; the VM comes back deny-all, and only runner.sandbox.netclaim's claim opens what
+    the policy allows. A guest restored from a snapshot runs from the moment it is restored, before the claim."""
+    from runner.sandbox.netclaim import claim_network
+    from runner.sandbox.port import VMRequest
+
+    policy = policy_of(
+        f"""
+        version: 1
+        allow:
+          - cidr: {net_fakes.ALLOWED_HOST}/32
+            ports: [8000]
+        """
+    )
+    request = VMRequest(template="base", policy=policy, network_card=True)
+    vm = net_engine.create(request)
+    try:
+        sbx = Sandbox(net_engine, vm)
+        before = probe(sbx, f"tcp,{net_fakes.ALLOWED_HOST},8000", f"tcp,{net_fakes.DENIED_HOST},8000", "name,web.test")
+        claim_network(vm, request)
+        after = probe(sbx, f"tcp,{net_fakes.ALLOWED_HOST},8000", f"tcp,{net_fakes.DENIED_HOST},8000")
+    finally:
+        net_engine.destroy(vm)
+    assert before == {f"tcp,{net_fakes.ALLOWED_HOST},8000": "closed", f"tcp,{net_fakes.DENIED_HOST},8000": "closed",
+                      "name,web.test": "nxdomain"}
+    assert after == {f"tcp,{net_fakes.ALLOWED_HOST},8000": f"open:{net_fakes.ALLOWED_HOST}:8000",
+                     f"tcp,{net_fakes.DENIED_HOST},8000": "closed"}
