@@ -59,12 +59,17 @@ def test_jobs_show_logs_and_cancel(api, engine: FakeSandboxes, capfd) -> None:
     # without --follow: what the running job has written so far, then the command ends
     assert main(["jobs", "logs", running, "--socket", sock]) == 0
     assert "started" in capfd.readouterr().out
-    follower = threading.Thread(target=main, args=(["jobs", "logs", running, "--follow", "--socket", sock],))
-    follower.start()
+    # a process of its own: two threads printing through one sys.stdout can lose each other's bytes
+    follower = subprocess.Popen([str(Path(sys.executable).parent / "microvm-check"), "jobs", "logs", running,
+                                 "--follow", "--socket", sock], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert main(["jobs", "cancel", running, "--socket", sock]) == 0
     assert f"job {running}: cancel" in capfd.readouterr().out
-    follower.join(30)
-    assert not follower.is_alive(), "--follow did not end with the job"
+    try:
+        follower.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        follower.kill()
+        follower.communicate()
+        raise AssertionError("--follow did not end with the job") from None
     assert service.get(running).state.value == "cancelled"
     assert main(["jobs", "show", "nosuchjob", "--socket", sock]) == 1
     assert "`microvm-check jobs` lists the ids" in capfd.readouterr().err

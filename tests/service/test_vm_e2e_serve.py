@@ -104,6 +104,16 @@ def serve(vm_root: Path) -> Iterator[Any]:
                 process.kill()
 
 
+def listening_webhook(client: JobClient, process: Serve) -> str:
+    """The webhook's address from the host's status once it listens: the API answers first (the fleet's
+    runners need it), and the webhook is the last part the host starts."""
+    deadline = time.monotonic() + 120
+    while (webhook := client.status()["listening"]["webhook"]) is None:
+        assert time.monotonic() < deadline and process.proc.poll() is None, process.stderr()
+        time.sleep(0.05)
+    return str(webhook)
+
+
 # -- a fake GitHub for the sweep ------------------------------------------------------------------
 
 
@@ -197,7 +207,7 @@ def test_serve_wires_its_webhook_prewarm_and_redelivery_sweep(serve, vm_root: Pa
     client = JobClient(socket=str(vm_root / "api.sock"))
     process.wait_answering(client)
     assert client.health().warm == 0
-    webhook = client.status()["listening"]["webhook"]  # the port the kernel chose for port 0
+    webhook = listening_webhook(client, process)  # the port the kernel chose for port 0
     assert webhook.startswith("127.0.0.1:") and webhook != "127.0.0.1:0", webhook
     assert f"GitHub's webhook on {webhook}" in process.stderr()
 
