@@ -62,12 +62,13 @@ def test_prepare_time_is_a_weighted_mean() -> None:
 
 
 def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
-    release = threading.Event()
+    release, preparing = threading.Event(), threading.Event()
     names = itertools.count()
     made: list[VM] = []
 
     def prepare(snapshot: object) -> VM:
         if made:  # the first fills the pool; the second is held until the test lets it go
+            preparing.set()
             release.wait(WAIT_S)
         vm = fake_vm(tmp_path / "vms", f"vm{next(names)}")
         made.append(vm)
@@ -86,6 +87,9 @@ def test_a_take_during_a_prepare_gets_that_vm(tmp_path: Path) -> None:
     demand = pool._demand[snapshot]
     demand.prepare_s, demand.miss_s = WAIT_S, 2 * WAIT_S  # the VM being prepared is due before a restore of its own
     pool.refill(snapshot)
+    # the filler thread is under way (a loaded machine may start it late): a take before it begins has no
+    # VM in preparation to wait for, and rightly restores its own
+    assert preparing.wait(WAIT_S), "the pool never began preparing the second VM"
     taken: list[VM | None] = []
     taker = threading.Thread(target=lambda: taken.append(pool.take(snapshot)))
     taker.start()
