@@ -7,16 +7,56 @@ snapshot, and after every restore is the first thing the host talks to.
 
 Each exec runs in its own cgroup so that a timeout or cancel kills the whole process tree,
 including daemons that escaped the session with setsid.
+
+Image mode (an image template, issue 34). The template's disk is the base root filesystem (kernel
+modules, init, Python, this agent) plus an OCI image's unpacked root filesystem, and the template
+build writes IMAGE_SPEC, "/etc/microvm-check/image.json", a JSON object:
+
+    {"root": "/image",                                   the image's tree in the guest (absolute; required)
+     "env": ["PATH=/usr/local/bin:...", "NODE_VERSION=20"],  the OCI config's Env, "NAME=value" each ([] if absent)
+     "workdir": "/app",                                  the OCI config's WorkingDir ("" or absent: none)
+     "user": "node"}                                     the OCI config's User: "", "name", "uid",
+                                                         "name:group", "uid:gid" ("" or absent: root)
+
+Other members are ignored. With the file present (read once, at start), every command runs inside
+the image the way Kata and firecracker-containerd run a container root beside their agent, and the
+agent's own work (its Python, cgroups, /proc) stays outside:
+
+- At start, before any request is served (so in the baked snapshot): a new proc at root/proc, the
+  guest's /dev bound (with its devpts and shm) at root/dev, a new read-only sysfs at root/sys (and
+  the guest's cgroup2 bound read-only on its /sys/fs/cgroup), a tmpfs (1777) at root/tmp, and the
+  guest's /etc/resolv.conf and /etc/hosts bound over the image's. Missing mount points are made;
+  the image root itself is mounted nothing over: its set-id programs work.
+- The checkout's place: the host always names /workspace. An image with a WorkingDir other than "/"
+  gets /workspace as a symlink to it (unless the image has a /workspace of its own), the WorkingDir
+  made if missing (owned by the image's user): the checkout is laid over the WorkingDir, a job's
+  commands run there and `pwd` says the WorkingDir. Without one, /workspace is a plain directory (0777).
+- exec and pty: the child chroots into root, enters the host's cwd (resolved inside the image; PWD
+  is set to where that is) and takes the host's "user" if given, else the image's User, looked up in
+  the IMAGE's /etc/passwd and /etc/group (a numeric uid[:gid] needs neither; HOME from that passwd
+  entry, else "/"). The environment is the image's Env (PATH Docker's default if it names none, HOME
+  as above unless it names one), then the host's "env" on top (the host names PATH only when a job
+  asks for it). The program is looked up on that PATH inside the image: one the image lacks gets the
+  usual "cannot start" answer.
+- Every path the host names (read_file, write_file, put_tar and its members, checkout, get_tar's
+  cwd) means the image's path: resolved inside root component by component, an image symlink's
+  target taken relative to root, never followed out of it (the image is a stranger's tree).
+- `ping` says "image": true; a malformed file, or a start that failed, is logged, `ping` says why
+  ("image_error") and every exec and file operation is refused with that reason: nothing runs
+  outside the image, and the template's bake fails on its first exec.
+The chroot is the job's environment, not a wall: the VM is the security boundary.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import ctypes
 import errno
 import fcntl
 import glob
 import io
+import json
 import os
 import pty
 import queue
@@ -47,7 +87,7 @@ BASE_ENV = {
 }
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before the snapshot: mount(2) costs no load at job time
 BLKFLSBUF = 0x1261
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 EXT4_MAGIC = 0xEF53
 MEDIUM_WAIT_S = 10.0
 MEDIUM_RETRY_S = 0.002  # the job waits on it; an open that finds no medium yet costs far less than 10 ms
@@ -192,6 +232,8 @@ def spawn(argv: list[str], cgroup: str, ids, **popen) -> subprocess.Popen:
     the child inherits it. No preexec_fn: one would make subprocess fork and copy the agent (its
     pages, then a fault for each one either side writes); without one it uses vfork for root, and
     for a user it sets the ids itself (groups, then gid, then uid), still with no Python run in the child.
+    In image mode the caller passes `Entry.enter` as preexec_fn (and no ids: Popen would set them before
+    it, and the chroot needs root): those commands pay for the fork.
     """
     identity = {} if not ids else {"user": ids[0], "group": ids[1], "extra_groups": ids[2]}
     with SPAWN_LOCK:
@@ -200,6 +242,280 @@ def spawn(argv: list[str], cgroup: str, ids, **popen) -> subprocess.Popen:
             return subprocess.Popen(argv, start_new_session=True, **identity, **popen)
         finally:
             _enter(HOME_CGROUP[0])
+
+
+# ---- image mode (see the module's docstring) -----------------------------------------------------
+IMAGE_SPEC = "/etc/microvm-check/image.json"
+IMAGE_SPEC_MAX = 1024 * 1024
+IMAGE_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # Docker's, for an Env without PATH
+IMAGE_DB_MAX = 4 * 1024 * 1024  # the image's /etc/passwd or /etc/group
+WORKSPACE = "/workspace"  # where the host lays the checkout and runs a job's commands
+MAX_SYMLINKS = 40  # as the kernel's path walk
+
+
+class Image:
+    """The image spec, checked: `root` the guest's path of the image's tree, `env` its Env as a dict,
+    `workdir` its WorkingDir ("" for none), `user` its User ("" for root)."""
+
+    def __init__(self, root: str, env: dict, workdir: str, user: str) -> None:
+        self.root, self.env, self.workdir, self.user = root, env, workdir, user
+
+
+class ImageSpecError(ValueError):
+    """IMAGE_SPEC exists and is not a spec this agent can run commands by."""
+
+
+class NotStartable(Exception):
+    """An exec or pty that cannot start in the image (its cwd, its user): the reply's error says why."""
+
+
+IMAGE: Image | None = None  # image mode: set once at start (`enter_image_mode`), before any request
+IMAGE_REFUSAL: str | None = None  # why every exec and file operation is refused (a broken image spec)
+
+
+def read_image_spec(path: str = IMAGE_SPEC) -> Image | None:
+    """The spec at `path`, checked; None when there is no file (the base template)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(IMAGE_SPEC_MAX + 1)
+    except FileNotFoundError:
+        return None
+    if len(raw) > IMAGE_SPEC_MAX:
+        raise ImageSpecError(f"larger than {IMAGE_SPEC_MAX} bytes")
+    try:
+        spec = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ImageSpecError(f"not UTF-8 JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ImageSpecError(f"a JSON {type(spec).__name__}, not an object")
+    root = spec.get("root")
+    if not isinstance(root, str) or not root.startswith("/") or "\0" in root:
+        raise ImageSpecError(f'"root" must be an absolute path, not {root!r}')
+    real = os.path.realpath(root)  # the guest's own path: its links are ours, not the image's
+    if real == "/":
+        raise ImageSpecError(f'"root" {root!r} is the guest\'s own root')
+    if not os.path.isdir(real):
+        raise ImageSpecError(f'"root" {root!r} is not a directory')
+    env_list = spec.get("env", [])
+    if not isinstance(env_list, list):
+        raise ImageSpecError(f'"env" must be a list of "NAME=value" strings, not {type(env_list).__name__}')
+    env: dict[str, str] = {}
+    for item in env_list:
+        if not isinstance(item, str) or "=" not in item or item.startswith("=") or "\0" in item:
+            raise ImageSpecError(f'"env" holds {item!r}, not a "NAME=value" string')
+        name, _, value = item.partition("=")
+        env[name] = value
+    workdir, user = spec.get("workdir", ""), spec.get("user", "")
+    if not isinstance(workdir, str) or "\0" in workdir:
+        raise ImageSpecError(f'"workdir" must be a path or "", not {workdir!r}')
+    if not isinstance(user, str) or "\0" in user or user.count(":") > 1:
+        raise ImageSpecError(f'"user" must be "", a user or a uid, with ":group" or not; not {user!r}')
+    if workdir:
+        workdir = "/" + "/".join(p for p in workdir.split("/") if p not in ("", "."))  # OCI's is absolute
+    return Image(real, env, workdir, user)
+
+
+def enter_image_mode(path: str = IMAGE_SPEC) -> Image | None:
+    """Read the spec and make the image's mounts; any failure is logged and refuses every later exec."""
+    global IMAGE, IMAGE_REFUSAL
+    try:
+        image = read_image_spec(path)
+        if image is not None:
+            prepare_image(image)
+    except (ImageSpecError, OSError) as exc:
+        IMAGE_REFUSAL = (f"this is an image template, but its {path} is unusable ({exc}): no command "
+                         "runs, rather than one outside the image")
+        print(f"agent: {IMAGE_REFUSAL}", file=sys.stderr, flush=True)
+        return None
+    IMAGE = image
+    if image is not None:
+        print(f"agent: image mode, commands run in {image.root}", flush=True)
+    return image
+
+
+def resolve_in(root: str, path: str, follow_last: bool = True) -> str:
+    """`path` as the image means it, as the agent reaches it: under `root`, every symlink met followed
+    as if `root` were "/" (an absolute target from `root`, ".." never above it), component by component,
+    like securejoin. Components that do not exist are kept as named. With `follow_last` False a link
+    that is the last component is left for the caller (a write replaces the name, not its target)."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    parts.reverse()  # a stack: the next component last
+    done: list[str] = []
+    links = 0
+    while parts:
+        name = parts.pop()
+        if name == "..":
+            if done:
+                done.pop()
+            continue
+        here = os.path.join(root, *done, name)
+        if parts or follow_last:
+            try:
+                is_link = stat.S_ISLNK(os.lstat(here).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                is_link = False
+            if is_link:
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, f"too many levels of symbolic links in {path}")
+                target = os.readlink(here)
+                if target.startswith("/"):
+                    done = []
+                parts.extend(reversed([p for p in target.split("/") if p not in ("", ".")]))
+                continue
+        done.append(name)
+    return os.path.join(root, *done) if done else root
+
+
+def inside(image: Image, path: str) -> str:
+    """A path `resolve_in` gave, as the image names it."""
+    return "/" + path[len(image.root):].lstrip("/")
+
+
+def guest_path(path: str, follow_last: bool = True) -> str:
+    """A path the host names, where the agent reaches it: itself, or in image mode the image's (`resolve_in`)."""
+    if IMAGE_REFUSAL is not None:
+        raise OSError(errno.EPERM, IMAGE_REFUSAL)
+    if IMAGE is None:
+        return path
+    return resolve_in(IMAGE.root, str(path), follow_last)
+
+
+def _mount_point(root: str, path: str, directory: bool) -> str:
+    """`path` inside the image (`resolve_in`), made if missing (an empty directory or file) to be mounted on."""
+    target = resolve_in(root, path)
+    if not os.path.lexists(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if directory:
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+    return target
+
+
+def prepare_image(image: Image) -> None:
+    """The image's mounts and its /workspace (see the module's docstring), in the agent's own namespace:
+    the VM runs one job, and is the boundary."""
+    root = image.root
+    _mount("proc", _mount_point(root, "/proc", True), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    _mount("/dev", _mount_point(root, "/dev", True), None, MS_BIND | MS_REC, None)
+    sysfs = _mount_point(root, "/sys", True)
+    _mount("sysfs", sysfs, b"sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    cgroup = os.path.join(sysfs, "fs", "cgroup")
+    if os.path.ismount("/sys/fs/cgroup") and os.path.isdir(cgroup):  # read by runtimes sizing themselves
+        _mount("/sys/fs/cgroup", cgroup, None, MS_BIND, None)
+        _mount("none", cgroup, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    _mount("tmpfs", _mount_point(root, "/tmp", True), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+    for name in ("/etc/resolv.conf", "/etc/hosts"):
+        if os.path.isfile(name):
+            _mount(name, _mount_point(root, name, False), None, MS_BIND, None)
+    _prepare_workspace(image)
+
+
+def _prepare_workspace(image: Image) -> None:
+    workspace = resolve_in(image.root, WORKSPACE, follow_last=False)
+    if image.workdir in ("", "/"):
+        if not os.path.lexists(workspace):
+            os.makedirs(workspace)
+            os.chmod(workspace, 0o777)
+        return
+    workdir = resolve_in(image.root, image.workdir)
+    if not os.path.lexists(workdir):
+        os.makedirs(workdir, 0o755)
+        try:
+            uid, gid, _, _ = image_user(image, image.user)
+        except NotStartable:
+            uid = gid = 0  # its exec will say why
+        os.chown(workdir, uid, gid)
+    if not os.path.lexists(workspace):
+        os.symlink(image.workdir, workspace)
+
+
+def _image_db(image: Image, name: str) -> list[list[str]]:
+    """The image's /etc/passwd or /etc/group as lists of fields; [] when it has none."""
+    try:
+        with open(resolve_in(image.root, name), "rb") as f:
+            text = f.read(IMAGE_DB_MAX).decode("utf-8", "replace")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return []
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def image_user(image: Image, spec: str) -> tuple[int, int, list[int], str]:
+    """`spec` ("", "name", "uid", with ":group" or ":gid" or not) by the image's own /etc/passwd and
+    /etc/group: (uid, gid, supplementary gids, home). A numeric uid needs no entry (gid 0, home "/")."""
+    who, _, group = spec.partition(":")
+    who = who or "0"
+    passwd = [e for e in _image_db(image, "/etc/passwd") if len(e) >= 7 and e[2].isdigit() and e[3].isdigit()]
+    if who.isdigit():
+        entry = next((e for e in passwd if int(e[2]) == int(who)), None)
+    else:
+        entry = next((e for e in passwd if e[0] == who), None)
+        if entry is None:
+            raise NotStartable(f"the image has no user {who!r} in its /etc/passwd")
+    uid = int(entry[2]) if entry else int(who)
+    gid, home = (int(entry[3]), entry[5] or "/") if entry else (0, "/")
+    groups = _image_db(image, "/etc/group") if entry or group else []
+    if group.isdigit():
+        gid = int(group)
+    elif group:
+        found = next((g for g in groups if len(g) >= 3 and g[0] == group and g[2].isdigit()), None)
+        if found is None:
+            raise NotStartable(f"the image has no group {group!r} in its /etc/group")
+        gid = int(found[2])
+    extra = sorted({int(g[2]) for g in groups if entry and len(g) >= 4 and g[2].isdigit()
+                    and entry[0] in g[3].split(",")})
+    if uid > 0xFFFFFFFE or gid > 0xFFFFFFFE:
+        raise NotStartable(f"the image's user {spec!r} is out of range")
+    return uid, gid, extra, home
+
+
+class Entry:
+    """How a command enters the image: chroot to `root`, chdir to `cwd` (the image's path), as `ids`
+    (uid, gid, supplementary gids), with `env`."""
+
+    def __init__(self, root: str, cwd: str, ids: tuple[int, int, list[int]], env: dict) -> None:
+        self.root, self.cwd, self.ids, self.env = root, cwd, ids, env
+
+    def enter(self) -> None:
+        """In the child, before its exec (`spawn`'s preexec_fn, `_pty_child`): as root still, then the user."""
+        os.chroot(self.root)
+        os.chdir(self.cwd)
+        os.setgroups(self.ids[2])
+        os.setgid(self.ids[1])
+        os.setuid(self.ids[0])
+
+
+def image_entry(image: Image, message: dict, argv0: str) -> Entry:
+    """A request's cwd, user and env, the image's way (see the module's docstring); NotStartable says why not."""
+    requested = str(message.get("cwd") or "/")
+    where = resolve_in(image.root, requested)
+    if not os.path.isdir(where):
+        raise NotStartable(f"cannot start {argv0!r}: the directory {requested} does not exist in the image")
+    cwd = inside(image, where)
+    try:
+        uid, gid, extra, home = image_user(image, str(message.get("user") or image.user))
+    except NotStartable as exc:
+        raise NotStartable(f"cannot start {argv0!r}: {exc}") from None
+    env = dict(image.env)
+    env.setdefault("PATH", IMAGE_DEFAULT_PATH)
+    env.setdefault("HOME", home)
+    env.update({str(k): str(v) for k, v in (message.get("env") or {}).items()})
+    env["PWD"] = cwd  # what the shell's `pwd` says: the image's path of where it runs
+    return Entry(image.root, cwd, (uid, gid, extra), env)
+
+
+def which_in(image: Image, name: str, path: str, cwd: str) -> str | None:
+    """`name` looked up on `path` as the image's shell would (each candidate resolved inside the image)."""
+    if "/" in name:
+        candidates = [name if name.startswith("/") else f"{cwd}/{name}"]
+    else:
+        candidates = [f"{d or cwd}/{name}" for d in path.split(":")]
+    for candidate in candidates:
+        host = resolve_in(image.root, candidate)
+        if os.path.isfile(host) and os.access(host, os.X_OK):
+            return candidate
+    return None
 
 
 def _pump(stream, kind: int, req: Request) -> None:
@@ -226,24 +542,39 @@ def _exec(req: Request, stdin) -> dict:
     argv = m.get("argv")
     if argv is None:
         argv = ["/bin/sh", "-c", str(m["shell"])]
-    env = dict(BASE_ENV)
-    ids = _user_ids(m.get("user"))
-    if ids:
-        import pwd
+    if IMAGE_REFUSAL is not None:
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: {IMAGE_REFUSAL}"}
+    if IMAGE is not None:
+        try:
+            entry = image_entry(IMAGE, m, str(argv[0]))
+        except NotStartable as exc:
+            return {"ok": False, "error": str(exc)}
+        # The ids are set by the entry, after its chroot (Popen would set them before a preexec_fn), and the
+        # program is looked up on the image's PATH after it: a fork, not vfork, for commands in an image.
+        ids, env, where = None, entry.env, {"preexec_fn": entry.enter}
+    else:
+        env = dict(BASE_ENV)
+        ids = _user_ids(m.get("user"))
+        if ids:
+            import pwd
 
-        env["HOME"] = pwd.getpwuid(ids[0]).pw_dir
-    env.update({str(k): str(v) for k, v in (m.get("env") or {}).items()})
+            env["HOME"] = pwd.getpwuid(ids[0]).pw_dir
+        env.update({str(k): str(v) for k, v in (m.get("env") or {}).items()})
+        where = {"cwd": m.get("cwd") or "/"}
     timeout = m.get("timeout")
     job = _register(req)
     if job is None:
         return {"ok": False, "error": QUIESCING_REFUSAL}
     start = time.monotonic()
     try:
-        proc = spawn(argv, job.cgroup, ids, cwd=m.get("cwd") or "/", env=env,
-                     stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = spawn(argv, job.cgroup, ids, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     **where)
     except OSError as exc:
         _drop_exec(job)
         return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc.strerror}"}
+    except subprocess.SubprocessError as exc:  # the entry into the image failed in the child
+        _drop_exec(job)
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: could not enter the image: {exc}"}
     req.channel.reply(req.rid, {"ev": "started", "pid": proc.pid})
     pumps = [
         threading.Thread(target=_pump, args=(proc.stdout, P.STDOUT, req), daemon=True),
@@ -425,23 +756,28 @@ def _winsize(rows: int, cols: int) -> bytes:
     return struct.pack("HHHH", rows, cols, 0, 0)
 
 
-def _pty_child(argv: list[str], cwd: str, env: dict, slave: int, master: int, ids) -> None:
-    """In the forked child: the terminal as controlling terminal and stdio, the user, then exec. Never returns."""
+def _pty_child(argv: list[str], cwd: str, env: dict, slave: int, master: int, ids, entry: Entry | None) -> None:
+    """In the forked child: the terminal as controlling terminal and stdio, the user (in image mode: the
+    image, its cwd and user, `Entry.enter`), then exec. Never returns."""
     try:
         os.close(master)
         os.login_tty(slave)
-        if ids:
+        if entry is not None:
+            entry.enter()
+        elif ids:
             os.setgroups(ids[2])
             os.setgid(ids[1])
             os.setuid(ids[0])
-        os.chdir(cwd)
+        if entry is None:
+            os.chdir(cwd)
         os.execvpe(argv[0], argv, env)
     except BaseException as exc:
         os.write(2, f"microvm-check: cannot start {argv[0]!r}: {exc}\r\n".encode(errors="replace"))
     os._exit(127)
 
 
-def _pty_spawn(argv: list[str], cgroup: str, cwd: str, env: dict, winsize: bytes, ids) -> tuple[int, int]:
+def _pty_spawn(argv: list[str], cgroup: str, cwd: str, env: dict, winsize: bytes, ids,
+               entry: Entry | None = None) -> tuple[int, int]:
     """Fork the program on a new terminal, born in `cgroup` (as `spawn` does); its (master fd, pid)."""
     master, slave = pty.openpty()
     try:
@@ -451,7 +787,7 @@ def _pty_spawn(argv: list[str], cgroup: str, cwd: str, env: dict, winsize: bytes
             try:
                 pid = os.fork()
                 if pid == 0:
-                    _pty_child(argv, cwd, env, slave, master, ids)
+                    _pty_child(argv, cwd, env, slave, master, ids, entry)
             finally:
                 _enter(HOME_CGROUP[0])
     except BaseException:
@@ -515,19 +851,31 @@ def op_pty(req: Request) -> dict:
 def _pty_session(req: Request, feed: PtyInput) -> dict:
     m = req.message
     argv, cwd = [str(a) for a in m["argv"]], str(m.get("cwd") or "/")
-    env = {**BASE_ENV, **{str(k): str(v) for k, v in (m.get("env") or {}).items()}}
-    ids = _user_ids(m.get("user"))
     winsize = _winsize(int(m["rows"]), int(m["cols"]))
-    if not os.path.isdir(cwd):
-        return {"ok": False, "error": f"cannot start {argv[0]!r}: the directory {cwd} does not exist"}
-    if shutil.which(argv[0], path=env.get("PATH")) is None:
-        return {"ok": False, "error": f"cannot start {argv[0]!r}: no such program"}
+    if IMAGE_REFUSAL is not None:
+        return {"ok": False, "error": f"cannot start {argv[0]!r}: {IMAGE_REFUSAL}"}
+    entry = None
+    if IMAGE is not None:
+        try:
+            entry = image_entry(IMAGE, m, argv[0])
+        except NotStartable as exc:
+            return {"ok": False, "error": str(exc)}
+        env, ids = entry.env, None
+        if which_in(IMAGE, argv[0], env.get("PATH", ""), entry.cwd) is None:
+            return {"ok": False, "error": f"cannot start {argv[0]!r}: no such program in the image"}
+    else:
+        env = {**BASE_ENV, **{str(k): str(v) for k, v in (m.get("env") or {}).items()}}
+        ids = _user_ids(m.get("user"))
+        if not os.path.isdir(cwd):
+            return {"ok": False, "error": f"cannot start {argv[0]!r}: the directory {cwd} does not exist"}
+        if shutil.which(argv[0], path=env.get("PATH")) is None:
+            return {"ok": False, "error": f"cannot start {argv[0]!r}: no such program"}
     job = _register(req, Pty)
     if job is None:
         return {"ok": False, "error": QUIESCING_REFUSAL}
     assert isinstance(job, Pty)
     try:
-        job.master, job.pid = _pty_spawn(argv, job.cgroup, cwd, env, winsize, ids)
+        job.master, job.pid = _pty_spawn(argv, job.cgroup, cwd, env, winsize, ids, entry)
     except BaseException:
         _drop_exec(job)
         raise
@@ -566,7 +914,10 @@ def op_pty_ctl(req: Request) -> dict:
 def op_ping(req: Request) -> dict:
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
-    return {"ok": True, "version": P.VERSION, "uptime": uptime, "ops": sorted(OPS)}
+    reply = {"ok": True, "version": P.VERSION, "uptime": uptime, "ops": sorted(OPS), "image": IMAGE is not None}
+    if IMAGE_REFUSAL is not None:
+        reply["image_error"] = IMAGE_REFUSAL
+    return reply
 
 
 def op_identity(req: Request) -> dict:
@@ -590,10 +941,10 @@ def op_identity(req: Request) -> dict:
 def op_write_file(req: Request) -> dict:
     """Write the host's DATA frames to `path`. Whatever fails (a missing directory), the rest of the
     stream is read to its END: frames left unread would fill the request's inbox and stop the reader."""
-    path = req.message["path"]
-    tmp = f"{path}.mvc-tmp"
     size = 0
     try:
+        path = guest_path(req.message["path"], follow_last=False)  # the name is replaced, not a link's target
+        tmp = f"{path}.mvc-tmp"
         with open(tmp, "wb") as f:
             for chunk in req.data():
                 f.write(chunk)
@@ -606,7 +957,7 @@ def op_write_file(req: Request) -> dict:
 
 
 def op_read_file(req: Request) -> dict:
-    path = req.message["path"]
+    path = guest_path(req.message["path"])
     limit = int(req.message["max_bytes"])
     size = os.stat(path).st_size
     if size > limit:
@@ -626,19 +977,38 @@ def op_read_file(req: Request) -> dict:
 def op_put_tar(req: Request) -> dict:
     """Unpack the host's tar stream in this process: under TCG, starting `tar` costs more than the work."""
     dest = req.message["dest"]
-    os.makedirs(dest, exist_ok=True)
     try:
+        where = guest_path(dest)
+        os.makedirs(where, exist_ok=True)
         stream = io.BufferedReader(DataReader(req), buffer_size=1024 * 1024)
         with tarfile.open(fileobj=stream, mode="r|") as tar:
             for member in tar:
                 member.uid = member.gid = 0  # like tar --no-same-owner: the checkout belongs to the guest
                 member.uname = member.gname = "root"
-                tar.extract(member, dest)
+                if IMAGE is None:
+                    tar.extract(member, where)
+                else:
+                    _extract_in_image(IMAGE, tar, member, inside(IMAGE, where))
     except (tarfile.TarError, OSError) as exc:
         return {"ok": False, "error": f"cannot unpack the tar stream into {dest}: {exc}"}
     finally:
         req.drain()
     return {"ok": True}
+
+
+def _extract_in_image(image: Image, tar: tarfile.TarFile, member: tarfile.TarInfo, dest: str) -> None:
+    """`member` under `dest` (the image's path), as tar would in the image: the links its path meets
+    followed inside the image, one at its own place replaced (a directory's followed), a hard link's
+    target the image's path."""
+    target = resolve_in(image.root, f"{dest}/{member.name}", follow_last=member.isdir())
+    if not member.isdir() and os.path.islink(target):
+        os.unlink(target)  # the member replaces the link, never writes through it
+    own = copy.copy(member)
+    parent, own.name = os.path.split(target)
+    if member.islnk():
+        own.linkname = resolve_in(image.root, f"{dest}/{member.linkname}", follow_last=False)
+    os.makedirs(parent, exist_ok=True)
+    tar.extract(own, parent)
 
 
 def _open_medium(device: str) -> int:
@@ -665,7 +1035,7 @@ def _check_medium(fd: int, want: str) -> None:
         raise OSError(errno.ESTALE, f"the CD-ROM holds filesystem {got}, not the checkout's {want}")
 
 
-def _mount(source: str, target: str, fstype: bytes, flags: int, options: bytes | None) -> None:
+def _mount(source: str, target: str, fstype: bytes | None, flags: int, options: bytes | None) -> None:
     if LIBC.mount(source.encode(), target.encode(), fstype, flags, options) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mount {source} on {target}: {os.strerror(code)}")
@@ -681,7 +1051,11 @@ def op_checkout(req: Request) -> dict:
     root. The medium stays in, mounted, for the VM's life: the drive holds one checkout per VM.
     """
     m = req.message
-    dest, medium = m["dest"], f"{CHECKOUT_ROOT}/medium"
+    named, medium = m["dest"], f"{CHECKOUT_ROOT}/medium"
+    try:
+        dest = guest_path(named)  # in an image, /workspace may lead to its WorkingDir
+    except OSError as exc:
+        return {"ok": False, "error": f"cannot unpack the checkout into {named}: {exc.strerror or exc}"}
     if any(c in dest for c in ",:\\"):
         return {"ok": False, "error": f"cannot unpack the checkout into {dest}: a destination with ',', ':' or '\\' "
                                       "cannot be an overlay's mount point"}
@@ -706,7 +1080,7 @@ def op_checkout(req: Request) -> dict:
         if m.get("rehearsal"):
             _undo_checkout(dest)
     except OSError as exc:
-        return {"ok": False, "error": f"cannot unpack the checkout into {dest}: {exc.strerror or exc}"}
+        return {"ok": False, "error": f"cannot unpack the checkout into {named}: {exc.strerror or exc}"}
     return {"ok": True}
 
 
@@ -937,7 +1311,7 @@ def add_artifact(out: ArtifactTar, cwd: str, rel: str) -> None:
 
 def op_get_tar(req: Request) -> dict:
     """The matched files as one tar stream, in this process, each file once and within the budget."""
-    cwd = req.message.get("cwd") or "/"
+    cwd = guest_path(req.message.get("cwd") or "/")
     limit = int(req.message["max_bytes"])
     names = artifact_paths(cwd, [str(p) for p in req.message["paths"]])
     if not names:
@@ -1041,6 +1415,7 @@ def main() -> None:
         if child:
             reap_forever(child)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    enter_image_mode()  # before any request: its mounts are in the template's snapshot
     os.makedirs(CGROUP_ROOT, exist_ok=True)
     HOME_CGROUP.append(own_cgroup())
     fd = os.open(find_port(), os.O_RDWR)
