@@ -18,6 +18,7 @@ taken for a user's mistake.
     ├── ArchiveError     a tar stream breaking a rule or bound: checkout, artifacts (runner.tarsafe, action)
     ├── SandboxError     a VM or its guest cannot go on (runner.vm, the job's log budget)
     ├── TemplateError    a VM template cannot be found, described or built (runner.vm.templates, vmimages)
+    │   └── ImageError   an OCI image a template is built from, refused (vmimages.oci)
     ├── NetworkError     namespaces, uplink, firewall rules, the guests' resolver (runner.net)
     ├── AttestationError a signed job record cannot be made, read or verified (runner.attest)
     ├── GitHubError      GitHub did not answer with what we asked for (runner.github)
@@ -86,6 +87,11 @@ class CommandNotStarted(SandboxOpFailed):
 
 class TemplateError(MicrovmCheckError):
     """A VM template that cannot be found, described or built."""
+
+
+class ImageError(TemplateError):
+    """An OCI image a template is built from was refused (vmimages.oci): the message names the reference,
+    blob or layer member, the rule it broke, and what to do."""
 
 
 class NetworkError(MicrovmCheckError):
