@@ -115,6 +115,19 @@ class Prewarm:
 
 
 @dataclass(frozen=True)
+class Images:
+    """How `template build` reaches registries for image templates (docs/images.md): skopeo's own
+    files, so mirrors, plain-HTTP registries and credentials are configured the way containers/image
+    documents them, and nothing of ours re-implements them."""
+
+    registries_conf: Path | None = setting(None, "a containers-registries.conf(5) file: mirrors, registries "
+                                                 "reached over plain HTTP (insecure = true), short names refused",
+                                           "path")
+    authfile: Path | None = setting(None, "a containers-auth.json(5) file with the registries' credentials "
+                                          "(root-only; skopeo reads it, nothing else does)", "path")
+
+
+@dataclass(frozen=True)
 class DebugKeep:
     """Keeping the VM of a failed or timed-out job for the operator to attach to (docs/debugging.md): asked
     for by the repository's trusted file (`debug:`) or by `keep_seconds` here, never by a pull request."""
@@ -295,6 +308,9 @@ class ServiceConfig:
                                            "a job's check run links <public_url>/ui/jobs/<id>", "string",
                                      pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
     templates: tuple[str, ...] = setting(("base",), "offered templates; the first is the default", "strings")
+    recipes: Path | None = setting(None, "the operator's own template recipes, NAME.yml each: the built-in "
+                                         "recipe schema, or image: REF for an OCI image (docs/images.md)", "path")
+    images: Images = setting(None, "how image templates are fetched (docs/images.md)", "section", section=Images)
     resources: ResourceSettings = setting(None, "job VM size", "section", section=ResourceSettings)
     sizes: dict[str, SizeClass] | None = setting(None, "size classes a job may ask for (size: NAME), each "
                                                        "name: {vcpus, memory_mib, disk_mib}; a repository "

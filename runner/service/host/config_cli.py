@@ -46,7 +46,26 @@ def cmd_check(args: argparse.Namespace) -> int:
             if config.secrets is not None:
                 print(f"  secret bindings: {len(secrets.bindings)} in {config.secrets} "
                       f"({', '.join(sorted(secrets.names)) or 'none'})")
+            if config.recipes is not None and not _recipes_ok(config.recipes):
+                status = 1
     return status
+
+
+def _recipes_ok(directory: Path) -> bool:
+    """The operator's recipes, read as `template build` reads them: every problem at its file:line."""
+    from vmimages.recipebook import check_dir, names  # the recipe file's own reader (no build machinery)
+
+    if not directory.is_dir():
+        print(f"{directory}: recipes: names no directory; make it, or remove recipes: from the config",
+              file=sys.stderr)
+        return False
+    problems = check_dir(directory)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    own = sorted(p.stem for p in directory.glob("*.yml"))
+    print(f"  recipes: {len(own)} in {directory} ({', '.join(own) or 'none'}); all templates: "
+          f"{', '.join(sorted(names(directory)))}")
+    return not problems
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
