@@ -28,9 +28,15 @@ def bake(
     variant_dir: Path,
     warmup: tuple[str, ...],
     say: Callable[[str], None],
+    final_sync: bool = True,
 ) -> frozenset[str]:
     """Bake the variant into `variant_dir`; returns the operations its guest agent answers (the
-    template's manifest records them: the host refuses a template whose agent lacks one it sends)."""
+    template's manifest records them: the host refuses a template whose agent lacks one it sends).
+
+    `final_sync` runs `sync` in the guest before the snapshot, so clones start with nothing to write
+    back; an image template skips it, because its commands run in the image, which may have no `sync`
+    (a distroless image has not even a shell), and the snapshot is consistent without it (the
+    guest's dirty pages are in the snapshot's memory and land in each clone's own overlay)."""
     variant_dir.mkdir(parents=True)
     disk = variant_dir / "disk.img"
     run(["cp", "--sparse=always", str(pristine_disk), str(disk)])
@@ -50,7 +56,7 @@ def bake(
             raise BuildError(f"the template never answered after a cold boot: {exc}\nconsole:\n{console}") from None
         say(f"cold boot to agent ready: {time.monotonic() - started:.1f} s")
         agent_ops = _agent_ops(pong)
-        for command in (*warmup, "sync"):
+        for command in (*warmup, *(("sync",) if final_sync else ())):
             outcome = agent.exec({"shell": command, "cwd": "/"}, lambda stream, data: None, timeout=120)
             if outcome.exit_code != 0:
                 raise BuildError(f"warm-up command failed in the template (exit {outcome.exit_code}): {command}")

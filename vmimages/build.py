@@ -12,11 +12,12 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from runner.errors import TemplateError
 from runner.vm import accel as accel_mod
 from runner.vm.hypervisor import Launch, MachineConfig
 from runner.vm.qemu import QemuHypervisor, bake_backends, device_args
@@ -24,6 +25,9 @@ from runner.vm.statedir import StateDir
 from runner.vm.templates import VARIANTS, Template, TemplateStore, sized
 from vmimages import bake, initramfs, kernel, rootfs
 from vmimages.recipe import KERNEL_CMDLINE, Recipe, Size
+
+if TYPE_CHECKING:
+    from vmimages import imageroot
 
 
 class Progress:
@@ -62,33 +66,46 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | None = None) -> Template:
+def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | None = None,
+          images: imageroot.ImageSource | None = None, refresh: bool = False) -> Template:
+    """Build `recipe` (at `size`) into the state's template store. An image recipe's image is fetched
+    through `images` by the digest its last build pinned, or by its reference when `refresh` (or new)."""
     state.ensure()
-    recipe = Recipe.load(recipe_name)
-    name = recipe_name
+    name = recipe.name
     if size is not None:
         recipe = replace(recipe, vcpus=size.vcpus, memory_mib=size.memory_mib, disk_mib=size.disk_mib)
-        name = sized(recipe_name, size.name)
+        name = sized(recipe.name, size.name)
     store = TemplateStore(state.templates)
     hv = QemuHypervisor()
-    progress = Progress(total=5 + len(VARIANTS))
-    with _locked(state.templates / f".{name}.lock"):
+    progress = Progress(total=5 + len(VARIANTS) + bool(recipe.image))
+    # the stack holds the fetched image's directory (an image recipe) until the build ends
+    with _locked(state.templates / f".{name}.lock"), ExitStack() as stack:
         with progress(f"resolve and fetch the guest kernel ({recipe.kernel})"):
             package = kernel.resolve_package(recipe.kernel)
             guest_kernel = kernel.fetch(package, state.cache)
             progress.say(package)
         staging = state.cache / "staging" / name
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, mode=0o700)  # an image's tree (set-id files, any owner) is unpacked in it
+        staging.chmod(0o700)
         with progress("build the initramfs (busybox + virtio/ext4 modules)"):
             initrd = initramfs.build(guest_kernel, staging / "initrd.img", staging / "initramfs")
         with progress("choose the accelerator"):
             chosen = accel_mod.detect(hv.binary, guest_kernel.vmlinuz, initrd)
             progress.say(f"{chosen.name}: {chosen.reason}")
         boot_image, boot_kind = guest_kernel.bootable(staging)
+        fetched = None
+        if recipe.image:
+            from vmimages import imageroot  # skopeo and the layer applier: image templates only
+            source = images or imageroot.ImageSource()
+            ref = imageroot.pinned_ref(recipe.image, _previous_image(store, name), refresh)
+            with progress(f"fetch the image {ref} and verify its blobs"):
+                fetched = stack.enter_context(imageroot.fetched_image(ref, source, progress.say))
+                progress.say(f"manifest {fetched.manifest_digest}, {len(fetched.layers)} layer(s)")
         # How the kernel boots is part of the machine: a snapshot's memory holds the kernel it booted.
         digest = recipe.digest(package, chosen.name, hv.version(),
-                               [*_machine_shape(recipe, chosen.name), f"kernel-boot={boot_kind}"])
+                               [*_machine_shape(recipe, chosen.name), f"kernel-boot={boot_kind}"],
+                               image_digest=fetched.manifest_digest if fetched else "")
         if store.has(name, digest) and not force:
             shutil.rmtree(staging)
             progress.say(f"template {name} {digest} is up to date")
@@ -99,6 +116,11 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
         with progress("customise the root filesystem and make its ext4 image"):
             tree = rootfs.customise(base, staging / "rootfs")
             rootfs.install_modules(guest_kernel, recipe.kernel_modules, tree)
+            image_entry = None
+            if fetched is not None:
+                unpacked = imageroot.install(fetched, tree, source)
+                image_entry = imageroot.record(recipe.image, ref, fetched, unpacked)
+                progress.say(f"image unpacked: {unpacked['files']} files, {unpacked['bytes'] / 2**20:.0f} MiB")
             image = rootfs.make_image(tree, staging / "disk.img", recipe.disk_mib or rootfs.FREE_SPACE_MIB)
             shutil.rmtree(tree)
         out = store.dir_for(name, digest)
@@ -119,12 +141,13 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
                     network=network,
                     accel=chosen.name,
                 )
-                agent_ops = bake.bake(hv, config, image, out / variant, recipe.warmup, progress.say)
+                agent_ops = bake.bake(hv, config, image, out / variant, recipe.warmup, progress.say,
+                                      final_sync=not recipe.image)
         manifest = {
             "name": name,
             "digest": digest,
-            "recipe": recipe.__dict__ | {"packages": list(recipe.packages), "warmup": list(recipe.warmup),
-                                         "kernel_modules": list(recipe.kernel_modules)},
+            "recipe": recipe.to_json(),
+            "source": "image" if image_entry else "recipe",
             "kernel_package": package,
             "accel": chosen.name,
             "accel_reason": chosen.reason,
@@ -137,8 +160,19 @@ def build(recipe_name: str, state: StateDir, force: bool = False, size: Size | N
             "vcpus": recipe.vcpus,
             "created": time.time(),
         }
+        if image_entry is not None:
+            manifest["image"] = image_entry
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.rmtree(staging)
         store.publish(name, digest)
         print(f"template {name} {digest} ready ({time.monotonic() - progress.started:.0f} s)", file=sys.stderr)
         return store.get(name)
+
+
+def _previous_image(store: TemplateStore, name: str) -> dict[str, object] | None:
+    """The `image` entry of the template's current build, if it has one (its pinned digest)."""
+    try:
+        entry = store.get(name).manifest.get("image")
+    except TemplateError:
+        return None
+    return entry if isinstance(entry, dict) else None

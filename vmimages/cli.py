@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import UserError
+from runner.errors import TemplateError, UserError
 from runner.vm.statedir import StateDir
-from runner.vm.templates import TemplateNotFound, TemplateStore
-from vmimages.recipe import RecipeError, Size
+from runner.vm.templates import Template, TemplateNotFound, TemplateStore
+from vmimages.recipe import Recipe, Size
 from vmimages.run import BuildError
 
 if TYPE_CHECKING:
@@ -22,8 +22,15 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     template = subparsers.add_parser("template", help="build, list and remove VM templates")
     sub = template.add_subparsers(dest="template_command", metavar="ACTION", required=True)
-    build = sub.add_parser("build", help="build (or refresh) a template from its recipe in vmimages/recipes/")
+    build = sub.add_parser("build", help="build (or refresh) a template from its recipe: built in (vmimages/recipes/), "
+                                         "the --config's recipes: directory, or --image")
     build.add_argument("name", nargs="?", default="base")
+    build.add_argument("--image", metavar="REF", help="make NAME from an OCI image, in skopeo's syntax: "
+                                                      "docker://HOST/NAME:TAG (or @sha256:...), oci:DIR:TAG, "
+                                                      "oci-archive:FILE (docs/images.md)")
+    build.add_argument("--refresh", action="store_true", help="an image template: fetch its reference again "
+                                                              "(a tag may point elsewhere now) instead of the "
+                                                              "digest its last build pinned")
     build.add_argument("--force", action="store_true", help="rebuild even if the recipe is unchanged")
     build.add_argument("--size", metavar="SIZE", help="bake it at a size class of the --config's sizes: "
                                                       "(the template NAME.SIZE that jobs with size: SIZE restore)")
@@ -75,12 +82,18 @@ def size_of(args: argparse.Namespace) -> Size | None:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from vmimages.build import build
+    from vmimages.imageroot import ImageSource
+    from vmimages.recipebook import for_image
 
     if os.geteuid() != 0:
         raise UserError("template build needs root (debootstrap, chroot): run it with sudo")
+    config = config_of(args)
     try:
-        build(args.name, state_of(args), force=args.force, size=size_of(args))
-    except (BuildError, RecipeError) as exc:
+        recipe = for_image(args.name, args.image) if args.image else \
+            Recipe.load(args.name, config.recipes if config else None)
+        images = ImageSource(config.images.registries_conf, config.images.authfile) if config else ImageSource()
+        build(recipe, state_of(args), force=args.force, size=size_of(args), images=images, refresh=args.refresh)
+    except (BuildError, TemplateError) as exc:
         raise UserError(f"template build failed: {exc}") from None
     return 0
 
@@ -97,10 +110,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'NAME':<32} {'DIGEST':<22} {'ACCEL':<5} {'MEMORY':>7} {'SIZE':>9} {'AGE':>6} {'LAST USE':>8}  FROM")
     for t in templates:
         size = f"{t.size_bytes() / 2**20:.0f} MiB"
-        origin = f"{t.manifest['parent']['name']} ({', '.join(t.variants)})" if t.derived else "recipe"
+        origin = _origin(t)
         print(f"{t.name:<32} {t.digest:<22} {t.manifest['accel']:<5} {t.manifest['memory_mib']:>5}Mi {size:>9} "
               f"{_ago(now - t.manifest['created']):>6} {_ago(now - store.last_used(t.name)):>8}  {origin}")
     return 0
+
+
+def _origin(template: Template) -> str:
+    """Where a template came from: its parent (made from a VM), its image (pinned digest), or its recipe."""
+    if template.derived:
+        return f"{template.manifest['parent']['name']} ({', '.join(template.variants)})"
+    image = template.manifest.get("image")
+    if isinstance(image, dict):
+        return f"image {image.get('ref')} ({str(image.get('manifest_digest'))[:19]})"
+    return "recipe"
 
 
 def _confirm(question: str) -> bool:
