@@ -106,7 +106,8 @@ def parse_report(name: str, data: bytes) -> Totals:
     if root.tag not in ("testsuites", "testsuite"):
         raise JUnitError(f"{name}: root element is <{_clip(root.tag, 80)}>, not <testsuites>/<testsuite>")
     totals = Totals()
-    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    # node:test's junit reporter writes top-level tests straight under <testsuites>: they count as well
+    suites = [root] if root.tag == "testsuite" else [root, *root.iter("testsuite")]
     for suite in suites:
         totals.add(_suite(suite))
     return totals
