@@ -59,6 +59,20 @@ def _machine_shape(recipe: Recipe, accel: str) -> list[str]:
 
 
 @contextmanager
+def _staging(path: Path) -> Iterator[Path]:
+    """The build's scratch directory, root's and 0700 (an image's tree, set-id files and all, is unpacked in
+    it); removed when the build fails, so a refused image leaves nothing of its own behind."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, mode=0o700)
+    path.chmod(0o700)
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+@contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as lock:
@@ -78,16 +92,13 @@ def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | Non
     store = TemplateStore(state.templates)
     hv = QemuHypervisor()
     progress = Progress(total=5 + len(VARIANTS) + bool(recipe.image))
-    # the stack holds the fetched image's directory (an image recipe) until the build ends
+    # the stack holds the staging directory and the fetched image's (an image recipe) until the build ends
     with _locked(state.templates / f".{name}.lock"), ExitStack() as stack:
         with progress(f"resolve and fetch the guest kernel ({recipe.kernel})"):
             package = kernel.resolve_package(recipe.kernel)
             guest_kernel = kernel.fetch(package, state.cache)
             progress.say(package)
-        staging = state.cache / "staging" / name
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True, mode=0o700)  # an image's tree (set-id files, any owner) is unpacked in it
-        staging.chmod(0o700)
+        staging = stack.enter_context(_staging(state.cache / "staging" / name))
         with progress("build the initramfs (busybox + virtio/ext4 modules)"):
             initrd = initramfs.build(guest_kernel, staging / "initrd.img", staging / "initramfs")
         with progress("choose the accelerator"):
