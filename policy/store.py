@@ -85,6 +85,14 @@ class PolicyStore:
         own = self._repository_file(owner, repo)
         return load_repository_file(own).sizes if own is not None else ()
 
+    def templates_for(self, repository: str) -> tuple[str, ...]:
+        """The templates the repository's store file offers its jobs beyond the service's own (`templates:`);
+        none without one. Never from the repository's own file: it would let a repository name any template on
+        the host (another repository's warm base among them)."""
+        owner, repo = split_repository(repository)
+        own = self._repository_file(owner, repo)
+        return load_repository_file(own).templates if own is not None else ()
+
     def debug_for(self, repository: str, fallback: FileFallback | None = None) -> int | None:
         """The repository's `debug:` keep in seconds (docs/debugging.md), or None when it sets none. Read from
         the store file, or, only when there is none, from `fallback` (the default branch's file): never from

@@ -65,6 +65,9 @@ class RepositoryFile:
     # `debug:` (issue 37, docs/debugging.md): how long the VM of a failed or timed-out job is kept for the
     # operator to attach to, in seconds; None: not set (no keep). Held to the service config's debug section.
     debug_seconds: int | None = None
+    # Templates this repository's jobs may name beyond those the service offers every repository (an image
+    # template built for its toolchain, docs/images.md). Read from the operator's store only, like sizes.
+    templates: tuple[str, ...] = ()
 
 
 CHECKS_SETTINGS = ("on", "off", "forks")
@@ -76,12 +79,15 @@ def load_repository_file(source: str | Path, source_name: str | None = None) -> 
     checks: list[str | None] = []
     sizes: list[tuple[str, ...]] = []
     debug: list[int | None] = []
-    loaded = load_policy(source, source_name, {"warm": lambda node, problems: found.append(_warm(node, problems)),
-                                               "checks": lambda node, problems: checks.append(_checks(node, problems)),
-                                               "sizes": lambda node, problems: sizes.append(_sizes(node, problems)),
-                                               "debug": lambda node, problems: debug.append(_debug(node, problems))})
+    templates: list[tuple[str, ...]] = []
+    loaded = load_policy(source, source_name, {
+        "warm": lambda node, problems: found.append(_warm(node, problems)),
+        "checks": lambda node, problems: checks.append(_checks(node, problems)),
+        "sizes": lambda node, problems: sizes.append(_sizes(node, problems)),
+        "debug": lambda node, problems: debug.append(_debug(node, problems)),
+        "templates": lambda node, problems: templates.append(_templates(node, problems))})
     return RepositoryFile(loaded, found[0] if found else None, checks[0] if checks else None,
-                          sizes[0] if sizes else (), debug[0] if debug else None)
+                          sizes[0] if sizes else (), debug[0] if debug else None, templates[0] if templates else ())
 
 
 DEBUG_DEFAULT_SECONDS = 900
@@ -120,6 +126,21 @@ def _sizes(node: yaml.Node, problems: Problems) -> tuple[str, ...]:
             or not all(isinstance(n, str) and SIZE_NAME.fullmatch(n) for n in names):
         problems.at(node, "sizes must be a list of size class names (lowercase letters, digits, '-'; the service "
                           "config's sizes:) that this repository's jobs may ask for")
+        return ()
+    return tuple(names)
+
+
+TEMPLATE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,199}")  # runner.vm.templates.NAME
+
+
+def _templates(node: yaml.Node, problems: Problems) -> tuple[str, ...]:
+    names = [item.value for item in node.value if isinstance(item, yaml.ScalarNode)] \
+        if isinstance(node, yaml.SequenceNode) else None
+    if names is None or len(names) != len(node.value) or len(names) > 64 \
+            or not all(isinstance(n, str) and TEMPLATE_NAME.fullmatch(n) for n in names):
+        problems.at(node, "templates must be a list of template names (lowercase letters, digits, '.', '_', '-'; "
+                          "microvm-check template list) that this repository's jobs may name beyond those the "
+                          "service config's templates: offers every repository")
         return ()
     return tuple(names)
 

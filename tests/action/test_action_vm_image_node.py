@@ -78,9 +78,17 @@ def node_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
                    capture_output=True, cwd=ROOT)
 
 
+REPOSITORY = ("listendev", "lstn")  # FORK_PR's base repository
+
+
 @pytest.fixture
-def node_service(node_template: None) -> Iterator[object]:
-    yield from _host({"templates": ["base", TEMPLATE]})
+def node_service(node_template: None, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
+    """A service offering only `base` to every repository, whose store file for the pull request's repository
+    is `request.param` (the image template is that repository's own to use, or not)."""
+    owner, repo = REPOSITORY
+    (tmp_path / "store" / owner).mkdir(parents=True)
+    (tmp_path / "store" / owner / f"{repo}.yml").write_text(request.param)
+    yield from _host({"templates": ["base"], "policy_dir": str(tmp_path / "store")})
 
 
 @pytest.fixture
@@ -93,6 +101,7 @@ def sim(tmp_path: Path) -> Simulation:
     return Simulation(tmp_path / "workspace", temp, captured(FORK_PR))
 
 
+@pytest.mark.parametrize("node_service", [f"version: 1\ntemplates: [{TEMPLATE}]\n"], indirect=True)
 def test_node_test_passes_in_the_image_with_its_junit_report(node_service, sim: Simulation) -> None:
     report = "--test-reporter=spec --test-reporter-destination=stdout --test-reporter=junit " \
              "--test-reporter-destination=report.xml"
@@ -109,3 +118,11 @@ def test_node_test_passes_in_the_image_with_its_junit_report(node_service, sim: 
     assert (result.outputs["exit-code"], result.outputs["junit-passed"], result.outputs["junit-failed"]) == \
         ("0", "2", "0"), result.outputs
     assert (sim.workspace / "artifacts" / "report.xml").exists()
+
+
+@pytest.mark.parametrize("node_service", ["version: 1\n"], indirect=True)
+def test_a_template_the_repository_is_not_offered_is_refused_naming_its_store_file(node_service, sim) -> None:
+    result = run_action(sim, {"template": TEMPLATE, "socket": str(node_service.config.socket), "run": "true"})
+    assert result.returncode != 0
+    assert f"listendev/lstn may not use the template '{TEMPLATE}'" in result.log, result.log
+    assert f"(<owner>/<repo>.yml, templates: [{TEMPLATE}])" in result.log, result.log

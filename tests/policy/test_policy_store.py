@@ -75,3 +75,14 @@ def test_invalid_store_file_fails_loudly_instead_of_falling_back(store: PolicySt
 def test_names_that_could_escape_the_store_are_refused(store: PolicyStore, name: str):
     with pytest.raises(ValueError, match="is not a repository name"):
         store.for_repository(name)
+
+
+def test_a_store_file_offers_its_repository_templates_and_a_bad_list_is_refused_at_its_line(tmp_path: Path):
+    (tmp_path / "octo").mkdir()
+    (tmp_path / "octo" / "node.yml").write_text("version: 1\ntemplates: [node20, go1.23]\n")
+    (tmp_path / "octo" / "bad.yml").write_text("version: 1\ntemplates: [Node 20]\n")
+    store = PolicyStore(tmp_path)
+    assert store.templates_for("octo/node") == ("node20", "go1.23")
+    assert store.templates_for("octo/none") == ()  # no store file: nothing beyond the service's own
+    with pytest.raises(PolicyError, match=r"bad.yml:2:\d+: templates must be a list of template names"):
+        store.templates_for("octo/bad")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from service_fakes import spec, spec_as_sent
 
 from runner.service.config.reading import config_from_mapping
-from runner.service.jobs.spec import SpecError, env_allowed
+from runner.service.jobs.spec import SpecError, env_allowed, parse_submission
 
 CONFIG = config_from_mapping({"templates": ["base", "big"], "max_timeout_seconds": 600, "default_timeout_seconds": 60})
 
@@ -48,7 +48,7 @@ def test_defaults() -> None:
     ({"env": {"CI": 1}}, "env.CI: expected a string"),
     ({"timeout_seconds": 601}, "timeout_seconds: must be between 1 and 600"),
     ({"timeout_seconds": True}, "timeout_seconds: expected an integer"),
-    ({"template": "other"}, "template: 'other' is not offered here"),
+    ({"template": "Not a name"}, "template: 'Not a name' is not a template name"),
     ({"run_attempt": 0}, "run_attempt"),
     ({"surprise": 1}, "surprise: unknown field"),
 ])
@@ -56,6 +56,15 @@ def test_invalid_specs(fields: dict, message: str) -> None:
     with pytest.raises(SpecError) as err:
         spec_as_sent(spec(**fields), CONFIG)
     assert message in str(err.value)
+
+
+def test_a_template_is_the_services_for_every_repository_or_offered_by_the_repositorys_store_file() -> None:
+    submitted = parse_submission(spec(template="node20"), CONFIG)
+    with pytest.raises(SpecError, match=r"o/r may not use the template 'node20': the service offers base, big to "
+                                        r"every repository and o/r's store file offers go123; .*templates: \[node20\]"):
+        submitted.check_template("o/r", ("go123",))
+    submitted.check_template("o/r", ("go123", "node20"))
+    parse_submission(spec(template="big"), CONFIG).check_template("o/r", ())
 
 
 def test_not_an_object() -> None:

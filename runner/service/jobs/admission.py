@@ -51,6 +51,7 @@ class Admission:
             repository = self.access.repository_for(caller, submitted)
             policy = self.policies.effective(repository, submitted.policy)
             submitted.check_size(repository, self.policies.sizes_for(repository))
+            submitted.check_template(repository, self.policies.templates_for(repository))
             spec = submitted.spec(repository, runner or "")
             if submitted.secrets:
                 self.access.refuse_workflow_secrets(caller, submitted, spec.event)

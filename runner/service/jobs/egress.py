@@ -61,6 +61,13 @@ class EgressPolicies:
         except (policy.PolicyError, ValueError) as exc:
             raise EgressPolicyError(f"policy store: {exc}") from exc
 
+    def templates_for(self, repository: str) -> tuple[str, ...]:
+        """The templates the operator's store file offers the repository beyond the service's own."""
+        try:
+            return policy.PolicyStore(self.policy_dir).templates_for(repository)
+        except (policy.PolicyError, ValueError) as exc:
+            raise EgressPolicyError(f"policy store: {exc}") from exc
+
     def debug_for(self, repository: str) -> int | None:
         """The repository's trusted `debug:` keep in seconds (its store file, else its default branch's
         file), None when it sets none; raises EgressPolicyError when the file cannot be read."""

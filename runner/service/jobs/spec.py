@@ -36,6 +36,7 @@ from runner.jobapi.contract import (
 )
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs.job import AdmittedSpec
+from runner.vm.templates import NAME as TEMPLATE_NAME
 
 _SHOWN = 80  # how much of a refused value an error message repeats: errors never echo unbounded input
 # Never forwarded whatever the allowlist says: these name credentials, and the guest is hostile.
@@ -156,6 +157,8 @@ class Submission:
     run_attempt: int | None
     size: str | None
     policy: str | None  # the job's own policy text
+    template: str  # checked against the service's own templates and the repository's by `check_template`
+    offered: tuple[str, ...]  # the service's: the config's templates:, offered to every repository
     # AdmittedSpec with every other field as checked, waiting for the service's two
     complete: Callable[..., AdmittedSpec] = field(repr=False, compare=False)
     # The workflow's secret bindings, values included: admission decides whether they are honoured and
@@ -180,6 +183,17 @@ class Submission:
                             f"{', '.join(allowed_sizes) or 'no sizes'}): the operator lists a repository's sizes in "
                             f"its store file (<owner>/<repo>.yml, sizes: [{size}]), or leave size out")
 
+    def check_template(self, repository: str, own_templates: tuple[str, ...]) -> None:
+        """Refuse a template neither the service offers every repository nor the repository's store file offers
+        it (`own_templates`, its `templates:`): a pull request's spec cannot widen either."""
+        if self.template in self.offered or self.template in own_templates:
+            return
+        raise SpecError(f"template: {repository} may not use the template {_show(self.template)}: the service offers "
+                        f"{', '.join(self.offered)} to every repository and {repository}'s store file "
+                        f"{'offers ' + ', '.join(own_templates) if own_templates else 'offers none more'}; the operator "
+                        f"offers a template to one repository in its store file (<owner>/<repo>.yml, templates: "
+                        f"[{self.template}]) or to all in the service config's templates:")
+
     def spec(self, repository: str, runner_name: str) -> AdmittedSpec:
         """The job's spec: as submitted, with the repository and runner the service decided."""
         return self.complete(repository=repository, runner_name=runner_name)
@@ -203,8 +217,8 @@ def parse_submission(data: object, config: ServiceConfig) -> Submission:
     if not command.strip():
         raise SpecError("command: must not be empty")
     template = _text(data, "template", config.default_template)
-    if template not in config.templates:
-        raise SpecError(f"template: {_show(template)} is not offered here; choose one of {', '.join(config.templates)}")
+    if not TEMPLATE_NAME.fullmatch(template):
+        raise SpecError(f"template: {_show(template)} is not a template name; choose one of {', '.join(config.templates)}")
     size = data.get("size")
     if size is not None:
         size = _text(data, "size", None)
@@ -239,7 +253,8 @@ def parse_submission(data: object, config: ServiceConfig) -> Submission:
         keep=_keep(data),
         fork=_fork(data),
     )
-    return Submission(repository, runner_name, job_name, run_id, run_attempt, size, policy, complete, _secrets(data))
+    return Submission(repository, runner_name, job_name, run_id, run_attempt, size, policy, template, config.templates,
+                      complete, _secrets(data))
 
 
 def _secrets(data: Mapping[str, object]) -> tuple[WorkflowSecret, ...]:
