@@ -8,23 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import require
+from tests.net import net_fakes
 from tests.vmimages.oci.images import Dir, File, Opaque, Symlink, Whiteout, push, registry, write_layout
 
 pytestmark = pytest.mark.vm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = "mvc-test-busybox"
-APPLETS = ("sh", "cat", "id", "pwd", "ls", "echo", "head", "od", "date", "which", "printenv", "true", "tr", "wc")
+APPLETS = ("sh", "cat", "id", "pwd", "ls", "echo", "head", "od", "date", "which", "printenv", "true", "tr", "wc",
+           "mkdir")
 OS_RELEASE = 'ID=mvcbusy\nNAME="microvm-check test busybox"\n'
 SHOW_EUID = """#include <stdio.h>
 #include <unistd.h>
@@ -140,3 +144,27 @@ def test_template_list_says_where_the_template_came_from(image_template: str):
     listing = _cli("template", "list")
     line = next(line for line in listing.stdout.splitlines() if line.startswith(TEMPLATE + " "))
     assert f"image {image_template} (sha256:" in line
+
+
+def test_the_jobs_ca_goes_into_the_images_trust_store_as_root(image_template: str, need_netns: None, make_engine,
+                                                              tmp_path: Path):
+    """A policy whose HTTPS the host reads (a methods: rule) puts the job's CA where the image's programs look,
+    though this image has no such directories and runs as its USER (1234)."""
+    from policy import load_policy
+    from runner.sandbox import Sandbox
+    from runner.sandbox.sandbox import GUEST_CA_BUNDLE, JOB_CA_FILE
+
+    prefix = "v" + secrets.token_hex(3)
+    policy = load_policy("version: 1\nallow:\n  - host: tls.test\n    ports: [8443]\n    methods: [GET]\n", "policy")
+    with ExitStack() as cleanup:
+        _internet, pool = net_fakes.tls_internet(prefix, tmp_path, cleanup)
+        engine = make_engine(net=pool)
+        cleanup.callback(engine.close)
+        with Sandbox.create(template=TEMPLATE, engine=engine, policy=policy) as sbx:
+            env = sbx.install_job_ca()
+            ca = sbx.files.read(JOB_CA_FILE)
+            assert ca.startswith(b"-----BEGIN CERTIFICATE-----")
+            assert ca in sbx.files.read(GUEST_CA_BUNDLE)
+            assert env["SSL_CERT_FILE"] == GUEST_CA_BUNDLE and env["NODE_EXTRA_CA_CERTS"] == JOB_CA_FILE
+            assert sbx.exec(["id", "-u"], cwd="/").stdout.strip() == b"1234"  # the job's own commands: USER
+    assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
