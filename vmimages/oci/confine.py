@@ -13,11 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import BinaryIO
 
 from runner.errors import ImageError
 
@@ -69,22 +71,27 @@ class Finished:
 def run(argv: Sequence[str], *, env: dict[str, str], cwd: Path, timeout: float, stdout: Path | None = None,
         watch: Callable[[], str | None] = lambda: None, what: str) -> Finished:
     """Run `argv` to its end, killed as a group after `timeout` seconds or as soon as `watch` (called about
-    twice a second) returns a reason. stdout goes to the file `stdout` (or nowhere), stderr to a file whose
-    tail is kept for the error message."""
-    err_path = cwd / f".stderr-{os.getpid()}-{time.monotonic_ns()}"
-    out_file = open(stdout, "wb") if stdout is not None else open(os.devnull, "wb")
-    try:
-        with out_file, open(err_path, "w+b") as err_file:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file, env=env,
-                                    cwd=cwd, start_new_session=True, close_fds=True)
-            stopped = _wait(proc, timeout, watch)
-            err_file.seek(max(0, err_file.seek(0, os.SEEK_END) - STDERR_TAIL))
-            tail = err_file.read().decode("utf-8", "replace").strip()
-    finally:
-        err_path.unlink(missing_ok=True)
+    twice a second) returns a reason. stdout goes to the new file `stdout` (or nowhere), stderr to an unnamed
+    temporary file whose tail is kept for the error message. Both are created by us, never through a name
+    that is already there: a helper's directories are writable by its uid, so a link there is not ours."""
+    out_file = _new_file(stdout, what) if stdout is not None else open(os.devnull, "wb")
+    with out_file, tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file, env=env,
+                                cwd=cwd, start_new_session=True, close_fds=True)
+        stopped = _wait(proc, timeout, watch)
+        err_file.seek(max(0, err_file.seek(0, os.SEEK_END) - STDERR_TAIL))
+        tail = err_file.read().decode("utf-8", "replace").strip()
     if stopped:
         raise ImageError(f"{what}: {stopped}" + (f"; it said: {tail}" if tail else ""))
     return Finished(proc.returncode, tail)
+
+
+def _new_file(path: Path, what: str) -> BinaryIO:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ImageError(f"{what}: cannot create {path} for its output ({exc.strerror}): refused") from None
+    return os.fdopen(fd, "wb")
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float, watch: Callable[[], str | None]) -> str | None:

@@ -101,7 +101,7 @@ def fetch(ref: ImageRef, workdir: Path, limits: ImageLimits = DEFAULT_LIMITS, *,
         if ref.transport == DOCKER:
             source = str(ref.pinned(source_digest))
         expected = _precheck(skopeo, source, top, ref, limits)
-        skopeo.copy(source, layout)
+        skopeo.copy(source, _helper_dir(layout))
     finally:
         shutil.rmtree(home, ignore_errors=True)  # the copy of the credentials, skopeo's own state
     _own(layout)
@@ -116,7 +116,9 @@ def fetch(ref: ImageRef, workdir: Path, limits: ImageLimits = DEFAULT_LIMITS, *,
 
 
 def _prepare(workdir: Path, ref: ImageRef, limits: ImageLimits) -> Path:
-    """workdir/fetch, fresh, owned by the helper uid; every directory above it enterable by that uid."""
+    """workdir/fetch, fresh: root's and 0711 (the helper uid enters it, never writes in it), with home/ the
+    helper's. Why root's: anything running as the helper uid (skopeo, zstd, another nobody process on the
+    host) could otherwise plant a link where root then writes by path (raw.json, source/, layout/)."""
     uid = confine.helper_uid()
     blocked = _blocking_ancestor(workdir.resolve(), uid)
     if blocked is not None:
@@ -127,12 +129,20 @@ def _prepare(workdir: Path, ref: ImageRef, limits: ImageLimits) -> Path:
     if base.is_symlink() or base.exists():
         shutil.rmtree(base)
     base.mkdir(mode=0o700)
+    base.chmod(0o711)
     (base / "home").mkdir(mode=0o700)
     (base / "home" / "policy.json").write_text(json.dumps(POLICY))
     (base / "home" / "registries.conf").write_text("")  # no mirrors, aliases or short names of the host's
-    for path in (base, base / "home", base / "home" / "policy.json", base / "home" / "registries.conf"):
+    for path in (base / "home", base / "home" / "policy.json", base / "home" / "registries.conf"):
         os.chown(path, uid, uid, follow_symlinks=False)
     return base
+
+
+def _helper_dir(path: Path) -> Path:
+    """A fresh directory the helper uid writes in (skopeo's layout), in our root-owned fetch directory."""
+    path.mkdir(mode=0o700)
+    os.chown(path, confine.helper_uid(), confine.helper_uid(), follow_symlinks=False)
+    return path
 
 
 def _blocking_ancestor(path: Path, uid: int) -> Path | None:
@@ -162,7 +172,7 @@ def _source(ref: ImageRef, base: Path, limits: ImageLimits, say: Say) -> str:
     if ref.transport == DOCKER:
         return str(ref)
     source = base / "source"
-    source.mkdir(mode=0o700)
+    source.mkdir(mode=0o700)  # root's: the helper reads it through its group (_share_tree), never writes
     budget = [limits.max_compressed_bytes + SOURCE_SLACK]
     if ref.transport == OCI:
         _copy_layout(Path(ref.path), source, budget, str(ref))
@@ -170,7 +180,7 @@ def _source(ref: ImageRef, base: Path, limits: ImageLimits, say: Say) -> str:
     else:
         _copy_file(Path(ref.path), source / "image.tar", budget, str(ref))
         target = f"oci-archive:{source / 'image.tar'}" + (f":{ref.tag}" if ref.tag else "")
-    _chown_tree(source, confine.helper_uid())
+    _share_tree(source)
     say(f"copied {ref} into {source}")
     return target
 
@@ -207,28 +217,73 @@ def _copy_file(src: Path, dst: Path, budget: list[int], what: str) -> None:
             shutil.copyfileobj(source, out, 1024**2)
 
 
-def _chown_tree(top: Path, uid: int) -> None:
-    """Every file and directory under `top` (and `top`) to `uid`, never following a link."""
-    os.chown(top, uid, uid, follow_symlinks=False)
+def _share_tree(top: Path) -> None:
+    """Every file and directory under `top` (and `top`) readable by the helper uid through its group, still
+    root's (so nothing the helper runs can change or replace them), never following a link."""
+    if os.geteuid() != 0:
+        return  # the helper is ourselves
     for directory, dirs, files in os.walk(top):
-        for name in dirs + files:
-            os.chown(os.path.join(directory, name), uid, uid, follow_symlinks=False)
+        for name, mode in [(".", 0o750)] + [(d, 0o750) for d in dirs] + [(f, 0o640) for f in files]:
+            path = os.path.join(directory, name)
+            os.chown(path, 0, confine.UNPRIVILEGED, follow_symlinks=False)
+            os.chmod(path, mode)  # our own copies: directories and regular files only (_copy_layout)
 
 
 def _own(layout: Path) -> None:
-    """skopeo's output made root's and read-only before we read it: nothing the helper uid runs can change a
-    blob after this (and layers.py hashes each blob again as it applies it). Only directories and regular
-    files are accepted in it."""
-    for directory, dirs, files in os.walk(layout):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            info = os.lstat(path)
-            if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
-                raise ImageError(f"skopeo left {path}, neither a file nor a directory, in its layout: refused")
-            os.chown(path, 0 if os.geteuid() == 0 else -1, 0 if os.geteuid() == 0 else -1, follow_symlinks=False)
-            os.chmod(path, 0o555 if stat.S_ISDIR(info.st_mode) else 0o444)
-    os.chown(layout, 0 if os.geteuid() == 0 else -1, 0 if os.geteuid() == 0 else -1, follow_symlinks=False)
-    os.chmod(layout, 0o755)
+    """skopeo's output made root's and read-only before we read it, walked by file descriptor: until a
+    directory of it is root's, anything running as the helper uid may rename, link or replace entries in it,
+    so no name is followed and nothing is changed but what was opened and checked. Each directory is taken
+    (root's, 0555) before it is listed, so its entries cannot change after; only directories and regular
+    files of the helper's with one link are accepted (a hard link could be a host file). Nothing the helper
+    runs can then change the layout's names; a blob's bytes, through a descriptor opened earlier, it still
+    could: that is why layers.py hashes each blob again as it applies it."""
+    try:
+        fd = os.open(layout, _OPEN_DIR)
+    except OSError as exc:
+        raise ImageError(f"skopeo's layout {layout} is not a directory of its own ({exc.strerror}): refused") from None
+    try:
+        _own_dir(fd, str(layout))
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
+
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _own_dir(fd: int, shown: str) -> None:
+    _take(fd, 0o555)
+    for name in os.listdir(fd):
+        path = os.path.join(shown, name)
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        refused = ImageError(f"skopeo left {path}, not a directory or a file of its own with one link, in its "
+                             "layout: refused")
+        if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+            raise refused
+        try:
+            child = os.open(name, _OPEN_DIR if stat.S_ISDIR(info.st_mode) else _OPEN_FILE, dir_fd=fd)
+        except OSError:
+            raise refused from None
+        try:
+            opened = os.fstat(child)
+            if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+                raise refused
+            if stat.S_ISDIR(opened.st_mode):
+                _own_dir(child, path)
+            elif opened.st_nlink != 1 or opened.st_uid != confine.helper_uid():
+                raise refused
+            else:
+                _take(child, 0o444)
+        finally:
+            os.close(child)
+
+
+def _take(fd: int, mode: int) -> None:
+    """The opened file or directory made root's (when we are root) with `mode`."""
+    if os.geteuid() == 0:
+        os.fchown(fd, 0, 0)
+    os.fchmod(fd, mode)
 
 
 # ---- skopeo ------------------------------------------------------------------------------------------
