@@ -23,7 +23,8 @@ bounds arrive. Here:
   regular files keep their mtime. Character and block devices are refused: the guest's /dev is a devtmpfs.
 - Whiteouts (`.wh.NAME`) and opaque markers (`.wh..wh..opq`) remove what lower layers had, never what the
   same layer has, wherever the marker sits in the tar (the OCI image spec's rule).
-- Bounds, over all layers: members (ImageLimits.max_files), the files' apparent bytes
+- Bounds, over all layers: members and the directories made for their parents (ImageLimits.max_files),
+  the files' apparent bytes
   (max_uncompressed_bytes, per member max_file_bytes), and the decompressed stream (max_stream_bytes). These
   are the applier's CPU and time bound too: it does a bounded amount of work per byte and per member.
 """
@@ -99,7 +100,7 @@ class _LayerState:
     its own whiteouts and opaque markers must leave alone."""
 
     what: str  # "layer 2 (sha256:...)" for messages
-    touched: set[str] = field(default_factory=set)
+    touched: set[bytes] = field(default_factory=set)  # _key(name) of each
 
 
 def apply_layers(layers: Sequence[Layer], root: Path, limits: ImageLimits) -> UnpackStats:
@@ -261,9 +262,10 @@ def _apply_tar(stream: BinaryIO, root_fd: int, state: _LayerState, budget: _Budg
     try:
         scanner, archive = open_stream(stream)
         with archive:
-            for member in archive:
+            while (member := archive.next()) is not None:
                 scanner.confirm(member)
                 _apply_member(archive, member, root_fd, state, budget)
+                archive.members.clear()  # type: ignore[attr-defined]  # tarfile keeps each member read: 9 KiB with a long name
     except ArchiveError as exc:
         raise ImageError(f"{state.what}: {exc}: the layer is not a tar we accept") from None
     except tarfile.TarError as exc:
@@ -294,13 +296,36 @@ def member_name(raw: str, limits: ImageLimits, what: str) -> str:
 
 def _apply_member(archive: tarfile.TarFile, member: tarfile.TarInfo, root_fd: int, state: _LayerState,
                   budget: _Budget) -> None:
-    limits = budget.limits
-    name = member_name(member.name, limits, state.what)
+    name = member_name(member.name, budget.limits, state.what)
     shown = f"{state.what}: member {name[:200]!r}"
+    _count(budget, shown)
+    _check_numbers(member, shown)
+    try:
+        _apply_named(archive, member, name, root_fd, state, budget, shown)
+    except OSError as exc:  # what the host's file system refuses (EMLINK, ENOSPC, ...): one line, not a traceback
+        raise ImageError(f"{shown}: cannot be written ({exc.strerror or exc}): the image is not usable as a "
+                         "template") from None
+
+
+def _count(budget: _Budget, shown: str) -> None:
+    """One more member, or one more directory made for a member's parents: both are entries on the host."""
     budget.members += 1
-    if budget.members > limits.max_files:
-        raise ImageError(f"{shown}: more than {limits.max_files} members in the image's layers: refused; raise "
-                         "ImageLimits.max_files only for an image you trust")
+    if budget.members > budget.limits.max_files:
+        raise ImageError(f"{shown}: more than {budget.limits.max_files} members in the image's layers (directories "
+                         "made for a member's parents count too): refused; raise ImageLimits.max_files only for "
+                         "an image you trust")
+
+
+def _check_numbers(member: tarfile.TarInfo, shown: str) -> None:
+    """Owners within uid_t (a pax uid or gid may be any number; -1 would mean "leave as is" to chown)."""
+    if not all(isinstance(n, int) and 0 <= n < 2**32 - 1 for n in (member.uid, member.gid)):
+        raise ImageError(f"{shown}: owner {str(member.uid)[:20]}:{str(member.gid)[:20]} is not a uid:gid the "
+                         "guest can have")
+
+
+def _apply_named(archive: tarfile.TarFile, member: tarfile.TarInfo, name: str, root_fd: int, state: _LayerState,
+                 budget: _Budget, shown: str) -> None:
+    limits = budget.limits
     if member.isreg():
         if member.size > limits.max_file_bytes:
             raise ImageError(f"{shown}: a file of {member.size} bytes, over the {limits.max_file_bytes} allowed "
@@ -310,7 +335,7 @@ def _apply_member(archive: tarfile.TarFile, member: tarfile.TarInfo, root_fd: in
                              f"{limits.max_uncompressed_bytes} bytes (apparent sizes)")
     base = posixpath.basename(name)
     if base.startswith(WHITEOUT):
-        _whiteout(name, root_fd, state, shown)
+        _whiteout(name, root_fd, state, shown, budget)
         return
     if not name:
         if member.isdir():
@@ -318,7 +343,7 @@ def _apply_member(archive: tarfile.TarFile, member: tarfile.TarInfo, root_fd: in
             return
         raise ImageError(f"{shown}: the image's root is not a directory")
     _check_kind(member, shown, limits)
-    parent_fd = _open_parents(root_fd, name, create=True, shown=shown)
+    parent_fd = _open_parents(root_fd, name, create=budget, shown=shown)
     try:
         _create(archive, member, parent_fd, base, root_fd, shown, budget)
     finally:
@@ -380,7 +405,7 @@ def _write_file(archive: tarfile.TarFile, member: tarfile.TarInfo, parent_fd: in
             left -= len(chunk)
         os.fchown(fd, member.uid, member.gid)
         os.fchmod(fd, member.mode & 0o7777)  # after chown, which clears set-id bits
-        if not math.isnan(member.mtime):  # a pax mtime is a float
+        if math.isfinite(member.mtime):  # a pax mtime is a float: nan and inf are left unset
             mtime = max(0, min(int(member.mtime), 2**33))
             os.utime(fd, (mtime, mtime))
 
@@ -391,17 +416,23 @@ def _hardlink(member: tarfile.TarInfo, parent_fd: int, base: str, root_fd: int, 
     target = member_name(member.linkname, limits, shown + ": hardlink target")
     if not target:
         raise ImageError(f"{shown}: a hardlink to the image's root")
-    target_parent = _open_parents(root_fd, target, create=False, shown=f"{shown}: hardlink target {target[:200]!r}")
+    not_a_file = ImageError(f"{shown}: a hardlink to {target[:200]!r}, which is not a regular file in the image "
+                            "(a hardlink may only name a file an earlier member made)")
+    try:
+        target_parent = _open_parents(root_fd, target, create=None, shown=f"{shown}: hardlink target {target[:200]!r}")
+    except FileNotFoundError:
+        raise not_a_file from None
     try:
         target_base = posixpath.basename(target)
         info = _lstat(target_parent, target_base)
         if info is None or not stat.S_ISREG(info.st_mode):
-            raise ImageError(f"{shown}: a hardlink to {target[:200]!r}, which is not a regular file in the image "
-                             "(a hardlink may only name a file an earlier member made)")
+            raise not_a_file
         existing = _lstat(parent_fd, base)
         if existing is not None and (existing.st_dev, existing.st_ino) == (info.st_dev, info.st_ino):
             return  # already that file
         _remove(parent_fd, base, existing)
+        if _lstat(target_parent, target_base) is None:  # it was in the directory just removed
+            raise ImageError(f"{shown}: a hardlink to {target[:200]!r}, a file inside what it replaces")
         os.link(target_base, base, src_dir_fd=target_parent, dst_dir_fd=parent_fd, follow_symlinks=False)
     finally:
         os.close(target_parent)
@@ -420,18 +451,20 @@ def _set_owner_mode(parent_fd: int, base: str | None, member: tarfile.TarInfo) -
 # ---- paths: walked without links -------------------------------------------------------------------
 
 
-def _open_parents(root_fd: int, name: str, *, create: bool, shown: str) -> int:
+def _open_parents(root_fd: int, name: str, *, create: _Budget | None, shown: str) -> int:
     """The directory holding `name`, opened from the root one component at a time without following links.
-    With `create`, missing directories are made (0755, root's). Without, a missing one raises
+    With `create`, missing directories are made (0755, root's), each counted in that budget as a member (a
+    deep name would otherwise make a hundred directories for one member). Without, a missing one raises
     FileNotFoundError. A symlink or a non-directory on the way is an ImageError."""
     fd = os.dup(root_fd)
     walked = ""
     try:
         for part in name.split("/")[:-1]:
             walked = f"{walked}/{part}" if walked else part
-            if create:
+            if create is not None:
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    _count(create, shown)
                 except FileExistsError:
                     pass
             try:
@@ -470,15 +503,25 @@ def _remove(parent_fd: int, base: str, existing: os.stat_result | None) -> None:
 
 def _touch(state: _LayerState, name: str) -> None:
     """Record `name` and the directories above it as the layer's own (its whiteouts leave them)."""
-    while name and name not in state.touched:
-        state.touched.add(name)
+    while name and (key := _key(name)) not in state.touched:
+        state.touched.add(key)
         name = posixpath.dirname(name)
+
+
+def _touched(state: _LayerState, name: str) -> bool:
+    return _key(name) in state.touched
+
+
+def _key(name: str) -> bytes:
+    """A name as the layer's own-entries set keeps it: 16 bytes, whatever its length (up to 4 KiB per name
+    times max_files would be gigabytes). A collision would only keep a lower layer's file from a whiteout."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=16).digest()
 
 
 # ---- whiteouts ---------------------------------------------------------------------------------------
 
 
-def _whiteout(name: str, root_fd: int, state: _LayerState, shown: str) -> None:
+def _whiteout(name: str, root_fd: int, state: _LayerState, shown: str, budget: _Budget) -> None:
     """`.wh.NAME` removes NAME as the lower layers left it; `.wh..wh..opq` empties its directory of what the
     lower layers put there. Other `.wh..wh.` names (aufs' own bookkeeping) are skipped."""
     directory, base = posixpath.split(name)
@@ -490,7 +533,7 @@ def _whiteout(name: str, root_fd: int, state: _LayerState, shown: str) -> None:
         raise ImageError(f"{shown}: a whiteout of {victim!r}, which names no entry of its directory")
     marker_dir = posixpath.join(directory, "x")  # _open_parents opens the directory holding its last component
     try:
-        dir_fd = _open_parents(root_fd, marker_dir, create=opaque, shown=shown)
+        dir_fd = _open_parents(root_fd, marker_dir, create=budget if opaque else None, shown=shown)
     except FileNotFoundError:
         return  # nothing below to hide
     try:
@@ -509,7 +552,7 @@ def _remove_lower(parent_fd: int, base: str, name: str, state: _LayerState) -> N
     existing = _lstat(parent_fd, base)
     if existing is None:
         return
-    if name not in state.touched:
+    if not _touched(state, name):
         _remove(parent_fd, base, existing)
         return
     if not stat.S_ISDIR(existing.st_mode):
