@@ -111,7 +111,7 @@ def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | Non
             source = images or imageroot.ImageSource()
             ref = imageroot.pinned_ref(recipe.image, _previous_image(store, name), refresh)
             with progress(f"fetch the image {ref} and verify its blobs"):
-                fetched = stack.enter_context(imageroot.fetched_image(ref, source, progress.say))
+                fetched = stack.enter_context(imageroot.fetched_image(name, ref, source, progress.say))
                 progress.say(f"manifest {fetched.manifest_digest}, {len(fetched.layers)} layer(s)")
         # How the kernel boots is part of the machine: a snapshot's memory holds the kernel it booted.
         digest = recipe.digest(package, chosen.name, hv.version(),
@@ -130,6 +130,7 @@ def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | Non
             image_entry = None
             if fetched is not None:
                 unpacked = imageroot.install(fetched, tree, source)
+                imageroot.check_budget(store, name, unpacked["bytes"], len(VARIANTS), source.disk_budget)
                 image_entry = imageroot.record(recipe.image, ref, fetched, unpacked)
                 progress.say(f"image unpacked: {unpacked['files']} files, {unpacked['bytes'] / 2**20:.0f} MiB")
             image = rootfs.make_image(tree, staging / "disk.img", recipe.disk_mib or rootfs.FREE_SPACE_MIB)

@@ -81,6 +81,7 @@ def size_of(args: argparse.Namespace) -> Size | None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from runner.service.config.settings import Images
     from vmimages.build import build
     from vmimages.imageroot import ImageSource
     from vmimages.recipebook import for_image
@@ -91,7 +92,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     try:
         recipe = for_image(args.name, args.image) if args.image else \
             Recipe.load(args.name, config.recipes if config else None)
-        images = ImageSource(config.images.registries_conf, config.images.authfile) if config else ImageSource()
+        settings = config.images if config else Images()  # without --config: the settings' defaults
+        images = ImageSource(settings.registries_conf, settings.authfile, disk_budget=settings.disk_budget)
         build(recipe, state_of(args), force=args.force, size=size_of(args), images=images, refresh=args.refresh)
     except (BuildError, TemplateError) as exc:
         raise UserError(f"template build failed: {exc}") from None

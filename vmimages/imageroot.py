@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.errors import ImageError
+from runner.vm.templates import TemplateStore
 from vmimages.oci import FetchedImage, ImageLimits, ImageRef, apply_layers, fetch
 
 IMAGE_ROOT = "image"  # /image in the guest
 IMAGE_SPEC = Path("etc/microvm-check/image.json")  # the agent's vmimages/guest/agent.py IMAGE_SPEC
+FETCH_PARENT, FETCH_PREFIX = "/var/tmp", "mvc-image-"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ImageSource:
     registries_conf: Path | None = None
     authfile: Path | None = None
     limits: ImageLimits = ImageLimits()
+    disk_budget: int | None = None  # bytes all image templates may take together (the config's images.disk_budget)
 
 
 def pinned_ref(image: str, previous: dict[str, Any] | None, refresh: bool) -> ImageRef:
@@ -49,10 +53,11 @@ def pinned_ref(image: str, previous: dict[str, Any] | None, refresh: bool) -> Im
 
 
 @contextmanager
-def fetched_image(ref: ImageRef, source: ImageSource, say: Callable[[str], None]) -> Iterator[FetchedImage]:
-    """The image fetched and verified, in a directory of its own that is removed after: one uid 65534 can
-    enter (skopeo runs as that uid, vmimages/oci/confine.py), unlike the build's 0700 staging directory."""
-    workdir = Path(tempfile.mkdtemp(prefix="mvc-image-", dir="/var/tmp"))
+def fetched_image(name: str, ref: ImageRef, source: ImageSource, say: Callable[[str], None]) -> Iterator[FetchedImage]:
+    """The image of template `name` fetched and verified, in a directory of its own that is removed after
+    (FETCH_PREFIX + name): one uid 65534 can enter (skopeo runs as that uid, vmimages/oci/confine.py), unlike
+    the build's 0700 staging directory."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"{FETCH_PREFIX}{name}-", dir=FETCH_PARENT))
     try:
         workdir.chmod(0o711)
         yield fetch(ref, workdir, source.limits, authfile=source.authfile, registries_conf=source.registries_conf,
@@ -72,6 +77,24 @@ def install(fetched: FetchedImage, tree: Path, source: ImageSource) -> dict[str,
     spec.write_text(json.dumps({"root": f"/{IMAGE_ROOT}", "env": list(config.env), "workdir": config.workdir,
                                 "user": config.user}, indent=2) + "\n")
     return {"files": stats.files, "bytes": stats.bytes}
+
+
+def check_budget(store: TemplateStore, name: str, unpacked_bytes: int, copies: int, budget: int | None) -> None:
+    """Refuse a build whose template would take the image templates past `budget`: each of its `copies`
+    (snapshot variants) holds a disk with the image, and the other image templates keep what they take now
+    (a rebuild of `name` replaces its own, so that is not counted)."""
+    if budget is None:
+        return
+    used = sum(t.size_bytes() for t in store.list() if t.manifest.get("source") == "image" and t.name != name)
+    needed = unpacked_bytes * copies
+    if used + needed > budget:
+        raise ImageError(f"the image templates would take {_gib(used + needed)} ({_gib(used)} now, about "
+                         f"{_gib(needed)} for {name}), more than images.disk_budget ({_gib(budget)}): remove one "
+                         "with microvm-check template rm NAME, or raise the budget in the service config")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
 
 
 def record(image: str, ref: ImageRef, fetched: FetchedImage, unpacked: dict[str, int]) -> dict[str, Any]:

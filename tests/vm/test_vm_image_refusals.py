@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import require
 from tests.vmimages.oci.images import Device, Dir, File, Symlink, write_layout
+from vmimages.imageroot import FETCH_PARENT, FETCH_PREFIX
 
 pytestmark = pytest.mark.vm
 
@@ -38,11 +39,15 @@ def _build(reference: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def sentinel(tmp_path: Path) -> Path:
-    """A directory outside every build directory that a hostile image aims at."""
+def builds() -> None:
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("skopeo") is not None, "skopeo is not installed (scripts/setup installs it)")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+
+
+@pytest.fixture
+def sentinel(builds: None, tmp_path: Path) -> Path:
+    """A directory outside every build directory that a hostile image aims at."""
     path = tmp_path / "sentinel"
     path.mkdir()
     return path
@@ -59,7 +64,6 @@ def test_a_hostile_image_is_refused_and_leaves_nothing(case: str, sentinel: Path
         "through-a-link": [[Symlink("etc", str(sentinel))], [File("etc/passwd", "root::0:0::/:/bin/sh\n")]],
     }[case]
     layout = write_layout(tmp_path / "layout", layers)
-    fetch_dirs = set(Path("/var/tmp").glob("mvc-image-*"))
     done = _build(layout.ref)
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
@@ -68,5 +72,25 @@ def test_a_hostile_image_is_refused_and_leaves_nothing(case: str, sentinel: Path
     assert list(sentinel.iterdir()) == [] and not (tmp_path.parent / "escaped").exists()
     state = StateDir.default()
     assert not (state.cache / "staging" / TEMPLATE).exists()
-    assert set(Path("/var/tmp").glob("mvc-image-*")) == fetch_dirs
+    assert list(Path(FETCH_PARENT).glob(f"{FETCH_PREFIX}{TEMPLATE}-*")) == []  # this build's fetch directory
+    assert TEMPLATE not in [t.name for t in TemplateStore(state.templates).list()]
+
+
+def test_an_image_template_past_the_disk_budget_is_refused_before_its_snapshots(builds: None, tmp_path: Path):
+    import json
+
+    from runner.vm.statedir import StateDir
+    from runner.vm.templates import TemplateStore
+
+    layout = write_layout(tmp_path / "layout", [[Dir("bin"), File("bin/busybox", Path("/bin/busybox").read_bytes(),
+                                                                   mode=0o755)]])
+    state = StateDir.default()
+    config = tmp_path / "service.yml"
+    config.write_text(json.dumps({"state_dir": str(state.root), "images": {"disk_budget": 1024 * 1024}}))
+    done = subprocess.run([sys.executable, "-m", "runner.cli", "template", "build", TEMPLATE, "--image", layout.ref,
+                           "--config", str(config)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "more than images.disk_budget (0.0 GiB): remove one with microvm-check template rm NAME" in done.stderr
+    assert "bake the" not in done.stderr  # refused before any VM was booted for it
+    assert not (state.cache / "staging" / TEMPLATE).exists()
     assert TEMPLATE not in [t.name for t in TemplateStore(state.templates).list()]

@@ -125,6 +125,9 @@ class Images:
                                            "path")
     authfile: Path | None = setting(None, "a containers-auth.json(5) file with the registries' credentials "
                                           "(root-only; skopeo reads it, nothing else does)", "path")
+    disk_budget: int = setting(40 * GIB, "disk the image templates may take together; a build that would pass it "
+                                         "is refused before its snapshots are baked (template rm frees room)", "size",
+                               minimum=0, maximum=1024 * TIB)
 
 
 @dataclass(frozen=True)
