@@ -24,9 +24,9 @@ bounds arrive. Here:
 - Whiteouts (`.wh.NAME`) and opaque markers (`.wh..wh..opq`) remove what lower layers had, never what the
   same layer has, wherever the marker sits in the tar (the OCI image spec's rule).
 - Bounds, over all layers: members and the directories made for their parents (ImageLimits.max_files),
-  the files' apparent bytes
-  (max_uncompressed_bytes, per member max_file_bytes), and the decompressed stream (max_stream_bytes). These
-  are the applier's CPU and time bound too: it does a bounded amount of work per byte and per member.
+  the files' apparent bytes (max_uncompressed_bytes, per member max_file_bytes), and the decompressed stream
+  (max_stream_bytes). These are the applier's CPU and time bound too: it does a bounded amount of work per
+  byte and per member, and holds a bounded amount of memory per member (16 bytes for its name).
 """
 
 from __future__ import annotations

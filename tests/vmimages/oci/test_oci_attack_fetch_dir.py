@@ -44,6 +44,7 @@ def host_file(tmp_path: Path) -> Path:
     secret.parent.mkdir()
     secret.write_text("root:secret\n")
     secret.chmod(0o600)
+    secret.parent.chmod(0o700)
     return secret
 
 
@@ -55,6 +56,7 @@ def as_nobody(*argv: str) -> int:
 def assert_untouched(host_file: Path) -> None:
     info = host_file.lstat()
     assert (info.st_uid, stat.S_IMODE(info.st_mode), host_file.read_text()) == (0, 0o600, "root:secret\n")
+    assert stat.S_IMODE(host_file.parent.lstat().st_mode) == 0o700  # its directory neither
 
 
 def test_uid_65534_can_never_create_an_entry_where_root_writes_by_path(tmp_path, workdir, host_file) -> None:
