@@ -40,9 +40,17 @@ def _build(reference: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def builds() -> None:
+    """Builds can run here, and no template of this test's name is left from elsewhere (a build that once
+    succeeded, with a refusal mutated away): what the tests see after a refusal is the refusal's doing."""
     require(os.geteuid() == 0, "not running as root")
     require(shutil.which("skopeo") is not None, "skopeo is not installed (scripts/setup installs it)")
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
+    from runner.vm.statedir import StateDir
+    from runner.vm.templates import TemplateStore
+
+    store = TemplateStore(StateDir.default().templates)
+    if TEMPLATE in [t.name for t in store.list()]:
+        store.remove(TEMPLATE)
 
 
 @pytest.fixture
