@@ -213,8 +213,11 @@ def _copy_file(src: Path, dst: Path, budget: list[int], what: str) -> None:
         budget[0] -= info.st_size
         if budget[0] < 0:
             raise ImageError(f"{what}: the local image is larger than ImageLimits.max_compressed_bytes allows")
-        with open(dst, "xb") as out:
-            shutil.copyfileobj(source, out, 1024**2)
+        with open(dst, "xb") as out:  # the size checked, no more: a file that grows meanwhile is cut there
+            left = info.st_size
+            while left > 0 and (chunk := source.read(min(left, 1024**2))):
+                out.write(chunk)
+                left -= len(chunk)
 
 
 def _share_tree(top: Path) -> None:

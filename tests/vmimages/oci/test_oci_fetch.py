@@ -209,3 +209,26 @@ def test_a_layout_s_own_blob_must_be_a_regular_file(tmp_path) -> None:
     with pytest.raises(ImageError, match="cannot open"):
         verify_layout(layout.path)
     assert stat.S_ISLNK(blob.lstat().st_mode)
+
+
+def test_a_local_file_that_grows_while_it_is_copied_is_cut_at_the_size_checked(tmp_path, monkeypatch):
+    """The budget is charged the size fstat gave; a writer appending meanwhile cannot make the copy larger
+    (stood in for by an fstat that reports less than the file has)."""
+    import importlib
+    import os as real_os
+    from types import SimpleNamespace
+
+    fetch_module = importlib.import_module("vmimages.oci.fetch")  # the module (the package exports its function)
+
+    source = tmp_path / "blob"
+    source.write_bytes(b"0123456789")
+    reported = real_os.fstat
+
+    def smaller(fd: int):  # type: ignore[no-untyped-def]
+        info = reported(fd)
+        return SimpleNamespace(st_mode=info.st_mode, st_size=4)
+
+    monkeypatch.setattr(fetch_module.os, "fstat", smaller)
+    budget = [100]
+    fetch_module._copy_file(source, tmp_path / "copy", budget, "the test image")
+    assert (tmp_path / "copy").read_bytes() == b"0123" and budget == [96]
