@@ -45,6 +45,8 @@ def host_checks() -> list[Check]:
         "iptables-restore": "apt-get install iptables",
         "ip": "apt-get install iproute2",
         "/bin/busybox": "apt-get install busybox-static",
+        "skopeo": "apt-get install skopeo (image templates: docs/images.md)",
+        "zstd": "apt-get install zstd (image templates' zstd layers)",
     }
     checks = [Check(os.geteuid() == 0, "running as root", "VMs, namespaces and templates need root: use sudo")]
     for tool, fix in tools.items():
@@ -254,8 +256,10 @@ def template_check(state: StateDir, name: str = "base") -> Check:
     if stale is not None:
         return Check(False, f"template {name!r} has a guest agent this host can use", stale)
     m = template.manifest
+    image = m.get("image")
+    source = f", image {image.get('ref')} {image.get('manifest_digest')}" if isinstance(image, dict) else ""
     return Check(True, f"template {name!r} is built in {state.root} ({template.digest}, {m['accel']}, "
-                      f"{m['memory_mib']} MiB)")
+                      f"{m['memory_mib']} MiB{source})")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

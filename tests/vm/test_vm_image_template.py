@@ -168,3 +168,15 @@ def test_the_jobs_ca_goes_into_the_images_trust_store_as_root(image_template: st
             assert env["SSL_CERT_FILE"] == GUEST_CA_BUNDLE and env["NODE_EXTRA_CA_CERTS"] == JOB_CA_FILE
             assert sbx.exec(["id", "-u"], cwd="/").stdout.strip() == b"1234"  # the job's own commands: USER
     assert net_fakes.leftovers(prefix) == [], "namespaces or links of the test left behind"
+
+
+def test_doctor_checks_an_offered_image_template_and_says_its_image(image_template: str, tmp_path: Path):
+    from runner.vm.statedir import StateDir
+
+    config = tmp_path / "service.yml"
+    config.write_text(json.dumps({"state_dir": str(StateDir.default().root), "templates": [TEMPLATE],
+                                  "socket": str(tmp_path / "api.sock")}))
+    done = _cli("doctor", "--config", str(config), timeout=300)
+    line = next(line for line in done.stdout.splitlines() if f"template '{TEMPLATE}'" in line)
+    assert line.startswith("ok ") and f"image {image_template} sha256:" in line, done.stdout
+    assert "ok  skopeo is installed" in done.stdout
