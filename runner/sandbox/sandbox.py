@@ -300,7 +300,7 @@ class Sandbox:
         ca = slot.proxy.ca if slot is not None and slot.proxy is not None else None
         if ca is None:
             return {}
-        self._write_job_ca(ca.cert_pem)
+        _write_job_ca(self, ca.cert_pem)
         # as root: an image template's commands run as the image's USER unless told otherwise
         added = self.exec(["sh", "-c", f"cat {JOB_CA_FILE} >> {GUEST_CA_BUNDLE}"], timeout_seconds=60, cwd="/",
                           user="root")
@@ -309,20 +309,6 @@ class Sandbox:
         bundle = {name: GUEST_CA_BUNDLE for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT",
                                                      "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "NPM_CONFIG_CAFILE")}
         return {**bundle, "NODE_EXTRA_CA_CERTS": JOB_CA_FILE}
-
-    def _write_job_ca(self, pem: bytes) -> None:
-        """Write the job's CA at JOB_CA_FILE. An image template's root may lack its directory and the bundle's
-        (a busybox image has neither, docs/images.md): they are made then, and the write tried once more."""
-        try:
-            self.files.write(JOB_CA_FILE, pem)
-            return
-        except SandboxOpFailed:
-            pass
-        directories = [os.path.dirname(JOB_CA_FILE), os.path.dirname(GUEST_CA_BUNDLE)]
-        made = self.exec(["mkdir", "-p", *directories], timeout_seconds=60, cwd="/", user="root")
-        if made.exit_code != 0:
-            raise SandboxError(f"could not make {' and '.join(directories)} for the job's CA: {made.stderr[-500:]!r}")
-        self.files.write(JOB_CA_FILE, pem)
 
     def bind_secrets(self, swap: SecretSwap) -> dict[str, str]:
         """Bind the job's secrets in its VM's network (runner.net.secretswap): the host swaps each value
@@ -379,6 +365,21 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+def _write_job_ca(sandbox: Sandbox, pem: bytes) -> None:
+    """Write the job's CA at JOB_CA_FILE. An image template's root may lack its directory and the bundle's
+    (a busybox image has neither, docs/images.md): they are made then, as root, and the write tried once more."""
+    try:
+        sandbox.files.write(JOB_CA_FILE, pem)
+        return
+    except SandboxOpFailed:
+        pass
+    directories = [os.path.dirname(JOB_CA_FILE), os.path.dirname(GUEST_CA_BUNDLE)]
+    made = sandbox.exec(["mkdir", "-p", *directories], timeout_seconds=60, cwd="/", user="root")
+    if made.exit_code != 0:
+        raise SandboxError(f"could not make {' and '.join(directories)} for the job's CA: {made.stderr[-500:]!r}")
+    sandbox.files.write(JOB_CA_FILE, pem)
 
 
 class EngineSandboxes:

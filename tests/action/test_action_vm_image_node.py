@@ -124,5 +124,5 @@ def test_node_test_passes_in_the_image_with_its_junit_report(node_service, sim: 
 def test_a_template_the_repository_is_not_offered_is_refused_naming_its_store_file(node_service, sim) -> None:
     result = run_action(sim, {"template": TEMPLATE, "socket": str(node_service.config.socket), "run": "true"})
     assert result.returncode != 0
-    assert f"listendev/lstn may not use the template '{TEMPLATE}'" in result.log, result.log
+    assert f"template: '{TEMPLATE}' is not offered here to listendev/lstn" in result.log, result.log
     assert f"(<owner>/<repo>.yml, templates: [{TEMPLATE}])" in result.log, result.log

@@ -60,8 +60,8 @@ def test_invalid_specs(fields: dict, message: str) -> None:
 
 def test_a_template_is_the_services_for_every_repository_or_offered_by_the_repositorys_store_file() -> None:
     submitted = parse_submission(spec(template="node20"), CONFIG)
-    with pytest.raises(SpecError, match=r"o/r may not use the template 'node20': the service offers base, big to "
-                                        r"every repository and o/r's store file offers go123; .*templates: \[node20\]"):
+    with pytest.raises(SpecError, match=r"template: 'node20' is not offered here to o/r: the service offers base, big "
+                                        r"to every repository, and o/r's store file offers go123; .*templates: \[node20\]"):
         submitted.check_template("o/r", ("go123",))
     submitted.check_template("o/r", ("go123", "node20"))
     parse_submission(spec(template="big"), CONFIG).check_template("o/r", ())

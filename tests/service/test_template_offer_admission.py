@@ -20,7 +20,7 @@ def service(make_service, tmp_path):
 
 
 def test_a_template_offered_to_another_repository_is_refused_before_anything_is_reserved(service) -> None:
-    with pytest.raises(InvalidJob, match=r"octo/hello may not use the template 'node20'") as err:
+    with pytest.raises(InvalidJob, match=r"template: 'node20' is not offered here to octo/hello") as err:
         service.submit({**spec("true"), "template": "node20"})
     assert status_of(err.value) == 400
     assert service.runs.all() == [] and list(service.config.jobs_dir.iterdir()) == []

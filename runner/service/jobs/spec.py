@@ -188,11 +188,11 @@ class Submission:
         it (`own_templates`, its `templates:`): a pull request's spec cannot widen either."""
         if self.template in self.offered or self.template in own_templates:
             return
-        raise SpecError(f"template: {repository} may not use the template {_show(self.template)}: the service offers "
-                        f"{', '.join(self.offered)} to every repository and {repository}'s store file "
-                        f"{'offers ' + ', '.join(own_templates) if own_templates else 'offers none more'}; the operator "
-                        f"offers a template to one repository in its store file (<owner>/<repo>.yml, templates: "
-                        f"[{self.template}]) or to all in the service config's templates:")
+        own = f"offers {', '.join(own_templates)}" if own_templates else "offers none more"
+        raise SpecError(f"template: {_show(self.template)} is not offered here to {repository}: the service offers "
+                        f"{', '.join(self.offered)} to every repository, and {repository}'s store file {own}; the "
+                        f"operator offers a template to one repository in its store file (<owner>/<repo>.yml, "
+                        f"templates: [{self.template}]) or to all in the service config's templates:")
 
     def spec(self, repository: str, runner_name: str) -> AdmittedSpec:
         """The job's spec: as submitted, with the repository and runner the service decided."""
