@@ -91,7 +91,7 @@ def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | Non
         name = sized(recipe.name, size.name)
     store = TemplateStore(state.templates)
     hv = QemuHypervisor()
-    progress = Progress(total=5 + len(VARIANTS) + bool(recipe.image))
+    progress = Progress(total=5 + len(VARIANTS) + 2 * bool(recipe.image))
     # the stack holds the staging directory and the fetched image's (an image recipe) until the build ends
     with _locked(state.templates / f".{name}.lock"), ExitStack() as stack:
         with progress(f"resolve and fetch the guest kernel ({recipe.kernel})"):
@@ -122,17 +122,21 @@ def build(recipe: Recipe, state: StateDir, force: bool = False, size: Size | Non
             progress.say(f"template {name} {digest} is up to date")
             store.publish(name, digest)
             return store.get(name)
+        unpacked = None
+        if fetched is not None:
+            with progress("unpack the image's layers (as untrusted input: vmimages/oci/layers.py)"):
+                unpacked = imageroot.unpack(fetched, staging, source)
+                imageroot.check_budget(store, name, unpacked.bytes, len(VARIANTS), source.disk_budget)
+                progress.say(f"image unpacked: {unpacked.files} files, {unpacked.bytes / 2**20:.0f} MiB")
         with progress(f"debootstrap {recipe.suite} (cached after the first time)"):
             base = rootfs.debootstrap(recipe.suite, recipe.packages, state.cache)
         with progress("customise the root filesystem and make its ext4 image"):
             tree = rootfs.customise(base, staging / "rootfs")
             rootfs.install_modules(guest_kernel, recipe.kernel_modules, tree)
             image_entry = None
-            if fetched is not None:
-                unpacked = imageroot.install(fetched, tree, source)
-                imageroot.check_budget(store, name, unpacked["bytes"], len(VARIANTS), source.disk_budget)
+            if fetched is not None and unpacked is not None:
+                imageroot.install(unpacked, fetched, tree)
                 image_entry = imageroot.record(recipe.image, ref, fetched, unpacked)
-                progress.say(f"image unpacked: {unpacked['files']} files, {unpacked['bytes'] / 2**20:.0f} MiB")
             image = rootfs.make_image(tree, staging / "disk.img", recipe.disk_mib or rootfs.FREE_SPACE_MIB)
             shutil.rmtree(tree)
         out = store.dir_for(name, digest)

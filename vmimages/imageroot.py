@@ -66,17 +66,33 @@ def fetched_image(name: str, ref: ImageRef, source: ImageSource, say: Callable[[
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def install(fetched: FetchedImage, tree: Path, source: ImageSource) -> dict[str, int]:
-    """Unpack the image at IMAGE_ROOT in `tree` and write IMAGE_SPEC; the unpack's counts."""
-    root = tree / IMAGE_ROOT
+@dataclass(frozen=True)
+class Unpacked:
+    """An image's root filesystem applied from its layers, waiting in the build's 0700 staging directory."""
+
+    root: Path
+    files: int
+    bytes: int
+
+
+def unpack(fetched: FetchedImage, staging: Path, source: ImageSource) -> Unpacked:
+    """Apply the image's layers into `staging`: first, before the root filesystem is made, so a hostile
+    image is refused before any other work is spent on it."""
+    root = staging / "image-root"
     root.mkdir(mode=0o755)
     stats = apply_layers(fetched.layers, root, source.limits)
+    return Unpacked(root, stats.files, stats.bytes)
+
+
+def install(unpacked: Unpacked, fetched: FetchedImage, tree: Path) -> None:
+    """Move the unpacked image to IMAGE_ROOT in the VM's root filesystem `tree` (the same staging directory,
+    so a rename) and write IMAGE_SPEC, which turns the agent's image mode on."""
+    unpacked.root.rename(tree / IMAGE_ROOT)
     spec = tree / IMAGE_SPEC
     spec.parent.mkdir(parents=True, exist_ok=True)
     config = fetched.config
     spec.write_text(json.dumps({"root": f"/{IMAGE_ROOT}", "env": list(config.env), "workdir": config.workdir,
                                 "user": config.user}, indent=2) + "\n")
-    return {"files": stats.files, "bytes": stats.bytes}
 
 
 def check_budget(store: TemplateStore, name: str, unpacked_bytes: int, copies: int, budget: int | None) -> None:
@@ -97,8 +113,8 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.1f} GiB"
 
 
-def record(image: str, ref: ImageRef, fetched: FetchedImage, unpacked: dict[str, int]) -> dict[str, Any]:
+def record(image: str, ref: ImageRef, fetched: FetchedImage, unpacked: Unpacked) -> dict[str, Any]:
     """The template manifest's `image` entry: what the recipe named, what was fetched, what jobs run with."""
     pinned = ref.pinned(fetched.source_digest) if ref.transport == "docker" else ref  # what the registry calls it
     return {"ref": image, "pinned": str(pinned), "manifest_digest": fetched.manifest_digest,
-            "config": fetched.config.to_json(), **unpacked}
+            "config": fetched.config.to_json(), "files": unpacked.files, "bytes": unpacked.bytes}
