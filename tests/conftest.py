@@ -18,6 +18,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The stand-in service host's fixtures (`make_config`, `engine`, `api`, ...), for every test directory.
+pytest_plugins = ("tests.fakehost",)
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Every property test: no per-example deadline (hypothesis' default 200 ms fails on a shared, loaded
@@ -40,8 +43,8 @@ settings.load_profile("microvm-check")
 ALONE: dict[str, str] = {
     "tests/net/": "reach() gives a connection 1.5 s: a VM test on the other core (a VM may use vcpus+1 "
                   "cores) can starve the fake hosts' threads that long",
-    "tests/service/test_httpserve_limits.py": "refusals within wall-clock windows of 3 to 6 s",
-    "tests/service/test_api_slow_bodies.py": "every health answer within 3 s during a 64 MiB flood",
+    "tests/test_httpserve_limits.py": "refusals within wall-clock windows of 3 to 6 s",
+    "tests/service/api/test_api_slow_bodies.py": "every health answer within 3 s during a 64 MiB flood",
     "tests/vm/test_vm_memory.py": "two PSS readings of the same QEMUs within 5 MiB: another test's QEMU "
                                   "starting or ending moves their shared pages' share",
     "tests/vm/test_vm_confinement.py": "a released VM uid is free again: any VM another test starts meanwhile "

@@ -159,7 +159,7 @@ class FakeSandbox:
     def terminal(self, argv: list[str], cwd: str = "/workspace", env: dict[str, str] | None = None,
                  size: tuple[int, int] = (24, 80), timeout_seconds: float = 3600.0,
                  user: str | None = None) -> Terminal:
-        raise SandboxError("a fake sandbox has no terminal: attach to a real VM (tests/service/test_vm_attach.py)")
+        raise SandboxError("a fake sandbox has no terminal: attach to a real VM (tests/e2e/test_vm_attach.py)")
 
     def blocked_egress(self) -> list[AuditRecord]:
         return list(self.engine.blocked)

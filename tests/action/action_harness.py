@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from gha_runner_model import ICU_IGNORABLE, RunnerModel
+
+from tests.action.gha_runner_model import ICU_IGNORABLE, RunnerModel
 
 if TYPE_CHECKING:
     from runner.jobapi.client import JobClient

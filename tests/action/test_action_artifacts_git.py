@@ -14,10 +14,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from job_records import job_record
 
 from action.__main__ import JobDriver
 from action.inputs import Inputs
+from tests.action.job_records import job_record
 
 GLOBS = ["**", "*", "**/*", "hooks/*", "config"]
 

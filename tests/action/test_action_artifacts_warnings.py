@@ -11,11 +11,10 @@ import io
 import re
 from pathlib import Path
 
-from job_records import job_record
-
 from action.__main__ import JobDriver
 from action.inputs import Inputs
 from action.summary import Result
+from tests.action.job_records import job_record
 
 
 def test_refused_artifacts_are_annotated_at_most_ten_times_then_counted(tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from gha_runner_model import RunnerModel
 
 from action.junit import MAX_REPORT_BYTES, JUnitError, parse_xml, read_report
 from action.summary import annotations
+from tests.action.gha_runner_model import RunnerModel
 
 SUITE = '''
 import pytest

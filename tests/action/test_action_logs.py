@@ -6,12 +6,12 @@ import io
 import re
 
 import pytest
-from gha_runner_model import ICU_IGNORABLE, RunnerModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from action.logs import LogRelay, RelayLimits
 from runner.jobapi.workflow import ZWSP, neutralise_line, safe_text
+from tests.action.gha_runner_model import ICU_IGNORABLE, RunnerModel
 
 HOSTILE_LINES = [
     "::set-output name=exit-code::0",

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from job_records import job_record
 
 import action.__main__ as main_mod
 from action.__main__ import LOG_RETRIES, JobDriver, _is_timeout
@@ -17,6 +16,7 @@ from action.inputs import Inputs
 from runner.errors import UserError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.jobapi.contract import JobRecord, JobState, LogEntry
+from tests.action.job_records import job_record
 
 
 def _inputs() -> Inputs:

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, Simulation, StepProcess, start
-from local_sandbox import LocalEngine
 
 from action.queuewait import MAX_WAIT, MIN_WAIT, QueueTimeout, QueueWait
 from runner.jobapi.client import JobAPIError, JobClient
@@ -25,6 +23,8 @@ from runner.jobapi.contract import JobSpec, JobState, JobSummary, QueueFullAnswe
 from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
+from tests.action.action_harness import FORK_PR, Simulation, StepProcess, start
+from tests.action.local_sandbox import LocalEngine
 from tests.reference import captured
 
 QUEUED_LINE = "[microvm-check] the service's queue is full; queued behind 1 job, retrying in "

@@ -15,7 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import (
+
+from runner.jobapi.client import JobClient
+from runner.service.config.reading import config_from_mapping
+from runner.service.host.assembly import ServiceHost
+from runner.service.jobs.service import JobService
+from tests.action.action_harness import (
     FORK_PR,
     HOST_SECRETS,
     PYTHON,
@@ -27,12 +32,7 @@ from action_harness import (
     start,
     wait_for_state,
 )
-from local_sandbox import LocalEngine
-
-from runner.jobapi.client import JobClient
-from runner.service.config.reading import config_from_mapping
-from runner.service.host.assembly import ServiceHost
-from runner.service.jobs.service import JobService
+from tests.action.local_sandbox import LocalEngine
 from tests.reference import captured
 
 TESTS = '''

@@ -6,11 +6,11 @@ import json
 import re
 
 import pytest
-from job_records import job_record
 
 from action.junit import Failure, Totals
 from action.summary import Result, cell, exit_code_of, markdown, outputs, repository_path
 from microvm_check.entries import Artifact
+from tests.action.job_records import job_record
 
 RECORD = {
     "id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "run_id": 1, "job_name": "t",

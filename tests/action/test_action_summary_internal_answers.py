@@ -3,12 +3,11 @@ is public), a dialled internal address is explained, and neither is ever suggest
 
 from __future__ import annotations
 
-from job_records import job_record
-
 from action.summary import Result, markdown, outputs
 from policy import load_policy
 from policy.suggest import REFUSED_DEST
 from runner.net.audit import refused_answer_record
+from tests.action.job_records import job_record
 
 LAN_ADDRESS = "10.0.0.5"
 RECORD = {"id": "j1", "state": "finished", "repository": "o/r", "sha": "a" * 40, "exit_code": 0, "error": None,

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, Simulation, run_action
-from test_action_vm_e2e import RUN_TESTS, TESTS, _host, suite_inputs, template  # noqa: F401 (template: a fixture)
 
 from runner.attest.keys import SigningKey
 from runner.attest.statement import PREDICATE_TYPE, STATEMENT_TYPE
 from runner.cli import main
+from tests.action.action_harness import FORK_PR, Simulation, run_action
+from tests.action.test_action_vm_e2e import RUN_TESTS, TESTS, _host, suite_inputs, template  # noqa: F401 (template: a fixture)
 from tests.reference import captured
 
 pytestmark = pytest.mark.vm

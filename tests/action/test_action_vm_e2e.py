@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from action_harness import (
+
+from action.logs import RelayLimits
+from runner.jobapi.workflow import ZWSP
+from tests.action.action_harness import (
     FORK_PR,
     HOST_SECRETS,
     Simulation,
@@ -26,12 +29,9 @@ from action_harness import (
     start,
     wait_for_state,
 )
-
-from action.logs import RelayLimits
-from runner.jobapi.workflow import ZWSP
 from tests.conftest import require
+from tests.e2e.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 from tests.reference import captured
-from tests.service.fake_internet import ALLOWED_HOST, DENIED_HOST, METADATA, FakeInternet, cidr_policy, fake_internet
 
 if TYPE_CHECKING:
     from runner.service.host.assembly import ServiceHost
@@ -264,7 +264,7 @@ exit 7
         assert "NET-REACHED" not in result.log and result.log.count("net blocked") == 5
         # The guest printed 20 MB, more than the relay shows (RelayLimits().max_bytes, 16 MiB) and less than
         # this service keeps (64 MiB), so the job ends with the command's own code (a job whose log passes
-        # the service's budget ends as failed: tests/service/test_vm_e2e.py::test_log_flood_is_truncated).
+        # the service's budget ends as failed: tests/e2e/test_vm_e2e.py::test_log_flood_is_truncated).
         # Plus the action's own lines: 1 MiB is far more than those take.
         assert 20_000_000 > RelayLimits().max_bytes
         assert "log truncated" in result.log and len(result.log) < RelayLimits().max_bytes + 1024**2

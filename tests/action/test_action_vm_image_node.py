@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, Simulation, run_action
-from test_action_vm_e2e import _host
 
+from tests.action.action_harness import FORK_PR, Simulation, run_action
+from tests.action.test_action_vm_e2e import _host
 from tests.conftest import require
 from tests.reference import captured
 from tests.vmimages.oci.images import Dir, File, Symlink, write_layout

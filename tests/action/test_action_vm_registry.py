@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, Simulation, run_action
-from test_action_vm_docker import docker_template  # noqa: F401 (a fixture)
-from test_action_vm_e2e import _host
 
+from tests.action.action_harness import FORK_PR, Simulation, run_action
+from tests.action.test_action_vm_docker import docker_template  # noqa: F401 (a fixture)
+from tests.action.test_action_vm_e2e import _host
 from tests.conftest import require
+from tests.e2e.fake_internet import ALLOWED_HOST, fake_internet
 from tests.net import net_fakes
 from tests.reference import captured
-from tests.service.fake_internet import ALLOWED_HOST, fake_internet
 
 pytestmark = pytest.mark.vm
 

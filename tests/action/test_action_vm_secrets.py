@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from action_harness import Simulation, run_action
 
 from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
+from tests.action.action_harness import Simulation, run_action
 from tests.conftest import require
 from tests.net import net_fakes
 from tests.net.secret_fakes import INSTALL, REAL_AUTH, VALUE, PrivateIndex, secret_internet

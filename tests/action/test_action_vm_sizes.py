@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from action_harness import FORK_PR, Simulation, finish, run_action, start
-from test_action_vm_e2e import _host
 
+from tests.action.action_harness import FORK_PR, Simulation, finish, run_action, start
+from tests.action.test_action_vm_e2e import _host
 from tests.conftest import ROOT, require
 from tests.reference import captured
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 
-from action_harness import parse_output_file
-from gha_runner_model import RunnerModel
 from hypothesis import given
 from hypothesis import strategies as st
 
 from runner.jobapi.workflow import annotation, escape_data, escape_property, format_outputs
+from tests.action.action_harness import parse_output_file
+from tests.action.gha_runner_model import RunnerModel
 
 
 def unescape_property(value: str) -> str:

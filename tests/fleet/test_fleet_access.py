@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,7 @@ from runner.jobapi.client import JobClient
 from runner.jobapi.contract import GitHubJob, JobStarted
 from tests.fleet.conftest import PYTHON, Account
 from tests.fleet.test_fleet import wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "github"))  # repo_fakes imports github_fakes by name
-from repo_fakes import FakeRepo
+from tests.github.repo_fakes import FakeRepo
 
 PROBE = Path(__file__).resolve().parent / "probe.py"
 RUN_ID = 700001  # the fake GitHub's run id for job 1

@@ -25,7 +25,8 @@ The number of inputs each target ran is printed in pytest's summary ("fuzz input
 from __future__ import annotations
 
 import pytest
-from fuzzing import INPUTS
+
+from tests.fuzz.fuzzing import INPUTS
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
 from runner.service.config.reading import ConfigError, config_from_mapping, load_config
 from runner.service.config.settings import ServiceConfig
+from tests.fuzz.fuzzing import INPUTS, fuzz
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path(tempfile.mkdtemp(prefix="mvc-fuzz-config-"))  # one file rewritten per input

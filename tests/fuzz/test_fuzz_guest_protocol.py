@@ -15,13 +15,13 @@ import socket
 import threading
 from collections.abc import Iterator
 
-from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
 from runner.vm import guestwire as P
 from runner.vm.agent import AgentClient
 from runner.vm.errors import AgentError
+from tests.fuzz.fuzzing import INPUTS, fuzz
 
 JSON_DOCS = st.one_of(
     st.just({"ok": True, "version": 1}), st.just({"ok": False, "error": "no"}), st.just({"ev": "started"}),

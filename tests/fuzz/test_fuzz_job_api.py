@@ -1,6 +1,6 @@
 """Fuzz the job API through its real listeners: the Unix socket, and TCP with a bearer token.
 
-The service runs on the fake VM engine (tests/service/service_fakes.py), as tests/service/test_api.py
+The service runs on the fake VM engine (tests/service/service_fakes.py), as tests/service/api/test_api.py
 builds it. Each input is one raw connection: a request (or two, pipelined) built from the API's routes
 and then mutated where hostile clients mutate it: the request line, the headers and the body framing
 (Content-Length, Transfer-Encoding, chunk sizes), the query strings (`?limit=`, `?after=`), submit
@@ -29,10 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
-from wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.jobapi.client import JobClient
 from runner.sandbox.fake import FakeSandboxes, prints
@@ -40,6 +38,8 @@ from runner.service.api.listeners import ApiServers
 from runner.service.config.reading import config_from_mapping
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
+from tests.fuzz.fuzzing import INPUTS, fuzz
+from tests.fuzz.wire import Answer, Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 from tests.service.service_fakes import SHA, checkout_tar, member, spec, tar_of
 
 TOKEN = "fuzz-token-0123456789abcdef"

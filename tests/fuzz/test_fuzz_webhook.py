@@ -31,10 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzing import INPUTS, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
-from wire import Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 
 from runner.github.signature import sign
 from runner.sandbox.fake import FakeSandboxes, prints
@@ -42,6 +40,8 @@ from runner.service.config.reading import config_from_mapping
 from runner.service.github.webhook import Webhook
 from runner.service.host.assembly import ServiceHost
 from runner.service.jobs.service import JobService
+from tests.fuzz.fuzzing import INPUTS, fuzz
+from tests.fuzz.wire import Tracebacks, Usage, assert_settled, check_answers, exchange, settle
 from tests.reference import available_payloads
 
 SECRET = b"webhook-fuzz-secret"

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from github_fakes import API, INSTALLATION_ID, TOKEN_OP, FakeClock, example, load_operations
 
 from runner.github.app import AppCredentials, GitHubApp, parse_timestamp
 from runner.github.client import RetryPolicy
+from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, FakeClock, example, load_operations
 
 
 @pytest.fixture(scope="session")

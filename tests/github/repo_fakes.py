@@ -19,7 +19,8 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import responses
-from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example
+
+from tests.github.github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example
 
 DIRECTORY = "application/json:response-if-content-is-a-directory"
 LISTING_LIMIT = 1000  # "This API has an upper limit of 1,000 files for a directory" (the operation's description)

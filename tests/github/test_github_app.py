@@ -5,9 +5,9 @@ from __future__ import annotations
 import jwt
 import pytest
 import responses
-from github_fakes import API, INSTALLATION_ID, TOKEN_OP, example
 
 from runner.github.errors import GitHubError, NotFound, Unauthorized
+from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example
 
 
 def decode(token: str, public_pem: str, clock) -> dict:

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import responses
-from github_fakes import API, assert_valid_request, example
 
 from microvm_check.entries import AuditRecord
 from policy.load import load_policy
@@ -25,6 +24,7 @@ from runner.github.checks import (
 )
 from runner.github.client import GitHubClient
 from runner.junit import parse_report
+from tests.github.github_fakes import API, assert_valid_request, example
 
 REPO = "octo-org/hello"
 CREATE = ("POST_repos_owner_repo_check-runs.json", "/repos/{owner}/{repo}/check-runs", "post")

@@ -10,13 +10,13 @@ import re
 from dataclasses import replace
 
 import responses
-from github_fakes import API, assert_valid_request, example
 
 from microvm_check.entries import AuditRecord
 from runner.attest.statement import Subject
 from runner.github.checks import MAX_SUMMARY, CheckRuns, JobOutcome, output_findings, summary
 from runner.github.client import GitHubClient
 from tests.gfm import acting, render
+from tests.github.github_fakes import API, assert_valid_request, example
 
 REPO = "octo-org/hello"
 UPDATE = ("PATCH_repos_owner_repo_check-runs_check_run_id.json", "/repos/{owner}/{repo}/check-runs/{check_run_id}",

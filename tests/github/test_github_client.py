@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import requests
 import responses
-from github_fakes import API, FakeClock
 
 from runner.github.client import GitHubClient, RetryPolicy
 from runner.github.errors import (
@@ -17,6 +16,7 @@ from runner.github.errors import (
     Unavailable,
     ValidationFailed,
 )
+from tests.github.github_fakes import API, FakeClock
 
 RUNNERS = f"{API}/orgs/octo-org/actions/runners"
 OK = {"total_count": 0, "runners": []}
@@ -132,7 +132,7 @@ def test_connection_errors_are_retried_then_explained(client, fake_clock) -> Non
 
 @responses.activate
 def test_pagination_follows_link_next(client, operations) -> None:
-    from github_fakes import example
+    from tests.github.github_fakes import example
 
     page1 = example(operations, "GET /orgs/{org}/actions/runners", "200")
     page2 = {"total_count": 3, "runners": [dict(page1["runners"][0], id=99, name="third")]}

@@ -12,12 +12,12 @@ from datetime import UTC
 
 import pytest
 import responses
-from github_fakes import API, FakeClock
 from responses import matchers
 
 from runner.github.app import parse_timestamp
 from runner.github.client import GitHubClient
 from runner.github.deliveries import DeliveryLog, RedeliverySweep
+from tests.github.github_fakes import API, FakeClock
 
 DELIVERIES = f"{API}/app/hook/deliveries"
 NOW = "2026-11-30T12:00:00Z"
@@ -117,7 +117,7 @@ def test_a_delivery_with_any_seen_key_claims_none() -> None:
 
 @responses.activate
 def test_redeliver_command_sweeps_once(tmp_path, private_pem, capsys) -> None:
-    from github_fakes import run_cli
+    from tests.github.github_fakes import run_cli
 
     key = tmp_path / "app.pem"
     key.write_text(private_pem)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_payload, run_cli
-from repo_fakes import FakeRepo
 
 from runner.github import guard
 from runner.github.client import GitHubClient, RetryPolicy
+from tests.github.github_fakes import API, INSTALLATION_ID, TOKEN_OP, example, load_payload, run_cli
+from tests.github.repo_fakes import FakeRepo
 
 FORK_PR = "listendev-lstn.pull_request.opened.from-fork.json"
 SAME_REPO_PR = "listendev-lstn.pull_request.opened.same-repo.reviewdog.json"

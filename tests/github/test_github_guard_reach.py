@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import INSTALLATION_ID, load_payload, run_cli
-from repo_fakes import FakeRepo, Link
 
 from runner.github import guard, reach
 from runner.github.client import GitHubClient, RetryPolicy
 from runner.github.errors import GitHubError
+from tests.github.github_fakes import INSTALLATION_ID, load_payload, run_cli
+from tests.github.repo_fakes import FakeRepo, Link
 
 FORK_PR = "listendev-lstn.pull_request.opened.from-fork.json"
 BASE_SHA = "e15189e841439da251f852a11d8fc9b339c1be68"  # from the fork payload

@@ -7,10 +7,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from github_fakes import load_payload
 
 from runner.fleet.hook import guard_argv, hook_script, install_guard_hook
 from runner.github.errors import GitHubError
+from tests.github.github_fakes import load_payload
 
 SAME_REPO_PR = "listendev-lstn.pull_request.opened.same-repo.reviewdog.json"
 RUNNER_SHELL = ["/bin/bash", "-e"]  # how the runner starts a .sh job hook (GitHub's docs: bash -e FILE, else sh)

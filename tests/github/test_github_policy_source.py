@@ -1,5 +1,5 @@
 """The trusted policy source: the default branch's file, cached by blob sha (the store comes first:
-tests/service/test_egress.py)."""
+tests/service/jobs/test_egress.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import hashlib
 
 import pytest
 import responses
-from github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example, load_payload
 from responses import matchers
 
 from policy.load import MAX_BYTES
@@ -16,6 +15,7 @@ from runner.github.client import GitHubClient
 from runner.github.contents import check_path, get_file
 from runner.github.errors import GitHubError, NotFound
 from runner.github.policy_source import POLICY_PATH, PolicySource
+from tests.github.github_fakes import API, CONTENTS_FILE, CONTENTS_OP, example, load_payload
 
 REPO = "listendev/lstn"
 CONTENTS = f"{API}/repos/{REPO}/contents/{POLICY_PATH}"

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from github_fakes import load_payload
 
 from runner.github.jobs import Push, default_branch_push
 from runner.github.signature import sign
 from runner.github.webhooks import WebhookConfig, WebhookReceiver
+from tests.github.github_fakes import load_payload
 
 SECRET = b"push-webhook-secret-for-tests"
 AFTER = "0d1a26e67d8f5eaf1f6ba5c57fc3c7d91ac0fd1c"

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import responses
-from github_fakes import API, INSTALLATION_ID, assert_valid_request, example
-from github_fakes import run_cli as main
+
+from tests.github.github_fakes import API, INSTALLATION_ID, assert_valid_request, example
+from tests.github.github_fakes import run_cli as main
 
 ORG = "octo-org"
 RUNNERS = f"{API}/orgs/{ORG}/actions/runners"
@@ -106,9 +107,8 @@ def test_installed_hook_runs_the_guard(tmp_path) -> None:
     import json
     import subprocess
 
-    from github_fakes import load_payload
-
     from runner.fleet.hook import guard_argv, install_guard_hook
+    from tests.github.github_fakes import load_payload
 
     event = tmp_path / "event.json"
     event.write_text(json.dumps(load_payload("listendev-lstn.pull_request.opened.same-repo.reviewdog.json")))

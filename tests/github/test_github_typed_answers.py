@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import responses
-from github_fakes import API
 
 from runner.github.client import GitHubClient
 from runner.github.errors import GitHubError
 from runner.github.runners import RunnerAdmin
+from tests.github.github_fakes import API
 
 ORG = "octo-org"
 

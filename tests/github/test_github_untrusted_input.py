@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 import responses
-from github_fakes import event_name, load_payload, webhook_payloads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,7 @@ from runner.github.client import GitHubClient
 from runner.github.deliveries import RedeliverySweep
 from runner.github.signature import sign
 from runner.github.webhooks import Answer, WebhookConfig, WebhookReceiver
+from tests.github.github_fakes import event_name, load_payload, webhook_payloads
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

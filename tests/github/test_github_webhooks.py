@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from github_fakes import event_name, load_payload, webhook_payloads
 
 from runner.github.jobs import CompletedJob, InProgressJob, QueuedJob
 from runner.github.signature import sign
 from runner.github.webhooks import WebhookConfig, WebhookReceiver, WebhookServer
+from tests.github.github_fakes import event_name, load_payload, webhook_payloads
 
 SECRET = b"webhook-secret-for-tests"
 MAX_BODY = 512 * 1024

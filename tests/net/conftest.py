@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-import net_fakes
 import pytest
 
+import tests.net.net_fakes as net_fakes
 from runner.net import NamespaceUplink, Slot, SlotPool, Upstream, netns
 
 

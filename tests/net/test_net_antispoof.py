@@ -18,10 +18,10 @@ import socket
 import subprocess
 
 import pytest
-from net_fakes import ALLOWED_HOST, ip
 
 from policy import load_policy
 from runner.net import addresses, netns
+from tests.net.net_fakes import ALLOWED_HOST, ip
 
 SPOOFED = "10.9.9.9"
 PORT = 8000

@@ -6,10 +6,9 @@ from __future__ import annotations
 import socket
 import time
 
-from net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
-
 from policy import load_policy, suggest_policy
 from runner.net import netns
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, lookup, reach
 
 
 def the_job(guest: str) -> tuple[bool, bool]:

@@ -8,15 +8,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import net_fakes
 import pytest
 from dnslib import RCODE
-from net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
+import tests.net.net_fakes as net_fakes
 from policy import load_policy, suggest_policy
 from policy.blocklist import BlockListError, load_block_list, parse_block_list
 from policy.suggest import BLOCK_LISTED
 from runner.net import NamespaceUplink, SlotPool, Upstream, netns
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
 FEED = f"""\
 # a malware feed

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from dnslib import RCODE
-from net_fakes import ALLOWED_HOST, LAN_HOST, lookup, reach
 
 from policy import load_policy
 from policy.suggest import INTERNAL_ADDRESS, REFUSED_DEST
 from runner.net.dns import MIN_OPEN_SECONDS, SWEEP_SECONDS
+from tests.net.net_fakes import ALLOWED_HOST, LAN_HOST, lookup, reach
 
 LAN_POLICY = "version: 1\nmode: block\nallow:\n  - host: lan.test\n    ports: [8000]\n"
 WEB_POLICY = "version: 1\nmode: block\nallow:\n  - host: web.test\n    ports: [8000]\n"

@@ -4,13 +4,13 @@ opened close at the longest opening (runner/net/dns.py, MAX_TTL and MAX_OPEN_SEC
 
 from __future__ import annotations
 
-import net_fakes
 from dnslib import RCODE
-from net_fakes import ALLOWED_HOST, lookup, reach
-from test_net_dns_answers import WEB_POLICY, closed_within
 
+import tests.net.net_fakes as net_fakes
 from policy import load_policy
 from runner.net.dns import MAX_OPEN_SECONDS, MAX_TTL, SWEEP_SECONDS
+from tests.net.net_fakes import ALLOWED_HOST, lookup, reach
+from tests.net.test_net_dns_answers import WEB_POLICY, closed_within
 
 DAY = 86400
 

@@ -6,14 +6,14 @@ import subprocess
 from contextlib import ExitStack
 from ipaddress import ip_network
 
-import net_fakes
 import pytest
 from dnslib import QTYPE, RCODE
-from net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
 
+import tests.net.net_fakes as net_fakes
 from policy import OperatorAllowances, Rule, load_policy
 from policy.suggest import ALWAYS_DENIED, POLICY
 from runner.net import NamespaceUplink, SlotPool, Upstream, addresses, netns
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, METADATA, ip, lookup, reach
 
 WEB_POLICY = """\
 version: 1
@@ -127,7 +127,7 @@ def test_spoofed_mac_is_dropped(slot, guest) -> None:
 
 def test_ipv6_is_blocked(slot, guest, net) -> None:
     """Give the test topology a working IPv6 path, prove it works without rules, then apply a policy."""
-    from net_fakes import SERVER_IP6
+    from tests.net.net_fakes import SERVER_IP6
 
     ip("-n", guest, "-6", "addr", "add", "2001:db8:1::2/64", "dev", "eth0", "nodad")
     ip("-n", guest, "-6", "route", "add", "default", "via", "2001:db8:1::1")
@@ -153,7 +153,7 @@ def test_ipv6_is_blocked(slot, guest, net) -> None:
 def test_malformed_queries_are_ignored_and_service_goes_on(slot, guest, bad: bytes) -> None:
     import socket
 
-    from net_fakes import in_ns
+    from tests.net.net_fakes import in_ns
 
     slot.apply_policy(policy(WEB_POLICY))
 

@@ -16,11 +16,11 @@ All traffic stays in the test's namespaces: the metadata address is the fake int
 from __future__ import annotations
 
 import pytest
-from net_fakes import METADATA, reach
-from test_net_antispoof import iptables
 
 from policy import load_policy
 from policy.suggest import ALWAYS_DENIED
+from tests.net.net_fakes import METADATA, reach
+from tests.net.test_net_antispoof import iptables
 
 ADMIT_METADATA = ("-t", "filter", "-I", "FORWARD", "1", "-d", f"{METADATA}/32", "-j", "ACCEPT")
 SKIP_GUARD = ("-t", "raw", "-I", "PREROUTING", "1", "-d", f"{METADATA}/32", "-j", "ACCEPT")

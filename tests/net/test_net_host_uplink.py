@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from ipaddress import ip_network
 
-import net_fakes
 import pytest
-from net_fakes import ALLOWED_HOST, DENIED_HOST, ip, lookup, reach
 
+import tests.net.net_fakes as net_fakes
 from policy import OperatorAllowances, Rule, load_policy
 from runner.net import HostUplink, SlotPool, Upstream, addresses, netns
 from runner.net.leases import PrefixTaken
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, ip, lookup, reach
 
 HOST_WAN = "100.64.0.2"
 ISP = "100.64.0.1"

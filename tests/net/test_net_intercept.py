@@ -12,13 +12,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import net_fakes
 import pytest
-from net_fakes import TLS_HOST, UNTRUSTED_HOST, in_ns, lookup
 
+import tests.net.net_fakes as net_fakes
 from policy import load_policy
 from policy.suggest import REQUEST_REFUSED, UPSTREAM_UNTRUSTED
 from runner.net import Slot, SlotPool, netns
+from tests.net.net_fakes import TLS_HOST, UNTRUSTED_HOST, in_ns, lookup
 
 POLICY = """\
 version: 1

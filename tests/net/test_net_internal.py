@@ -9,12 +9,12 @@ import logging
 
 import pytest
 from dnslib import RCODE
-from net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
 
 from action.summary import Result, markdown
 from policy import load_policy, suggest_policy
 from policy.suggest import INTERNAL_ADDRESS, POLICY, REFUSED_DEST
 from tests.action.job_records import job_record
+from tests.net.net_fakes import DENIED_HOST, LAN_HOST, lookup, reach
 
 
 def answers(guest: str, name: str) -> tuple[int, list[str]]:

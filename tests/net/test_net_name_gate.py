@@ -10,8 +10,8 @@ only the gate's own expiry check refuses it.
 
 from __future__ import annotations
 
-from net_fakes import ALLOWED_HOST, DENIED_HOST, Clock
-from test_net_units import ask, resolver, service  # noqa: F401  (service: the fixture)
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, Clock
+from tests.net.test_net_units import ask, resolver, service  # noqa: F401  (service: the fixture)
 
 SHARED = ("version: 1\nallow:\n  - host: web.test\n    ports: [8000]\n"
           "  - host: a.cdn.test\n    ports: [9000]\n")

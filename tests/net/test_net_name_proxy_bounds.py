@@ -14,11 +14,10 @@ from __future__ import annotations
 import socket
 import time
 
-from net_fakes import ALLOWED_HOST, in_ns, lookup, serve_in_internet
-from test_net_namecheck import policy, refusals
-
 from policy.suggest import NAME_REFUSED, UNNAMED
 from runner.net import nameproxy
+from tests.net.net_fakes import ALLOWED_HOST, in_ns, lookup, serve_in_internet
+from tests.net.test_net_namecheck import policy, refusals
 
 PORT = 8081
 WEB = f"version: 1\nallow:\n  - host: web.test\n    ports: [{PORT}]\n"

@@ -11,13 +11,13 @@ import socket
 import ssl
 import struct
 
-import net_fakes
 import pytest
-from net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
+import tests.net.net_fakes as net_fakes
 from policy import load_policy
 from policy.suggest import NAME_REFUSED, REQUEST_REFUSED, UNNAMED
 from runner.net import nameproxy
+from tests.net.net_fakes import ALLOWED_HOST, DENIED_HOST, in_ns, lookup, reach
 
 WEB = "version: 1\nmode: {mode}\nallow:\n  - host: web.test\n    ports: [8000]\n"
 BANNER = f"{ALLOWED_HOST}:8000".encode()

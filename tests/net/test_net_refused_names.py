@@ -4,12 +4,12 @@ dials nothing, so only the resolver knows; the job's record must list them, mark
 from __future__ import annotations
 
 from dnslib import RCODE
-from net_fakes import ALLOWED_HOST, lookup, reach
 
 from action.summary import Result, markdown
 from policy import load_policy
 from policy.suggest import REFUSED_NAME, REFUSED_NAME_DEST
 from tests.action.job_records import job_record
+from tests.net.net_fakes import ALLOWED_HOST, lookup, reach
 
 BLOCK = "version: 1\nallow:\n  - host: web.test\n    ports: [8000]\n"
 

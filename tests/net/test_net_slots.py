@@ -7,14 +7,14 @@ import subprocess
 import sys
 from contextlib import ExitStack
 
-import net_fakes
 import pytest
-from net_fakes import ALLOWED_HOST, ip, lookup, reach
 from pyroute2 import IPRoute, NFCTSocket
 
+import tests.net.net_fakes as net_fakes
 from policy import load_policy
 from runner.net import Firewall, FirewallError, NamespaceUplink, SlotError, SlotPool, Upstream, addresses, leases, netns
 from runner.net.leases import PrefixTaken
+from tests.net.net_fakes import ALLOWED_HOST, ip, lookup, reach
 
 CIDR_POLICY = "version: 1\nmode: block\nallow:\n  - cidr: 203.0.113.0/24\n    ports: [8000]\n  - host: web.test\n    ports: [9000]\n"
 

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 from dnslib import DNSRecord
-from net_fakes import ALLOWED_HOST, ip
 from pyroute2 import IPRoute
 
 from policy import load_policy
 from runner.net import Slot, addresses, netns
+from tests.net.net_fakes import ALLOWED_HOST, ip
 
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000

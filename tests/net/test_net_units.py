@@ -13,7 +13,6 @@ import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, FrozenClock, Servers
 
 from policy import Rule, load_policy
 from policy.reserved import internal_range_containing
@@ -33,6 +32,7 @@ from runner.net.dns import (
 )
 from runner.net.firewall import FirewallError
 from runner.net.loop import NetLoop
+from tests.net.net_fakes import ALLOWED_HOST, LAN_HOST, METADATA, Clock, FrozenClock, Servers
 
 
 def ipv4_packet(dest: str, proto: int, dport: int, header_words: int = 5) -> bytes:

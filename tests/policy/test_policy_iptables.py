@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_policy_render import CASES
 
 from policy import dns_allow_rule, render
+from tests.policy.test_policy_render import CASES
 
 pytestmark = pytest.mark.netns
 

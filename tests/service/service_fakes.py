@@ -21,7 +21,7 @@ from runner.vm import guestwire
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
-# The egress every stand-in guest of the tests' `engine` fixture (tests/service/conftest.py) was refused:
+# The egress every stand-in guest of the tests' `engine` fixture (tests/fakehost.py) was refused:
 # what the real engine returns, runner.net's audit records.
 BLOCKED = (AuditRecord(dest="192.0.2.7", port=443, proto="tcp", name="blocked.example", count=2),
            AuditRecord(dest="198.51.100.1", port=None, proto="icmp", name=None, count=1))

@@ -10,14 +10,10 @@ from __future__ import annotations
 import gzip
 import io
 import re
-import sys
 import tarfile
 import zipfile
-from pathlib import Path
 
 import responses
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "github"))  # repo_fakes imports github_fakes by its name
 
 from tests.github.github_fakes import API, load_operations, load_payload
 from tests.github.repo_fakes import FakeRepo

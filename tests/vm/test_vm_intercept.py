@@ -12,11 +12,11 @@ from contextlib import ExitStack
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from test_vm_network import WHEEL, IndexHandler
 
 from policy import load_policy
 from runner.sandbox import Sandbox
 from tests.net import net_fakes
+from tests.vm.test_vm_network import WHEEL, IndexHandler
 
 POLICY = """\
 version: 1

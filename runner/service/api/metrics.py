@@ -10,7 +10,7 @@ Two sources, so that no hot path grows a hook:
   every path that ends a job (worker, reaper, cancel, start-up clean-up) is counted once.
 
 Counters and histograms start at zero with the process, as Prometheus expects; the job records are the
-durable history (a scrape during a job and the records agree: tests/service/test_web_metrics.py).
+durable history (a scrape during a job and the records agree: tests/service/api/test_web_metrics.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class MethodNotAllowed(JobError):
 
 # The one place a domain error becomes an HTTP status. The service raises errors that say what went
 # wrong (runner.errors.JobError and its subclasses) and knows nothing of HTTP; every JobError subclass
-# has its own entry here (tests/service/test_api_errors.py walks the tree), looked up along the MRO.
+# has its own entry here (tests/service/api/test_api_errors.py walks the tree), looked up along the MRO.
 # Anything else that reaches a route is a bug: 500, with its traceback in the service's log.
 STATUS: dict[type[JobError], int] = {
     JobError: 400,
