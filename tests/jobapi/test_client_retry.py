@@ -1,7 +1,7 @@
 """The job API client waits out what the service asks it to (503/429 with Retry-After), then gives up in time.
 
 The service is a small HTTP server on 127.0.0.1 that refuses a set number of times before answering, so
-each refusal the client meets is a real HTTP answer on a real socket. The whole path (200 clients at
+each refusal the client meets is a real HTTP answer on a real socket. The whole path (100 clients at
 once against `serve` on real VMs) is tests/e2e/test_vm_burst.py.
 """
 
