@@ -38,11 +38,9 @@ settings.load_profile("microvm-check")
 
 
 # What must not share the machine with another test file: scripts/test runs these (a file, or every file
-# under a directory) in a second, serial pass, after two workers ran the rest two files at a time. Each
-# with what a test file beside it would break; a name here that no longer exists stops the collection.
+# under a directory) in its last pass, one at a time, after the other passes. Each with what a test file
+# beside it would break; a name here or in APART that no longer exists stops the collection.
 ALONE: dict[str, str] = {
-    "tests/net/": "reach() gives a connection 1.5 s: a VM test on the other core (a VM may use vcpus+1 "
-                  "cores) can starve the fake hosts' threads that long",
     "tests/test_httpserve_limits.py": "refusals within wall-clock windows of 3 to 6 s",
     "tests/service/api/test_api_slow_bodies.py": "every health answer within 3 s during a 64 MiB flood",
     "tests/vm/test_vm_memory.py": "two PSS readings of the same QEMUs within 5 MiB: another test's QEMU "
@@ -55,15 +53,28 @@ ALONE: dict[str, str] = {
                                        "runners cover and scan",
 }
 
+# What may share the machine with each other but not with a VM test: scripts/test's second pass, two files
+# at a time (each test makes its own namespaces under a random prefix), with no VM test running.
+APART: dict[str, str] = {
+    "tests/net/": "reach() gives a connection 1.5 s: a VM test beside it (a VM may use vcpus+1 cores) can "
+                  "starve the fake hosts' threads that long; another network test uses one core at most",
+}
+
+
+def _named(where: str, names: dict[str, str]) -> bool:
+    return any(where == name or (name.endswith("/") and where.startswith(name)) for name in names)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    missing = [name for name in ALONE if not (ROOT / name).exists()]
+    missing = [name for name in (*ALONE, *APART) if not (ROOT / name).exists()]
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py ALONE names what does not exist: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py ALONE or APART names what does not exist: {missing}")
     for item in items:
         where = item.path.relative_to(ROOT).as_posix()
-        if any(where == name or (name.endswith("/") and where.startswith(name)) for name in ALONE):
+        if _named(where, ALONE):
             item.add_marker(pytest.mark.alone)
+        elif _named(where, APART):
+            item.add_marker(pytest.mark.apart)
 
 
 FUZZ_INPUTS: dict[str, int] = {}  # the xdist workers' fuzz counts (tests/fuzz/conftest.py), summed here
