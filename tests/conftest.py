@@ -53,7 +53,7 @@ ALONE: dict[str, str] = {
                                        "runners cover and scan",
 }
 
-# What may share the machine with each other but not with a VM test: scripts/test's second pass, two files
+# What may share the machine with each other but not with a VM test: scripts/test's second pass, three files
 # at a time (each test makes its own namespaces under a random prefix), with no VM test running.
 APART: dict[str, str] = {
     "tests/net/": "reach() gives a connection 1.5 s: a VM test beside it (a VM may use vcpus+1 cores) can "
