@@ -1,7 +1,8 @@
 """What the docs and the code's own words cite, and whether each citation still resolves (tests/test_citations.py).
 
-Read: docs/*.md and README.md whole, and the comments and docstrings of runner/, policy/, vmimages/, action/
-and microvm_check/. A citation is one of:
+Read: docs/*.md and README.md whole, the comments and docstrings of runner/, policy/, vmimages/, action/
+and microvm_check/, and the comments of the YAML files the project ships or tests with (YAML_FOLDERS). A
+citation is one of:
 - a repository path: a token of folders and a file with a known suffix (`runner/service/jobs/job.py`), whose
   first folder is one of the repository's top-level ones; it resolves when the file (or folder) exists. A path
   written from inside a package (`jobs/job.py` in runner/service/) resolves against the folder the text is in
@@ -34,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("runner", "policy", "vmimages", "action", "microvm_check")
 PACKAGES = CODE
+YAML_FOLDERS = ("examples", "contrib", "tests/fixtures")
 SUFFIXES = ("py", "md", "toml", "json", "yml", "yaml", "sh", "html", "txt", "cfg", "ini", "lock")
 
 _SUFFIX = "|".join(SUFFIXES)
@@ -74,6 +76,18 @@ def texts() -> Iterator[tuple[Path, int, str]]:
         for path in sorted((ROOT / package).rglob("*.py")):
             if "__pycache__" not in path.parts:
                 yield from prose(path, path.read_text())
+    for folder in YAML_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.y*ml")):
+            yield from yaml_comments(path, path.read_text())
+
+
+def yaml_comments(path: Path, source: str) -> Iterator[tuple[Path, int, str]]:
+    """A YAML file's comments: each line's text after a `#` that begins a comment (at the line's start or
+    after a blank), which is all that may cite the project (its values are a config's, not prose)."""
+    for number, line in enumerate(source.splitlines(), start=1):
+        found = re.search(r"(?:^|\s)#(.*)", line)
+        if found:
+            yield path, number, found.group(1)
 
 
 def prose(path: Path, source: str) -> Iterator[tuple[Path, int, str]]:

@@ -47,3 +47,11 @@ def test_a_bare_file_name_in_the_code_resolves_within_its_own_package() -> None:
     elsewhere = Path(citations.ROOT / "policy" / "planted.py")
     _, bad = citations.broken(citations.prose(elsewhere, '"""Read workers.py."""\n'))
     assert bad == ["policy/planted.py:1: workers.py (no such file)"]
+
+
+def test_a_yaml_files_comments_are_read_and_its_values_are_not() -> None:
+    path = citations.ROOT / "examples" / "planted.yml"
+    source = "# see runner/gone.py\nimage: x/y.py#not-a-comment  # and tests/gone_too.py\nrun: ./a.sh\n"
+    count, bad = citations.broken(citations.yaml_comments(path, source))
+    assert count == 2
+    assert [line.split(": ", 1)[1] for line in bad] == ["runner/gone.py (no such file)", "tests/gone_too.py (no such file)"]
