@@ -35,7 +35,7 @@ class VM:
     failure: str | None = None  # why it was destroyed early, for the errors callers see
     checkout_drive_used: bool = False  # its CD-ROM holds a checkout, mounted for the VM's life
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _destroyed: bool = False
+    _ending: _Ending | None = None
     _killed_by_us: bool = False
 
     def fail(self, why: str) -> None:
@@ -64,19 +64,36 @@ class VM:
 
     @property
     def destroyed(self) -> bool:
-        return self._destroyed
+        return self._ending is not None
 
     def destroy(self) -> None:
+        """Returns once the VM is gone, whichever thread ends it: a caller that finds another thread's
+        destroy under way (the agent channel's reader, the engine's reaper) waits for it, since it may go
+        on to free what the VM held (its engine, its state directory) the moment this returns."""
         with self._lock:
-            if self._destroyed:
-                return
-            self._destroyed = True
-        if self.agent is not None:
-            self.agent.close()
-        self._killed_by_us = self.machine.alive()
-        self.machine.kill()
+            ending, first = self._ending, self._ending is None
+            if first:
+                self._ending = ending = _Ending(threading.get_ident())
+        assert ending is not None
+        if not first:
+            if ending.thread != threading.get_ident():  # the ending thread itself, re-entered, goes on
+                ending.done.wait()
+            return
         try:
+            if self.agent is not None:
+                self.agent.close()
+            self._killed_by_us = self.machine.alive()
+            self.machine.kill()
             if self.slot is not None and self.slots is not None:
                 self.slots.release(self.slot)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+            ending.done.set()
+
+
+@dataclass
+class _Ending:
+    """A VM's destroy under way: the thread doing it, and set once it is done."""
+
+    thread: int
+    done: threading.Event = field(default_factory=threading.Event)

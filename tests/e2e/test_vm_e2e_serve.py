@@ -83,6 +83,9 @@ class Serve:
         self.proc.wait()
 
 
+SERVICE_LOG_SHOWN = 20_000  # characters of a service's stderr that a failed test's report shows
+
+
 @pytest.fixture
 def serve(vm_root: Path) -> Iterator[Any]:
     """Starts `serve` processes on `vm_root`'s state; any still running at teardown is stopped."""
@@ -102,6 +105,8 @@ def serve(vm_root: Path) -> Iterator[Any]:
                 process.stop()
             finally:
                 process.kill()
+        # pytest shows a test's captured output only when it failed: then the service's own account is there
+        print(f"-- the end of {process.stderr_path}:\n{process.stderr()[-SERVICE_LOG_SHOWN:]}")
 
 
 def listening_webhook(client: JobClient, process: Serve) -> str:

@@ -272,7 +272,7 @@ def serve(rig: Rig, vms: bool = True) -> Iterator[Rig]:
             host.service.drain()
             # A VM destroyed on another thread (a pre-warmed one, at drain) leaves the engine's list just after.
             deadline = time.monotonic() + 30
-            while any(vm._destroyed for vm in host.engine.live()) and time.monotonic() < deadline:
+            while any(vm.destroyed for vm in host.engine.live()) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert host.engine.live() == [], "a job's VM outlived the service"
 

@@ -46,7 +46,7 @@ def assert_no_leftovers(state: StateDir) -> None:
 
     assert processes_under(state.vms) == [], "VMM processes left running"
     left = [p.name for p in state.vms.iterdir() if p.name != LOCK_NAME]
-    assert left == [], f"VM directories left behind: {left}"
+    assert left == [], f"VM directories left behind: {[(n, sorted(os.listdir(state.vms / n))) for n in left]}"
     groups = cgroup.groups(cgroup.scope_for(state.vms))
     assert groups == [], f"VM cgroups left behind: {groups}"
     scope = [p for p in cgroup.scope_paths(cgroup.scope_for(state.vms)) if p.exists()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -49,6 +50,40 @@ def test_the_vm_directory_goes_even_when_releasing_the_slot_fails(tmp_path):
         vm.destroy()
     assert not vm.dir.exists()
     assert vm.destroyed
+
+
+class SlowToDie(FakeMachine):
+    """A VMM whose kill waits until the test lets it go: a destroy caught half way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killing, self.let_go = threading.Event(), threading.Event()
+
+    def kill(self) -> None:
+        self.killing.set()
+        assert self.let_go.wait(WAIT_S)
+        super().kill()
+
+
+def test_a_destroy_that_finds_another_under_way_returns_only_once_the_vm_is_gone(tmp_path):
+    """The agent channel's reader (or the reaper) ends a VM whose VMM died while the job's thread ends it
+    too: the second destroy used to return at once, and its caller freed the engine and its directory with
+    the VM's files still there (the seccomp test left its VM's directory behind, 1 run in 20)."""
+    vm = fake_vm(tmp_path, "a")
+    vm.machine = machine = SlowToDie()
+    first = threading.Thread(target=vm.destroy)
+    first.start()
+    assert machine.killing.wait(WAIT_S)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (vm.destroy(), second_done.set()))
+    second.start()
+    assert not second_done.wait(0.2), "a second destroy returned while the first was still ending the VM"
+    assert vm.destroyed and vm.dir.exists()
+    machine.let_go.set()
+    first.join(WAIT_S)
+    assert second_done.wait(WAIT_S)
+    assert not vm.dir.exists()
+    second.join(WAIT_S)
 
 
 def test_the_reaper_survives_a_vm_that_fails_to_end(tmp_path):
