@@ -32,7 +32,7 @@ from runner.errors import AttestationError
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "urn:uuid:d1a758d2-d38b-4456-b536-c60179823b59"  # microvm-check job record, version 1
-OPTIONAL = ("vmReadyMs", "error", "secretsUsed", "terminalSessions")  # members a verifier may find absent
+OPTIONAL = ("vmReadyMs", "error", "secretsUsed", "terminalSessions", "image")  # members a verifier may find absent
 ENVELOPE_FILE = "microvm-check.intoto.jsonl"  # written next to the artifacts by the action and `run`
 JOB_SUBJECT_PREFIX = "job:"
 
@@ -68,6 +68,7 @@ class JobPredicate:
     job: dict[str, Any]  # id, repository, sha, runId, runAttempt, job
     template: dict[str, str] | None  # name, digest: the recipe template the VM (or its warm base) came from
     warmBase: dict[str, str] | None  # name, digest: the repository's warm base, when the VM restored from one
+    image: dict[str, str] | None  # ref, digest: the OCI image `template` was built from; None for a recipe's
     policyDigest: str | None
     egressAudit: dict[str, Any]  # digest {sha256}, records: the blocked-egress records of the job's record
     state: str

@@ -95,6 +95,7 @@ class JobOutcome:
     error: str | None = None
     # The job's secret bindings (docs/secrets.md): name, host, source, requests; never a value.
     secrets_used: tuple[dict[str, Any], ...] = ()
+    restored_from: str | None = None  # what the VM restored from (`RestoredFrom.describe`); None: no VM started
 
     @property
     def conclusion(self) -> str:
@@ -181,6 +182,8 @@ def _conclusion(outcome: JobOutcome) -> list[str]:
     lines = [f"**{cell(outcome.state)}**, exit code {cell(outcome.exit_code if outcome.exit_code is not None else '–')}",
              "", "| | |", "| --- | --- |", f"| job | {code(outcome.job_id)} |", f"| duration | {took} |",
              f"| VM ready | {ready} |"]
+    if outcome.restored_from is not None:
+        lines.append(f"| restored from | {cell(outcome.restored_from, 600)} |")
     if outcome.junit is not None:
         passed, failed, skipped = outcome.junit
         lines.append(f"| tests (JUnit) | {passed} passed, {failed} failed, {skipped} skipped |")

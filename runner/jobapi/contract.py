@@ -540,6 +540,96 @@ class Timings:
         return cls(**{f.name: _field(data, f.name, (int, float), optional=True) for f in fields(cls)})
 
 
+@dataclass(frozen=True)
+class TemplateRef:
+    """A template as one build of it: its name and the digest of that build (`template list` shows both)."""
+
+    name: str
+    digest: str
+
+    @classmethod
+    def from_wire(cls, data: object, what: str) -> TemplateRef:
+        data = _object(data, what)
+        return cls(name=_field(data, "name", (str,)), digest=_field(data, "digest", (str,)))
+
+
+@dataclass(frozen=True)
+class ImageUsed:
+    """The OCI image a template was built from: the reference as its build pinned it (`REF@sha256:...` from
+    a registry; an `oci:`/`oci-archive:` source as named) and the digest of the manifest it unpacked."""
+
+    ref: str
+    digest: str
+
+    @classmethod
+    def from_wire(cls, data: object) -> ImageUsed:
+        data = _object(data, "image")
+        return cls(ref=_field(data, "ref", (str,)), digest=_field(data, "digest", (str,)))
+
+
+@dataclass(frozen=True)
+class RestoredFrom:
+    """What a job's VM restored from, as `choose_template` decided and the build's manifest says, read when
+    the VM started (the service's own knowledge, never the guest's): the template (a recipe's or an image's;
+    a size class is a template of its own, `base.large`), the base when the VM came from a template derived
+    from it (a job's: the repository's warm base; a sandbox's: the snapshot it was forked or resumed from),
+    the image the template was built from, and the accelerator. The record, `jobs show`, the page, the check
+    run and the signed record (`warmBase`) show this one value."""
+
+    template: TemplateRef | None  # None: the build went away before it could be read
+    base: TemplateRef | None = None
+    image: ImageUsed | None = None  # None: a recipe's template
+    accelerator: str | None = None
+
+    @classmethod
+    def of_manifest(cls, manifest: object, accelerator: object) -> RestoredFrom:
+        """From the manifest of the build the VM restored from (a derived one names its chain's origin, and
+        keeps its `image`: runner.vm.templates.TemplateStore.write_derived) and the engine's accelerator;
+        any of them unreadable is None."""
+        accel = accelerator if isinstance(accelerator, str) else None
+        if not isinstance(manifest, Mapping):
+            return cls(None, accelerator=accel)
+        own = _template_ref(manifest)
+        root = _template_ref(manifest.get("origin")) or _template_ref(manifest.get("parent"))  # older: parent only
+        entry = manifest.get("image")  # vmimages.imageroot.record's
+        image = None
+        if isinstance(entry, Mapping) and isinstance(entry.get("pinned"), str) and isinstance(entry.get("manifest_digest"), str):
+            image = ImageUsed(entry["pinned"], entry["manifest_digest"])
+        return cls(root or own, own if root else None, image, accel)
+
+    def describe(self) -> str:
+        """One line for people: `jobs show`, the page, the check run."""
+        if self.template is None:
+            return "a template build that was gone before it could be read"
+        text = f"{self.template.name} ({self.template.digest})"
+        if self.base is not None:
+            text = f"the base {self.base.name} ({self.base.digest}) of {text}"
+        if self.image is not None:
+            text += f", image {self.image.ref} ({self.image.digest})"
+        return text + (f", {self.accelerator}" if self.accelerator else "")
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: object) -> RestoredFrom | None:
+        """None when absent (records from before it was kept)."""
+        if data is None:
+            return None
+        data = _object(data, "restored_from")
+        return cls(
+            template=None if data.get("template") is None else TemplateRef.from_wire(data["template"], "template"),
+            base=None if data.get("base") is None else TemplateRef.from_wire(data["base"], "base"),
+            image=None if data.get("image") is None else ImageUsed.from_wire(data["image"]),
+            accelerator=_field(data, "accelerator", (str,), optional=True))
+
+
+def _template_ref(value: object) -> TemplateRef | None:
+    if isinstance(value, Mapping) and isinstance(value.get("name"), str) and isinstance(value.get("digest"), str):
+        return TemplateRef(value["name"], value["digest"])
+    return None
+
+
 @dataclass
 class JobRecord:
     """A job as the service keeps it and answers it. Its state moves only as JobState allows: setting
@@ -573,6 +663,8 @@ class JobRecord:
     # they attached: session (its number in the transcript), who, argv, attached_at, ended_at and ended (None
     # while attached), bytes_in (typed), bytes_out (the guest's output). [] when none, or in older records.
     terminal_sessions: list[dict[str, Any]] = field(default_factory=list)
+    # What its VM restored from (a step in a kept VM: what that VM did); None until a VM started, or in older records.
+    restored_from: RestoredFrom | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -592,6 +684,7 @@ class JobRecord:
         wire["state"] = self.state.value
         wire["blocked_egress"] = [entry.to_wire() for entry in self.blocked_egress]
         wire["artifacts"] = [entry.to_wire() for entry in self.artifacts]
+        wire["restored_from"] = None if self.restored_from is None else self.restored_from.to_wire()
         return wire
 
     @classmethod
@@ -618,6 +711,7 @@ class JobRecord:
             terminal_sessions=_objects(data.get("terminal_sessions"), "terminal_sessions"),
             blocked_egress=_entries(data, "blocked_egress", AuditRecord.from_wire),
             artifacts=_entries(data, "artifacts", Artifact.from_wire),
+            restored_from=RestoredFrom.from_wire(data.get("restored_from")),
         )
 
 

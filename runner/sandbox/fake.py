@@ -52,7 +52,7 @@ class FakeSandboxes:
     """A provider of fake sandboxes: `programs` by command, the tar `get_tar` answers (`artifacts_tar`), the
     egress its guests were refused (`blocked`), `fail_create` to refuse restores and `unstartable` argv[0]s
     (the guest's "not found"). It has no templates: a warm base's build runs in its sandboxes, but
-    `template` names none."""
+    `template` names none; `manifest` is what its sandboxes say their build's manifest is ({}: none)."""
 
     programs: dict[str, Program] = field(default_factory=dict)
     artifacts_tar: bytes | None = None
@@ -60,6 +60,7 @@ class FakeSandboxes:
     fail_create: bool = False
     unstartable: set[str] = field(default_factory=set)
     networked: bool = False
+    manifest: dict[str, object] = field(default_factory=dict)
     created: list[FakeSandbox] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     live: int = 0
@@ -122,8 +123,8 @@ class FakeSandbox:
         return not self.destroyed.is_set()
 
     @property
-    def template_manifest(self) -> dict[str, object]:
-        return {}  # restored from no template the attestation could name
+    def template_manifest(self) -> dict[str, object] | None:
+        return self.engine.manifest
 
     def put_tar(self, stream: BinaryIO, dest: str = "/workspace") -> None:
         with tarfile.open(fileobj=stream, mode="r|") as tar:

@@ -109,7 +109,7 @@ class SandboxLike(Protocol):
     @property
     def alive(self) -> bool: ...  # False once destroyed (by anyone: its TTL, a dead VMM, a cancel)
     @property
-    def template_manifest(self) -> dict[str, object]: ...  # may raise OSError when its template went away
+    def template_manifest(self) -> dict[str, object] | None: ...  # None: its build went away
     @property
     def files(self) -> GuestFiles: ...
 

@@ -149,12 +149,16 @@ class Sandbox:
         return not self._vm.destroyed
 
     @property
-    def template_manifest(self) -> dict[str, object]:
-        """The manifest of the template this VM restored from (`<name>/<digest>/manifest.json` above its
-        snapshot's variant directory): its name and digest and, for a derived one (a warm base), its
-        parent's. Read at restore, so a template rebuilt while the job runs does not change the answer."""
-        manifest = self._engine.templates.owner(self._vm.snapshot).manifest
-        return manifest if isinstance(manifest, dict) else {}
+    def template_manifest(self) -> dict[str, object] | None:
+        """The manifest of the build this VM restored from (`<name>/<digest>/manifest.json` above its
+        snapshot's variant directory), so a template rebuilt while the job runs does not change the answer:
+        its name and digest and, for a derived one (a warm base), its parent's; None when that build's
+        directory went away (a template removed under a running VM)."""
+        try:
+            manifest = self._engine.templates.owner(self._vm.snapshot).manifest
+        except (OSError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
 
     # ---- running -----------------------------------------------------------------------------
     def _call(self, fn: Callable[[AgentClient], T]) -> T:

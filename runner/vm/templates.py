@@ -264,14 +264,17 @@ class TemplateStore:
     def write_derived(self, path: Path, parent: Template, variant: str, extra: dict[str, object]) -> None:
         """The manifest of a template made from a VM restored from `parent`, in `path` (from `begin`): the
         parent's (machine, accelerator, hypervisor version) with this template's own name, digest, one
-        variant and lineage (`parent`); its kernel and initrd are the parent's, linked."""
+        variant and lineage (`parent`, and `origin`: the built template at the root of a chain, as a VM
+        resumed from a hibernate that was itself resumed has); its kernel and initrd are the parent's, linked."""
         for file in ("vmlinuz", "initrd.img"):
             try:
                 os.link(parent.path / file, path / file)
             except OSError:
                 shutil.copy2(parent.path / file, path / file)
-        manifest = {**parent.manifest, **extra, "name": path.parent.name, "digest": path.name, "variants": [variant],
-                    "parent": {"name": parent.name, "digest": parent.digest}, "created": time.time()}
+        inherited = {key: value for key, value in parent.manifest.items() if key != "pooled"}  # the maker's to say
+        lineage = {"name": parent.name, "digest": parent.digest}
+        manifest = {**inherited, **extra, "name": path.parent.name, "digest": path.name, "variants": [variant],
+                    "parent": lineage, "origin": parent.manifest.get("origin", lineage), "created": time.time()}
         (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     def has(self, name: str, digest: str) -> bool:

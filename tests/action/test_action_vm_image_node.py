@@ -17,6 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from runner.attest import dsse
+from runner.attest.statement import Statement
+from runner.jobapi.client import JobClient
+from runner.jobapi.contract import ImageUsed, TemplateRef
+from runner.vm.statedir import StateDir
+from runner.vm.templates import TemplateStore
 from tests.action.action_harness import FORK_PR, Simulation, run_action
 from tests.action.test_action_vm_e2e import _host
 from tests.conftest import require
@@ -118,6 +124,16 @@ def test_node_test_passes_in_the_image_with_its_junit_report(node_service, sim: 
     assert (result.outputs["exit-code"], result.outputs["junit-passed"], result.outputs["junit-failed"]) == \
         ("0", "2", "0"), result.outputs
     assert (sim.workspace / "artifacts" / "report.xml").exists()
+    # what the VM restored from: one value in the job's record and its signed record, the image's pinned too
+    envelope = dsse.bundle(Path(result.outputs["attestation"]).read_bytes())[0]
+    predicate = Statement.parse(envelope.verify(node_service.service.attestor.key.public)).predicate
+    restored = JobClient(socket=str(node_service.config.socket)).get(predicate.job["id"]).restored_from
+    built = TemplateStore(StateDir.default().templates).get(TEMPLATE)
+    assert restored is not None and restored.template == TemplateRef(TEMPLATE, built.digest), restored
+    assert restored.image == ImageUsed(built.manifest["image"]["pinned"], built.manifest["image"]["manifest_digest"])
+    assert restored.image.ref.startswith("oci:") and restored.base is None
+    assert (predicate.template, predicate.image) == ({"name": TEMPLATE, "digest": built.digest},
+                                                     {"ref": restored.image.ref, "digest": restored.image.digest})
 
 
 @pytest.mark.parametrize("node_service", ["version: 1\n"], indirect=True)

@@ -41,7 +41,7 @@ def _record(job_id: str) -> JobRecord:
 
 def _signed(key: SigningKey, job_dir: Path, job_id: str = "j1") -> bytes:
     job_dir.mkdir(parents=True, exist_ok=True)
-    assert JobAttestor(key).sign(job_dir, _record(job_id), None, ArtifactFacts())
+    assert JobAttestor(key).sign(job_dir, _record(job_id), ArtifactFacts())
     return (job_dir / "attestation.intoto.jsonl").read_bytes()
 
 
@@ -97,7 +97,7 @@ def test_two_jobs_without_artifacts_have_different_subject_digests(key: SigningK
 def test_an_artifact_named_like_the_job_subject_is_still_an_artifact(key: SigningKey, tmp_path: Path) -> None:
     """The guest names its artifacts: one called `job:j1` is checked like any other, not taken for the
     job's own subject (that one is recognised by its digest too)."""
-    statement = JobAttestor(key).statement(_record("j1"), None, ArtifactFacts())
+    statement = JobAttestor(key).statement(_record("j1"), ArtifactFacts())
     assert statement.artifacts == ()
     named = Statement((Subject("job:j1", "f" * 64),), statement.predicate)
     assert named.artifacts == named.subjects

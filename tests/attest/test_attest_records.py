@@ -19,8 +19,8 @@ from runner.attest.statement import PAYLOAD_TYPE, JobPredicate, Statement
 from runner.attest.verify import verify_record
 from runner.commands.attestation import _sessions
 from runner.errors import AttestationError
-from runner.jobapi.contract import JobRecord, JobState
-from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts
+from runner.jobapi.contract import JobRecord, JobState, RestoredFrom
+from runner.service.jobs.attestation import ArtifactFacts, JobAttestor
 from runner.service.jobs.job import ARTIFACTS
 
 
@@ -91,6 +91,8 @@ def _artifacts(tmp_path: Path, files: dict[str, bytes]) -> Path:
     return tmp_path / ARTIFACTS
 
 
+PINNED = "docker://registry.example/node@sha256:" + "c" * 64
+
 JUNIT = (b'<testsuites><testsuite name="s"><testcase name="a"/><testcase name="b"><failure message="m">x</failure>'
          b'</testcase><testcase name="c"><skipped/></testcase></testsuite></testsuites>')
 
@@ -98,9 +100,11 @@ JUNIT = (b'<testsuites><testsuite name="s"><testcase name="a"/><testcase name="b
 def test_the_service_signs_what_it_counted_and_verify_reads_it_back(key: SigningKey, tmp_path: Path) -> None:
     facts = ArtifactFacts.of(_artifacts(tmp_path, {"out/report.xml": JUNIT, "bin/tool": b"\x00" * 10}))
     assert facts.junit is not None and (facts.junit.tests, facts.junit.failed, facts.junit.skipped) == (3, 1, 1)
-    record = _record(JobState.FINISHED, exit_code=1)
-    vm = VmFacts({"name": "base", "digest": "d1"}, {"name": "base--net--o--r", "digest": "d2"}, "tcg")
-    assert JobAttestor(key).sign(tmp_path, record, vm, facts)
+    base_manifest = {"name": "base--net--o--r", "digest": "d2", "parent": {"name": "base", "digest": "d1"},
+                     "image": {"ref": "docker://registry.example/node:20", "pinned": PINNED,
+                               "manifest_digest": "sha256:" + "d" * 64}}
+    record = _record(JobState.FINISHED, exit_code=1, restored_from=RestoredFrom.of_manifest(base_manifest, "tcg"))
+    assert JobAttestor(key).sign(tmp_path, record, facts)
     data = (tmp_path / "attestation.intoto.jsonl").read_bytes()
     out = tmp_path / "got"
     (out / "out").mkdir(parents=True)
@@ -112,8 +116,9 @@ def test_the_service_signs_what_it_counted_and_verify_reads_it_back(key: Signing
     assert sorted(verified.checked) == ["bin/tool", "out/report.xml"] and verified.unattested == ["extra.txt"]
     p = verified.statement.predicate
     assert p.junit == {"tests": 3, "passed": 1, "failed": 1, "skipped": 1}
-    assert (p.template, p.warmBase, p.accelerator, p.exitCode) == ({"name": "base", "digest": "d1"},
-                                                                    {"name": "base--net--o--r", "digest": "d2"}, "tcg", 1)
+    assert (p.template, p.warmBase, p.image, p.accelerator, p.exitCode) == (
+        {"name": "base", "digest": "d1"}, {"name": "base--net--o--r", "digest": "d2"},
+        {"ref": PINNED, "digest": "sha256:" + "d" * 64}, "tcg", 1)
     assert p.egressAudit["records"] == 1
     (out / "bin" / "tool").unlink()
     with pytest.raises(AttestationError, match="bin/tool"):  # a named artifact that is missing fails
@@ -122,7 +127,7 @@ def test_the_service_signs_what_it_counted_and_verify_reads_it_back(key: Signing
 
 def test_a_job_without_artifacts_names_itself(key: SigningKey, tmp_path: Path) -> None:
     record = _record(JobState.CANCELLED)
-    JobAttestor(key).sign(tmp_path, record, None, ArtifactFacts())
+    JobAttestor(key).sign(tmp_path, record, ArtifactFacts())
     statement = Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
     assert [s.name for s in statement.subjects] == ["job:j1"] and statement.artifacts == ()
 
@@ -130,7 +135,7 @@ def test_a_job_without_artifacts_names_itself(key: SigningKey, tmp_path: Path) -
 def test_a_link_in_the_artifacts_directory_is_not_followed(key: SigningKey, tmp_path: Path) -> None:
     facts = ArtifactFacts.of(_artifacts(tmp_path, {"a/f": b"x"}))
     record = _record(JobState.FAILED)
-    JobAttestor(key).sign(tmp_path, record, None, facts)
+    JobAttestor(key).sign(tmp_path, record, facts)
     out = tmp_path / "got"
     out.mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -143,7 +148,7 @@ def test_a_link_in_the_artifacts_directory_is_not_followed(key: SigningKey, tmp_
 def test_the_record_says_who_attached_a_terminal_and_a_job_nobody_attached_says_none(key: SigningKey,
                                                                                     tmp_path: Path) -> None:
     def signed(record: JobRecord) -> Statement:
-        JobAttestor(key).sign(tmp_path, record, None, ArtifactFacts())
+        JobAttestor(key).sign(tmp_path, record, ArtifactFacts())
         return Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
 
     assert signed(_record(JobState.FINISHED, exit_code=0)).predicate.terminalSessions == []
@@ -165,7 +170,7 @@ def test_the_record_says_who_attached_a_terminal_and_a_job_nobody_attached_says_
 
 
 def test_a_record_signed_before_sessions_were_kept_says_nothing_of_them(key: SigningKey, tmp_path: Path) -> None:
-    JobAttestor(key).sign(tmp_path, _record(JobState.FINISHED, exit_code=0), None, ArtifactFacts())
+    JobAttestor(key).sign(tmp_path, _record(JobState.FINISHED, exit_code=0), ArtifactFacts())
     statement = Statement.parse(dsse.parse((tmp_path / "attestation.intoto.jsonl").read_bytes()).verify(key.public))
     older = statement.to_json()["predicate"]
     del older["terminalSessions"]

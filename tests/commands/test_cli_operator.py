@@ -12,6 +12,7 @@ from pathlib import Path
 
 from runner.cli import main
 from runner.sandbox.fake import FakeSandboxes, prints, waits
+from tests.jobapi.test_restored_from import SOURCE_DIGEST, image_manifest
 from tests.service.service_fakes import checkout_tar, spec
 
 
@@ -42,6 +43,7 @@ def test_status_works_without_a_fleet(api, engine: FakeSandboxes, tmp_path: Path
 def test_jobs_show_logs_and_cancel(api, engine: FakeSandboxes, capfd) -> None:
     release = threading.Event()
     engine.programs.update({"bad": prints(b"oops\n", 3), "wait": waits(release)})
+    engine.manifest = image_manifest()
     service, client = api()
     sock = service.config.socket
     failed = _run(client, "bad")
@@ -49,6 +51,7 @@ def test_jobs_show_logs_and_cancel(api, engine: FakeSandboxes, capfd) -> None:
     assert main(["jobs", "show", failed, "--socket", sock]) == 0
     out = capfd.readouterr().out
     assert failed in out and "result failure (exit 3)" in out
+    assert f"    restored from node20 (f00d), image docker://127.0.0.1:5000/node@{SOURCE_DIGEST} " in out
     assert main(["jobs", "logs", failed, "--socket", sock]) == 0
     assert "oops" in capfd.readouterr().out
     running = _run(client, "wait")

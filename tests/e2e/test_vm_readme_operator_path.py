@@ -102,6 +102,7 @@ def test_the_operator_path_in_the_readme_works_as_written(root: Path) -> None:
         assert "hello from a VM" in outputs["run"]
         assert "recent jobs (1):" in outputs["status"] and "VMs:" in outputs["status"]
         assert "result success" in outputs["jobs show"]
+        assert re.search(r"restored from base \([0-9a-f]+\), (kvm|tcg)\n", outputs["jobs show"]), outputs["jobs show"]
         assert "hello from a VM" in outputs["jobs logs"]
         assert 'microvm_check_jobs_total{result="success",state="finished"} 1.0' in outputs["curl"]
         assert "SUCCESS: 5 rules found" in outputs["promtool"]

@@ -135,7 +135,8 @@ def outcome(run: JobRun, keyid: str | None = None) -> JobOutcome:
         findings=tuple(findings), blocked_egress=tuple(record.blocked_egress),
         mode=run.policy.mode if run.policy is not None else "block", digests=digests,
         artifacts=facts.subjects if facts else (), error=record.error,
-        secrets_used=tuple(record.secrets_used))
+        secrets_used=tuple(record.secrets_used),
+        restored_from=None if record.restored_from is None else record.restored_from.describe())
 
 
 def stdout_lines(path: Path) -> Iterator[str]:

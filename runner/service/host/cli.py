@@ -170,6 +170,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     print(f"    run {rec.run_id or '-'} attempt {rec.run_attempt or '-'}; created {_when(rec.created_at)}, started "
           f"{_when(t.started_at)}, finished {_when(t.finished_at)}"
           + (f"; VM ready in {t.vm_ready_ms:.0f} ms" if t.vm_ready_ms is not None else ""))
+    if rec.restored_from is not None:
+        print(f"    restored from {rec.restored_from.describe()}")
     for item in rec.artifacts:
         print(f"    artifact {item.path[:200]} ({item.size} bytes)")
     if rec.blocked_egress:

@@ -7,12 +7,12 @@ envelope is the job directory's `attestation.intoto.jsonl`, pruned with the job;
 
 What is signed is the service's own knowledge, never the guest's word: the artifacts' sha256 as the
 service validated them (the clean tar), JUnit totals counted by the service from those artifacts
-(runner/junit.py, as the action counts), the template and warm base the VM restored from (read at
-restore), the effective policy's digest, the digest of the egress audit in the job's record, the exit
-code, the accelerator, the times and the secret bindings the job had (names, hosts, where each came
-from and how many requests its value went into; never a value), and the terminal sessions attached to its
-VM by then (who, when, how each ended: `terminalSessions`, [] when nobody attached). A record that
-cannot be signed (a full disk) is logged; the job keeps its result.
+(runner/junit.py, as the action counts), what the VM restored from as the job's record keeps it (template,
+warm base, image, accelerator: `RestoredFrom`), the effective policy's digest, the digest of the egress
+audit in the job's record, the exit code, the times and the secret bindings the job had (names, hosts,
+where each came from and how many requests its value went into; never a value), and the terminal sessions
+attached to its VM by then (who, when, how each ended: `terminalSessions`, [] when nobody attached). A
+record that cannot be signed (a full disk) is logged; the job keeps its result.
 """
 
 from __future__ import annotations
@@ -36,39 +36,17 @@ from runner.attest.statement import (
     job_subject,
     rfc3339,
 )
+from runner.jobapi.contract import RestoredFrom, TemplateRef
 from runner.junit import MAX_REPORT_BYTES, JUnitError, Totals, head_looks_like_junit, parse_report
 from runner.tarsafe import skip_marker
 
 if TYPE_CHECKING:
     from runner.jobapi.contract import JobRecord
-    from runner.sandbox.port import SandboxLike
 
 log = logging.getLogger(__name__)
 
 ENVELOPE = "attestation.intoto.jsonl"  # in the job's directory
 MAX_JUNIT_REPORTS = 200  # reports the service parses per job; the guest decides how many it leaves
-
-
-@dataclass(frozen=True)
-class VmFacts:
-    """What the VM restored from, taken when it started: template (the recipe's), warm base, accelerator."""
-
-    template: dict[str, str] | None
-    warm_base: dict[str, str] | None
-    accelerator: str | None
-
-    @classmethod
-    def of(cls, sandbox: SandboxLike) -> VmFacts:
-        try:
-            manifest: dict[str, object] | None = sandbox.template_manifest
-        except (OSError, ValueError):  # its template's directory went away: the record says it is unknown
-            manifest = None
-        accel = sandbox.accel
-        if not isinstance(manifest, dict):
-            return cls(None, None, accel if isinstance(accel, str) else None)
-        own = _named(manifest)
-        parent = _named(manifest.get("parent"))
-        return cls(parent or own, own if parent else None, accel if isinstance(accel, str) else None)
 
 
 @dataclass(frozen=True)
@@ -116,12 +94,14 @@ def audit_digest(record: JobRecord) -> str:
     return canonical_digest([entry.to_wire() for entry in record.blocked_egress])
 
 
-def predicate(record: JobRecord, vm: VmFacts | None, junit: Totals | None) -> JobPredicate:
-    vm = vm or VmFacts(None, None, None)
+def predicate(record: JobRecord, junit: Totals | None) -> JobPredicate:
+    vm = record.restored_from or RestoredFrom(None)
     return JobPredicate(
         job={"id": record.id, "repository": record.repository, "sha": record.sha, "runId": record.run_id,
              "runAttempt": record.run_attempt, "job": record.job_name},
-        template=vm.template, warmBase=vm.warm_base, policyDigest=record.policy_digest,
+        template=_ref(vm.template), warmBase=_ref(vm.base),
+        image=None if vm.image is None else {"ref": vm.image.ref, "digest": vm.image.digest},
+        policyDigest=record.policy_digest,
         egressAudit={"digest": {"sha256": audit_digest(record)}, "records": len(record.blocked_egress)},
         state=record.state.value, exitCode=record.exit_code,
         junit=None if junit is None else {"tests": junit.tests, "passed": junit.passed, "failed": junit.failed,
@@ -146,14 +126,14 @@ class JobAttestor:
         """The job's signed record as `sign` wrote it (FileNotFoundError: not signed)."""
         return (job_dir / ENVELOPE).read_bytes()
 
-    def statement(self, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> Statement:
-        claims = predicate(record, vm, artifacts.junit)
+    def statement(self, record: JobRecord, artifacts: ArtifactFacts) -> Statement:
+        claims = predicate(record, artifacts.junit)
         return Statement(artifacts.subjects or (job_subject(claims),), claims)
 
-    def sign(self, job_dir: Path, record: JobRecord, vm: VmFacts | None, artifacts: ArtifactFacts) -> bool:
+    def sign(self, job_dir: Path, record: JobRecord, artifacts: ArtifactFacts) -> bool:
         """Write the job's envelope; False (logged) when it could not be made."""
         try:
-            envelope = dsse.sign(PAYLOAD_TYPE, self.statement(record, vm, artifacts).payload(), self.key.private,
+            envelope = dsse.sign(PAYLOAD_TYPE, self.statement(record, artifacts).payload(), self.key.private,
                                  self.key.keyid)
             tmp = job_dir / f".{ENVELOPE}.part"
             tmp.write_bytes(envelope.line())
@@ -173,7 +153,5 @@ def artifact_facts(job_dir: Path, artifacts_name: str) -> ArtifactFacts:
         return ArtifactFacts()
 
 
-def _named(value: object) -> dict[str, str] | None:
-    if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("digest"), str):
-        return {"name": value["name"], "digest": value["digest"]}
-    return None
+def _ref(template: TemplateRef | None) -> dict[str, str] | None:
+    return None if template is None else {"name": template.name, "digest": template.digest}

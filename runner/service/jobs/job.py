@@ -21,7 +21,7 @@ from typing import Protocol
 
 from policy.model import Policy
 from runner.errors import CommandNotStarted, JobError, MicrovmCheckError
-from runner.jobapi.contract import JobRecord, JobSpec, JobState
+from runner.jobapi.contract import JobRecord, JobSpec, JobState, RestoredFrom
 from runner.sandbox.port import (
     AuditRecord,
     ExecResult,
@@ -33,7 +33,7 @@ from runner.sandbox.port import (
 )
 from runner.service.config.settings import ServiceConfig
 from runner.service.jobs import containers
-from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, VmFacts, artifact_facts
+from runner.service.jobs.attestation import ArtifactFacts, JobAttestor, artifact_facts
 from runner.service.jobs.command import direct_argv, shell_argv
 from runner.service.jobs.joblog import JobLog, LogFull, Transcript
 from runner.service.jobs.jobsecrets import JobSecrets, MaskedLog
@@ -118,7 +118,6 @@ class JobRun:
     sessions: Sessions | None = None
     attached: bool = False  # the session already had its VM at submit: no VM start, no checkout
     attestor: JobAttestor | None = None  # signs the final record (runner/service/jobs/attestation.py)
-    vm_facts: VmFacts | None = None  # what its VM restored from, for the signed record
     artifact_facts: ArtifactFacts | None = None  # its artifacts' digests and JUnit totals, once final
     checks: JobWatcher | None = None  # posts its check run on the pull request (runner/service/github/checkruns.py)
     # The template its VM restores from, as its worker chose it (runner/service/jobs/templatechoice.py); None
@@ -210,7 +209,7 @@ class JobRun:
             self.record.timings.finished_at = time.time()
             if self.attestor is not None and facts is not None:
                 self.artifact_facts = facts
-                self.attestor.sign(self.dir, self.record, self.vm_facts, facts)
+                self.attestor.sign(self.dir, self.record, facts)
             self.save(self.record)
         _remove(self.checkout_path)
         self.log.close()
@@ -316,8 +315,8 @@ class JobRun:
             cancelled = self.cancel_reason is not None
         if cancelled:
             return None
-        self.vm_facts = VmFacts.of(sandbox)
-        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=0.0)
+        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=0.0,
+                    restored_from=RestoredFrom.of_manifest(sandbox.template_manifest, sandbox.accel))
         if self.checks is not None:
             self.checks.vm_started(self)
         self.log.system(f"step {self.session.steps} of the job, in its kept VM {sandbox.id} "
@@ -393,8 +392,8 @@ class JobRun:
             _destroy(sandbox)
             return None
         ready_ms = (time.monotonic() - begin) * 1000
-        self.vm_facts = VmFacts.of(sandbox)
-        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3))
+        self.update(vm_id=sandbox.id, vm_ready_at=time.time(), vm_ready_ms=round(ready_ms, 3),
+                    restored_from=RestoredFrom.of_manifest(sandbox.template_manifest, sandbox.accel))
         if self.checks is not None:
             self.checks.vm_started(self)
         self.log.system(f"VM {sandbox.id} ready in {ready_ms:.0f} ms{' (pre-warmed)' if self.prewarmed else ''}")

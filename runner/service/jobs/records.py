@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from microvm_check.entries import Artifact, AuditRecord
-from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, Timings
+from runner.jobapi.contract import ACTIVE_STATES, FINAL_STATES, JobRecord, JobState, RestoredFrom, Timings
 from runner.logs import JobEvents
 
 _COLUMNS = (
@@ -47,10 +47,12 @@ _COLUMNS = (
     "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
     "secrets_used TEXT NOT NULL DEFAULT '[]'",
     "terminal_sessions TEXT NOT NULL DEFAULT '[]'",
+    "restored_from TEXT",
 )
 # Columns added since the first schema: a store made before gets them (ALTER TABLE) when opened.
 _ADDED_COLUMNS = ("command TEXT NOT NULL DEFAULT ''", "narrowed_egress TEXT NOT NULL DEFAULT '[]'",
-                  "secrets_used TEXT NOT NULL DEFAULT '[]'", "terminal_sessions TEXT NOT NULL DEFAULT '[]'")
+                  "secrets_used TEXT NOT NULL DEFAULT '[]'", "terminal_sessions TEXT NOT NULL DEFAULT '[]'",
+                  "restored_from TEXT")
 _NAMES = tuple(c.split()[0] for c in _COLUMNS)
 _TIMING_NAMES = tuple(f.name for f in fields(Timings))
 
@@ -69,6 +71,7 @@ def _to_row(rec: JobRecord) -> tuple[SqlValue, ...]:
     values["narrowed_egress"] = json.dumps(rec.narrowed_egress)
     values["secrets_used"] = json.dumps(rec.secrets_used)
     values["terminal_sessions"] = json.dumps(rec.terminal_sessions)
+    values["restored_from"] = None if rec.restored_from is None else json.dumps(rec.restored_from.to_wire())
     return tuple(values[name] for name in _NAMES)
 
 
@@ -82,6 +85,8 @@ def _from_row(row: tuple[SqlValue, ...]) -> JobRecord:
     values["narrowed_egress"] = json.loads(values["narrowed_egress"])
     values["secrets_used"] = json.loads(values["secrets_used"])
     values["terminal_sessions"] = json.loads(values["terminal_sessions"])
+    restored = values["restored_from"]
+    values["restored_from"] = None if restored is None else RestoredFrom.from_wire(json.loads(restored))
     return JobRecord(timings=timings, **values)
 
 

@@ -4,6 +4,7 @@ numbered and timestamped log, search, tail view and downloads, and cancel with i
 
 from __future__ import annotations
 
+import html
 import re
 import threading
 from typing import Any
@@ -14,6 +15,7 @@ from runner.jobapi.client import JobClient
 from runner.sandbox.fake import FakeSandboxes, prints, waits
 from runner.service.api import page as web
 from runner.service.api.page import COOKIE
+from tests.jobapi.test_restored_from import image_manifest
 from tests.service.service_fakes import checkout_tar, member, spec, tar_of
 
 TOKEN = "a-test-token-of-32-characters-xx"
@@ -107,10 +109,14 @@ def test_the_job_page_numbers_lines_searches_tails_and_offers_downloads(hosts, e
     lines = b"".join(b"line-%d\n" % i for i in range(1, 31))
     engine.programs["many"] = prints(lines, 0)
     engine.artifacts_tar = tar_of([(member("out/report.xml"), b"<r/>")])
+    engine.manifest = image_manifest()
     monkeypatch.setattr(web, "PAGE_LOG_LINES", 10)
     _, client, base = _start(hosts)
     job = _run(client, "many", artifacts=["out/report.xml"], run_id=4242, run_attempt=2)
     page = httpx.get(base + f"/ui/jobs/{job}", cookies=COOKIES).text
+    restored = client.get(job).restored_from
+    assert restored is not None and restored.image is not None
+    assert f'<dd id="restored-from">{html.escape(restored.describe())}</dd>' in page
     shown = [int(n) for n in re.findall(r'<div class="line [a-z]+" id="L(\d+)"><a class="n" href="#L\1">', page)]
     total = int(re.search(r'data-line="(\d+)"', page).group(1))
     assert shown == list(range(total - 9, total + 1)) and total >= 30  # the tail: the last 10, numbered in all

@@ -17,11 +17,13 @@ import responses
 from policy import PolicyStore
 from runner.github.checks import CheckRuns
 from runner.github.client import GitHubClient, RetryPolicy
+from runner.markdown import cell
 from runner.sandbox.fake import FakeSandboxes, prints
 from runner.service.github.checkruns import CheckRunReporter
 from runner.service.jobs.service import JobService
 from tests import reference
 from tests.github.github_fakes import API, assert_valid_request, example, load_operations
+from tests.jobapi.test_restored_from import image_manifest
 from tests.service.service_fakes import SHA, checkout_tar, member, spec, tar_of
 
 CREATE = ("POST_repos_owner_repo_check-runs.json", "/repos/{owner}/{repo}/check-runs", "post")
@@ -67,6 +69,7 @@ def github():
 def test_the_check_run_carries_the_signed_records_digests(make_service, engine: FakeSandboxes, tmp_path, github) -> None:
     engine.programs["suite"] = prints(b"::error file=src/app.py,line=4,title=lint::unused import\n1 passed, 1 failed\n", 1)
     engine.artifacts_tar = tar_of([(member("out/report.xml"), JUNIT)])
+    engine.manifest = image_manifest()
     service = _service(make_service, tmp_path, "on")
     job = _run(service, "suite")
     start = assert_valid_request(github.calls[0].request.body, *CREATE)
@@ -84,6 +87,11 @@ def test_the_check_run_carries_the_signed_records_digests(make_service, engine: 
                    statement["subject"][0]["digest"]["sha256"], service.attestor.key.keyid):
         assert digest in summary
     assert "blocked.example" in summary and "```yaml" in summary  # the fake guest's refused egress and its snippet
+    restored = service.get(job).restored_from
+    assert restored is not None and restored.image is not None
+    row = f"| restored from | {cell(restored.describe(), 600)} |"  # the record's one value, as the page shows it
+    assert row in end["output"]["summary"] and restored.image.ref.rsplit(":", 1)[1] in row
+    assert statement["predicate"]["image"] == {"ref": restored.image.ref, "digest": restored.image.digest}
 
 
 @pytest.mark.parametrize("setting,fork,posts", [("off", True, 0), ("forks", False, 0), ("forks", True, 2)])
