@@ -172,6 +172,19 @@ def snapshot_call(sandbox_id: str) -> Call:
     return Call("POST", sandbox_path(sandbox_id, Route.SNAPSHOT), json={}, read_seconds=900.0)
 
 
+def hibernate_call(sandbox_id: str) -> Call:
+    # its VM's memory and disk written out (a migration, slow under software emulation), then it is stopped
+    return Call("POST", sandbox_path(sandbox_id, Route.HIBERNATE), json={}, read_seconds=900.0)
+
+
+def resume_call(sandbox_id: str) -> Call:
+    """Like `info_call`, a call whose id the caller gives (Sandbox.resume)."""
+    try:
+        return Call("POST", sandbox_path(sandbox_id, Route.RESUME), json={}, read_seconds=600.0)
+    except WireError as exc:
+        raise SandboxError(str(exc)) from exc
+
+
 def destroy_call(sandbox_id: str) -> Call:
     return Call("POST", sandbox_path(sandbox_id, Route.DESTROY), json={})
 

@@ -267,6 +267,21 @@ class AsyncSandbox:
         return await AsyncSandbox.create(base=await self.snapshot(), policy=policy, ttl_seconds=ttl_seconds,
                                          service=self.service)
 
+    async def hibernate(self) -> None:
+        call = _wire.hibernate_call(self.id)
+        self.info = _wire.answer_of(call, await self._send(call), SandboxInfo.from_wire)
+
+    @classmethod
+    async def resume(cls, sandbox_id: str, sandbox_token: str, service: Service | None = None) -> AsyncSandbox:
+        where = service or Service.from_env()
+        call = _wire.resume_call(sandbox_id)
+        sender = _AsyncSender(where, sandbox_token)
+        try:
+            info = _wire.answer_of(call, await sender.send(call), SandboxInfo.from_wire)
+        finally:
+            await sender.close()
+        return cls(where, info, sandbox_token)
+
     async def destroy(self) -> None:
         try:
             call = _wire.destroy_call(self.id)

@@ -308,6 +308,28 @@ class Sandbox:
         """A new sandbox restored from a snapshot of this one (its files and processes as they are now)."""
         return Sandbox.create(base=self.snapshot(), policy=policy, ttl_seconds=ttl_seconds, service=self.service)
 
+    def hibernate(self) -> None:
+        """Park the sandbox: its VM's memory and disk are kept on the host and the VM stops, so it costs no
+        CPU or memory until `Sandbox.resume`; its TTL runs on. Other calls are refused (409) until then, and
+        one under way makes this a 409. Leaving a `with` block still destroys it: park a sandbox you hold
+        without one."""
+        call = _wire.hibernate_call(self.id)
+        self.info = _wire.answer_of(call, self._send(call), SandboxInfo.from_wire)
+
+    @classmethod
+    def resume(cls, sandbox_id: str, sandbox_token: str, service: Service | None = None) -> Sandbox:
+        """A hibernated sandbox back where it was (its files, its processes), by the id and token its create
+        answered: a fresh random seed and the host's clock, the same id and token, what is left of its TTL.
+        A sandbox that is not hibernated is a 409."""
+        where = service or Service.from_env()
+        call = _wire.resume_call(sandbox_id)
+        sender = _Sender(where, sandbox_token)
+        try:
+            info = _wire.answer_of(call, sender.send(call), SandboxInfo.from_wire)
+        finally:
+            sender.close()
+        return cls(where, info, sandbox_token)
+
     def destroy(self) -> None:
         """End the sandbox now (once gone, later calls are answered 404)."""
         try:

@@ -42,6 +42,7 @@ SKIPPED_HEADER = "X-Microvm-Check-Skipped"
 # -- routes -----------------------------------------------------------------------------------------
 
 SANDBOXES = "/v1/sandboxes"  # POST: create
+HIBERNATED = "hibernated"  # a SandboxInfo's state while its VM is parked (Route.HIBERNATE until Route.RESUME)
 SANDBOX_ID = re.compile(r"j[0-9a-f]{16}")  # a sandbox is a job record: its id is a job id
 TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")  # what a create answers (secrets.token_urlsafe); it goes into a header
 
@@ -56,6 +57,8 @@ class Route(enum.StrEnum):
     UPLOAD = "/upload"  # PUT ?dest=D (a tar) -> 204
     DOWNLOAD = "/download"  # GET ?glob=G&cwd=D -> a tar, SKIPPED_HEADER
     SNAPSHOT = "/snapshot"  # POST -> 201 SnapshotAnswer
+    HIBERNATE = "/hibernate"  # POST -> 200 SandboxInfo (state HIBERNATED): its VM snapshotted and stopped
+    RESUME = "/resume"  # POST -> 200 SandboxInfo: its VM restored from the hibernate, where it was
     DESTROY = "/destroy"  # POST -> 200 DestroyAnswer
     TERMINAL = "/terminal"  # GET ?TerminalRequest, Upgrade: TERMINAL_UPGRADE -> 101, then terminal frames
 
@@ -161,7 +164,7 @@ class SandboxInfo:
     id: str
     template: str
     base: str | None
-    state: str  # its job record's (running while it is alive)
+    state: str  # its job record's (running while it is alive), or HIBERNATED while it is parked
     repository: str  # whose egress policy it runs under (sandboxes.repository)
     vm_id: str | None
     ttl_seconds: float

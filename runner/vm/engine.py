@@ -171,6 +171,8 @@ class Engine:
                 raise SandboxError(f"could not start a VM from template {template!r}: {why}") from None
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
+        if tpl.manifest.get("pooled", True) is False:  # restored once (a hibernated sandbox's): no VM ahead of it
+            return vm
         # After the identity, not during it: a restore started on the same cores slows it (measured).
         # Ahead of demand is the pool's target, which counts the arrivals expected during one refill.
         self.pool.refill(snapshot)

@@ -14,7 +14,11 @@ argv: SOCKET MODE. Modes:
 - terminal: a sandbox's shell on a terminal (`tty`, a resize seen by `stty size`, Ctrl-C typed into a
   `sleep`, an exit status), the sandbox alive after it, an exec fed on stdin, the asyncio twin; then it
   says the sandbox's id and waits for a line on stdin before destroying it;
-- intrude ID: create a sandbox of this user's own, and open sandbox ID's terminal with its token.
+- intrude ID: create a sandbox of this user's own, and open sandbox ID's terminal with its token;
+- hibernate: a sandbox with a file and a background process is hibernated (an exec meanwhile is refused),
+  says `parked` and waits for a line on stdin (the test looks for its VM meanwhile), is resumed with the
+  asyncio SDK, finds its file and process and the host's clock, and a second resume is refused; it says
+  `back` and waits for a line again (the test counts its VMs) before it destroys the sandbox.
 """
 
 from __future__ import annotations
@@ -240,6 +244,46 @@ def intrude(service: Service, victim: str) -> None:
             other._sender.close()
 
 
+def hibernate(service: Service) -> None:
+    sbx = Sandbox.create(ttl_seconds=300, service=service)
+    try:
+        beat = "while :; do date +%s%N > /tmp/beat; sleep 0.1; done"
+        started = sbx.exec(f"nohup sh -c '{beat}' >/dev/null 2>&1 & echo $!", timeout=60, cwd="/")
+        sbx.files.write("/workspace/kept.txt", b"written before the hibernate\n")
+        say(created=sbx.id, vm_id=sbx.info.vm_id, pid=started.stdout.decode().strip())
+        sbx.hibernate()
+        say(hibernated=sbx.info.state, parked_vm_id=sbx.info.vm_id)
+        say(exec_while_parked=outcome(lambda: sbx.exec("true", timeout=60)))
+        say(parked=True)
+        sys.stdin.readline()  # the test looked for the VM meanwhile
+        resumed = asyncio.run(_resume_async(sbx.id, sbx.token, service))
+        say(resumed=resumed.info.state, resumed_vm_id=resumed.info.vm_id)
+        back = Sandbox.connect(sbx.id, sbx.token, service)
+        first = back.exec(f"cat /workspace/kept.txt; kill -0 {started.stdout.decode().strip()} && echo alive; "
+                          "cat /tmp/beat", timeout=60, cwd="/")
+        before = time.time()
+        clock = back.exec("date +%s.%N", timeout=60, cwd="/")
+        after = time.time()
+        time.sleep(1)
+        later = back.exec("cat /tmp/beat", timeout=60, cwd="/")
+        lines = first.stdout.decode().split("\n")
+        say(kept=lines[0], alive=lines[1], beat_moved=int(later.stdout) > int(lines[2]),
+            clock=[before, float(clock.stdout), after])
+        say(second_resume=outcome(lambda: Sandbox.resume(sbx.id, sbx.token, service)))
+        say(back=True)
+        sys.stdin.readline()  # the test counted the resumed sandbox's VMs meanwhile
+        back._sender.close()
+    finally:
+        sbx.destroy()
+    say(destroyed=sbx.id)
+
+
+async def _resume_async(sandbox_id: str, token: str, service: Service) -> AsyncSandbox:
+    resumed = await AsyncSandbox.resume(sandbox_id, token, service)
+    await resumed._sender.close()
+    return resumed
+
+
 def main() -> None:
     socket, mode = sys.argv[1], sys.argv[2]
     service = Service(socket=socket)
@@ -257,6 +301,8 @@ def main() -> None:
         terminal(service)
     elif mode == "intrude":
         intrude(service, sys.argv[3])
+    elif mode == "hibernate":
+        hibernate(service)
     elif mode == "takeover":
         takeover(service, Path(sys.argv[3]))
     elif mode == "hang":

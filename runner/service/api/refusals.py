@@ -31,7 +31,14 @@ from runner.service.jobs.auth import Forbidden, Unauthorized
 from runner.service.jobs.egress import EgressPolicyError, PolicySourceUnavailable
 from runner.service.jobs.job import SessionGone
 from runner.service.jobs.jobqueue import QueueClosed, QueueFull
-from runner.service.jobs.sandboxes import SandboxCallError, SandboxLimit, SandboxNotFound, SandboxRefused, SandboxUnavailable
+from runner.service.jobs.sandboxes import (
+    SandboxCallError,
+    SandboxLimit,
+    SandboxNotFound,
+    SandboxRefused,
+    SandboxStateConflict,
+    SandboxUnavailable,
+)
 from runner.service.jobs.service import JobNotFound, JobStateConflict
 from runner.service.jobs.sessions import SessionConflict
 from runner.service.jobs.spec import SpecError
@@ -81,6 +88,7 @@ STATUS: dict[type[JobError], int] = {
     SandboxCallError: 400,
     SandboxRefused: 403,
     SandboxNotFound: 404,
+    SandboxStateConflict: 409,
     SandboxLimit: 429,
     SandboxUnavailable: 503,
 }

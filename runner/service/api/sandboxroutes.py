@@ -11,6 +11,8 @@ paths, headers and bodies are the SDK's contract (microvm_check/contract.py, its
     PUT  /v1/sandboxes/<id>/upload?dest=D           body: a tar -> 204
     GET  /v1/sandboxes/<id>/download?glob=G&cwd=D   -> a tar (regular files only, re-written on the host)
     POST /v1/sandboxes/<id>/snapshot                -> 201 [SnapshotAnswer] for a create's `base`
+    POST /v1/sandboxes/<id>/hibernate               -> 200 [SandboxInfo], state hibernated: its VM kept and stopped
+    POST /v1/sandboxes/<id>/resume                  -> 200 [SandboxInfo]: its VM restored where it was
     POST /v1/sandboxes/<id>/destroy                 -> 200 [DestroyAnswer]
     GET  /v1/sandboxes/<id>/terminal?[TerminalRequest]  Upgrade: microvm-check-terminal -> 101, then the
                                             terminal's frames both ways, [TerminalEnd] last (termsession.py)
@@ -172,6 +174,8 @@ class SandboxRoutes:
             ("PUT", Route.UPLOAD): lambda: self._upload(sandbox, query),
             ("GET", Route.DOWNLOAD): lambda: self._download(sandbox, query),
             ("POST", Route.SNAPSHOT): lambda: self._snapshot(sandbox),
+            ("POST", Route.HIBERNATE): lambda: self._hibernate(sandbox),
+            ("POST", Route.RESUME): lambda: self._resume(sandbox),
             ("POST", Route.DESTROY): lambda: self._destroy(sandbox),
             ("GET", Route.TERMINAL): lambda: self._terminal(sandbox, query),
         }.get((method, rest))
@@ -311,6 +315,14 @@ class SandboxRoutes:
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
             name = self.desk.snapshot(live)
         self.h.send_json(201, SnapshotAnswer(name).to_wire())
+
+    def _hibernate(self, sandbox: LiveSandbox) -> None:
+        self.desk.hibernate(sandbox)
+        self.h.send_json(200, self.desk.info(sandbox).to_wire())
+
+    def _resume(self, sandbox: LiveSandbox) -> None:
+        self.desk.resume(sandbox)
+        self.h.send_json(200, self.desk.info(sandbox).to_wire())
 
     def _terminal(self, sandbox: LiveSandbox, query: dict[str, list[str]]) -> None:
         """The whole session, on the request's worker, holding one of the sandbox's calls: refused with a status

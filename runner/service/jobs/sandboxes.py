@@ -22,6 +22,11 @@ the same caller may be created from (`base=`): a fork. It is removed once its so
 sandbox restored from it have ended, or at the next start of a service that died first; the warm
 bases' disk budget neither counts nor evicts it (its count is bounded by max_per_caller and
 max_snapshots).
+
+A hibernated sandbox (`hibernate`) is such a snapshot too, of its own: its VM is destroyed once it is made,
+and `resume` restores the same sandbox (id, token, TTL) from it. It is kept while the VM resumed from it
+runs (that VM's disk lies over it) and goes at the next hibernate, or with the sandbox. A parked sandbox
+holds no VM but keeps its place in max_live and max_per_caller, and its disk.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from microvm_check.contract import MAX_LISTED, MAX_PATH, CreateRequest, FileEntry, SandboxInfo, WireError
+from microvm_check.contract import HIBERNATED, MAX_LISTED, MAX_PATH, CreateRequest, FileEntry, SandboxInfo, WireError
+from microvm_check.entries import AuditRecord
 from policy.model import Policy
 from runner.errors import JobError, SandboxError, SandboxOpFailed
-from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState
+from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState, RestoredFrom
 from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
 from runner.service.config.settings import SandboxAccess, ServiceConfig
 from runner.service.jobs.egress import EgressPolicies
@@ -76,6 +82,11 @@ class SandboxCallError(JobError):
     """A sandbox call that cannot be made as asked; 400 with the reason. The service refused it (a path, a
     size, a deadline) or the sandbox could not do it (a missing file, a program that does not start, a
     tar it cannot unpack: SandboxOpFailed); either way the sandbox lives on."""
+
+
+class SandboxStateConflict(JobError):
+    """A call the sandbox's state does not allow now: a call on a hibernated sandbox, a resume of a running
+    one, a hibernate while other calls are under way."""
 
 
 class SandboxUnavailable(JobError):
@@ -144,6 +155,7 @@ class Snapshot:
     owner: Owner
     template: str  # the template its source came from (a fork's is its source's)
     users: set[str] = field(default_factory=set)
+    restore_point: bool = False  # a hibernate's: its sandbox's alone to resume, never a create's base
 
 
 @dataclass
@@ -164,6 +176,13 @@ class LiveSandbox:
     snapshots: list[str] = field(default_factory=list)
     calls: int = 0
     ended: str | None = None
+    # Hibernation (`SandboxDesk.hibernate`): `parked` from its start until a resume has its VM; `restore_point`
+    # is the snapshot its VM came from by the last hibernate (kept while that VM runs: its disk lies over it).
+    parked: bool = False
+    resuming: bool = False
+    restore_point: str | None = None
+    hibernations: int = 0
+    earlier_blocked: list[AuditRecord] = field(default_factory=list)  # what its VMs before a hibernate were refused
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -243,7 +262,7 @@ class SandboxDesk:
             return Source(request.template, request.template)
         with self._lock:
             snapshot = self._snapshots.get(request.base)
-            if snapshot is None or snapshot.owner != owner:
+            if snapshot is None or snapshot.owner != owner or snapshot.restore_point:
                 raise SandboxNotFound(f"base {request.base[:80]!r}: no snapshot of yours by that name (a snapshot "
                                       "lives as long as its sandbox or a sandbox restored from it)")
             snapshot.users.add(hold)
@@ -301,6 +320,7 @@ class SandboxDesk:
             raise
         ready_ms = round((time.monotonic() - started) * 1000, 3)
         record.state, record.vm_id = JobState.RUNNING, vm.id
+        record.restored_from = RestoredFrom.of_manifest(vm.template_manifest, vm.accel)
         record.timings.vm_ready_at = record.timings.started_at = time.time()
         record.timings.vm_ready_ms = ready_ms
         job_log.system(f"sandbox VM {vm.id} ready in {ready_ms:.0f} ms from {source.restore}; "
@@ -320,7 +340,8 @@ class SandboxDesk:
         """What GET /v1/sandboxes/<id> and a create answer; what is left of its TTL on the reaper's clock
         (`expires` is on it, not necessarily on time.monotonic)."""
         record = sandbox.record
-        return SandboxInfo(id=sandbox.id, template=sandbox.template, base=sandbox.base, state=record.state.value,
+        state = HIBERNATED if sandbox.parked and record.vm_id is None else record.state.value
+        return SandboxInfo(id=sandbox.id, template=sandbox.template, base=sandbox.base, state=state,
                            repository=record.repository, vm_id=record.vm_id, ttl_seconds=sandbox.ttl_seconds,
                            expires_in=max(0.0, round(sandbox.expires - self._clock(), 1)), accel=sandbox.vm.accel,
                            ready_ms=record.timings.vm_ready_ms)
@@ -389,7 +410,7 @@ class SandboxDesk:
     def note_blocked(self, sandbox: LiveSandbox) -> None:
         """What the guest tried that its policy refused, into the record (the page shows it)."""
         try:
-            blocked = bounded_blocked(sandbox.vm.blocked_egress())
+            blocked = bounded_blocked([*sandbox.earlier_blocked, *sandbox.vm.blocked_egress()])
         except Exception:  # a VM that is gone has nothing more to say
             return
         if blocked and blocked != sandbox.record.blocked_egress:  # a slot that went says nothing: keep what was seen
@@ -439,18 +460,145 @@ class SandboxDesk:
                 raise SandboxUnavailable(f"the snapshot of sandbox {sandbox.id} failed on the host ({exc}); the "
                                          f"sandbox runs on: try again in {SandboxUnavailable.retry_after} s") from exc
             raise
+        if sandbox.ended is not None:  # ended while it was made: its end may have released it before it was
+            self._forget_released(name)  # published
+            raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
         sandbox.log.system(f"snapshot {name} made")
         return name
 
-    def _release_snapshots(self, user: str) -> None:
-        """`user` (a sandbox, or a create under way) no longer needs its snapshots: remove those left unused."""
+    # -- hibernation -------------------------------------------------------------------------------------
+
+    def hibernate(self, sandbox: LiveSandbox) -> None:
+        """Park the sandbox: its VM snapshotted (memory and disk) into a template of its own, then destroyed,
+        so it holds no CPU and no RAM until `resume`. Its id, token, TTL and place in the quotas stay; its
+        calls are refused meanwhile, and the reaper ends it at its TTL like a running one."""
+        if self._forget_template is None:
+            raise SandboxCallError("this service offers no hibernation (it runs no VM engine of its own)")
+        with sandbox.lock:
+            if sandbox.ended is not None:
+                raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
+            if sandbox.parked:
+                raise SandboxStateConflict(f"sandbox {sandbox.id} is hibernated already, or being hibernated or resumed")
+            if sandbox.calls:
+                raise SandboxStateConflict(f"sandbox {sandbox.id} has {sandbox.calls} call(s) under way; hibernate it "
+                                           "once they have ended")
+            sandbox.parked = True  # from here its calls are refused
+        name = f"sbx-{sandbox.id}-h{sandbox.hibernations + 1}"
+        with self._lock:
+            self._snapshots[name] = Snapshot(name, sandbox.owner, sandbox.template, {sandbox.id}, restore_point=True)
+        try:
+            # not pooled: a restore point is restored once, and a spare VM of it would run the guest on, unasked
+            sandbox.vm.snapshot(name, extra={"sandbox": sandbox.id, "pooled": False})
+        except BaseException as exc:
+            with self._lock:
+                self._snapshots.pop(name, None)
+            self._forget(name)
+            with sandbox.lock:
+                sandbox.parked = False
+            if isinstance(exc, (SandboxError, OSError)) and sandbox.vm.alive:
+                raise SandboxUnavailable(f"hibernating sandbox {sandbox.id} failed on the host ({exc}); it runs on: "
+                                         f"try again in {SandboxUnavailable.retry_after} s") from exc
+            if not sandbox.vm.alive:
+                self.end(sandbox, JobState.FAILED, f"its VM failed while it was being hibernated: {exc}")
+                raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}") from exc
+            raise
+        self.note_blocked(sandbox)  # before the destroy, as at its end
+        vm_id = sandbox.record.vm_id
+        try:
+            sandbox.vm.destroy()
+        except Exception:  # as at its end: the engine's TTL remains; the sandbox is parked all the same
+            log.exception("sandbox %s: destroying VM %s after its hibernate failed", sandbox.id, vm_id)
+        with self._lock:  # end() decides under this lock
+            gone = sandbox.ended
+            if gone is None:
+                previous, sandbox.restore_point = sandbox.restore_point, name
+                sandbox.hibernations += 1
+                sandbox.earlier_blocked = list(sandbox.record.blocked_egress)
+                sandbox.record.vm_id = None
+        if gone is not None:  # destroyed or reaped meanwhile: its end saved the record, and may have released
+            self._forget_released(name)  # the snapshot before it was published
+            raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {gone}")
+        if previous is not None:  # the VM restored from it is gone: nothing lies over it any more
+            self._release_snapshots(sandbox.id, only=previous)
+        self._save(sandbox.record)
+        sandbox.log.system(f"hibernated: VM {vm_id} snapshotted as {name} and destroyed")
+
+    def resume(self, sandbox: LiveSandbox) -> None:
+        """A hibernated sandbox's VM, restored from its last hibernate where it was (its files and processes;
+        a fresh random seed and the host's clock, as every restore), for what is left of its TTL."""
+        with sandbox.lock:
+            if sandbox.ended is not None:
+                raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
+            if not sandbox.parked or sandbox.restore_point is None or sandbox.record.vm_id is not None:
+                raise SandboxStateConflict(f"sandbox {sandbox.id} is not hibernated (or is being hibernated)")
+            if sandbox.resuming:
+                raise SandboxStateConflict(f"sandbox {sandbox.id} is being resumed already")
+            sandbox.resuming = True
+            point = sandbox.restore_point
+        hold = "resume-" + secrets.token_hex(8)  # as a create holds its base: an end meanwhile removes it after
+        with self._lock:
+            snap = self._snapshots.get(point)
+            if snap is not None:
+                snap.users.add(hold)
+        if snap is None:  # its end released it just now
+            with sandbox.lock:
+                sandbox.resuming = False
+            raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
+        try:
+            vm = self._restore(sandbox, point)
+        finally:
+            self._release_snapshots(hold)
+        record = sandbox.record
+        record.restored_from = RestoredFrom.of_manifest(vm.template_manifest, vm.accel)
+        self._save(record)
+        sandbox.log.system(f"resumed: VM {vm.id} ready in {vm.ready_ms:.0f} ms from {point}")
+
+    def _restore(self, sandbox: LiveSandbox, point: str) -> SandboxLike:
+        """`resume`'s VM, handed to the sandbox unless it ended meanwhile (then destroyed, and a 404)."""
+        left = max(1.0, sandbox.expires - self._clock())
+        try:
+            vm = self._create_vm(vm_request(self.config, choose_template(point), ttl_seconds=left + _TTL_MARGIN_SECONDS,
+                                            policy=sandbox.policy, job_id=sandbox.id))
+        except BaseException as exc:
+            with sandbox.lock:
+                sandbox.resuming = False
+            if sandbox.ended is not None:
+                raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}") from exc
+            if isinstance(exc, (SandboxError, TimeoutError)):
+                raise SandboxUnavailable(f"resuming sandbox {sandbox.id} failed on the host ({exc}); it stays "
+                                         f"hibernated: try again in {SandboxUnavailable.retry_after} s") from exc
+            raise
+        with self._lock:  # end() decides under this lock: either it sees this VM, or this sees it ended
+            gone = sandbox.ended
+            if gone is None:
+                sandbox.vm, sandbox.record.vm_id = vm, vm.id
+                with sandbox.lock:
+                    sandbox.parked = sandbox.resuming = False
+        if gone is not None:
+            vm.destroy()
+            raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {gone}")
+        return vm
+
+    def _release_snapshots(self, user: str, only: str | None = None) -> None:
+        """`user` (a sandbox, or a create under way) no longer needs its snapshots (or the one named `only`):
+        remove those left unused."""
         with self._lock:
             unused = []
             for snap in list(self._snapshots.values()):
+                if only is not None and snap.name != only:
+                    continue
                 snap.users.discard(user)
                 if not snap.users:
                     unused.append(self._snapshots.pop(snap.name).name)
         for name in unused:
+            self._forget(name)
+
+    def _forget_released(self, name: str) -> None:
+        """Remove snapshot `name` if no sandbox or create holds it any more (a release that came before its
+        template was published could not remove it)."""
+        with self._lock:
+            held = name in self._snapshots
+        if not held:
             self._forget(name)
 
     def _forget(self, name: str) -> None:
@@ -474,6 +622,8 @@ class _Call:
         with sandbox.lock:
             if sandbox.ended is not None:
                 raise SandboxNotFound(f"sandbox {sandbox.id} has ended: {sandbox.ended}")
+            if sandbox.parked:
+                raise SandboxStateConflict(f"sandbox {sandbox.id} is hibernated: resume it first (Sandbox.resume)")
             if sandbox.calls >= MAX_CALLS_PER_SANDBOX:
                 raise SandboxLimit(f"sandbox {sandbox.id} already runs {MAX_CALLS_PER_SANDBOX} calls; wait for one")
             self.desk._take_call(sandbox.owner)
