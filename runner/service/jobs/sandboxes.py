@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from microvm_check.contract import HIBERNATED, MAX_LISTED, MAX_PATH, CreateRequest, FileEntry, SandboxInfo, WireError
-from microvm_check.entries import AuditRecord
 from policy.model import Policy
 from runner.errors import JobError, SandboxError, SandboxOpFailed
 from runner.jobapi.contract import MAX_TOKEN, JobRecord, JobState, RestoredFrom
-from runner.sandbox.port import SandboxFactory, SandboxLike, needs_network
+from runner.sandbox.port import AuditRecord, SandboxFactory, SandboxLike, needs_network
 from runner.service.config.settings import SandboxAccess, ServiceConfig
 from runner.service.jobs.egress import EgressPolicies
 from runner.service.jobs.job import LOG, vm_request
