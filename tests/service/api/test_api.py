@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from runner import httpserve
 from runner.errors import ConfigError
 from runner.jobapi.client import JobAPIError, JobClient
 from runner.sandbox.fake import FakeSandboxes, floods, prints, waits
@@ -309,12 +310,21 @@ def test_hostile_json_is_400(api, body: bytes, why: bytes) -> None:
     assert answer.startswith(b"HTTP/1.1 400") and why in answer
 
 
-def test_a_client_gone_before_its_answer_leaves_no_traceback(api, caplog, capfd) -> None:
+def test_a_client_gone_before_its_answer_leaves_no_traceback(api, caplog, capfd, monkeypatch) -> None:
     service, _ = api()
     caplog.set_level(logging.DEBUG, logger="runner")
+    gone = threading.Event()
+    respond = httpserve.ServedRequest.respond
+
+    def after_the_client_went(self, status: int, body: bytes, headers) -> None:  # type: ignore[no-untyped-def]
+        gone.wait(60)  # a fast worker wrote its 400 while the socket was still open: nothing went away (1 run in 4)
+        respond(self, status, body, headers)
+
+    monkeypatch.setattr(httpserve.ServedRequest, "respond", after_the_client_went)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(service.config.socket)
         sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{nope")
+    gone.set()
     for _ in range(1200):  # the worker notices when it writes the 400; generous, for a loaded machine
         if any("went away" in r.getMessage() for r in caplog.records):
             break
