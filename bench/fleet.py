@@ -38,6 +38,9 @@ import responses
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Its jobs are a real fork's pull request (tests/fleet/fleet_fakes.py FORK_PR), a payload no package has:
+# without it the smoke run skips, saying so (tests/test_bench_smoke.py).
+NEEDS_CAPTURED = ["listendev-lstn.pull_request.opened.from-fork.json"]
 
 from bench.stats import percentile  # noqa: E402
 from runner.cli import main as cli  # noqa: E402

@@ -3,9 +3,11 @@
 Discovery: every bench/*.py with an `if __name__ == "__main__":` block is a benchmark (bench/stats.py,
 a helper, has none); a new one is covered as soon as it exists. It runs as
 `python bench/NAME.py --smoke` unless it declares its own smoke arguments as a module-level list of
-string literals, `SMOKE_ARGS = ["--runs", "2"]` (read here with ast, never imported). A smoke run
-takes a few samples and judges no goal: it must exit 0 and end with the benchmark's one-line JSON
-object of numbers (see bench/README.md). Nothing here is timed.
+string literals, `SMOKE_ARGS = ["--runs", "2"]` (read here with ast, never imported). A benchmark that
+reads payloads no package has (tests/reference.py CAPTURED) names them the same way, `NEEDS_CAPTURED =
+[...]`: without them its smoke run says so and skips (fails under CI=true), as the tests that need them do.
+A smoke run takes a few samples and judges no goal: it must exit 0 and end with the benchmark's one-line
+JSON object of numbers (see bench/README.md). Nothing here is timed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import reference
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,19 +35,25 @@ def _is_main_guard(node: ast.stmt) -> bool:
             and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
 
 
+def _declared(path: Path, name: str) -> list[str] | None:
+    """A benchmark's module-level list of string literals `name`, read with ast; None if it has none."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == name):
+            value = ast.literal_eval(node.value)
+            assert isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), (
+                f"{path.name}: {name} must be a list of string literals, not {value!r}")
+            return list(value)
+    return None
+
+
 def smoke_args(path: Path) -> list[str] | None:
     """The smoke command-line arguments of a benchmark, or None if `path` is not one (a helper)."""
     tree = ast.parse(path.read_text(), str(path))
     if not any(_is_main_guard(node) for node in tree.body):
         return None
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id == "SMOKE_ARGS"):
-            value = ast.literal_eval(node.value)
-            assert isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), (
-                f"{path.name}: SMOKE_ARGS must be a list of string literals, not {value!r}")
-            return list(value)
-    return ["--smoke"]
+    declared = _declared(path, "SMOKE_ARGS")
+    return declared if declared is not None else ["--smoke"]
 
 
 BENCHMARKS = sorted(p for p in BENCH.glob("*.py") if smoke_args(p) is not None)
@@ -61,6 +70,9 @@ def test_smoke_args_are_read_from_the_declaration(tmp_path: Path) -> None:
     (tmp_path / "default.py").write_text("if __name__ == '__main__':\n    pass\n")
     (tmp_path / "declared.py").write_text("SMOKE_ARGS = ['--runs', '2']\nif __name__ == '__main__':\n    pass\n")
     (tmp_path / "bad.py").write_text("SMOKE_ARGS = ['--runs', 2]\nif __name__ == '__main__':\n    pass\n")
+    (tmp_path / "needs.py").write_text("NEEDS_CAPTURED = ['x.json']\nif __name__ == '__main__':\n    pass\n")
+    assert _declared(tmp_path / "needs.py", "NEEDS_CAPTURED") == ["x.json"]
+    assert _declared(tmp_path / "declared.py", "NEEDS_CAPTURED") is None
     assert smoke_args(tmp_path / "helper.py") is None
     assert smoke_args(tmp_path / "default.py") == ["--smoke"]
     assert smoke_args(tmp_path / "declared.py") == ["--runs", "2"]
@@ -73,6 +85,8 @@ def test_benchmark_runs_in_smoke_mode(bench: Path, need_netns: None) -> None:
     require(shutil.which("qemu-system-x86_64") is not None, "QEMU is not installed")
     args = smoke_args(bench)
     assert args is not None
+    for name in _declared(bench, "NEEDS_CAPTURED") or []:
+        reference.captured_path(name)  # missing: says what and where from, and skips (fails under CI=true)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
         done = subprocess.run([sys.executable, str(bench), *args], cwd=ROOT, env=env, capture_output=True,
