@@ -75,3 +75,36 @@ def test_connect_builds_no_path_from_what_is_not_a_sandbox_id(host: ServiceHost)
         with pytest.raises(SandboxError, match="sandbox id") as refused:
             Sandbox.connect("../../v1/jobs", sbx.token, sbx.service)
         assert refused.value.status is None
+
+
+def test_downloads_and_uploads_one_after_another_and_at_once_each_get_their_own_answer(
+        host: ServiceHost, engine: FakeSandboxes) -> None:
+    """Each call spools in a file of its own: with one name per sandbox, a download's clean-up (after its
+    answer had gone) removed the next one's file, a 500 (tests/e2e/test_vm_sdk.py's takeover met it)."""
+    import io
+    import tarfile
+    import threading
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("out.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"out"))
+    engine.artifacts_tar = buffer.getvalue()
+    failures: list[str] = []
+    with Sandbox.create(ttl_seconds=120, socket=str(host.config.socket)) as sbx:
+        def calls() -> None:
+            try:
+                for _ in range(25):
+                    with tarfile.open(fileobj=io.BytesIO(sbx.download("*")), mode="r") as got:
+                        assert [m.name for m in got] == ["out.txt"]
+                    sbx.upload(buffer.getvalue(), "/workspace")
+            except (SandboxError, AssertionError) as exc:
+                failures.append(repr(exc))
+
+        workers = [threading.Thread(target=calls) for _ in range(2)]  # two of the sandbox's four calls at once
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(120)
+    assert failures == []

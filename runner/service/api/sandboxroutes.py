@@ -33,6 +33,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from microvm_check.contract import (
@@ -228,7 +229,7 @@ class SandboxRoutes:
         mode = _mode(_one(query, "mode") or "644")
         limit = self.desk.settings.file_max_bytes
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
-            spool = self.desk.config.jobs_dir / live.id / f"write-{threading.get_ident()}.spool"
+            spool = self._spool(live, "write.spool")
             try:
                 with open(spool, "w+b") as out:
                     written = 0
@@ -264,7 +265,7 @@ class SandboxRoutes:
 
         dest = guest_path(_one(query, "dest") or WORKSPACE, "dest")
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
-            spool = self.desk.config.jobs_dir / live.id / "upload.tar"
+            spool = self._spool(live, "upload.tar")
             try:
                 spool_tar(self.h.body(), spool, self.desk.settings.file_max_bytes)
             except ArchiveError as exc:
@@ -285,8 +286,7 @@ class SandboxRoutes:
         cwd = guest_path(_one(query, "cwd") or WORKSPACE, "cwd")
         limit = self.desk.settings.file_max_bytes
         with self.desk.call(sandbox) as live:  # type: ignore[arg-type]
-            directory = self.desk.config.jobs_dir / live.id
-            raw, clean = directory / "download.raw", directory / "download.tar"
+            raw, clean = self._spool(live, "download.raw"), self._spool(live, "download.tar")
             try:
                 with open(raw, "wb") as out:
                     live.vm.get_tar(globs, out, limit + 1536 * 10_002, cwd=cwd)
@@ -298,6 +298,12 @@ class SandboxRoutes:
             finally:
                 raw.unlink(missing_ok=True)
                 clean.unlink(missing_ok=True)
+
+    def _spool(self, live: LiveSandbox, name: str) -> Path:
+        """A file of this request's own in the sandbox's directory: the worker's thread serves one request
+        at a time, and its clean-up runs before it takes the next. A fixed name was shared by the sandbox's
+        calls: one download's clean-up, after its answer had gone, removed the next one's file (a 500)."""
+        return self.desk.config.jobs_dir / live.id / f"{threading.get_ident()}-{name}"
 
     def _send_file(self, f: object, size: int, skipped: int) -> None:
         self.h.start_response(200, {"Content-Type": "application/x-tar", "Content-Length": str(size),
