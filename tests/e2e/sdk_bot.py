@@ -247,7 +247,7 @@ def intrude(service: Service, victim: str) -> None:
 def hibernate(service: Service) -> None:
     sbx = Sandbox.create(ttl_seconds=300, service=service)
     try:
-        beat = "while :; do date +%s%N > /tmp/beat; sleep 0.1; done"
+        beat = "while :; do date +%s%N > /tmp/beat.new; mv /tmp/beat.new /tmp/beat; sleep 0.1; done"  # never empty
         started = sbx.exec(f"nohup sh -c '{beat}' >/dev/null 2>&1 & echo $!", timeout=60, cwd="/")
         sbx.files.write("/workspace/kept.txt", b"written before the hibernate\n")
         say(created=sbx.id, vm_id=sbx.info.vm_id, pid=started.stdout.decode().strip())

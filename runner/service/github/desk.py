@@ -127,18 +127,18 @@ class RunnerDesk:
 
     def runner_job_completed(self, runner: str) -> list[str]:
         """A runner's job-completed hook: whatever its job still runs is cancelled and its VM destroyed."""
-        ids = self._end_jobs_of(runner, f"the GitHub job ended (runner {runner}'s job-completed hook) while this "
-                                        "job still ran", f"runner {runner}'s job-completed hook")
-        self.access.end_runner_job(runner, by_hook=True)
-        return ids
+        self.access.end_runner_job(runner, by_hook=True)  # first: nothing is admitted while its jobs end
+        return self._end_jobs_of(runner, f"the GitHub job ended (runner {runner}'s job-completed hook) while this "
+                                         "job still ran", f"runner {runner}'s job-completed hook")
 
     def runner_died(self, runner_name: str, reason: str) -> list[str]:
         """The runner fleet (runner.fleet) saw the runner that submitted these jobs end, whatever its
         exit code (a job that kills its own job-completed hook must not outlive its runner): cancel
         them with `reason`, destroying their VMs, end its sessions, revoke its jobs' tokens. Returns their ids."""
-        ids = self._end_jobs_of(runner_name, reason, reason)
+        # Its tokens first: ending its jobs waits for their VMs to go, and a submit with its token meanwhile
+        # was still admitted (a job seen ended while its runner's token still worked).
         self.access.end_runner_job(runner_name)
-        return ids
+        return self._end_jobs_of(runner_name, reason, reason)
 
     def _end_jobs_of(self, runner: str, reason: str, session_reason: str) -> list[str]:
         ids = self.service.runs.of_runner(runner)
